@@ -1,0 +1,242 @@
+"""Typed configuration, read from the original mesh-transformer-jax JSON keys.
+
+A config file is one flat JSON object (as in the original `configs/*.json`). Each key belongs to
+exactly one of the two dataclasses below; `load_config` routes keys, checks types and values, and
+raises one `ConfigError` naming the offending key — never a traceback from inside JAX.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import math
+import types
+import typing
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+NORMS = ("layernorm", "rmsnorm")
+POSITION_EMBEDDINGS = ("rotary", "fixed", "none")
+REMAT_POLICIES = ("none", "full", "dots")
+DTYPES = ("float32", "bfloat16", "float16")
+
+# Keys the original read that have no effect here; accepted (with a warning) so old configs load.
+LEGACY_KEYS = {
+    "comment": "free text",
+    "early_cast": "parameters are always cast to compute_dtype before the forward pass",
+    "val_batch_multiplier": "validation uses per_replica_batch",
+    "noise_scale_alpha": "gradient-noise-scale statistics are not computed",
+    "bf16_optimizer": "optimizer state is kept in float32",
+    "early_collect": "ZeRO gathers each layer inside the scan (see `zero`)",
+    "eval_only": "use the evaluation tools instead",
+}
+
+
+class ConfigError(ValueError):
+    """A config key is missing, unknown, of the wrong type, or inconsistent with another key."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of a GPT-J-style transformer. Sizes are global (before any sharding)."""
+
+    layers: int
+    d_model: int
+    n_heads: int
+    n_vocab: int
+    seq: int
+    d_head: Optional[int] = None  # default d_model // n_heads
+    d_ff: Optional[int] = None  # default 4 * d_model
+    norm: str = "layernorm"
+    pe: str = "rotary"
+    pe_rotary_dims: Optional[int] = None  # default d_head (full rotary)
+    layer_norm_eps: float = 1e-5
+    compute_dtype: str = "bfloat16"
+    remat: str = "full"
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_head if self.d_head is not None else self.d_model // self.n_heads
+
+    @property
+    def ff_dim(self) -> int:
+        return self.d_ff if self.d_ff is not None else 4 * self.d_model
+
+    @property
+    def rotary_dims(self) -> int:
+        if self.pe != "rotary":
+            return 0
+        return self.pe_rotary_dims if self.pe_rotary_dims is not None else self.head_dim
+
+    def padded_vocab(self, mp: int = 1) -> int:
+        """Vocabulary rounded up so the embedding and head split evenly over `mp` shards.
+
+        A multiple of lcm(128, mp): the same for every power-of-two mp up to 128, so parameter
+        shapes (and checkpoints) do not depend on the mesh. Padded rows are never sampled and
+        never enter the loss.
+        """
+        multiple = math.lcm(128, mp)
+        return -(-self.n_vocab // multiple) * multiple
+
+    def n_params(self) -> int:
+        """Unique trainable parameters (unpadded vocabulary), as HF counts them."""
+        d, f, v, h = self.d_model, self.ff_dim, self.n_vocab, self.n_heads * self.head_dim
+        norm = 2 * d if self.norm == "layernorm" else d
+        block = 4 * d * h + (d * f + f) + (f * d + d) + norm
+        pos = self.seq * d if self.pe == "fixed" else 0
+        return v * d + pos + self.layers * block + norm + (d * v + v)
+
+    def flops_per_token(self) -> int:
+        """Training FLOPs per token: 6 x matmul params + causal-free attention (PaLM appendix B)."""
+        d, f, v, h = self.d_model, self.ff_dim, self.n_vocab, self.n_heads * self.head_dim
+        matmul_params = self.layers * (4 * d * h + 2 * d * f) + d * v
+        attention = self.layers * 2 * 2 * self.seq * h  # QK^T and AV, forward
+        return 6 * matmul_params + 3 * attention
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """How to train: mesh, batch, optimizer, schedule, storage, logging."""
+
+    cores_per_replica: int = 1  # model-parallel size (mesh axis 'mp')
+    tpu_size: Optional[int] = None  # total devices; default: all visible devices
+    per_replica_batch: int = 1
+    gradient_accumulation_steps: int = 1
+    warmup_steps: int = 0
+    anneal_steps: int = 1
+    lr: float = 1e-4
+    end_lr: float = 1e-5
+    weight_decay: float = 0.1
+    total_steps: int = 1
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+    clip_norm: float = 1.0
+    z_loss: float = 0.0
+    zero: bool = False
+    seed: int = 0
+    bucket: Optional[str] = None
+    model_dir: Optional[str] = None
+    train_set: Optional[str] = None
+    val_set: dict = field(default_factory=dict)
+    val_batches: int = 0
+    val_every: int = 0
+    ckpt_every: int = 0
+    keep_every: int = 0
+    name: str = "mesh-transformer"
+    wandb_project: Optional[str] = None
+    eval_harness_tasks: list = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelConfig
+    train: TrainConfig
+
+    def to_json_dict(self) -> dict:
+        """The flat original-style dict; `config_from_dict(c.to_json_dict()) == c`."""
+        out = {**dataclasses.asdict(self.model), **dataclasses.asdict(self.train)}
+        return {k: v for k, v in out.items() if v is not None}
+
+
+_SECTIONS = {f.name: ModelConfig for f in dataclasses.fields(ModelConfig)}
+_SECTIONS.update({f.name: TrainConfig for f in dataclasses.fields(TrainConfig)})
+
+
+def load_config(path: str | Path) -> Config:
+    """Read a JSON config file; errors name the file and the key at fault."""
+    path = Path(path)
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: not valid JSON (line {e.lineno}, column {e.colno}): {e.msg}") from None
+    try:
+        return config_from_dict(raw)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
+
+
+def config_from_dict(raw: dict[str, Any]) -> Config:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"a config must be a JSON object, got {type(raw).__name__}")
+    sections: dict[type, dict[str, Any]] = {ModelConfig: {}, TrainConfig: {}}
+    for key, value in raw.items():
+        if key in LEGACY_KEYS:
+            if key != "comment":
+                warnings.warn(f"config key {key!r} is ignored: {LEGACY_KEYS[key]}", stacklevel=3)
+            continue
+        if key not in _SECTIONS:
+            hint = difflib.get_close_matches(key, list(_SECTIONS) + list(LEGACY_KEYS), n=1)
+            raise ConfigError(f"unknown config key {key!r}" + (f" (did you mean {hint[0]!r}?)" if hint else ""))
+        cls = _SECTIONS[key]
+        sections[cls][key] = _check_type(key, value, _field_types(cls)[key])
+    for cls, given in sections.items():
+        missing = [f.name for f in dataclasses.fields(cls)
+                   if f.name not in given and f.default is dataclasses.MISSING
+                   and f.default_factory is dataclasses.MISSING]
+        if missing:
+            raise ConfigError(f"missing required config key {missing[0]!r}")
+    config = Config(ModelConfig(**sections[ModelConfig]), TrainConfig(**sections[TrainConfig]))
+    validate(config)
+    return config
+
+
+def _field_types(cls) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _check_type(key: str, value: Any, annotation: Any) -> Any:
+    allowed = typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union, types.UnionType) else (annotation,)
+    for t in allowed:
+        if t is type(None) and value is None:
+            return None
+        if t is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if t is int and isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if t in (str, bool, dict, list) and type(value) is t:
+            return value
+    names = " or ".join("null" if t is type(None) else t.__name__ for t in allowed)
+    raise ConfigError(f"config key {key!r} must be {names}, got {json.dumps(value)} ({type(value).__name__})")
+
+
+def _require(condition: bool, key: str, message: str) -> None:
+    if not condition:
+        raise ConfigError(f"config key {key!r}: {message}")
+
+
+def validate(config: Config) -> None:
+    """Value checks that do not depend on the device count (see `parallel.make_mesh` for those)."""
+    m, t = config.model, config.train
+    for key in ("layers", "d_model", "n_heads", "n_vocab", "seq"):
+        _require(getattr(m, key) > 0, key, f"must be positive, got {getattr(m, key)}")
+    if m.d_head is None:
+        _require(m.d_model % m.n_heads == 0, "n_heads", f"{m.n_heads} does not divide d_model={m.d_model}")
+    else:
+        _require(m.d_head > 0, "d_head", f"must be positive, got {m.d_head}")
+    _require(m.d_ff is None or m.d_ff > 0, "d_ff", f"must be positive, got {m.d_ff}")
+    _require(m.norm in NORMS, "norm", f"must be one of {NORMS}, got {m.norm!r}")
+    _require(m.pe in POSITION_EMBEDDINGS, "pe", f"must be one of {POSITION_EMBEDDINGS}, got {m.pe!r}")
+    if m.pe_rotary_dims is not None:
+        _require(m.pe_rotary_dims <= m.head_dim, "pe_rotary_dims",
+                 f"{m.pe_rotary_dims} is larger than the head size d_model/n_heads={m.head_dim}")
+        _require(m.pe_rotary_dims > 0 and m.pe_rotary_dims % 2 == 0, "pe_rotary_dims",
+                 f"must be a positive even number, got {m.pe_rotary_dims}")
+    _require(m.compute_dtype in DTYPES, "compute_dtype", f"must be one of {DTYPES}, got {m.compute_dtype!r}")
+    _require(m.remat in REMAT_POLICIES, "remat", f"must be one of {REMAT_POLICIES}, got {m.remat!r}")
+    _require(m.layer_norm_eps > 0, "layer_norm_eps", "must be positive")
+    for key in ("cores_per_replica", "per_replica_batch", "gradient_accumulation_steps", "anneal_steps", "total_steps"):
+        _require(getattr(t, key) > 0, key, f"must be positive, got {getattr(t, key)}")
+    for key in ("warmup_steps", "val_batches", "val_every", "ckpt_every", "keep_every", "z_loss", "weight_decay"):
+        _require(getattr(t, key) >= 0, key, f"must not be negative, got {getattr(t, key)}")
+    _require(t.lr >= 0 and t.end_lr >= 0, "lr", "learning rates must not be negative")
+    _require(0 <= t.b1 < 1 and 0 <= t.b2 < 1, "b1", "Adam betas must be in [0, 1)")
+    _require(t.clip_norm > 0, "clip_norm", "must be positive")
+    if t.tpu_size is not None:
+        _require(t.tpu_size % t.cores_per_replica == 0, "tpu_size",
+                 f"{t.tpu_size} devices cannot be split into model-parallel groups of cores_per_replica={t.cores_per_replica}")
+    _require(all(isinstance(v, str) for v in t.val_set.values()), "val_set", "must map names to index paths")

@@ -1,0 +1,172 @@
+"""The sharded training step: loss, gradient accumulation, AdamW, schedule — one jitted function.
+
+    state = Trainer(config, mesh).init_state(seed)
+    state, metrics = trainer.step(state, {"tokens": int32 [A, B, T+1], "mask": [A, B, T] (optional)})
+
+A = gradient_accumulation_steps microbatches of B = per_replica_batch x dp sequences, scanned
+inside the step. Master parameters and optimizer state are float32 (sharded by the Megatron
+table, or by the ZeRO table when `zero` is set); the forward/backward pass runs in compute_dtype.
+The loss is token-weighted over all microbatches, so k microbatches equal one k-times-larger
+batch exactly.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from mesh_transformer import loss as losses
+from mesh_transformer import model as gptj
+from mesh_transformer import parallel
+from mesh_transformer.config import Config, TrainConfig
+
+# Matrices get weight decay; biases, norms and nothing else do (the original: ndim > 1).
+DECAYED = {"embeddings", "pos_embeddings", "q_proj", "k_proj", "v_proj", "out_proj", "fc_in", "fc_out", "lm_head"}
+
+
+class TrainState(NamedTuple):
+    step: jax.Array  # int32 scalar; drives the learning-rate schedule
+    params: Any  # float32 Haiku params
+    opt_state: Any
+
+
+def learning_rate(train: TrainConfig):
+    """The original schedule: linear warmup to lr, then cosine to end_lr over anneal_steps."""
+    def schedule(step):
+        step = jnp.asarray(step, jnp.float32)
+        warm = jnp.minimum(step, train.warmup_steps) / max(train.warmup_steps, 1)
+        if train.warmup_steps == 0:
+            warm = jnp.ones_like(step)
+        progress = jnp.clip(step - train.warmup_steps, 0, train.anneal_steps) / train.anneal_steps
+        return warm * train.lr - (train.lr - train.end_lr) * (1 - jnp.cos(jnp.pi * progress)) / 2
+    return schedule
+
+
+def decay_mask(params):
+    return {m: {name: name in DECAYED for name in leaves} for m, leaves in params.items()}
+
+
+def optimizer(train: TrainConfig) -> optax.GradientTransformation:
+    """clip -> Adam -> decoupled weight decay on matrices; the step applies -lr(step)."""
+    return optax.chain(
+        optax.clip_by_global_norm(train.clip_norm),
+        optax.scale_by_adam(b1=train.b1, b2=train.b2, eps=train.eps),
+        optax.add_decayed_weights(train.weight_decay, mask=decay_mask),
+    )
+
+
+def cast(tree, dtype):
+    return jax.tree.map(lambda x: x.astype(dtype), tree)
+
+
+@dataclass
+class Trainer:
+    """Builds and holds the compiled, sharded step for one config on one mesh."""
+
+    config: Config
+    mesh: Mesh
+
+    def __post_init__(self):
+        m, t = self.config.model, self.config.train
+        parallel.check_divisibility(m, self.mesh, t.zero)
+        self.mp, self.dp = self.mesh.shape[parallel.MP], self.mesh.shape[parallel.DP]
+        self.rules = parallel.rules_for(t.zero)
+        self.model = gptj.build(m, self.mp)
+        self.optimizer = optimizer(t)
+        self.schedule = learning_rate(t)
+        self.abstract_state = jax.eval_shape(self._init, jax.random.key(0))
+        self.param_specs = parallel.param_specs(self.abstract_state.params, self.rules)
+        opt_specs = optax.tree_map_params(self.optimizer, lambda _, spec: spec, self.abstract_state.opt_state,
+                                          self.param_specs, transform_non_params=lambda _: P(),
+                                          is_leaf=lambda x: isinstance(x, P))
+        self.state_specs = TrainState(P(), self.param_specs, opt_specs)
+        self.state_shardings = parallel.named(self.mesh, self.state_specs)
+        self.batch_sharding = NamedSharding(self.mesh, P(None, parallel.DP, None))
+        self._sharded_loss = parallel.shard_map(
+            self._local_loss, self.mesh, self.rules,
+            in_specs=(self.param_specs, P(parallel.DP, None), P(parallel.DP, None)),
+            out_specs=(P(), P(), P()))
+        self.init_state = jax.jit(self._init, out_shardings=self.state_shardings)
+        self.step = jax.jit(self._step, in_shardings=(self.state_shardings, self.batch_sharding),
+                            out_shardings=(self.state_shardings, None), donate_argnums=0)
+        self.loss_and_grads = jax.jit(self._loss_and_grads, in_shardings=(self.state_shardings.params, self.batch_sharding),
+                                      out_shardings=(None, self.state_shardings.params))
+
+    # ---- pieces -------------------------------------------------------------------------------
+
+    @property
+    def global_batch(self) -> int:
+        return self.config.train.per_replica_batch * self.dp
+
+    def _init(self, rng) -> TrainState:
+        if isinstance(rng, int):
+            rng = jax.random.key(rng)
+        tokens = jnp.zeros((1, min(8, self.config.model.seq)), jnp.int32)
+        params = self.model.init(rng, tokens)
+        return TrainState(jnp.zeros((), jnp.int32), params, self.optimizer.init(params))
+
+    def state_from_params(self, params) -> TrainState:
+        """A fresh train state (step 0, new optimizer state) around given float32 params."""
+        params = jax.device_put(cast(params, jnp.float32), self.state_shardings.params)
+        opt_state = jax.jit(self.optimizer.init, out_shardings=self.state_shardings.opt_state)(params)
+        return TrainState(jax.device_put(jnp.zeros((), jnp.int32), self.state_shardings.step), params, opt_state)
+
+    def _local_loss(self, params, tokens, mask):
+        """Per-device: tokens [b, T+1], mask [b, T] -> global (objective sum, nll sum, token count)."""
+        logits = self.model.apply(params, tokens[:, :-1])
+        sums = losses.cross_entropy_sums(logits, tokens[:, 1:], mask, self.config.train.z_loss)
+        return tuple(parallel.psum_dp(s) for s in sums)
+
+    def _microbatch_grads(self, params, tokens, mask):
+        compute = jnp.dtype(self.config.model.compute_dtype)
+
+        def objective(p):
+            total, nll, count = self._sharded_loss(cast(p, compute), tokens, mask)
+            return total, (nll, count)
+        (_, (nll, count)), grads = jax.value_and_grad(objective, has_aux=True)(params)
+        return grads, nll, count
+
+    def _accumulate(self, params, batch):
+        """Sum gradients over the A microbatches; return token-mean grads and mean nll."""
+        tokens = batch["tokens"]
+        mask = batch.get("mask")
+        if mask is None:
+            mask = jnp.ones(tokens[..., 1:].shape, jnp.float32)
+
+        def body(carry, microbatch):
+            grads, nll, count = self._microbatch_grads(params, *microbatch)
+            carry = jax.tree.map(jnp.add, carry, (grads, nll, count))
+            return carry, None
+
+        zeros = (jax.tree.map(jnp.zeros_like, params), jnp.zeros(()), jnp.zeros(()))
+        (grads, nll, count), _ = jax.lax.scan(body, zeros, (tokens, mask))
+        count = jnp.maximum(count, 1.0)
+        return jax.tree.map(lambda g: g / count, grads), nll / count
+
+    def _loss_and_grads(self, params, batch):
+        grads, loss = self._accumulate(params, batch)
+        return loss, grads
+
+    def _step(self, state: TrainState, batch):
+        grads, loss = self._accumulate(state.params, batch)
+        updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
+        lr = self.schedule(state.step)
+        params = jax.tree.map(lambda p, u: p - lr * u, state.params, updates)
+        metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), "lr": lr}
+        return TrainState(state.step + 1, params, opt_state), metrics
+
+    # ---- helpers for callers ------------------------------------------------------------------
+
+    def shard_batch(self, batch: dict) -> dict:
+        return {k: jax.device_put(np.asarray(v), self.batch_sharding) for k, v in batch.items()}
+
+    def abstract_batch(self) -> dict:
+        t = self.config.train
+        shape = (t.gradient_accumulation_steps, self.global_batch, self.config.model.seq + 1)
+        return {"tokens": jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self.batch_sharding)}
