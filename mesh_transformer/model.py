@@ -15,7 +15,7 @@ Shape letters: B batch, T time, D d_model, N heads, H head dim, F d_ff, V (local
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import haiku as hk
 import jax
@@ -73,6 +73,25 @@ def rotary(x, positions, rotary_dims: int):
     return jnp.concatenate([x_rot.astype(x.dtype), x_pass], axis=-1)
 
 
+class KVCache(NamedTuple):
+    """Keys and values of every layer for decoding; sharded like activations (heads over mp).
+
+    k, v: [L, B, S, N, H]. Row b's tokens live in slots start[b] .. index-1 (prompts are
+    left-padded to a shared length); the next tokens are written at slot `index`.
+    """
+
+    k: jax.Array
+    v: jax.Array
+    start: jax.Array  # [B] int32
+    index: jax.Array  # [] int32
+
+    @classmethod
+    def zeros(cls, config: ModelConfig, batch: int, slots: int, start, dtype=None):
+        shape = (config.layers, batch, slots, config.n_heads, config.head_dim)
+        dtype = dtype or jnp.dtype(config.compute_dtype)
+        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.asarray(start, jnp.int32), jnp.zeros((), jnp.int32))
+
+
 class Attention(hk.Module):
     """Causal multi-head attention; heads are split over 'mp' (column-parallel q/k/v, row-parallel out)."""
 
@@ -80,7 +99,11 @@ class Attention(hk.Module):
         super().__init__(name=name)
         self.config = config
 
-    def __call__(self, h, positions):  # h [B, T, D] -> partial sum over mp shards [B, T, D]
+    def __call__(self, h, positions, mask, cache=None):
+        """h [B, T, D], positions [B, T], mask [B, 1, T, S] (True = may attend), cache (k, v) [B, S, N, H].
+
+        Returns (partial sum over mp shards [B, T, D], updated cache or None).
+        """
         c = self.config
         d, n, hd = c.d_model, c.n_heads, c.head_dim
         init = _normal(0.02)
@@ -88,15 +111,17 @@ class Attention(hk.Module):
         k = jnp.einsum("btd,dnh->btnh", h, parallel.param("k_proj", (d, n, hd), init).astype(h.dtype))
         v = jnp.einsum("btd,dnh->btnh", h, parallel.param("v_proj", (d, n, hd), init).astype(h.dtype))
         q, k = rotary(q, positions, c.rotary_dims), rotary(k, positions, c.rotary_dims)
+        if cache is not None:
+            cache_k, cache_v, index = cache
+            k = jax.lax.dynamic_update_slice_in_dim(cache_k, k.astype(cache_k.dtype), index, axis=1)
+            v = jax.lax.dynamic_update_slice_in_dim(cache_v, v.astype(cache_v.dtype), index, axis=1)
+            cache = (k, v)
         scores = jnp.einsum("btnh,bsnh->bnts", q.astype(jnp.float32), k.astype(jnp.float32))
-        scores = scores / jnp.sqrt(jnp.float32(hd))
-        t = h.shape[1]
-        causal = jnp.tril(jnp.ones((t, t), dtype=bool))
-        scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
+        scores = jnp.where(mask, scores / jnp.sqrt(jnp.float32(hd)), jnp.finfo(jnp.float32).min)
         weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-        out = jnp.einsum("bnts,bsnh->btnh", weights, v)
+        out = jnp.einsum("bnts,bsnh->btnh", weights, v).astype(h.dtype)
         w_out = parallel.param("out_proj", (n, hd, d), _normal(0.02 / math.sqrt(2 * c.layers)))
-        return jnp.einsum("btnh,nhd->btd", out, w_out.astype(h.dtype))
+        return jnp.einsum("btnh,nhd->btd", out, w_out.astype(h.dtype)), cache
 
 
 class MLP(hk.Module):
@@ -163,29 +188,51 @@ class GPTJ(hk.Module):
         super().__init__(name=name)
         self.config, self.padded_vocab = config, padded_vocab
 
-    def __call__(self, tokens, positions=None):
-        """tokens [B, T] (int) -> logits [B, T, V/mp] (float32; this shard's slice of the vocabulary)."""
+    def __call__(self, tokens, cache: Optional[KVCache] = None):
+        """tokens [B, T] (int) -> (logits [B, T, V/mp] float32, this shard's vocabulary slice; new cache).
+
+        Without a cache the T tokens are positions 0..T-1 under a causal mask (training). With a
+        cache they go into slots cache.index .. index+T-1 and attend to every earlier valid slot.
+        """
         c = self.config
-        if positions is None:
-            positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+        positions, mask = _positions_and_mask(tokens.shape, cache)
         dtype = jnp.dtype(c.compute_dtype)
         x = Embedding(c, self.padded_vocab)(tokens, positions, dtype)
 
-        def layer(x):
+        def layer(x, layer_cache):
             h = Norm(c, name="ln_1")(x)
+            kv = None if layer_cache is None else (*layer_cache, cache.index)
+            attn_out, kv = Attention(c)(h, positions, mask, kv)
             mlp_out, mlp_bias = MLP(c)(h)
-            return x + parallel.psum_mp(Attention(c)(h, positions) + mlp_out) + mlp_bias
+            return x + parallel.psum_mp(attn_out + mlp_out) + mlp_bias, kv
 
-        if c.remat != "none":
+        if c.remat != "none" and cache is None:
             layer = hk.remat(layer, policy=REMAT_POLICIES[c.remat])
-        x = hk.layer_stack(c.layers, name="layers")(layer)(x)
-        return LMHead(c, self.padded_vocab)(Norm(c, name="ln_f")(x))
+        per_layer = None if cache is None else (cache.k, cache.v)
+        x, kv = hk.layer_stack(c.layers, with_per_layer_inputs=True, name="layers")(layer)(x, per_layer)
+        logits = LMHead(c, self.padded_vocab)(Norm(c, name="ln_f")(x))
+        if cache is None:
+            return logits, None
+        return logits, KVCache(kv[0], kv[1], cache.start, cache.index + tokens.shape[1])
+
+
+def _positions_and_mask(shape, cache: Optional[KVCache]):
+    """positions [B, T] and attention mask [B, 1, T, S] for `shape` = (B, T) new tokens."""
+    batch, t = shape
+    if cache is None:
+        positions = jnp.broadcast_to(jnp.arange(t), shape)
+        return positions, jnp.tril(jnp.ones((t, t), dtype=bool))[None, None]
+    slots = cache.index + jnp.arange(t)  # [T]
+    positions = jnp.maximum(slots[None, :] - cache.start[:, None], 0)
+    keys = jnp.arange(cache.k.shape[2])  # [S]
+    mask = (keys[None, None, :] <= slots[None, :, None]) & (keys[None, None, :] >= cache.start[:, None, None])
+    return positions, mask[:, None]
 
 
 def build(config: ModelConfig, mp: int = 1) -> hk.Transformed:
-    """The Haiku-transformed model: `init(rng, tokens)` -> params; `apply(params, tokens, positions=None)`.
+    """The Haiku-transformed model: `init(rng, tokens)` -> params; `apply(params, tokens, cache=None)` -> (logits, cache).
 
     `mp` only decides the vocabulary padding (see `ModelConfig.padded_vocab`).
     """
     padded = config.padded_vocab(mp)
-    return hk.without_apply_rng(hk.transform(lambda tokens, positions=None: GPTJ(config, padded)(tokens, positions)))
+    return hk.without_apply_rng(hk.transform(lambda tokens, cache=None: GPTJ(config, padded)(tokens, cache)))

@@ -119,7 +119,7 @@ class Trainer:
 
     def _local_loss(self, params, tokens, mask):
         """Per-device: tokens [b, T+1], mask [b, T] -> global (objective sum, nll sum, token count)."""
-        logits = self.model.apply(params, tokens[:, :-1])
+        logits, _ = self.model.apply(params, tokens[:, :-1])
         sums = losses.cross_entropy_sums(logits, tokens[:, 1:], mask, self.config.train.z_loss)
         return tuple(parallel.psum_dp(s) for s in sums)
 
