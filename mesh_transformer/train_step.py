@@ -95,6 +95,11 @@ class Trainer:
         self.init_state = jax.jit(self._init, out_shardings=self.state_shardings)
         self.step = jax.jit(self._step, in_shardings=(self.state_shardings, self.batch_sharding),
                             out_shardings=(self.state_shardings, None), donate_argnums=0)
+        self._sharded_logits = parallel.shard_map(
+            lambda p, tokens: self.model.apply(p, tokens)[0], self.mesh, self.rules,
+            in_specs=(self.param_specs, P(parallel.DP, None)), out_specs=P(parallel.DP, None, parallel.MP))
+        self.logits = jax.jit(self._logits, in_shardings=(self.state_shardings.params, NamedSharding(self.mesh, P(parallel.DP, None))))
+        self.eval_loss = jax.jit(self._eval_loss, in_shardings=(self.state_shardings.params, self.batch_sharding))
         self.loss_and_grads = jax.jit(self._loss_and_grads, in_shardings=(self.state_shardings.params, self.batch_sharding),
                                       out_shardings=(None, self.state_shardings.params))
 
@@ -153,12 +158,26 @@ class Trainer:
         grads, loss = self._accumulate(params, batch)
         return loss, grads
 
+    def _logits(self, params, tokens):
+        """tokens [B, T] -> logits [B, T, n_vocab] float32 (padding dropped), sharded over dp and mp."""
+        compute = jnp.dtype(self.config.model.compute_dtype)
+        return self._sharded_logits(cast(params, compute), tokens)[..., : self.config.model.n_vocab]
+
+    def _eval_loss(self, params, batch):
+        """Mean token negative log-likelihood of a batch shaped like a training batch (no update)."""
+        compute = jnp.dtype(self.config.model.compute_dtype)
+        tokens = batch["tokens"].reshape(-1, batch["tokens"].shape[-1])
+        mask = batch.get("mask")
+        mask = jnp.ones(tokens[:, 1:].shape, jnp.float32) if mask is None else mask.reshape(tokens[:, 1:].shape)
+        _, nll, count = self._sharded_loss(cast(params, compute), tokens, mask)
+        return nll / jnp.maximum(count, 1.0)
+
     def _step(self, state: TrainState, batch):
         grads, loss = self._accumulate(state.params, batch)
         updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
         lr = self.schedule(state.step)
         params = jax.tree.map(lambda p, u: p - lr * u, state.params, updates)
-        metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), "lr": lr}
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": lr}
         return TrainState(state.step + 1, params, opt_state), metrics
 
     # ---- helpers for callers ------------------------------------------------------------------

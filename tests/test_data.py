@@ -1,0 +1,244 @@
+"""Tokenizer, dataset tool and loader: token-exact checks on tiny corpora."""
+import gzip
+import json
+import os
+
+import numpy as np
+import pytest
+import zstandard
+
+import create_finetune_dataset
+from mesh_transformer import storage
+from mesh_transformer.data import BuildConfig, Dataset, DatasetError, Loader, build_dataset
+from mesh_transformer.tokenizer import load_tokenizer
+from test_storage import gcs_bucket  # noqa: F401 - the emulator fixture
+
+EOS = 50256
+DOCS = ["The quick brown fox jumps over the lazy dog. " * 3,
+        "Call me Ishmael. Some years ago, never mind how long precisely, I went to sea.",
+        "It was the best of times, it was the worst of times; café, naïve, 日本語 — all fine."]
+SEQ = 16
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer()
+
+
+def stream(tok, docs):
+    """What packing must produce before cutting: each document's tokens, then EOS."""
+    return [t for d in docs for t in tok.encode(d) + [EOS]]
+
+
+def build(src, out, name="ds", **kw):
+    cfg = BuildConfig(input_path=str(src), name=name, output_dir=str(out), seq=kw.pop("seq", SEQ),
+                      preserve_data_order=kw.pop("preserve_data_order", True), **kw)
+    return Dataset.open(build_dataset(cfg))
+
+
+def all_rows(ds):
+    return ds.read(np.arange(len(ds)))
+
+
+# ----------------------------------------------------------------------------- tokenizer
+
+def test_gpt2_tokenizer_offline(tok, tmp_path):
+    assert tok.encode("Hello world") == [15496, 995]
+    assert tok.eos_token_id == EOS and len(tok) == 50257
+    text = "Unicode café 日本語 and  spaces\n\ttabs"
+    assert tok.decode(tok.encode(text)) == text
+    tok.save_pretrained(tmp_path)  # a local directory loads through AutoTokenizer
+    assert load_tokenizer(str(tmp_path)).encode("Hello world") == [15496, 995]
+
+
+def test_unreachable_hub_name_is_a_clear_error():
+    with pytest.raises(ValueError, match="could not load tokenizer 'no-such-org/no-such-tokenizer'"):
+        load_tokenizer("no-such-org/no-such-tokenizer")
+
+
+# ----------------------------------------------------------------------------- dataset tool
+
+def test_txt_splits_on_endoftext_and_packs_seq_plus_one(tok, tmp_path):
+    (tmp_path / "in.txt").write_text("<|endoftext|>".join(DOCS) + "<|endoftext|>\n", encoding="utf-8")
+    ds = build(tmp_path / "in.txt", tmp_path / "out")
+    want = stream(tok, DOCS)
+    tokens, mask = all_rows(ds)
+    assert tokens.shape == (len(want) // (SEQ + 1), SEQ + 1) and tokens.dtype == np.int32
+    assert tokens.ravel().tolist() == want[: tokens.size]  # remainder dropped, as the original
+    assert ds.index["stats"]["trailing_tokens_dropped"] == len(want) % (SEQ + 1)
+    assert ds.index["stats"]["documents"] == 3 and not ds.has_mask and mask.min() == 1.0
+    assert tok.decode(tokens.ravel()).startswith(DOCS[0] + "<|endoftext|>" + DOCS[1])
+    shard = np.load(tmp_path / "out" / "ds-00000.tokens.npy")
+    assert shard.dtype == np.uint16 and ds.index["dtype"] == "uint16"
+
+
+def test_every_input_kind_gives_the_same_tokens(tok, tmp_path):
+    d = tmp_path / "in"
+    d.mkdir()
+    (d / "a.txt").write_text(DOCS[0], encoding="utf-8")
+    with gzip.open(d / "b.jsonl.gz", "wt", encoding="utf-8") as f:
+        f.write(json.dumps({"text": DOCS[1], "meta": 1}) + "\n\n")
+    (d / "c.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(
+        (json.dumps({"text": DOCS[2]}) + "\n").encode()))
+    (d / "d.txt.gz").write_bytes(gzip.compress(DOCS[0].encode()))
+    (d / "notes.md").write_text("not an input")
+    ds = build(d, tmp_path / "out")
+    want = stream(tok, DOCS + DOCS[:1])  # sorted file order: a, b, c, d
+    assert all_rows(ds)[0].ravel().tolist() == want[: len(want) // (SEQ + 1) * (SEQ + 1)]
+    assert ds.index["stats"]["files"] == 4
+
+
+def test_json_key_and_treat_eot_as_text(tok, tmp_path):
+    (tmp_path / "in.jsonl").write_text(json.dumps({"body": "a<|endoftext|>b " * 8}) + "\n")
+    ds = build(tmp_path / "in.jsonl", tmp_path / "out", json_key="body", treat_eot_as_text=True, seq=8)
+    literal = tok("a<|endoftext|>b " * 8, split_special_tokens=True)["input_ids"]
+    assert EOS not in literal and all_rows(ds)[0].ravel().tolist() == (literal + [EOS])[:ds.n_sequences * 9]
+
+
+def test_prompt_completion_mask(tok, tmp_path):
+    examples = [("Q: 2+2?\nA:", " 4"), ("Q: capital of France?\nA:", " Paris"),
+                ("Q: too long " * 20, " x"), ("Q: 3+5?\nA:", " 8")]
+    with open(tmp_path / "qa.jsonl", "w") as f:
+        for p, c in examples:
+            f.write(json.dumps({"in_text": p, "out_text": c}) + "\n")
+    ds = build(tmp_path / "qa.jsonl", tmp_path / "out")
+    tokens, mask = all_rows(ds)
+    assert ds.has_mask and ds.index["stats"]["examples_dropped_too_long"] == 1
+    pieces = [(tok.encode(p), tok.encode(c) + [EOS]) for p, c in examples if len(p) < 100]
+    # greedy packing, never splitting an example: rows are [ex0 ex1 pad...] [ex2 pad...]
+    row, rows = [], []
+    for p, c in pieces:
+        if len(row) + len(p) + len(c) > SEQ + 1:
+            rows.append(row)
+            row = []
+        row += [(t, 0) for t in p] + [(t, 1) for t in c]
+    rows.append(row)
+    assert tokens.shape == (len(rows), SEQ + 1)
+    for r, expect in enumerate(rows):
+        padded = expect + [(EOS, 0)] * (SEQ + 1 - len(expect))
+        assert tokens[r].tolist() == [t for t, _ in padded]
+        assert mask[r].tolist() == [m for _, m in padded[1:]]  # mask[t] weights predicting token t+1
+    trained = tokens[:, 1:][mask == 1]  # the targets the loss sees: completions and their EOS only
+    assert tok.decode(trained) == " 4<|endoftext|> Paris<|endoftext|> 8<|endoftext|>"
+
+
+def test_shuffle_repack_and_min_unique_are_seeded(tok, tmp_path):
+    for i, d in enumerate(DOCS):
+        (tmp_path / f"{i}.txt").write_text(d * 4)
+    (tmp_path / "9.txt").write_text("na " * 200)  # repetitive: every row has 1-2 unique tokens
+    kw = dict(preserve_data_order=False, n_repack_epochs=2, min_unique_tokens=4)
+    a = build(tmp_path, tmp_path / "a", **kw)
+    b = build(tmp_path, tmp_path / "b", **kw)
+    c = build(tmp_path, tmp_path / "c", seed=11, **kw)
+    plain = build(tmp_path, tmp_path / "p", n_repack_epochs=1)
+    assert a.index["shards"][0]["sha256"] == b.index["shards"][0]["sha256"]
+    assert a.index["shards"][0]["sha256"] != c.index["shards"][0]["sha256"]
+    one_epoch = plain.index["stats"]["tokens_read"]
+    dropped = a.index["stats"]["sequences_below_min_unique"]
+    assert a.index["stats"]["tokens_read"] == 2 * one_epoch
+    assert dropped >= 2 * 9 and len(a) + dropped == 2 * one_epoch // (SEQ + 1)
+    assert min(len(set(r)) for r in all_rows(a)[0].tolist()) >= 4
+    in_order = build(tmp_path, tmp_path / "o", **dict(kw, preserve_data_order=True))
+    assert len(in_order) == len(a) and all_rows(in_order)[0].tolist() != all_rows(a)[0].tolist()
+
+
+@pytest.mark.parametrize("content, name, message", [
+    ("", "empty.txt", "empty.txt: empty input"),
+    ('{"text": "ok"}\n{"text": "ok"}\n{"text": broken\n', "bad.jsonl", "bad.jsonl line 3: invalid JSON"),
+    ('{"text": "ok"}\n{"body": "no text"}\n', "nokey.jsonl", "nokey.jsonl line 2: no 'text' field"),
+])
+def test_bad_input_exits_2_and_writes_nothing(tmp_path, capsys, content, name, message):
+    (tmp_path / name).write_text(content)
+    out = tmp_path / "out"
+    assert create_finetune_dataset.main([str(tmp_path / name), "ds", "--output-dir", str(out)]) == 2
+    assert message in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_existing_dataset_is_kept_unless_overwrite(tok, tmp_path):
+    (tmp_path / "in.txt").write_text(DOCS[0] * 4)
+    first = build(tmp_path / "in.txt", tmp_path / "out", sequences_per_shard=2)
+    assert len(first.index["shards"]) > 1
+    with pytest.raises(DatasetError, match="already exists"):
+        build(tmp_path / "in.txt", tmp_path / "out")
+    second = build(tmp_path / "in.txt", tmp_path / "out", overwrite=True)
+    assert all_rows(second)[0].tolist() == all_rows(first)[0].tolist()
+    assert sorted(os.listdir(tmp_path / "out")) == ["ds-00000.tokens.npy", "ds.index.json"]  # stale shards gone
+
+
+# ----------------------------------------------------------------------------- loader
+
+def synthetic(n=10, seq=4):
+    """Row i is all i's, so a batch's token[..., 0] spells the sequence ids it holds."""
+    return Dataset.from_arrays(np.repeat(np.arange(n, dtype=np.uint16)[:, None], seq + 1, axis=1))
+
+
+def ids(batch):
+    return batch["tokens"][..., 0]
+
+
+def take(loader, k):
+    return [next(loader) for _ in range(k)]
+
+
+def test_loader_shapes_determinism_and_epochs():
+    ds = synthetic()
+    batches = take(Loader(ds, 2, seed=1, accumulation=2), 5)  # 5 steps x 4 = 2 epochs of 10
+    assert batches[0]["tokens"].shape == (2, 2, 5) and batches[0]["tokens"].dtype == np.int32
+    assert batches[0]["mask"].shape == (2, 2, 4) and batches[0]["mask"].dtype == np.float32
+    stream = np.concatenate([ids(b).ravel() for b in batches])
+    assert sorted(stream[:10]) == list(range(10)) and sorted(stream[10:]) == list(range(10))
+    assert stream[:10].tolist() != stream[10:].tolist()  # reshuffled every epoch
+    again = take(Loader(ds, 2, seed=1, accumulation=2), 5)
+    assert all((ids(a) == ids(b)).all() for a, b in zip(batches, again))
+    other = take(Loader(ds, 2, seed=2, accumulation=2), 5)
+    assert not all((ids(a) == ids(b)).all() for a, b in zip(batches, other))
+
+
+def test_processes_read_disjoint_slices_of_the_global_batch():
+    ds = synthetic(12)
+    whole = take(Loader(ds, 4, seed=3, accumulation=2), 3)
+    parts = [take(Loader(ds, 4, seed=3, accumulation=2, process_index=p, process_count=2), 3) for p in (0, 1)]
+    for step, full in enumerate(whole):
+        joined = np.concatenate([parts[0][step]["tokens"], parts[1][step]["tokens"]], axis=1)
+        assert parts[0][step]["tokens"].shape == (2, 2, 5) and (joined == full["tokens"]).all()
+
+
+@pytest.mark.parametrize("stop_after", [1, 3])  # mid-epoch 0; in epoch 1 after crossing the boundary
+def test_resume_from_state_is_exact(stop_after):
+    ds = synthetic(10)
+    uninterrupted = take(Loader(ds, 4, seed=5), 6)
+    first = Loader(ds, 4, seed=5)
+    take(first, stop_after)
+    state = json.loads(json.dumps(first.state()))
+    first.close()
+    assert state == {"epoch": stop_after * 4 // 10, "position": stop_after * 4 % 10, "seed": 5,
+                     "n_sequences": 10, "shuffle": True}
+    resumed = take(Loader(ds, 4, seed=5, state=state), 6 - stop_after)
+    assert [ids(b).tolist() for b in resumed] == [ids(b).tolist() for b in uninterrupted[stop_after:]]
+    halves = [take(Loader(ds, 4, seed=5, state=state, process_index=p, process_count=2), 1)[0] for p in (0, 1)]
+    assert np.concatenate([ids(h) for h in halves], 1).tolist() == ids(uninterrupted[stop_after]).tolist()
+    with pytest.raises(ValueError, match="seed=5"):
+        Loader(ds, 4, seed=6, state=state)
+
+
+def test_validation_reads_once_in_order_with_padded_last_batch():
+    ds = Dataset.from_arrays(synthetic(7).read(np.arange(7))[0], mask=np.ones((7, 4), np.uint8))
+    batches = list(Loader(ds, 3, shuffle=False, repeat=False))
+    assert [ids(b)[0].tolist() for b in batches] == [[0, 1, 2], [3, 4, 5], [6, EOS, EOS]]
+    assert batches[-1]["mask"][0].sum(axis=1).tolist() == [4, 0, 0]
+
+
+def test_gcs_round_trip(tok, tmp_path, gcs_bucket):  # noqa: F811
+    src = f"{gcs_bucket}/raw/corpus.jsonl"
+    storage.write_text(src, "".join(json.dumps({"text": d}) + "\n" for d in DOCS))
+    out = f"{gcs_bucket}/datasets"
+    index = build_dataset(BuildConfig(src, "ds", out, seq=SEQ, preserve_data_order=True, sequences_per_shard=3))
+    assert index == f"{out}/ds.index.json"
+    remote = Dataset.open(index, cache_dir=str(tmp_path / "cache"))
+    assert len(remote.index["shards"]) > 1
+    want = stream(tok, DOCS)
+    assert all_rows(remote)[0].ravel().tolist() == want[: len(remote) * (SEQ + 1)]
+    batch = next(Loader(remote, 2, seed=0))
+    assert batch["tokens"].shape == (1, 2, SEQ + 1)
+    assert len(os.listdir(tmp_path / "cache")) == len(remote.index["shards"])  # cached, keyed by sha256

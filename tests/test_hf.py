@@ -1,0 +1,94 @@
+"""Parity with the reference implementation: HF transformers' GPTJForCausalLM (torch, fp32)."""
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from mesh_transformer import hf, model
+from mesh_transformer.config import ConfigError
+from mesh_transformer.train_step import Trainer
+from tests.helpers import config_for, hf_logits, make_hf_gptj, mesh, random_tokens
+
+# rotary_dim < head size, vocab not divisible by 8, odd layer counts, non-default d_ff.
+PARITY_CASES = {
+    "partial_rotary": dict(vocab_size=101, n_embd=32, n_layer=3, n_head=4, rotary_dim=4),
+    "full_rotary_odd_vocab": dict(vocab_size=250, n_embd=64, n_layer=1, n_head=8, rotary_dim=8, n_inner=96),
+    "five_layers": dict(vocab_size=517, n_embd=48, n_layer=5, n_head=8, rotary_dim=2, n_inner=64),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(PARITY_CASES))
+def hf_checkpoint(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    torch_model = make_hf_gptj(path, **PARITY_CASES[request.param])
+    return path, torch_model
+
+
+def test_imported_logits_match_hf(hf_checkpoint):
+    path, torch_model = hf_checkpoint
+    config, params = hf.load_hf(path, compute_dtype="float32")
+    tokens = random_tokens((2, 13), config.n_vocab, seed=1)
+    ours, _ = jax.jit(model.build(config).apply)(params, tokens)
+    ours = np.asarray(ours)[..., : config.n_vocab]
+    np.testing.assert_allclose(ours, hf_logits(torch_model, tokens), atol=1e-4, rtol=0)
+    assert np.all(np.isneginf(np.asarray(jax.jit(model.build(config).apply)(params, tokens)[0])[..., config.n_vocab:]))
+
+
+def test_sharded_logits_match_hf(hf_checkpoint):
+    """Same check through the model-parallel path (vocab padded to split over mp=8 / mp=4)."""
+    path, torch_model = hf_checkpoint
+    config, params = hf.load_hf(path, compute_dtype="float32", remat="none")
+    mp = 8 if config.n_heads % 8 == 0 else 4
+    trainer = Trainer(config_for(config, cores_per_replica=mp), mesh(8 // mp, mp))
+    tokens = random_tokens((8 // mp * 2, 11), config.n_vocab, seed=2)
+    state = trainer.state_from_params(params)
+    np.testing.assert_allclose(np.asarray(trainer.logits(state.params, tokens)), hf_logits(torch_model, tokens), atol=1e-4, rtol=0)
+
+
+def test_export_loads_in_transformers_with_identical_logits(hf_checkpoint, tmp_path):
+    from transformers import GPTJForCausalLM
+    path, torch_model = hf_checkpoint
+    config, params = hf.load_hf(path)
+    hf.save_hf(params, config, tmp_path / "out", max_shard_bytes=20_000)  # force several shards + index
+    assert (tmp_path / "out" / "model.safetensors.index.json").exists()
+    reloaded = GPTJForCausalLM.from_pretrained(tmp_path / "out").eval()
+    tokens = random_tokens((2, 9), config.n_vocab, seed=3)
+    np.testing.assert_array_equal(hf_logits(reloaded, tokens), hf_logits(torch_model, tokens))
+
+
+def test_export_dtypes(tmp_path):
+    from safetensors import safe_open
+    torch_model = make_hf_gptj(tmp_path / "src")
+    config, params = hf.load_hf(tmp_path / "src")
+    for dtype, expect in [("fp16", "float16"), ("bf16", "bfloat16")]:
+        out = hf.save_hf(params, config, tmp_path / dtype, dtype=dtype)
+        assert json.loads((out / "config.json").read_text())["torch_dtype"] == expect
+        with safe_open(out / "model.safetensors", framework="numpy") as f:
+            wte = f.get_tensor("transformer.wte.weight")
+        assert str(wte.dtype) == expect and wte.shape == (101, 32)
+        np.testing.assert_allclose(wte.astype(np.float32), torch_model.transformer.wte.weight.detach().numpy(), atol=1e-2)
+
+
+def test_pytorch_bin_import_uses_weights_only_loader(tmp_path):
+    import torch
+    torch_model = make_hf_gptj(tmp_path / "st")
+    (tmp_path / "bin").mkdir()
+    torch_model.config.save_pretrained(tmp_path / "bin")
+    torch.save(torch_model.state_dict(), tmp_path / "bin" / "pytorch_model.bin")
+    config, params = hf.load_hf(tmp_path / "bin", compute_dtype="float32")
+    _, reference = hf.load_hf(tmp_path / "st", compute_dtype="float32")
+    assert jax.tree.all(jax.tree.map(np.array_equal, params, reference))
+
+
+def test_import_errors_name_the_problem(tmp_path):
+    with pytest.raises(ConfigError, match="no config.json"):
+        hf.load_hf(tmp_path)
+    make_hf_gptj(tmp_path / "m")
+    (tmp_path / "m" / "model.safetensors").unlink()
+    with pytest.raises(ConfigError, match="no model.safetensors"):
+        hf.load_hf(tmp_path / "m")
+    (tmp_path / "gpt2").mkdir()
+    (tmp_path / "gpt2" / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    with pytest.raises(ConfigError, match="model_type is 'gpt2', expected 'gptj'"):
+        hf.load_hf(tmp_path / "gpt2")

@@ -1,0 +1,165 @@
+"""The planner: parameter counts, the split of compiled per-device memory, ZeRO savings, the CLI."""
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from mesh_transformer import model as gptj
+from mesh_transformer import plan as planner
+from mesh_transformer.config import ConfigError, config_from_dict
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# configs/6B_roto_256.json of the original (GPT-J-6B as trained on a v3-256).
+GPTJ_6B = {
+    "layers": 28, "d_model": 4096, "n_heads": 16, "n_vocab": 50400, "norm": "layernorm", "pe": "rotary",
+    "pe_rotary_dims": 64, "seq": 2048, "cores_per_replica": 8, "per_replica_batch": 1,
+    "gradient_accumulation_steps": 16, "warmup_steps": 3000, "anneal_steps": 300000, "lr": 1.2e-4,
+    "end_lr": 1.2e-5, "weight_decay": 0.1, "total_steps": 350000, "tpu_size": 256,
+    "bucket": "neo-models", "model_dir": "mesh_jax_pile_6B_rotary", "train_set": "pile.train.index",
+    "val_set": {"pile": "pile.val.index"}, "val_batches": 100, "val_every": 500, "ckpt_every": 500,
+    "keep_every": 10000, "name": "GPT3_6B_pile_rotary", "comment": "",
+}
+HF_GPTJ_6B_PARAMS = 6_050_882_784
+MODEL_CARD_GPTJ_6B_PARAMS = 6_053_381_344
+
+TINY = {"layers": 2, "d_model": 64, "n_heads": 4, "n_vocab": 100, "seq": 16, "cores_per_replica": 2,
+        "per_replica_batch": 2, "gradient_accumulation_steps": 3}
+DP, MP = 4, 2
+
+
+def write_config(tmp_path, raw, name="config.json"):
+    path = tmp_path / name
+    path.write_text(json.dumps(raw))
+    return str(path)
+
+
+@pytest.mark.parametrize("overrides", [{}, {"pe": "fixed", "norm": "rmsnorm", "d_ff": 96, "d_head": 8}])
+def test_n_params_counts_the_initialised_model(overrides):
+    m = config_from_dict({**TINY, **overrides}).model
+    params = jax.jit(gptj.build(m).init)(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
+    padding = (m.padded_vocab() - m.n_vocab) * (2 * m.d_model + 1)  # embedding rows, head columns, head bias
+    assert padding > 0
+    real = sum(x.size for x in jax.tree.leaves(params)) - padding
+    assert m.n_params() == real
+    assert planner.unique_params(params, m) == real
+
+
+def test_6B_counts_hf_and_explains_the_model_card():
+    m = config_from_dict(GPTJ_6B).model
+    abstract = jax.eval_shape(gptj.build(m, 8).init, jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
+    assert m.n_params() == planner.unique_params(abstract, m) == HF_GPTJ_6B_PARAMS
+    # The original stored per-shard copies (mp=8): each LayerNorm (28 + final) 8 times, each layer's
+    # fc_out bias 8 times (summed), and an 8-times per-shard bias on the embedding projection.
+    shards, d = 8, m.d_model
+    copies = (shards - 1) * (m.layers * 2 * d + 2 * d) + (shards - 1) * m.layers * d + shards * d
+    assert copies == 2_498_560
+    assert m.n_params() + copies == MODEL_CARD_GPTJ_6B_PARAMS
+
+
+@pytest.fixture(scope="module")
+def tiny_plans():
+    config = config_from_dict(TINY)
+    return {zero: planner.plan(config, DP, MP, zero) for zero in (False, True)}
+
+
+@pytest.mark.parametrize("zero", [False, True])
+def test_compiled_arguments_split_into_params_opt_state_batch(tiny_plans, zero):
+    p = tiny_plans[zero]
+    b, c = p.bytes_per_device, p.compiled
+    assert b["params"] + b["opt_state"] + b["batch"] == c["argument_size_in_bytes"]
+    assert b["params"] + b["opt_state"] == c["alias_size_in_bytes"]  # the donated TrainState is reused
+    assert b["opt_state"] == 2 * b["params"] + 8  # Adam mu and nu, Adam's count and the step (int32)
+    assert b["batch"] == 3 * 2 * (16 + 1) * 4  # [A, B/dp, T+1] int32 tokens on each device
+    assert b["temporaries"] == c["temp_size_in_bytes"] > 0
+    assert b["total"] == sum(v for k, v in b.items() if k != "total")
+
+
+def test_megatron_params_per_device(tiny_plans):
+    m = config_from_dict(TINY).model
+    p = tiny_plans[False]
+    d, f, v = m.d_model, m.ff_dim, m.padded_vocab(MP)
+    split = m.layers * (4 * d * d + 2 * d * f + f) + 2 * d * v + v  # matrices, fc_in bias, vocab
+    replicated = m.layers * (2 * d + d) + 2 * d  # LayerNorms and fc_out biases
+    assert p.bytes_per_device["params"] == 4 * (split // MP + replicated)
+    assert (p.n_params, p.dp, p.mp, p.zero) == (m.n_params(), DP, MP, False)
+    assert p.tokens_per_step == 3 * 2 * DP * 16
+    assert p.flops_per_token == m.flops_per_token()
+
+
+def test_zero_divides_params_and_opt_state_by_dp(tiny_plans):
+    state = {z: p.bytes_per_device["params"] + p.bytes_per_device["opt_state"] for z, p in tiny_plans.items()}
+    ratio = state[False] / state[True]
+    # Only the few vectors with no 'embed' axis (fc_in and lm_head biases) stay whole on every dp rank.
+    assert 0.9 * DP < ratio <= DP
+    assert tiny_plans[True].bytes_per_device["total"] < tiny_plans[False].bytes_per_device["total"]
+
+
+def test_fits_and_table(tiny_plans):
+    p = tiny_plans[False]
+    assert p.fits(1) and not p.fits(p.bytes_per_device["total"] / planner.GiB / 2)
+    out = p.to_json([16, 0.5])
+    assert out["fits"] == {"16": True, "0.5": True}
+    assert out["flops_per_step"] == p.flops_per_token * p.tokens_per_step
+    text = planner.format_plan(p, "tiny.json", [16])
+    assert "dp=4 x mp=2" in text and f"{p.n_params:,}" in text and "16 GiB: yes" in text
+
+
+def test_cli_6B_plan_on_256_simulated_devices(tmp_path):
+    path = write_config(tmp_path, GPTJ_6B)
+    run = subprocess.run([sys.executable, "-m", "mesh_transformer.plan", "--config", path, "--json"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    out = json.loads(run.stdout)
+    assert (out["n_params"], out["dp"], out["mp"], out["zero"]) == (HF_GPTJ_6B_PARAMS, 32, 8, False)
+    assert out["flops_per_token"] == config_from_dict(GPTJ_6B).model.flops_per_token()
+    b = out["bytes_per_device"]
+    assert set(b) >= {"params", "opt_state", "temporaries", "total"} and all(isinstance(v, int) for v in b.values())
+    # float32 master weights split 8 ways; the vocabulary padding and unsplit LayerNorms add ~0.05%.
+    assert b["params"] == pytest.approx(4 * HF_GPTJ_6B_PARAMS / 8, rel=2e-3)
+    assert b["opt_state"] == 2 * b["params"] + 8
+    assert b["batch"] == 16 * 1 * 2049 * 4
+    assert out["fits"] == {g: b["total"] <= int(g) * 2**30 for g in ("16", "32", "80")}
+
+
+def test_main_replans_in_a_fresh_process_when_devices_are_missing(tmp_path, capfd):
+    """This process has 8 devices; 256 need a subprocess. ZeRO splits the state over all of them."""
+    path = write_config(tmp_path, GPTJ_6B)
+    assert jax.device_count() < 256
+    assert planner.main(["--config", path, "--zero", "--json"]) == 0
+    out = json.loads(capfd.readouterr().out)
+    b = out["bytes_per_device"]
+    assert out["zero"] is True and out["dp"] * out["mp"] == 256
+    assert b["params"] == pytest.approx(4 * HF_GPTJ_6B_PARAMS / 256, rel=5e-3)
+    assert b["opt_state"] == 2 * b["params"] + 8
+
+
+@pytest.mark.parametrize("raw, flags, names", [
+    ({**TINY, "n_head": 4}, [], "'n_head'"),  # unknown key
+    ({**TINY, "n_heads": 2}, ["--mp", "4"], "'n_heads'"),  # 2 heads over mp=4
+    ({**TINY, "tpu_size": 8}, ["--mp", "3"], "'tpu_size'"),  # no dp for 8 devices in groups of 3
+    (TINY, ["--dp", "0"], "--dp"),
+])
+def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, raw, flags, names):
+    path = write_config(tmp_path, raw)
+    assert planner.main(["--config", path, *flags]) == 2
+    err = capsys.readouterr().err
+    assert names in err and err.startswith("error: ") and err.count("\n") == 1
+
+
+def test_plan_needs_the_devices(tiny_plans):
+    with pytest.raises(ConfigError, match="needs 128 devices"):
+        planner.plan(config_from_dict(TINY), 64, 2)
+
+
+def test_cli_missing_config_exits_2_without_traceback(tmp_path):
+    missing = str(tmp_path / "nope.json")
+    run = subprocess.run([sys.executable, "-m", "mesh_transformer.plan", "--config", missing],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and run.stdout == ""
+    assert run.stderr == f"error: config file not found: {missing}\n"

@@ -1,0 +1,80 @@
+"""storage.py against the local filesystem and a gcp-storage-emulator on 127.0.0.1."""
+import os
+import socket
+import stat
+
+import pytest
+
+from mesh_transformer import storage
+
+# Keep every Google client on loopback (see ../shared/netguard/README.md).
+_LOOPBACK_ENV = {"HTTP_PROXY": "http://127.0.0.1:9", "HTTPS_PROXY": "http://127.0.0.1:9",
+                 "http_proxy": "http://127.0.0.1:9", "https_proxy": "http://127.0.0.1:9",
+                 "NO_PROXY": "127.0.0.1,localhost,::1", "no_proxy": "127.0.0.1,localhost,::1",
+                 "NO_GCE_CHECK": "true", "GCE_METADATA_HOST": "127.0.0.1:9", "GCE_METADATA_IP": "127.0.0.1:9",
+                 "GOOGLE_CLOUD_PROJECT": "mesh-transformer-test"}
+
+
+@pytest.fixture(scope="module")
+def gcs_bucket():
+    """An in-memory GCS emulator on a free loopback port; yields ``gs://test-bucket``."""
+    from gcp_storage_emulator.server import create_server
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = create_server("127.0.0.1", port, in_memory=True)
+    server.start()
+    env = dict(_LOOPBACK_ENV, STORAGE_EMULATOR_HOST=f"http://127.0.0.1:{port}")
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        storage.gcs_client().create_bucket("test-bucket")
+        yield "gs://test-bucket"
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        server.stop()
+
+
+def test_paths():
+    assert storage.join("gs://b/dir", "x", "y.npy") == "gs://b/dir/x/y.npy"
+    assert storage.dirname("gs://b/dir/i.json") == "gs://b/dir"
+    assert storage.basename("gs://b/dir/") == "dir"
+    assert storage.is_gcs("gs://b") and not storage.is_gcs("/tmp/gs://x")
+
+
+def test_local_atomic_write_and_listing(tmp_path):
+    path = str(tmp_path / "sub" / "meta.json")
+    storage.write_text(path, '{"step": 3}')
+    assert storage.read_text(path) == '{"step": 3}'
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o666 & ~storage._UMASK
+    with pytest.raises(RuntimeError):
+        with storage.atomic_writer(path) as f:
+            f.write(b"half")
+            raise RuntimeError("crash mid-write")
+    assert storage.read_text(path) == '{"step": 3}'  # the old file survives, no temp left behind
+    assert storage.list_files(str(tmp_path)) == [path]
+    assert storage.isdir(str(tmp_path / "sub")) and storage.size(path) == 11
+
+
+def test_gcs_round_trip(gcs_bucket):
+    path = storage.join(gcs_bucket, "ckpt", "meta.json")
+    assert not storage.exists(path)
+    storage.write_text(path, "hello")
+    with storage.atomic_writer(storage.join(gcs_bucket, "ckpt", "big.bin")) as f:
+        f.write(os.urandom(3 << 20))
+    with pytest.raises(RuntimeError):  # a failed upload is cancelled, not committed
+        with storage.atomic_writer(storage.join(gcs_bucket, "ckpt", "broken.bin")) as f:
+            f.write(b"partial")
+            raise RuntimeError("crash mid-upload")
+    assert storage.read_text(path) == "hello"
+    assert storage.exists(path) and storage.isdir(storage.join(gcs_bucket, "ckpt"))
+    assert storage.size(storage.join(gcs_bucket, "ckpt", "big.bin")) == 3 << 20
+    assert storage.list_files(storage.join(gcs_bucket, "ckpt")) == [
+        f"{gcs_bucket}/ckpt/big.bin", f"{gcs_bucket}/ckpt/meta.json"]
+    storage.remove(path)
+    assert not storage.exists(path)
