@@ -107,9 +107,9 @@ class Attention(hk.Module):
         c = self.config
         d, n, hd = c.d_model, c.n_heads, c.head_dim
         init = _normal(0.02)
-        q = jnp.einsum("btd,dnh->btnh", h, parallel.param("q_proj", (d, n, hd), init).astype(h.dtype))
-        k = jnp.einsum("btd,dnh->btnh", h, parallel.param("k_proj", (d, n, hd), init).astype(h.dtype))
-        v = jnp.einsum("btd,dnh->btnh", h, parallel.param("v_proj", (d, n, hd), init).astype(h.dtype))
+        q = jnp.einsum("btd,dnh->btnh", h, parallel.param("q_proj", (d, n, hd), init, h.dtype))
+        k = jnp.einsum("btd,dnh->btnh", h, parallel.param("k_proj", (d, n, hd), init, h.dtype))
+        v = jnp.einsum("btd,dnh->btnh", h, parallel.param("v_proj", (d, n, hd), init, h.dtype))
         q, k = rotary(q, positions, c.rotary_dims), rotary(k, positions, c.rotary_dims)
         if cache is not None:
             cache_k, cache_v, index = cache
@@ -120,8 +120,8 @@ class Attention(hk.Module):
         scores = jnp.where(mask, scores / jnp.sqrt(jnp.float32(hd)), jnp.finfo(jnp.float32).min)
         weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
         out = jnp.einsum("bnts,bsnh->btnh", weights, v).astype(h.dtype)
-        w_out = parallel.param("out_proj", (n, hd, d), _normal(0.02 / math.sqrt(2 * c.layers)))
-        return jnp.einsum("btnh,nhd->btd", out, w_out.astype(h.dtype)), cache
+        w_out = parallel.param("out_proj", (n, hd, d), _normal(0.02 / math.sqrt(2 * c.layers)), h.dtype)
+        return jnp.einsum("btnh,nhd->btd", out, w_out), cache
 
 
 class MLP(hk.Module):
@@ -138,11 +138,11 @@ class MLP(hk.Module):
         """
         c = self.config
         d, f = c.d_model, c.ff_dim
-        w_in = parallel.param("fc_in", (d, f), _normal(0.02)).astype(h.dtype)
-        b_in = parallel.param("fc_in_bias", (f,), hk.initializers.Constant(0.0)).astype(h.dtype)
+        w_in = parallel.param("fc_in", (d, f), _normal(0.02), h.dtype)
+        b_in = parallel.param("fc_in_bias", (f,), hk.initializers.Constant(0.0), h.dtype)
         x = jax.nn.gelu(jnp.einsum("btd,df->btf", h, w_in) + b_in, approximate=True)
-        w_out = parallel.param("fc_out", (f, d), _normal(0.02 / math.sqrt(2 * c.layers))).astype(h.dtype)
-        b_out = parallel.param("fc_out_bias", (d,), hk.initializers.Constant(0.0)).astype(h.dtype)
+        w_out = parallel.param("fc_out", (f, d), _normal(0.02 / math.sqrt(2 * c.layers)), h.dtype)
+        b_out = parallel.param("fc_out_bias", (d,), hk.initializers.Constant(0.0), h.dtype)
         return jnp.einsum("btf,fd->btd", x, w_out), b_out
 
 
@@ -155,14 +155,14 @@ class Embedding(hk.Module):
 
     def __call__(self, tokens, positions, dtype):  # [B, T] -> [B, T, D]
         c = self.config
-        table = parallel.param("embeddings", (self.padded_vocab, c.d_model), _normal(0.02)).astype(dtype)
+        table = parallel.param("embeddings", (self.padded_vocab, c.d_model), _normal(0.02), dtype)
         local_vocab = table.shape[0]
         local_ids = tokens - parallel.mp_index() * local_vocab
         here = (local_ids >= 0) & (local_ids < local_vocab)
         x = jnp.take(table, jnp.clip(local_ids, 0, local_vocab - 1), axis=0)
         x = parallel.psum_mp(jnp.where(here[..., None], x, 0))
         if c.pe == "fixed":
-            pos_table = parallel.param("pos_embeddings", (c.seq, c.d_model), _normal(0.01)).astype(dtype)
+            pos_table = parallel.param("pos_embeddings", (c.seq, c.d_model), _normal(0.01), dtype)
             x = x + jnp.take(pos_table, positions, axis=0)
         return x
 
@@ -176,7 +176,7 @@ class LMHead(hk.Module):
 
     def __call__(self, x):  # [B, T, D] -> local logits [B, T, V/mp] (float32)
         c = self.config
-        w = parallel.param("lm_head", (c.d_model, self.padded_vocab), _normal(0.02)).astype(x.dtype)
+        w = parallel.param("lm_head", (c.d_model, self.padded_vocab), _normal(0.02), x.dtype)
         b = parallel.param("lm_head_bias", (self.padded_vocab,), hk.initializers.Constant(0.0))
         logits = jnp.einsum("btd,dv->btv", x, w).astype(jnp.float32) + b.astype(jnp.float32)
         vocab_ids = parallel.mp_index() * logits.shape[-1] + jnp.arange(logits.shape[-1])

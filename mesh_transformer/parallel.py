@@ -159,19 +159,24 @@ def shard_map(fn: Callable, mesh: Mesh, rules, in_specs, out_specs) -> Callable:
     return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=True)
 
 
-def param(name: str, shape: tuple[int, ...], init, dtype=jnp.float32) -> jax.Array:
-    """A Haiku parameter of global `shape`, as the local shard this device computes with.
+def param(name: str, shape: tuple[int, ...], init, cast_to=None) -> jax.Array:
+    """A float32 Haiku parameter of global `shape`, as the local shard this device computes with.
 
     Its logical axes come from PARAM_AXES[name]. Axes mapped to 'mp' stay split (Megatron);
     axes mapped to 'dp' (ZeRO) are stored split and all-gathered here, where they are used.
+    `cast_to` (the compute dtype) is applied first, so the gather moves half-width values and
+    only the layer in flight exists in compute precision.
     """
     manual = _current()
     axes = PARAM_AXES[name]
     if manual is None:
-        return hk.get_parameter(name, shape, dtype, init=init)
+        value = hk.get_parameter(name, shape, jnp.float32, init=init)
+        return value if cast_to is None else value.astype(cast_to)
     mesh_axes = [manual.rules.get(a) for a in axes]
     stored = tuple(size // (manual.axis_sizes[m] if m else 1) for size, m in zip(shape, mesh_axes))
-    value = hk.get_parameter(name, stored, dtype, init=init)
+    value = hk.get_parameter(name, stored, jnp.float32, init=init)
+    if cast_to is not None:
+        value = value.astype(cast_to)
     for dim, mesh_axis in enumerate(mesh_axes):
         if mesh_axis == DP and manual.axis_sizes[DP] > 1:
             value = jax.lax.all_gather(value, DP, axis=dim, tiled=True)

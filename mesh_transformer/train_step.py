@@ -99,7 +99,7 @@ class Trainer:
             lambda p, tokens: self.model.apply(p, tokens)[0], self.mesh, self.rules,
             in_specs=(self.param_specs, P(parallel.DP, None)), out_specs=P(parallel.DP, None, parallel.MP))
         self.logits = jax.jit(self._logits, in_shardings=(self.state_shardings.params, NamedSharding(self.mesh, P(parallel.DP, None))))
-        self.eval_loss = jax.jit(self._eval_loss, in_shardings=(self.state_shardings.params, self.batch_sharding))
+        self.eval_sums = jax.jit(self._eval_sums, in_shardings=(self.state_shardings.params, self.batch_sharding))
         self.loss_and_grads = jax.jit(self._loss_and_grads, in_shardings=(self.state_shardings.params, self.batch_sharding),
                                       out_shardings=(None, self.state_shardings.params))
 
@@ -129,10 +129,8 @@ class Trainer:
         return tuple(parallel.psum_dp(s) for s in sums)
 
     def _microbatch_grads(self, params, tokens, mask):
-        compute = jnp.dtype(self.config.model.compute_dtype)
-
         def objective(p):
-            total, nll, count = self._sharded_loss(cast(p, compute), tokens, mask)
+            total, nll, count = self._sharded_loss(p, tokens, mask)
             return total, (nll, count)
         (_, (nll, count)), grads = jax.value_and_grad(objective, has_aux=True)(params)
         return grads, nll, count
@@ -160,17 +158,20 @@ class Trainer:
 
     def _logits(self, params, tokens):
         """tokens [B, T] -> logits [B, T, n_vocab] float32 (padding dropped), sharded over dp and mp."""
-        compute = jnp.dtype(self.config.model.compute_dtype)
-        return self._sharded_logits(cast(params, compute), tokens)[..., : self.config.model.n_vocab]
+        return self._sharded_logits(params, tokens)[..., : self.config.model.n_vocab]
 
-    def _eval_loss(self, params, batch):
-        """Mean token negative log-likelihood of a batch shaped like a training batch (no update)."""
-        compute = jnp.dtype(self.config.model.compute_dtype)
+    def _eval_sums(self, params, batch):
+        """(nll sum, token count) of a batch shaped like a training batch ([A, B, T+1]); no update."""
         tokens = batch["tokens"].reshape(-1, batch["tokens"].shape[-1])
         mask = batch.get("mask")
         mask = jnp.ones(tokens[:, 1:].shape, jnp.float32) if mask is None else mask.reshape(tokens[:, 1:].shape)
-        _, nll, count = self._sharded_loss(cast(params, compute), tokens, mask)
-        return nll / jnp.maximum(count, 1.0)
+        _, nll, count = self._sharded_loss(params, tokens, mask)
+        return nll, count
+
+    def eval_loss(self, params, batch) -> float:
+        """Mean token negative log-likelihood of one batch."""
+        nll, count = self.eval_sums(params, batch)
+        return float(nll) / max(float(count), 1.0)
 
     def _step(self, state: TrainState, batch):
         grads, loss = self._accumulate(state.params, batch)
@@ -183,7 +184,9 @@ class Trainer:
     # ---- helpers for callers ------------------------------------------------------------------
 
     def shard_batch(self, batch: dict) -> dict:
-        return {k: jax.device_put(np.asarray(v), self.batch_sharding) for k, v in batch.items()}
+        """Host arrays [A, B_local, ...] (this process's slice of the batch) -> global sharded arrays."""
+        return {k: jax.make_array_from_process_local_data(self.batch_sharding, np.asarray(v))
+                for k, v in batch.items()}
 
     def abstract_batch(self) -> dict:
         t = self.config.train

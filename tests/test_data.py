@@ -11,7 +11,6 @@ import create_finetune_dataset
 from mesh_transformer import storage
 from mesh_transformer.data import BuildConfig, Dataset, DatasetError, Loader, build_dataset
 from mesh_transformer.tokenizer import load_tokenizer
-from test_storage import gcs_bucket  # noqa: F401 - the emulator fixture
 
 EOS = 50256
 DOCS = ["The quick brown fox jumps over the lazy dog. " * 3,
@@ -133,9 +132,9 @@ def test_shuffle_repack_and_min_unique_are_seeded(tok, tmp_path):
     plain = build(tmp_path, tmp_path / "p", n_repack_epochs=1)
     assert a.index["shards"][0]["sha256"] == b.index["shards"][0]["sha256"]
     assert a.index["shards"][0]["sha256"] != c.index["shards"][0]["sha256"]
-    one_epoch = plain.index["stats"]["tokens_read"]
+    one_epoch = plain.index["stats"]["tokens"]
     dropped = a.index["stats"]["sequences_below_min_unique"]
-    assert a.index["stats"]["tokens_read"] == 2 * one_epoch
+    assert a.index["stats"]["tokens"] == 2 * one_epoch
     assert dropped >= 2 * 9 and len(a) + dropped == 2 * one_epoch // (SEQ + 1)
     assert min(len(set(r)) for r in all_rows(a)[0].tolist()) >= 4
     in_order = build(tmp_path, tmp_path / "o", **dict(kw, preserve_data_order=True))
@@ -164,6 +163,18 @@ def test_existing_dataset_is_kept_unless_overwrite(tok, tmp_path):
     second = build(tmp_path / "in.txt", tmp_path / "out", overwrite=True)
     assert all_rows(second)[0].tolist() == all_rows(first)[0].tolist()
     assert sorted(os.listdir(tmp_path / "out")) == ["ds-00000.tokens.npy", "ds.index.json"]  # stale shards gone
+
+
+def test_tampered_shard_fails_verification(tmp_path):
+    (tmp_path / "in.txt").write_text(DOCS[0] * 2)
+    index = build(tmp_path / "in.txt", tmp_path / "out").path
+    shard = tmp_path / "out" / "ds-00000.tokens.npy"
+    rows = np.load(shard)
+    rows[0, 0] ^= 1
+    np.save(shard, rows)
+    assert Dataset.open(index).read([0])[0][0, 0] == rows[0, 0]  # shapes still match: opens unverified
+    with pytest.raises(DatasetError, match="ds-00000.tokens.npy: sha256 does not match"):
+        Dataset.open(index, verify=True)
 
 
 # ----------------------------------------------------------------------------- loader
@@ -229,7 +240,7 @@ def test_validation_reads_once_in_order_with_padded_last_batch():
     assert batches[-1]["mask"][0].sum(axis=1).tolist() == [4, 0, 0]
 
 
-def test_gcs_round_trip(tok, tmp_path, gcs_bucket):  # noqa: F811
+def test_gcs_round_trip(tok, tmp_path, gcs_bucket):
     src = f"{gcs_bucket}/raw/corpus.jsonl"
     storage.write_text(src, "".join(json.dumps({"text": d}) + "\n" for d in DOCS))
     out = f"{gcs_bucket}/datasets"

@@ -1,44 +1,10 @@
 """storage.py against the local filesystem and a gcp-storage-emulator on 127.0.0.1."""
 import os
-import socket
 import stat
 
 import pytest
 
 from mesh_transformer import storage
-
-# Keep every Google client on loopback (see ../shared/netguard/README.md).
-_LOOPBACK_ENV = {"HTTP_PROXY": "http://127.0.0.1:9", "HTTPS_PROXY": "http://127.0.0.1:9",
-                 "http_proxy": "http://127.0.0.1:9", "https_proxy": "http://127.0.0.1:9",
-                 "NO_PROXY": "127.0.0.1,localhost,::1", "no_proxy": "127.0.0.1,localhost,::1",
-                 "NO_GCE_CHECK": "true", "GCE_METADATA_HOST": "127.0.0.1:9", "GCE_METADATA_IP": "127.0.0.1:9",
-                 "GOOGLE_CLOUD_PROJECT": "mesh-transformer-test"}
-
-
-@pytest.fixture(scope="module")
-def gcs_bucket():
-    """An in-memory GCS emulator on a free loopback port; yields ``gs://test-bucket``."""
-    from gcp_storage_emulator.server import create_server
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = create_server("127.0.0.1", port, in_memory=True)
-    server.start()
-    env = dict(_LOOPBACK_ENV, STORAGE_EMULATOR_HOST=f"http://127.0.0.1:{port}")
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        storage.gcs_client().create_bucket("test-bucket")
-        yield "gs://test-bucket"
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        server.stop()
-
 
 def test_paths():
     assert storage.join("gs://b/dir", "x", "y.npy") == "gs://b/dir/x/y.npy"

@@ -1,0 +1,234 @@
+"""Will it fit? Parameter count, FLOPs and per-device memory of a config on a dp x mp mesh.
+
+    python -m mesh_transformer.plan --config configs/6B_roto_256.json [--dp 32] [--mp 8] [--zero] [--json]
+
+Nothing is allocated: the real sharded train step (`train_step.Trainer.step`, with its donation
+and shardings) is lowered from abstract shapes and compiled ahead of time for dp*mp simulated CPU
+devices. The per-device bytes come from that executable's `memory_analysis()`; the split of its
+arguments into params / optimizer state / batch comes from each leaf's shard shape.
+
+The numbers are XLA:CPU's buffer assignment for our program. TPU and GPU compilers schedule and
+fuse differently, so treat `temporaries` as an estimate; params, opt_state and batch are exact.
+Called as a library, `plan()` compiles for whatever `jax.devices()` are (a real TPU slice gives
+that compiler's numbers).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from mesh_transformer.config import Config, ConfigError, ModelConfig, load_config
+
+GiB = 2**30
+DEVICE_MEMORIES_GIB = (16, 32, 80)  # a TPU v3 core, a TPU v4 chip, an A100/H100
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one training step of `config` costs on a dp x mp mesh (memory per device, in bytes)."""
+
+    n_params: int  # unique trainable parameters, unpadded vocabulary (HF's count)
+    flops_per_token: int  # model FLOPs per trained token (forward + backward, no remat)
+    tokens_per_step: int
+    dp: int
+    mp: int
+    zero: bool
+    platform: str
+    bytes_per_device: dict  # params, opt_state, batch, temporaries, outputs, code, total
+    compiled: dict  # the raw memory_analysis() fields the split was made from
+    compile_seconds: float
+
+    def fits(self, gib: float) -> bool:
+        return self.bytes_per_device["total"] <= gib * GiB
+
+    def to_json(self, device_memories_gib: Sequence[float] = DEVICE_MEMORIES_GIB) -> dict:
+        out = dataclasses.asdict(self)
+        out["flops_per_step"] = self.flops_per_token * self.tokens_per_step
+        out["fits"] = {f"{g:g}": self.fits(g) for g in device_memories_gib}
+        return out
+
+
+# --------------------------------------------------------------------------------------------
+# Counting
+# --------------------------------------------------------------------------------------------
+
+def unique_params(params, model: ModelConfig) -> int:
+    """Number of parameters of a (possibly abstract) Haiku params tree, without vocabulary padding."""
+    from mesh_transformer import parallel
+
+    total = 0
+    for leaves in params.values():
+        for name, leaf in leaves.items():
+            axes = parallel.leaf_axes(name, leaf.ndim)
+            total += math.prod(model.n_vocab if axis == "vocab" else n for axis, n in zip(axes, leaf.shape))
+    return total
+
+
+def shard_bytes(tree, shardings) -> int:
+    """Bytes one device holds of `tree` (arrays or ShapeDtypeStructs) laid out by `shardings`."""
+    import jax
+
+    sizes = jax.tree.map(lambda x, s: math.prod(s.shard_shape(x.shape)) * x.dtype.itemsize, tree, shardings)
+    return sum(jax.tree.leaves(sizes))
+
+
+def _compiled_stats(compiled) -> dict:
+    stats = compiled.memory_analysis()
+    fields = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes",
+              "temp_size_in_bytes", "generated_code_size_in_bytes")
+    return {f: int(getattr(stats, f)) for f in fields}
+
+
+def mesh_shape(config: Config, dp: Optional[int] = None, mp: Optional[int] = None) -> tuple[int, int]:
+    """(dp, mp): mp defaults to cores_per_replica, dp to tpu_size // mp (1 without tpu_size)."""
+    t = config.train
+    mp = t.cores_per_replica if mp is None else mp
+    if mp <= 0 or (dp is not None and dp <= 0):
+        raise ConfigError(f"--dp and --mp must be positive, got dp={dp} mp={mp}")
+    if dp is None:
+        if t.tpu_size is not None and t.tpu_size % mp:
+            raise ConfigError(f"config key 'tpu_size': {t.tpu_size} devices do not split into mp={mp} groups")
+        dp = t.tpu_size // mp if t.tpu_size is not None else 1
+    return dp, mp
+
+
+# --------------------------------------------------------------------------------------------
+# Planning
+# --------------------------------------------------------------------------------------------
+
+def plan(config: Config, dp: int, mp: int, zero: Optional[bool] = None, devices=None) -> Plan:
+    """Compile the train step for a dp x mp mesh of `devices` (default: the first dp*mp of jax.devices())."""
+    import jax
+
+    from mesh_transformer import parallel
+    from mesh_transformer.train_step import Trainer
+
+    if zero is not None:
+        config = dataclasses.replace(config, train=dataclasses.replace(config.train, zero=zero))
+    trainer = Trainer(config, parallel.make_mesh(mp, dp, devices))
+    state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                         trainer.abstract_state, trainer.state_shardings)
+    batch = trainer.abstract_batch()
+    start = time.perf_counter()
+    compiled = trainer.step.lower(state, batch).compile()
+    seconds = time.perf_counter() - start
+
+    stats = _compiled_stats(compiled)
+    params = shard_bytes(trainer.abstract_state.params, trainer.state_shardings.params)
+    # The optimizer's moments plus the 4-byte step counter: the rest of the donated TrainState.
+    opt_state = shard_bytes((trainer.abstract_state.opt_state, trainer.abstract_state.step),
+                            (trainer.state_shardings.opt_state, trainer.state_shardings.step))
+    memory = {
+        "params": params,
+        "opt_state": opt_state,
+        "batch": shard_bytes(batch, jax.tree.map(lambda b: b.sharding, batch)),
+        "temporaries": stats["temp_size_in_bytes"],
+        # Outputs that do not reuse a donated buffer (the metrics).
+        "outputs": stats["output_size_in_bytes"] - stats["alias_size_in_bytes"],
+        "code": stats["generated_code_size_in_bytes"],
+    }
+    memory["total"] = sum(memory.values())
+    m, t = config.model, config.train
+    return Plan(
+        n_params=unique_params(trainer.abstract_state.params, m),
+        flops_per_token=m.flops_per_token(),
+        tokens_per_step=t.gradient_accumulation_steps * trainer.global_batch * m.seq,
+        dp=dp, mp=mp, zero=config.train.zero,
+        platform=trainer.mesh.devices.flat[0].platform,
+        bytes_per_device=memory, compiled=stats, compile_seconds=round(seconds, 2))
+
+
+# --------------------------------------------------------------------------------------------
+# CLI
+# --------------------------------------------------------------------------------------------
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m mesh_transformer.plan", description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", required=True, help="JSON config (original mesh-transformer-jax keys)")
+    p.add_argument("--dp", type=int, help="data-parallel size (default: tpu_size // mp, or 1)")
+    p.add_argument("--mp", type=int, help="model-parallel size (default: cores_per_replica)")
+    p.add_argument("--zero", action=argparse.BooleanOptionalAction, default=None,
+                   help="shard params and optimizer state over dp too (default: the config's 'zero')")
+    p.add_argument("--device-memory", type=float, action="append", metavar="GIB",
+                   help=f"report whether the step fits in GIB per device (repeatable; default {DEVICE_MEMORIES_GIB})")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    return p
+
+
+def _simulate_cpu_devices(n: int) -> None:
+    """Ask XLA for n host devices; only effective before jax is imported."""
+    flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", os.environ.get("XLA_FLAGS", ""))
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+    os.environ["JAX_PLATFORMS"] = "cpu"
+
+
+def _have_devices(n: int) -> bool:
+    """Whether this process can plan on n devices (jax not yet imported: it will, see above)."""
+    if "jax" not in sys.modules:
+        _simulate_cpu_devices(n)
+        return True
+    return sys.modules["jax"].device_count() >= n
+
+
+def _run_fresh(argv: Sequence[str]) -> int:
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
+    return subprocess.run([sys.executable, "-m", "mesh_transformer.plan", *argv], env=env).returncode
+
+
+def _bytes(n: int) -> str:
+    for unit, size in (("GiB", GiB), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:8.2f} {unit}"
+    return f"{n:8d} B"
+
+
+def format_plan(result: Plan, config_path: str, device_memories_gib: Sequence[float]) -> str:
+    b = result.bytes_per_device
+    rows = [
+        ("config", config_path),
+        ("mesh", f"dp={result.dp} x mp={result.mp} = {result.dp * result.mp} {result.platform} devices, "
+                 f"zero={result.zero}"),
+        ("parameters", f"{result.n_params:,} ({result.n_params / 1e9:.2f} B, unique, unpadded vocab)"),
+        ("FLOPs/token", f"{result.flops_per_token:,} ({result.flops_per_token / 1e9:.1f} GFLOP, training)"),
+        ("tokens/step", f"{result.tokens_per_step:,}"),
+        ("per device", ""),
+        *((f"  {k}", _bytes(v)) for k, v in b.items()),
+        ("fits", "   ".join(f"{g:g} GiB: {'yes' if result.fits(g) else 'no'}" for g in device_memories_gib)),
+        ("compiled in", f"{result.compile_seconds:.1f} s"),
+    ]
+    return "\n".join(f"{k:<14} {v}".rstrip() for k, v in rows)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = _parser().parse_args(argv)
+    memories = args.device_memory or DEVICE_MEMORIES_GIB
+    try:
+        config = load_config(args.config)
+        dp, mp = mesh_shape(config, args.dp, args.mp)
+        if not _have_devices(dp * mp):
+            # jax is already up with too few devices (we were called as a library): start afresh.
+            return _run_fresh(argv)
+        result = plan(config, dp, mp, args.zero)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(result.to_json(memories), indent=2))
+    else:
+        print(format_plan(result, args.config, memories))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
