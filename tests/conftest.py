@@ -7,7 +7,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 for key, value in {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "NO_GCE_CHECK": "true",
                    "GCE_METADATA_HOST": "127.0.0.1:9", "GCE_METADATA_IP": "127.0.0.1:9",
                    "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled",
-                   "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}.items():
+                   "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}.items():
     os.environ.setdefault(key, value)
 
 import pytest  # noqa: E402  (after the environment is set, before jax is imported by tests)
