@@ -193,6 +193,11 @@ class CheckpointManager:
         self._check_fingerprints(step, {"params": params})
         return params
 
+    def holds_optimizer_state(self, step: Optional[int] = None) -> bool:
+        """Whether `step` is a whole train state, not only parameters (as weight imports write)."""
+        step = self._resolve(step)
+        return any(k.startswith("opt_state") for k in _flatten(self._saved_tree(step)))
+
     def extras(self, step: Optional[int] = None) -> dict:
         """The JSON extras of `step` alone (cheap: reads no arrays)."""
         step = self._resolve(step)

@@ -247,3 +247,62 @@ def save_hf(params, config: ModelConfig, path: str | os.PathLike, dtype: str = "
         (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     (path / "config.json").write_text(json.dumps(config_to_hf(config, torch_dtype), indent=2))
     return path
+
+
+# --------------------------------------------------------------------------------------------
+# Whole-directory conversions (from_hf_weights.py / to_hf_weights.py)
+# --------------------------------------------------------------------------------------------
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "special_tokens_map.json")
+
+
+def hf_to_checkpoint(hf_dir: str, ckpt_dir: str, train=None) -> int:
+    """Import a HF GPT-J directory as a params-only checkpoint (step 0) with its config and tokenizer.
+
+    `train`: the TrainConfig to record beside the model (defaults otherwise). Returns the parameter count.
+    """
+    import jax
+    from mesh_transformer import storage
+    from mesh_transformer.checkpoint import CheckpointManager
+    from mesh_transformer.config import Config, TrainConfig
+
+    model_config, params = load_hf(hf_dir)
+    config = Config(model_config, train or TrainConfig())
+    cpu = jax.devices("cpu")[0]
+    params = jax.tree.map(lambda x: jax.device_put(x, cpu), params)
+    with CheckpointManager(ckpt_dir, config=config, async_save=False) as ckpt:
+        ckpt.save(0, {"params": params}, extras={"imported_from": str(hf_dir)}, wait=True)
+    for name in TOKENIZER_FILES:
+        source = Path(hf_dir) / name
+        if source.exists():
+            storage.write_bytes(storage.join(ckpt_dir, name), source.read_bytes())
+    return model_config.n_params()
+
+
+def checkpoint_to_hf(ckpt_dir: str, out_dir: str, dtype: str = "fp16", step=None, max_shard_bytes: int = 2 << 30) -> Path:
+    """Export the params of a checkpoint (latest step by default) as a HF GPT-J directory.
+
+    Parameters are restored unsharded on the host CPU once, then written tensor by tensor.
+    """
+    import jax
+    from jax.sharding import SingleDeviceSharding
+    from mesh_transformer import model as gptj
+    from mesh_transformer import storage
+    from mesh_transformer.checkpoint import CheckpointError, CheckpointManager
+    from mesh_transformer.config import config_from_dict
+
+    ckpt = CheckpointManager(ckpt_dir, read_only=True)
+    saved = ckpt.saved_config(step)
+    if saved is None:
+        raise CheckpointError(f"{ckpt_dir}: the checkpoint holds no config; cannot tell the model's shape")
+    config = config_from_dict(saved).model
+    cpu = SingleDeviceSharding(jax.devices("cpu")[0])
+    abstract = jax.eval_shape(lambda: gptj.build(config).init(jax.random.key(0), jax.numpy.zeros((1, 1), "int32")))
+    params = ckpt.restore_params(step, abstract_params=abstract, target_shardings=jax.tree.map(lambda _: cpu, abstract),
+                                 check_config=False)
+    out = save_hf(params, config, out_dir, dtype=dtype, max_shard_bytes=max_shard_bytes)
+    for name in TOKENIZER_FILES:
+        source = storage.join(ckpt_dir, name)
+        if storage.exists(source):
+            (out / name).write_bytes(storage.read_bytes(source))
+    return out

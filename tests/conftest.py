@@ -12,38 +12,66 @@ for key, value in {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "NO_GCE_C
 
 import pytest  # noqa: E402  (after the environment is set, before jax is imported by tests)
 
-from mesh_transformer import storage  # noqa: E402
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
-# Keep every Google client on loopback (see ../shared/netguard/README.md).
-_LOOPBACK_ENV = {"HTTP_PROXY": "http://127.0.0.1:9", "HTTPS_PROXY": "http://127.0.0.1:9",
-                 "http_proxy": "http://127.0.0.1:9", "https_proxy": "http://127.0.0.1:9",
-                 "NO_PROXY": "127.0.0.1,localhost,::1", "no_proxy": "127.0.0.1,localhost,::1",
-                 "NO_GCE_CHECK": "true", "GCE_METADATA_HOST": "127.0.0.1:9", "GCE_METADATA_IP": "127.0.0.1:9",
-                 "GOOGLE_CLOUD_PROJECT": "mesh-transformer-test"}
+
+def _reset_gcs_clients():
+    """Drop cached GCS clients so the next gs:// access reads the emulator settings in os.environ."""
+    import fsspec
+    import gcsfs
+    from etils.epath import backend
+    from orbax.checkpoint._src.path import gcs_utils
+
+    # gcsfs's default class asks a gRPC control plane (not loopback, not covered by the netguard)
+    # what kind of bucket this is; the plain class only speaks the JSON API to the emulator.
+    for protocol in ("gs", "gcs"):
+        fsspec.register_implementation(protocol, gcsfs.core.GCSFileSystem, clobber=True)
+    fsspec.config.conf["gs"] = {"token": "anon"}
+    gcsfs.core.GCSFileSystem.clear_instance_cache()
+    backend._FileSystemSpecBackend._get_filesystem.cache_clear()
+    gcs_utils.get_bucket.cache_clear()
 
 
 @pytest.fixture(scope="session")
 def gcs_bucket():
-    """An in-memory GCS emulator on a free loopback port; yields ``gs://test-bucket``."""
-    from gcp_storage_emulator.server import create_server
+    """gs://test-bucket on an in-memory gcp-storage-emulator at 127.0.0.1, for every GCS client we use
+    (google-cloud-storage, smart_open, gcsfs/orbax, tensorstore), with anonymous credentials."""
+    import subprocess
+    import sys
+    import time
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = create_server("127.0.0.1", port, in_memory=True)
-    server.start()
-    env = dict(_LOOPBACK_ENV, STORAGE_EMULATOR_HOST=f"http://127.0.0.1:{port}")
+    port, bucket = _free_port(), "test-bucket"
+    url = f"http://127.0.0.1:{port}"
+    env = {"STORAGE_EMULATOR_HOST": url, "TENSORSTORE_GCS_HTTP_URL": url, "GOOGLE_AUTH_TOKEN_FOR_TESTING": "x",
+           "GOOGLE_CLOUD_PROJECT": "mesh-transformer-test", "FSSPEC_GS_TOKEN": "anon",
+           "HTTP_PROXY": "http://127.0.0.1:9", "HTTPS_PROXY": "http://127.0.0.1:9",
+           "http_proxy": "http://127.0.0.1:9", "https_proxy": "http://127.0.0.1:9",
+           "NO_PROXY": "127.0.0.1,localhost,::1", "no_proxy": "127.0.0.1,localhost,::1"}
     saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
+    server = subprocess.Popen([sys.executable, "-m", "gcp_storage_emulator", "start", "--host", "127.0.0.1",
+                               "--port", str(port), "--in-memory", "--default-bucket", bucket, "-q"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        storage.gcs_client().create_bucket("test-bucket")
-        yield "gs://test-bucket"
+        deadline = time.time() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+                break
+            except OSError:
+                assert time.time() < deadline and server.poll() is None, "the storage emulator did not start"
+                time.sleep(0.1)
+        os.environ.update(env)
+        _reset_gcs_clients()
+        yield f"gs://{bucket}"
     finally:
+        server.kill()
+        server.wait()
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-        server.stop()
-
-
+        _reset_gcs_clients()

@@ -306,64 +306,6 @@ def test_killed_save_leaves_previous_checkpoint_local(tmp_path):
 # gs:// against a local emulator (loopback only)
 # --------------------------------------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _reset_gcs_clients():
-    """Drop cached GCS clients so the next gs:// access reads the emulator settings in os.environ."""
-    import fsspec
-    import gcsfs
-    from etils.epath import backend
-    from orbax.checkpoint._src.path import gcs_utils
-
-    # gcsfs's default class asks a gRPC control plane (not loopback, not covered by the netguard)
-    # what kind of bucket this is; the plain class only speaks the JSON API to the emulator.
-    for protocol in ("gs", "gcs"):
-        fsspec.register_implementation(protocol, gcsfs.core.GCSFileSystem, clobber=True)
-    fsspec.config.conf["gs"] = {"token": "anon"}
-    gcsfs.core.GCSFileSystem.clear_instance_cache()
-    backend._FileSystemSpecBackend._get_filesystem.cache_clear()
-    gcs_utils.get_bucket.cache_clear()
-
-
-@pytest.fixture(scope="module")
-def gcs_bucket():
-    """An in-memory gcp-storage-emulator on 127.0.0.1; yields a bucket name."""
-    port, bucket = _free_port(), "ckpt-test"
-    url = f"http://127.0.0.1:{port}"
-    env = {"STORAGE_EMULATOR_HOST": url, "TENSORSTORE_GCS_HTTP_URL": url, "GOOGLE_AUTH_TOKEN_FOR_TESTING": "x",
-           "GOOGLE_CLOUD_PROJECT": "test", "FSSPEC_GS_TOKEN": "anon", "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
-           "NO_PROXY": "127.0.0.1,localhost,::1", "no_proxy": "127.0.0.1,localhost,::1"}
-    saved = {k: os.environ.get(k) for k in env}
-    server = subprocess.Popen([sys.executable, "-m", "gcp_storage_emulator", "start", "--host", "127.0.0.1",
-                               "--port", str(port), "--in-memory", "--default-bucket", bucket, "-q"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.time() + 30
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-                break
-            except OSError:
-                assert time.time() < deadline and server.poll() is None, "the storage emulator did not start"
-                time.sleep(0.1)
-        os.environ.update(env)
-        _reset_gcs_clients()
-        yield bucket
-    finally:
-        server.kill()
-        server.wait()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        _reset_gcs_clients()
-
-
 def _blobs(prefix: str) -> list[str]:
     from google.auth.credentials import AnonymousCredentials
     from google.cloud import storage
@@ -374,7 +316,7 @@ def _blobs(prefix: str) -> list[str]:
 
 
 def test_gcs_round_trip(gcs_bucket):
-    directory = f"gs://{gcs_bucket}/roundtrip"
+    directory = f"{gcs_bucket}/roundtrip"
     state = _small_state(seed=3)
     with CheckpointManager(directory, keep_last=1) as ckpt:
         ckpt.save(10, state, {"train_loader": {"epoch": 1}})
@@ -392,7 +334,7 @@ def test_gcs_round_trip(gcs_bucket):
 
 
 def test_killed_save_leaves_previous_checkpoint_gcs(gcs_bucket):
-    directory = f"gs://{gcs_bucket}/killed"
+    directory = f"{gcs_bucket}/killed"
     _kill_mid_save(directory, 250_000, lambda: bool(_blobs(f"{directory}/step_2/")))
     left = _blobs(f"{directory}/step_2/")
     assert left and "killed/step_2/commit_success.txt" not in left  # partly written, never committed

@@ -1,0 +1,37 @@
+"""Import a Hugging Face GPT-J directory as a mesh-transformer checkpoint (params, config, tokenizer).
+
+    python from_hf_weights.py --input-hf ./gpt-j-6b --output-ckpt gs://bucket/gptj6b_base
+    python device_train.py --config my_finetune.json --tune-model-path gs://bucket/gptj6b_base
+
+The checkpoint is params-only (step 0); fine-tuning from it starts a fresh optimizer. --config
+records training keys (mesh, schedule, ...) beside the imported model shape.
+"""
+import argparse
+import sys
+
+from mesh_transformer import remote
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--input-hf", required=True, help="HF GPT-J directory (local or gs://)")
+    p.add_argument("--output-ckpt", required=True, help="checkpoint directory to create (local or gs://)")
+    p.add_argument("--config", help="JSON config whose training keys to record (model keys come from the HF config)")
+    args = p.parse_args(argv)
+    from mesh_transformer import hf
+    from mesh_transformer.checkpoint import CheckpointError
+    from mesh_transformer.config import ConfigError, load_config
+
+    try:
+        train = load_config(args.config).train if args.config else None
+        with remote.local_copy(args.input_hf) as local_hf:
+            n = hf.hf_to_checkpoint(local_hf, args.output_ckpt, train)
+    except (ConfigError, CheckpointError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"imported {n:,} parameters from {args.input_hf} into {args.output_ckpt}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
