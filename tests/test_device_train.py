@@ -1,0 +1,147 @@
+"""device_train.py end to end, as a user runs it: subprocesses, real signals, real checkpoints."""
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from mesh_transformer.checkpoint import CheckpointManager
+from mesh_transformer.config import load_config
+from mesh_transformer.train_step import Trainer
+from tests.helpers import make_hf_gptj, mesh
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODEL = dict(layers=2, d_model=32, n_heads=4, n_vocab=50257, seq=32, pe_rotary_dims=4, compute_dtype="float32",
+             remat="none")
+TRAIN = dict(cores_per_replica=2, tpu_size=8, per_replica_batch=2, warmup_steps=2, anneal_steps=20, lr=3e-3,
+             end_lr=3e-4, total_steps=6, ckpt_every=2, name="test")
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    out = tmp_path_factory.mktemp("data")
+    for src, name in [("data/corpus/stories.txt", "train"), ("data/val/stories.txt", "val")]:
+        subprocess.run([sys.executable, "create_finetune_dataset.py", src, name, "--output-dir", str(out), "--seq", "32"],
+                       cwd=ROOT, check=True, capture_output=True)
+    return out
+
+
+def write_config(path, dataset, **overrides):
+    config = {**MODEL, **TRAIN, "train_set": str(dataset / "train.index.json"),
+              "val_set": {"held_out": str(dataset / "val.index.json")}, "model_dir": str(path / "ckpt"), **overrides}
+    (path / "config.json").write_text(json.dumps(config))
+    return path / "config.json"
+
+
+def device_train(config, *args, wait=True, **kwargs):
+    cmd = [sys.executable, "device_train.py", "--config", str(config), "--cpu-devices", "8", "--no-tensorboard",
+           "--log-dir", str(config.parent / "logs"), *args]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kwargs)
+    if not wait:
+        return proc
+    out, _ = proc.communicate(timeout=600)
+    return proc.returncode, out
+
+
+def final_params(config_path, step=None):
+    config = load_config(config_path)
+    trainer = Trainer(config, mesh(1, 1))
+    ckpt = CheckpointManager(config.train.model_dir, read_only=True)
+    params = ckpt.restore_params(step, abstract_params=trainer.abstract_state.params,
+                                 target_shardings=trainer.state_shardings.params)
+    return jax.device_get(params)
+
+
+def metrics(config_path):
+    with open(config_path.parent / "logs" / "metrics.jsonl") as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(dataset, tmp_path_factory):
+    path = tmp_path_factory.mktemp("reference")
+    config = write_config(path, dataset, val_every=3)
+    code, out = device_train(config)
+    assert code == 0, out
+    return config, out
+
+
+def test_trains_validates_checkpoints_and_logs(uninterrupted):
+    config, out = uninterrupted
+    rows = metrics(config)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert rows[-1]["train/loss"] < rows[0]["train/loss"] - 0.3
+    assert [r["step"] for r in rows if "val/loss_held_out" in r] == [3, 6]
+    assert rows[-1]["tokens_processed"] == 6 * 8 * 32 and rows[0]["learning_rate"] == 0.0
+    ckpt = CheckpointManager(load_config(config).train.model_dir, read_only=True)
+    assert ckpt.all_steps() == [4, 6]  # ckpt_every 2, keep the last 2
+    assert ckpt.extras()["train_loader"]["position"] == 6 * 8
+
+
+def test_kill_during_checkpoint_save_then_resume_matches_uninterrupted(uninterrupted, dataset, tmp_path):
+    reference_config, _ = uninterrupted
+    config = write_config(tmp_path, dataset, val_every=3)
+    ckpt_dir = str(tmp_path / "ckpt")
+    proc = device_train(config, wait=False)
+    deadline = time.time() + 300
+    while not glob.glob(f"{ckpt_dir}/step_4.orbax-checkpoint-tmp*"):  # the step-4 save is being written
+        assert proc.poll() is None and time.time() < deadline, proc.stdout.read()
+        time.sleep(0.002)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    ckpt = CheckpointManager(ckpt_dir, read_only=True)
+    assert ckpt.all_steps() == [2]  # the half-written step 4 is never picked
+    code, out = device_train(config)
+    assert code == 0 and "step 2 of 6" in out, out
+    ours, reference = final_params(config), final_params(reference_config)
+    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(reference)):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
+
+
+def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(dataset, tmp_path):
+    config = write_config(tmp_path, dataset, lr=1e30, end_lr=1e30, warmup_steps=0, ckpt_every=1, total_steps=20)
+    code, out = device_train(config)
+    assert code == 2 and ("loss is nan" in out or "loss is inf" in out), out
+    ckpt = CheckpointManager(str(tmp_path / "ckpt"), read_only=True)
+    last_good = ckpt.latest_step()
+    assert last_good is not None and f"last good checkpoint: step {last_good}" in out
+    params = final_params(config, last_good)
+    assert all(np.isfinite(x).all() for x in jax.tree.leaves(params))
+
+
+def test_ctrl_c_saves_a_checkpoint(dataset, tmp_path):
+    config = write_config(tmp_path, dataset, total_steps=10_000, ckpt_every=0)
+    proc = device_train(config, wait=False)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith("step 3/"):
+            proc.send_signal(signal.SIGINT)
+            break
+    out = "".join(lines) + proc.communicate(timeout=120)[0]
+    assert proc.returncode == 0, out
+    steps = CheckpointManager(str(tmp_path / "ckpt"), read_only=True).all_steps()
+    assert len(steps) == 1 and 3 <= steps[0] < 10_000 and f"interrupted: saving step {steps[0]}" in out
+
+
+def test_fine_tune_from_hf_lowers_loss(dataset, tmp_path):
+    make_hf_gptj(tmp_path / "hf", vocab_size=50257, n_embd=32, n_layer=2, n_head=4, rotary_dim=4, n_positions=64)
+    config = write_config(tmp_path, dataset, total_steps=8, warmup_steps=0, lr=1e-2, val_every=8)
+    code, out = device_train(config, "--hf", str(tmp_path / "hf"))
+    assert code == 0, out
+    rows = metrics(config)
+    assert rows[0]["learning_rate"] == pytest.approx(1e-2)  # fresh schedule, no warmup
+    assert rows[-1]["train/loss"] < rows[0]["train/loss"] - 1.0
+    assert rows[-1]["val/loss_held_out"] < rows[0]["train/loss"]
+
+
+def test_bad_config_is_one_clear_line(tmp_path):
+    (tmp_path / "c.json").write_text(json.dumps({**MODEL, "layres": 3}))
+    code, out = device_train(tmp_path / "c.json")
+    assert code == 2 and out.strip().endswith("unknown config key 'layres' (did you mean 'layers'?)"), out
