@@ -188,11 +188,12 @@ class GPTJ(hk.Module):
         super().__init__(name=name)
         self.config, self.padded_vocab = config, padded_vocab
 
-    def __call__(self, tokens, cache: Optional[KVCache] = None):
+    def __call__(self, tokens, cache: Optional[KVCache] = None, last_only: bool = False):
         """tokens [B, T] (int) -> (logits [B, T, V/mp] float32, this shard's vocabulary slice; new cache).
 
         Without a cache the T tokens are positions 0..T-1 under a causal mask (training). With a
         cache they go into slots cache.index .. index+T-1 and attend to every earlier valid slot.
+        `last_only` computes logits for the last position only ([B, 1, V/mp]; prefill).
         """
         c = self.config
         positions, mask = _positions_and_mask(tokens.shape, cache)
@@ -210,7 +211,8 @@ class GPTJ(hk.Module):
             layer = hk.remat(layer, policy=REMAT_POLICIES[c.remat])
         per_layer = None if cache is None else (cache.k, cache.v)
         x, kv = hk.layer_stack(c.layers, with_per_layer_inputs=True, name="layers")(layer)(x, per_layer)
-        logits = LMHead(c, self.padded_vocab)(Norm(c, name="ln_f")(x))
+        x = Norm(c, name="ln_f")(x)
+        logits = LMHead(c, self.padded_vocab)(x[:, -1:] if last_only else x)
         if cache is None:
             return logits, None
         return logits, KVCache(kv[0], kv[1], cache.start, cache.index + tokens.shape[1])
@@ -230,9 +232,11 @@ def _positions_and_mask(shape, cache: Optional[KVCache]):
 
 
 def build(config: ModelConfig, mp: int = 1) -> hk.Transformed:
-    """The Haiku-transformed model: `init(rng, tokens)` -> params; `apply(params, tokens, cache=None)` -> (logits, cache).
+    """The Haiku-transformed model: `init(rng, tokens)` -> params;
+    `apply(params, tokens, cache=None, last_only=False)` -> (logits, cache).
 
     `mp` only decides the vocabulary padding (see `ModelConfig.padded_vocab`).
     """
     padded = config.padded_vocab(mp)
-    return hk.without_apply_rng(hk.transform(lambda tokens, cache=None: GPTJ(config, padded)(tokens, cache)))
+    return hk.without_apply_rng(hk.transform(
+        lambda tokens, cache=None, last_only=False: GPTJ(config, padded)(tokens, cache, last_only)))

@@ -194,6 +194,11 @@ def psum_mp(x):
     return jax.lax.psum(x, MP) if _bound(MP) else x
 
 
+def all_gather_mp(x, axis: int = -1):
+    """Concatenate the mp shards of `x` along `axis`; every shard gets the same whole array."""
+    return jax.lax.all_gather(x, MP, axis=axis, tiled=True, to="invarying") if _bound(MP) else x
+
+
 def pmax_mp(x):
     return jax.lax.pmax(x, MP) if _bound(MP) else x
 

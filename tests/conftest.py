@@ -75,3 +75,19 @@ def gcs_bucket():
             else:
                 os.environ[k] = v
         _reset_gcs_clients()
+
+
+@pytest.fixture(scope="session")
+def tiny(tmp_path_factory):
+    """A random tiny HF GPT-J with its own tokenizer saved beside it (generation and serving tests)."""
+    from tests.helpers import Tiny
+    return Tiny(tmp_path_factory.mktemp("tiny_gptj"))
+
+
+@pytest.fixture(scope="session")
+def gen(tiny):
+    """The tiny model on one device (fp32), loaded the way the tools load it; compiled programs are shared."""
+    from mesh_transformer import loading
+    from mesh_transformer.generate import Generator
+    model = loading.load(hf=str(tiny.path), mp=1, dp=1, dtype="float32")
+    return Generator(model.config, model.params, model.mesh)

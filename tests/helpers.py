@@ -58,3 +58,45 @@ def max_abs_diff(a, b) -> float:
 
 
 replace = dataclasses.replace
+
+
+NEW = 16
+CORPUS = ["The quick brown fox jumps over the lazy dog.", "Pack my box with five dozen liquor jugs!",
+          "How vexingly quick daft zebras jump; sphinx of black quartz, judge my vow.",
+          "def main():\n    return 42\n", "0123456789 naïve café — ünïcödé"] * 20
+
+
+class Tiny:
+    """A random tiny GPT-J with its own byte-level BPE tokenizer saved beside the weights."""
+
+    def __init__(self, path):
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+        from transformers import PreTrainedTokenizerFast
+
+        bpe = Tokenizer(models.BPE())
+        bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        bpe.decoder = decoders.ByteLevel()
+        bpe.train_from_iterator(CORPUS, trainers.BpeTrainer(
+            vocab_size=300, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+        tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>")
+        tokenizer.save_pretrained(path)
+        # initializer_range 0.2: peaked logits, so greedy choices are not near-ties that 1e-7 noise could flip
+        self.torch = make_hf_gptj(path, vocab_size=len(tokenizer), n_positions=32, n_embd=32, n_layer=2, n_head=4,
+                                  rotary_dim=4, initializer_range=0.2, bos_token_id=tokenizer.eos_token_id,
+                                  eos_token_id=tokenizer.eos_token_id)
+        self.path, self.tokenizer, self.eos = path, tokenizer, tokenizer.eos_token_id
+
+    def hf_greedy(self, prompt: list[int], new: int = NEW, eos: bool = False):
+        """(tokens, log p of each) from transformers' generate(do_sample=False)."""
+        import torch
+        out = self.torch.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                  do_sample=False, max_new_tokens=new, eos_token_id=self.eos if eos else None,
+                                  pad_token_id=self.eos, output_scores=True, return_dict_in_generate=True)
+        tokens = out.sequences[0, len(prompt):].tolist()
+        scores = torch.stack(out.scores, 1)[0].log_softmax(-1)
+        return tokens, scores[torch.arange(len(tokens)), torch.tensor(tokens)].numpy()
+
+    def hf_logits(self, tokens: list[int]) -> np.ndarray:
+        import torch
+        with torch.no_grad():
+            return self.torch(torch.tensor([tokens])).logits[0].numpy()

@@ -1,0 +1,154 @@
+"""Decode speed: our Generator vs transformers' `generate` (torch, KV cache on), same weights, same run.
+
+    python bench/decode.py                                   # random 4-layer d_model 512 GPT-J, CPU
+    python bench/decode.py --hf ./gpt-j-6b --batches 1 16 --dtypes bfloat16 --new 128
+
+Prints the machine's memory copy bandwidth, and for batch 1 the memory-bandwidth bound on decode
+(every step reads every weight but the embedding table once: those bytes / bandwidth) with our share of it. Decode time
+excludes the prompt: ours is timed around the compiled decode loop alone (after a warm-up run that
+compiles it); transformers' is generate(new tokens) - generate(1 token).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+
+
+def copy_bandwidth(mbytes: int = 256, repeats: int = 5) -> float:
+    """GB/s of a large numpy copy, counting bytes read + written (best of `repeats`)."""
+    src = np.ones(mbytes * 2**20 // 8)
+    dst = np.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - t)
+    return 2 * src.nbytes / best / 1e9
+
+
+def make_random_gptj(path, layers=4, d_model=512, heads=8, vocab=50400, seq=2048, seed=0):
+    """Save a random GPT-J (GPT-2 tokenizer sized vocabulary) to `path`; return the torch model."""
+    import torch
+    from transformers import GPTJConfig, GPTJForCausalLM
+
+    torch.manual_seed(seed)
+    config = GPTJConfig(vocab_size=vocab, n_positions=seq, n_embd=d_model, n_layer=layers, n_head=heads,
+                        rotary_dim=min(64, d_model // heads), bos_token_id=50256, eos_token_id=50256)
+    model = GPTJForCausalLM(config).eval()
+    model.save_pretrained(path)
+    return model
+
+
+def bench_ours(model, batch: int, prompt_len: int, new: int, repeats: int):
+    from mesh_transformer.generate import Batch, Generator, SamplingOptions
+
+    gen = Generator(model.config, model.params, model.mesh)
+    rng = np.random.RandomState(0)
+    options = SamplingOptions(max_new_tokens=new, temperature=0.0)
+
+    def once():
+        seqs = gen.sequences(rng.randint(0, 50000, (batch, prompt_len)).tolist(), options)
+        b = Batch.for_sequences(gen, seqs, chunk=None)
+        t0 = time.perf_counter()
+        b.admit(seqs)
+        t1 = time.perf_counter()
+        b.step()  # the whole decode loop: one compiled call
+        t2 = time.perf_counter()
+        assert all(len(s.tokens) == new for s in seqs)
+        return t1 - t0, t2 - t1
+
+    once()  # compile
+    prefill, decode = min(once() for _ in range(repeats))
+    return {"prefill_s": prefill, "decode_s": decode, "decode_tok_s": batch * (new - 1) / decode}
+
+
+def bench_hf(torch_model, batch: int, prompt_len: int, new: int, repeats: int, dtype: str):
+    import torch
+
+    model = torch_model.to(getattr(torch, dtype))
+    tokens = torch.randint(0, 50000, (batch, prompt_len), generator=torch.Generator().manual_seed(0))
+
+    def run(n):
+        t = time.perf_counter()
+        with torch.no_grad():
+            out = model.generate(tokens, attention_mask=torch.ones_like(tokens), do_sample=False, use_cache=True,
+                                 max_new_tokens=n, min_new_tokens=n, pad_token_id=0)
+        assert out.shape[1] == prompt_len + n
+        return time.perf_counter() - t
+
+    run(2)
+    decode = min(run(new) for _ in range(repeats)) - min(run(1) for _ in range(repeats))
+    return {"decode_s": decode, "decode_tok_s": batch * (new - 1) / decode}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--hf", help="a HF GPT-J directory (default: a random model, see --layers/--d-model)")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--d-model", type=int, default=512)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--prompt", type=int, default=32, help="prompt tokens")
+    parser.add_argument("--new", type=int, default=64, help="new tokens per sequence")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--no-hf", action="store_true", help="skip transformers")
+    parser.add_argument("--out", help="write the results as JSON here")
+    args = parser.parse_args(argv)
+
+    import jax
+    import torch
+    from transformers import GPTJForCausalLM
+
+    from mesh_transformer import loading, parallel
+
+    bandwidth = copy_bandwidth()
+    print(f"devices: {jax.devices()}  torch threads: {torch.get_num_threads()}")
+    print(f"memory copy bandwidth (read + write): {bandwidth:.1f} GB/s")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = args.hf or tmp
+        torch_model = (GPTJForCausalLM.from_pretrained(path).eval() if args.hf
+                       else make_random_gptj(tmp, args.layers, args.d_model, args.heads))
+        results = []
+        for dtype in args.dtypes:
+            model = loading.load(hf=path, mp=1, dp=1, dtype=dtype)
+            # every weight is read once per step, except the embedding table (one row per sequence)
+            weight_bytes = parallel.bytes_of(model.params) - parallel.bytes_of(model.params["gptj/embed"])
+            for batch in args.batches:
+                row = {"dtype": dtype, "batch": batch, "weight_GB": weight_bytes / 1e9,
+                       "ours": bench_ours(model, batch, args.prompt, args.new, args.repeats)}
+                if not args.no_hf:
+                    row["hf"] = bench_hf(torch_model, batch, args.prompt, args.new, args.repeats, dtype)
+                if batch == 1:
+                    row["bound_tok_s"] = bandwidth * 1e9 / weight_bytes
+                    row["ours_pct_of_bound"] = 100 * row["ours"]["decode_tok_s"] / row["bound_tok_s"]
+                results.append(row)
+                print(format_row(row), flush=True)
+            del model
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"bandwidth_GBps": bandwidth, "results": results}, f, indent=2)
+
+
+def format_row(row) -> str:
+    line = (f"{row['dtype']:>9} batch {row['batch']:>3}: ours {row['ours']['decode_tok_s']:9.1f} tok/s "
+            f"(prefill {row['ours']['prefill_s'] * 1e3:.1f} ms)")
+    if "hf" in row:
+        line += f" | transformers {row['hf']['decode_tok_s']:9.1f} tok/s | x{row['ours']['decode_tok_s'] / row['hf']['decode_tok_s']:.2f}"
+    if "bound_tok_s" in row:
+        line += f" | bandwidth bound {row['bound_tok_s']:.1f} tok/s ({row['weight_GB']:.3f} GB read per step): ours {row['ours_pct_of_bound']:.0f}%"
+    return line
+
+
+if __name__ == "__main__":
+    main()

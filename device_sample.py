@@ -1,0 +1,76 @@
+"""Sample from a model: prompts from --prompt or stdin, the completion streamed as it is generated.
+
+    python device_sample.py --hf ./gpt-j-6b --mp 8                      # interactive: one prompt per line
+    echo "The meaning of life is" | python device_sample.py --ckpt gs://bucket/run --temperature 0
+    python device_sample.py --hf ./gpt-j-6b --prompt "Hello" --max-new-tokens 64 --seed 1
+
+Defaults are the original's: 512 tokens, top_p 0.9, temperature 0.75.
+"""
+import argparse
+import sys
+
+from mesh_transformer import loading
+from mesh_transformer.generate import Generator, SamplingOptions
+
+
+def add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("sampling")
+    g.add_argument("--max-new-tokens", "--length", type=int, default=512)
+    g.add_argument("--temperature", "--temp", type=float, default=0.75, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=0.9)
+    g.add_argument("--top-k", type=int, default=0, help="0 = no limit")
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("--presence-penalty", type=float, default=0.0)
+    g.add_argument("--seed", type=int, help="fixed seed: the same prompt gives the same completion")
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--no-eos", action="store_true", help="do not stop at the tokenizer's EOS token")
+    g.add_argument("--chunk", type=int, default=8, help="tokens decoded between prints")
+
+
+def options_from_args(args, tokenizer) -> SamplingOptions:
+    return SamplingOptions(
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+        repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
+        presence_penalty=args.presence_penalty, seed=args.seed, stop=tuple(args.stop),
+        eos_token_id=None if args.no_eos else getattr(tokenizer, "eos_token_id", None))
+
+
+def prompts(args):
+    if args.prompt:
+        yield from args.prompt
+    elif sys.stdin.isatty():
+        while True:
+            try:
+                line = input("Type input: ")
+            except EOFError:
+                return
+            if line.strip():
+                yield line
+    else:
+        yield sys.stdin.read()
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    loading.add_model_args(parser)
+    parser.add_argument("--prompt", action="append", help="prompt (repeatable); default: read stdin")
+    add_sampling_args(parser)
+    args = parser.parse_args(argv)
+
+    model = loading.from_args(args)
+    gen = Generator(model.config, model.params, model.mesh)
+    options = options_from_args(args, model.tokenizer)
+    for text in prompts(args):
+        [seq] = gen.sequences([model.tokenizer.encode(text)], options, model.tokenizer)
+        if seq.truncated:
+            print(f"[prompt truncated: the first {seq.truncated} tokens were dropped to fit the context]",
+                  file=sys.stderr)
+        for _ in gen.stream([seq], chunk=args.chunk):
+            sys.stdout.write(seq.pop_text())
+            sys.stdout.flush()
+        sys.stdout.write(f"\n[{len(seq.tokens)} tokens, finish: {seq.finish_reason}]\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,125 @@
+"""Weights, config and tokenizer for the tools that run a trained model (sample, serve, bench).
+
+    parser = argparse.ArgumentParser(); loading.add_model_args(parser)
+    model = loading.from_args(parser.parse_args())   # LoadedModel(config, params, tokenizer, mesh)
+
+Sources: `--ckpt PATH` (our orbax checkpoint directory, local or gs://, config saved inside;
+`--config` overrides it) or `--hf PATH` (a Hugging Face GPT-J directory). The tokenizer comes from
+`--tokenizer` if given, else from the weights' directory when tokenizer files were saved beside the
+weights, else the bundled GPT-2 BPE. Parameters are placed on a ('dp', 'mp') mesh by the
+MEGATRON table, ready for `generate.Generator`.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import jax
+from jax.sharding import Mesh
+
+from mesh_transformer import parallel
+from mesh_transformer.config import Config, ConfigError, ModelConfig, config_from_dict, load_config
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json")
+
+
+@dataclass
+class LoadedModel:
+    config: ModelConfig
+    params: Any  # Haiku params placed by the MEGATRON table (--hf: in the compute dtype; --ckpt: float32 as saved)
+    tokenizer: Any  # a Hugging Face tokenizer: encode / decode / eos_token_id
+    mesh: Mesh
+    name: str  # for logs and /v1/models: the directory's base name
+
+
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    """The flags every tool that loads a model shares."""
+    group = parser.add_argument_group("model")
+    source = group.add_mutually_exclusive_group(required=True)
+    source.add_argument("--ckpt", help="checkpoint directory written by training (local or gs://)")
+    source.add_argument("--hf", help="Hugging Face GPT-J directory (config.json + safetensors/bin)")
+    group.add_argument("--config", help="JSON config: overrides the checkpoint's; with --hf gives "
+                                        "cores_per_replica and compute_dtype")
+    group.add_argument("--tokenizer", help="'gpt2', a tokenizer directory, or a hub name "
+                                           "(default: files beside the weights, else gpt2)")
+    group.add_argument("--mp", type=int, help="model-parallel devices (default: the config's cores_per_replica, else 1)")
+    group.add_argument("--dp", type=int, help="data-parallel replicas (default: all remaining devices)")
+    group.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                       help="compute dtype (default: the config's, bfloat16)")
+
+
+def from_args(args: argparse.Namespace) -> LoadedModel:
+    return load(ckpt=args.ckpt, hf=args.hf, config=args.config, tokenizer=args.tokenizer,
+                mp=args.mp, dp=args.dp, dtype=args.dtype)
+
+
+def load(ckpt: Optional[str] = None, hf: Optional[str] = None, config: Optional[str] = None,
+         tokenizer: Optional[str] = None, mp: Optional[int] = None, dp: Optional[int] = None,
+         dtype: Optional[str] = None) -> LoadedModel:
+    """Exactly one of `ckpt` / `hf`; see the module docstring."""
+    if (ckpt is None) == (hf is None):
+        raise ConfigError("give exactly one of --ckpt (a training checkpoint) or --hf (a Hugging Face directory)")
+    override = load_config(config) if config else None
+    if hf is not None:
+        return _load_hf(hf, override, tokenizer, mp, dp, dtype)
+    return _load_ckpt(ckpt, override, tokenizer, mp, dp, dtype)
+
+
+def _mesh(mp: Optional[int], dp: Optional[int], train_mp: Optional[int]) -> Mesh:
+    return parallel.make_mesh(mp or train_mp or 1, dp)
+
+
+def _load_hf(path, override: Optional[Config], tokenizer, mp, dp, dtype) -> LoadedModel:
+    from mesh_transformer import hf
+
+    mesh = _mesh(mp, dp, override.train.cores_per_replica if override else None)
+    dtype = dtype or (override.model.compute_dtype if override else "bfloat16")
+    config, params = hf.load_hf(path, mp=mesh.shape[parallel.MP], compute_dtype=dtype)
+    parallel.check_divisibility(config, mesh, zero=False)
+    params = jax.tree.map(lambda x: x.astype(jax.numpy.dtype(dtype)), params)  # cast before the transfer
+    params = jax.device_put(params, parallel.named(mesh, parallel.param_specs(params, parallel.MEGATRON)))
+    return LoadedModel(config, params, resolve_tokenizer(tokenizer, path, config), mesh, _name(path))
+
+
+def _load_ckpt(path, override: Optional[Config], tokenizer, mp, dp, dtype) -> LoadedModel:
+    from mesh_transformer import model as gptj
+    from mesh_transformer.checkpoint import CheckpointManager
+
+    manager = CheckpointManager(path, read_only=True, config=override)
+    if override is not None:
+        full = override
+    else:
+        saved = manager.saved_config()
+        if saved is None:
+            raise ConfigError(f"{path}: the checkpoint holds no config; pass --config")
+        full = config_from_dict(saved)
+    config = full.model if dtype is None else dataclasses.replace(full.model, compute_dtype=dtype)
+    mesh = _mesh(mp, dp, full.train.cores_per_replica)
+    parallel.check_divisibility(config, mesh, zero=False)
+    tokens = jax.numpy.zeros((1, min(8, config.seq)), jax.numpy.int32)
+    abstract = jax.eval_shape(gptj.build(config, mesh.shape[parallel.MP]).init, jax.random.key(0), tokens)
+    shardings = parallel.named(mesh, parallel.param_specs(abstract, parallel.MEGATRON))
+    params = manager.restore_params(abstract_params=abstract, target_shardings=shardings)
+    local = None if "://" in str(path) else path
+    return LoadedModel(config, params, resolve_tokenizer(tokenizer, local, config), mesh, _name(path))
+
+
+def resolve_tokenizer(spec: Optional[str], weights_dir: Optional[str], config: ModelConfig):
+    """`spec`, else tokenizer files in `weights_dir`, else GPT-2 BPE; checked against the vocabulary."""
+    from mesh_transformer.tokenizer import load_tokenizer
+
+    if spec is None and weights_dir is not None and any(
+            os.path.exists(os.path.join(weights_dir, f)) for f in TOKENIZER_FILES):
+        spec = str(weights_dir)
+    tok = load_tokenizer(spec or "gpt2")
+    if len(tok) > config.n_vocab:
+        raise ConfigError(f"tokenizer {spec or 'gpt2'!r} has {len(tok)} tokens but the model's vocabulary "
+                          f"(n_vocab) is {config.n_vocab}; pass the matching --tokenizer")
+    return tok
+
+
+def _name(path) -> str:
+    return os.path.basename(str(path).rstrip("/")) or str(path)

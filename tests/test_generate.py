@@ -1,0 +1,228 @@
+"""Generation against HF transformers' `generate` (greedy tokens, logprobs), sampling statistics, stopping.
+
+Every test batches 4 prompts of at most 16 tokens with 16 new tokens, so all of them share one
+compiled prefill and one compiled decode loop per mesh (session-scoped fixtures, also used by
+tests/test_serve.py).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import scipy.stats
+
+import jax
+import jax.numpy as jnp
+
+from mesh_transformer import generate, hf, loading
+from mesh_transformer.generate import Generator, RowOptions, SamplingOptions
+from tests.helpers import NEW, mesh
+
+PROMPTS = [[5, 6, 7, 8, 9], [3, 4], list(range(20, 36)), [100, 42, 7, 250, 11, 12, 13]]
+
+
+def greedy(**kw) -> SamplingOptions:
+    return SamplingOptions(max_new_tokens=NEW, temperature=0.0, **kw)
+
+
+def assert_matches_hf(tiny, seqs, prompts):
+    for prompt, seq in zip(prompts, seqs):
+        tokens, logprobs = tiny.hf_greedy(prompt)
+        assert seq.tokens == tokens, f"prompt {prompt}"
+        np.testing.assert_allclose(seq.logprobs, logprobs, atol=1e-4)
+        assert seq.finish_reason == "length" and seq.truncated == 0
+
+
+def test_loading_finds_the_tokenizer_beside_the_weights(tiny):
+    model = loading.load(hf=str(tiny.path), mp=1, dp=1)
+    assert model.config.compute_dtype == "bfloat16" and len(model.tokenizer) == len(tiny.tokenizer)
+    assert model.tokenizer.encode("quick brown fox") == tiny.tokenizer.encode("quick brown fox")
+
+
+def test_loading_a_training_checkpoint(tiny, gen, tmp_path):
+    """--ckpt: config from the checkpoint, params restored onto the mesh, tokenizer checked against the vocabulary."""
+    from mesh_transformer.checkpoint import CheckpointManager
+    from mesh_transformer.config import Config, ConfigError, TrainConfig
+    from mesh_transformer.train_step import TrainState
+
+    config, params = hf.load_hf(tiny.path, compute_dtype="float32")
+    with CheckpointManager(str(tmp_path / "run"), config=Config(config, TrainConfig())) as manager:
+        manager.save(3, TrainState(jnp.zeros((), jnp.int32), jax.device_put(params), ()), wait=True)
+    with pytest.raises(ConfigError, match="tokenizer 'gpt2' has 50257 tokens"):
+        loading.load(ckpt=str(tmp_path / "run"), mp=1, dp=1)
+    model = loading.load(ckpt=str(tmp_path / "run"), tokenizer=str(tiny.path), mp=1, dp=1, dtype="float32")
+    assert model.config == config and model.name == "run"
+    assert jax.tree.all(jax.tree.map(lambda a, b: np.array_equal(np.asarray(a), np.asarray(b)), model.params, gen.params))
+
+
+def test_greedy_matches_hf_generate(tiny, gen):
+    """Prompts of 2..16 tokens in one left-padded batch: tokens equal, logprobs within 1e-4."""
+    assert_matches_hf(tiny, gen.generate(PROMPTS, greedy(logprobs=0)), PROMPTS)
+
+
+def test_greedy_matches_hf_generate_on_dp2_mp4(tiny):
+    config, params = hf.load_hf(tiny.path, mp=4, compute_dtype="float32")
+    sharded = Generator(config, params, mesh(2, 4))
+    assert sharded.params["gptj/layers/attn"]["q_proj"].sharding.spec == jax.sharding.PartitionSpec(None, None, "mp", None)
+    assert_matches_hf(tiny, sharded.generate(PROMPTS, greedy()), PROMPTS)
+
+
+def test_sampling_is_reproducible_per_row(gen):
+    """A seed fixes a row's tokens whatever else is in the batch (and wherever the row is)."""
+    opts = [SamplingOptions(max_new_tokens=NEW, temperature=1.0, seed=s) for s in (1, 2, 3, 1)]
+    first = [s.tokens for s in gen.generate(PROMPTS[:3] + [PROMPTS[0]], opts)]
+    again = [s.tokens for s in gen.generate([PROMPTS[1], PROMPTS[0], PROMPTS[3], PROMPTS[2]],
+                                            [opts[1], opts[0], SamplingOptions(max_new_tokens=NEW, seed=9), opts[2]])]
+    assert first[0] == first[3] == again[1]
+    assert first[1] == again[0] and first[2] == again[3]
+    assert first[0] != first[1]
+
+
+def test_top_k_and_top_p_restrict_every_token_to_the_allowed_set(tiny, gen):
+    """Through the whole pipeline: each sampled token is inside HF's top-k / nucleus for its prefix."""
+    opts = [SamplingOptions(max_new_tokens=NEW, temperature=1.5, top_k=3, seed=s) for s in range(2)] + \
+           [SamplingOptions(max_new_tokens=NEW, temperature=1.0, top_p=0.5, seed=s) for s in range(2)]
+    prompt = PROMPTS[0]
+    for opt, seq in zip(opts, gen.generate([prompt] * 4, opts)):
+        logits = tiny.hf_logits(prompt + seq.tokens)[len(prompt) - 1:-1]  # the distribution each token came from
+        for step, (row, token) in enumerate(zip(logits, seq.tokens)):
+            order = np.argsort(-row)
+            if opt.top_k:
+                allowed = order[:opt.top_k]
+            else:
+                p = np.exp(row / opt.temperature - np.max(row / opt.temperature))
+                p = p[order] / p.sum()
+                allowed = order[: int(np.sum(np.cumsum(p) - p < opt.top_p))]
+            assert token in allowed, f"step {step}: token {token} outside {allowed.tolist()}"
+
+
+def expected_distribution(logits, temperature, top_k, top_p):
+    z = np.asarray(logits, np.float64) / temperature
+    order = np.argsort(-z)
+    keep = np.zeros(len(z), bool)
+    keep[order[: top_k or len(z)]] = True
+    p = np.where(keep, np.exp(z - z.max()), 0)
+    p /= p.sum()
+    mass_before = np.cumsum(p[order]) - p[order]
+    nucleus = np.zeros(len(z), bool)
+    nucleus[order[mass_before < top_p]] = True
+    p = np.where(nucleus, p, 0)
+    return p / p.sum()
+
+
+SMALL = np.array([2.0, 1.5, 1.4, 1.0, 0.5, 0.2, 0.0, -0.3, -1.0, -2.0, -np.inf, 0.1], np.float32)
+BLOCKS = np.full(384, -np.inf, np.float32)  # 3 blocks of 128: exercises the two-level draw
+BLOCKS[[3, 100, 127, 128, 200, 300, 301, 383]] = [1.0, 0.2, 1.4, 2.0, -0.5, 0.6, 1.1, 0.0]
+
+
+@pytest.mark.parametrize("logits,temperature,top_k,top_p", [
+    (SMALL, 1.0, 0, 1.0), (SMALL, 0.7, 5, 1.0), (SMALL, 1.3, 0, 0.8), (SMALL, 0.9, 6, 0.7),
+    (BLOCKS, 1.0, 0, 1.0), (BLOCKS, 0.8, 4, 0.9)], ids=["plain", "top_k", "top_p", "both", "blocks", "blocks_both"])
+def test_sampled_frequencies_match_the_truncated_softmax(logits, temperature, top_k, top_p):
+    """20,000 draws (one per row, each its own seed) against the exact distribution: chi-square."""
+    n = 20_000
+    options = [SamplingOptions(temperature=temperature, top_k=top_k, top_p=top_p)] * n
+    rows = RowOptions.stack(options, seeds=np.arange(n))
+    tokens = np.asarray(jax.jit(generate.choose)(jnp.tile(logits, (n, 1)), rows, jnp.zeros(n, jnp.int32)))
+    counts = np.bincount(tokens, minlength=len(logits))
+    p = expected_distribution(logits, temperature, top_k, top_p)
+    assert np.all(counts[p == 0] == 0), "sampled a token outside the top-k / nucleus"
+    support = p > 0
+    expected = n * p[support] / p[support].sum()
+    assert scipy.stats.chisquare(counts[support], expected).pvalue > 1e-3
+    assert np.max(np.abs(counts / n - p)) < 0.015
+
+
+def test_top_k_top_p_search_among_candidates_equals_a_full_sort():
+    """The fast path (threshold among the 8 largest of 40) and its fallback give the exact sets."""
+    rng = np.random.RandomState(0)
+    n, vocab = 64, 40
+    logits = (rng.randn(n, vocab) * rng.choice([0.3, 1.0, 4.0], (n, 1))).astype(np.float32)
+    top_k = rng.choice([0, 1, 3, 8, 9, 20, 40], n).astype(np.int32)
+    top_p = rng.choice([0.1, 0.5, 0.9, 0.99, 1.0], n).astype(np.float32)
+    fast = np.asarray(jax.jit(lambda *a: generate.top_k_top_p(*a, candidates=8))(logits, top_k, top_p))
+    for row, k, p, got in zip(logits, top_k, top_p, fast):
+        want = expected_distribution(row, 1.0, int(k), float(p)) > 0
+        np.testing.assert_array_equal(np.isfinite(got), want, err_msg=f"top_k={k} top_p={p}")
+
+
+def test_penalties_follow_hf_and_openai_definitions():
+    logits = jnp.array([[2.0, -1.0, 0.5, 3.0]])
+    rows = RowOptions.stack([SamplingOptions(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25)], [0])
+    counts = jnp.array([[0, 2, 1, 0]])
+    seen = jnp.array([[True, True, False, False]])
+    out = np.asarray(generate.penalize(logits, counts, seen, rows))
+    # token 0: seen, positive -> /2; token 1: seen, negative -> *2, minus 2*0.5 + 0.25; token 2: 1*0.5 + 0.25
+    np.testing.assert_allclose(out, [[1.0, -2.0 - 1.25, 0.5 - 0.75, 3.0]])
+
+
+def test_repetition_penalty_in_generation(gen):
+    """A huge repetition penalty makes greedy avoid every token of the prompt and of its own output."""
+    seqs = gen.generate(PROMPTS, [greedy(repetition_penalty=1e4)] * 2 + [greedy()] * 2)
+    for prompt, seq in zip(PROMPTS[:2], seqs[:2]):
+        assert len(set(seq.tokens)) == NEW and not set(seq.tokens) & set(prompt)
+    assert any(len(set(s.tokens)) < NEW for s in seqs[2:])  # without it, this model repeats itself
+
+
+def test_eos_and_stop_tokens_end_rows_early(tiny, gen):
+    reference = [s.tokens for s in gen.generate(PROMPTS, greedy())]
+    eos_at = 3  # first position of that token in row 0's output
+    eos = reference[0][eos_at]
+    eos_at = reference[0].index(eos)
+    stop = tuple(reference[1][5:7])
+    stop_at = next(i for i in range(1, NEW) if tuple(reference[1][i - 1:i + 1]) == stop)
+    seqs = gen.generate(PROMPTS, [greedy(eos_token_id=eos), greedy(stop_token_ids=(stop,)), greedy(), greedy()])
+    assert seqs[0].tokens == reference[0][: eos_at + 1] and seqs[0].finish_reason == "stop"
+    assert seqs[1].tokens == reference[1][: stop_at + 1] and seqs[1].finish_reason == "stop"
+    assert [s.tokens for s in seqs[2:]] == reference[2:] and seqs[2].finish_reason == "length"
+
+
+def test_stop_strings_cut_the_text(tiny, gen):
+    tok = tiny.tokenizer
+    prompts = [tok.encode(p) for p in ("The quick", "Pack my box", "def main", "How vexingly")]
+    plain = gen.generate(prompts, greedy(), tokenizer=tok)
+    text = plain[0].text
+    stop = text[6:8]
+    cut = text.index(stop)
+    seqs = gen.generate(prompts, [greedy(stop=(stop,)), greedy(), greedy(), greedy()], tokenizer=tok)
+    assert seqs[0].text == text[:cut] and seqs[0].finish_reason == "stop"
+    assert len(seqs[0].tokens) < NEW or cut + len(stop) > len(tok.decode(plain[0].tokens[:-1]))
+    assert seqs[1].text == plain[1].text
+
+
+def test_streamed_text_adds_up_to_the_final_text(tiny, gen):
+    tok = tiny.tokenizer
+    seqs = gen.sequences([tok.encode(p) for p in ("The quick", "Pack", "def", "How")], greedy(), tok)
+    pieces = [""] * 4
+    for _ in gen.stream(seqs, chunk=NEW // 4):
+        for i, s in enumerate(seqs):
+            pieces[i] += s.pop_text()
+    assert pieces == [s.text for s in seqs]
+
+
+def test_long_prompts_are_cut_from_the_left_and_flagged(tiny, gen):
+    """Context 32, 16 new tokens: a 40-token prompt keeps its last 16, like HF on those 16."""
+    long_prompt = list(range(1, 41))
+    seqs = gen.generate([long_prompt] + PROMPTS[1:], greedy())
+    assert seqs[0].truncated == 24 and seqs[0].prompt == long_prompt[24:]
+    assert seqs[0].tokens == tiny.hf_greedy(long_prompt[24:])[0]
+    assert all(s.truncated == 0 for s in seqs[1:])
+
+
+def test_bad_options_are_refused_with_the_field_name(gen):
+    for bad, field in [(dict(max_new_tokens=0), "max_new_tokens"), (dict(max_new_tokens=32), "max_new_tokens"),
+                       (dict(temperature=-1.0), "temperature"), (dict(top_p=0.0), "top_p"),
+                       (dict(top_k=-2), "top_k"), (dict(logprobs=9), "logprobs")]:
+        with pytest.raises(ValueError, match=field):
+            gen.sequences([[1, 2]], SamplingOptions(**{"max_new_tokens": 4, **bad}))
+    with pytest.raises(ValueError, match="empty"):
+        gen.sequences([[]], SamplingOptions(max_new_tokens=4))
+
+
+def test_buckets_bound_the_compiled_shapes(gen):
+    assert [generate.bucket(n) for n in (1, 16, 17, 100, 1000)] == [16, 16, 32, 128, 1024]
+    assert [generate.bucket(n, 1) for n in (1, 3, 4, 5)] == [1, 4, 4, 8]
+    gen.generate(PROMPTS, greedy())
+    compiled = gen._admit._cache_size(), gen._decode._cache_size()
+    for length in (9, 12, 16):  # new prompt lengths and options, same buckets: nothing recompiles
+        gen.generate([[3] * length] * 4, SamplingOptions(max_new_tokens=NEW - length % 5, temperature=0.5, top_k=2))
+    assert (gen._admit._cache_size(), gen._decode._cache_size()) == compiled

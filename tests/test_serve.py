@@ -1,0 +1,210 @@
+"""The HTTP server on loopback: the official openai client, the original /complete, batching, bad input.
+
+The server runs in-process (uvicorn in a thread, bound to 127.0.0.1 on a free port) over the tiny
+model and compiled Generator of tests/test_generate.py (4 rows, 32 slots, 4-token decode chunks).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+
+import httpx
+import numpy as np
+import pytest
+
+from mesh_transformer.generate import SamplingOptions
+from mesh_transformer.serve import Engine, create_app
+from tests.helpers import NEW
+
+KEY = "test-key"
+LIMIT = 4096
+
+
+def start_server(app):
+    """uvicorn in a daemon thread on a free loopback port -> (server, base url)."""
+    import uvicorn
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True).start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline, "server did not start"
+        time.sleep(0.01)
+    return server, f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
+@pytest.fixture(scope="module")
+def engine(gen, tiny):
+    engine = Engine(gen, tiny.tokenizer, max_batch=4, chunk=4, max_queue=256).start()
+    yield engine
+    engine.stop()
+
+
+@pytest.fixture(scope="module")
+def url(engine):
+    server, base = start_server(create_app(engine, model_name="tiny", api_key=KEY, max_request_bytes=LIMIT))
+    yield base
+    server.should_exit = True
+
+
+@pytest.fixture(scope="module")
+def client(url):
+    from openai import OpenAI
+    return OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+def library_text(gen, tiny, prompts, **kw):
+    """Greedy completions straight from the library, 4 prompts per batch (the compiled shape)."""
+    opts = SamplingOptions(max_new_tokens=NEW, temperature=0.0, eos_token_id=tiny.eos, **kw)
+    ids = [tiny.tokenizer.encode(p) for p in prompts]
+    out = []
+    for i in range(0, len(ids), 4):
+        group = ids[i:i + 4]
+        out += [s.text for s in gen.generate(group + [group[0]] * (4 - len(group)), opts, tiny.tokenizer)[:len(group)]]
+    return out
+
+
+def test_openai_client_completion(client, gen, tiny):
+    r = client.completions.create(model="tiny", prompt="The quick brown", max_tokens=NEW, temperature=0)
+    [expected] = library_text(gen, tiny, ["The quick brown"])
+    assert r.choices[0].text == expected and r.object == "text_completion"
+    assert r.usage.prompt_tokens == len(tiny.tokenizer.encode("The quick brown"))
+    assert r.choices[0].finish_reason in ("length", "stop")
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+
+
+def test_openai_client_stream_adds_up(client):
+    kw = dict(model="tiny", prompt="Pack my box", max_tokens=NEW, temperature=0)
+    whole = client.completions.create(**kw).choices[0]
+    chunks = list(client.completions.create(stream=True, **kw))
+    assert len(chunks) > 1
+    assert "".join(c.choices[0].text for c in chunks) == whole.text
+    assert chunks[-1].choices[0].finish_reason == whole.finish_reason
+
+
+def test_openai_client_stop_sequence(client):
+    kw = dict(model="tiny", prompt="How vexingly", max_tokens=NEW, temperature=0)
+    text = client.completions.create(**kw).choices[0].text
+    stop = text[5:7]
+    r = client.completions.create(stop=[stop, "never-seen"], **kw).choices[0]
+    assert r.text == text[: text.index(stop)] and r.finish_reason == "stop"
+    streamed = "".join(c.choices[0].text for c in client.completions.create(stop=stop, stream=True, **kw))
+    assert streamed == r.text
+
+
+def test_greedy_and_logprobs_match_hf_over_http(client, tiny):
+    """Token-id prompts, no EOS in HF's output: the text and the chosen tokens' log p (fp32, 1e-4)."""
+    for prompt in ([5, 6, 7, 8, 9], list(range(40, 52))):
+        tokens, logprobs = tiny.hf_greedy(prompt, eos=True)
+        if tiny.eos in tokens:
+            tokens, logprobs = tokens[: tokens.index(tiny.eos)], logprobs[: tokens.index(tiny.eos)]
+        r = client.completions.create(model="tiny", prompt=prompt, max_tokens=NEW, temperature=0, logprobs=2).choices[0]
+        assert r.text == tiny.tokenizer.decode(tokens)
+        np.testing.assert_allclose(r.logprobs.token_logprobs[: len(tokens)], logprobs, atol=1e-4)
+        assert all(len(alts) <= 2 for alts in r.logprobs.top_logprobs)
+        assert r.logprobs.text_offset[0] == 0
+
+
+def test_n_and_seed_give_reproducible_samples(client):
+    kw = dict(model="tiny", prompt=["The quick", "Pack my"], max_tokens=8, temperature=1.0, top_p=0.9, n=2, seed=7)
+    a, b = client.completions.create(**kw), client.completions.create(**kw)
+    assert [c.text for c in a.choices] == [c.text for c in b.choices] and len(a.choices) == 4
+    assert [c.index for c in a.choices] == [0, 1, 2, 3]
+
+
+def test_64_concurrent_requests_share_batches(client, url, engine, gen, tiny):
+    from openai import AsyncOpenAI
+
+    words = ["quick", "brown", "fox", "lazy", "dog", "box", "five", "dozen"]
+    prompts = [f"{words[i % 8]} {words[(i // 8) % 8]} {i}" for i in range(64)]
+    expected = library_text(gen, tiny, prompts)
+    before = engine.stats()["admissions"]
+
+    async def run():
+        async with AsyncOpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=120) as aclient:
+            rs = await asyncio.gather(*[aclient.completions.create(model="tiny", prompt=p, max_tokens=NEW, temperature=0)
+                                        for p in prompts])
+        return [r.choices[0].text for r in rs]
+
+    assert asyncio.run(run()) == expected
+    assert engine.stats()["admissions"] - before < 64  # requests were prefilled together
+    assert engine.stats()["active"] == 0 and engine.stats()["queued"] == 0
+
+
+def test_original_complete_endpoint(url, gen, tiny):
+    headers = {"Authorization": f"Bearer {KEY}"}
+    r = httpx.post(f"{url}/complete", json={"context": "Pack my box", "top_p": 0.9, "temp": 0.0, "length": NEW},
+                   headers=headers)
+    assert r.status_code == 200 and r.json() == {"completion": library_text(gen, tiny, ["Pack my box"])[0],
+                                                 "prompt_truncated": 0}
+    long = httpx.post(f"{url}/complete", json={"context": "fox " * 40, "temp": 0.0, "length": NEW}, headers=headers)
+    assert long.status_code == 200 and long.json()["prompt_truncated"] > 0
+
+
+BAD = [
+    ("/v1/completions", b"{not json", "not valid JSON"),
+    ("/v1/completions", {"max_tokens": 4}, "prompt"),
+    ("/v1/completions", {"prompt": 5}, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": "ten"}, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": -1}, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 10**9}, "max_tokens must be at most 31"),
+    ("/v1/completions", {"prompt": ""}, "prompt must not be empty"),
+    ("/v1/completions", {"prompt": []}, "prompt must not be empty"),
+    ("/v1/completions", {"prompt": [99999]}, "token ids"),
+    ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, "temperature"),
+    ("/v1/completions", {"prompt": "hi", "temperature": -1}, "temperature"),
+    ("/v1/completions", {"prompt": "hi", "top_p": 2}, "top_p"),
+    ("/v1/completions", {"prompt": "hi", "n": 0}, "n"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 10}, "logprobs"),
+    ("/v1/completions", {"prompt": "hi", "stop": ["a", "b", "c", "d", "e", "f", "g", "h", "i"]}, "stop"),
+    ("/v1/completions", {"prompt": "hi", "echo": True}, "echo is not supported"),
+    ("/v1/completions", [1, 2], "must be a JSON object"),
+    ("/complete", {"temp": 0.5}, "context"),
+    ("/complete", {"context": ""}, "context must not be empty"),
+    ("/complete", {"context": "hi", "length": 0}, "max_tokens"),
+]
+
+
+def test_bad_requests_get_a_clear_4xx_and_the_server_stays_up(url):
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    with httpx.Client(base_url=url, headers=headers, timeout=30) as http:
+        for path, body, message in BAD:
+            r = http.post(path, content=body if isinstance(body, bytes) else json.dumps(body))
+            assert r.status_code == 400, (body, r.status_code, r.text)
+            assert message in r.json()["error"]["message"], (body, r.text)
+        r = http.post("/v1/completions", content=json.dumps({"prompt": "x" * (2 * LIMIT)}))
+        assert r.status_code == 413 and "larger than" in r.json()["error"]["message"]
+        assert http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
+    assert httpx.post(f"{url}/v1/completions", json={"prompt": "hi"}).status_code == 401
+    assert httpx.post(f"{url}/v1/completions", json={"prompt": "hi"}, headers={"Authorization": "Bearer nope"}).status_code == 401
+    assert httpx.get(f"{url}/health").json()["status"] == "ok"
+
+
+def test_full_queue_answers_503_and_slow_requests_504(gen, tiny, engine):
+    idle = Engine(gen, tiny.tokenizer, max_batch=4, chunk=4, max_queue=2)  # never started: nothing drains
+    server, base = start_server(create_app(idle))
+    try:
+        r = httpx.post(f"{base}/v1/completions", json={"prompt": "hi", "n": 3, "max_tokens": 2})
+        assert r.status_code == 503 and "queue full" in r.json()["error"]["message"]
+        idle.submit(idle.batch.gen.sequences([[1], [2]], SamplingOptions(max_new_tokens=2)))  # fill the queue
+        r = httpx.post(f"{base}/complete", json={"context": "hi", "length": 2})
+        assert r.status_code == 503 and r.json() == {"error": "queue full, try again later"}  # the original's answer
+    finally:
+        server.should_exit = True
+    slow, slow_url = start_server(create_app(engine, timeout=0.001))
+    try:
+        r = httpx.post(f"{slow_url}/v1/completions", json={"prompt": "hi", "max_tokens": NEW})
+        assert r.status_code == 504 and "timed out" in r.json()["error"]["message"]
+        r = httpx.post(f"{slow_url}/complete", json={"context": "hi", "length": NEW})
+        assert r.status_code == 504
+    finally:
+        slow.should_exit = True
+    deadline = time.monotonic() + 30
+    while engine.stats()["active"] or engine.stats()["queued"]:  # timed-out rows are retired
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
