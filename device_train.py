@@ -57,12 +57,15 @@ def main(argv=None) -> int:
         from mesh_transformer.metrics import plot_metrics
         print(f"loss curves: {plot_metrics(os.path.join(log_dir, 'metrics.jsonl'), args.plot)}")
     if args.sample:
-        from mesh_transformer.generate import SamplingOptions, sample_texts
+        from mesh_transformer.generate import Generator, SamplingOptions
         from mesh_transformer.tokenizer import load_tokenizer
-        texts = sample_texts(config.model, state.params, run.trainer.mesh, load_tokenizer(), args.sample,
-                             SamplingOptions(max_new_tokens=args.sample_tokens, temperature=0.7, top_p=0.9))
-        for prompt, text in zip(args.sample, texts):
-            print(f"\n>>> {prompt}{text}")
+        tokenizer = load_tokenizer()
+        options = [SamplingOptions(max_new_tokens=args.sample_tokens, temperature=0.7, top_p=0.9, seed=seed,
+                                   eos_token_id=tokenizer.eos_token_id) for seed in range(len(args.sample))]
+        generator = Generator(config.model, state.params, run.trainer.mesh)
+        for prompt, seq in zip(args.sample, generator.generate([tokenizer.encode(p) for p in args.sample],
+                                                               options, tokenizer=tokenizer)):
+            print(f"\n>>> {prompt}{seq.text}")
     return 0
 
 
