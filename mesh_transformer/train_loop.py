@@ -11,12 +11,13 @@ Start-up picks the first that applies:
 """
 from __future__ import annotations
 
+import itertools
 import math
 import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Iterable, Mapping, Optional
 
 import jax
 import numpy as np
@@ -51,25 +52,69 @@ def build_mesh(config: Config):
     return parallel.make_mesh(t.cores_per_replica, dp)
 
 
-class TrainRun:
+def require_keys(config: Config, *keys: str) -> None:
+    for key in keys:
+        if not getattr(config.train, key):
+            raise ConfigError(f"config key {key!r} must be set to train")
+
+
+def open_datasets(config: Config) -> tuple[Dataset, dict[str, Dataset]]:
+    """(train_set, {name: val_set}) of a config, each checked to hold sequences of at least `seq` tokens."""
+    t = config.train
+    train = Dataset.open(t.train_set)
+    val = {name: Dataset.open(path) for name, path in t.val_set.items()}
+    for path, ds in [(t.train_set, train), *zip(t.val_set.values(), val.values())]:
+        if ds.seq < config.model.seq:
+            raise ConfigError(f"config key 'seq': {config.model.seq} is longer than the sequences of "
+                              f"{path} ({ds.seq} tokens)")
+    return train, val
+
+
+def train_loader(config: Config, dataset: Dataset, global_batch: int, state: Optional[dict] = None,
+                 process_index: int = 0, process_count: int = 1) -> Loader:
+    """The training stream: shuffled by `seed`, `gradient_accumulation_steps` microbatches a step."""
+    t = config.train
+    return Loader(dataset, global_batch, t.seed, accumulation=t.gradient_accumulation_steps,
+                  process_index=process_index, process_count=process_count, state=state or None)
+
+
+def val_loader(dataset: Dataset, global_batch: int, process_index: int = 0, process_count: int = 1) -> Loader:
+    """A validation pass: the set in order, once, the last batch padded with mask-0 rows."""
+    return Loader(dataset, global_batch, shuffle=False, repeat=False,
+                  process_index=process_index, process_count=process_count)
+
+
+def due(step: int, every: int) -> bool:
+    """Whether a `*_every` schedule (0 = never) fires at `step`."""
+    return bool(every) and step % every == 0
+
+
+def tokens_per_step(config: Config, global_batch: int) -> int:
+    return config.train.gradient_accumulation_steps * global_batch * config.model.seq
+
+
+def train_values(metrics: dict, step: int, seconds: float, config: Config, global_batch: int) -> dict:
+    """What is logged for a step: the step's metrics plus rates and totals."""
+    tokens = tokens_per_step(config, global_batch)
+    return {**metrics, "steps_per_sec": 1.0 / seconds, "tokens_per_sec": tokens / seconds,
+            "sequences_processed": step * tokens // config.model.seq, "tokens_processed": step * tokens}
+
+
+class TrainHost:
+    """The part of a run that every host holds: mesh, compiled step, checkpoints, start-up, saving.
+
+    `TrainRun` (device_train.py) feeds it batches from this process's loader; a Ray worker
+    (`cluster.py`, train.py) feeds it the slices its driver sends. Both run exactly this code.
+    Batches are this process's rows of the global batch (`batch_rows`), as host arrays.
+    """
+
     def __init__(self, config: Config, options: RunOptions = RunOptions()):
+        require_keys(config, "model_dir")
         t = config.train
-        for key in ("train_set", "model_dir"):
-            if not getattr(t, key):
-                raise ConfigError(f"config key {key!r} must be set to train")
         self.config, self.options = config, options
         self.trainer = Trainer(config, build_mesh(config))
         self.ckpt = CheckpointManager(checkpoint_dir(t), keep_last=KEEP_LAST, keep_every=t.keep_every, config=config)
-        self.dataset = Dataset.open(t.train_set)
-        self.val_sets = {name: Dataset.open(path) for name, path in t.val_set.items()}
-        for path, ds in [(t.train_set, self.dataset), *zip(t.val_set.values(), self.val_sets.values())]:
-            if ds.seq < config.model.seq:
-                raise ConfigError(f"config key 'seq': {config.model.seq} is longer than the sequences of "
-                                  f"{path} ({ds.seq} tokens)")
-        self.tokens_per_step = t.gradient_accumulation_steps * self.trainer.global_batch * config.model.seq
-        self._interrupted = False
-
-    # ---- start-up -----------------------------------------------------------------------------
+        self.tokens_per_step = tokens_per_step(config, self.trainer.global_batch)
 
     def start_state(self) -> tuple[TrainState, dict]:
         """(state, loader state) to continue from; see the module docstring for the order."""
@@ -93,10 +138,87 @@ class TrainRun:
             return state._replace(step=jax.device_put(np.int32(0), tr.state_shardings.step)), {}
         return tr.init_state(self.config.train.seed), {}
 
+    def batch_rows(self) -> tuple[int, int]:
+        """[start, stop) of the global batch's rows (axis 1 of [A, B, T+1]) that this process feeds.
+
+        Rows follow the dp axis; a process whose devices span several dp rows feeds all of them,
+        and processes that share a dp row (mp wider than one host) feed the same rows.
+        """
+        tr = self.trainer
+        shape = (1, tr.global_batch, 1)
+        index = tr.batch_sharding.addressable_devices_indices_map(shape).values()
+        starts = [i[1].start or 0 for i in index]
+        stops = [tr.global_batch if i[1].stop is None else i[1].stop for i in index]
+        return min(starts), max(stops)
+
+    def compile(self, state: TrainState) -> None:
+        """Compile the step (and the validation pass) now: the first real call then costs no more than any
+        other, so a cluster driver can hold it to the ordinary step timeout."""
+        tr, t, seq = self.trainer, self.config.train, self.config.model.seq
+
+        def batch(accumulation: int) -> dict:
+            shape = (accumulation, tr.global_batch)
+            return {"tokens": jax.ShapeDtypeStruct((*shape, seq + 1), np.int32, sharding=tr.batch_sharding),
+                    "mask": jax.ShapeDtypeStruct((*shape, seq), np.float32, sharding=tr.batch_sharding)}
+
+        tr.step.lower(state, batch(t.gradient_accumulation_steps)).compile()  # jit keeps it for the real calls
+        if t.val_every and t.val_set:
+            tr.eval_sums.lower(state.params, batch(1)).compile()
+
+    def device_batch(self, batch: dict) -> dict:
+        """Crop a loader batch to the model's sequence length and place it on the mesh."""
+        seq = self.config.model.seq
+        return self.trainer.shard_batch({"tokens": batch["tokens"][..., : seq + 1], "mask": batch["mask"][..., :seq]})
+
+    def step(self, state: TrainState, batch: dict) -> tuple[TrainState, dict]:
+        """One optimizer step on this process's rows of a batch -> (new state, logged metrics).
+
+        Raises TrainingError (without saving) when the loss is not finite.
+        """
+        state, metrics = self.trainer.step(state, self.device_batch(batch))
+        loss = float(metrics["loss"])  # waits for the step
+        if not math.isfinite(loss):
+            raise TrainingError(f"loss is {loss} at step {int(state.step)}; stopping without saving "
+                                f"(last good checkpoint: step {self.ckpt.latest_step()})")
+        return state, {"train/loss": loss, "grad_norm": float(metrics["grad_norm"]),
+                       "learning_rate": float(metrics["lr"])}
+
+    def val_losses(self, params, batches: Mapping[str, Iterable[dict]]) -> dict:
+        """val/loss_<name> over the first val_batches batches (all when 0) of each stream, in order."""
+        limit = self.config.train.val_batches or None
+        out = {}
+        for name, stream in batches.items():
+            nll = count = 0.0
+            for batch in itertools.islice(stream, limit):
+                batch_nll, batch_count = self.trainer.eval_sums(params, self.device_batch(batch))
+                nll, count = nll + float(batch_nll), count + float(batch_count)
+            out[f"val/loss_{name}"] = nll / max(count, 1.0)
+        return out
+
+    def save(self, state: TrainState, loader_state: dict) -> None:
+        """Start an (async) checkpoint of `state`; every process calls it with the same arguments."""
+        self.ckpt.save(int(state.step), state, extras={"train_loader": loader_state})
+
+
+class TrainRun:
+    """A whole run in this process (and its jax.distributed peers, if any): data, loop, logging."""
+
+    def __init__(self, config: Config, options: RunOptions = RunOptions()):
+        require_keys(config, "train_set", "model_dir")
+        self.config, self.options = config, options
+        self.host = TrainHost(config, options)
+        self.trainer, self.ckpt, self.tokens_per_step = self.host.trainer, self.host.ckpt, self.host.tokens_per_step
+        self.dataset, self.val_sets = open_datasets(config)
+        self._interrupted = False
+
+    # ---- start-up -----------------------------------------------------------------------------
+
+    def start_state(self) -> tuple[TrainState, dict]:
+        return self.host.start_state()
+
     def loader(self, state: dict) -> Loader:
-        t = self.config.train
-        return Loader(self.dataset, self.trainer.global_batch, t.seed, accumulation=t.gradient_accumulation_steps,
-                      process_index=jax.process_index(), process_count=jax.process_count(), state=state or None)
+        return train_loader(self.config, self.dataset, self.trainer.global_batch, state,
+                            process_index=jax.process_index(), process_count=jax.process_count())
 
     # ---- the loop -----------------------------------------------------------------------------
 
@@ -114,20 +236,16 @@ class TrainRun:
         try:
             while step < t.total_steps and not self._interrupted:
                 started = time.perf_counter()
-                batch = self.device_batch(next(loader))
-                state, metrics = self.trainer.step(state, batch)
-                loss = float(metrics["loss"])  # waits for the step
+                state, metrics = self.host.step(state, next(loader))
                 step, steps_run = step + 1, steps_run + 1
-                if not math.isfinite(loss):
-                    raise TrainingError(f"loss is {loss} at step {step}; stopping without saving "
-                                        f"(last good checkpoint: step {self.ckpt.latest_step()})")
-                values = self._train_values(metrics, loss, step, time.perf_counter() - started)
-                if t.val_every and step % t.val_every == 0:
+                values = train_values(metrics, step, time.perf_counter() - started, self.config,
+                                      self.trainer.global_batch)
+                if due(step, t.val_every):
                     values.update(self.validate(state.params))
                 logger.log(step, values)
                 logger.progress(step, t.total_steps, values)
                 finished = step >= t.total_steps or (self.options.stop_after and steps_run >= self.options.stop_after)
-                if (t.ckpt_every and step % t.ckpt_every == 0) or finished:
+                if due(step, t.ckpt_every) or finished:
                     self.save(state, loader)
                 if finished:
                     break
@@ -142,36 +260,20 @@ class TrainRun:
         return state
 
     def device_batch(self, batch: dict) -> dict:
-        """Crop a loader batch to the model's sequence length and place it on the mesh."""
-        seq = self.config.model.seq
-        return self.trainer.shard_batch({"tokens": batch["tokens"][..., : seq + 1], "mask": batch["mask"][..., :seq]})
-
-    def _train_values(self, metrics, loss: float, step: int, seconds: float) -> dict:
-        return {"train/loss": loss, "grad_norm": float(metrics["grad_norm"]),
-                "learning_rate": float(metrics["lr"]), "steps_per_sec": 1.0 / seconds,
-                "tokens_per_sec": self.tokens_per_step / seconds,
-                "sequences_processed": step * self.tokens_per_step // self.config.model.seq,
-                "tokens_processed": step * self.tokens_per_step}
+        return self.host.device_batch(batch)
 
     def validate(self, params) -> dict:
         """val/loss_<name> over the first val_batches batches of each val_set, in order."""
-        t = self.config.train
-        out = {}
-        for name, dataset in self.val_sets.items():
-            loader = Loader(dataset, self.trainer.global_batch, shuffle=False, repeat=False,
-                            process_index=jax.process_index(), process_count=jax.process_count())
-            nll = count = 0.0
-            with loader:
-                for i, batch in enumerate(loader):
-                    if t.val_batches and i >= t.val_batches:
-                        break
-                    batch_nll, batch_count = self.trainer.eval_sums(params, self.device_batch(batch))
-                    nll, count = nll + float(batch_nll), count + float(batch_count)
-            out[f"val/loss_{name}"] = nll / max(count, 1.0)
-        return out
+        loaders = {name: val_loader(dataset, self.trainer.global_batch, jax.process_index(), jax.process_count())
+                   for name, dataset in self.val_sets.items()}
+        try:
+            return self.host.val_losses(params, loaders)
+        finally:
+            for loader in loaders.values():
+                loader.close()
 
     def save(self, state: TrainState, loader: Loader) -> None:
-        self.ckpt.save(int(state.step), state, extras={"train_loader": loader.state()})
+        self.host.save(state, loader.state())
 
     def _on_interrupt(self, signum, frame):
         if self._interrupted:  # a second Ctrl-C: give up at once

@@ -1,0 +1,232 @@
+"""train.py's driver and Ray workers: 2 worker processes x 4 CPU devices form one dp=4 x mp=2 mesh.
+
+One local Ray instance (loopback only) serves the module. The reference for every multi-host
+number is the same config trained by `TrainRun` (device_train.py's loop) in this process, on its
+8 simulated devices.
+"""
+import hashlib
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import time
+
+import jax
+import numpy as np
+import pytest
+
+ray = pytest.importorskip("ray")
+
+import train as train_cli  # noqa: E402
+from mesh_transformer import cluster  # noqa: E402
+from mesh_transformer.checkpoint import CheckpointManager  # noqa: E402
+from mesh_transformer.config import config_from_dict  # noqa: E402
+from mesh_transformer.metrics import read_metrics  # noqa: E402
+from mesh_transformer.train_loop import RunOptions, TrainRun  # noqa: E402
+from mesh_transformer.train_step import Trainer  # noqa: E402
+from tests.helpers import max_abs_diff, mesh  # noqa: E402
+
+SEQ, VOCAB, STEPS = 32, 256, 8
+# Across processes the all-reduces run over gloo, in another order than in one process: float32
+# sums differ in the last bit (seen: losses up to 9e-8 relative, params up to 6e-8 after 8 steps).
+LOSS_RTOL, PARAM_ATOL = 1e-6, 1e-6
+COMPILE_CACHE = None  # set by the ray_local fixture
+LOOPBACK_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+                "HTTP_PROXY": "http://127.0.0.1:9", "HTTPS_PROXY": "http://127.0.0.1:9",
+                "http_proxy": "http://127.0.0.1:9", "https_proxy": "http://127.0.0.1:9",
+                "NO_PROXY": "127.0.0.1,localhost,::1", "no_proxy": "127.0.0.1,localhost,::1",
+                "NO_GCE_CHECK": "true", "GCE_METADATA_HOST": "127.0.0.1:9", "GCE_METADATA_IP": "127.0.0.1:9"}
+
+
+def write_dataset(directory, name, tokens) -> str:
+    """A one-shard dataset on disk (what create_finetune_dataset.py writes); -> index path."""
+    shard = f"{name}-00000.tokens.npy"
+    np.save(directory / shard, tokens.astype(np.uint16))
+    digest = hashlib.sha256((directory / shard).read_bytes()).hexdigest()
+    index = {"format": "mesh-transformer-dataset", "version": 1, "name": name, "seq": tokens.shape[1] - 1,
+             "dtype": "uint16", "eos_id": 0, "n_sequences": len(tokens), "has_mask": False,
+             "shards": [{"tokens": shard, "mask": None, "n_sequences": len(tokens), "sha256": {"tokens": digest}}]}
+    (directory / f"{name}.index.json").write_text(json.dumps(index))
+    return str(directory / f"{name}.index.json")
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    d = tmp_path_factory.mktemp("cluster-data")
+    rng = np.random.default_rng(0)
+    # 40 sequences, 8 per step: the 8-step run crosses an epoch boundary (reshuffle) at step 5.
+    return {"train": write_dataset(d, "train", rng.integers(0, VOCAB, (40, SEQ + 1))),
+            "val": write_dataset(d, "val", rng.integers(0, VOCAB, (16, SEQ + 1)))}
+
+
+def make_config(data, model_dir, **overrides):
+    return config_from_dict({
+        "layers": 2, "d_model": 64, "n_heads": 4, "n_vocab": VOCAB, "seq": SEQ, "pe_rotary_dims": 8,
+        "compute_dtype": "float32", "remat": "none", "cores_per_replica": 2, "tpu_size": 8, "per_replica_batch": 2,
+        "warmup_steps": 2, "anneal_steps": 10, "lr": 3e-3, "end_lr": 3e-4, "total_steps": STEPS,
+        "train_set": data["train"], "val_set": {"val": data["val"]}, "val_batches": 2, "val_every": 4,
+        "ckpt_every": 2, "model_dir": str(model_dir), "name": "cluster-test", **overrides})
+
+
+def options(tmp_path, **overrides):
+    run = RunOptions(log_dir=str(tmp_path / "logs"), tensorboard=False, stop_after=overrides.pop("stop_after", None))
+    # Every worker group compiles the same programs: a shared persistent cache makes restarts cheap.
+    env = {"JAX_COMPILATION_CACHE_DIR": COMPILE_CACHE, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+           **overrides.pop("worker_env", {})}
+    return cluster.ClusterOptions(**{"local_hosts": 2, "startup_timeout": 240, "step_timeout": 60, "run": run,
+                                     "worker_env": env, **overrides})
+
+
+def logged(tmp_path, key="train/loss") -> dict:
+    """{step: value} from metrics.jsonl (a replayed step keeps its last value)."""
+    return {row["step"]: row[key] for row in read_metrics(tmp_path / "logs" / "metrics.jsonl") if key in row}
+
+
+def final_params(config, model_dir):
+    trainer = Trainer(config, mesh(1, 1))
+    ckpt = CheckpointManager(str(model_dir), read_only=True)
+    return jax.device_get(ckpt.restore_params(abstract_params=trainer.abstract_state.params,
+                                              target_shardings=trainer.state_shardings.params))
+
+
+@pytest.fixture(scope="module")
+def ray_local(tmp_path_factory):
+    global COMPILE_CACHE
+    COMPILE_CACHE = str(tmp_path_factory.mktemp("jax-cache"))
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in LOOPBACK_ENV.items():
+            mp.setenv(key, value)
+        temp_dir = cluster.start_local_ray(2)
+        try:
+            yield
+        finally:
+            ray.shutdown()
+            shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def two_hosts(ray_local, data, tmp_path_factory):
+    """An uninterrupted 2-host run: its summary, logged losses and final params."""
+    tmp = tmp_path_factory.mktemp("two-hosts")
+    config = make_config(data, tmp / "ckpt")
+    summary = cluster.ClusterRun(config, options(tmp)).train()
+    return {"config": config, "summary": summary, "loss": logged(tmp), "val": logged(tmp, "val/loss_val"),
+            "params": final_params(config, tmp / "ckpt")}
+
+
+@pytest.fixture(scope="module")
+def one_process(data, tmp_path_factory):
+    """The same config trained by device_train.py's loop on this process's 8 devices."""
+    tmp = tmp_path_factory.mktemp("one-process")
+    config = make_config(data, tmp / "ckpt")
+    state = TrainRun(config, RunOptions(log_dir=str(tmp / "logs"), tensorboard=False)).train()
+    return {"loss": logged(tmp), "val": logged(tmp, "val/loss_val"), "params": jax.device_get(state.params)}
+
+
+def test_two_hosts_train_like_one_process(two_hosts, one_process):
+    s = two_hosts["summary"]
+    assert (s.step, s.checkpoint, s.hosts, s.restarts, s.resumed_from) == (STEPS, STEPS, 2, 0, [0])
+    assert sorted(two_hosts["loss"]) == list(range(1, STEPS + 1))
+    steps = sorted(one_process["loss"])
+    np.testing.assert_allclose([two_hosts["loss"][k] for k in steps], [one_process["loss"][k] for k in steps],
+                               rtol=LOSS_RTOL)
+    assert sorted(two_hosts["val"]) == sorted(one_process["val"]) == [4, 8]
+    np.testing.assert_allclose(list(two_hosts["val"].values()), list(one_process["val"].values()), rtol=LOSS_RTOL)
+    assert two_hosts["loss"][STEPS] < two_hosts["loss"][1] - 0.05  # it learned something
+    assert max_abs_diff(two_hosts["params"], one_process["params"]) < PARAM_ATOL
+    # The driver sends 8 rows x 33 uint16 tokens per step, all hosts together (no mask: all ones).
+    assert s.bytes_per_step == 8 * 33 * 2
+
+
+def test_resume_then_killed_worker_ends_as_if_uninterrupted(two_hosts, data, tmp_path):
+    """Run 1 stops after 3 steps; run 2 (no --new) resumes there, loses worker 1 to SIGKILL just
+    after asking for the step-6 checkpoint, restarts from the last complete one, and ends with
+    the uninterrupted run's parameters: no step's data trained twice or skipped."""
+    config = make_config(data, tmp_path / "ckpt")
+    first = cluster.ClusterRun(config, options(tmp_path, new=True, stop_after=3)).train()
+    assert (first.step, first.checkpoint) == (3, 3)
+
+    def kill_worker_1(run, step, values):
+        if step == 6 and run.restarts == 0:
+            os.kill(run.worker_pids[1], signal.SIGKILL)
+
+    summary = cluster.ClusterRun(config, options(tmp_path, max_restarts=2)).train(on_step=kill_worker_1)
+    assert (summary.step, summary.checkpoint, summary.restarts) == (STEPS, STEPS, 1)
+    assert summary.resumed_from[0] == 3 and summary.resumed_from[1] in (4, 6)  # 6 if its save finished in time
+    assert "worker 1" in summary.failures[0] and "died" in summary.failures[0]
+    losses = logged(tmp_path)
+    np.testing.assert_array_equal([losses[k] for k in range(1, STEPS + 1)],
+                                  [two_hosts["loss"][k] for k in range(1, STEPS + 1)])
+    assert max_abs_diff(final_params(config, tmp_path / "ckpt"), two_hosts["params"]) == 0.0
+
+
+def test_hung_worker_is_detected_by_timeout_and_restarts_are_bounded(ray_local, data, tmp_path):
+    config = make_config(data, tmp_path / "ckpt", val_every=0)
+    opts = options(tmp_path, step_timeout=8, max_restarts=1, worker_env={cluster.TEST_HANG_ENV: "1:3"})
+    run = cluster.ClusterRun(config, opts)
+    with pytest.raises(cluster.ClusterError) as e:
+        run.train()
+    message = str(e.value)
+    # Worker 0 waits in the step's collectives for worker 1, so neither answers; the timeout names both.
+    assert "giving up after 1 restart(s) in a row without getting past step 2" in message
+    assert "worker 1 (pid" in message and "did not finish step 3 within 8 s" in message
+    assert run.restarts == 1 and run.resumed_from == [0, 2]  # restarted once, from the step-2 checkpoint
+    # Both hangs were caught by the 8 s step timeout, the second too: start-up compiled the step, so the
+    # first step after a restart is held to step_timeout, not startup_timeout.
+    assert len(run.failures) == 2
+    for failure in run.failures:
+        assert "did not finish step 3 within 8 s" in failure
+        assert 8.0 <= float(re.search(r"detected after ([0-9.]+) s", failure).group(1)) < 10.0
+
+
+def test_worker_config_error_fails_fast_with_the_key(ray_local, data, tmp_path):
+    config = make_config(data, tmp_path / "ckpt", tpu_size=16)  # the 2 hosts have 8 devices
+    started = time.monotonic()
+    with pytest.raises(cluster.ClusterError, match=r"worker [01] \(pid \d+ on 127.0.0.1\): setup: ConfigError: "
+                                                   r"a dp=8 x mp=2 mesh needs 16 devices, only 8 are available"):
+        cluster.ClusterRun(config, options(tmp_path, cpu_devices=8)).train()
+    assert time.monotonic() - started < 120  # no restarts
+
+
+def test_bad_coordinator_is_a_clear_start_up_error(ray_local, data, tmp_path):
+    with socket.socket() as taken:  # the coordinator cannot listen on a port that is in use
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        address = "127.0.0.1:%d" % taken.getsockname()[1]
+        expected = (rf"the workers could not start: worker 0 .*: setup: StartupError: "
+                    rf"the JAX coordinator cannot listen on {address} on this host: Address already in use")
+        with pytest.raises(cluster.ClusterError, match=expected):
+            cluster.ClusterRun(make_config(data, tmp_path / "ckpt"), options(tmp_path, coordinator=address)).train()
+
+
+def test_new_refuses_an_existing_model_dir_without_overwrite(data, tmp_path, capsys):
+    model_dir = tmp_path / "ckpt"
+    (model_dir / "step_2").mkdir(parents=True)
+    config_path = tmp_path / "config.json"
+    config_path.write_text(json.dumps(make_config(data, model_dir).to_json_dict()))
+    assert train_cli.main(["--config", str(config_path), "--new"]) == 2
+    err = capsys.readouterr().err
+    assert f"error: {model_dir} is not empty" in err and "add --overwrite" in err
+    cluster.prepare_model_dir(str(model_dir), new=False, overwrite=False)  # resuming leaves it alone
+    assert (model_dir / "step_2").exists()
+    cluster.prepare_model_dir(str(model_dir), new=True, overwrite=True)
+    assert not model_dir.exists()
+
+
+def test_pack_batch_is_lossless_and_small():
+    tokens = np.random.default_rng(0).integers(0, 50257, (2, 4, 40)).astype(np.int32)
+    ones = np.ones((2, 4, 39), np.float32)
+    packed = cluster.pack_batch({"tokens": tokens, "mask": ones}, seq=32)
+    assert packed["tokens"].dtype == np.uint16 and "mask" not in packed  # an all-ones mask is not sent
+    mask = (np.random.default_rng(1).random((2, 4, 39)) > 0.5).astype(np.float32)
+    packed = cluster.pack_batch({"tokens": tokens, "mask": mask}, seq=32)
+    assert packed["mask"].dtype == np.uint8
+    for sent, original in [(packed, mask), (cluster.pack_batch({"tokens": tokens, "mask": ones}, seq=32), ones)]:
+        back = cluster.unpack_batch(cluster.rows_of(sent, (1, 3)))
+        np.testing.assert_array_equal(back["tokens"], tokens[:, 1:3, :33])
+        np.testing.assert_array_equal(back["mask"], original[:, 1:3, :32])
+        assert back["tokens"].dtype == np.int32 and back["mask"].dtype == np.float32
+    weights = mask * 0.5  # not 0/1: kept as float32
+    assert cluster.pack_batch({"tokens": tokens, "mask": weights}, seq=32)["mask"].dtype == np.float32
