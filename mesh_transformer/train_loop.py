@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 import signal
 import time
 from dataclasses import dataclass
@@ -100,6 +101,24 @@ def train_values(metrics: dict, step: int, seconds: float, config: Config, globa
             "sequences_processed": step * tokens // config.model.seq, "tokens_processed": step * tokens}
 
 
+def keep_tokenizer(directory: str, spec: str) -> None:
+    """Save the training data's tokenizer beside the checkpoints, where sampling and serving look."""
+    import tempfile
+
+    from mesh_transformer import storage
+    from mesh_transformer.hf import TOKENIZER_FILES
+    from mesh_transformer.tokenizer import load_tokenizer
+
+    if jax.process_index() != 0 or storage.exists(storage.join(directory, "tokenizer.json")):
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        load_tokenizer(spec).save_pretrained(tmp)
+        for name in TOKENIZER_FILES:
+            if os.path.exists(os.path.join(tmp, name)):
+                with open(os.path.join(tmp, name), "rb") as f:
+                    storage.write_bytes(storage.join(directory, name), f.read())
+
+
 class TrainHost:
     """The part of a run that every host holds: mesh, compiled step, checkpoints, start-up, saving.
 
@@ -115,12 +134,14 @@ class TrainHost:
         self.trainer = Trainer(config, build_mesh(config))
         self.ckpt = CheckpointManager(checkpoint_dir(t), keep_last=KEEP_LAST, keep_every=t.keep_every, config=config)
         self.tokens_per_step = tokens_per_step(config, self.trainer.global_batch)
+        self._saved_step: Optional[int] = None
 
     def start_state(self) -> tuple[TrainState, dict]:
         """(state, loader state) to continue from; see the module docstring for the order."""
         tr, o = self.trainer, self.options
         if self.ckpt.latest_step() is not None:
             state, extras = self.ckpt.restore(abstract_state=tr.abstract_state, target_shardings=tr.state_shardings)
+            self._saved_step = int(state.step)
             return state, extras.get("train_loader") or {}
         if o.hf:
             from mesh_transformer import hf
@@ -129,7 +150,7 @@ class TrainHost:
             return tr.state_from_params(params), {}
         if o.tune_model_path:
             source = CheckpointManager(o.tune_model_path, read_only=True)
-            if o.fresh_opt:
+            if o.fresh_opt or not source.holds_optimizer_state():  # from_hf_weights.py writes params only
                 params = source.restore_params(abstract_params=tr.abstract_state.params,
                                                target_shardings=tr.state_shardings.params, check_config=False)
                 return tr.state_from_params(params), {}
@@ -178,6 +199,7 @@ class TrainHost:
         state, metrics = self.trainer.step(state, self.device_batch(batch))
         loss = float(metrics["loss"])  # waits for the step
         if not math.isfinite(loss):
+            self.ckpt.wait()  # a save already started holds a good (finite-loss) state: let it land
             raise TrainingError(f"loss is {loss} at step {int(state.step)}; stopping without saving "
                                 f"(last good checkpoint: step {self.ckpt.latest_step()})")
         return state, {"train/loss": loss, "grad_norm": float(metrics["grad_norm"]),
@@ -196,8 +218,12 @@ class TrainHost:
         return out
 
     def save(self, state: TrainState, loader_state: dict) -> None:
-        """Start an (async) checkpoint of `state`; every process calls it with the same arguments."""
-        self.ckpt.save(int(state.step), state, extras={"train_loader": loader_state})
+        """Start an (async) checkpoint of `state` unless its step is saved already (e.g. a Ctrl-C
+        right after a scheduled save); every process calls it with the same arguments."""
+        step = int(state.step)
+        if step != self._saved_step:
+            self.ckpt.save(step, state, extras={"train_loader": loader_state})
+            self._saved_step = step
 
 
 class TrainRun:
@@ -226,6 +252,7 @@ class TrainRun:
         t = self.config.train
         state, loader_state = self.start_state()
         step = int(state.step)
+        keep_tokenizer(self.ckpt.directory, self.dataset.index.get("tokenizer") or "gpt2")
         logger = MetricsLogger(self.options.log_dir or f"logs/{t.name}", t.name, t.wandb_project,
                                self.config.to_json_dict(), tensorboard=self.options.tensorboard)
         logger.message(f"{t.name}: step {step} of {t.total_steps}, mesh dp={self.trainer.dp} x mp={self.trainer.mp}, "

@@ -145,3 +145,20 @@ def test_bad_config_is_one_clear_line(tmp_path):
     (tmp_path / "c.json").write_text(json.dumps({**MODEL, "layres": 3}))
     code, out = device_train(tmp_path / "c.json")
     assert code == 2 and out.strip().endswith("unknown config key 'layres' (did you mean 'layers'?)"), out
+
+
+def test_fine_tune_an_imported_checkpoint_then_sample_from_it(dataset, tmp_path):
+    """from_hf_weights.py (params only) -> device_train --tune-model-path -> device_sample.py --ckpt."""
+    make_hf_gptj(tmp_path / "hf", vocab_size=50257, n_embd=32, n_layer=2, n_head=4, rotary_dim=4, n_positions=64)
+    subprocess.run([sys.executable, "from_hf_weights.py", "--input-hf", str(tmp_path / "hf"),
+                    "--output-ckpt", str(tmp_path / "imported")], cwd=ROOT, check=True, capture_output=True)
+    config = write_config(tmp_path, dataset, total_steps=3, warmup_steps=0)
+    code, out = device_train(config, "--tune-model-path", str(tmp_path / "imported"))
+    assert code == 0 and "step 0 of 3" in out, out
+    assert os.path.exists(tmp_path / "ckpt" / "tokenizer.json")  # kept beside the checkpoints for the tools
+    sample = subprocess.run([sys.executable, "device_sample.py", "--ckpt", str(tmp_path / "ckpt"), "--prompt",
+                             "Snow had fallen", "--temperature", "0", "--max-new-tokens", "8"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert sample.returncode == 0, sample.stderr
+    completion, status = sample.stdout.rstrip("\n").rsplit("\n", 1)
+    assert status == "[8 tokens, finish: length]" and completion.strip()
