@@ -178,9 +178,9 @@ class LMHead(hk.Module):
         c = self.config
         w = parallel.param("lm_head", (c.d_model, self.padded_vocab), _normal(0.02), x.dtype)
         b = parallel.param("lm_head_bias", (self.padded_vocab,), hk.initializers.Constant(0.0))
-        logits = jnp.einsum("btd,dv->btv", x, w).astype(jnp.float32) + b.astype(jnp.float32)
-        vocab_ids = parallel.mp_index() * logits.shape[-1] + jnp.arange(logits.shape[-1])
-        return jnp.where(vocab_ids < c.n_vocab, logits, -jnp.inf)
+        vocab_ids = parallel.mp_index() * b.shape[-1] + jnp.arange(b.shape[-1])
+        b = jnp.where(vocab_ids < c.n_vocab, b.astype(jnp.float32), -jnp.inf)  # [V/mp]: cheaper than masking logits
+        return jnp.einsum("btd,dv->btv", x, w).astype(jnp.float32) + b
 
 
 class GPTJ(hk.Module):
