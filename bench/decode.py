@@ -104,7 +104,10 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--no-hf", action="store_true", help="skip transformers")
     parser.add_argument("--out", help="write the results as JSON here")
+    parser.add_argument("--mp", type=int, default=1,
+                        help="split the model over this many (simulated CPU) devices")
     args = parser.parse_args(argv)
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={args.mp}"
 
     import jax
     import torch
@@ -121,7 +124,7 @@ def main(argv=None):
                        else make_random_gptj(tmp, args.layers, args.d_model, args.heads))
         results = []
         for dtype in args.dtypes:
-            model = loading.load(hf=path, mp=1, dp=1, dtype=dtype)
+            model = loading.load(hf=path, mp=args.mp, dp=1, dtype=dtype)
             # every weight is read once per step, except the embedding table (one row per sequence)
             weight_bytes = parallel.bytes_of(model.params) - parallel.bytes_of(model.params["gptj/embed"])
             for batch in args.batches:
