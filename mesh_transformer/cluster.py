@@ -343,14 +343,7 @@ class WorkerGroup:
         """Whether any of `refs` fails with a dead actor within GRACE_S (a peer's death often
         surfaces first as an error in the survivors' collectives or saves)."""
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=GRACE_S) if refs else ([], [])
-        for ref in ready:
-            try:
-                ray.get(ref)
-            except ray.exceptions.RayActorError:
-                return True
-            except ray.exceptions.RayError:
-                pass
-        return False
+        return any(_died(ref) for ref in ready)
 
     def kill(self, wait_s: float = 30.0) -> None:
         """Kill every worker, then wait (bounded) until Ray reports each dead: a worker that outlived its
@@ -651,6 +644,7 @@ def _check_can_listen(address: str) -> None:
 
 
 def _died(ref) -> bool:
+    """Whether the finished call `ref` failed because its actor died."""
     try:
         ray.get(ref)
     except ray.exceptions.RayActorError:
