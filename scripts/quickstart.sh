@@ -3,9 +3,9 @@
 # (dp=4 x mp=2), checkpointed, its loss curve drawn, and a few completions sampled from it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-source scripts/env.sh
 python3 -m venv .venv
 .venv/bin/pip install --quiet --disable-pip-version-check -r requirements.txt -e .
+source scripts/env.sh  # after pip: its proxy settings keep everything below on loopback
 
 for split in corpus:stories val:stories_val; do
   src="data/${split%%:*}/stories.txt"; name="${split##*:}"

@@ -4,9 +4,9 @@
 #   bash scripts/test.sh -k hf -x   # extra arguments go to pytest
 set -euo pipefail
 cd "$(dirname "$0")/.."
-source scripts/env.sh
 python3 -m venv .venv
 .venv/bin/pip install --quiet --disable-pip-version-check -r requirements-dev.txt -e .
+source scripts/env.sh  # after pip: its proxy settings keep everything below on loopback
 
 # The loopback guard (../shared/netguard) makes any non-loopback connect fail and logs it.
 guard="$(cd .. && pwd)/shared/netguard"
