@@ -212,21 +212,5 @@ def psum_dp(x):
     return jax.lax.psum(x, DP) if _bound(DP) else x
 
 
-def local_size(size: int, logical_axis: str) -> int:
-    """Local extent of a dimension of global `size` along `logical_axis` (for activations)."""
-    manual = _current()
-    if manual is None:
-        return size
-    mesh_axis = MEGATRON.get(logical_axis)
-    return size // manual.axis_sizes[mesh_axis] if mesh_axis else size
-
-
-def batch_spec(ndim: int, leading: int = 0) -> P:
-    """Spec of a [..., B, ...] array whose batch axis is at position `leading`."""
-    axes = [None] * ndim
-    axes[leading] = DP
-    return P(*axes)
-
-
 def bytes_of(tree) -> int:
     return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))

@@ -17,7 +17,6 @@ import os
 import signal
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Iterable, Mapping, Optional
 
 import jax

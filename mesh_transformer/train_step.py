@@ -11,9 +11,8 @@ batch exactly.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -59,10 +58,6 @@ def optimizer(train: TrainConfig) -> optax.GradientTransformation:
         optax.scale_by_adam(b1=train.b1, b2=train.b2, eps=train.eps),
         optax.add_decayed_weights(train.weight_decay, mask=decay_mask),
     )
-
-
-def cast(tree, dtype):
-    return jax.tree.map(lambda x: x.astype(dtype), tree)
 
 
 @dataclass
@@ -118,7 +113,7 @@ class Trainer:
 
     def state_from_params(self, params) -> TrainState:
         """A fresh train state (step 0, new optimizer state) around given float32 params."""
-        params = jax.device_put(cast(params, jnp.float32), self.state_shardings.params)
+        params = jax.device_put(jax.tree.map(lambda x: x.astype(jnp.float32), params), self.state_shardings.params)
         opt_state = jax.jit(self.optimizer.init, out_shardings=self.state_shardings.opt_state)(params)
         return TrainState(jax.device_put(jnp.zeros((), jnp.int32), self.state_shardings.step), params, opt_state)
 

@@ -1,8 +1,6 @@
 """Small builders shared by the tests (tiny configs, meshes, random HF GPT-J checkpoints)."""
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import numpy as np
 
@@ -56,8 +54,6 @@ def max_abs_diff(a, b) -> float:
     return max(float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64))))
                for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
 
-
-replace = dataclasses.replace
 
 
 NEW = 16

@@ -5,7 +5,6 @@ import glob
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time

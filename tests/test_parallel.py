@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from mesh_transformer import parallel
 from mesh_transformer.train_step import Trainer
 from tests.helpers import max_abs_diff, mesh, random_tokens, tiny_config
 
@@ -79,7 +78,7 @@ def test_one_all_reduce_of_the_residual_per_layer(dp, mp):
     hlo = trainer.logits.lower(trainer.abstract_state.params, tokens).compile().as_text()
     [layer_body] = _while_bodies(hlo)  # the scanned layer stack
     [residual_reduce] = _all_reduces(layer_body)
-    assert f"f32[2,16,64]" in residual_reduce  # [B_local, T, D]: the residual stream
+    assert "f32[2,16,64]" in residual_reduce  # [B_local, T, D]: the residual stream
     groups = re.search(r"replica_groups=\{(\{[\d,]+\})", residual_reduce).group(1)
     assert groups.count(",") + 1 == mp  # over the mp axis only
     assert len(_all_reduces(hlo)) == 2  # + the vocab-parallel embedding, once per forward

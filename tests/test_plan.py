@@ -1,6 +1,5 @@
 """The planner: parameter counts, the split of compiled per-device memory, ZeRO savings, the CLI."""
 import json
-import math
 import subprocess
 import sys
 from pathlib import Path
