@@ -3,10 +3,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import tempfile
 from typing import Iterator
 
 from mesh_transformer import storage
+
+_CHUNK = 64 << 20  # bytes per read: bounded memory for multi-GB weight files
 
 
 @contextlib.contextmanager
@@ -20,8 +23,7 @@ def local_copy(path: str) -> Iterator[str]:
             name = remote_file[len(path.rstrip("/")) + 1:]
             os.makedirs(os.path.dirname(os.path.join(tmp, name)) or tmp, exist_ok=True)
             with storage.open(remote_file, "rb") as src, open(os.path.join(tmp, name), "wb") as dst:
-                while chunk := src.read(64 << 20):
-                    dst.write(chunk)
+                shutil.copyfileobj(src, dst, _CHUNK)
         yield tmp
 
 
@@ -37,6 +39,5 @@ def local_output(path: str) -> Iterator[str]:
             for name in files:
                 local = os.path.join(root, name)
                 with open(local, "rb") as src, storage.open(storage.join(path, os.path.relpath(local, tmp)), "wb") as dst:
-                    while chunk := src.read(64 << 20):
-                        dst.write(chunk)
+                    shutil.copyfileobj(src, dst, _CHUNK)
                 os.remove(local)  # keep at most one file twice on disk
