@@ -59,7 +59,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
 
     model = loading.from_args(args)
-    gen = Generator(model.config, model.params, model.mesh)
+    gen = Generator(model.config, model.params, model.mesh, matvec=True)  # one prompt at a time
     options = options_from_args(args, model.tokenizer)
     for text in prompts(args):
         [seq] = gen.sequences([model.tokenizer.encode(text)], options, model.tokenizer)

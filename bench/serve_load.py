@@ -89,8 +89,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--url", help="an already running server")
     parser.add_argument("--hf", help="model for the server to start (default: a random 4-layer GPT-J)")
-    parser.add_argument("--server-args", default="--max-batch 16 --chunk 8 --warmup 16 64",
-                        help="extra device_serve.py flags")
+    parser.add_argument("--server-args", default="--max-batch 16 --chunk 8 --warmup 16 64 --dtype float32",
+                        help="extra device_serve.py flags (float32: the fast dtype on CPU)")
     parser.add_argument("--api-key")
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--requests", type=int, default=64)

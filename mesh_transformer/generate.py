@@ -4,15 +4,16 @@
     [out] = gen.generate([[15496, 995]], [SamplingOptions(max_new_tokens=32, temperature=0)])
     out.tokens, out.logprobs, out.finish_reason
 
-A batch is a fixed set of rows (slots) sharing one `model.KVCache`: k/v [L, B, S, N, H], a
-shared write index and a per-row first valid slot. Requests join a batch (`admit`: prefill, write
-the prompt's keys/values ending at the shared index, sample the first token) and leave it (EOS,
-stop sequence, length, or the host retiring them) independently, so a server can add requests
-while others decode (`Batch`, also what `generate` uses).
+A batch is a fixed set of rows sharing one `model.KVCache` (per layer k [B, N, H, S] and
+v [B, N, S, H]), a shared write index and a per-row first valid slot. Requests join a batch
+(`admit`: prefill, write the prompt's keys/values ending at the shared index, sample the first
+token) and leave it (EOS, stop sequence, length, or the host retiring them) independently, so a
+server can add requests while others decode (`Batch`, also what `generate` uses).
 
-Sharding is training's: parameters by the MEGATRON table, the cache with heads over 'mp' and rows
-over 'dp', the model inside `parallel.shard_map`. Each step all-gathers the last position's
-[B, V/mp] logits over 'mp' and every mp shard samples the same token from the whole vocabulary.
+Sharding is training's: parameters by the MEGATRON table (split into per-layer arrays, see
+`model.unstack_layers`), the cache with heads over 'mp' and rows over 'dp', the model inside
+`parallel.shard_map`. Each step all-gathers the last position's [B, V/mp] logits over 'mp' and
+every mp shard samples the same token from the whole vocabulary.
 One row per sequence is cheap next to the weights each step reads, and it keeps sampling exact:
 top-p needs the sorted full distribution, which a vocab-parallel top-k only approximates.
 
@@ -46,8 +47,12 @@ log = logging.getLogger(__name__)
 MAX_STOPS = 4  # stop sequences per request checked on device (OpenAI allows 4)
 STOP_TOKENS = 8  # longest stop sequence (in tokens) checked on device; longer ones are checked as text
 TOP_LOGPROBS = 5  # alternatives reported per token (OpenAI's completions limit)
-CANDIDATES = 256  # top-k / top-p look for their threshold among this many largest logits first
 MIN_BUCKET = 16
+# Decode batches in 16-bit dtypes have at least 2 rows: with one, XLA:CPU turns each bf16 matmul
+# into a conversion of the weights plus a float32 matvec (10x slower). A spare row costs little:
+# decode reads every weight once per step whatever the batch. (float32 keeps one row: XLA:CPU's
+# matvec reads weights faster than its 2-row matmul.)
+MIN_ROWS_16BIT = 2
 
 RUNNING, EOS, STOP, LENGTH = 0, 1, 2, 3
 FINISH_REASONS = {EOS: "stop", STOP: "stop", LENGTH: "length"}
@@ -112,7 +117,7 @@ class RowOptions(NamedTuple):
     max_new: Any
     eos: Any  # -1 = none
     stops: Any  # [B, MAX_STOPS, STOP_TOKENS] right-aligned token ids, -1 = padding
-    top_logprobs: Any  # alternatives wanted (0..TOP_LOGPROBS)
+    top_logprobs: Any  # alternatives wanted (0..TOP_LOGPROBS); -1 = no log-probabilities at all
 
     @classmethod
     def stack(cls, options: Seq[SamplingOptions], seeds: Seq[int]) -> "RowOptions":
@@ -129,7 +134,7 @@ class RowOptions(NamedTuple):
                    col("presence_penalty", np.float32), np.array(seeds, np.uint32),
                    col("max_new_tokens", np.int32),
                    np.array([-1 if o.eos_token_id is None else o.eos_token_id for o in options], np.int32), stops,
-                   np.array([o.logprobs or 0 for o in options], np.int32))
+                   np.array([-1 if o.logprobs is None else o.logprobs for o in options], np.int32))
 
 
 # --------------------------------------------------------------------------------------------
@@ -144,41 +149,51 @@ def penalize(logits, counts, seen, rows: RowOptions):
     return logits - counts * rows.frequency_penalty[:, None] - (counts > 0) * rows.presence_penalty[:, None]
 
 
-def top_k_top_p(logits, top_k, top_p, candidates: int = CANDIDATES):
+def top_k_top_p(logits, top_k, top_p):
     """Keep each row's `top_k` largest logits (0 = all), then its nucleus of mass `top_p`; others -> -inf.
 
-    logits [B, V], top_k [B] int, top_p [B] float. Ties at the threshold are kept (as in HF). Exact,
-    but a full sort of the vocabulary is slow (170 ms for [16, 50400] on CPU): the threshold is
-    found among the `candidates` largest logits (`lax.top_k`) and the sort runs only when some
-    row's kept set may reach beyond them (top_k > candidates, or a nucleus wider than them).
+    logits [B, V] float32, top_k [B] int, top_p [B] float. Exact, ties at the threshold kept (as in
+    HF), without sorting the vocabulary (170 ms for [16, 50400] on CPU): each threshold is found by
+    bisection over the 2^32 float32 values (`_order_key`), 32 masked sums over [B, V] (5 ms).
     """
-    vocab = logits.shape[-1]
-    log_total = jax.nn.logsumexp(logits, axis=-1)
-    full = lambda: _threshold(-jnp.sort(-logits, axis=-1), top_k, top_p, log_total, vocab)[0]
-    if vocab <= candidates:
-        threshold = full()
-    else:
-        threshold, fits = _threshold(jax.lax.top_k(logits, candidates)[0], top_k, top_p, log_total, vocab)
-        threshold = jax.lax.cond(jnp.all(fits), lambda: threshold, full)
-    return jnp.where(logits >= threshold[:, None], logits, -jnp.inf)
+    key = _order_key(logits)
+    none = 0 * top_k + jnp.iinfo(jnp.int32).min  # no threshold, laid out like top_k (varying in shard_map)
+    by_k = (top_k > 0) & (top_k < logits.shape[-1])
+
+    def kth_largest():  # the largest t with count(key >= t) >= k: one below the smallest t with fewer
+        fewer = _smallest(lambda t: jnp.sum(key >= t[:, None], axis=-1) < top_k)
+        return jnp.where(by_k, fewer - 1, none)
+    k_floor = jax.lax.cond(jnp.any(by_k), kth_largest, lambda: none)
+    in_k = key >= k_floor[:, None]
+    by_p = top_p < 1
+
+    def nucleus_floor():  # the smallest t with mass(key > t) < top_p: mass before the kept ones < top_p
+        probs = jax.nn.softmax(jnp.where(in_k, logits, -jnp.inf), axis=-1)
+        floor = _smallest(lambda t: jnp.sum(jnp.where(key > t[:, None], probs, 0), axis=-1) < top_p)
+        return jnp.where(by_p, floor, none)
+    p_floor = jax.lax.cond(jnp.any(by_p), nucleus_floor, lambda: none)
+    return jnp.where(key >= jnp.maximum(k_floor, p_floor)[:, None], logits, -jnp.inf)
 
 
-def _threshold(ranked, top_k, top_p, log_total, vocab: int):
-    """The smallest kept logit per row [B], and whether `ranked` (each row's C largest logits,
-    descending) was enough to know it [B]. log_total: logsumexp of each whole row."""
-    c = ranked.shape[-1]
-    no_top_k = (top_k <= 0) | (top_k >= vocab)
-    in_k = jnp.arange(c)[None, :] < jnp.where(no_top_k, c, jnp.minimum(top_k, c))[:, None]
-    masked = jnp.where(in_k, ranked, -jnp.inf)
-    log_norm = jnp.where(no_top_k, log_total, jax.nn.logsumexp(masked, axis=-1))
-    probs = jnp.exp(masked - log_norm[:, None])
-    mass = jnp.cumsum(probs, axis=-1)
-    keep = in_k & ((mass - probs < top_p[:, None]) | (top_p[:, None] >= 1))
-    n_keep = jnp.maximum(jnp.sum(keep, axis=-1), 1)
-    threshold = jnp.take_along_axis(ranked, (n_keep - 1)[:, None], axis=-1)[:, 0]
-    no_filter = no_top_k & (top_p >= 1)
-    fits = no_filter | (~no_top_k & (top_k <= c)) | (no_top_k & (mass[:, -1] >= top_p))
-    return jnp.where(no_filter, -jnp.inf, threshold), fits
+def _order_key(x):
+    """int32 keys ordered as the float32 values `x` are (-inf lowest; -0.0 and 0.0 the same)."""
+    bits = jax.lax.bitcast_convert_type(jnp.where(x == 0, 0.0, x), jnp.int32)
+    return jnp.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+
+
+def _smallest(holds):
+    """Per row, the smallest int32 t for which `holds(t)` [B] is true (it must be monotone in t and
+    true at the largest int32), by bisection: 32 evaluations."""
+    info = jnp.iinfo(jnp.int32)
+    anchor = holds(jnp.full((1,), info.max, jnp.int32))  # [B], laid out as the bounds must be
+    lo, hi = jnp.where(anchor, info.min, info.min), jnp.where(anchor, info.max, info.max)
+
+    def halve(_, bounds):
+        lo, hi = bounds
+        mid = (lo >> 1) + (hi >> 1) + (lo & hi & 1)  # floor((lo + hi) / 2) without overflow
+        ok = holds(mid)
+        return jnp.where(ok, lo, mid + 1), jnp.where(ok, mid, hi)
+    return jax.lax.fori_loop(0, 32, halve, (lo, hi))[1]
 
 
 def row_keys(seed, n_generated):
@@ -186,9 +201,20 @@ def row_keys(seed, n_generated):
     return jax.vmap(lambda s, n: jax.random.fold_in(jax.random.key(s), n))(seed, n_generated)
 
 
+def argmax(logits, block: int = 128):
+    """jnp.argmax(logits [B, V], -1) in two levels: the best block of `block`, then the best in it.
+    (XLA:CPU's one-level argmax over 50k logits takes 14x longer.) Ties go to the lowest index."""
+    b, vocab = logits.shape
+    if vocab % block or vocab <= block:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    blocks = logits.reshape(b, vocab // block, block)
+    which = jnp.argmax(jnp.max(blocks, axis=-1), axis=-1)
+    return (which * block + jnp.argmax(blocks[jnp.arange(b), which], axis=-1)).astype(jnp.int32)
+
+
 def choose(logits, rows: RowOptions, n_generated):
     """Next token per row [B]: argmax where temperature == 0, else a sample of the filtered softmax."""
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy = argmax(logits)
     sampling = rows.temperature > 0
 
     def sample():
@@ -246,7 +272,7 @@ class Emitted(NamedTuple):
     """Tokens produced by one step (leading [B]) or one decode call ([B, K]); token -1 = none."""
 
     token: Any
-    logprob: Any  # log p(token) under the model (before penalties, temperature and truncation)
+    logprob: Any  # log p(token) under the model (before penalties, temperature and truncation); NaN if no row asked
     top_ids: Any  # [..., TOP_LOGPROBS]
     top_logprobs: Any
 
@@ -261,14 +287,9 @@ def emit(state: DecodeState, logits, active) -> tuple[DecodeState, Emitted]:
     scores = jax.lax.cond(jnp.any(penalized), lambda: penalize(logits, state.counts, state.seen, rows), lambda: logits)
     token = choose(scores, rows, state.n_generated)
     b = jnp.arange(token.shape[0])
-    log_norm = jax.nn.logsumexp(logits, axis=-1)
-    logprob = logits[b, token] - log_norm
-
-    def top():
-        values, ids = jax.lax.top_k(logits, TOP_LOGPROBS)
-        return values - log_norm[:, None], ids.astype(jnp.int32)
-    none = 0 * token[:, None] + jnp.zeros((1, TOP_LOGPROBS), jnp.int32)  # zeros laid out like `token`
-    top_logprobs, top_ids = jax.lax.cond(jnp.any(rows.top_logprobs > 0), top, lambda: (none.astype(jnp.float32), none))
+    logprob, top_logprobs, top_ids = jax.lax.cond(
+        jnp.any(rows.top_logprobs >= 0), lambda: log_probs(logits, token, rows.top_logprobs),
+        lambda: _none(token))
 
     n_generated = state.n_generated + active
     recent = jnp.where(active[:, None], jnp.concatenate([state.recent[:, 1:], token[:, None]], 1), state.recent)
@@ -288,9 +309,32 @@ def emit(state: DecodeState, logits, active) -> tuple[DecodeState, Emitted]:
     return state, out
 
 
-def state_specs() -> DecodeState:
+def log_probs(logits, token, top_wanted):
+    """log p(token) [B] and the TOP_LOGPROBS most likely tokens' log p and ids [B, TOP_LOGPROBS]
+    (computed if some row wants them: top_wanted [B] > 0) under the model's distribution `logits` [B, V]."""
+    log_norm = jax.nn.logsumexp(logits, axis=-1)
+    logprob = logits[jnp.arange(token.shape[0]), token] - log_norm
+
+    def top():
+        values, ids = jax.lax.top_k(logits, TOP_LOGPROBS)
+        return values - log_norm[:, None], ids.astype(jnp.int32)
+    return logprob, *jax.lax.cond(jnp.any(top_wanted > 0), top, lambda: _none(token)[1:])
+
+
+def _none(token):
+    """What `log_probs` gives when not computed: NaN [B], zeros [B, TOP_LOGPROBS] (float and int),
+    laid out like `token` (varying over the same mesh axes inside shard_map)."""
+    zero = 0 * token
+    top = zero[:, None] + jnp.zeros((1, TOP_LOGPROBS), jnp.int32)
+    return zero.astype(jnp.float32) + jnp.nan, top.astype(jnp.float32), top
+
+
+KV_SPEC = P(parallel.DP, parallel.MP, None, None)  # each layer's k and v: rows over dp, heads over mp
+
+
+def state_specs(layers: int) -> DecodeState:
     """PartitionSpecs: rows over 'dp'; the cache's heads over 'mp' as well."""
-    row, row2, kv = P(parallel.DP), P(parallel.DP, None), P(None, parallel.DP, None, parallel.MP, None)
+    row, row2, kv = P(parallel.DP), P(parallel.DP, None), (KV_SPEC,) * layers
     return DecodeState(
         cache=gptj.KVCache(kv, kv, row, P()),
         rows=RowOptions(*([row] * 9), P(parallel.DP, None, None), row),
@@ -299,9 +343,9 @@ def state_specs() -> DecodeState:
 
 def _roll_cache(cache: gptj.KVCache, shift):
     """Move every row's slots by `shift` (positions are slot - start, so they do not change)."""
-    def roll(x):
-        return jax.lax.cond(shift != 0, lambda: jnp.roll(x, shift, axis=2), lambda: x)
-    return gptj.KVCache(roll(cache.k), roll(cache.v), cache.start + shift, cache.index + shift)
+    rolled = jax.lax.cond(shift != 0, lambda: cache.along_slots(lambda x, axis: jnp.roll(x, shift, axis)),
+                          lambda: cache)
+    return rolled._replace(start=cache.start + shift, index=cache.index + shift)
 
 
 # --------------------------------------------------------------------------------------------
@@ -311,29 +355,36 @@ def _roll_cache(cache: gptj.KVCache, shift):
 class Generator:
     """Compiled prefill/decode for `params` on `mesh`; token ids in, token ids out.
 
-    `params`: Haiku params (numpy or jax; vocabulary padded for the mesh's mp). They are cast to
-    `config.compute_dtype` once and placed by the MEGATRON table.
+    `params`: Haiku params as training keeps them (layers stacked; numpy or jax; vocabulary padded
+    for the mesh's mp). The generator keeps its own copy, cast to `config.compute_dtype`, split
+    into per-layer arrays and placed by the MEGATRON table, built one leaf at a time (peak memory
+    is the caller's params plus the largest leaf); drop the caller's copy to free it.
+
+    `matvec`: store the weights inputs-last (`parallel.INPUT_AXES`), for decoding one or two rows
+    at a time: on CPU, batch-1 decode runs about 12% faster (matrix-vector products read such
+    weights faster), batch-16 decode about 12% slower (bench/decode.py). float32 only: 16-bit decode
+    runs matmuls of at least 2 rows (`MIN_ROWS_16BIT`), which read weights faster inputs-first.
     """
 
-    def __init__(self, config: ModelConfig, params, mesh: Mesh):
+    def __init__(self, config: ModelConfig, params, mesh: Mesh, matvec: bool = False):
         parallel.check_divisibility(config, mesh, zero=False)
         self.config, self.mesh = config, mesh
+        self.min_rows = 1 if jnp.dtype(config.compute_dtype).itemsize >= 4 else MIN_ROWS_16BIT
+        self.inputs_last = matvec and self.min_rows == 1  # 2-row matmuls read weights faster inputs-first
         self.mp, self.dp = mesh.shape[parallel.MP], mesh.shape[parallel.DP]
         self.model = gptj.build(config, self.mp)
         self.vocab = config.padded_vocab(self.mp)
         self.rules = parallel.MEGATRON
-        self.param_specs = parallel.param_specs(params, self.rules)
-        dtype = jnp.dtype(config.compute_dtype)
-        cast = lambda x: x if x.dtype == dtype else x.astype(dtype)  # noqa: E731 - numpy or jax
-        self.params = jax.device_put(jax.tree.map(cast, params), parallel.named(mesh, self.param_specs))
-        self.specs = state_specs()
+        self.params = self._place(params)
+        self.param_specs = jax.tree.map(lambda x: x.sharding.spec, self.params)
+        self.specs = state_specs(config.layers)
         self.shapes: set[tuple] = set()  # programs compiled so far (see `_note`)
         self.shardings = parallel.named(mesh, self.specs)
-        kv = P(None, parallel.DP, None, parallel.MP, None)
+        kv = (KV_SPEC,) * config.layers
         self._prefill = parallel.shard_map(
             self._prefill_local, mesh, self.rules,
-            in_specs=(self.param_specs, P(parallel.DP, None), P(parallel.DP), kv, kv),
-            out_specs=(P(parallel.DP, None), kv, kv))
+            in_specs=(self.param_specs, P(parallel.DP, None), P(parallel.DP)),
+            out_specs=(P(parallel.DP, None), kv, kv), inputs_last=self.inputs_last)
         self._new_state = jax.jit(self._empty, static_argnums=(0, 1), out_shardings=self.shardings)
         self._admit = jax.jit(self._admit_rows, out_shardings=(self.shardings, None), donate_argnums=1)
         self._decode = jax.jit(self._decode_steps, static_argnums=(3, 4), donate_argnums=1,
@@ -341,23 +392,35 @@ class Generator:
         self._retire = jax.jit(lambda s, m: s._replace(done=s.done | m), out_shardings=self.shardings,
                                donate_argnums=0)
 
+    def _place(self, params):
+        """Per-layer params in the compute dtype (weights inputs-last with `matvec`), on the mesh by
+        the MEGATRON table."""
+        dtype = jnp.dtype(self.config.compute_dtype)
+
+        def convert(name, x):
+            x = x if x.dtype == dtype else x.astype(dtype)  # numpy or jax
+            order = parallel.inputs_last_order(name, x.ndim) if self.inputs_last else tuple(range(x.ndim))
+            axes = parallel.leaf_axes(name, x.ndim)
+            spec = parallel.spec_for([axes[i] for i in order], self.rules)
+            return jax.device_put(x.transpose(order), jax.sharding.NamedSharding(self.mesh, spec))
+        return gptj.unstack_layers(params, self.config.layers, convert)
+
     # ---- device functions ---------------------------------------------------------------------
 
     def _empty(self, batch: int, slots: int) -> DecodeState:
-        c, vocab = self.config, self.vocab
-        kv = jnp.zeros((c.layers, batch, slots, c.n_heads, c.head_dim), jnp.dtype(c.compute_dtype))
+        vocab = self.vocab
         i32 = lambda fill=0: jnp.full((batch,), fill, jnp.int32)
         rows = RowOptions(jnp.zeros(batch), i32(), jnp.ones(batch), jnp.ones(batch), jnp.zeros(batch),
                           jnp.zeros(batch), jnp.zeros(batch, jnp.uint32), i32(1), i32(-1),
-                          jnp.full((batch, MAX_STOPS, STOP_TOKENS), -1, jnp.int32), i32())
-        return DecodeState(gptj.KVCache(kv, kv, i32(), jnp.zeros((), jnp.int32)), rows, i32(),
+                          jnp.full((batch, MAX_STOPS, STOP_TOKENS), -1, jnp.int32), i32(-1))
+        return DecodeState(gptj.KVCache.zeros(self.config, batch, slots), rows, i32(),
                            jnp.ones(batch, bool), i32(), i32(), jnp.zeros((batch, vocab), jnp.int32),
                            jnp.zeros((batch, vocab), bool), jnp.full((batch, STOP_TOKENS), -2, jnp.int32))
 
-    def _prefill_local(self, params, tokens, start, k, v):
-        """tokens [n, T] left-padded, start [n] = T - length -> (last logits [n, V], k, v [L, n, T, N, H])."""
-        logits, cache = self.model.apply(params, tokens, gptj.KVCache(k, v, start, jnp.zeros((), jnp.int32)),
-                                         last_only=True)
+    def _prefill_local(self, params, tokens, start):
+        """tokens [n, T] left-padded, start [n] = T - length -> (last logits [n, V], k, v: per layer [n, N, T, H])."""
+        empty = gptj.KVCache.zeros(self.config, tokens.shape[0], tokens.shape[1], start, self.mp)
+        logits, cache = self.model.apply(params, tokens, empty, last_only=True)
         return parallel.all_gather_mp(logits[:, -1]), cache.k, cache.v
 
     def _admit_rows(self, params, state: DecodeState, tokens, lengths, row_ids, rows: RowOptions, index):
@@ -366,17 +429,18 @@ class Generator:
         The whole batch first moves to `index` (a roll of the cache; positions do not change), then
         each new row's prompt fills slots index-length .. index-1 and its first token is sampled.
         """
-        c = self.config
         n, t = tokens.shape
-        batch, slots = state.last.shape[0], state.cache.k.shape[2]
+        batch, slots = state.last.shape[0], state.cache.slots
         cache = _roll_cache(state.cache, index - state.cache.index)
-        fresh = jnp.zeros((c.layers, n, t, c.n_heads, c.head_dim), cache.k.dtype)
-        logits, k, v = self._prefill(params, tokens, t - lengths, fresh, fresh)
+        logits, k, v = self._prefill(params, tokens, t - lengths)
         target = index - t + jnp.arange(t)
         target = jnp.where(target >= 0, target, slots)  # left padding beyond slot 0 is dropped
-        put = lambda x, new: x.at[:, row_ids[:, None], target[None, :]].set(new, mode="drop")
-        cache = gptj.KVCache(put(cache.k, k), put(cache.v, v),
-                             cache.start.at[row_ids].set(index - lengths, mode="drop"), cache.index)
+
+        def put(x, new, axis):  # new's T slots into x's rows row_ids at slots target
+            where = (row_ids[:, None],) + (slice(None),) * (axis - 1) + (target[None, :],)
+            return x.at[where].set(jnp.moveaxis(new, axis, 1), mode="drop")
+        cache = cache.along_slots(put, gptj.KVCache(k, v, None, None))
+        cache = cache._replace(start=cache.start.at[row_ids].set(index - lengths, mode="drop"))
         set_rows = lambda x, new: x.at[row_ids].set(new, mode="drop")
         valid = jnp.arange(t)[None, :] >= (t - lengths)[:, None]
         prompt_seen = jnp.zeros((n, self.vocab), bool).at[jnp.arange(n)[:, None], tokens].max(valid)
@@ -413,16 +477,16 @@ class Generator:
         decode = parallel.shard_map(
             lambda p, s: self._decode_local(p, s, steps), self.mesh, self.rules,
             in_specs=(self.param_specs, self.specs),
-            out_specs=(self.specs, Emitted(*([P(None, parallel.DP)] * 2), *([P(None, parallel.DP, None)] * 2))))
+            out_specs=(self.specs, Emitted(*([P(None, parallel.DP)] * 2), *([P(None, parallel.DP, None)] * 2))),
+            inputs_last=self.inputs_last)
         full = state.cache
-        view = gptj.KVCache(jax.lax.dynamic_slice_in_dim(full.k, first_slot, window, axis=2),
-                            jax.lax.dynamic_slice_in_dim(full.v, first_slot, window, axis=2),
-                            full.start - first_slot, full.index - first_slot)
+        view = full.along_slots(lambda x, axis: jax.lax.dynamic_slice_in_dim(x, first_slot, window, axis))
+        view = view._replace(start=full.start - first_slot, index=full.index - first_slot)
         state, out = decode(params, state._replace(cache=view))
         c = state.cache
-        cache = gptj.KVCache(jax.lax.dynamic_update_slice_in_dim(full.k, c.k, first_slot, axis=2),
-                             jax.lax.dynamic_update_slice_in_dim(full.v, c.v, first_slot, axis=2),
-                             c.start + first_slot, c.index + first_slot)
+        put_back = lambda whole, part, axis: jax.lax.dynamic_update_slice_in_dim(whole, part, first_slot, axis)  # noqa: E731
+        cache = full.along_slots(put_back, c)
+        cache = cache._replace(start=c.start + first_slot, index=c.index + first_slot)
         return state._replace(cache=cache), jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), out)  # [B, K, ...]
 
     # ---- host API ---------------------------------------------------------------------------
@@ -448,7 +512,7 @@ class Generator:
         ids[: len(row_ids)] = row_ids
         pad = [options[0]] * (n - len(options))
         rows = RowOptions.stack(list(options) + pad, list(seeds) + [0] * len(pad))
-        self._note("prefill", rows=n, tokens=t, batch=batch, slots=state.cache.k.shape[2])
+        self._note("prefill", rows=n, tokens=t, batch=batch, slots=state.cache.slots)
         state, first = self._admit(self.params, state, tokens, lengths, ids, rows, np.int32(index))
         first, done, reason = jax.device_get((first, state.done, state.reason))
         return state, first, done, reason
@@ -459,8 +523,8 @@ class Generator:
         Attention reads only slots first_slot .. first_slot+window-1 (default: all): they must hold
         every running row's tokens and the `steps` new ones.
         """
-        window = window or state.cache.k.shape[2]
-        self._note("decode", batch=state.last.shape[0], slots=state.cache.k.shape[2], steps=steps, window=window)
+        window = window or state.cache.slots
+        self._note("decode", batch=state.last.shape[0], slots=state.cache.slots, steps=steps, window=window)
         state, out = self._decode(self.params, state, np.int32(first_slot), steps, window)
         out, done, reason, index = jax.device_get((out, state.done, state.reason, state.cache.index))
         return state, out, done, reason, int(index)
@@ -535,8 +599,8 @@ class Sequence:
         self.seed = options.seed % 2**32 if options.seed is not None else secrets.randbits(32)
         self.deadline = deadline
         self.tokens: list[int] = []
-        self.logprobs: list[float] = []
-        self.top_logprobs: list[list[tuple[int, float]]] = []
+        self.logprobs: list[float] = []  # with options.logprobs set: log p of each token
+        self.top_logprobs: list[list[tuple[int, float]]] = []  # and the options.logprobs most likely (id, log p)
         self.finish_reason: Optional[str] = None
         self.cancelled = False
         self._text_end: Optional[int] = None  # where a stop string cut the text
@@ -547,12 +611,14 @@ class Sequence:
         return self.finish_reason is not None
 
     def extend(self, tokens, logprobs, top_ids, top_logprobs) -> None:
-        """Append emitted tokens (already filtered to real ones); check stop strings."""
-        n_top = self.options.logprobs or 0
-        for tok, lp, ids, lps in zip(tokens, logprobs, top_ids, top_logprobs):
-            self.tokens.append(int(tok))
-            self.logprobs.append(float(lp))
-            self.top_logprobs.append([(int(i), float(p)) for i, p in zip(ids[:n_top], lps[:n_top])])
+        """Append emitted tokens (already filtered to real ones), and their log-probabilities if the
+        options asked for them; check stop strings."""
+        self.tokens.extend(int(t) for t in tokens)
+        if self.options.logprobs is not None:
+            n_top = self.options.logprobs
+            self.logprobs.extend(float(lp) for lp in logprobs)
+            self.top_logprobs.extend([(int(i), float(p)) for i, p in zip(ids[:n_top], lps[:n_top])]
+                                     for ids, lps in zip(top_ids, top_logprobs))
         if self.tokenizer is not None and self.options.stop and tokens is not None and len(tokens):
             cut = _find_stop(self._decoded(), self.options.stop)
             if cut is not None:
@@ -622,7 +688,7 @@ class Batch:
 
     def __init__(self, generator: Generator, rows: int, slots: int, chunk: Optional[int] = 16):
         self.gen = generator
-        self.size, self.slots = _round_up(rows, generator.dp), slots
+        self.size, self.slots = _round_up(max(rows, generator.min_rows), generator.dp), slots
         self.chunk = chunk
         self.state = generator.new_state(self.size, slots)
         self.rows: list[Optional[Sequence]] = [None] * self.size

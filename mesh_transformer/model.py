@@ -6,9 +6,13 @@
 
 Attention uses rotary position embedding on the first `pe_rotary_dims` dims of each head with
 GPT-J's interleaved pairing, no biases on q/k/v/out. The MLP is fc_in -> tanh-GELU -> fc_out, with
-biases. Layers are stacked and scanned (`hk.layer_stack`), so compile time does not grow with
-depth. Nothing here names a device or a PartitionSpec: `parallel.param` returns the local shard of
-a parameter and `parallel.psum_mp` is the one reduction the parallel residual needs per layer.
+biases. Matmuls accumulate in float32 (`dense`). For training, layers are stacked and scanned
+(`hk.layer_stack`), so compile time does not grow with depth; with a KV cache (generation) they
+run unrolled over per-layer parameters and caches (`unstack_layers`), because a scan slices each
+layer's weights and cache out of the stack, and XLA:CPU copies such slices every decode step
+(twice the memory traffic on a memory-bound step). Nothing here names a device or a
+PartitionSpec: `parallel.param` returns the local shard of a parameter and `parallel.psum_mp` is
+the one reduction the parallel residual needs per layer.
 
 Shape letters: B batch, T time, D d_model, N heads, H head dim, F d_ff, V (local) vocabulary.
 """
@@ -32,6 +36,31 @@ REMAT_POLICIES = {
 
 def _normal(std: float) -> hk.initializers.Initializer:
     return hk.initializers.RandomNormal(stddev=std)
+
+
+def dense(equation: str, x, w, dtype=None):
+    """x [..., *inputs] times a weight [*inputs, *outputs] -> [..., *outputs]: one 2-d matmul
+    accumulating in float32, the result in `dtype` (default x's).
+
+    `equation` names the axes ("btd,dnh->btnh") and is checked: x's last axes are the weight's
+    first ones. The weight may be a `parallel.InputsLast` one (decoding), stored [*outputs, *inputs].
+    Why 2-d: with several contracted axes XLA may transpose the weight on every call. Why a float32
+    result: with bfloat16 operands XLA:CPU runs the matmul natively only when asked for one.
+    """
+    lhs, rest = equation.split(",")
+    w_axes, out = rest.split("->")
+    n_in = len(set(lhs) & set(w_axes))
+    if lhs[len(lhs) - n_in:] != w_axes[:n_in] or out != lhs[:len(lhs) - n_in] + w_axes[n_in:]:
+        raise ValueError(f"dense({equation!r}): expected x [..., *inputs] and a weight [*inputs, *outputs]")
+    batch = x.shape[:x.ndim - n_in]
+    x = x.reshape(*batch, -1)
+    if isinstance(w, parallel.InputsLast):
+        outputs = w.array.shape[:-n_in]
+        y = jnp.einsum("...k,ok->...o", x, w.array.reshape(math.prod(outputs), -1), preferred_element_type=jnp.float32)
+    else:
+        outputs = w.shape[n_in:]
+        y = jnp.einsum("...k,ko->...o", x, w.reshape(-1, math.prod(outputs)), preferred_element_type=jnp.float32)
+    return y.reshape(*batch, *outputs).astype(dtype or x.dtype)
 
 
 class Norm(hk.Module):
@@ -74,22 +103,39 @@ def rotary(x, positions, rotary_dims: int):
 
 
 class KVCache(NamedTuple):
-    """Keys and values of every layer for decoding; sharded like activations (heads over mp).
+    """Keys and values for decoding; sharded like activations (heads over mp).
 
-    k, v: [L, B, S, N, H]. Row b's tokens live in slots start[b] .. index-1 (prompts are
-    left-padded to a shared length); the next tokens are written at slot `index`.
+    k: one [B, N, H, S] array per layer (a tuple of L), v: one [B, N, S, H] per layer, updated in
+    place as layers run. These are the layouts attention's two matmuls (q.k^T, then weights.v)
+    read, so no step transposes the cache. Row b's tokens live in slots start[b] .. index-1
+    (prompts are left-padded to a shared length); the next tokens are written at slot `index`.
     """
 
-    k: jax.Array
-    v: jax.Array
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
     start: jax.Array  # [B] int32
     index: jax.Array  # [] int32
 
+    K_SLOTS, V_SLOTS = 3, 2  # the slot axis of each k and v array
+
+    @property
+    def slots(self) -> int:
+        return self.v[0].shape[self.V_SLOTS]
+
     @classmethod
-    def zeros(cls, config: ModelConfig, batch: int, slots: int, start, dtype=None):
-        shape = (config.layers, batch, slots, config.n_heads, config.head_dim)
-        dtype = dtype or jnp.dtype(config.compute_dtype)
-        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.asarray(start, jnp.int32), jnp.zeros((), jnp.int32))
+    def zeros(cls, config: ModelConfig, batch: int, slots: int, start=0, mp: int = 1):
+        """An empty cache (with `mp`: one model-parallel shard's, N / mp heads)."""
+        heads, dtype = config.n_heads // mp, jnp.dtype(config.compute_dtype)
+        k = tuple(jnp.zeros((batch, heads, config.head_dim, slots), dtype) for _ in range(config.layers))
+        v = tuple(jnp.zeros((batch, heads, slots, config.head_dim), dtype) for _ in range(config.layers))
+        return cls(k, v, jnp.broadcast_to(jnp.asarray(start, jnp.int32), (batch,)), jnp.zeros((), jnp.int32))
+
+    def along_slots(self, fn, *others: "KVCache") -> "KVCache":
+        """The cache with each layer's k and v replaced by fn(array, *the same array of `others`,
+        axis=its slot axis); start and index are kept."""
+        k = tuple(fn(*xs, axis=self.K_SLOTS) for xs in zip(self.k, *(o.k for o in others)))
+        v = tuple(fn(*xs, axis=self.V_SLOTS) for xs in zip(self.v, *(o.v for o in others)))
+        return self._replace(k=k, v=v)
 
 
 class Attention(hk.Module):
@@ -100,28 +146,30 @@ class Attention(hk.Module):
         self.config = config
 
     def __call__(self, h, positions, mask, cache=None):
-        """h [B, T, D], positions [B, T], mask [B, 1, T, S] (True = may attend), cache (k, v) [B, S, N, H].
+        """h [B, T, D], positions [B, T], mask [B, 1, T, S] (True = may attend), cache (k, v, index):
+        k [B, N, H, S], v [B, N, S, H] (see KVCache) and the slot `index` the T new ones go to.
 
-        Returns (partial sum over mp shards [B, T, D], updated cache or None).
+        Returns (partial sum over mp shards [B, T, D], updated (k, v) or None).
         """
         c = self.config
         d, n, hd = c.d_model, c.n_heads, c.head_dim
         init = _normal(0.02)
-        q = jnp.einsum("btd,dnh->btnh", h, parallel.param("q_proj", (d, n, hd), init, h.dtype))
-        k = jnp.einsum("btd,dnh->btnh", h, parallel.param("k_proj", (d, n, hd), init, h.dtype))
-        v = jnp.einsum("btd,dnh->btnh", h, parallel.param("v_proj", (d, n, hd), init, h.dtype))
+        q = dense("btd,dnh->btnh", h, parallel.param("q_proj", (d, n, hd), init, h.dtype))
+        k = dense("btd,dnh->btnh", h, parallel.param("k_proj", (d, n, hd), init, h.dtype))
+        v = dense("btd,dnh->btnh", h, parallel.param("v_proj", (d, n, hd), init, h.dtype))
         q, k = rotary(q, positions, c.rotary_dims), rotary(k, positions, c.rotary_dims)
+        k, v = jnp.transpose(k, (0, 2, 3, 1)), jnp.swapaxes(v, 1, 2)  # [B, N, H, T], [B, N, T, H] as cached
         if cache is not None:
             cache_k, cache_v, index = cache
-            k = jax.lax.dynamic_update_slice_in_dim(cache_k, k.astype(cache_k.dtype), index, axis=1)
-            v = jax.lax.dynamic_update_slice_in_dim(cache_v, v.astype(cache_v.dtype), index, axis=1)
+            k = jax.lax.dynamic_update_slice_in_dim(cache_k, k.astype(cache_k.dtype), index, KVCache.K_SLOTS)
+            v = jax.lax.dynamic_update_slice_in_dim(cache_v, v.astype(cache_v.dtype), index, KVCache.V_SLOTS)
             cache = (k, v)
-        scores = jnp.einsum("btnh,bsnh->bnts", q.astype(jnp.float32), k.astype(jnp.float32))
+        scores = jnp.einsum("btnh,bnhs->bnts", q.astype(k.dtype), k, preferred_element_type=jnp.float32)
         scores = jnp.where(mask, scores / jnp.sqrt(jnp.float32(hd)), jnp.finfo(jnp.float32).min)
         weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-        out = jnp.einsum("bnts,bsnh->btnh", weights, v).astype(h.dtype)
+        out = jnp.einsum("bnts,bnsh->btnh", weights, v, preferred_element_type=jnp.float32).astype(h.dtype)
         w_out = parallel.param("out_proj", (n, hd, d), _normal(0.02 / math.sqrt(2 * c.layers)), h.dtype)
-        return jnp.einsum("btnh,nhd->btd", out, w_out), cache
+        return dense("btnh,nhd->btd", out, w_out), cache
 
 
 class MLP(hk.Module):
@@ -140,10 +188,10 @@ class MLP(hk.Module):
         d, f = c.d_model, c.ff_dim
         w_in = parallel.param("fc_in", (d, f), _normal(0.02), h.dtype)
         b_in = parallel.param("fc_in_bias", (f,), hk.initializers.Constant(0.0), h.dtype)
-        x = jax.nn.gelu(jnp.einsum("btd,df->btf", h, w_in) + b_in, approximate=True)
+        x = jax.nn.gelu(dense("btd,df->btf", h, w_in) + b_in, approximate=True)
         w_out = parallel.param("fc_out", (f, d), _normal(0.02 / math.sqrt(2 * c.layers)), h.dtype)
         b_out = parallel.param("fc_out_bias", (d,), hk.initializers.Constant(0.0), h.dtype)
-        return jnp.einsum("btf,fd->btd", x, w_out), b_out
+        return dense("btf,fd->btd", x, w_out), b_out
 
 
 class Embedding(hk.Module):
@@ -180,7 +228,7 @@ class LMHead(hk.Module):
         b = parallel.param("lm_head_bias", (self.padded_vocab,), hk.initializers.Constant(0.0))
         vocab_ids = parallel.mp_index() * b.shape[-1] + jnp.arange(b.shape[-1])
         b = jnp.where(vocab_ids < c.n_vocab, b.astype(jnp.float32), -jnp.inf)  # [V/mp]: cheaper than masking logits
-        return jnp.einsum("btd,dv->btv", x, w).astype(jnp.float32) + b
+        return dense("btd,dv->btv", x, w, jnp.float32) + b
 
 
 class GPTJ(hk.Module):
@@ -200,22 +248,28 @@ class GPTJ(hk.Module):
         dtype = jnp.dtype(c.compute_dtype)
         x = Embedding(c, self.padded_vocab)(tokens, positions, dtype)
 
-        def layer(x, layer_cache):
+        def layer(x, kv=None):
             h = Norm(c, name="ln_1")(x)
-            kv = None if layer_cache is None else (*layer_cache, cache.index)
             attn_out, kv = Attention(c)(h, positions, mask, kv)
             mlp_out, mlp_bias = MLP(c)(h)
             return x + parallel.psum_mp(attn_out + mlp_out) + mlp_bias, kv
 
-        if c.remat != "none" and cache is None:
-            layer = hk.remat(layer, policy=REMAT_POLICIES[c.remat])
-        per_layer = None if cache is None else (cache.k, cache.v)
-        x, kv = hk.layer_stack(c.layers, with_per_layer_inputs=True, name="layers")(layer)(x, per_layer)
+        if cache is None:
+            block = lambda x: layer(x)[0]  # noqa: E731
+            if c.remat != "none":
+                block = hk.remat(block, policy=REMAT_POLICIES[c.remat])
+            x = hk.layer_stack(c.layers, name=STACKED)(block)(x)
+        else:
+            new_k, new_v = [], []
+            for i in range(c.layers):
+                with hk.name_scope(unstacked(i)):
+                    x, (k, v) = layer(x, (cache.k[i], cache.v[i], cache.index))
+                new_k.append(k)
+                new_v.append(v)
+            cache = KVCache(tuple(new_k), tuple(new_v), cache.start, cache.index + tokens.shape[1])
         x = Norm(c, name="ln_f")(x)
         logits = LMHead(c, self.padded_vocab)(x[:, -1:] if last_only else x)
-        if cache is None:
-            return logits, None
-        return logits, KVCache(kv[0], kv[1], cache.start, cache.index + tokens.shape[1])
+        return logits, cache
 
 
 def _positions_and_mask(shape, cache: Optional[KVCache]):
@@ -226,14 +280,41 @@ def _positions_and_mask(shape, cache: Optional[KVCache]):
         return positions, jnp.tril(jnp.ones((t, t), dtype=bool))[None, None]
     slots = cache.index + jnp.arange(t)  # [T]
     positions = jnp.maximum(slots[None, :] - cache.start[:, None], 0)
-    keys = jnp.arange(cache.k.shape[2])  # [S]
+    keys = jnp.arange(cache.slots)  # [S]
     mask = (keys[None, None, :] <= slots[None, :, None]) & (keys[None, None, :] >= cache.start[:, None, None])
     return positions, mask[:, None]
 
 
+STACKED = "layers"  # module of the scanned layers: parameters "gptj/layers/..." with a leading [L] axis
+
+
+def unstacked(i: int) -> str:
+    """Name scope of layer i when layers run unrolled (parameters "gptj/layer_{i}/...")."""
+    return f"layer_{i}"
+
+
+def unstack_layers(params, layers: int, convert=lambda name, x: x):
+    """Scanned parameters -> the per-layer ones the unrolled (KV-cache) model reads.
+
+    "gptj/layers/attn" [L, ...] becomes "gptj/layer_0/attn" ... "gptj/layer_{L-1}/attn"; other
+    modules are kept. `convert(leaf name, array)` makes each output leaf (e.g. casts and places it),
+    one at a time.
+    """
+    out = {}
+    for module, leaves in params.items():
+        root, _, rest = module.partition(f"/{STACKED}/")
+        if not rest:
+            out[module] = {name: convert(name, x) for name, x in leaves.items()}
+            continue
+        for i in range(layers):
+            out[f"{root}/{unstacked(i)}/{rest}"] = {name: convert(name, x[i]) for name, x in leaves.items()}
+    return out
+
+
 def build(config: ModelConfig, mp: int = 1) -> hk.Transformed:
-    """The Haiku-transformed model: `init(rng, tokens)` -> params;
-    `apply(params, tokens, cache=None, last_only=False)` -> (logits, cache).
+    """The Haiku-transformed model: `init(rng, tokens)` -> params (layers stacked);
+    `apply(params, tokens, cache=None, last_only=False)` -> (logits, cache). With a cache, `params`
+    are per-layer (`unstack_layers`).
 
     `mp` only decides the vocabulary padding (see `ModelConfig.padded_vocab`).
     """

@@ -6,6 +6,9 @@ tests/test_serve.py).
 """
 from __future__ import annotations
 
+import math
+import re
+
 import numpy as np
 import pytest
 import scipy.stats
@@ -51,7 +54,7 @@ def test_loading_a_training_checkpoint(tiny, gen, tmp_path):
         loading.load(ckpt=str(tmp_path / "run"), mp=1, dp=1)
     model = loading.load(ckpt=str(tmp_path / "run"), tokenizer=str(tiny.path), mp=1, dp=1, dtype="float32")
     assert model.config == config and model.name == "run"
-    assert jax.tree.all(jax.tree.map(lambda a, b: np.array_equal(np.asarray(a), np.asarray(b)), model.params, gen.params))
+    assert jax.tree.all(jax.tree.map(lambda a, b: np.array_equal(np.asarray(a), np.asarray(b)), model.params, params))
 
 
 def test_greedy_matches_hf_generate(tiny, gen):
@@ -62,8 +65,49 @@ def test_greedy_matches_hf_generate(tiny, gen):
 def test_greedy_matches_hf_generate_on_dp2_mp4(tiny):
     config, params = hf.load_hf(tiny.path, mp=4, compute_dtype="float32")
     sharded = Generator(config, params, mesh(2, 4))
-    assert sharded.params["gptj/layers/attn"]["q_proj"].sharding.spec == jax.sharding.PartitionSpec(None, None, "mp", None)
-    assert_matches_hf(tiny, sharded.generate(PROMPTS, greedy()), PROMPTS)
+    assert sharded.params["gptj/layer_1/attn"]["q_proj"].sharding.spec == jax.sharding.PartitionSpec(None, "mp", None)
+    assert_matches_hf(tiny, sharded.generate(PROMPTS, greedy(logprobs=0)), PROMPTS)
+
+
+def test_greedy_matches_hf_with_weights_stored_inputs_last(tiny):
+    """Generator(matvec=True): decode-layout weights ([outputs, inputs], as torch stores them) on mp=2."""
+    config, params = hf.load_hf(tiny.path, mp=2, compute_dtype="float32")
+    matvec = Generator(config, params, mesh(1, 2), matvec=True)
+    assert matvec.params["gptj/layer_0/mlp"]["fc_in"].shape == (config.ff_dim, config.d_model)
+    assert matvec.params["gptj/head"]["lm_head"].sharding.spec == jax.sharding.PartitionSpec("mp", None)
+    assert matvec.params["gptj/layer_1/attn"]["out_proj"].sharding.spec == jax.sharding.PartitionSpec(None, "mp", None)
+    assert_matches_hf(tiny, matvec.generate(PROMPTS, greedy(logprobs=0)), PROMPTS)
+
+
+@pytest.mark.parametrize("matvec", [False, True], ids=["inputs_first", "inputs_last"])
+def test_decode_reads_weights_and_cache_in_place(tiny, matvec):
+    """The compiled decode loop copies or transposes no weight and no layer's KV cache: each step
+    reads them where they are (a copy per step would double a memory-bound step's traffic)."""
+    config, params = hf.load_hf(tiny.path, compute_dtype="float32")
+    g = Generator(config, params, mesh(1, 1), matvec=matvec)
+    state = g.new_state(2, 32)
+    hlo = g._decode.lower(g.params, state, np.int32(0), 4, 32).compile().as_text()
+    matrices = [x for x in jax.tree.leaves(g.params) if x.ndim >= 2] + [state.cache.k[0], state.cache.v[0]]
+    smallest = min(x.size for x in matrices)
+    moved = [[int(d) for d in dims.split(",") if d] for dims in
+             re.findall(r"= \w+\[([\d,]*)\]\{[^}]*\} (?:copy|transpose)\(", hlo)]
+    assert moved, "the pattern should see the loop's small copies"
+    assert [dims for dims in moved if math.prod(dims) >= smallest] == []
+
+
+def test_two_level_argmax_equals_argmax_with_ties():
+    rng = np.random.RandomState(0)
+    logits = rng.randint(0, 4, (8, 384)).astype(np.float32)  # many ties: the first index wins
+    logits[3] = -np.inf
+    logits[3, 200] = 1.0
+    np.testing.assert_array_equal(np.asarray(generate.argmax(jnp.asarray(logits))), np.argmax(logits, -1))
+
+
+def test_logprobs_only_when_asked(gen):
+    plain, asked, *_ = gen.generate(PROMPTS, [greedy(), greedy(logprobs=2), greedy(), greedy()])
+    assert plain.logprobs == [] and plain.top_logprobs == []
+    assert len(asked.logprobs) == NEW and all(len(alts) == 2 for alts in asked.top_logprobs)
+    assert all(lp <= 0 for lp in asked.logprobs)
 
 
 def test_sampling_is_reproducible_per_row(gen):
@@ -132,17 +176,33 @@ def test_sampled_frequencies_match_the_truncated_softmax(logits, temperature, to
     assert np.max(np.abs(counts / n - p)) < 0.015
 
 
-def test_top_k_top_p_search_among_candidates_equals_a_full_sort():
-    """The fast path (threshold among the 8 largest of 40) and its fallback give the exact sets."""
+def test_top_k_top_p_by_bisection_equals_a_full_sort():
+    """The bisection thresholds give exactly the sets sorting gives, ties (and -0.0 == 0.0) and -inf included."""
     rng = np.random.RandomState(0)
     n, vocab = 64, 40
     logits = (rng.randn(n, vocab) * rng.choice([0.3, 1.0, 4.0], (n, 1))).astype(np.float32)
+    logits[:8] = np.round(logits[:8])  # ties
+    logits[8:16, ::3] = -np.inf
     top_k = rng.choice([0, 1, 3, 8, 9, 20, 40], n).astype(np.int32)
     top_p = rng.choice([0.1, 0.5, 0.9, 0.99, 1.0], n).astype(np.float32)
-    fast = np.asarray(jax.jit(lambda *a: generate.top_k_top_p(*a, candidates=8))(logits, top_k, top_p))
+    fast = np.asarray(jax.jit(generate.top_k_top_p)(logits, top_k, top_p))
     for row, k, p, got in zip(logits, top_k, top_p, fast):
-        want = expected_distribution(row, 1.0, int(k), float(p)) > 0
-        np.testing.assert_array_equal(np.isfinite(got), want, err_msg=f"top_k={k} top_p={p}")
+        np.testing.assert_array_equal(np.isfinite(got), kept_by_sorting(row, int(k), float(p)),
+                                      err_msg=f"top_k={k} top_p={p}")
+
+
+def kept_by_sorting(row, top_k, top_p):
+    """Tokens top-k then top-p keep, by value: ties with the smallest kept value are kept too."""
+    z = np.asarray(row, np.float64)
+    floor = np.sort(z)[::-1][top_k - 1] if 0 < top_k < len(z) else -np.inf
+    in_k = z >= floor
+    if top_p >= 1:
+        return in_k
+    probs = np.where(in_k, np.exp(z - z.max()), 0)
+    probs /= probs.sum()
+    for value in np.unique(z[in_k]):  # ascending: the smallest value with less than top_p above it
+        if probs[z > value].sum() < top_p:
+            return z >= value
 
 
 def test_penalties_follow_hf_and_openai_definitions():
