@@ -399,10 +399,9 @@ class Generator:
 
         def convert(name, x):
             x = x if x.dtype == dtype else x.astype(dtype)  # numpy or jax
-            order = parallel.inputs_last_order(name, x.ndim) if self.inputs_last else tuple(range(x.ndim))
-            axes = parallel.leaf_axes(name, x.ndim)
-            spec = parallel.spec_for([axes[i] for i in order], self.rules)
-            return jax.device_put(x.transpose(order), jax.sharding.NamedSharding(self.mesh, spec))
+            order, axes = parallel.stored_layout(name, x.ndim, self.inputs_last)
+            sharding = jax.sharding.NamedSharding(self.mesh, parallel.spec_for(axes, self.rules))
+            return jax.device_put(x.transpose(order), sharding)
         return gptj.unstack_layers(params, self.config.layers, convert)
 
     # ---- device functions ---------------------------------------------------------------------

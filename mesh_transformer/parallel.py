@@ -124,6 +124,13 @@ def inputs_last_order(name: str, ndim: int) -> tuple[int, ...]:
     return tuple(axes[:lead] + axes[lead + k:] + axes[lead:lead + k])
 
 
+def stored_layout(name: str, ndim: int, inputs_last: bool) -> tuple[tuple[int, ...], tuple[Optional[str], ...]]:
+    """(axis permutation from the logical layout to the stored one, the stored leaf's logical axes)."""
+    order = inputs_last_order(name, ndim) if inputs_last else tuple(range(ndim))
+    axes = leaf_axes(name, ndim)
+    return order, tuple(axes[i] for i in order)
+
+
 class InputsLast(NamedTuple):
     """A weight as stored with its first `inputs` logical axes moved last; `model.dense` reads it."""
 
@@ -193,13 +200,12 @@ def param(name: str, shape: tuple[int, ...], init, cast_to=None):
     come back as `InputsLast`, for `model.dense`.
     """
     manual = _current()
-    axes = PARAM_AXES[name]
     if manual is None:
         value = hk.get_parameter(name, shape, jnp.float32, init=init)
         return value if cast_to is None else value.astype(cast_to)
-    if manual.inputs_last and name in INPUT_AXES:
-        order = inputs_last_order(name, len(shape))
-        shape, axes = tuple(shape[i] for i in order), tuple(axes[i] for i in order)
+    inputs_last = manual.inputs_last and name in INPUT_AXES
+    order, axes = stored_layout(name, len(shape), inputs_last)
+    shape = tuple(shape[i] for i in order)
     mesh_axes = [manual.rules.get(a) for a in axes]
     stored = tuple(size // (manual.axis_sizes[m] if m else 1) for size, m in zip(shape, mesh_axes))
     value = hk.get_parameter(name, stored, jnp.float32, init=init)
@@ -208,9 +214,7 @@ def param(name: str, shape: tuple[int, ...], init, cast_to=None):
     for dim, mesh_axis in enumerate(mesh_axes):
         if mesh_axis == DP and manual.axis_sizes[DP] > 1:
             value = jax.lax.all_gather(value, DP, axis=dim, tiled=True)
-    if manual.inputs_last and name in INPUT_AXES:
-        return InputsLast(value, INPUT_AXES[name])
-    return value
+    return InputsLast(value, INPUT_AXES[name]) if inputs_last else value
 
 
 def _bound(axis: str) -> bool:
