@@ -9,8 +9,9 @@ import argparse
 import json
 import sys
 
-from mesh_transformer import storage
-from mesh_transformer.data import BuildConfig, DatasetError, build_dataset
+from mesh_transformer.io import storage
+from mesh_transformer import cli
+from mesh_transformer.data import BuildConfig, build_dataset
 
 
 def parse_args(argv=None) -> BuildConfig:
@@ -44,11 +45,10 @@ def parse_args(argv=None) -> BuildConfig:
 
 def main(argv=None) -> int:
     cfg = parse_args(argv)
-    try:
+    with cli.user_errors() as status:
         index = build_dataset(cfg)
-    except DatasetError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    if status.code:
+        return status.code
     info = json.loads(storage.read_text(index))
     print(f"wrote {index}: {info['n_sequences']} sequences of {info['seq']}+1 tokens in "
           f"{len(info['shards'])} shard(s); stats {info['stats']}")

@@ -9,7 +9,7 @@ Defaults are the original's: 512 tokens, top_p 0.9, temperature 0.75.
 import argparse
 import sys
 
-from mesh_transformer import loading
+from mesh_transformer import cli, loading
 from mesh_transformer.generate import Generator, SamplingOptions
 
 
@@ -58,7 +58,10 @@ def main(argv=None):
     add_sampling_args(parser)
     args = parser.parse_args(argv)
 
-    model = loading.from_args(args)
+    with cli.user_errors() as status:
+        model = loading.from_args(args)
+    if status.code:
+        return status.code
     gen = Generator(model.config, model.params, model.mesh, matvec=True)  # one prompt at a time
     options = options_from_args(args, model.tokenizer)
     for text in prompts(args):
@@ -73,4 +76,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

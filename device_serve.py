@@ -6,8 +6,9 @@ See mesh_transformer/serve.py for the endpoints and the batching.
 """
 import argparse
 import logging
+import sys
 
-from mesh_transformer import loading, serve
+from mesh_transformer import cli, loading, serve
 from mesh_transformer.generate import Generator
 
 
@@ -32,7 +33,10 @@ def main(argv=None):
     import uvicorn
 
     logging.basicConfig(level=logging.INFO)
-    model = loading.from_args(args)
+    with cli.user_errors() as status:
+        model = loading.from_args(args)
+    if status.code:
+        return status.code
     engine = serve.Engine(Generator(model.config, model.params, model.mesh), model.tokenizer,
                           max_batch=args.max_batch, slots=args.slots, chunk=args.chunk, max_queue=args.max_queue)
     if args.warmup is not None:
@@ -47,4 +51,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

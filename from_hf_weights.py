@@ -9,7 +9,8 @@ records training keys (mesh, schedule, ...) beside the imported model shape.
 import argparse
 import sys
 
-from mesh_transformer import remote
+from mesh_transformer import cli
+from mesh_transformer.io import remote
 
 
 def main(argv=None) -> int:
@@ -18,17 +19,15 @@ def main(argv=None) -> int:
     p.add_argument("--output-ckpt", required=True, help="checkpoint directory to create (local or gs://)")
     p.add_argument("--config", help="JSON config whose training keys to record (model keys come from the HF config)")
     args = p.parse_args(argv)
-    from mesh_transformer import hf
-    from mesh_transformer.checkpoint import CheckpointError
-    from mesh_transformer.config import ConfigError, load_config
+    from mesh_transformer.io import hf
+    from mesh_transformer.config import load_config
 
-    try:
+    with cli.user_errors(OSError) as status:
         train = load_config(args.config).train if args.config else None
         with remote.local_copy(args.input_hf) as local_hf:
             n = hf.hf_to_checkpoint(local_hf, args.output_ckpt, train)
-    except (ConfigError, CheckpointError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    if status.code:
+        return status.code
     print(f"imported {n:,} parameters from {args.input_hf} into {args.output_ckpt}")
     return 0
 

@@ -8,7 +8,8 @@ tensor at a time: host memory holds the parameters once plus one output shard.
 import argparse
 import sys
 
-from mesh_transformer import remote
+from mesh_transformer import cli
+from mesh_transformer.io import remote
 
 
 def main(argv=None) -> int:
@@ -19,16 +20,13 @@ def main(argv=None) -> int:
     p.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
     p.add_argument("--max-shard-gb", type=float, default=2.0, help="size of each safetensors file")
     args = p.parse_args(argv)
-    from mesh_transformer import hf
-    from mesh_transformer.checkpoint import CheckpointError
-    from mesh_transformer.config import ConfigError
+    from mesh_transformer.io import hf
 
-    try:
+    with cli.user_errors(OSError) as status:
         with remote.local_output(args.output_path) as local_out:
             hf.checkpoint_to_hf(args.input_ckpt, local_out, args.dtype, args.step, int(args.max_shard_gb * 2**30))
-    except (ConfigError, CheckpointError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    if status.code:
+        return status.code
     print(f"wrote {args.output_path}")
     return 0
 

@@ -70,7 +70,7 @@ def timed(fn) -> float:
 def bench_ours(state, root: str, repeats: int) -> dict:
     import jax
 
-    from mesh_transformer.checkpoint import CheckpointManager
+    from mesh_transformer.io.checkpoint import CheckpointManager
 
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
     save, blocking, restore = [], [], []

@@ -69,8 +69,8 @@ def timed(seconds: list[float]) -> float:
 
 
 def single_process(args, train_set: str, tmp: str) -> dict:
-    from mesh_transformer.metrics import read_metrics
-    from mesh_transformer.train_loop import RunOptions, TrainRun
+    from mesh_transformer.train.metrics import read_metrics
+    from mesh_transformer.train.loop import RunOptions, TrainRun
     config = make_config(args, train_set, os.path.join(tmp, "single"))
     log_dir = os.path.join(tmp, "single-logs")
     TrainRun(config, RunOptions(log_dir=log_dir, tensorboard=False)).train()
@@ -79,8 +79,8 @@ def single_process(args, train_set: str, tmp: str) -> dict:
 
 
 def ray_run(args, train_set: str, tmp: str, hosts: int) -> dict:
-    from mesh_transformer.cluster import ClusterOptions, ClusterRun
-    from mesh_transformer.train_loop import RunOptions
+    from mesh_transformer.train.cluster import ClusterOptions, ClusterRun
+    from mesh_transformer.train.loop import RunOptions
     config = make_config(args, train_set, os.path.join(tmp, f"ray{hosts}"))
     options = ClusterOptions(local_hosts=hosts, cpu_devices=8, new=True, overwrite=True,
                              run=RunOptions(log_dir=os.path.join(tmp, f"ray{hosts}-logs"), tensorboard=False))
@@ -92,7 +92,7 @@ def ray_run(args, train_set: str, tmp: str, hosts: int) -> dict:
 
 def pickled_overhead(args, hosts: int) -> int:
     """Bytes the step arguments take pickled (what Ray ships) beyond the arrays themselves, per step."""
-    from mesh_transformer.cluster import pack_batch, rows_of
+    from mesh_transformer.train.cluster import pack_batch, rows_of
     b = 4 * args.batch
     batch = {"tokens": np.zeros((1, b, args.seq + 1), np.int32), "mask": np.ones((1, b, args.seq), np.float32)}
     packed = pack_batch(batch, args.seq)
@@ -102,7 +102,7 @@ def pickled_overhead(args, hosts: int) -> int:
 
 def main():
     args = parse_args()
-    from mesh_transformer import cluster
+    from mesh_transformer.train import cluster
     tmp = tempfile.mkdtemp(prefix="bench-multihost-")
     ray_dir = cluster.start_local_ray(max(args.hosts + [2]))
     try:

@@ -35,8 +35,8 @@ def main():
     import numpy as np
 
     from mesh_transformer.config import load_config
-    from mesh_transformer.train_loop import RunOptions, TrainRun, build_mesh
-    from mesh_transformer.train_step import Trainer
+    from mesh_transformer.train.loop import RunOptions, TrainRun, build_mesh
+    from mesh_transformer.train.step import Trainer
 
     base = load_config(args.config)
     tmp = tempfile.mkdtemp(prefix="bench-e2e-")

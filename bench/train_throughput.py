@@ -55,7 +55,7 @@ def bench_ours(args, tokens, dp=1, mp=1) -> float:
     import jax
     from mesh_transformer import parallel
     from mesh_transformer.config import config_from_dict
-    from mesh_transformer.train_step import Trainer
+    from mesh_transformer.train.step import Trainer
     config = config_from_dict(dict(
         layers=args.layers, d_model=args.d_model, n_heads=args.heads, n_vocab=args.vocab, seq=args.seq,
         pe_rotary_dims=args.d_model // args.heads // 4, compute_dtype="float32", remat="none",

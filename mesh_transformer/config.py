@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from mesh_transformer.errors import UserError
+
 NORMS = ("layernorm", "rmsnorm")
 POSITION_EMBEDDINGS = ("rotary", "fixed", "none")
 REMAT_POLICIES = ("none", "full", "dots")
@@ -34,7 +36,7 @@ LEGACY_KEYS = {
 }
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A config key is missing, unknown, of the wrong type, or inconsistent with another key."""
 
 

@@ -22,8 +22,8 @@ from jax.sharding import Mesh
 
 from mesh_transformer import parallel
 from mesh_transformer.config import Config, ConfigError, ModelConfig, config_from_dict, load_config
+from mesh_transformer.io.tokenizer import TOKENIZER_FILES
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json")
 
 
 @dataclass
@@ -73,7 +73,7 @@ def _mesh(mp: Optional[int], dp: Optional[int], train_mp: Optional[int]) -> Mesh
 
 
 def _load_hf(path, override: Optional[Config], tokenizer, mp, dp, dtype) -> LoadedModel:
-    from mesh_transformer import hf
+    from mesh_transformer.io import hf
 
     mesh = _mesh(mp, dp, override.train.cores_per_replica if override else None)
     dtype = dtype or (override.model.compute_dtype if override else "bfloat16")
@@ -85,8 +85,8 @@ def _load_hf(path, override: Optional[Config], tokenizer, mp, dp, dtype) -> Load
 
 
 def _load_ckpt(path, override: Optional[Config], tokenizer, mp, dp, dtype) -> LoadedModel:
-    from mesh_transformer import model as gptj
-    from mesh_transformer.checkpoint import CheckpointManager
+    from mesh_transformer.models import core as gptj
+    from mesh_transformer.io.checkpoint import CheckpointManager
 
     manager = CheckpointManager(path, read_only=True, config=override)
     if override is not None:
@@ -109,7 +109,7 @@ def _load_ckpt(path, override: Optional[Config], tokenizer, mp, dp, dtype) -> Lo
 
 def resolve_tokenizer(spec: Optional[str], weights_dir: Optional[str], config: ModelConfig):
     """`spec`, else tokenizer files in `weights_dir`, else GPT-2 BPE; checked against the vocabulary."""
-    from mesh_transformer.tokenizer import load_tokenizer
+    from mesh_transformer.io.tokenizer import load_tokenizer
 
     if spec is None and weights_dir is not None and any(
             os.path.exists(os.path.join(weights_dir, f)) for f in TOKENIZER_FILES):

@@ -19,13 +19,13 @@ import dataclasses
 import json
 import math
 import os
-import re
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+from mesh_transformer.cli import simulate_cpu_devices
 from mesh_transformer.config import Config, ConfigError, ModelConfig, load_config
 
 GiB = 2**30
@@ -110,7 +110,7 @@ def plan(config: Config, dp: int, mp: int, zero: Optional[bool] = None, devices=
     import jax
 
     from mesh_transformer import parallel
-    from mesh_transformer.train_step import Trainer
+    from mesh_transformer.train.step import Trainer
 
     if zero is not None:
         config = dataclasses.replace(config, train=dataclasses.replace(config.train, zero=zero))
@@ -164,17 +164,10 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _simulate_cpu_devices(n: int) -> None:
-    """Ask XLA for n host devices; only effective before jax is imported."""
-    flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", os.environ.get("XLA_FLAGS", ""))
-    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
-    os.environ["JAX_PLATFORMS"] = "cpu"
-
-
 def _have_devices(n: int) -> bool:
     """Whether this process can plan on n devices (jax not yet imported: it will, see above)."""
     if "jax" not in sys.modules:
-        _simulate_cpu_devices(n)
+        simulate_cpu_devices(n)
         return True
     return sys.modules["jax"].device_count() >= n
 

@@ -15,8 +15,8 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from helpers import mesh, random_tokens, tiny_config
-from mesh_transformer.checkpoint import CheckpointError, CheckpointManager
-from mesh_transformer.train_step import Trainer
+from mesh_transformer.io.checkpoint import CheckpointError, CheckpointManager
+from mesh_transformer.train.step import Trainer
 
 GLOBAL_BATCH = 8
 SAVE_STEP = 2
@@ -247,7 +247,7 @@ def test_retention_keeps_last_n_and_every_kth(tmp_path):
 
 _SAVER = """
 import sys, jax, numpy as np
-from mesh_transformer.checkpoint import CheckpointManager
+from mesh_transformer.io.checkpoint import CheckpointManager
 directory, n = sys.argv[1], int(sys.argv[2])
 def state(seed, n):
     w = np.random.default_rng(seed).standard_normal((8, n), dtype=np.float32)

@@ -20,12 +20,12 @@ import pytest
 ray = pytest.importorskip("ray")
 
 import train as train_cli  # noqa: E402
-from mesh_transformer import cluster  # noqa: E402
-from mesh_transformer.checkpoint import CheckpointManager  # noqa: E402
+from mesh_transformer.train import cluster  # noqa: E402
+from mesh_transformer.io.checkpoint import CheckpointManager  # noqa: E402
 from mesh_transformer.config import config_from_dict  # noqa: E402
-from mesh_transformer.metrics import read_metrics  # noqa: E402
-from mesh_transformer.train_loop import RunOptions, TrainRun  # noqa: E402
-from mesh_transformer.train_step import Trainer  # noqa: E402
+from mesh_transformer.train.metrics import read_metrics  # noqa: E402
+from mesh_transformer.train.loop import RunOptions, TrainRun  # noqa: E402
+from mesh_transformer.train.step import Trainer  # noqa: E402
 from tests.helpers import max_abs_diff, mesh  # noqa: E402
 
 SEQ, VOCAB, STEPS = 32, 256, 8

@@ -70,7 +70,7 @@ def test_legacy_keys_are_accepted_with_a_warning():
 
 
 def test_mesh_dependent_errors_name_the_key():
-    from mesh_transformer.train_step import Trainer
+    from mesh_transformer.train.step import Trainer
     from tests.helpers import mesh, tiny_config
     with pytest.raises(ConfigError, match="config key 'n_heads': 4 does not split over cores_per_replica \\(mp\\) = 8"):
         Trainer(tiny_config(n_heads=4, cores_per_replica=8), mesh(1, 8))

@@ -8,9 +8,9 @@ import pytest
 import zstandard
 
 import create_finetune_dataset
-from mesh_transformer import storage
+from mesh_transformer.io import storage
 from mesh_transformer.data import BuildConfig, Dataset, DatasetError, Loader, build_dataset
-from mesh_transformer.tokenizer import load_tokenizer
+from mesh_transformer.io.tokenizer import load_tokenizer
 
 EOS = 50256
 DOCS = ["The quick brown fox jumps over the lazy dog. " * 3,

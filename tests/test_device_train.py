@@ -11,9 +11,9 @@ import jax
 import numpy as np
 import pytest
 
-from mesh_transformer.checkpoint import CheckpointManager
+from mesh_transformer.io.checkpoint import CheckpointManager
 from mesh_transformer.config import load_config
-from mesh_transformer.train_step import Trainer
+from mesh_transformer.train.step import Trainer
 from tests.helpers import make_hf_gptj, mesh
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

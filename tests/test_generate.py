@@ -16,7 +16,8 @@ import scipy.stats
 import jax
 import jax.numpy as jnp
 
-from mesh_transformer import generate, hf, loading
+from mesh_transformer import generate, loading
+from mesh_transformer.io import hf
 from mesh_transformer.generate import Generator, RowOptions, SamplingOptions
 from tests.helpers import NEW, mesh
 
@@ -43,9 +44,9 @@ def test_loading_finds_the_tokenizer_beside_the_weights(tiny):
 
 def test_loading_a_training_checkpoint(tiny, gen, tmp_path):
     """--ckpt: config from the checkpoint, params restored onto the mesh, tokenizer checked against the vocabulary."""
-    from mesh_transformer.checkpoint import CheckpointManager
+    from mesh_transformer.io.checkpoint import CheckpointManager
     from mesh_transformer.config import Config, ConfigError, TrainConfig
-    from mesh_transformer.train_step import TrainState
+    from mesh_transformer.train.step import TrainState
 
     config, params = hf.load_hf(tiny.path, compute_dtype="float32")
     with CheckpointManager(str(tmp_path / "run"), config=Config(config, TrainConfig())) as manager:

@@ -5,9 +5,10 @@ import jax
 import numpy as np
 import pytest
 
-from mesh_transformer import hf, model
+from mesh_transformer.io import hf
+from mesh_transformer.models import core as model
 from mesh_transformer.config import ConfigError
-from mesh_transformer.train_step import Trainer
+from mesh_transformer.train.step import Trainer
 from tests.helpers import config_for, hf_logits, make_hf_gptj, mesh, random_tokens
 
 # rotary_dim < head size, vocab not divisible by 8, odd layer counts, non-default d_ff.

@@ -5,8 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mesh_transformer import model as gptj
-from mesh_transformer.train_step import Trainer
+from mesh_transformer.models import core as gptj
+from mesh_transformer.train.step import Trainer
 from tests.helpers import max_abs_diff, mesh, random_tokens, tiny_config
 
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from mesh_transformer.train_step import Trainer
+from mesh_transformer.train.step import Trainer
 from tests.helpers import max_abs_diff, mesh, random_tokens, tiny_config
 
 LAYOUTS = [(8, 1), (1, 8), (2, 4), (4, 2)]

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from mesh_transformer import model as gptj
+from mesh_transformer.models import core as gptj
 from mesh_transformer import plan as planner
 from mesh_transformer.config import ConfigError, config_from_dict
 

@@ -4,7 +4,7 @@ import stat
 
 import pytest
 
-from mesh_transformer import storage
+from mesh_transformer.io import storage
 
 def test_paths():
     assert storage.join("gs://b/dir", "x", "y.npy") == "gs://b/dir/x/y.npy"

@@ -4,8 +4,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mesh_transformer import loss as losses
-from mesh_transformer.train_step import Trainer, decay_mask, learning_rate
+from mesh_transformer.train import loss as losses
+from mesh_transformer.train.step import Trainer, decay_mask, learning_rate
 from tests.helpers import max_abs_diff, mesh, random_tokens, tiny_config
 
 

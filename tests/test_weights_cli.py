@@ -5,7 +5,7 @@ import numpy as np
 
 import from_hf_weights
 import to_hf_weights
-from mesh_transformer.checkpoint import CheckpointManager
+from mesh_transformer.io.checkpoint import CheckpointManager
 from tests.helpers import hf_logits, make_hf_gptj, random_tokens
 
 
@@ -25,7 +25,7 @@ def test_import_then_export_gives_identical_hf_logits(tmp_path):
 
 def test_gcs_paths_both_ways(tmp_path, gcs_bucket):
     from transformers import GPTJForCausalLM
-    from mesh_transformer import remote
+    from mesh_transformer.io import remote
     torch_model = make_hf_gptj(tmp_path / "hf")
     ckpt_dir, out_dir = f"{gcs_bucket}/weights/ckpt", f"{gcs_bucket}/weights/hf"
     assert from_hf_weights.main(["--input-hf", str(tmp_path / "hf"), "--output-ckpt", ckpt_dir]) == 0

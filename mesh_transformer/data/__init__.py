@@ -39,7 +39,8 @@ from typing import Iterator, NamedTuple
 import numpy as np
 import zstandard
 
-from mesh_transformer import storage
+from mesh_transformer.errors import UserError
+from mesh_transformer.io import storage
 
 FORMAT = "mesh-transformer-dataset"
 VERSION = 1
@@ -49,7 +50,7 @@ _DECOMPRESS = {".gz": gzip.GzipFile, ".xz": lzma.LZMAFile, ".bz2": bz2.BZ2File, 
 _KINDS = {".txt": "txt", ".jsonl": "jsonl"}
 
 
-class DatasetError(Exception):
+class DatasetError(UserError):
     """Bad input or a broken dataset; the message names the file (and line)."""
 
 
@@ -376,7 +377,7 @@ def build_dataset(cfg: BuildConfig) -> str:
     pass 1 packs into a local temporary directory, pass 2 writes shards (each atomically) and
     commits the index last.
     """
-    from mesh_transformer.tokenizer import load_tokenizer
+    from mesh_transformer.io.tokenizer import load_tokenizer
 
     if cfg.seq < 1 or cfg.n_repack_epochs < 1 or cfg.sequences_per_shard < 1:
         raise DatasetError("seq, n_repack_epochs and sequences_per_shard must be positive")

@@ -12,6 +12,8 @@ import os
 import pathlib
 
 GPT2 = "gpt2"
+# The files a Hugging Face tokenizer is saved as; copied beside checkpoints and exports.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "special_tokens_map.json")
 GPT2_EOS = 50256
 
 

@@ -23,16 +23,17 @@ import jax
 import numpy as np
 
 from mesh_transformer import parallel
-from mesh_transformer.checkpoint import CheckpointManager, checkpoint_dir
+from mesh_transformer.io.checkpoint import CheckpointManager, checkpoint_dir
 from mesh_transformer.config import Config, ConfigError
+from mesh_transformer.errors import UserError
 from mesh_transformer.data import Dataset, Loader
-from mesh_transformer.metrics import MetricsLogger
-from mesh_transformer.train_step import Trainer, TrainState
+from mesh_transformer.train.metrics import MetricsLogger
+from mesh_transformer.train.step import Trainer, TrainState
 
 KEEP_LAST = 2  # newest checkpoints kept besides every keep_every-th step
 
 
-class TrainingError(RuntimeError):
+class TrainingError(UserError, RuntimeError):
     """Training cannot go on (non-finite loss, missing data, ...); the last good checkpoint is intact."""
 
 
@@ -104,9 +105,8 @@ def keep_tokenizer(directory: str, spec: str) -> None:
     """Save the training data's tokenizer beside the checkpoints, where sampling and serving look."""
     import tempfile
 
-    from mesh_transformer import storage
-    from mesh_transformer.hf import TOKENIZER_FILES
-    from mesh_transformer.tokenizer import load_tokenizer
+    from mesh_transformer.io import storage
+    from mesh_transformer.io.tokenizer import TOKENIZER_FILES, load_tokenizer
 
     if jax.process_index() != 0 or storage.exists(storage.join(directory, "tokenizer.json")):
         return
@@ -143,7 +143,7 @@ class TrainHost:
             self._saved_step = int(state.step)
             return state, extras.get("train_loader") or {}
         if o.hf:
-            from mesh_transformer import hf
+            from mesh_transformer.io import hf
             hf_config, params = hf.load_hf(o.hf, mp=tr.mp)
             _check_same_architecture(hf_config, self.config, o.hf)
             return tr.state_from_params(params), {}

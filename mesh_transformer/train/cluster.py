@@ -37,12 +37,13 @@ from typing import Any, Callable, Mapping, Optional
 import numpy as np
 import ray
 
-from mesh_transformer import storage
-from mesh_transformer.checkpoint import CheckpointError, checkpoint_dir
+from mesh_transformer.io import storage
+from mesh_transformer.io.checkpoint import CheckpointError, checkpoint_dir
 from mesh_transformer.config import Config, ConfigError
+from mesh_transformer.errors import UserError
 from mesh_transformer.data import DatasetError
-from mesh_transformer.metrics import MetricsLogger
-from mesh_transformer.train_loop import (RunOptions, TrainingError, due, open_datasets, require_keys, train_loader,
+from mesh_transformer.train.metrics import MetricsLogger
+from mesh_transformer.train.loop import (RunOptions, TrainingError, due, open_datasets, require_keys, train_loader,
                                          train_values, val_loader)
 
 HOST_RESOURCE = "mesh_host"  # Ray custom resource that marks a host for one worker
@@ -52,7 +53,7 @@ PIPELINE = 1  # steps sent ahead of the one awaited: the next batch travels whil
 GRACE_S = 5.0  # how long an error from one worker waits to learn whether a peer died meanwhile
 
 
-class ClusterError(RuntimeError):
+class ClusterError(UserError, RuntimeError):
     """The run cannot go on; the message says which worker, during which call, and why."""
 
 
@@ -147,7 +148,7 @@ class HostWorker:
             raise StartupError(f"jax.distributed.initialize(coordinator={coordinator!r}, "
                                f"num_processes={num_processes}, process_id={process_id}) failed: "
                                f"{type(e).__name__}: {_first_lines(e)}") from None
-        from mesh_transformer.train_loop import TrainHost
+        from mesh_transformer.train.loop import TrainHost
 
         self.host = TrainHost(config, options)
         self.process_index = jax.process_index()

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
-from mesh_transformer import model as gptj
+from mesh_transformer.models import core as gptj
 from mesh_transformer import parallel
 from mesh_transformer.config import ModelConfig
 

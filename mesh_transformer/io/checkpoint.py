@@ -39,6 +39,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from mesh_transformer.errors import UserError
 from mesh_transformer.config import Config, ModelConfig, TrainConfig, config_from_dict
 
 FORMAT, VERSION = "mesh-transformer-checkpoint", 1
@@ -48,7 +49,7 @@ _COMMIT_FILE = "commit_success.txt"
 _TMP_SUFFIX = ".orbax-checkpoint-tmp"
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError, RuntimeError):
     """A checkpoint is missing, incomplete, foreign, corrupted, or does not fit the model."""
 
 

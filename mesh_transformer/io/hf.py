@@ -15,6 +15,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from mesh_transformer.config import ConfigError, ModelConfig
+from mesh_transformer.io.tokenizer import TOKENIZER_FILES
 
 ROOT = "gptj"
 
@@ -253,7 +254,6 @@ def save_hf(params, config: ModelConfig, path: str | os.PathLike, dtype: str = "
 # Whole-directory conversions (from_hf_weights.py / to_hf_weights.py)
 # --------------------------------------------------------------------------------------------
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "special_tokens_map.json")
 
 
 def hf_to_checkpoint(hf_dir: str, ckpt_dir: str, train=None) -> int:
@@ -262,8 +262,8 @@ def hf_to_checkpoint(hf_dir: str, ckpt_dir: str, train=None) -> int:
     `train`: the TrainConfig to record beside the model (defaults otherwise). Returns the parameter count.
     """
     import jax
-    from mesh_transformer import storage
-    from mesh_transformer.checkpoint import CheckpointManager
+    from mesh_transformer.io import storage
+    from mesh_transformer.io.checkpoint import CheckpointManager
     from mesh_transformer.config import Config, TrainConfig
 
     model_config, params = load_hf(hf_dir)
@@ -286,9 +286,9 @@ def checkpoint_to_hf(ckpt_dir: str, out_dir: str, dtype: str = "fp16", step=None
     """
     import jax
     from jax.sharding import SingleDeviceSharding
-    from mesh_transformer import model as gptj
-    from mesh_transformer import storage
-    from mesh_transformer.checkpoint import CheckpointError, CheckpointManager
+    from mesh_transformer.models import core as gptj
+    from mesh_transformer.io import storage
+    from mesh_transformer.io.checkpoint import CheckpointError, CheckpointManager
     from mesh_transformer.config import config_from_dict
 
     ckpt = CheckpointManager(ckpt_dir, read_only=True)

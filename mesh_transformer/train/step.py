@@ -20,8 +20,8 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from mesh_transformer import loss as losses
-from mesh_transformer import model as gptj
+from mesh_transformer.train import loss as losses
+from mesh_transformer.models import core as gptj
 from mesh_transformer import parallel
 from mesh_transformer.config import Config, TrainConfig
 

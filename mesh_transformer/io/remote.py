@@ -7,7 +7,7 @@ import shutil
 import tempfile
 from typing import Iterator
 
-from mesh_transformer import storage
+from mesh_transformer.io import storage
 
 _CHUNK = 64 << 20  # bytes per read: bounded memory for multi-GB weight files
 
