@@ -19,10 +19,9 @@ from typing import Any, Optional
 
 from mesh_transformer.errors import UserError
 
-NORMS = ("layernorm", "rmsnorm")
-POSITION_EMBEDDINGS = ("rotary", "fixed", "none")
 REMAT_POLICIES = ("none", "full", "dots")
 DTYPES = ("float32", "bfloat16", "float16")
+DEFAULT_FAMILY = "gptj"  # what every original config means
 
 # Keys the original read that have no effect here; accepted (with a warning) so old configs load.
 LEGACY_KEYS = {
@@ -42,21 +41,26 @@ class ConfigError(UserError, ValueError):
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape of a GPT-J-style transformer. Sizes are global (before any sharding)."""
+    """What every model family shares. Sizes are global (before any sharding).
+
+    Each family (`mesh_transformer.models`) subclasses this with its own keys, its HF conversion and
+    its block; `family` picks the subclass when a config is read.
+    """
 
     layers: int
     d_model: int
     n_heads: int
     n_vocab: int
     seq: int
+    family: str = DEFAULT_FAMILY
     d_head: Optional[int] = None  # default d_model // n_heads
     d_ff: Optional[int] = None  # default 4 * d_model
-    norm: str = "layernorm"
-    pe: str = "rotary"
-    pe_rotary_dims: Optional[int] = None  # default d_head (full rotary)
+    pe: str = "rotary"  # position encoding; each family lists the ones it supports (PE_CHOICES)
     layer_norm_eps: float = 1e-5
     compute_dtype: str = "bfloat16"
     remat: str = "full"
+
+    PE_CHOICES: typing.ClassVar[tuple[str, ...]] = ("rotary", "fixed", "none", "alibi")
 
     @property
     def head_dim(self) -> int:
@@ -67,10 +71,18 @@ class ModelConfig:
         return self.d_ff if self.d_ff is not None else 4 * self.d_model
 
     @property
-    def rotary_dims(self) -> int:
-        if self.pe != "rotary":
-            return 0
-        return self.pe_rotary_dims if self.pe_rotary_dims is not None else self.head_dim
+    def kv_heads(self) -> int:
+        """Key/value heads (fewer than n_heads with grouped-query attention)."""
+        return self.n_heads
+
+    def kv_split(self, mp: int) -> bool:
+        """Whether the kv heads split over mp shards (else each shard computes the one it needs)."""
+        return self.kv_heads % mp == 0
+
+    def cache_heads(self, mp: int) -> int:
+        """Heads of the KV cache over all mp shards: the kv heads, or one copy per shard when they do
+        not split (the cache's head axis is always split over mp)."""
+        return self.kv_heads if self.kv_split(mp) else mp
 
     def padded_vocab(self, mp: int = 1) -> int:
         """Vocabulary rounded up so the embedding and head split evenly over `mp` shards.
@@ -84,18 +96,36 @@ class ModelConfig:
 
     def n_params(self) -> int:
         """Unique trainable parameters (unpadded vocabulary), as HF counts them."""
-        d, f, v, h = self.d_model, self.ff_dim, self.n_vocab, self.n_heads * self.head_dim
-        norm = 2 * d if self.norm == "layernorm" else d
-        block = 4 * d * h + (d * f + f) + (f * d + d) + norm
-        pos = self.seq * d if self.pe == "fixed" else 0
-        return v * d + pos + self.layers * block + norm + (d * v + v)
+        from mesh_transformer import models
+        return models.build(self).n_params()
 
     def flops_per_token(self) -> int:
         """Training FLOPs per token: 6 x matmul params + causal-free attention (PaLM appendix B)."""
-        d, f, v, h = self.d_model, self.ff_dim, self.n_vocab, self.n_heads * self.head_dim
-        matmul_params = self.layers * (4 * d * h + 2 * d * f) + d * v
-        attention = self.layers * 2 * 2 * self.seq * h  # QK^T and AV, forward
-        return 6 * matmul_params + 3 * attention
+        from mesh_transformer import models
+        return models.build(self).flops_per_token()
+
+    def architecture(self) -> dict[str, Any]:
+        """What fixes the meaning of the weights: every key but compute_dtype and remat, with
+        defaults resolved; `seq` only with learned positions."""
+        out = {k: v for k, v in dataclasses.asdict(self).items() if k not in ("compute_dtype", "remat", "seq")}
+        out.update(d_head=self.head_dim, d_ff=self.ff_dim)
+        if self.pe == "fixed":
+            out["seq"] = self.seq
+        return out
+
+    def validate(self) -> None:
+        """Value checks (ConfigError naming the key); families add theirs."""
+        for key in ("layers", "d_model", "n_heads", "n_vocab", "seq"):
+            require(getattr(self, key) > 0, key, f"must be positive, got {getattr(self, key)}")
+        if self.d_head is None:
+            require(self.d_model % self.n_heads == 0, "n_heads", f"{self.n_heads} does not divide d_model={self.d_model}")
+        else:
+            require(self.d_head > 0, "d_head", f"must be positive, got {self.d_head}")
+        require(self.d_ff is None or self.d_ff > 0, "d_ff", f"must be positive, got {self.d_ff}")
+        require(self.pe in self.PE_CHOICES, "pe", f"family {self.family!r} supports {self.PE_CHOICES}, got {self.pe!r}")
+        require(self.compute_dtype in DTYPES, "compute_dtype", f"must be one of {DTYPES}, got {self.compute_dtype!r}")
+        require(self.remat in REMAT_POLICIES, "remat", f"must be one of {REMAT_POLICIES}, got {self.remat!r}")
+        require(self.layer_norm_eps > 0, "layer_norm_eps", "must be positive")
 
 
 @dataclass(frozen=True)
@@ -143,8 +173,13 @@ class Config:
         return {k: v for k, v in out.items() if v is not None}
 
 
-_SECTIONS = {f.name: ModelConfig for f in dataclasses.fields(ModelConfig)}
-_SECTIONS.update({f.name: TrainConfig for f in dataclasses.fields(TrainConfig)})
+_TRAIN_KEYS = {f.name for f in dataclasses.fields(TrainConfig)}
+
+
+def model_class(family: str) -> type[ModelConfig]:
+    """The ModelConfig subclass of a family (ConfigError naming the supported ones)."""
+    from mesh_transformer import models
+    return models.config_class(family)
 
 
 def load_config(path: str | Path) -> Config:
@@ -165,16 +200,20 @@ def load_config(path: str | Path) -> Config:
 def config_from_dict(raw: dict[str, Any]) -> Config:
     if not isinstance(raw, dict):
         raise ConfigError(f"a config must be a JSON object, got {type(raw).__name__}")
-    sections: dict[type, dict[str, Any]] = {ModelConfig: {}, TrainConfig: {}}
+    family = raw.get("family", DEFAULT_FAMILY)
+    if not isinstance(family, str):
+        raise ConfigError(f"config key 'family' must be str, got {json.dumps(family)}")
+    model_cls = model_class(family)
+    model_keys = {f.name for f in dataclasses.fields(model_cls)}
+    sections: dict[type, dict[str, Any]] = {model_cls: {}, TrainConfig: {}}
     for key, value in raw.items():
         if key in LEGACY_KEYS:
             if key != "comment":
                 warnings.warn(f"config key {key!r} is ignored: {LEGACY_KEYS[key]}", stacklevel=3)
             continue
-        if key not in _SECTIONS:
-            hint = difflib.get_close_matches(key, list(_SECTIONS) + list(LEGACY_KEYS), n=1)
-            raise ConfigError(f"unknown config key {key!r}" + (f" (did you mean {hint[0]!r}?)" if hint else ""))
-        cls = _SECTIONS[key]
+        cls = model_cls if key in model_keys else TrainConfig if key in _TRAIN_KEYS else None
+        if cls is None:
+            raise ConfigError(_unknown_key(key, family, model_keys))
         sections[cls][key] = _check_type(key, value, _field_types(cls)[key])
     for cls, given in sections.items():
         missing = [f.name for f in dataclasses.fields(cls)
@@ -182,9 +221,18 @@ def config_from_dict(raw: dict[str, Any]) -> Config:
                    and f.default_factory is dataclasses.MISSING]
         if missing:
             raise ConfigError(f"missing required config key {missing[0]!r}")
-    config = Config(ModelConfig(**sections[ModelConfig]), TrainConfig(**sections[TrainConfig]))
+    config = Config(model_cls(**sections[model_cls]), TrainConfig(**sections[TrainConfig]))
     validate(config)
     return config
+
+
+def _unknown_key(key: str, family: str, model_keys: set[str]) -> str:
+    from mesh_transformer import models
+    elsewhere = [f for f in models.FAMILIES if key in {x.name for x in dataclasses.fields(models.config_class(f))}]
+    if elsewhere:
+        return f"config key {key!r} does not apply to family {family!r} (it is a key of {', '.join(elsewhere)})"
+    hint = difflib.get_close_matches(key, sorted(model_keys | _TRAIN_KEYS | set(LEGACY_KEYS)), n=1)
+    return f"unknown config key {key!r}" + (f" (did you mean {hint[0]!r}?)" if hint else "")
 
 
 def _field_types(cls) -> dict[str, Any]:
@@ -206,39 +254,23 @@ def _check_type(key: str, value: Any, annotation: Any) -> Any:
     raise ConfigError(f"config key {key!r} must be {names}, got {json.dumps(value)} ({type(value).__name__})")
 
 
-def _require(condition: bool, key: str, message: str) -> None:
+def require(condition: bool, key: str, message: str) -> None:
     if not condition:
         raise ConfigError(f"config key {key!r}: {message}")
 
 
 def validate(config: Config) -> None:
-    """Value checks that do not depend on the device count (see `parallel.make_mesh` for those)."""
+    """Value checks that do not depend on the device count (see `parallel.check_divisibility` for those)."""
     m, t = config.model, config.train
-    for key in ("layers", "d_model", "n_heads", "n_vocab", "seq"):
-        _require(getattr(m, key) > 0, key, f"must be positive, got {getattr(m, key)}")
-    if m.d_head is None:
-        _require(m.d_model % m.n_heads == 0, "n_heads", f"{m.n_heads} does not divide d_model={m.d_model}")
-    else:
-        _require(m.d_head > 0, "d_head", f"must be positive, got {m.d_head}")
-    _require(m.d_ff is None or m.d_ff > 0, "d_ff", f"must be positive, got {m.d_ff}")
-    _require(m.norm in NORMS, "norm", f"must be one of {NORMS}, got {m.norm!r}")
-    _require(m.pe in POSITION_EMBEDDINGS, "pe", f"must be one of {POSITION_EMBEDDINGS}, got {m.pe!r}")
-    if m.pe_rotary_dims is not None:
-        _require(m.pe_rotary_dims <= m.head_dim, "pe_rotary_dims",
-                 f"{m.pe_rotary_dims} is larger than the head size d_model/n_heads={m.head_dim}")
-        _require(m.pe_rotary_dims > 0 and m.pe_rotary_dims % 2 == 0, "pe_rotary_dims",
-                 f"must be a positive even number, got {m.pe_rotary_dims}")
-    _require(m.compute_dtype in DTYPES, "compute_dtype", f"must be one of {DTYPES}, got {m.compute_dtype!r}")
-    _require(m.remat in REMAT_POLICIES, "remat", f"must be one of {REMAT_POLICIES}, got {m.remat!r}")
-    _require(m.layer_norm_eps > 0, "layer_norm_eps", "must be positive")
+    m.validate()
     for key in ("cores_per_replica", "per_replica_batch", "gradient_accumulation_steps", "anneal_steps", "total_steps"):
-        _require(getattr(t, key) > 0, key, f"must be positive, got {getattr(t, key)}")
+        require(getattr(t, key) > 0, key, f"must be positive, got {getattr(t, key)}")
     for key in ("warmup_steps", "val_batches", "val_every", "ckpt_every", "keep_every", "z_loss", "weight_decay"):
-        _require(getattr(t, key) >= 0, key, f"must not be negative, got {getattr(t, key)}")
-    _require(t.lr >= 0 and t.end_lr >= 0, "lr", "learning rates must not be negative")
-    _require(0 <= t.b1 < 1 and 0 <= t.b2 < 1, "b1", "Adam betas must be in [0, 1)")
-    _require(t.clip_norm > 0, "clip_norm", "must be positive")
+        require(getattr(t, key) >= 0, key, f"must not be negative, got {getattr(t, key)}")
+    require(t.lr >= 0 and t.end_lr >= 0, "lr", "learning rates must not be negative")
+    require(0 <= t.b1 < 1 and 0 <= t.b2 < 1, "b1", "Adam betas must be in [0, 1)")
+    require(t.clip_norm > 0, "clip_norm", "must be positive")
     if t.tpu_size is not None:
-        _require(t.tpu_size % t.cores_per_replica == 0, "tpu_size",
+        require(t.tpu_size % t.cores_per_replica == 0, "tpu_size",
                  f"{t.tpu_size} devices cannot be split into model-parallel groups of cores_per_replica={t.cores_per_replica}")
-    _require(all(isinstance(v, str) for v in t.val_set.values()), "val_set", "must map names to index paths")
+    require(all(isinstance(v, str) for v in t.val_set.values()), "val_set", "must map names to index paths")

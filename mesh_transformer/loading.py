@@ -4,7 +4,7 @@
     model = loading.from_args(parser.parse_args())   # LoadedModel(config, params, tokenizer, mesh)
 
 Sources: `--ckpt PATH` (our orbax checkpoint directory, local or gs://, config saved inside;
-`--config` overrides it) or `--hf PATH` (a Hugging Face GPT-J directory). The tokenizer comes from
+`--config` overrides it) or `--hf PATH` (a Hugging Face model directory of any supported family). The tokenizer comes from
 `--tokenizer` if given, else from the weights' directory when tokenizer files were saved beside the
 weights, else the bundled GPT-2 BPE. Parameters are placed on a ('dp', 'mp') mesh by the
 MEGATRON table, ready for `generate.Generator`.
@@ -20,7 +20,7 @@ from typing import Any, Optional
 import jax
 from jax.sharding import Mesh
 
-from mesh_transformer import parallel
+from mesh_transformer import models, parallel
 from mesh_transformer.config import Config, ConfigError, ModelConfig, config_from_dict, load_config
 from mesh_transformer.io.tokenizer import TOKENIZER_FILES
 
@@ -34,13 +34,21 @@ class LoadedModel:
     mesh: Mesh
     name: str  # for logs and /v1/models: the directory's base name
 
+    def generator(self, matvec: bool = False):
+        """A `generate.Generator` that takes over the weights: they stay on the devices once, in the
+        compute dtype and the generator's layout (`params` is None afterwards)."""
+        from mesh_transformer.generate import Generator
+        params, self.params = self.params, None
+        return Generator(self.config, params, self.mesh, matvec=matvec, donate=True)
+
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
     """The flags every tool that loads a model shares."""
     group = parser.add_argument_group("model")
     source = group.add_mutually_exclusive_group(required=True)
     source.add_argument("--ckpt", help="checkpoint directory written by training (local or gs://)")
-    source.add_argument("--hf", help="Hugging Face GPT-J directory (config.json + safetensors/bin)")
+    source.add_argument("--hf", help="Hugging Face model directory (config.json + safetensors/bin): GPT-J, "
+                                     "GPT-NeoX/Pythia, LLaMA/Mistral/Qwen2, GPT-2 or OPT")
     group.add_argument("--config", help="JSON config: overrides the checkpoint's; with --hf gives "
                                         "cores_per_replica and compute_dtype")
     group.add_argument("--tokenizer", help="'gpt2', a tokenizer directory, or a hub name "
@@ -69,6 +77,7 @@ def load(ckpt: Optional[str] = None, hf: Optional[str] = None, config: Optional[
 
 
 def _mesh(mp: Optional[int], dp: Optional[int], train_mp: Optional[int]) -> Mesh:
+    """--mp (else the config's cores_per_replica, else 1) x --dp (else every remaining device)."""
     return parallel.make_mesh(mp or train_mp or 1, dp)
 
 
@@ -78,14 +87,15 @@ def _load_hf(path, override: Optional[Config], tokenizer, mp, dp, dtype) -> Load
     mesh = _mesh(mp, dp, override.train.cores_per_replica if override else None)
     dtype = dtype or (override.model.compute_dtype if override else "bfloat16")
     config, params = hf.load_hf(path, mp=mesh.shape[parallel.MP], compute_dtype=dtype)
-    parallel.check_divisibility(config, mesh, zero=False)
+    model = models.build(config, mesh.shape[parallel.MP])
+    model.check_mesh(mesh.shape, zero=False)
     params = jax.tree.map(lambda x: x.astype(jax.numpy.dtype(dtype)), params)  # cast before the transfer
-    params = jax.device_put(params, parallel.named(mesh, parallel.param_specs(params, parallel.MEGATRON)))
-    return LoadedModel(config, params, resolve_tokenizer(tokenizer, path, config), mesh, _name(path))
+    shardings = parallel.named(mesh, model.param_specs(model.rules(False, mesh.shape[parallel.MP]), params))
+    return LoadedModel(config, jax.device_put(params, shardings), resolve_tokenizer(tokenizer, path, config), mesh,
+                       _name(path))
 
 
 def _load_ckpt(path, override: Optional[Config], tokenizer, mp, dp, dtype) -> LoadedModel:
-    from mesh_transformer.models import core as gptj
     from mesh_transformer.io.checkpoint import CheckpointManager
 
     manager = CheckpointManager(path, read_only=True, config=override)
@@ -98,11 +108,10 @@ def _load_ckpt(path, override: Optional[Config], tokenizer, mp, dp, dtype) -> Lo
         full = config_from_dict(saved)
     config = full.model if dtype is None else dataclasses.replace(full.model, compute_dtype=dtype)
     mesh = _mesh(mp, dp, full.train.cores_per_replica)
-    parallel.check_divisibility(config, mesh, zero=False)
-    tokens = jax.numpy.zeros((1, min(8, config.seq)), jax.numpy.int32)
-    abstract = jax.eval_shape(gptj.build(config, mesh.shape[parallel.MP]).init, jax.random.key(0), tokens)
-    shardings = parallel.named(mesh, parallel.param_specs(abstract, parallel.MEGATRON))
-    params = manager.restore_params(abstract_params=abstract, target_shardings=shardings)
+    model = models.build(config, mesh.shape[parallel.MP])
+    model.check_mesh(mesh.shape, zero=False)
+    shardings = parallel.named(mesh, model.param_specs(model.rules(False, mesh.shape[parallel.MP])))
+    params = manager.restore_params(abstract_params=model.abstract_params, target_shardings=shardings)
     local = None if "://" in str(path) else path
     return LoadedModel(config, params, resolve_tokenizer(tokenizer, local, config), mesh, _name(path))
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from mesh_transformer.cli import simulate_cpu_devices
-from mesh_transformer.config import Config, ConfigError, ModelConfig, load_config
+from mesh_transformer.config import Config, ConfigError, load_config
 
 GiB = 2**30
 DEVICE_MEMORIES_GIB = (16, 32, 80)  # a TPU v3 core, a TPU v4 chip, an A100/H100
@@ -61,18 +61,6 @@ class Plan:
 # Counting
 # --------------------------------------------------------------------------------------------
 
-def unique_params(params, model: ModelConfig) -> int:
-    """Number of parameters of a (possibly abstract) Haiku params tree, without vocabulary padding."""
-    from mesh_transformer import parallel
-
-    total = 0
-    for leaves in params.values():
-        for name, leaf in leaves.items():
-            axes = parallel.leaf_axes(name, leaf.ndim)
-            total += math.prod(model.n_vocab if axis == "vocab" else n for axis, n in zip(axes, leaf.shape))
-    return total
-
-
 def shard_bytes(tree, shardings) -> int:
     """Bytes one device holds of `tree` (arrays or ShapeDtypeStructs) laid out by `shardings`."""
     import jax
@@ -90,15 +78,8 @@ def _compiled_stats(compiled) -> dict:
 
 def mesh_shape(config: Config, dp: Optional[int] = None, mp: Optional[int] = None) -> tuple[int, int]:
     """(dp, mp): mp defaults to cores_per_replica, dp to tpu_size // mp (1 without tpu_size)."""
-    t = config.train
-    mp = t.cores_per_replica if mp is None else mp
-    if mp <= 0 or (dp is not None and dp <= 0):
-        raise ConfigError(f"--dp and --mp must be positive, got dp={dp} mp={mp}")
-    if dp is None:
-        if t.tpu_size is not None and t.tpu_size % mp:
-            raise ConfigError(f"config key 'tpu_size': {t.tpu_size} devices do not split into mp={mp} groups")
-        dp = t.tpu_size // mp if t.tpu_size is not None else 1
-    return dp, mp
+    from mesh_transformer.parallel.mesh import mesh_shape as derive
+    return derive(config.train, None, dp, mp)
 
 
 # --------------------------------------------------------------------------------------------
@@ -139,8 +120,8 @@ def plan(config: Config, dp: int, mp: int, zero: Optional[bool] = None, devices=
     memory["total"] = sum(memory.values())
     m, t = config.model, config.train
     return Plan(
-        n_params=unique_params(trainer.abstract_state.params, m),
-        flops_per_token=m.flops_per_token(),
+        n_params=trainer.model.n_params(),
+        flops_per_token=trainer.model.flops_per_token(),
         tokens_per_step=t.gradient_accumulation_steps * trainer.global_batch * m.seq,
         dp=dp, mp=mp, zero=config.train.zero,
         platform=trainer.mesh.devices.flat[0].platform,

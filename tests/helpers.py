@@ -96,3 +96,68 @@ class Tiny:
         import torch
         with torch.no_grad():
             return self.torch(torch.tensor([tokens])).logits[0].numpy()
+
+
+# --------------------------------------------------------------------------------------------
+# Random tiny HF models of every family (the oracle for parity tests)
+# --------------------------------------------------------------------------------------------
+
+# initializer_range 0.2 (OPT: init_std): attention is far from uniform and activations leave their
+# linear range, so a wrong GELU, rotary pairing or norm epsilon shows up well above float32 noise.
+# Odd sizes: vocabularies not divisible by mp, partial rotary, GQA with 1 and 2 kv heads, tied and untied.
+FAMILY_CASES = {
+    "gptj": ("GPTJConfig", "GPTJForCausalLM", dict(
+        vocab_size=101, n_positions=64, n_embd=32, n_layer=3, n_head=4, rotary_dim=4, n_inner=48,
+        bos_token_id=0, eos_token_id=0, initializer_range=0.2)),
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(
+        vocab_size=103, max_position_embeddings=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=48, rotary_pct=0.25, rotary_emb_base=500.0, initializer_range=0.2)),
+    "gpt_neox_sequential": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(
+        vocab_size=103, max_position_embeddings=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=48, rotary_pct=0.5, use_parallel_residual=False, initializer_range=0.2)),
+    "llama_gqa2_llama3_rope": ("LlamaConfig", "LlamaForCausalLM", dict(
+        vocab_size=99, max_position_embeddings=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=40, rope_theta=500.0, initializer_range=0.2,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 16})),
+    "llama_mqa_tied_bias_linear_rope": ("LlamaConfig", "LlamaForCausalLM", dict(
+        vocab_size=99, max_position_embeddings=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=1, intermediate_size=40, tie_word_embeddings=True, attention_bias=True,
+        rope_scaling={"rope_type": "linear", "factor": 2.0}, initializer_range=0.2)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(
+        vocab_size=97, max_position_embeddings=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=40, initializer_range=0.2, tie_word_embeddings=False)),
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(
+        vocab_size=97, n_positions=64, n_embd=32, n_layer=2, n_head=4, bos_token_id=0, eos_token_id=0,
+        initializer_range=0.2)),
+    "opt_projected": ("OPTConfig", "OPTForCausalLM", dict(
+        vocab_size=95, max_position_embeddings=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        ffn_dim=48, word_embed_proj_dim=16, init_std=0.2, pad_token_id=1, bos_token_id=2, eos_token_id=2)),
+    "opt_post_norm": ("OPTConfig", "OPTForCausalLM", dict(
+        vocab_size=95, max_position_embeddings=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        ffn_dim=48, do_layer_norm_before=False, init_std=0.2, pad_token_id=1, bos_token_id=2, eos_token_id=2)),
+}
+
+
+def make_hf_model(path, case: str, seed: int = 0, **overrides):
+    """Save a random tiny HF model of FAMILY_CASES[case] to `path`; return the (eval, fp32) torch model."""
+    import torch
+    import transformers
+
+    config_name, model_name, kwargs = FAMILY_CASES[case]
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_name)(getattr(transformers, config_name)(**{**kwargs, **overrides})).eval()
+    with torch.no_grad():  # HF initialises biases and norms to 0/1; perturb them so parity covers them
+        for name, p in model.named_parameters():
+            if p.ndim == 1:
+                p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(path)
+    return model
+
+
+def hf_greedy(model, prompt: list[int], new: int) -> list[int]:
+    """transformers' greedy `generate` continuation of one prompt (no EOS stop)."""
+    import torch
+    out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                         do_sample=False, max_new_tokens=new, min_new_tokens=new, pad_token_id=0)
+    return out[0, len(prompt):].tolist()

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from mesh_transformer import generate, loading
+from mesh_transformer.generate import sampling
 from mesh_transformer.io import hf
 from mesh_transformer.generate import Generator, RowOptions, SamplingOptions
 from tests.helpers import NEW, mesh
@@ -101,7 +102,7 @@ def test_two_level_argmax_equals_argmax_with_ties():
     logits = rng.randint(0, 4, (8, 384)).astype(np.float32)  # many ties: the first index wins
     logits[3] = -np.inf
     logits[3, 200] = 1.0
-    np.testing.assert_array_equal(np.asarray(generate.argmax(jnp.asarray(logits))), np.argmax(logits, -1))
+    np.testing.assert_array_equal(np.asarray(sampling.argmax(jnp.asarray(logits))), np.argmax(logits, -1))
 
 
 def test_logprobs_only_when_asked(gen):
@@ -167,7 +168,7 @@ def test_sampled_frequencies_match_the_truncated_softmax(logits, temperature, to
     n = 20_000
     options = [SamplingOptions(temperature=temperature, top_k=top_k, top_p=top_p)] * n
     rows = RowOptions.stack(options, seeds=np.arange(n))
-    tokens = np.asarray(jax.jit(generate.choose)(jnp.tile(logits, (n, 1)), rows, jnp.zeros(n, jnp.int32)))
+    tokens = np.asarray(jax.jit(sampling.choose)(jnp.tile(logits, (n, 1)), rows, jnp.zeros(n, jnp.int32)))
     counts = np.bincount(tokens, minlength=len(logits))
     p = expected_distribution(logits, temperature, top_k, top_p)
     assert np.all(counts[p == 0] == 0), "sampled a token outside the top-k / nucleus"
@@ -186,7 +187,7 @@ def test_top_k_top_p_by_bisection_equals_a_full_sort():
     logits[8:16, ::3] = -np.inf
     top_k = rng.choice([0, 1, 3, 8, 9, 20, 40], n).astype(np.int32)
     top_p = rng.choice([0.1, 0.5, 0.9, 0.99, 1.0], n).astype(np.float32)
-    fast = np.asarray(jax.jit(generate.top_k_top_p)(logits, top_k, top_p))
+    fast = np.asarray(jax.jit(sampling.top_k_top_p)(logits, top_k, top_p))
     for row, k, p, got in zip(logits, top_k, top_p, fast):
         np.testing.assert_array_equal(np.isfinite(got), kept_by_sorting(row, int(k), float(p)),
                                       err_msg=f"top_k={k} top_p={p}")
@@ -211,7 +212,7 @@ def test_penalties_follow_hf_and_openai_definitions():
     rows = RowOptions.stack([SamplingOptions(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25)], [0])
     counts = jnp.array([[0, 2, 1, 0]])
     seen = jnp.array([[True, True, False, False]])
-    out = np.asarray(generate.penalize(logits, counts, seen, rows))
+    out = np.asarray(sampling.penalize(logits, counts, seen, rows))
     # token 0: seen, positive -> /2; token 1: seen, negative -> *2, minus 2*0.5 + 0.25; token 2: 1*0.5 + 0.25
     np.testing.assert_allclose(out, [[1.0, -2.0 - 1.25, 0.5 - 0.75, 3.0]])
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from mesh_transformer.io import hf
-from mesh_transformer.models import core as model
+from mesh_transformer import models
 from mesh_transformer.config import ConfigError
 from mesh_transformer.train.step import Trainer
 from tests.helpers import config_for, hf_logits, make_hf_gptj, mesh, random_tokens
@@ -30,10 +30,10 @@ def test_imported_logits_match_hf(hf_checkpoint):
     path, torch_model = hf_checkpoint
     config, params = hf.load_hf(path, compute_dtype="float32")
     tokens = random_tokens((2, 13), config.n_vocab, seed=1)
-    ours, _ = jax.jit(model.build(config).apply)(params, tokens)
+    ours, _ = jax.jit(models.build(config).apply)(params, tokens)
     ours = np.asarray(ours)[..., : config.n_vocab]
     np.testing.assert_allclose(ours, hf_logits(torch_model, tokens), atol=1e-4, rtol=0)
-    assert np.all(np.isneginf(np.asarray(jax.jit(model.build(config).apply)(params, tokens)[0])[..., config.n_vocab:]))
+    assert np.all(np.isneginf(np.asarray(jax.jit(models.build(config).apply)(params, tokens)[0])[..., config.n_vocab:]))
 
 
 def test_sharded_logits_match_hf(hf_checkpoint):
@@ -89,7 +89,8 @@ def test_import_errors_name_the_problem(tmp_path):
     (tmp_path / "m" / "model.safetensors").unlink()
     with pytest.raises(ConfigError, match="no model.safetensors"):
         hf.load_hf(tmp_path / "m")
-    (tmp_path / "gpt2").mkdir()
-    (tmp_path / "gpt2" / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
-    with pytest.raises(ConfigError, match="model_type is 'gpt2', expected 'gptj'"):
-        hf.load_hf(tmp_path / "gpt2")
+    (tmp_path / "t5").mkdir()
+    (tmp_path / "t5" / "config.json").write_text(json.dumps({"model_type": "t5"}))
+    with pytest.raises(ConfigError, match="model_type 't5' is not supported .supported: gpt2, gpt_neox, gptj, llama, "
+                                          "mistral, opt, qwen2"):
+        hf.load_hf(tmp_path / "t5")

@@ -5,14 +5,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mesh_transformer.models import core as gptj
+from mesh_transformer import models
+from mesh_transformer.models.layers import RMSNorm
 from mesh_transformer.train.step import Trainer
 from tests.helpers import max_abs_diff, mesh, random_tokens, tiny_config
 
 
 def _init_apply(**overrides):
     config = tiny_config(remat="none", **overrides).model
-    model = gptj.build(config)
+    model = models.build(config)
     params = model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))
     return config, params, jax.jit(lambda p, t: model.apply(p, t)[0])
 
@@ -21,7 +22,7 @@ def test_rmsnorm_has_no_offset_and_normalises_by_rms():
     config, params, _ = _init_apply(norm="rmsnorm")
     assert set(params["gptj/ln_f"]) == {"scale"}
     x = jax.random.normal(jax.random.key(1), (2, 3, 64)) * 3 + 1
-    norm = hk.without_apply_rng(hk.transform(lambda x: gptj.Norm(config, name="n")(x)))
+    norm = hk.without_apply_rng(hk.transform(lambda x: RMSNorm(64, config.layer_norm_eps, name="n")(x)))
     f = jax.jit(lambda x: norm.apply({"n": {"scale": jnp.full((64,), 2.0)}}, x))
     expected = 2.0 * x / np.sqrt(np.mean(np.square(x), -1, keepdims=True) + config.layer_norm_eps)
     np.testing.assert_allclose(f(x), expected, rtol=1e-5)

@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 from mesh_transformer.train import loss as losses
-from mesh_transformer.train.step import Trainer, decay_mask, learning_rate
+from mesh_transformer import parallel
+from mesh_transformer.train.step import Trainer, learning_rate
 from tests.helpers import max_abs_diff, mesh, random_tokens, tiny_config
 
 
@@ -22,7 +23,7 @@ def test_schedule_is_the_original_warmup_cosine():
 
 def test_weight_decay_only_on_matrices():
     trainer = Trainer(tiny_config(), mesh(1, 1))
-    mask = decay_mask(trainer.abstract_state.params)
+    mask = parallel.decay_mask(trainer.model.infos)
     decayed = sorted(f"{m}/{n}" for m, leaves in mask.items() for n, on in leaves.items() if on)
     assert decayed == ["gptj/embed/embeddings", "gptj/head/lm_head", "gptj/layers/attn/k_proj",
                        "gptj/layers/attn/out_proj", "gptj/layers/attn/q_proj", "gptj/layers/attn/v_proj",

@@ -524,9 +524,10 @@ class Loader:
 
     Sequences are read as one stream: epoch ``e`` is a permutation of all ids drawn from
     ``(seed, e)`` (identity when ``shuffle=False``), epochs follow each other, and step ``k``
-    takes the next ``A * global_batch`` ids of the stream as ``[A, global_batch]``. Process ``p``
-    reads only columns ``[p * B_local, (p+1) * B_local)`` of that, so ``B_local =
-    global_batch // process_count``. With ``repeat=False`` the stream is one epoch and the last
+    takes the next ``A * global_batch`` ids of the stream as ``[A, global_batch]``. A process reads
+    only its columns ``rows = (start, stop)`` of that (what its devices hold of the batch sharding;
+    processes that share a dp row read the same rows); without ``rows``, process ``p`` of ``n``
+    reads ``[p * B_local, (p+1) * B_local)`` with ``B_local = global_batch // n``. With ``repeat=False`` the stream is one epoch and the last
     batch is padded with mask-0 rows. A background thread keeps ``prefetch`` batches ready.
 
     ``state()`` is the position after the last batch handed out; ``Loader(..., state=s)``
@@ -534,8 +535,8 @@ class Loader:
     """
 
     def __init__(self, dataset: Dataset, global_batch: int, seed: int = 0, *, process_index: int = 0,
-                 process_count: int = 1, accumulation: int = 1, shuffle: bool = True, repeat: bool = True,
-                 state: dict | None = None, prefetch: int = 4):
+                 process_count: int = 1, rows: tuple[int, int] | None = None, accumulation: int = 1,
+                 shuffle: bool = True, repeat: bool = True, state: dict | None = None, prefetch: int = 4):
         if global_batch % process_count:
             raise ValueError(f"global_batch={global_batch} is not divisible by process_count={process_count}")
         if not 0 <= process_index < process_count:
@@ -544,8 +545,12 @@ class Loader:
             raise ValueError(f"{dataset.path}: dataset has no sequences")
         self.dataset, self.seed, self.shuffle, self.repeat = dataset, seed, shuffle, repeat
         self.accumulation, self.global_batch = accumulation, global_batch
-        self.local_batch = global_batch // process_count
-        self._columns = slice(process_index * self.local_batch, (process_index + 1) * self.local_batch)
+        if rows is None:
+            rows = (process_index * global_batch // process_count, (process_index + 1) * global_batch // process_count)
+        if not 0 <= rows[0] < rows[1] <= global_batch:
+            raise ValueError(f"rows={rows} are not a slice of a batch of {global_batch}")
+        self.local_batch = rows[1] - rows[0]
+        self._columns = slice(*rows)
         self._position = self._resume(state) if state else 0  # stream index of the next sequence
         self._prefetch, self._queue, self._thread = prefetch, None, None
         self._stop = threading.Event()

@@ -205,6 +205,10 @@ class CheckpointManager:
         self._check_meta(step, check_config=False)
         return dict(self._read(step, **{EXTRAS: ocp.args.JsonRestore()})[EXTRAS] or {})
 
+    def saved_shapes(self, step: Optional[int] = None) -> dict[str, tuple[int, ...]]:
+        """{"params.gptj/embed.embeddings": shape, ...}: every saved array's global shape (reads no arrays)."""
+        return {k: tuple(v.shape) for k, v in _flatten(self._saved_tree(self._resolve(step))).items()}
+
     def saved_config(self, step: Optional[int] = None) -> Optional[dict]:
         """The flat config dict saved with `step` (None when the saver passed no config)."""
         return self._meta(self._resolve(step))["config"]
@@ -322,23 +326,13 @@ def _retention(keep_last: Optional[int], keep_every: int):
     return cm.AnyPreservationPolicy(policies)
 
 
-def architecture(model: ModelConfig) -> dict[str, Any]:
-    """What fixes the meaning of the weights (not compute_dtype, remat, or seq under rotary)."""
-    out = dict(layers=model.layers, d_model=model.d_model, n_heads=model.n_heads, n_vocab=model.n_vocab,
-               d_head=model.head_dim, d_ff=model.ff_dim, norm=model.norm, pe=model.pe,
-               pe_rotary_dims=model.rotary_dims, layer_norm_eps=model.layer_norm_eps)
-    if model.pe == "fixed":
-        out["seq"] = model.seq
-    return out
-
-
 def config_differences(saved: Mapping[str, Any], model: ModelConfig) -> list[str]:
     """'key: saved X, config Y' for each architecture key that differs."""
     try:
         saved_model = config_from_dict(dict(saved)).model
     except Exception as e:  # noqa: BLE001 - an unreadable saved config is itself a difference
         return [f"the saved config does not load: {e}"]
-    ours, theirs = architecture(model), architecture(saved_model)
+    ours, theirs = model.architecture(), saved_model.architecture()
     return [f"{k}: saved {theirs.get(k)!r}, config {ours.get(k)!r}"
             for k in sorted(set(ours) | set(theirs)) if ours.get(k) != theirs.get(k)]
 

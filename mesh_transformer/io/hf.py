@@ -1,9 +1,10 @@
-"""HuggingFace GPT-J checkpoints <-> our parameters.
+"""Hugging Face checkpoints <-> our parameters, for every model family.
 
-One table (`_LAYER_MAP`, `_GLOBAL_MAP`) says which HF tensor is which of ours and how it is laid
-out. Import reads safetensors (or a pytorch_model.bin through torch's weights-only unpickler);
-export writes sharded safetensors plus `config.json`, converting one tensor at a time, so host
-memory holds at most one output shard besides the source parameters.
+Each family declares its HF table once (`models/<family>.py`, `hf_table`): which HF tensor is which
+of ours and the transform between the two layouts, both ways. Import reads safetensors tensor by
+tensor (or a pytorch_model.bin through torch's weights-only unpickler); export writes sharded
+safetensors plus `config.json`, converting one tensor at a time, so host memory holds at most one
+output shard besides the source parameters. The family comes from config.json's `model_type`.
 """
 from __future__ import annotations
 
@@ -14,87 +15,36 @@ from typing import Callable, Iterator
 
 import numpy as np
 
+from mesh_transformer import models
 from mesh_transformer.config import ConfigError, ModelConfig
 from mesh_transformer.io.tokenizer import TOKENIZER_FILES
 
-ROOT = "gptj"
-
-# ours (module, leaf) <- HF name; `to_ours` converts an HF array [torch layout] to our layout.
-# Shapes: D d_model, N heads, H head dim, F d_ff, V vocab. torch Linear weights are [out, in].
-_LAYER_MAP: list[tuple[str, str, str]] = [
-    # (our module under gptj/layers, our leaf, HF name under transformer.h.{i})
-    ("ln_1", "scale", "ln_1.weight"),
-    ("ln_1", "offset", "ln_1.bias"),
-    ("attn", "q_proj", "attn.q_proj.weight"),
-    ("attn", "k_proj", "attn.k_proj.weight"),
-    ("attn", "v_proj", "attn.v_proj.weight"),
-    ("attn", "out_proj", "attn.out_proj.weight"),
-    ("mlp", "fc_in", "mlp.fc_in.weight"),
-    ("mlp", "fc_in_bias", "mlp.fc_in.bias"),
-    ("mlp", "fc_out", "mlp.fc_out.weight"),
-    ("mlp", "fc_out_bias", "mlp.fc_out.bias"),
-]
-_GLOBAL_MAP: list[tuple[str, str, str]] = [
-    ("embed", "embeddings", "transformer.wte.weight"),
-    ("ln_f", "scale", "transformer.ln_f.weight"),
-    ("ln_f", "offset", "transformer.ln_f.bias"),
-    ("head", "lm_head", "lm_head.weight"),
-    ("head", "lm_head_bias", "lm_head.bias"),
-]
-
-
-def _to_ours(leaf: str, x: np.ndarray, c: ModelConfig) -> np.ndarray:
-    n, h = c.n_heads, c.head_dim
-    if leaf in ("q_proj", "k_proj", "v_proj"):  # [N*H, D] -> [D, N, H]
-        return x.T.reshape(c.d_model, n, h)
-    if leaf == "out_proj":  # [D, N*H] -> [N, H, D]
-        return x.T.reshape(n, h, c.d_model)
-    if leaf in ("fc_in", "fc_out", "lm_head"):  # torch [out, in] -> [in, out]
-        return x.T
-    return x
-
-
-def _to_hf(leaf: str, x: np.ndarray, c: ModelConfig) -> np.ndarray:
-    if leaf in ("q_proj", "k_proj", "v_proj"):  # [D, N, H] -> [N*H, D]
-        return x.reshape(c.d_model, -1).T
-    if leaf == "out_proj":  # [N, H, D] -> [D, N*H]
-        return x.reshape(-1, c.d_model).T
-    if leaf in ("fc_in", "fc_out", "lm_head"):
-        return x.T
-    return x
-
-
-# --------------------------------------------------------------------------------------------
-# Config
-# --------------------------------------------------------------------------------------------
 
 def config_from_hf(hf: dict, **overrides) -> ModelConfig:
-    """ModelConfig from a GPT-J `config.json` dict."""
-    if hf.get("model_type", "gptj") != "gptj":
-        raise ConfigError(f"config.json: model_type is {hf.get('model_type')!r}, expected 'gptj'")
-    act = hf.get("activation_function", "gelu_new")
-    if act not in ("gelu_new", "gelu_pytorch_tanh"):
-        raise ConfigError(f"config.json: activation_function {act!r} is not supported (GPT-J uses 'gelu_new')")
-    d, n = hf["n_embd"], hf["n_head"]
-    return ModelConfig(
-        layers=hf["n_layer"], d_model=d, n_heads=n, n_vocab=hf["vocab_size"], seq=hf.get("n_positions", 2048),
-        d_ff=hf.get("n_inner") or 4 * d, pe="rotary", pe_rotary_dims=hf.get("rotary_dim") or d // n,
-        layer_norm_eps=hf.get("layer_norm_epsilon", 1e-5), **overrides)
+    """Our config from a HF `config.json` dict; the family from its `model_type`."""
+    return models.family_for_hf(hf.get("model_type")).config.from_hf_config(hf, **overrides)
 
 
 def config_to_hf(c: ModelConfig, torch_dtype: str = "float32") -> dict:
-    if c.pe != "rotary" or c.norm != "layernorm" or c.n_heads * c.head_dim != c.d_model:
-        raise ConfigError("only GPT-J models (pe='rotary', norm='layernorm', n_heads*d_head == d_model) "
-                          "can be exported to HF GPTJForCausalLM")
-    return {
-        "architectures": ["GPTJForCausalLM"], "model_type": "gptj", "activation_function": "gelu_new",
-        "n_embd": c.d_model, "n_head": c.n_heads, "n_layer": c.layers, "n_inner": c.ff_dim,
-        "n_positions": c.seq, "rotary_dim": c.rotary_dims, "vocab_size": c.n_vocab,
-        "layer_norm_epsilon": c.layer_norm_eps, "tie_word_embeddings": False,
-        "bos_token_id": min(50256, c.n_vocab - 1), "eos_token_id": min(50256, c.n_vocab - 1),
-        "attn_pdrop": 0.0, "embd_pdrop": 0.0, "resid_pdrop": 0.0, "initializer_range": 0.02,
-        "use_cache": True, "torch_dtype": torch_dtype,
-    }
+    return {**c.to_hf_config(), "initializer_range": 0.02, "use_cache": True, "torch_dtype": torch_dtype}
+
+
+def _our_path(c: ModelConfig, module: str) -> str:
+    """Our module path of a table entry's module ("" = the family's root module)."""
+    return f"{c.family}/{module}" if module else c.family
+
+
+def _vocab_axes(c: ModelConfig) -> dict[tuple[str, str], list[int]]:
+    """{(module, leaf): positions of its 'vocab' axes} (stacked layout)."""
+    model = models.build(c)
+    out = {}
+    for module, leaves in model.infos.items():
+        for leaf, info in leaves.items():
+            ndim = model.abstract_params[module][leaf].ndim
+            axes = [i for i, a in enumerate(models.core.parallel.leaf_axes(info, ndim)) if a == "vocab"]
+            if axes:
+                out[(module, leaf)] = axes
+    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -129,7 +79,7 @@ def _tensor_reader(path: Path) -> Callable[[str], np.ndarray]:
 
 
 def load_hf(path: str | os.PathLike, mp: int = 1, **overrides) -> tuple[ModelConfig, dict]:
-    """Read a HF GPT-J directory -> (ModelConfig, params as numpy float32, vocab padded for `mp`)."""
+    """Read a HF model directory -> (our config, params as numpy float32, vocab padded for `mp`)."""
     path = Path(path)
     config_file = path / "config.json"
     if not config_file.exists():
@@ -137,35 +87,39 @@ def load_hf(path: str | os.PathLike, mp: int = 1, **overrides) -> tuple[ModelCon
     config = config_from_hf(json.loads(config_file.read_text()), **overrides)
     read = _tensor_reader(path)
 
-    def get(name, leaf):
+    def get(name):
         try:
-            return _to_ours(leaf, read(name), config)
+            return read(name)
         except KeyError:
             raise ConfigError(f"{path}: tensor {name!r} is missing from the checkpoint") from None
 
     params: dict[str, dict[str, np.ndarray]] = {}
-    for module, leaf, name in _LAYER_MAP:
-        stacked = np.stack([get(f"transformer.h.{i}.{name}", leaf) for i in range(config.layers)])
-        params.setdefault(f"{ROOT}/layers/{module}", {})[leaf] = stacked
-    for module, leaf, name in _GLOBAL_MAP:
-        params.setdefault(f"{ROOT}/{module}", {})[leaf] = get(name, leaf)
-    return config, pad_vocab(params, config.padded_vocab(mp))
+    for entry in models.family(config.family).hf_table(config):
+        if entry.per_layer:
+            layers = [entry.transform.to_ours(get(entry.hf.format(i=i)), config) for i in range(config.layers)]
+            values = [np.stack(xs) for xs in zip(*layers)]
+        else:
+            values = entry.transform.to_ours(get(entry.hf), config)
+        for (module, leaf), value in zip(entry.ours, values):
+            params.setdefault(_our_path(config, module), {})[leaf] = value
+    return config, pad_vocab(params, config, config.padded_vocab(mp))
 
 
-def pad_vocab(params: dict, padded: int) -> dict:
-    """Zero-pad (or trim) the vocabulary axis of embedding and head to `padded` entries."""
-    def fit(x, axis):
-        size = x.shape[axis]
-        if size >= padded:
-            return np.take(x, np.arange(padded), axis=axis)
-        pad = [(0, 0)] * x.ndim
-        pad[axis] = (0, padded - size)
-        return np.pad(x, pad)
+def pad_vocab(params: dict, config: ModelConfig, padded: int) -> dict:
+    """Zero-pad (or trim) every 'vocab' axis of `params` to `padded` entries."""
     out = {k: dict(v) for k, v in params.items()}
-    out[f"{ROOT}/embed"]["embeddings"] = fit(out[f"{ROOT}/embed"]["embeddings"], 0)
-    out[f"{ROOT}/head"]["lm_head"] = fit(out[f"{ROOT}/head"]["lm_head"], 1)
-    out[f"{ROOT}/head"]["lm_head_bias"] = fit(out[f"{ROOT}/head"]["lm_head_bias"], 0)
+    for (module, leaf), axes in _vocab_axes(config).items():
+        for axis in axes:
+            out[module][leaf] = _fit(out[module][leaf], axis, padded)
     return out
+
+
+def _fit(x, axis: int, size: int):
+    if x.shape[axis] >= size:
+        return np.take(x, np.arange(size), axis=axis)
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, size - x.shape[axis])
+    return np.pad(x, pad)
 
 
 # --------------------------------------------------------------------------------------------
@@ -177,31 +131,39 @@ _DTYPES = {"fp32": np.float32, "float32": np.float32, "fp16": np.float16, "float
 
 
 def _hf_tensors(params, config: ModelConfig, dtype) -> Iterator[tuple[str, Callable[[], np.ndarray]]]:
-    """(HF name, thunk producing that tensor) in file order; each thunk reads one slice of `params`."""
-    v = config.n_vocab
+    """(HF name, thunk producing that tensor) in file order (globals before the first layer tensor,
+    then layer by layer, then the rest); each thunk reads one slice of `params`."""
+    vocab_axes = _vocab_axes(config)
+    table = models.family(config.family).hf_table(config)
 
-    def convert(module, leaf, index=None, vocab_axis=None):
-        def thunk():
-            x = params[module][leaf]
-            x = np.asarray(x[index] if index is not None else x, dtype=np.float32)
-            if vocab_axis is not None:
-                x = np.take(x, np.arange(v), axis=vocab_axis)
-            return np.ascontiguousarray(_to_hf(leaf, x, config).astype(dtype))
-        return thunk
+    def thunk(entry, i=None):
+        def make():
+            ours = []
+            for module, leaf in entry.ours:
+                x = params[_our_path(config, module)][leaf]
+                x = np.asarray(x[i] if i is not None else x, dtype=np.float32)
+                for axis in vocab_axes.get((_our_path(config, module), leaf), ()):
+                    x = _fit(x, axis - (i is not None), config.n_vocab)
+                ours.append(x)
+            return np.ascontiguousarray(entry.transform.to_hf(tuple(ours), config).astype(dtype))
+        return make
 
-    vocab_axes = {"embeddings": 0, "lm_head": 1, "lm_head_bias": 0}
-    for module, leaf, name in _GLOBAL_MAP[:1]:
-        yield name, convert(f"{ROOT}/{module}", leaf, vocab_axis=0)
+    first_layer = next((k for k, e in enumerate(table) if e.per_layer), len(table))
+    for entry in table[:first_layer]:
+        if not entry.per_layer:
+            yield entry.hf, thunk(entry)
     for i in range(config.layers):
-        for module, leaf, name in _LAYER_MAP:
-            yield f"transformer.h.{i}.{name}", convert(f"{ROOT}/layers/{module}", leaf, index=i)
-    for module, leaf, name in _GLOBAL_MAP[1:]:
-        yield name, convert(f"{ROOT}/{module}", leaf, vocab_axis=vocab_axes.get(leaf))
+        for entry in table:
+            if entry.per_layer:
+                yield entry.hf.format(i=i), thunk(entry, i)
+    for entry in table[first_layer:]:
+        if not entry.per_layer:
+            yield entry.hf, thunk(entry)
 
 
 def save_hf(params, config: ModelConfig, path: str | os.PathLike, dtype: str = "fp32",
             max_shard_bytes: int = 2 << 30) -> Path:
-    """Write `params` as a HF GPT-J directory (config.json + sharded safetensors + index).
+    """Write `params` as a HF model directory (config.json + sharded safetensors + index).
 
     `params` may hold numpy or (sharded) jax arrays; tensors are converted and written one shard
     at a time, never all at once.
@@ -257,7 +219,7 @@ def save_hf(params, config: ModelConfig, path: str | os.PathLike, dtype: str = "
 
 
 def hf_to_checkpoint(hf_dir: str, ckpt_dir: str, train=None) -> int:
-    """Import a HF GPT-J directory as a params-only checkpoint (step 0) with its config and tokenizer.
+    """Import a HF model directory as a params-only checkpoint (step 0) with its config and tokenizer.
 
     `train`: the TrainConfig to record beside the model (defaults otherwise). Returns the parameter count.
     """
@@ -280,13 +242,12 @@ def hf_to_checkpoint(hf_dir: str, ckpt_dir: str, train=None) -> int:
 
 
 def checkpoint_to_hf(ckpt_dir: str, out_dir: str, dtype: str = "fp16", step=None, max_shard_bytes: int = 2 << 30) -> Path:
-    """Export the params of a checkpoint (latest step by default) as a HF GPT-J directory.
+    """Export the params of a checkpoint (latest step by default) as a HF model directory.
 
     Parameters are restored unsharded on the host CPU once, then written tensor by tensor.
     """
     import jax
     from jax.sharding import SingleDeviceSharding
-    from mesh_transformer.models import core as gptj
     from mesh_transformer.io import storage
     from mesh_transformer.io.checkpoint import CheckpointError, CheckpointManager
     from mesh_transformer.config import config_from_dict
@@ -297,7 +258,10 @@ def checkpoint_to_hf(ckpt_dir: str, out_dir: str, dtype: str = "fp16", step=None
         raise CheckpointError(f"{ckpt_dir}: the checkpoint holds no config; cannot tell the model's shape")
     config = config_from_dict(saved).model
     cpu = SingleDeviceSharding(jax.devices("cpu")[0])
-    abstract = jax.eval_shape(lambda: gptj.build(config).init(jax.random.key(0), jax.numpy.zeros((1, 1), "int32")))
+    # The vocabulary padding the checkpoint was saved with (it depends on the mp it trained with).
+    shapes = ckpt.saved_shapes(step)
+    abstract = {m: {n: jax.ShapeDtypeStruct(shapes.get(f"params.{m}.{n}", x.shape), x.dtype) for n, x in leaves.items()}
+                for m, leaves in models.build(config).abstract_params.items()}
     params = ckpt.restore_params(step, abstract_params=abstract, target_shardings=jax.tree.map(lambda _: cpu, abstract),
                                  check_config=False)
     out = save_hf(params, config, out_dir, dtype=dtype, max_shard_bytes=max_shard_bytes)

@@ -40,7 +40,7 @@ class TrainingError(UserError, RuntimeError):
 @dataclass(frozen=True)
 class RunOptions:
     tune_model_path: Optional[str] = None  # our checkpoint dir to fine-tune from
-    hf: Optional[str] = None  # HF GPT-J dir to fine-tune from
+    hf: Optional[str] = None  # HF model dir to fine-tune from (its family must match the config)
     fresh_opt: bool = False  # with tune_model_path: start with a new optimizer state
     log_dir: Optional[str] = None  # metrics.jsonl + TensorBoard; default logs/<name>
     tensorboard: bool = True
@@ -48,9 +48,7 @@ class RunOptions:
 
 
 def build_mesh(config: Config):
-    t = config.train
-    dp = t.tpu_size // t.cores_per_replica if t.tpu_size else None
-    return parallel.make_mesh(t.cores_per_replica, dp)
+    return parallel.mesh_for(config.train)
 
 
 def require_keys(config: Config, *keys: str) -> None:
@@ -72,17 +70,17 @@ def open_datasets(config: Config) -> tuple[Dataset, dict[str, Dataset]]:
 
 
 def train_loader(config: Config, dataset: Dataset, global_batch: int, state: Optional[dict] = None,
-                 process_index: int = 0, process_count: int = 1) -> Loader:
-    """The training stream: shuffled by `seed`, `gradient_accumulation_steps` microbatches a step."""
+                 rows: Optional[tuple[int, int]] = None) -> Loader:
+    """The training stream: shuffled by `seed`, `gradient_accumulation_steps` microbatches a step;
+    `rows`: this process's rows of each batch (default: all)."""
     t = config.train
-    return Loader(dataset, global_batch, t.seed, accumulation=t.gradient_accumulation_steps,
-                  process_index=process_index, process_count=process_count, state=state or None)
+    return Loader(dataset, global_batch, t.seed, accumulation=t.gradient_accumulation_steps, rows=rows,
+                  state=state or None)
 
 
-def val_loader(dataset: Dataset, global_batch: int, process_index: int = 0, process_count: int = 1) -> Loader:
+def val_loader(dataset: Dataset, global_batch: int, rows: Optional[tuple[int, int]] = None) -> Loader:
     """A validation pass: the set in order, once, the last batch padded with mask-0 rows."""
-    return Loader(dataset, global_batch, shuffle=False, repeat=False,
-                  process_index=process_index, process_count=process_count)
+    return Loader(dataset, global_batch, shuffle=False, repeat=False, rows=rows)
 
 
 def due(step: int, every: int) -> bool:
@@ -242,8 +240,7 @@ class TrainRun:
         return self.host.start_state()
 
     def loader(self, state: dict) -> Loader:
-        return train_loader(self.config, self.dataset, self.trainer.global_batch, state,
-                            process_index=jax.process_index(), process_count=jax.process_count())
+        return train_loader(self.config, self.dataset, self.trainer.global_batch, state, rows=self.host.batch_rows())
 
     # ---- the loop -----------------------------------------------------------------------------
 
@@ -290,7 +287,7 @@ class TrainRun:
 
     def validate(self, params) -> dict:
         """val/loss_<name> over the first val_batches batches of each val_set, in order."""
-        loaders = {name: val_loader(dataset, self.trainer.global_batch, jax.process_index(), jax.process_count())
+        loaders = {name: val_loader(dataset, self.trainer.global_batch, rows=self.host.batch_rows())
                    for name, dataset in self.val_sets.items()}
         try:
             return self.host.val_losses(params, loaders)
@@ -308,7 +305,7 @@ class TrainRun:
 
 
 def _check_same_architecture(found, config: Config, source: str) -> None:
-    ours = config.model
-    for key in ("layers", "d_model", "n_heads", "n_vocab", "ff_dim", "rotary_dims"):
-        if getattr(found, key) != getattr(ours, key):
-            raise ConfigError(f"{source}: {key} is {getattr(found, key)} but the config says {getattr(ours, key)}")
+    ours, theirs = config.model.architecture(), found.architecture()
+    for key in sorted(set(ours) | set(theirs)):
+        if ours.get(key) != theirs.get(key):
+            raise ConfigError(f"{source}: {key} is {theirs.get(key)!r} but the config says {ours.get(key)!r}")

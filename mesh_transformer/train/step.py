@@ -21,13 +21,8 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from mesh_transformer.train import loss as losses
-from mesh_transformer.models import core as gptj
-from mesh_transformer import parallel
+from mesh_transformer import models, parallel
 from mesh_transformer.config import Config, TrainConfig
-
-# Matrices get weight decay; biases, norms and nothing else do (the original: ndim > 1).
-DECAYED = {"embeddings", "pos_embeddings", "q_proj", "k_proj", "v_proj", "out_proj", "fc_in", "fc_out", "lm_head"}
-
 
 class TrainState(NamedTuple):
     step: jax.Array  # int32 scalar; drives the learning-rate schedule
@@ -47,12 +42,10 @@ def learning_rate(train: TrainConfig):
     return schedule
 
 
-def decay_mask(params):
-    return {m: {name: name in DECAYED for name in leaves} for m, leaves in params.items()}
-
-
-def optimizer(train: TrainConfig) -> optax.GradientTransformation:
-    """clip -> Adam -> decoupled weight decay on matrices; the step applies -lr(step)."""
+def optimizer(train: TrainConfig, decay_mask) -> optax.GradientTransformation:
+    """clip -> Adam -> decoupled weight decay on matrices (`decay_mask`: params tree of bools, from
+    what each parameter declares: weights and embedding tables, not biases or norms); the step
+    applies -lr(step)."""
     return optax.chain(
         optax.clip_by_global_norm(train.clip_norm),
         optax.scale_by_adam(b1=train.b1, b2=train.b2, eps=train.eps),
@@ -69,14 +62,14 @@ class Trainer:
 
     def __post_init__(self):
         m, t = self.config.model, self.config.train
-        parallel.check_divisibility(m, self.mesh, t.zero)
         self.mp, self.dp = self.mesh.shape[parallel.MP], self.mesh.shape[parallel.DP]
-        self.rules = parallel.rules_for(t.zero)
-        self.model = gptj.build(m, self.mp)
-        self.optimizer = optimizer(t)
+        self.model = models.build(m, self.mp)
+        self.model.check_mesh(self.mesh.shape, t.zero)
+        self.rules = self.model.rules(t.zero, self.mp)
+        self.optimizer = optimizer(t, parallel.decay_mask(self.model.infos))
         self.schedule = learning_rate(t)
         self.abstract_state = jax.eval_shape(self._init, jax.random.key(0))
-        self.param_specs = parallel.param_specs(self.abstract_state.params, self.rules)
+        self.param_specs = self.model.param_specs(self.rules)
         opt_specs = optax.tree_map_params(self.optimizer, lambda _, spec: spec, self.abstract_state.opt_state,
                                           self.param_specs, transform_non_params=lambda _: P(),
                                           is_leaf=lambda x: isinstance(x, P))
@@ -107,8 +100,7 @@ class Trainer:
     def _init(self, rng) -> TrainState:
         if isinstance(rng, int):
             rng = jax.random.key(rng)
-        tokens = jnp.zeros((1, min(8, self.config.model.seq)), jnp.int32)
-        params = self.model.init(rng, tokens)
+        params = self.model.init(rng)
         return TrainState(jnp.zeros((), jnp.int32), params, self.optimizer.init(params))
 
     def state_from_params(self, params) -> TrainState:

@@ -1,0 +1,370 @@
+"""Decode: prefill prompts into a KV cache, then decode inside one compiled loop (`Generator`).
+
+    gen = Generator(config, params, mesh)
+    [out] = gen.generate([[15496, 995]], [SamplingOptions(max_new_tokens=32, temperature=0)])
+    out.tokens, out.logprobs, out.finish_reason
+
+A batch is a fixed set of rows sharing one `model.KVCache` (per layer k [B, N, H, S] and
+v [B, N, S, H]), a shared write index and a per-row first valid slot. Requests join a batch
+(`admit`: prefill, write the prompt's keys/values ending at the shared index, sample the first
+token) and leave it (EOS, stop sequence, length, or the host retiring them) independently, so a
+server can add requests while others decode (`Batch`, also what `generate` uses).
+
+Sharding is training's: parameters by the MEGATRON table (split into per-layer arrays, see
+`models.core.unstack_layers`), the cache with heads over 'mp' and rows over 'dp', the model inside
+`parallel.shard_map`. Each step all-gathers the last position's [B, V/mp] logits over 'mp' and
+every mp shard samples the same token from the whole vocabulary.
+One row per sequence is cheap next to the weights each step reads, and it keeps sampling exact:
+top-p needs the sorted full distribution, which a vocab-parallel top-k only approximates.
+
+Compiles are bounded by buckets: batch rows, prompt length, cache slots and chunk length are
+powers of two (`bucket`), so a new prompt length rarely means a new program.
+
+Shape letters: B batch rows, T prompt tokens, S cache slots, K decode steps per call, V padded
+vocabulary, L layers, N heads, H head dim.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from typing import TYPE_CHECKING, Any, Iterator, NamedTuple, Optional, Sequence as Seq
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, PartitionSpec as P
+
+from mesh_transformer import models, parallel
+from mesh_transformer.config import ModelConfig
+from mesh_transformer.generate.sampling import (EOS, LENGTH, MAX_STOPS, RUNNING, STOP, STOP_TOKENS, TOP_LOGPROBS,
+                                                RowOptions, SamplingOptions, choose, log_probs, stop_hit, _none,
+                                                penalize)
+from mesh_transformer.models.core import KVCache, unstacked_modules
+
+if TYPE_CHECKING:
+    from mesh_transformer.generate.batching import Sequence
+
+log = logging.getLogger(__name__)
+
+MIN_BUCKET = 16
+# Decode batches in 16-bit dtypes have at least 2 rows: with one, XLA:CPU turns each bf16 matmul
+# into a conversion of the weights plus a float32 matvec (10x slower). A spare row costs little:
+# decode reads every weight once per step whatever the batch. (float32 keeps one row: XLA:CPU's
+# matvec reads weights faster than its 2-row matmul.)
+MIN_ROWS_16BIT = 2
+
+
+def bucket(n: int, minimum: int = MIN_BUCKET) -> int:
+    """The power of two >= max(n, minimum): the shapes programs are compiled for."""
+    return max(minimum, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
+
+
+# --------------------------------------------------------------------------------------------
+# Decode state and the per-step update shared by prefill and decode
+# --------------------------------------------------------------------------------------------
+
+class DecodeState(NamedTuple):
+    """Everything on device for one batch of rows. Per-row arrays are [B]."""
+
+    cache: KVCache
+    rows: RowOptions
+    last: Any  # last sampled token: the next decode step's input
+    done: Any  # bool; free rows are done
+    n_generated: Any
+    reason: Any  # RUNNING / EOS / STOP / LENGTH
+    counts: Any  # [B, V] int32: each token's count in the output (frequency/presence penalties)
+    seen: Any  # [B, V] bool: in the prompt or output (repetition penalty)
+    recent: Any  # [B, STOP_TOKENS] last output tokens (stop sequences); -2 before any
+
+
+class Emitted(NamedTuple):
+    """Tokens produced by one step (leading [B]) or one decode call ([B, K]); token -1 = none."""
+
+    token: Any
+    logprob: Any  # log p(token) under the model (before penalties, temperature and truncation); NaN if no row asked
+    top_ids: Any  # [..., TOP_LOGPROBS]
+    top_logprobs: Any
+
+
+def emit(state: DecodeState, logits, active) -> tuple[DecodeState, Emitted]:
+    """Sample a token for each `active` row from its full-vocabulary logits [B, V]; update the row.
+
+    Work over [B, V] that no row asked for (penalties, top log-probs) is skipped (`lax.cond`).
+    """
+    rows = state.rows
+    penalized = (rows.repetition_penalty != 1) | (rows.frequency_penalty != 0) | (rows.presence_penalty != 0)
+    scores = jax.lax.cond(jnp.any(penalized), lambda: penalize(logits, state.counts, state.seen, rows), lambda: logits)
+    token = choose(scores, rows, state.n_generated)
+    b = jnp.arange(token.shape[0])
+    logprob, top_logprobs, top_ids = jax.lax.cond(
+        jnp.any(rows.top_logprobs >= 0), lambda: log_probs(logits, token, rows.top_logprobs),
+        lambda: _none(token))
+
+    n_generated = state.n_generated + active
+    recent = jnp.where(active[:, None], jnp.concatenate([state.recent[:, 1:], token[:, None]], 1), state.recent)
+    why = jnp.where(token == state.rows.eos, EOS,
+                    jnp.where(stop_hit(recent, state.rows.stops), STOP,
+                              jnp.where(n_generated >= state.rows.max_new, LENGTH, RUNNING)))
+    finished = active & (why != RUNNING)
+    state = state._replace(
+        last=jnp.where(active, token, state.last),
+        done=state.done | finished,
+        n_generated=n_generated,
+        reason=jnp.where(finished, why, state.reason),
+        counts=state.counts.at[b, token].add(active.astype(jnp.int32)),
+        seen=state.seen.at[b, token].max(active),
+        recent=recent)
+    out = Emitted(jnp.where(active, token, -1), logprob, top_ids, top_logprobs)
+    return state, out
+
+
+KV_SPEC = P(parallel.DP, parallel.MP, None, None)  # each layer's k and v: rows over dp, heads over mp
+
+
+def state_specs(layers: int) -> DecodeState:
+    """PartitionSpecs: rows over 'dp'; the cache's heads over 'mp' as well."""
+    row, row2, kv = P(parallel.DP), P(parallel.DP, None), (KV_SPEC,) * layers
+    return DecodeState(
+        cache=KVCache(kv, kv, row, P()),
+        rows=RowOptions(*([row] * 9), P(parallel.DP, None, None), row),
+        last=row, done=row, n_generated=row, reason=row, counts=row2, seen=row2, recent=row2)
+
+
+def _roll_cache(cache: KVCache, shift):
+    """Move every row's slots by `shift` (positions are slot - start, so they do not change)."""
+    rolled = jax.lax.cond(shift != 0, lambda: cache.along_slots(lambda x, axis: jnp.roll(x, shift, axis)),
+                          lambda: cache)
+    return rolled._replace(start=cache.start + shift, index=cache.index + shift)
+
+
+# --------------------------------------------------------------------------------------------
+# Generator: the compiled functions for one model on one mesh
+# --------------------------------------------------------------------------------------------
+
+class Generator:
+    """Compiled prefill/decode for `params` on `mesh`; token ids in, token ids out.
+
+    `params`: Haiku params as training keeps them (layers stacked; numpy or jax; vocabulary padded
+    for the mesh's mp). The generator keeps its own copy, cast to `config.compute_dtype`, split
+    into per-layer arrays and placed by the MEGATRON table, built one leaf at a time. With
+    `donate=True` each of the caller's jax arrays is deleted once converted, so the weights are held
+    once on the devices (peak: the caller's params plus the largest leaf); the caller must not use
+    them afterwards (`loading.LoadedModel.generator` does this).
+
+    `matvec`: store the weights inputs-last (their `ParamInfo.inputs` axes last), for decoding one or two rows
+    at a time: on CPU, batch-1 decode runs about 12% faster (matrix-vector products read such
+    weights faster), batch-16 decode about 12% slower (bench/decode.py). float32 only: 16-bit decode
+    runs matmuls of at least 2 rows (`MIN_ROWS_16BIT`), which read weights faster inputs-first.
+    """
+
+    def __init__(self, config: ModelConfig, params, mesh: Mesh, matvec: bool = False, donate: bool = False):
+        self.config, self.mesh = config, mesh
+        self.min_rows = 1 if jnp.dtype(config.compute_dtype).itemsize >= 4 else MIN_ROWS_16BIT
+        self.inputs_last = matvec and self.min_rows == 1  # 2-row matmuls read weights faster inputs-first
+        self.mp, self.dp = mesh.shape[parallel.MP], mesh.shape[parallel.DP]
+        self.model = models.build(config, self.mp)
+        self.model.check_mesh(mesh.shape, zero=False)
+        self.vocab = config.padded_vocab(self.mp)
+        self.rules = self.model.rules(False, self.mp)
+        self.params = self._place(params, donate)
+        self.param_specs = jax.tree.map(lambda x: x.sharding.spec, self.params)
+        self.specs = state_specs(config.layers)
+        self.shapes: set[tuple] = set()  # programs compiled so far (see `_note`)
+        self.shardings = parallel.named(mesh, self.specs)
+        kv = (KV_SPEC,) * config.layers
+        self._prefill = parallel.shard_map(
+            self._prefill_local, mesh, self.rules,
+            in_specs=(self.param_specs, P(parallel.DP, None), P(parallel.DP)),
+            out_specs=(P(parallel.DP, None), kv, kv), inputs_last=self.inputs_last)
+        self._new_state = jax.jit(self._empty, static_argnums=(0, 1), out_shardings=self.shardings)
+        self._admit = jax.jit(self._admit_rows, out_shardings=(self.shardings, None), donate_argnums=1)
+        self._decode = jax.jit(self._decode_steps, static_argnums=(3, 4), donate_argnums=1,
+                               out_shardings=(self.shardings, None))
+        self._retire = jax.jit(lambda s, m: s._replace(done=s.done | m), out_shardings=self.shardings,
+                               donate_argnums=0)
+
+    def _place(self, params, donate: bool):
+        """Per-layer params in the compute dtype (weights inputs-last with `matvec`), on the mesh by
+        the Megatron table; with `donate`, each source array is deleted once converted."""
+        dtype, out = jnp.dtype(self.config.compute_dtype), {}
+        for module, leaves in params.items():
+            for name, x in leaves.items():
+                info = self.model.infos[module][name]
+                for new, i in unstacked_modules(module, self.config.layers):
+                    out.setdefault(new, {})[name] = self._convert(x if i is None else x[i], info, dtype)
+                if donate and isinstance(x, jax.Array) and not x.is_deleted():
+                    x.delete()
+        return out
+
+    def _convert(self, x, info, dtype):
+        x = x if x.dtype == dtype else x.astype(dtype)  # numpy or jax
+        order, axes = parallel.stored_layout(info, x.ndim, self.inputs_last)
+        return jax.device_put(x.transpose(order), jax.sharding.NamedSharding(self.mesh, parallel.spec_for(axes, self.rules)))
+
+    # ---- device functions ---------------------------------------------------------------------
+
+    def _empty(self, batch: int, slots: int) -> DecodeState:
+        vocab = self.vocab
+        i32 = lambda fill=0: jnp.full((batch,), fill, jnp.int32)
+        rows = RowOptions(jnp.zeros(batch), i32(), jnp.ones(batch), jnp.ones(batch), jnp.zeros(batch),
+                          jnp.zeros(batch), jnp.zeros(batch, jnp.uint32), i32(1), i32(-1),
+                          jnp.full((batch, MAX_STOPS, STOP_TOKENS), -1, jnp.int32), i32(-1))
+        return DecodeState(KVCache.zeros(self.config, batch, slots, mp=self.mp), rows, i32(),
+                           jnp.ones(batch, bool), i32(), i32(), jnp.zeros((batch, vocab), jnp.int32),
+                           jnp.zeros((batch, vocab), bool), jnp.full((batch, STOP_TOKENS), -2, jnp.int32))
+
+    def _prefill_local(self, params, tokens, start):
+        """tokens [n, T] left-padded, start [n] = T - length -> (last logits [n, V], k, v: per layer [n, N, T, H])."""
+        empty = KVCache.zeros(self.config, tokens.shape[0], tokens.shape[1], start, self.mp, local=True)
+        logits, cache = self.model.apply(params, tokens, empty, last_only=True)
+        return parallel.all_gather_mp(logits[:, -1]), cache.k, cache.v
+
+    def _admit_rows(self, params, state: DecodeState, tokens, lengths, row_ids, rows: RowOptions, index):
+        """Prefill `tokens` [n, T] into rows `row_ids` [n] (n >= batch: dropped) ending at slot `index`.
+
+        The whole batch first moves to `index` (a roll of the cache; positions do not change), then
+        each new row's prompt fills slots index-length .. index-1 and its first token is sampled.
+        """
+        n, t = tokens.shape
+        batch, slots = state.last.shape[0], state.cache.slots
+        cache = _roll_cache(state.cache, index - state.cache.index)
+        logits, k, v = self._prefill(params, tokens, t - lengths)
+        target = index - t + jnp.arange(t)
+        target = jnp.where(target >= 0, target, slots)  # left padding beyond slot 0 is dropped
+
+        def put(x, new, axis):  # new's T slots into x's rows row_ids at slots target
+            where = (row_ids[:, None],) + (slice(None),) * (axis - 1) + (target[None, :],)
+            return x.at[where].set(jnp.moveaxis(new, axis, 1), mode="drop")
+        cache = cache.along_slots(put, KVCache(k, v, None, None))
+        cache = cache._replace(start=cache.start.at[row_ids].set(index - lengths, mode="drop"))
+        set_rows = lambda x, new: x.at[row_ids].set(new, mode="drop")
+        valid = jnp.arange(t)[None, :] >= (t - lengths)[:, None]
+        prompt_seen = jnp.zeros((n, self.vocab), bool).at[jnp.arange(n)[:, None], tokens].max(valid)
+        state = DecodeState(
+            cache, jax.tree.map(set_rows, state.rows, rows), state.last, set_rows(state.done, False),
+            set_rows(state.n_generated, 0), set_rows(state.reason, RUNNING), set_rows(state.counts, 0),
+            set_rows(state.seen, prompt_seen), set_rows(state.recent, -2))
+        full = jnp.full((batch, self.vocab), -jnp.inf).at[row_ids].set(logits, mode="drop")
+        active = jnp.zeros(batch, bool).at[row_ids].set(True, mode="drop")
+        return emit(state, full, active)
+
+    def _decode_local(self, params, state: DecodeState, steps: int):
+        """Up to `steps` decode steps, stopping early once no row anywhere is running."""
+        batch = state.last.shape[0]
+        out = Emitted(jnp.full((steps, batch), -1, jnp.int32), jnp.zeros((steps, batch)),
+                      jnp.zeros((steps, batch, TOP_LOGPROBS), jnp.int32), jnp.zeros((steps, batch, TOP_LOGPROBS)))
+        out = jax.tree.map(lambda x: jax.lax.pcast(x, (parallel.DP,), to="varying"), out)
+
+        def running(carry):
+            i, s, _ = carry
+            return (i < steps) & (jax.lax.psum(jnp.sum(~s.done), parallel.DP) > 0)
+
+        def step(carry):
+            i, s, out = carry
+            logits, cache = self.model.apply(params, s.last[:, None], s.cache)
+            s, e = emit(s._replace(cache=cache), parallel.all_gather_mp(logits[:, -1]), ~s.done)
+            return i + 1, s, jax.tree.map(lambda o, x: o.at[i].set(x), out, e)
+
+        _, state, out = jax.lax.while_loop(running, step, (jnp.zeros((), jnp.int32), state, out))
+        return state, out
+
+    def _decode_steps(self, params, state: DecodeState, first_slot, steps: int, window: int):
+        """Decode in slots first_slot .. first_slot+window-1 only: attention reads `window` slots, not S."""
+        decode = parallel.shard_map(
+            lambda p, s: self._decode_local(p, s, steps), self.mesh, self.rules,
+            in_specs=(self.param_specs, self.specs),
+            out_specs=(self.specs, Emitted(*([P(None, parallel.DP)] * 2), *([P(None, parallel.DP, None)] * 2))),
+            inputs_last=self.inputs_last)
+        full = state.cache
+        view = full.along_slots(lambda x, axis: jax.lax.dynamic_slice_in_dim(x, first_slot, window, axis))
+        view = view._replace(start=full.start - first_slot, index=full.index - first_slot)
+        state, out = decode(params, state._replace(cache=view))
+        c = state.cache
+        put_back = lambda whole, part, axis: jax.lax.dynamic_update_slice_in_dim(whole, part, first_slot, axis)  # noqa: E731
+        cache = full.along_slots(put_back, c)
+        cache = cache._replace(start=c.start + first_slot, index=c.index + first_slot)
+        return state._replace(cache=cache), jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), out)  # [B, K, ...]
+
+    # ---- host API ---------------------------------------------------------------------------
+
+    def new_state(self, batch: int, slots: int) -> DecodeState:
+        return self._new_state(batch, slots)
+
+    def admit(self, state, prompts: Seq[Seq[int]], options: Seq[SamplingOptions], seeds: Seq[int],
+              row_ids: Seq[int], index: int):
+        """Prefill `prompts` into rows `row_ids`, ending at cache slot `index` (the batch's new write index).
+
+        Returns (state, first tokens Emitted [B], done [B], reason [B]).
+        """
+        n = round_up(bucket(len(prompts), 1), self.dp)
+        t = bucket(max(len(p) for p in prompts))
+        tokens = np.zeros((n, t), np.int32)
+        lengths = np.ones(n, np.int32)
+        for i, p in enumerate(prompts):
+            tokens[i, t - len(p):] = p
+            lengths[i] = len(p)
+        batch = state.last.shape[0]
+        ids = np.full(n, batch, np.int32)
+        ids[: len(row_ids)] = row_ids
+        pad = [options[0]] * (n - len(options))
+        rows = RowOptions.stack(list(options) + pad, list(seeds) + [0] * len(pad))
+        self._note("prefill", rows=n, tokens=t, batch=batch, slots=state.cache.slots)
+        state, first = self._admit(self.params, state, tokens, lengths, ids, rows, np.int32(index))
+        first, done, reason = jax.device_get((first, state.done, state.reason))
+        return state, first, done, reason
+
+    def decode(self, state, steps: int, first_slot: int = 0, window: Optional[int] = None):
+        """Up to `steps` decode steps -> (state, Emitted [B, steps], done [B], reason [B], write index).
+
+        Attention reads only slots first_slot .. first_slot+window-1 (default: all): they must hold
+        every running row's tokens and the `steps` new ones.
+        """
+        window = window or state.cache.slots
+        self._note("decode", batch=state.last.shape[0], slots=state.cache.slots, steps=steps, window=window)
+        state, out = self._decode(self.params, state, np.int32(first_slot), steps, window)
+        out, done, reason, index = jax.device_get((out, state.done, state.reason, state.cache.index))
+        return state, out, done, reason, int(index)
+
+    def _note(self, program: str, **shape) -> None:
+        """Log each new shape: a compile (seconds to minutes) happens on its first call."""
+        key = (program, *sorted(shape.items()))
+        if key not in self.shapes:
+            self.shapes.add(key)
+            log.info("compiling %s for %s", program, ", ".join(f"{k}={v}" for k, v in shape.items()))
+
+    def retire(self, state, rows: Seq[int]):
+        mask = np.zeros(state.last.shape[0], bool)
+        mask[list(rows)] = True
+        return self._retire(state, mask)
+
+    def generate(self, prompts: Seq[Seq[int]], options: Seq[SamplingOptions] | SamplingOptions,
+                 tokenizer=None) -> list["Sequence"]:
+        """Continue every prompt (token ids); one compiled decode loop runs to the end of the batch."""
+        seqs = self.sequences(prompts, options, tokenizer)
+        for _ in self.stream(seqs, chunk=None):
+            pass
+        return seqs
+
+    def stream(self, seqs: Seq["Sequence"], chunk: Optional[int] = 16) -> Iterator[Seq["Sequence"]]:
+        """Run `seqs` in one batch, yielding them after the prefill and after every `chunk` decode
+        steps (None: a single decode call); read new text with `Sequence.pop_text`."""
+        from mesh_transformer.generate.batching import Batch
+        batch = Batch.for_sequences(self, seqs, chunk=chunk)
+        batch.admit(seqs)
+        yield seqs
+        while batch.active():
+            batch.step()
+            yield seqs
+
+    def sequences(self, prompts, options, tokenizer=None) -> list["Sequence"]:
+        if isinstance(options, SamplingOptions):
+            options = [options] * len(prompts)
+        if len(options) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(options)} SamplingOptions")
+        from mesh_transformer.generate.batching import Sequence
+        return [Sequence(p, o, self.config.seq, tokenizer) for p, o in zip(prompts, options)]
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+

@@ -1,0 +1,393 @@
+"""The layers every family is built from: matmul, norms, rotary and ALiBi positions, attention, MLPs,
+vocab-parallel embedding and head.
+
+Nothing here names a device: each parameter is made by `parallel.param` / `parallel.weight` with
+its logical axes, and comes back as the shard this device computes with. Row-parallel layers
+return a `RowParallel` (partial sum over 'mp', bias), so a block adds its biases once, after the
+one reduction it does (`reduce_mp`).
+
+Shape letters: B batch, T time (new tokens), S cache slots (keys), D d_model, N query heads,
+K key/value heads, G query heads per kv head, H head dim, F d_ff, V (local) vocabulary.
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Optional
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+
+from mesh_transformer import parallel
+
+
+def normal(std: float) -> hk.initializers.Initializer:
+    return hk.initializers.RandomNormal(stddev=std)
+
+
+ZEROS, ONES = hk.initializers.Constant(0.0), hk.initializers.Constant(1.0)
+
+
+def dense(equation: str, x, w, dtype=None):
+    """x [..., *inputs] times a weight [*inputs, *outputs] -> [..., *outputs]: one 2-d matmul
+    accumulating in float32, the result in `dtype` (default x's).
+
+    `equation` names the axes ("btd,dnh->btnh") and is checked: x's last axes are the weight's
+    first ones. The weight may be a `parallel.InputsLast` one (decoding), stored [*outputs, *inputs].
+    Why 2-d: with several contracted axes XLA may transpose the weight on every call. Why a float32
+    result: with bfloat16 operands XLA:CPU runs the matmul natively only when asked for one.
+    """
+    lhs, rest = equation.split(",")
+    w_axes, out = rest.split("->")
+    n_in = len(set(lhs) & set(w_axes))
+    if lhs[len(lhs) - n_in:] != w_axes[:n_in] or out != lhs[:len(lhs) - n_in] + w_axes[n_in:]:
+        raise ValueError(f"dense({equation!r}): expected x [..., *inputs] and a weight [*inputs, *outputs]")
+    batch = x.shape[:x.ndim - n_in]
+    x = x.reshape(*batch, -1)
+    if isinstance(w, parallel.InputsLast):
+        outputs = w.array.shape[:-n_in]
+        y = jnp.einsum("...k,ok->...o", x, w.array.reshape(math.prod(outputs), -1), preferred_element_type=jnp.float32)
+    else:
+        outputs = w.shape[n_in:]
+        y = jnp.einsum("...k,ko->...o", x, w.reshape(-1, math.prod(outputs)), preferred_element_type=jnp.float32)
+    return y.reshape(*batch, *outputs).astype(dtype or x.dtype)
+
+
+class RowParallel(NamedTuple):
+    """A row-parallel layer's output: this shard's partial sum [B, T, D] and the bias to add once (or None)."""
+
+    partial: jax.Array
+    bias: Optional[jax.Array] = None
+
+
+def reduce_mp(*outputs: RowParallel):
+    """Sum row-parallel outputs over the mp shards with one all-reduce, then add their biases once."""
+    total = parallel.psum_mp(sum(o.partial for o in outputs))
+    for o in outputs:
+        if o.bias is not None:
+            total = total + o.bias
+    return total
+
+
+# --------------------------------------------------------------------------------------------
+# Norms
+# --------------------------------------------------------------------------------------------
+
+class LayerNorm(hk.Module):
+    """LayerNorm over D, in float32 (Ba et al. 2016)."""
+
+    def __init__(self, d: int, eps: float, name: str):
+        super().__init__(name=name)
+        self.d, self.eps = d, eps
+
+    def __call__(self, x):  # [B, T, D] -> [B, T, D]
+        dtype, x = x.dtype, x.astype(jnp.float32)
+        scale = parallel.param("scale", (self.d,), ("embed",), ONES)
+        offset = parallel.param("offset", (self.d,), ("embed",), ZEROS)
+        mean = jnp.mean(x, -1, keepdims=True)
+        var = jnp.mean(jnp.square(x - mean), -1, keepdims=True)
+        return ((x - mean) * jax.lax.rsqrt(var + self.eps) * scale + offset).astype(dtype)
+
+
+class RMSNorm(hk.Module):
+    """RMSNorm over D, in float32 (Zhang & Sennrich 2019): x / rms(x) * scale."""
+
+    def __init__(self, d: int, eps: float, name: str):
+        super().__init__(name=name)
+        self.d, self.eps = d, eps
+
+    def __call__(self, x):  # [B, T, D] -> [B, T, D]
+        dtype, x = x.dtype, x.astype(jnp.float32)
+        scale = parallel.param("scale", (self.d,), ("embed",), ONES)
+        x = x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + self.eps)
+        return (x * scale).astype(dtype)
+
+
+def norm(kind: str, d: int, eps: float, name: str) -> hk.Module:
+    return {"layernorm": LayerNorm, "rmsnorm": RMSNorm}[kind](d, eps, name)
+
+
+# --------------------------------------------------------------------------------------------
+# Positions: rotary (interleaved or rotate-half pairing, partial, scaled) and ALiBi
+# --------------------------------------------------------------------------------------------
+
+class Rotary(NamedTuple):
+    """Rotary position embedding (Su et al. 2021) on the first `dims` features of each head.
+
+    pairing "interleaved": features (2i, 2i+1) rotate together (GPT-J, mesh-transformer-jax);
+    "half": features (i, i + dims/2) (GPT-NeoX, LLaMA). `scaling`: HF's rope_scaling dict
+    ({"rope_type": "linear" | "llama3", ...}) or None.
+    """
+
+    dims: int
+    pairing: str = "interleaved"
+    theta: float = 10000.0
+    scaling: Optional[tuple] = None  # sorted (key, value) pairs of HF's rope_scaling dict
+
+    def inv_freq(self):
+        """[dims/2] float32 angular frequencies, after any scaling."""
+        inv_freq = 1.0 / (self.theta ** (jnp.arange(0, self.dims, 2, dtype=jnp.float32) / self.dims))
+        scaling = dict(self.scaling or ())
+        kind = scaling.get("rope_type", scaling.get("type"))
+        if kind == "linear":
+            return inv_freq / scaling["factor"]
+        if kind == "llama3":
+            return _llama3_inv_freq(inv_freq, scaling)
+        return inv_freq
+
+    def __call__(self, x, positions):
+        """x [B, T, N, H], positions [B, T] (int) -> x with its first `dims` features rotated."""
+        angles = positions.astype(jnp.float32)[..., None] * self.inv_freq()  # [B, T, R/2]
+        if self.pairing == "interleaved":
+            sin = jnp.repeat(jnp.sin(angles), 2, axis=-1)[:, :, None, :]  # [B, T, 1, R]
+            cos = jnp.repeat(jnp.cos(angles), 2, axis=-1)[:, :, None, :]
+        else:
+            sin = jnp.tile(jnp.sin(angles), 2)[:, :, None, :]
+            cos = jnp.tile(jnp.cos(angles), 2)[:, :, None, :]
+        x_rot, x_pass = x[..., :self.dims].astype(jnp.float32), x[..., self.dims:]
+        x_rot = x_rot * cos + _rotated(x_rot, self.pairing) * sin
+        return jnp.concatenate([x_rot.astype(x.dtype), x_pass], axis=-1)
+
+
+def _rotated(x, pairing: str):
+    """The 90-degree rotation of each feature pair: (a, b) -> (-b, a)."""
+    if pairing == "interleaved":
+        pairs = x.reshape(*x.shape[:-1], x.shape[-1] // 2, 2)
+        return jnp.stack([-pairs[..., 1], pairs[..., 0]], axis=-1).reshape(x.shape)
+    first, second = jnp.split(x, 2, axis=-1)
+    return jnp.concatenate([-second, first], axis=-1)
+
+
+def _llama3_inv_freq(inv_freq, s: dict):
+    """Llama 3.1's frequency-dependent scaling: long wavelengths / factor, short ones kept, a smooth
+    blend between (HF `_compute_llama3_parameters`)."""
+    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    context = s["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = jnp.where(wavelen > context / low, inv_freq / factor, inv_freq)
+    smooth = (context / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= context / high) & (wavelen <= context / low)
+    return jnp.where(medium, blended, scaled)
+
+
+def alibi_slopes(n_heads: int):
+    """ALiBi's per-head slopes (Press et al. 2022): a geometric sequence, interleaved for n not a power of 2."""
+    def powers(n):
+        start = 2.0 ** (-(2.0 ** -(math.log2(n) - 3)))
+        return [start ** (i + 1) for i in range(n)]
+    if math.log2(n_heads).is_integer():
+        return jnp.asarray(powers(n_heads), jnp.float32)
+    closest = 2 ** math.floor(math.log2(n_heads))
+    return jnp.asarray(powers(closest) + powers(2 * closest)[0::2][: n_heads - closest], jnp.float32)
+
+
+# --------------------------------------------------------------------------------------------
+# Attention
+# --------------------------------------------------------------------------------------------
+
+class AttentionSpec(NamedTuple):
+    """What a family's attention is: sizes, positions, biases."""
+
+    d_model: int
+    n_heads: int
+    kv_heads: int
+    head_dim: int
+    rotary: Optional[Rotary] = None
+    alibi: bool = False
+    qkv_bias: bool = False
+    out_bias: bool = False
+    init_std: float = 0.02
+    out_std: float = 0.02
+
+
+class Context(NamedTuple):
+    """What every layer of one forward pass shares.
+
+    positions [B, T] of the new tokens; mask [B, 1, 1, T, S] (True = may attend);
+    key_positions [B, S] (ALiBi); slot_index: the cache slot the T new tokens go to (None: no cache).
+    """
+
+    positions: jax.Array
+    mask: jax.Array
+    key_positions: jax.Array
+    slot_index: Optional[jax.Array] = None
+
+
+class Attention(hk.Module):
+    """Causal multi-head attention with grouped-query keys/values.
+
+    Column-parallel q/k/v (query heads and, when they split, kv heads over 'mp'), row-parallel
+    out_proj. When kv heads do not split over mp (fewer than mp), every shard holds all of
+    k_proj/v_proj and computes only the kv head its query heads share (see parallel/rules.py).
+    """
+
+    def __init__(self, spec: AttentionSpec, name: str = "attn"):
+        super().__init__(name=name)
+        self.spec = spec
+
+    def __call__(self, h, ctx: Context, cache=None):
+        """h [B, T, D], cache (k [B, K, H, S], v [B, K, S, H]) or None.
+
+        Returns (RowParallel out [B, T, D], updated (k, v) or None).
+        """
+        s = self.spec
+        d, n, kv, hd, dt = s.d_model, s.n_heads, s.kv_heads, s.head_dim, h.dtype
+        q = self._project(h, "q", (d, n, hd), ("embed", "heads", "head_dim"))
+        k = self._project(h, "k", (d, kv, hd), ("embed", "kv_heads", "head_dim"), kv_group=n // kv, n_local=q.shape[2])
+        v = self._project(h, "v", (d, kv, hd), ("embed", "kv_heads", "head_dim"), kv_group=n // kv, n_local=q.shape[2])
+        if s.rotary is not None:
+            q, k = s.rotary(q, ctx.positions), s.rotary(k, ctx.positions)
+        k, v = jnp.transpose(k, (0, 2, 3, 1)), jnp.swapaxes(v, 1, 2)  # [B, K, H, T], [B, K, T, H] as cached
+        if cache is not None:
+            cache_k, cache_v = cache
+            k = jax.lax.dynamic_update_slice_in_dim(cache_k, k.astype(cache_k.dtype), ctx.slot_index, 3)
+            v = jax.lax.dynamic_update_slice_in_dim(cache_v, v.astype(cache_v.dtype), ctx.slot_index, 2)
+            cache = (k, v)
+        out = self._attend(q, k, v, ctx)  # [B, T, N, H]
+        w_out = parallel.weight("out_proj", (n, hd, d), ("heads", "head_dim", "embed"), 2, normal(s.out_std), dt)
+        bias = parallel.param("out_bias", (d,), ("embed",), ZEROS, dt) if s.out_bias else None
+        return RowParallel(dense("btnh,nhd->btd", out, w_out), bias), cache
+
+    def _project(self, h, which: str, shape, axes, kv_group: int = 1, n_local: Optional[int] = None):
+        """h [B, T, D] -> [B, T, heads here, H] (q, k or v); for replicated kv heads, only this shard's one."""
+        w = parallel.weight(f"{which}_proj", shape, axes, 1, normal(self.spec.init_std), h.dtype)
+        b = parallel.param(f"{which}_bias", shape[1:], axes[1:], ZEROS, h.dtype) if self.spec.qkv_bias else None
+        heads_here = (w.array.shape[0] if isinstance(w, parallel.InputsLast) else w.shape[1])
+        if n_local is not None and heads_here * kv_group > n_local:  # kv heads replicated over mp
+            head = (parallel.mp_index() * n_local) // kv_group
+            w = _one_head(w, head)
+            b = None if b is None else jax.lax.dynamic_slice_in_dim(b, head, 1, axis=0)
+        x = dense("btd,dnh->btnh", h, w)
+        return x if b is None else x + b
+
+    def _attend(self, q, k, v, ctx: Context):
+        """q [B, T, N, H], k [B, K, H, S], v [B, K, S, H] -> [B, T, N, H] (softmax in float32)."""
+        b, t, n, hd = q.shape
+        kv = k.shape[1]
+        q = q.reshape(b, t, kv, n // kv, hd).astype(k.dtype)
+        scores = jnp.einsum("btkgh,bkhs->bkgts", q, k, preferred_element_type=jnp.float32) / jnp.sqrt(jnp.float32(hd))
+        if self.spec.alibi:
+            scores = scores + self._alibi(kv, n // kv, ctx)
+        scores = jnp.where(ctx.mask, scores, jnp.finfo(jnp.float32).min)
+        weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+        out = jnp.einsum("bkgts,bksh->btkgh", weights, v, preferred_element_type=jnp.float32)
+        return out.reshape(b, t, n, hd).astype(q.dtype)
+
+    def _alibi(self, kv: int, group: int, ctx: Context):
+        """[B, K, G, T, S] bias: -slope * distance from each query back to each key."""
+        n_local = kv * group
+        slopes = jnp.take(alibi_slopes(self.spec.n_heads), parallel.mp_index() * n_local + jnp.arange(n_local))
+        distance = ctx.key_positions[:, None, :] - ctx.positions[:, :, None]  # [B, T, S], <= 0 where attended
+        return slopes.reshape(1, kv, group, 1, 1) * distance[:, None, None].astype(jnp.float32)
+
+
+def _one_head(w, head):
+    """The weight [D, K, H] (or inputs-last [K, H, D]) of kv head `head` alone: [D, 1, H]."""
+    if isinstance(w, parallel.InputsLast):
+        return parallel.InputsLast(jax.lax.dynamic_slice_in_dim(w.array, head, 1, axis=0), w.inputs)
+    return jax.lax.dynamic_slice_in_dim(w, head, 1, axis=1)
+
+
+# --------------------------------------------------------------------------------------------
+# MLPs
+# --------------------------------------------------------------------------------------------
+
+ACTIVATIONS = {
+    "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),  # tanh approximation (GPT-2, GPT-J)
+    "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+    "gelu": lambda x: jax.nn.gelu(x, approximate=False),  # erf (GPT-NeoX / Pythia)
+    "relu": jax.nn.relu,  # OPT
+    "silu": jax.nn.silu,  # SwiGLU's gate (LLaMA)
+}
+
+
+class MLPSpec(NamedTuple):
+    d_model: int
+    d_ff: int
+    activation: str = "gelu_new"
+    gated: bool = False  # SwiGLU: fc_out(act(gate(h)) * fc_in(h))
+    bias: bool = True
+    init_std: float = 0.02
+    out_std: float = 0.02
+
+
+class MLP(hk.Module):
+    """fc_in -> activation -> fc_out (or gated, SwiGLU); F is split over 'mp' (column- then row-parallel)."""
+
+    def __init__(self, spec: MLPSpec, name: str = "mlp"):
+        super().__init__(name=name)
+        self.spec = spec
+
+    def __call__(self, h) -> RowParallel:
+        """h [B, T, D] -> RowParallel([B, T, D] partial over mp, fc_out bias [D] or None)."""
+        s, dt = self.spec, h.dtype
+        x = self._in("fc_in", h)
+        x = ACTIVATIONS[s.activation](self._in("gate", h)) * x if s.gated else ACTIVATIONS[s.activation](x)
+        w_out = parallel.weight("fc_out", (s.d_ff, s.d_model), ("mlp", "embed"), 1, normal(s.out_std), dt)
+        bias = parallel.param("fc_out_bias", (s.d_model,), ("embed",), ZEROS, dt) if s.bias else None
+        return RowParallel(dense("btf,fd->btd", x.astype(dt), w_out), bias)
+
+    def _in(self, name: str, h):
+        s = self.spec
+        x = dense("btd,df->btf", h, parallel.weight(name, (s.d_model, s.d_ff), ("embed", "mlp"), 1, normal(s.init_std), h.dtype))
+        return x + parallel.param(f"{name}_bias", (s.d_ff,), ("mlp",), ZEROS, h.dtype) if s.bias else x
+
+
+# --------------------------------------------------------------------------------------------
+# Embedding and head (vocab-parallel)
+# --------------------------------------------------------------------------------------------
+
+class Embedding(hk.Module):
+    """Vocab-parallel token embedding (each mp shard holds V/mp rows) and, tied, the output projection."""
+
+    def __init__(self, padded_vocab: int, width: int, init_std: float = 0.02, width_axis: str = "embed",
+                 name: str = "embed"):
+        """`width_axis`: "embed" (d_model wide) or "embed_proj" (OPT's narrower word_embed_proj_dim)."""
+        super().__init__(name=name)
+        self.padded_vocab, self.width, self.init_std, self.width_axis = padded_vocab, width, init_std, width_axis
+
+    def _table(self, dtype):
+        return parallel.param("embeddings", (self.padded_vocab, self.width), ("vocab", self.width_axis),
+                              normal(self.init_std), dtype, decay=True)
+
+    def __call__(self, tokens, dtype):  # [B, T] -> [B, T, width]
+        table = self._table(dtype)
+        local_vocab = table.shape[0]
+        local_ids = tokens - parallel.mp_index() * local_vocab
+        here = (local_ids >= 0) & (local_ids < local_vocab)
+        x = jnp.take(table, jnp.clip(local_ids, 0, local_vocab - 1), axis=0)
+        return parallel.psum_mp(jnp.where(here[..., None], x, 0))
+
+    def positions(self, positions, seq: int, d: int, dtype, offset: int = 0, init_std: float = 0.01):
+        """Learned absolute position embeddings [B, T, D] (GPT-2; OPT keeps `offset` = 2 rows before position 0)."""
+        table = parallel.param("pos_embeddings", (seq + offset, d), ("seq", "embed"), normal(init_std), dtype, decay=True)
+        return jnp.take(table, positions + offset, axis=0)
+
+    def attend(self, x, n_vocab: int):
+        """Tied output projection: x [B, T, width] -> local logits [B, T, V/mp] (float32), padding -inf."""
+        table = self._table(x.dtype)
+        return jnp.einsum("btd,vd->btv", x, table, preferred_element_type=jnp.float32) + vocab_padding(table.shape[0], n_vocab)
+
+
+def vocab_padding(local_vocab: int, n_vocab: int):
+    """[V/mp] float32: 0 for real vocabulary entries of this shard, -inf for padding."""
+    vocab_ids = parallel.mp_index() * local_vocab + jnp.arange(local_vocab)
+    return jnp.where(vocab_ids < n_vocab, 0.0, -jnp.inf).astype(jnp.float32)
+
+
+class LMHead(hk.Module):
+    """Untied vocab-parallel output projection (with an optional bias); padded vocabulary entries get -inf."""
+
+    def __init__(self, d: int, padded_vocab: int, n_vocab: int, bias: bool, name: str = "head"):
+        super().__init__(name=name)
+        self.d, self.padded_vocab, self.n_vocab, self.bias = d, padded_vocab, n_vocab, bias
+
+    def __call__(self, x):  # [B, T, D] -> local logits [B, T, V/mp] (float32)
+        w = parallel.weight("lm_head", (self.d, self.padded_vocab), ("embed", "vocab"), 1, normal(0.02), x.dtype)
+        logits = dense("btd,dv->btv", x, w, jnp.float32)
+        local_vocab = logits.shape[-1]
+        if self.bias:  # padding folded into the bias: cheaper than masking [B, T, V] logits
+            b = parallel.param("lm_head_bias", (self.padded_vocab,), ("vocab",), ZEROS)
+            return logits + jnp.where(jnp.isfinite(vocab_padding(local_vocab, self.n_vocab)), b, -jnp.inf)
+        return logits + vocab_padding(local_vocab, self.n_vocab)

@@ -1,0 +1,210 @@
+"""Every model family against its reference implementation, HF transformers (torch, fp32).
+
+Random tiny models (tests/helpers.py FAMILY_CASES) at initializer_range 0.2, so attention and
+activations are far from their near-linear regime; the measured float32 error of our logits is
+1-4e-6 on logits of magnitude ~4, hence TOL. Each case: logits on one device and on dp2 x mp4,
+export -> `from_pretrained` bit-identical, greedy generation token for token, the compiled
+forward's all-reduce count (one per layer with a parallel residual, two with a sequential one).
+"""
+from __future__ import annotations
+
+import json
+import re
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from mesh_transformer import models
+from mesh_transformer.config import ConfigError, config_from_dict
+from mesh_transformer.generate import Generator, SamplingOptions
+from mesh_transformer.io import hf
+from mesh_transformer.train.step import Trainer
+from tests.helpers import FAMILY_CASES, config_for, hf_greedy, hf_logits, make_hf_model, mesh, random_tokens
+
+TOL = 1e-5  # 3-10x the measured float32 error
+FAMILY_OF = {"gptj": "gptj", "gpt_neox": "gpt_neox", "gpt_neox_sequential": "gpt_neox", "qwen2": "llama",
+             "llama_gqa2_llama3_rope": "llama", "llama_mqa_tied_bias_linear_rope": "llama", "gpt2": "gpt2",
+             "opt_projected": "opt", "opt_post_norm": "opt"}
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILY_CASES))
+def case(request, tmp_path_factory):
+    """(name, HF directory, torch model, our config, our float32 params) of one family case."""
+    path = tmp_path_factory.mktemp(request.param)
+    torch_model = make_hf_model(path, request.param)
+    config, params = hf.load_hf(path, compute_dtype="float32", remat="none")
+    return request.param, path, torch_model, config, params
+
+
+def test_import_picks_the_family(case):
+    name, _, _, config, _ = case
+    assert config.family == FAMILY_OF[name]
+
+
+def test_logits_match_hf(case):
+    _, _, torch_model, config, params = case
+    tokens = random_tokens((2, 13), config.n_vocab, seed=1)
+    ours = np.asarray(jax.jit(models.build(config).apply)(params, tokens)[0])
+    np.testing.assert_allclose(ours[..., :config.n_vocab], hf_logits(torch_model, tokens), atol=TOL, rtol=0)
+    assert np.all(np.isneginf(ours[..., config.n_vocab:]))  # padded vocabulary is never chosen
+
+
+def test_sharded_logits_match_hf(case):
+    """dp2 x mp4: vocabularies not divisible by 4, kv heads split (2, 4) or replicated (1)."""
+    _, _, torch_model, config, params = case
+    trainer = Trainer(config_for(config, cores_per_replica=4), mesh(2, 4))
+    state = trainer.state_from_params(hf.pad_vocab(params, config, config.padded_vocab(4)))
+    tokens = random_tokens((4, 11), config.n_vocab, seed=2)
+    np.testing.assert_allclose(np.asarray(trainer.logits(state.params, tokens)), hf_logits(torch_model, tokens),
+                               atol=TOL, rtol=0)
+
+
+def test_export_loads_in_transformers_with_identical_logits(case, tmp_path):
+    from transformers import AutoModelForCausalLM
+    _, _, torch_model, config, params = case
+    hf.save_hf(params, config, tmp_path / "out", max_shard_bytes=30_000)  # several shards + an index
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert type(reloaded).__name__ == type(torch_model).__name__ or config.family == "llama"
+    tokens = random_tokens((2, 9), config.n_vocab, seed=3)
+    np.testing.assert_array_equal(hf_logits(reloaded, tokens), hf_logits(torch_model, tokens))
+
+
+def test_greedy_generation_matches_hf(case):
+    _, _, torch_model, config, params = case
+    gen = Generator(config, params, mesh(1, 1))
+    prompts = [random_tokens((1, n), config.n_vocab, seed=n)[0].tolist() for n in (3, 7)]
+    outs = gen.generate(prompts, SamplingOptions(max_new_tokens=8, temperature=0))
+    for prompt, out in zip(prompts, outs):
+        assert out.tokens == hf_greedy(torch_model, prompt, 8)
+
+
+def _all_reduces_per_layer(trainer) -> int:
+    tokens = jax.ShapeDtypeStruct((2, 16), np.int32, sharding=NamedSharding(trainer.mesh, P("dp", None)))
+    hlo = trainer.logits.lower(trainer.abstract_state.params, tokens).compile().as_text()
+    name = re.search(r"\bwhile\(.*?body=(%[\w.\-]+)", hlo).group(1)  # the scanned layer stack
+    body = hlo[hlo.index(f"\n{name} "):hlo.find("\n}\n", hlo.index(f"\n{name} "))]
+    return len([line for line in body.splitlines() if re.search(r"= \S+ all-reduce(-start)?\(", line)])
+
+
+def test_all_reduces_per_layer(case):
+    """Parallel residual (GPT-J, NeoX's default): attention and MLP share one; sequential: two."""
+    _, _, _, config, _ = case
+    trainer = Trainer(config_for(config, cores_per_replica=4), mesh(1, 4))
+    parallel_residual = config.family == "gptj" or (config.family == "gpt_neox" and config.parallel_residual)
+    assert _all_reduces_per_layer(trainer) == (1 if parallel_residual else 2)
+
+
+# --------------------------------------------------------------------------------------------
+# GQA layout, configs, planner counts
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kv, mp, split", [(2, 4, False), (4, 4, True), (1, 8, False), (8, 2, True)])
+def test_kv_heads_split_or_replicate_and_size_the_cache(kv, mp, split):
+    config = config_from_dict(dict(family="llama", layers=1, d_model=64, n_heads=8, n_kv_heads=kv, n_vocab=300,
+                                   seq=16, d_ff=96, compute_dtype="float32")).model
+    model = models.build(config, mp)
+    spec = model.param_specs(model.rules(False, mp))["llama/layers/attn"]["k_proj"]
+    assert spec == P(None, None, "mp" if split else None, None)
+    assert config.kv_split(mp) == split and config.cache_heads(mp) == (kv if split else mp)
+
+
+def test_kv_heads_that_neither_split_nor_divide_mp_are_a_config_error():
+    config = config_from_dict(dict(family="llama", layers=1, d_model=96, n_heads=12, n_kv_heads=3, n_vocab=300,
+                                   seq=16, cores_per_replica=4))
+    with pytest.raises(ConfigError, match="config key 'n_kv_heads': 3 kv heads neither split over nor divide"):
+        Trainer(config, mesh(1, 4))
+
+
+def test_unsupported_model_type_names_the_supported_ones(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "t5"}))
+    with pytest.raises(ConfigError, match=r"model_type 't5' is not supported \(supported: gpt2, gpt_neox, gptj, llama"):
+        hf.load_hf(tmp_path)
+
+
+@pytest.mark.parametrize("shipped", ["llama3_8b", "pythia_6.9b", "gpt2_xl", "6B_roto_256"])
+def test_planner_param_count_equals_hf(shipped):
+    """n_params of each shipped config equals HF's count of the same model, built on the meta device."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from mesh_transformer.config import load_config
+    config = load_config(f"configs/{shipped}.json").model
+    with torch.device("meta"):
+        reference = AutoModelForCausalLM.from_config(_as_hf_config(config))
+    assert config.n_params() == reference.num_parameters()
+
+
+def _as_hf_config(config):
+    from transformers import AutoConfig
+    hf_config = config.to_hf_config()
+    return AutoConfig.for_model(hf_config.pop("model_type"), **hf_config)
+
+
+# --------------------------------------------------------------------------------------------
+# Training: every family splits over every layout the same way, and restores onto another mesh
+# --------------------------------------------------------------------------------------------
+
+TRAIN_BASE = dict(layers=2, d_model=64, n_heads=8, n_vocab=250, seq=16, d_ff=96, compute_dtype="float32",
+                  remat="full", lr=1e-2, warmup_steps=0, anneal_steps=10, total_steps=10, weight_decay=0.1)
+TRAIN_CASES = {
+    "gptj": dict(family="gptj", pe_rotary_dims=4),
+    "gpt_neox": dict(family="gpt_neox", parallel_residual=False, rotary_pct=0.5),
+    "llama": dict(family="llama", n_kv_heads=2, tie_embeddings=True, qkv_bias=True),
+    "gpt2": dict(family="gpt2"),
+    "opt": dict(family="opt", word_embed_proj_dim=32, pre_norm=False),
+    "llama_alibi": dict(family="llama", pe="alibi"),
+}
+ACCUM, BATCH = 2, 8
+
+
+def _trainer(family: str, dp: int, mp: int, zero: bool) -> Trainer:
+    raw = {**TRAIN_BASE, **TRAIN_CASES[family], "per_replica_batch": BATCH // dp,
+           "gradient_accumulation_steps": ACCUM, "cores_per_replica": mp, "zero": zero}
+    return Trainer(config_from_dict(raw), mesh(dp, mp))
+
+
+@pytest.fixture(scope="module", params=sorted(TRAIN_CASES))
+def reference(request):
+    trainer = _trainer(request.param, 1, 1, False)
+    state = trainer.init_state(0)
+    batch = {"tokens": random_tokens((ACCUM, BATCH, 17), 250)}
+    loss, grads = trainer.loss_and_grads(state.params, trainer.shard_batch(batch))
+    return request.param, jax.device_get(state.params), batch, float(loss), jax.device_get(grads)
+
+
+@pytest.mark.parametrize("dp,mp,zero", [(8, 1, True), (1, 8, False), (2, 4, True)], ids=["dp8-zero", "mp8", "dp2xmp4-zero"])
+def test_loss_and_grads_match_single_device(reference, dp, mp, zero):
+    from tests.helpers import max_abs_diff
+    family, params, batch, loss, grads = reference
+    trainer = _trainer(family, dp, mp, zero)
+    state = trainer.state_from_params(params)
+    ours_loss, ours_grads = trainer.loss_and_grads(state.params, trainer.shard_batch(batch))
+    assert abs(float(ours_loss) - loss) < 1e-5
+    assert max_abs_diff(jax.device_get(ours_grads), grads) < 2e-6
+
+
+def test_steps_match_single_device_and_restore_onto_another_mesh(reference, tmp_path):
+    """3 AdamW steps (lr 1e-2, weight decay 0.1: each moves weights by up to 3e-2) on dp2 x mp4 with
+    ZeRO equal one device's; the checkpoint then restores onto dp1 x mp2 with the same logits."""
+    from mesh_transformer.io.checkpoint import CheckpointManager
+    from tests.helpers import max_abs_diff
+    family, params, batch, _, _ = reference
+    results = []
+    for dp, mp, zero in [(1, 1, False), (2, 4, True)]:
+        trainer = _trainer(family, dp, mp, zero)
+        state = trainer.state_from_params(params)
+        for _ in range(3):
+            state, _ = trainer.step(state, trainer.shard_batch(batch))
+        results.append((trainer, state))
+    (_, single), (sharded_trainer, sharded) = results
+    assert max_abs_diff(jax.device_get(single.params), jax.device_get(sharded.params)) < 2e-6
+    with CheckpointManager(str(tmp_path), config=sharded_trainer.config, async_save=False) as ckpt:
+        ckpt.save(3, sharded, wait=True)
+    other = _trainer(family, 1, 2, False)
+    restored, _ = CheckpointManager(str(tmp_path), read_only=True).restore(
+        abstract_state=other.abstract_state, target_shardings=other.state_shardings)
+    tokens = random_tokens((2, 16), 250, seed=9)
+    np.testing.assert_allclose(np.asarray(other.logits(restored.params, tokens)),
+                               np.asarray(sharded_trainer.logits(sharded.params, tokens)), atol=1e-5)
