@@ -10,7 +10,7 @@ import argparse
 import sys
 
 from mesh_transformer import cli, loading
-from mesh_transformer.generate import Generator, SamplingOptions
+from mesh_transformer.generate import SamplingOptions
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -62,7 +62,7 @@ def main(argv=None):
         model = loading.from_args(args)
     if status.code:
         return status.code
-    gen = Generator(model.config, model.params, model.mesh, matvec=True)  # one prompt at a time
+    gen = model.generator(matvec=True)  # one prompt at a time; the weights held once
     options = options_from_args(args, model.tokenizer)
     for text in prompts(args):
         [seq] = gen.sequences([model.tokenizer.encode(text)], options, model.tokenizer)

@@ -9,7 +9,6 @@ import logging
 import sys
 
 from mesh_transformer import cli, loading, serve
-from mesh_transformer.generate import Generator
 
 
 def main(argv=None):
@@ -37,7 +36,7 @@ def main(argv=None):
         model = loading.from_args(args)
     if status.code:
         return status.code
-    engine = serve.Engine(Generator(model.config, model.params, model.mesh), model.tokenizer,
+    engine = serve.Engine(model.generator(), model.tokenizer,
                           max_batch=args.max_batch, slots=args.slots, chunk=args.chunk, max_queue=args.max_queue)
     if args.warmup is not None:
         engine.warmup(args.warmup or (16,))

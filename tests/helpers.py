@@ -161,3 +161,14 @@ def hf_greedy(model, prompt: list[int], new: int) -> list[int]:
     out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                          do_sample=False, max_new_tokens=new, min_new_tokens=new, pad_token_id=0)
     return out[0, len(prompt):].tolist()
+
+
+PARITY_TOL = 1e-5  # 3-10x the measured float32 error of our logits against HF's (tests/test_families.py)
+
+
+def parity_error(config, params, torch_model, seed: int = 1) -> float:
+    """Max |our logits - HF's| on random tokens (traced afresh, so code patched in memory is used)."""
+    from mesh_transformer import models
+    tokens = random_tokens((2, 13), config.n_vocab, seed=seed)
+    ours = jax.jit(lambda p, t: models.build(config).apply(p, t)[0])(params, tokens)
+    return float(np.max(np.abs(np.asarray(ours)[..., :config.n_vocab] - hf_logits(torch_model, tokens))))

@@ -84,14 +84,21 @@ class LlamaConfig(ModelConfig):
                    **overrides)
 
     def to_hf_config(self) -> dict:
-        if self.pe != "rotary" or self.qkv_bias != self.out_bias:
-            raise ConfigError("only pe='rotary' LLaMA models with qkv_bias == out_bias export to HF LlamaForCausalLM")
-        return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": self.d_model,
-                "num_attention_heads": self.n_heads, "num_key_value_heads": self.kv_heads, "head_dim": self.head_dim,
-                "num_hidden_layers": self.layers, "intermediate_size": self.ff_dim, "vocab_size": self.n_vocab,
-                "max_position_embeddings": self.seq, "rope_theta": self.rope_theta, "rope_scaling": self.rope_scaling,
-                "attention_bias": self.qkv_bias, "mlp_bias": self.mlp_bias, "hidden_act": "silu",
-                "rms_norm_eps": self.layer_norm_eps, "tie_word_embeddings": self.tie_embeddings}
+        """LlamaForCausalLM, or Qwen2ForCausalLM for q/k/v biases without an o_proj bias."""
+        qwen2 = self.qkv_bias and not self.out_bias
+        qwen2_shape = not self.mlp_bias and self.head_dim * self.n_heads == self.d_model
+        if self.pe != "rotary" or (self.out_bias and not self.qkv_bias) or (qwen2 and not qwen2_shape):
+            raise ConfigError("only pe='rotary' LLaMA models with q/k/v biases wherever o_proj has one (and Qwen2-style "
+                              "models without MLP biases, with n_heads * d_head == d_model) export to HF")
+        out = {"architectures": ["Qwen2ForCausalLM" if qwen2 else "LlamaForCausalLM"],
+               "model_type": "qwen2" if qwen2 else "llama", "hidden_size": self.d_model,
+               "num_attention_heads": self.n_heads, "num_key_value_heads": self.kv_heads,
+               "num_hidden_layers": self.layers, "intermediate_size": self.ff_dim, "vocab_size": self.n_vocab,
+               "max_position_embeddings": self.seq, "rope_theta": self.rope_theta, "rope_scaling": self.rope_scaling,
+               "hidden_act": "silu", "rms_norm_eps": self.layer_norm_eps, "tie_word_embeddings": self.tie_embeddings}
+        if qwen2:
+            return {**out, "use_sliding_window": False}
+        return {**out, "head_dim": self.head_dim, "attention_bias": self.qkv_bias, "mlp_bias": self.mlp_bias}
 
 
 def block(c: LlamaConfig, x, ctx, cache=None):

@@ -1,0 +1,78 @@
+"""The parity tests would catch the bugs a user would otherwise report: each mutation below patches
+one detail of the model in memory, and the same check `test_families.test_logits_match_hf` makes
+(`helpers.parity_error` < PARITY_TOL) must then fail — by far, not by luck."""
+from __future__ import annotations
+
+import importlib
+
+import pytest
+
+from mesh_transformer.io import hf
+from mesh_transformer.models import FAMILIES
+from mesh_transformer.models import layers
+from tests.helpers import PARITY_TOL, make_hf_model, parity_error
+
+_rotated, _project, _reduce = layers._rotated, layers.Attention._project, layers.reduce_mp
+_rotary_call, _ln_init, _rms_init = layers.Rotary.__call__, layers.LayerNorm.__init__, layers.RMSNorm.__init__
+
+
+def erf_gelu(mp):
+    mp.setitem(layers.ACTIVATIONS, "gelu_new", layers.ACTIVATIONS["gelu"])
+
+
+def other_rotary_pairing(mp):
+    mp.setattr(layers, "_rotated", lambda x, pairing: _rotated(x, "half" if pairing == "interleaved" else "interleaved"))
+
+
+def rotary_on_half_the_dims(mp):
+    mp.setattr(layers.Rotary, "__call__", lambda self, x, pos: _rotary_call(self._replace(dims=self.dims // 2), x, pos))
+
+
+def q_and_k_swapped(mp):
+    swap = {"q": "k", "k": "q"}
+    mp.setattr(layers.Attention, "_project", lambda self, h, which, *a, **k: _project(self, h, swap.get(which, which), *a, **k))
+
+
+def row_parallel_bias_dropped(mp):
+    for family in FAMILIES:  # each family's block calls reduce_mp by its own name
+        mp.setattr(importlib.import_module(f"mesh_transformer.models.{family}"), "reduce_mp",
+                   lambda *outs: _reduce(*(o._replace(bias=None) for o in outs)))
+
+
+def norm_epsilon_times_10(mp):
+    mp.setattr(layers.LayerNorm, "__init__", lambda self, d, eps, name: _ln_init(self, d, eps * 10, name))
+    mp.setattr(layers.RMSNorm, "__init__", lambda self, d, eps, name: _rms_init(self, d, eps * 10, name))
+
+
+MUTATIONS = [  # (mutation, the family case it must break)
+    (erf_gelu, "gptj"), (erf_gelu, "gpt2"),
+    (other_rotary_pairing, "gptj"), (other_rotary_pairing, "llama_gqa2_llama3_rope"),
+    (rotary_on_half_the_dims, "gptj"), (rotary_on_half_the_dims, "gpt_neox_sequential"),
+    (q_and_k_swapped, "gptj"), (q_and_k_swapped, "opt_projected"),
+    (row_parallel_bias_dropped, "gptj"), (row_parallel_bias_dropped, "gpt2"),
+    (norm_epsilon_times_10, "gptj"), (norm_epsilon_times_10, "llama_gqa2_llama3_rope"),
+]
+
+
+@pytest.fixture(scope="module")
+def cases(tmp_path_factory):
+    made = {}
+
+    def get(name):
+        if name not in made:
+            path = tmp_path_factory.mktemp(name)
+            torch_model = make_hf_model(path, name)
+            config, params = hf.load_hf(path, compute_dtype="float32", remat="none")
+            assert parity_error(config, params, torch_model) < PARITY_TOL  # unpatched: passes
+            made[name] = (config, params, torch_model)
+        return made[name]
+    return get
+
+
+@pytest.mark.parametrize("mutate, case", MUTATIONS, ids=[f"{m.__name__}-{c}" for m, c in MUTATIONS])
+def test_parity_check_fails_on_mutation(cases, mutate, case, monkeypatch):
+    config, params, torch_model = cases(case)
+    with monkeypatch.context() as mp:
+        mutate(mp)
+        error = parity_error(config, params, torch_model)
+    assert error > 10 * PARITY_TOL, f"{mutate.__name__} on {case} changed the logits by only {error:.2e}"
