@@ -189,10 +189,11 @@ class Generator:
         dtype, out = jnp.dtype(self.config.compute_dtype), {}
         for module, leaves in params.items():
             for name, x in leaves.items():
-                info = self.model.infos[module][name]
+                info, made = self.model.infos[module][name], []
                 for new, i in unstacked_modules(module, self.config.layers):
-                    out.setdefault(new, {})[name] = self._convert(x if i is None else x[i], info, dtype)
-                if donate and isinstance(x, jax.Array) and not x.is_deleted():
+                    made.append(self._convert(x if i is None else x[i], info, dtype))
+                    out.setdefault(new, {})[name] = made[-1]
+                if donate and isinstance(x, jax.Array) and not any(m is x for m in made):  # x may be kept as is
                     x.delete()
         return out
 
