@@ -6,7 +6,8 @@
 
 Writes config.json and safetensors shards (plus the checkpoint's tokenizer files), converting one
 tensor at a time: from our checkpoints host memory holds the parameters once plus one output shard;
-from v1 checkpoints (any shard count, slim or full) it holds about two copies of the largest tensor.
+from v1 checkpoints (any shard count, slim or full) one tensor, or one shard's part of it, at a time
+(bench/v1_convert.py: 4-7% of the checkpoint's size).
 --config is required for v1 checkpoints (the original's flag), ignored for ours, which carry their own.
 """
 import argparse

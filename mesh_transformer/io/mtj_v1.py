@@ -21,7 +21,8 @@ we) define it: it is added to every row of the embedding table.
 Memory: pieces are read member by member (one leaf of one shard at a time); each leaf is built in
 the target dtype and goes to the mesh (or the output file) as soon as it is whole, so the host holds
 the leaf being built plus one shard's part of it, never the model. Layer-stacked leaves are written
-into their device buffers one layer at a time. Optimizer moments are read only when asked for.
+into their device buffers one layer at a time, vocabulary-sized ones one shard's part at a time (and
+so is the HF export wherever a part is a block of rows). Optimizer moments are read only when asked for.
 """
 from __future__ import annotations
 
