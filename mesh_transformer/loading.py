@@ -4,7 +4,8 @@
     model = loading.from_args(parser.parse_args())   # LoadedModel(config, params, tokenizer, mesh)
 
 Sources: `--ckpt PATH` (our orbax checkpoint directory, local or gs://, config saved inside;
-`--config` overrides it) or `--hf PATH` (a Hugging Face model directory of any supported family). The tokenizer comes from
+`--config` overrides it; or a mesh-transformer-jax v1 step or model directory, which needs
+`--config`) or `--hf PATH` (a Hugging Face model directory of any supported family). The tokenizer comes from
 `--tokenizer` if given, else from the weights' directory when tokenizer files were saved beside the
 weights, else the bundled GPT-2 BPE. Parameters are placed on a ('dp', 'mp') mesh by the
 MEGATRON table, ready for `generate.Generator`.
@@ -12,8 +13,10 @@ MEGATRON table, ready for `generate.Generator`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
+import tempfile
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -70,6 +73,11 @@ def load(ckpt: Optional[str] = None, hf: Optional[str] = None, config: Optional[
     """Exactly one of `ckpt` / `hf`; see the module docstring."""
     if (ckpt is None) == (hf is None):
         raise ConfigError("give exactly one of --ckpt (a training checkpoint) or --hf (a Hugging Face directory)")
+    if ckpt is not None:
+        from mesh_transformer.io import mtj_v1
+        step_dir = mtj_v1.find(ckpt)
+        if step_dir is not None:  # the original's format: the model's shape comes from --config alone
+            return _load_v1(ckpt, step_dir, config, tokenizer, mp, dp, dtype)
     override = load_config(config) if config else None
     if hf is not None:
         return _load_hf(hf, override, tokenizer, mp, dp, dtype)
@@ -112,18 +120,58 @@ def _load_ckpt(path, override: Optional[Config], tokenizer, mp, dp, dtype) -> Lo
     model.check_mesh(mesh.shape, zero=False)
     shardings = parallel.named(mesh, model.param_specs(model.rules(False, mesh.shape[parallel.MP])))
     params = manager.restore_params(abstract_params=model.abstract_params, target_shardings=shardings)
-    local = None if "://" in str(path) else path
-    return LoadedModel(config, params, resolve_tokenizer(tokenizer, local, config), mesh, _name(path))
+    return LoadedModel(config, params, resolve_tokenizer(tokenizer, path, config), mesh, _name(path))
 
 
-def resolve_tokenizer(spec: Optional[str], weights_dir: Optional[str], config: ModelConfig):
-    """`spec`, else tokenizer files in `weights_dir`, else GPT-2 BPE; checked against the vocabulary."""
+def _load_v1(path, step_dir, config_path, tokenizer, mp, dp, dtype) -> LoadedModel:
+    """A mesh-transformer-jax v1 checkpoint, in the compute dtype, streamed onto the mesh leaf by leaf."""
+    from mesh_transformer.io import mtj_v1
+
+    full = mtj_v1.load_config(config_path, path)
+    config = full.model if dtype is None else dataclasses.replace(full.model, compute_dtype=dtype)
+    mesh = _mesh(mp, dp, full.train.cores_per_replica)
+    models.build(config, mesh.shape[parallel.MP]).check_mesh(mesh.shape, zero=False)
+    params = mtj_v1.load_params(mtj_v1.V1Checkpoint(step_dir, config), mesh, dtype=config.compute_dtype)
+    return LoadedModel(config, params, resolve_tokenizer(tokenizer, mtj_v1.tokenizer_dirs(step_dir), config),
+                       mesh, _name(path))
+
+
+def resolve_tokenizer(spec: Optional[str], weights_dir, config: ModelConfig):
+    """`spec`, else tokenizer files in `weights_dir` (local or gs://; or the first of a list of
+    directories that has some), else GPT-2 BPE; checked against the vocabulary."""
     from mesh_transformer.io.tokenizer import load_tokenizer
 
-    if spec is None and weights_dir is not None and any(
-            os.path.exists(os.path.join(weights_dir, f)) for f in TOKENIZER_FILES):
-        spec = str(weights_dir)
-    tok = load_tokenizer(spec or "gpt2")
+    if spec is None and weights_dir is not None:
+        dirs = [weights_dir] if isinstance(weights_dir, (str, os.PathLike)) else list(weights_dir)
+        beside = next((str(d) for d in dirs if _tokenizer_files(str(d))), None)
+        if beside is not None:
+            with _local_tokenizer_dir(beside) as local:
+                tok = load_tokenizer(local)
+            return _check_vocab(tok, beside, config)
+    return _check_vocab(load_tokenizer(spec or "gpt2"), spec or "gpt2", config)
+
+
+def _tokenizer_files(directory: str) -> list[str]:
+    from mesh_transformer.io import storage
+    return [f for f in TOKENIZER_FILES if storage.exists(storage.join(directory, f))]
+
+
+@contextlib.contextmanager
+def _local_tokenizer_dir(directory: str):
+    """`directory`, or a temporary local copy of its tokenizer files when it is on gs://."""
+    from mesh_transformer.io import storage
+
+    if not storage.is_gcs(directory):
+        yield directory
+        return
+    with tempfile.TemporaryDirectory(prefix="mesh-transformer-tokenizer-") as tmp:
+        for name in _tokenizer_files(directory):
+            with open(os.path.join(tmp, name), "wb") as f:
+                f.write(storage.read_bytes(storage.join(directory, name)))
+        yield tmp
+
+
+def _check_vocab(tok, spec: str, config: ModelConfig):
     if len(tok) > config.n_vocab:
         raise ConfigError(f"tokenizer {spec or 'gpt2'!r} has {len(tok)} tokens but the model's vocabulary "
                           f"(n_vocab) is {config.n_vocab}; pass the matching --tokenizer")

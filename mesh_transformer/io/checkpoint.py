@@ -188,11 +188,13 @@ class CheckpointManager:
         step = self._resolve(step)
         self._check_meta(step, check_config)
         target = _with_shardings(abstract_params, target_shardings)
-        wanted = {f"params.{k}": v for k, v in _flatten(target).items()}
-        self._check_shapes(step, wanted, _flatten(self._saved_tree(step)), subset=True)
-        params = self._read(step, **{STATE: _pytree_restore({"params": target}, partial=True)})[STATE]["params"]
+        saved = _flatten(self._saved_tree(step))
+        as_saved = _saved_float_dtypes(target, saved, "params.")  # e.g. bf16 params written by slim_model.py
+        wanted = {f"params.{k}": v for k, v in _flatten(as_saved).items()}
+        self._check_shapes(step, wanted, saved, subset=True)
+        params = self._read(step, **{STATE: _pytree_restore({"params": as_saved}, partial=True)})[STATE]["params"]
         self._check_fingerprints(step, {"params": params})
-        return params
+        return jax.tree.map(lambda x, t: x if x.dtype == t.dtype else x.astype(t.dtype), params, target)
 
     def holds_optimizer_state(self, step: Optional[int] = None) -> bool:
         """Whether `step` is a whole train state, not only parameters (as weight imports write)."""
@@ -399,6 +401,18 @@ def _flatten(tree) -> dict[str, Any]:
 
 def _shape_dtype(x) -> tuple:
     return tuple(x.shape), np.dtype(x.dtype)
+
+
+def _saved_float_dtypes(target, saved: Mapping[str, Any], prefix: str):
+    """`target` with each floating leaf's dtype replaced by the saved one (read as saved, cast afterwards,
+    so fingerprints compare what was written)."""
+    def as_saved(path, t):
+        got = saved.get(prefix + ".".join(_key_name(k) for k in path))
+        if got is None or np.dtype(got.dtype) == np.dtype(t.dtype) or not (
+                jnp.issubdtype(got.dtype, jnp.floating) and jnp.issubdtype(t.dtype, jnp.floating)):
+            return t
+        return jax.ShapeDtypeStruct(t.shape, got.dtype, sharding=t.sharding)
+    return jax.tree_util.tree_map_with_path(as_saved, target)
 
 
 def _pytree_restore(target, partial: bool = False):

@@ -6,7 +6,8 @@
 Start-up picks the first that applies:
   1. `model_dir` holds a complete checkpoint  -> resume it (params, optimizer, step, data position);
   2. `--tune-model-path CKPT` or `--hf DIR`   -> fine-tune from those weights with a fresh LR
-     schedule (step 0); the optimizer state comes along from our checkpoints unless `--fresh-opt`;
+     schedule (step 0); the optimizer state comes along from our checkpoints and from full
+     mesh-transformer-jax v1 ones (Adam moments) unless `--fresh-opt`;
   3. otherwise                                -> random initialisation.
 """
 from __future__ import annotations
@@ -146,6 +147,11 @@ class TrainHost:
             _check_same_architecture(hf_config, self.config, o.hf)
             return tr.state_from_params(params), {}
         if o.tune_model_path:
+            from mesh_transformer.io import mtj_v1
+            v1_dir = mtj_v1.find(o.tune_model_path)
+            if v1_dir is not None:  # the original's format: a full one carries its Adam moments over
+                v1 = mtj_v1.V1Checkpoint(v1_dir, self.config.model)
+                return mtj_v1.train_state(v1, tr, moments=v1.full and not o.fresh_opt), {}
             source = CheckpointManager(o.tune_model_path, read_only=True)
             if o.fresh_opt or not source.holds_optimizer_state():  # from_hf_weights.py writes params only
                 params = source.restore_params(abstract_params=tr.abstract_state.params,
