@@ -16,17 +16,16 @@ import time
 import jax
 import numpy as np
 import pytest
+import ray
 
-ray = pytest.importorskip("ray")
-
-import train as train_cli  # noqa: E402
-from mesh_transformer.train import cluster  # noqa: E402
-from mesh_transformer.io.checkpoint import CheckpointManager  # noqa: E402
-from mesh_transformer.config import config_from_dict  # noqa: E402
-from mesh_transformer.train.metrics import read_metrics  # noqa: E402
-from mesh_transformer.train.loop import RunOptions, TrainRun  # noqa: E402
-from mesh_transformer.train.step import Trainer  # noqa: E402
-from tests.helpers import max_abs_diff, mesh  # noqa: E402
+import train as train_cli
+from mesh_transformer.train import cluster
+from mesh_transformer.io.checkpoint import CheckpointManager
+from mesh_transformer.config import config_from_dict
+from mesh_transformer.train.metrics import read_metrics
+from mesh_transformer.train.loop import RunOptions, TrainRun
+from mesh_transformer.train.step import Trainer
+from tests.helpers import max_abs_diff, mesh
 
 SEQ, VOCAB, STEPS = 32, 256, 8
 # Across processes the all-reduces run over gloo, in another order than in one process: float32
