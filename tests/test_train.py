@@ -111,8 +111,8 @@ def flat(tree) -> dict:
 
 
 # Every optimizer key away from its default, so a key that does not reach optax shows up in the update.
-ADAMW = dict(lr=2e-2, end_lr=5e-3, warmup_steps=2, anneal_steps=4, b1=0.5, b2=0.8, eps=1e-4, weight_decay=0.3,
-             z_loss=1e-3, per_replica_batch=2)
+ADAMW = {"lr": 2e-2, "end_lr": 5e-3, "warmup_steps": 2, "anneal_steps": 4, "b1": 0.5, "b2": 0.8, "eps": 1e-4,
+         "weight_decay": 0.3, "z_loss": 1e-3, "per_replica_batch": 2}
 MATRICES = {"gptj/embed/embeddings", "gptj/head/lm_head", "gptj/layers/attn/q_proj", "gptj/layers/attn/k_proj",
             "gptj/layers/attn/v_proj", "gptj/layers/attn/out_proj", "gptj/layers/mlp/fc_in", "gptj/layers/mlp/fc_out"}
 
