@@ -287,8 +287,9 @@ def read_tensorboard_scalars(directory) -> dict:
 def test_tensorboard_plot_and_sample_outputs(dataset, tmp_path):
     """TensorBoard events hold what metrics.jsonl holds; --plot writes a real PNG; --sample prints the
     completions the final weights give in-process with the same options."""
-    import matplotlib.image
     import struct
+
+    import matplotlib.image
 
     config = write_config(tmp_path, dataset, total_steps=4, ckpt_every=4, val_every=2)
     prompts = ["Snow had fallen", "The old man"]
