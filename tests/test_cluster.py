@@ -233,7 +233,8 @@ def test_pack_batch_is_lossless_and_small():
 
 def test_fine_tunes_start_from_the_weights_and_moments_asked_for(two_hosts, data, tmp_path):
     """train.py's --hf and --tune-model-path (RunOptions, as its flags set them) on 2 hosts: step 1's loss
-    is the torch model's on the first batch; a tune from the 8-step run continues its Adam moments."""
+    is the torch model's on the first batch; a tune from the 8-step run continues its Adam moments, or
+    starts new ones with --fresh-opt."""
     import optax
     import torch
 
@@ -254,12 +255,17 @@ def test_fine_tunes_start_from_the_weights_and_moments_asked_for(two_hosts, data
     [row] = read_metrics(tmp_path / "hf-logs" / "metrics.jsonl")
     assert row["train/loss"] == pytest.approx(torch_loss, rel=1e-5)
 
-    # Restored optimizer state: mu = b1 mu_8 + (1 - b1) g, nu likewise, Adam's count 9, with g the (clipped)
-    # gradient of the step-8 weights on the first batch.
+    # Restored optimizer state: mu = b1 mu_8 + (1 - b1) g, nu likewise, Adam's count 9; with fresh_opt (--fresh-opt)
+    # mu = (1 - b1) g, count 1; g is the (clipped) gradient of the step-8 weights on the first batch.
     source = two_hosts["config"]
-    config = make_config(data, tmp_path / "tune-ckpt", total_steps=1, warmup_steps=0, ckpt_every=1, val_every=0)
-    run = RunOptions(log_dir=str(tmp_path / "tune-logs"), tensorboard=False, tune_model_path=source.train.model_dir)
-    cluster.ClusterRun(config, options(tmp_path, run=run)).train()
+    tuned = {}
+    for fresh in (False, True):
+        model_dir = tmp_path / f"tune-{fresh}"
+        config = make_config(data, model_dir, total_steps=1, warmup_steps=0, ckpt_every=1, val_every=0)
+        run = RunOptions(log_dir=str(tmp_path / f"logs-{fresh}"), tensorboard=False,
+                         tune_model_path=source.train.model_dir, fresh_opt=fresh)
+        cluster.ClusterRun(config, options(tmp_path, run=run)).train()
+        tuned[fresh] = str(model_dir)
     trainer = Trainer(config, mesh(4, 2))
 
     def restored(model_dir):
@@ -267,14 +273,18 @@ def test_fine_tunes_start_from_the_weights_and_moments_asked_for(two_hosts, data
             abstract_state=trainer.abstract_state, target_shardings=trainer.state_shardings)
         return state
 
-    start, tuned = restored(source.train.model_dir), restored(str(tmp_path / "tune-ckpt"))
+    start = restored(source.train.model_dir)
     _, grads = trainer.loss_and_grads(start.params, trainer.shard_batch({"tokens": first_batch[None]}))
     grads = jax.device_get(grads)
     scale = min(1.0, config.train.clip_norm / float(optax.tree.norm(grads)))
-    assert int(optax.tree_utils.tree_get(tuned.opt_state, "count")) == STEPS + 1
     b1, b2 = config.train.b1, config.train.b2
-    for name in ("mu", "nu"):
-        ours, before = (jax.device_get(optax.tree_utils.tree_get(s.opt_state, name)) for s in (tuned, start))
-        for o, m, g in zip(jax.tree.leaves(ours), jax.tree.leaves(before), jax.tree.leaves(grads)):
-            expected = b1 * m + (1 - b1) * scale * g if name == "mu" else b2 * m + (1 - b2) * (scale * g) ** 2
-            np.testing.assert_allclose(o, expected, rtol=1e-4, atol=1e-6 * np.abs(expected).max())
+    for fresh, count in ((False, STEPS + 1), (True, 1)):
+        state = restored(tuned[fresh])
+        assert int(optax.tree_utils.tree_get(state.opt_state, "count")) == count
+        keep = 0.0 if fresh else 1.0
+        for name in ("mu", "nu"):
+            ours, before = (jax.device_get(optax.tree_utils.tree_get(s.opt_state, name)) for s in (state, start))
+            for o, m, g in zip(jax.tree.leaves(ours), jax.tree.leaves(before), jax.tree.leaves(grads)):
+                expected = (keep * b1 * m + (1 - b1) * scale * g if name == "mu"
+                            else keep * b2 * m + (1 - b2) * (scale * g) ** 2)
+                np.testing.assert_allclose(o, expected, rtol=1e-4, atol=1e-6 * np.abs(expected).max())
