@@ -339,3 +339,54 @@ def test_killed_save_leaves_previous_checkpoint_gcs(gcs_bucket):
     assert left and "killed/step_2/commit_success.txt" not in left  # partly written, never committed
     _check_previous_survives(directory)
     assert "killed/step_2/commit_success.txt" in _blobs(f"{directory}/step_2/")
+
+
+_RETAINER = """
+import sys, jax, numpy as np
+from mesh_transformer.io.checkpoint import CheckpointManager
+directory, n = sys.argv[1], int(sys.argv[2])
+ckpt = CheckpointManager(directory, keep_last=2)
+for step in range(1, 7):
+    w = np.full((8, n), step, np.float32)
+    ckpt.save(step, {"params": {"w": jax.device_put(w)}}, {"step": step}, wait=True)
+    print("saved", step, flush=True)
+"""
+
+
+def test_retention_deletes_old_steps_only_after_the_new_one_commits(tmp_path):
+    """keep_last=2 over 6 saves, watched from outside: the newest complete step never goes back and there
+    are never fewer than 2 complete ones once 2 were saved; SIGKILLed as soon as step 4 is committed (before
+    step 2 is pruned, or while it is), every step a restart lists restores, and its next save prunes."""
+    directory = str(tmp_path / "run")
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    child = subprocess.Popen([sys.executable, "-c", _RETAINER, directory, "400000"], env=env,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    newest, snapshots = 0, 0
+    try:
+        deadline = time.time() + 300
+        while child.poll() is None and time.time() < deadline:
+            names = os.listdir(directory) if os.path.isdir(directory) else []
+            complete = sorted(int(n[5:]) for n in names if n.startswith("step_") and n[5:].isdigit())
+            if complete:
+                assert complete[-1] >= newest, (names, newest)
+                assert len(complete) >= min(2, complete[-1]), names
+                newest, snapshots = complete[-1], snapshots + 1
+            if newest >= 4:
+                os.kill(child.pid, signal.SIGKILL)
+                break
+        child.wait()
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    assert newest == 4 and child.returncode == -signal.SIGKILL and snapshots > 1
+    target = {"params": {"w": jax.ShapeDtypeStruct((8, 400_000), np.float32,
+                                                   sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0]))}}
+    ckpt = CheckpointManager(directory, keep_last=2)
+    steps = ckpt.all_steps()
+    assert steps[-2:] == [3, 4] and set(steps) <= {2, 3, 4}
+    for step in steps:
+        state, extras = ckpt.restore(step, abstract_state=target)
+        assert extras == {"step": step} and float(np.asarray(state["params"]["w"]).min()) == step
+    ckpt.save(5, {"params": {"w": jax.device_put(np.full((8, 16), 5, np.float32))}}, wait=True)
+    assert ckpt.all_steps() == [4, 5]

@@ -16,17 +16,16 @@ import time
 import jax
 import numpy as np
 import pytest
+import ray
 
-ray = pytest.importorskip("ray")
-
-import train as train_cli  # noqa: E402
-from mesh_transformer.train import cluster  # noqa: E402
-from mesh_transformer.io.checkpoint import CheckpointManager  # noqa: E402
-from mesh_transformer.config import config_from_dict  # noqa: E402
-from mesh_transformer.train.metrics import read_metrics  # noqa: E402
-from mesh_transformer.train.loop import RunOptions, TrainRun  # noqa: E402
-from mesh_transformer.train.step import Trainer  # noqa: E402
-from tests.helpers import max_abs_diff, mesh  # noqa: E402
+import train as train_cli
+from mesh_transformer.train import cluster
+from mesh_transformer.io.checkpoint import CheckpointManager
+from mesh_transformer.config import config_from_dict
+from mesh_transformer.train.metrics import read_metrics
+from mesh_transformer.train.loop import RunOptions, TrainRun
+from mesh_transformer.train.step import Trainer
+from tests.helpers import max_abs_diff, mesh
 
 SEQ, VOCAB, STEPS = 32, 256, 8
 # Across processes the all-reduces run over gloo, in another order than in one process: float32
@@ -230,3 +229,62 @@ def test_pack_batch_is_lossless_and_small():
         assert back["tokens"].dtype == np.int32 and back["mask"].dtype == np.float32
     weights = mask * 0.5  # not 0/1: kept as float32
     assert cluster.pack_batch({"tokens": tokens, "mask": weights}, seq=32)["mask"].dtype == np.float32
+
+
+def test_fine_tunes_start_from_the_weights_and_moments_asked_for(two_hosts, data, tmp_path):
+    """train.py's --hf and --tune-model-path (RunOptions, as its flags set them) on 2 hosts: step 1's loss
+    is the torch model's on the first batch; a tune from the 8-step run continues its Adam moments, or
+    starts new ones with --fresh-opt."""
+    import optax
+    import torch
+
+    from mesh_transformer.data import Dataset, Loader
+    from tests.helpers import make_hf_gptj
+
+    first_batch = Loader(Dataset.open(data["train"]), 8, 0).batch_at(0)["tokens"].reshape(-1, SEQ + 1)
+    torch_model = make_hf_gptj(tmp_path / "hf", vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, rotary_dim=8,
+                               n_positions=64, initializer_range=0.2)
+    with torch.no_grad():
+        tokens = torch.tensor(first_batch, dtype=torch.long)
+        logits = torch_model(tokens[:, :-1]).logits.double()
+        torch_loss = float(torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1)))
+    assert abs(torch_loss - np.log(VOCAB)) > 0.5  # not what a random init would give
+    config = make_config(data, tmp_path / "hf-ckpt", total_steps=1, warmup_steps=0, ckpt_every=1, val_every=0)
+    run = RunOptions(log_dir=str(tmp_path / "hf-logs"), tensorboard=False, hf=str(tmp_path / "hf"))
+    cluster.ClusterRun(config, options(tmp_path, run=run)).train()
+    [row] = read_metrics(tmp_path / "hf-logs" / "metrics.jsonl")
+    assert row["train/loss"] == pytest.approx(torch_loss, rel=1e-5)
+
+    # Restored optimizer state: mu = b1 mu_8 + (1 - b1) g, nu likewise, Adam's count 9; with fresh_opt (--fresh-opt)
+    # mu = (1 - b1) g, count 1; g is the (clipped) gradient of the step-8 weights on the first batch.
+    source = two_hosts["config"]
+    tuned = {}
+    for fresh in (False, True):
+        model_dir = tmp_path / f"tune-{fresh}"
+        config = make_config(data, model_dir, total_steps=1, warmup_steps=0, ckpt_every=1, val_every=0)
+        run = RunOptions(log_dir=str(tmp_path / f"logs-{fresh}"), tensorboard=False,
+                         tune_model_path=source.train.model_dir, fresh_opt=fresh)
+        cluster.ClusterRun(config, options(tmp_path, run=run)).train()
+        tuned[fresh] = str(model_dir)
+    trainer = Trainer(config, mesh(4, 2))
+
+    def restored(model_dir):
+        state, _ = CheckpointManager(model_dir, read_only=True).restore(
+            abstract_state=trainer.abstract_state, target_shardings=trainer.state_shardings)
+        return state
+
+    start = restored(source.train.model_dir)
+    _, grads = trainer.loss_and_grads(start.params, trainer.shard_batch({"tokens": first_batch[None]}))
+    grads = jax.device_get(grads)
+    scale = min(1.0, config.train.clip_norm / float(optax.tree.norm(grads)))
+    b1, b2 = config.train.b1, config.train.b2
+    for fresh, count in ((False, STEPS + 1), (True, 1)):
+        state = restored(tuned[fresh])
+        assert int(optax.tree_utils.tree_get(state.opt_state, "count")) == count
+        keep = 0.0 if fresh else 1.0
+        for name in ("mu", "nu"):
+            ours, before = (jax.device_get(optax.tree_utils.tree_get(s.opt_state, name)) for s in (state, start))
+            for o, m, g in zip(jax.tree.leaves(ours), jax.tree.leaves(before), jax.tree.leaves(grads)):
+                expected = (keep * b1 * m + (1 - b1) * scale * g if name == "mu"
+                            else keep * b2 * m + (1 - b2) * (scale * g) ** 2)
+                np.testing.assert_allclose(o, expected, rtol=1e-4, atol=1e-6 * np.abs(expected).max())

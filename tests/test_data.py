@@ -253,3 +253,130 @@ def test_gcs_round_trip(tok, tmp_path, gcs_bucket):
     batch = next(Loader(remote, 2, seed=0))
     assert batch["tokens"].shape == (1, 2, SEQ + 1)
     assert len(os.listdir(tmp_path / "cache")) == len(remote.index["shards"])  # cached, keyed by sha256
+
+
+# ----------------------------------------------------------------------------- the dataset tool's other options
+
+def original_wikitext_detokenizer(string):
+    """The original create_finetune_tfrecords.py's function, transcribed (the oracle)."""
+    import re
+    string = string.replace("s '", "s'")
+    string = re.sub(r"/' [0-9]/", r"/'[0-9]/", string)
+    for a, b in ((" @-@ ", "-"), (" @,@ ", ","), (" @.@ ", "."), (" : ", ": "), (" ; ", "; "), (" . ", ". "),
+                 (" ! ", "! "), (" ? ", "? "), (" , ", ", ")):
+        string = string.replace(a, b)
+    string = re.sub(r"\(\s*([^\)]*?)\s*\)", r"(\1)", string)
+    string = re.sub(r"\[\s*([^\]]*?)\s*\]", r"[\1]", string)
+    string = re.sub(r"{\s*([^}]*?)\s*}", r"{\1}", string)
+    string = re.sub(r"\"\s*([^\"]*?)\s*\"", r'"\1"', string)
+    string = re.sub(r"'\s*([^']*?)\s*'", r"'\1'", string)
+    for a, b in (("= = = =", "===="), ("= = =", "==="), ("= =", "=="), (" " + chr(176) + " ", chr(176)),
+                 (" \n", "\n"), ("\n ", "\n"), (" N ", " 1 "), (" 's", "'s")):
+        string = string.replace(a, b)
+    return string
+
+
+WIKITEXT = (" = = Valkyria Chronicles III = = \n Senjō no Valkyria 3 : Unrecorded Chronicles ( Japanese : 戦場のヴァルキュリア3 ) , "
+            "commonly referred to as Valkyria Chronicles III outside Japan , is a tactical role @-@ playing game . "
+            "It sold 1 @,@ 000 copies at 3 @.@ 5 dollars ; the players ' favourite \" war story \" ! "
+            "Temperatures near 20 ° C . The team 's N [ note ] { x } ' quoted ' ? \n")
+MOJIBAKE = "The cafÃ© served crÃ¨me brÃ»lÃ©e â€” â€œgreatâ€\x9d, said ï¬\x81ve people."
+
+
+@pytest.mark.parametrize("option, text, normalize", [
+    ("normalize_with_wikitext_detokenize", WIKITEXT, original_wikitext_detokenizer),
+    ("normalize_with_ftfy", MOJIBAKE, None),
+])
+def test_normalization_options_change_the_text_as_the_original_did(tok, tmp_path, option, text, normalize):
+    import ftfy
+    normalize = normalize or (lambda s: ftfy.fix_text(s, normalization="NFKC"))
+    (tmp_path / "in.txt").write_text(text * 3, encoding="utf-8")
+    plain = build(tmp_path / "in.txt", tmp_path / "plain", seq=8)
+    fixed = build(tmp_path / "in.txt", tmp_path / "fixed", seq=8, **{option: True})
+    want = stream(tok, [normalize(text * 3)])
+    assert all_rows(fixed)[0].ravel().tolist() == want[: len(want) // 9 * 9]
+    assert normalize(text) != text and all_rows(plain)[0].ravel().tolist() != all_rows(fixed)[0].ravel().tolist()
+
+
+def test_create_finetune_dataset_cli_flags_reach_the_build(tok, tmp_path):
+    """--normalize-with-ftfy, --normalize-with-wikitext-detokenize and --min-unique-tokens through the CLI."""
+    (tmp_path / "in.txt").write_text(WIKITEXT + MOJIBAKE + "<|endoftext|>" + "na " * 60, encoding="utf-8")
+    out = tmp_path / "out"
+    assert create_finetune_dataset.main([str(tmp_path / "in.txt"), "ds", "--output-dir", str(out), "--seq", "8",
+                                         "--normalize-with-ftfy", "--normalize-with-wikitext-detokenize",
+                                         "--min-unique-tokens", "3", "--preserve-data-order"]) == 0
+    import ftfy
+    docs = [original_wikitext_detokenizer(ftfy.fix_text(WIKITEXT + MOJIBAKE, normalization="NFKC")), "na " * 60]
+    want = np.array(stream(tok, docs)[: len(stream(tok, docs)) // 9 * 9]).reshape(-1, 9)
+    kept = want[[len(set(r)) >= 3 for r in want.tolist()]]
+    ds = Dataset.open(str(out / "ds.index.json"))
+    assert len(kept) < len(want) and ds.index["stats"]["sequences_below_min_unique"] == len(want) - len(kept)
+    np.testing.assert_array_equal(all_rows(ds)[0], kept)
+
+
+@pytest.mark.parametrize("suffix, compress", [(".xz", "lzma"), (".bz2", "bz2")])
+def test_xz_and_bz2_inputs(tok, tmp_path, suffix, compress):
+    import importlib
+    module = importlib.import_module(compress)
+    (tmp_path / f"a.jsonl{suffix}").write_bytes(module.compress(
+        "".join(json.dumps({"text": d}) + "\n" for d in DOCS).encode()))
+    (tmp_path / f"b.txt{suffix}").write_bytes(module.compress(DOCS[0].encode()))
+    ds = build(tmp_path, tmp_path / "out")
+    want = stream(tok, DOCS + DOCS[:1])
+    assert all_rows(ds)[0].ravel().tolist() == want[: len(want) // (SEQ + 1) * (SEQ + 1)]
+    assert ds.index["stats"]["files"] == 2
+
+
+@pytest.fixture(scope="module")
+def big_vocab_tokenizer(tmp_path_factory):
+    """A word-level HF tokenizer with 70,000 entries (over uint16's 65,536), saved as a directory."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<|endoftext|>": 0, **{f"w{i}": i for i in range(1, 70_000)}}
+    word_level = Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>"))
+    word_level.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    path = tmp_path_factory.mktemp("big-vocab")
+    PreTrainedTokenizerFast(tokenizer_object=word_level, eos_token="<|endoftext|>").save_pretrained(path)
+    return path
+
+
+def test_vocabularies_over_65536_are_stored_as_uint32(big_vocab_tokenizer, tmp_path):
+    words = [1, 65_535, 65_536, 65_537, 69_999, 12, 70_000 - 2]
+    (tmp_path / "in.txt").write_text(" ".join(f"w{i}" for i in words) * 1, encoding="utf-8")
+    ds = build(tmp_path / "in.txt", tmp_path / "out", tokenizer=str(big_vocab_tokenizer), seq=3)
+    shard = np.load(tmp_path / "out" / "ds-00000.tokens.npy")
+    assert ds.index["dtype"] == "uint32" and shard.dtype == np.uint32
+    assert all_rows(ds)[0].ravel().tolist() == (words + [0])[:8]  # ids above 65,535 kept exactly, EOS 0
+
+
+@pytest.mark.parametrize("write, message", [
+    (lambda p: p.with_name("bad.txt").write_bytes(b"fine text\n\xff\xfe broken"), "bad.txt: not valid UTF-8"),
+    (lambda p: p.with_name("trunc.jsonl.gz").write_bytes(gzip.compress(b'{"text": "a"}\n' * 50)[:40]),
+     "trunc.jsonl.gz: cannot read"),
+    (lambda p: p.with_name("x.jsonl").write_text('{"text": "ok"}\n{"text": 5}\n'), "x.jsonl line 2: field 'text' must be a string"),
+    (lambda p: p.with_name("qa.jsonl").write_text('{"in_text": "q"}\n'), "qa.jsonl line 1"),
+])
+def test_more_bad_inputs_exit_2_and_write_nothing(tmp_path, capsys, write, message):
+    write(tmp_path / "placeholder")
+    [path] = [p for p in tmp_path.iterdir()]
+    out = tmp_path / "out"
+    assert create_finetune_dataset.main([str(path), "ds", "--output-dir", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("before, after", [(4, 2), (2, 6), (4, 3)])
+def test_resume_with_another_batch_size_continues_the_stream(before, after):
+    """The README: a resumed run gets exactly the next sequences, also with another batch size."""
+    ds = synthetic(10)
+    stream_ids = np.concatenate([ids(b).ravel() for b in take(Loader(ds, 1, seed=9), 30)])
+    first = Loader(ds, before, seed=9)
+    take(first, 2)
+    state = first.state()
+    first.close()
+    resumed = take(Loader(ds, after, seed=9, state=state), 3)
+    assert all(ids(b).shape == (1, after) for b in resumed)
+    np.testing.assert_array_equal(np.concatenate([ids(b).ravel() for b in resumed]),
+                                  stream_ids[2 * before: 2 * before + 3 * after])

@@ -9,12 +9,16 @@ import time
 
 import jax
 import numpy as np
+import optax
 import pytest
 
-from mesh_transformer.io.checkpoint import CheckpointManager
+from mesh_transformer import loading
 from mesh_transformer.config import load_config
+from mesh_transformer.data import Dataset, Loader
+from mesh_transformer.generate import Generator, SamplingOptions
+from mesh_transformer.io.checkpoint import CheckpointManager
 from mesh_transformer.train.step import Trainer
-from tests.helpers import make_hf_gptj, mesh
+from tests.helpers import make_hf_gptj, max_abs_diff, mesh
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = dict(layers=2, d_model=32, n_heads=4, n_vocab=50257, seq=32, pe_rotary_dims=4, compute_dtype="float32",
@@ -47,6 +51,51 @@ def device_train(config, *args, wait=True, **kwargs):
         return proc
     out, _ = proc.communicate(timeout=600)
     return proc.returncode, out
+
+
+@pytest.fixture(scope="module")
+def hf_model(tmp_path_factory):
+    """A random HF GPT-J with the tests' shapes, initialised at 0.2 so its loss is far from ln(50257)."""
+    path = tmp_path_factory.mktemp("hf")
+    return path, make_hf_gptj(path, vocab_size=50257, n_embd=32, n_layer=2, n_head=4, rotary_dim=4, n_positions=64,
+                              initializer_range=0.2)
+
+
+def torch_first_batch_loss(config_path, torch_model) -> float:
+    """The torch model's mean next-token loss on the first batch the run's loader yields."""
+    import torch
+    config = load_config(config_path)
+    t, seq = config.train, config.model.seq
+    global_batch = t.per_replica_batch * t.tpu_size // t.cores_per_replica
+    loader = Loader(Dataset.open(t.train_set), global_batch, t.seed, accumulation=t.gradient_accumulation_steps)
+    tokens = torch.tensor(loader.batch_at(0)["tokens"][..., : seq + 1].reshape(-1, seq + 1), dtype=torch.long)
+    with torch.no_grad():
+        logits = torch_model(tokens[:, :-1]).logits
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).double(), tokens[:, 1:].reshape(-1))
+    assert abs(float(loss) - np.log(50257)) > 0.5  # a random init (loss ~ ln V) could not pass for it
+    return float(loss)
+
+
+def full_state(config_path, step):
+    config = load_config(config_path)
+    trainer = Trainer(config, mesh(1, 1))
+    state, _ = CheckpointManager(config.train.model_dir, read_only=True).restore(
+        step, abstract_state=trainer.abstract_state, target_shardings=trainer.state_shardings)
+    return jax.device_get(state)
+
+MATRICES = {"embeddings", "q_proj", "k_proj", "v_proj", "out_proj", "fc_in", "fc_out", "lm_head"}  # decayed
+
+
+def flat(tree) -> dict:
+    return {f"{m}/{n}": np.asarray(v, np.float64) for m, leaves in tree.items() for n, v in leaves.items()}
+
+
+def adam_moments(state):
+    return tuple(flat(optax.tree_utils.tree_get(state.opt_state, name)) for name in ("mu", "nu"))
+
+
+def adam_count(state) -> int:
+    return int(optax.tree_utils.tree_get(state.opt_state, "count"))
 
 
 def final_params(config_path, step=None):
@@ -130,13 +179,15 @@ def test_ctrl_c_saves_a_checkpoint(dataset, tmp_path):
     assert len(steps) == 1 and 3 <= steps[0] < 10_000 and f"interrupted: saving step {steps[0]}" in out
 
 
-def test_fine_tune_from_hf_lowers_loss(dataset, tmp_path):
-    make_hf_gptj(tmp_path / "hf", vocab_size=50257, n_embd=32, n_layer=2, n_head=4, rotary_dim=4, n_positions=64)
+def test_fine_tune_from_hf_starts_from_those_weights_and_lowers_loss(dataset, hf_model, tmp_path):
+    path, torch_model = hf_model
     config = write_config(tmp_path, dataset, total_steps=8, warmup_steps=0, lr=1e-2, val_every=8)
-    code, out = device_train(config, "--hf", str(tmp_path / "hf"))
+    code, out = device_train(config, "--hf", str(path))
     assert code == 0, out
     rows = metrics(config)
     assert rows[0]["learning_rate"] == pytest.approx(1e-2)  # fresh schedule, no warmup
+    # Step 1's loss is computed before the update: the HF model's loss on the loader's first batch.
+    assert rows[0]["train/loss"] == pytest.approx(torch_first_batch_loss(config, torch_model), rel=1e-5)
     assert rows[-1]["train/loss"] < rows[0]["train/loss"] - 1.0
     assert rows[-1]["val/loss_held_out"] < rows[0]["train/loss"]
 
@@ -147,18 +198,124 @@ def test_bad_config_is_one_clear_line(tmp_path):
     assert code == 2 and out.strip().endswith("unknown config key 'layres' (did you mean 'layers'?)"), out
 
 
-def test_fine_tune_an_imported_checkpoint_then_sample_from_it(dataset, tmp_path):
+def test_fine_tune_an_imported_checkpoint_then_sample_from_it(dataset, hf_model, tmp_path):
     """from_hf_weights.py (params only) -> device_train --tune-model-path -> device_sample.py --ckpt."""
-    make_hf_gptj(tmp_path / "hf", vocab_size=50257, n_embd=32, n_layer=2, n_head=4, rotary_dim=4, n_positions=64)
-    subprocess.run([sys.executable, "from_hf_weights.py", "--input-hf", str(tmp_path / "hf"),
+    path, torch_model = hf_model
+    subprocess.run([sys.executable, "from_hf_weights.py", "--input-hf", str(path),
                     "--output-ckpt", str(tmp_path / "imported")], cwd=ROOT, check=True, capture_output=True)
     config = write_config(tmp_path, dataset, total_steps=3, warmup_steps=0)
     code, out = device_train(config, "--tune-model-path", str(tmp_path / "imported"))
     assert code == 0 and "step 0 of 3" in out, out
+    assert metrics(config)[0]["train/loss"] == pytest.approx(torch_first_batch_loss(config, torch_model), rel=1e-5)
     assert os.path.exists(tmp_path / "ckpt" / "tokenizer.json")  # kept beside the checkpoints for the tools
     sample = subprocess.run([sys.executable, "device_sample.py", "--ckpt", str(tmp_path / "ckpt"), "--prompt",
-                             "Snow had fallen", "--temperature", "0", "--max-new-tokens", "8"],
+                             "Snow had fallen", "--temperature", "0", "--max-new-tokens", "8", "--dtype", "float32"],
                             cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert sample.returncode == 0, sample.stderr
     completion, status = sample.stdout.rstrip("\n").rsplit("\n", 1)
-    assert status == "[8 tokens, finish: length]" and completion.strip()
+    assert status == "[8 tokens, finish: length]"
+    # The same checkpoint (step 3, not the imported weights) generating in this process.
+    model = loading.load(ckpt=str(tmp_path / "ckpt"), mp=1, dp=1, dtype="float32")
+    [seq] = Generator(model.config, model.params, model.mesh).generate(
+        [model.tokenizer.encode("Snow had fallen")], SamplingOptions(max_new_tokens=8, temperature=0.0),
+        tokenizer=model.tokenizer)
+    assert len(seq.tokens) == 8 and completion == seq.text
+
+
+def test_fresh_opt_drops_exactly_the_restored_moments(uninterrupted, dataset, tmp_path):
+    """One step from the reference run's step-6 state (params + Adam moments), with and without --fresh-opt:
+    the same gradient g enters both, so mu differs by b1 x mu_6 and nu by b2 x nu_6; Adam's count restarts
+    at 1 or continues at 7, and each run's update is AdamW with its own moments."""
+    source_config, _ = uninterrupted
+    source = load_config(source_config).train.model_dir
+    states = {}
+    for fresh in (False, True):
+        run_dir = tmp_path / ("fresh" if fresh else "restored")
+        run_dir.mkdir()
+        config = write_config(run_dir, dataset, total_steps=1, warmup_steps=0, ckpt_every=1)
+        code, out = device_train(config, "--tune-model-path", source, *(["--fresh-opt"] if fresh else []))
+        assert code == 0, out
+        states[fresh] = full_state(config, 1)
+    start = full_state(source_config, 6)
+    t = load_config(source_config).train
+    (mu6, nu6), (mu_r, nu_r), (mu_f, nu_f) = (adam_moments(s) for s in (start, states[False], states[True]))
+    assert (adam_count(states[False]), adam_count(states[True])) == (7, 1)
+    for k in mu6:
+        np.testing.assert_allclose(mu_r[k] - mu_f[k], t.b1 * mu6[k], rtol=1e-5, atol=1e-6 * np.abs(mu6[k]).max(), err_msg=k)
+        np.testing.assert_allclose(nu_r[k] - nu_f[k], t.b2 * nu6[k], rtol=1e-5, atol=1e-6 * np.abs(nu6[k]).max(), err_msg=k)
+    p6 = flat(start.params)
+    for fresh, (mu, nu), count in [(False, (mu_r, nu_r), 7), (True, (mu_f, nu_f), 1)]:
+        ours = flat(states[fresh].params)
+        for k, p in p6.items():
+            update = (mu[k] / (1 - t.b1**count)) / (np.sqrt(nu[k] / (1 - t.b2**count)) + t.eps)
+            decay = t.weight_decay * p if k.rsplit("/", 1)[1] in MATRICES else 0
+            error = np.abs(ours[k] - (p - t.lr * (update + decay)))  # allowed: 1e-5 lr + float32 rounding of p
+            assert np.all(error <= 1e-5 * t.lr + 2.4e-7 * np.abs(p)), f"{k} fresh={fresh}: {error.max()}"
+    assert max_abs_diff(states[False].params, states[True].params) > 1e-4  # the moments made a difference
+
+
+def read_tensorboard_scalars(directory) -> dict:
+    """{tag: {step: value}} from every TFRecord event file under `directory`, checking each record's CRCs."""
+    import struct
+
+    from tensorboardX.crc32c import crc32c
+    from tensorboardX.proto.event_pb2 import Event
+
+    def masked(data: bytes) -> int:
+        crc = crc32c(data)
+        return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
+
+    scalars: dict = {}
+    files = glob.glob(f"{directory}/**/events.out.tfevents.*", recursive=True)
+    assert files, f"no event files under {directory}"
+    for path in files:
+        data = open(path, "rb").read()
+        at = 0
+        while at < len(data):
+            header = data[at: at + 8]
+            (length,), (header_crc,) = struct.unpack("<Q", header), struct.unpack("<I", data[at + 8: at + 12])
+            payload = data[at + 12: at + 12 + length]
+            (payload_crc,) = struct.unpack("<I", data[at + 12 + length: at + 16 + length])
+            assert header_crc == masked(header) and payload_crc == masked(payload), f"{path}: corrupt record at {at}"
+            event = Event.FromString(payload)
+            for value in event.summary.value:
+                scalars.setdefault(value.tag, {})[event.step] = value.simple_value
+            at += 16 + length
+    return scalars
+
+
+def test_tensorboard_plot_and_sample_outputs(dataset, tmp_path):
+    """TensorBoard events hold what metrics.jsonl holds; --plot writes a real PNG; --sample prints the
+    completions the final weights give in-process with the same options."""
+    import struct
+
+    import matplotlib.image
+
+    config = write_config(tmp_path, dataset, total_steps=4, ckpt_every=4, val_every=2)
+    prompts = ["Snow had fallen", "The old man"]
+    cmd = [sys.executable, "device_train.py", "--config", str(config), "--cpu-devices", "8", "--log-dir",
+           str(tmp_path / "logs"), "--plot", str(tmp_path / "loss.png"), "--sample-tokens", "12",
+           *[a for p in prompts for a in ("--sample", p)]]
+    run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    rows = metrics(config)
+    scalars = read_tensorboard_scalars(tmp_path / "logs" / "tensorboard")
+    for key in ("train/loss", "learning_rate", "grad_norm", "val/loss_held_out"):
+        logged = {r["step"]: r[key] for r in rows if key in r}
+        assert sorted(scalars[key]) == sorted(logged) and len(logged) >= 2, key
+        np.testing.assert_allclose([scalars[key][s] for s in sorted(logged)], [logged[s] for s in sorted(logged)],
+                                   rtol=1e-6)  # stored as float32
+    png = (tmp_path / "loss.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    assert struct.unpack(">II", png[16:24]) == (840, 480)  # 7 x 4 inches at 120 dpi
+    pixels = matplotlib.image.imread(tmp_path / "loss.png")
+    assert len(np.unique(pixels.reshape(-1, pixels.shape[-1]), axis=0)) > 10  # axes, curves, labels: not blank
+    assert f"loss curves: {tmp_path / 'loss.png'}" in run.stdout
+
+    model = loading.load(ckpt=str(tmp_path / "ckpt"), mp=2, dp=4, dtype="float32")
+    options = [SamplingOptions(max_new_tokens=12, temperature=0.7, top_p=0.9, seed=i,
+                               eos_token_id=model.tokenizer.eos_token_id) for i in range(len(prompts))]
+    expected = Generator(model.config, model.params, model.mesh).generate(
+        [model.tokenizer.encode(p) for p in prompts], options, tokenizer=model.tokenizer)
+    for prompt, seq in zip(prompts, expected):
+        assert f"\n>>> {prompt}{seq.text}\n" in run.stdout + "\n"

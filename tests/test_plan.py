@@ -48,6 +48,14 @@ def test_n_params_counts_the_initialised_model(overrides):
     assert m.n_params() == real
 
 
+def test_6B_flops_per_token_is_the_published_formula():
+    """PaLM (appendix B) for GPT-J-6B at seq 2048: 6 x (28 layers x (4 d^2 + 2 d d_ff) + d x 50,400) matmul
+    FLOPs plus 3 x 28 x 2 x 2 x 2048 x 4096 for attention's QK^T and AV (forward and backward)."""
+    matmul = 6 * (28 * (4 * 4096 * 4096 + 2 * 4096 * 16384) + 4096 * 50400)
+    attention = 3 * 28 * 2 * 2 * 2048 * 4096
+    assert (matmul, attention) == (35_061_497_856, 2_818_572_288)
+    assert config_from_dict(GPTJ_6B).model.flops_per_token() == matmul + attention == 37_880_070_144
+
 def test_6B_counts_hf_and_explains_the_model_card():
     m = config_from_dict(GPTJ_6B).model
     assert m.n_params() == models.build(m, 8).n_params() == HF_GPTJ_6B_PARAMS

@@ -1,4 +1,6 @@
 """The training step: schedule, optimizer, loss mask, z-loss, accumulation, and that it learns."""
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,17 +10,6 @@ from mesh_transformer.train import loss as losses
 from mesh_transformer import parallel
 from mesh_transformer.train.step import Trainer, learning_rate
 from tests.helpers import max_abs_diff, mesh, random_tokens, tiny_config
-
-
-def test_schedule_is_the_original_warmup_cosine():
-    train = tiny_config(lr=1e-3, end_lr=1e-4, warmup_steps=10, anneal_steps=100).train
-    lr = learning_rate(train)
-    assert float(lr(0)) == 0.0
-    assert float(lr(5)) == pytest.approx(5e-4)
-    assert float(lr(10)) == pytest.approx(1e-3)
-    assert float(lr(60)) == pytest.approx(1e-3 - 0.9e-3 * 0.5, rel=1e-5)  # halfway down the cosine
-    assert float(lr(110)) == pytest.approx(1e-4, rel=1e-5)
-    assert float(lr(10_000)) == pytest.approx(1e-4, rel=1e-5)
 
 
 def test_weight_decay_only_on_matrices():
@@ -75,18 +66,6 @@ def test_accumulating_k_microbatches_equals_one_big_batch():
     assert max_abs_diff(params_a, params_b) < 1e-6
 
 
-def test_clipping_and_metrics():
-    trainer = Trainer(tiny_config(clip_norm=1e-3, lr=1e-2), mesh(1, 1))
-    state = trainer.init_state(0)
-    before = jax.device_get(state.params)
-    batch = trainer.shard_batch({"tokens": random_tokens((1, 1, 17), 250)})
-    state, metrics = trainer.step(state, batch)
-    assert float(metrics["grad_norm"]) > 1e-3  # the raw norm is reported, pre-clip
-    assert float(metrics["lr"]) == pytest.approx(1e-2)
-    assert int(state.step) == 1
-    assert max_abs_diff(jax.device_get(state.params), before) > 0
-
-
 def test_tiny_model_overfits_one_batch():
     """100 steps on one fixed batch drive the loss from ~ln(250)=5.5 to under 0.5."""
     trainer = Trainer(tiny_config(lr=3e-3, per_replica_batch=4, cores_per_replica=2, remat="none",
@@ -102,13 +81,207 @@ def test_tiny_model_overfits_one_batch():
     assert float(trainer.eval_loss(state.params, batch)) < 0.5
 
 
-def test_bfloat16_compute_tracks_float32():
+# ---- the optimizer, against independent references ---------------------------------------------
+
+def original_gpt3_schedule(step, warmup_steps, anneal_steps, peak_lr, end_lr):
+    """mesh-transformer-jax `util.gpt3_schedule`, transcribed in float64."""
+    warmup_pct = np.clip(step, 0, warmup_steps) / warmup_steps
+    anneal_pct = np.clip(step - warmup_steps, 0, anneal_steps) / anneal_steps
+    return warmup_pct * peak_lr - (peak_lr - end_lr) * (1 - np.cos(np.pi * anneal_pct)) / 2
+
+
+@pytest.mark.parametrize("warmup,anneal,lr,end_lr", [(10, 100, 1e-3, 1e-4), (3000, 300_000, 1.2e-4, 1.2e-5), (1, 7, 0.5, 0.0)])
+def test_schedule_curve_is_the_originals(warmup, anneal, lr, end_lr):
+    """Warmup, the whole cosine and after it: linear decay, a shifted cosine or a missing end_lr would differ."""
+    schedule = learning_rate(tiny_config(lr=lr, end_lr=end_lr, warmup_steps=warmup, anneal_steps=anneal).train)
+    points = sorted({0, 1, warmup // 3, warmup - 1, warmup, warmup + 1, *(warmup + anneal * f // 8 for f in range(1, 8)),
+                     warmup + anneal - 1, warmup + anneal, warmup + anneal + 1, 2 * (warmup + anneal) + 5})
+    ours = np.array([float(schedule(s)) for s in points])
+    np.testing.assert_allclose(ours, original_gpt3_schedule(np.array(points), warmup, anneal, lr, end_lr),
+                               rtol=2e-6, atol=1e-12 * lr)
+
+
+def adam_state(opt_state):
+    import optax
+    return optax.tree_utils.tree_get(opt_state, "mu"), optax.tree_utils.tree_get(opt_state, "nu")
+
+
+def flat(tree) -> dict:
+    return {f"{m}/{n}": np.asarray(v, np.float64) for m, leaves in tree.items() for n, v in leaves.items()}
+
+
+# Every optimizer key away from its default, so a key that does not reach optax shows up in the update.
+ADAMW = {"lr": 2e-2, "end_lr": 5e-3, "warmup_steps": 2, "anneal_steps": 4, "b1": 0.5, "b2": 0.8, "eps": 1e-4,
+         "weight_decay": 0.3, "z_loss": 1e-3, "per_replica_batch": 2}
+MATRICES = {"gptj/embed/embeddings", "gptj/head/lm_head", "gptj/layers/attn/q_proj", "gptj/layers/attn/k_proj",
+            "gptj/layers/attn/v_proj", "gptj/layers/attn/out_proj", "gptj/layers/mlp/fc_in", "gptj/layers/mlp/fc_out"}
+
+
+@pytest.mark.parametrize("clip_norm", [1e-3, 1e3], ids=["clipped", "unclipped"])
+def test_adamw_steps_match_a_float64_reference(clip_norm):
+    """Three steps of clip -> Adam(b1, b2, eps) -> decoupled decay on matrices -> -lr(step), written out in
+    numpy from the gradients the library computes at each step's parameters."""
+    config = tiny_config(**ADAMW, clip_norm=clip_norm)
+    t = config.train
+    trainer = Trainer(config, mesh(1, 1))
+    state = trainer.init_state(0)
+    batch = trainer.shard_batch({"tokens": random_tokens((1, 2, 17), 250, seed=3)})
+    p = flat(jax.device_get(state.params))
+    m = {k: np.zeros_like(v) for k, v in p.items()}
+    v = {k: np.zeros_like(x) for k, x in p.items()}
+    for step in range(3):
+        _, grads = trainer.loss_and_grads(state.params, batch)
+        g = flat(jax.device_get(grads))
+        norm = np.sqrt(sum(np.sum(x**2) for x in g.values()))
+        assert (norm > clip_norm) == (clip_norm == 1e-3)
+        scale = min(1.0, clip_norm / norm)
+        lr = original_gpt3_schedule(step, t.warmup_steps, t.anneal_steps, t.lr, t.end_lr)
+        for k in p:
+            m[k] = t.b1 * m[k] + (1 - t.b1) * scale * g[k]
+            v[k] = t.b2 * v[k] + (1 - t.b2) * (scale * g[k]) ** 2
+            update = (m[k] / (1 - t.b1 ** (step + 1))) / (np.sqrt(v[k] / (1 - t.b2 ** (step + 1))) + t.eps)
+            p[k] = p[k] - lr * (update + (t.weight_decay * p[k] if k in MATRICES else 0))
+        state, metrics = trainer.step(state, batch)
+        assert float(metrics["lr"]) == pytest.approx(lr, rel=1e-6)
+        assert float(metrics["grad_norm"]) == pytest.approx(norm, rel=1e-5)
+        mu, nu = (flat(jax.device_get(x)) for x in adam_state(state.opt_state))
+        if step == 0 and scale < 1:  # clipping shows in the first moment: mu = (1 - b1) clip_norm g / |g|
+            mu_norm = np.sqrt(sum(np.sum(x**2) for x in mu.values()))
+            assert mu_norm == pytest.approx((1 - t.b1) * clip_norm, rel=1e-5)
+        for k in p:  # the step's own backward pass may round differently from loss_and_grads'
+            np.testing.assert_allclose(mu[k], m[k], rtol=1e-5, atol=1e-6 * np.abs(m[k]).max(), err_msg=k)
+            np.testing.assert_allclose(nu[k], v[k], rtol=1e-5, atol=1e-6 * np.abs(v[k]).max(), err_msg=k)
+        ours = flat(jax.device_get(state.params))
+        for k in p:  # the decay term alone is ~lr x 6e-3; allowed: 1e-5 lr plus float32 rounding of p, per step
+            tolerance = 1e-5 * t.lr + (step + 1) * np.finfo(np.float32).eps * np.abs(p[k])
+            assert np.all(np.abs(ours[k] - p[k]) <= tolerance), f"{k} after step {step + 1}"
+
+
+# One step's weight decay is lr x wd x p on every matrix and nothing else, whatever the layout: the same
+# step with weight_decay 0 and 0.3 from the same parameters differs by exactly that. eps 1e-3 keeps Adam
+# from magnifying float noise in near-zero gradients (g / (|g| + eps)), so layouts agree far more closely
+# than the decay moves the weights.
+DECAY_LAYOUTS = [(1, 1, False), (2, 4, False), (2, 4, True)]
+DECAY_LR, DECAY_WD = 1e-2, 0.3
+
+
+@pytest.fixture(scope="module")
+def decay_runs():
+    """{(dp, mp, zero, wd): (params after 1 step, after 3 steps)} from shared initial parameters."""
+    batch = {"tokens": random_tokens((2, 8, 17), 250, seed=11)}
+    runs, initial = {}, None
+    for dp, mp, zero in DECAY_LAYOUTS:
+        for wd in (0.0, DECAY_WD):
+            trainer = Trainer(tiny_config(per_replica_batch=8 // dp, gradient_accumulation_steps=2, cores_per_replica=mp,
+                                          zero=zero, weight_decay=wd, eps=1e-3, lr=DECAY_LR, end_lr=DECAY_LR),
+                              mesh(dp, mp))
+            if initial is None:
+                initial = jax.device_get(trainer.init_state(0).params)
+            state = trainer.state_from_params(initial)
+            after = []
+            for _ in range(3):
+                state, _ = trainer.step(state, trainer.shard_batch(batch))
+                after.append(flat(jax.device_get(state.params)))
+            runs[dp, mp, zero, wd] = (after[0], after[2])
+    return flat(initial), runs
+
+
+@pytest.mark.parametrize("dp,mp,zero", DECAY_LAYOUTS, ids=["1x1", "dp2xmp4", "dp2xmp4-zero"])
+def test_weight_decay_is_exactly_lr_wd_p_on_matrices_only(decay_runs, dp, mp, zero):
+    initial, runs = decay_runs
+    without, with_decay = runs[dp, mp, zero, 0.0][0], runs[dp, mp, zero, DECAY_WD][0]
+    assert set(initial) > MATRICES
+    for name, p in initial.items():
+        moved = without[name] - with_decay[name]
+        if name in MATRICES:  # the effect is ~3e-3 x 0.02; rounding of p - lr x update is ~1e-9
+            np.testing.assert_allclose(moved, DECAY_LR * DECAY_WD * p, rtol=0, atol=2e-8, err_msg=name)
+            assert np.abs(moved).max() > 1e-5, name
+        else:  # biases and norms: bit-identical
+            np.testing.assert_array_equal(moved, 0, err_msg=name)
+
+
+@pytest.mark.parametrize("dp,mp,zero", DECAY_LAYOUTS[1:], ids=["dp2xmp4", "dp2xmp4-zero"])
+def test_sharded_steps_match_one_device_far_below_weight_decay(decay_runs, dp, mp, zero):
+    """3 steps: layouts agree to 1e-6 (measured 2e-7) while weight decay alone moves every matrix by > 1e-4."""
+    initial, runs = decay_runs
+    reference, sharded = runs[1, 1, False, DECAY_WD][1], runs[dp, mp, zero, DECAY_WD][1]
+    no_decay = runs[1, 1, False, 0.0][1]
+    decay_effect = min(np.abs(reference[k] - no_decay[k]).max() for k in MATRICES)
+    worst = max(np.abs(reference[k] - sharded[k]).max() for k in initial)
+    assert decay_effect > 1e-4
+    assert worst < 1e-6
+
+
+def _dot_operand_types(lowered_text: str) -> list[tuple[str, str]]:
+    """Element types of (lhs, rhs) of every dot_general in a lowered (StableHLO) program."""
+    return re.findall(r"dot_general.*: \(tensor<[\dx]*x(\w+)>, tensor<[\dx]*x(\w+)>\)", lowered_text)
+
+
+@pytest.fixture(scope="module")
+def by_compute_dtype():
     batch = {"tokens": random_tokens((1, 4, 17), 250)}
-    losses_by_dtype = {}
+    out = {}
     for dtype in ("float32", "bfloat16"):
         trainer = Trainer(tiny_config(compute_dtype=dtype, per_replica_batch=4), mesh(1, 1))
         state = trainer.init_state(0)
-        loss, grads = trainer.loss_and_grads(state.params, trainer.shard_batch(batch))
-        assert jax.tree.leaves(grads)[0].dtype == jnp.float32  # master gradients stay fp32
-        losses_by_dtype[dtype] = float(loss)
-    assert losses_by_dtype["bfloat16"] == pytest.approx(losses_by_dtype["float32"], abs=2e-2)
+        sharded = trainer.shard_batch(batch)
+        loss, grads = trainer.loss_and_grads(state.params, sharded)
+        out[dtype] = float(loss), grads, trainer.loss_and_grads.lower(state.params, sharded).as_text()
+    return out
+
+
+def test_bfloat16_compute_is_in_the_program_and_close_to_float32(by_compute_dtype):
+    loss32, _, program32 = by_compute_dtype["float32"]
+    loss16, grads16, program16 = by_compute_dtype["bfloat16"]
+    assert jax.tree.leaves(grads16)[0].dtype == jnp.float32  # master gradients stay fp32
+    assert set(_dot_operand_types(program32)) == {("f32", "f32")}
+    # Forward: the 6 projections and 2 attention einsums of the (scanned) layer, and the head.
+    assert _dot_operand_types(program16).count(("bf16", "bf16")) >= 9
+    assert loss16 != loss32  # measured 2.2e-4 apart
+    assert abs(loss16 - loss32) < 2e-3
+
+
+@pytest.mark.xfail(strict=True, reason="the backward pass's matmuls run in float32: layers.dense casts its float32 "
+                   "result to compute_dtype, so the cotangent reaching each dot is float32 (reported)")
+def test_bfloat16_backward_matmuls_run_in_bfloat16(by_compute_dtype):
+    *_, program16 = by_compute_dtype["bfloat16"]
+    assert ("f32", "f32") not in _dot_operand_types(program16)
+
+
+def test_z_loss_adds_its_gradient_and_not_its_value():
+    """grads(z) - grads(0) = d/dparams of z x mean(logsumexp(logits)^2), through the dense logits."""
+    tokens = random_tokens((1, 2, 17), 250, seed=2)
+    z = 1e-2
+    results = {}
+    for z_loss in (0.0, z):
+        trainer = Trainer(tiny_config(z_loss=z_loss, per_replica_batch=2), mesh(1, 1))
+        params = trainer.init_state(0).params
+        loss, grads = trainer.loss_and_grads(params, trainer.shard_batch({"tokens": tokens}))
+        results[z_loss] = float(loss), flat(jax.device_get(grads))
+
+    def z_term(p):
+        return z * jnp.mean(jax.nn.logsumexp(trainer.logits(p, tokens[0, :, :-1]), axis=-1) ** 2)
+    expected = flat(jax.device_get(jax.grad(z_term)(params)))
+    assert results[z][0] == pytest.approx(results[0.0][0], rel=1e-6)  # the reported loss is the plain NLL
+    scale = max(np.abs(g).max() for g in expected.values())
+    assert scale > 1e-3
+    for k, g in expected.items():  # a difference of two float32 gradients: error relative to their scale
+        np.testing.assert_allclose(results[z][1][k] - results[0.0][1][k], g, rtol=0, atol=1e-4 * scale, err_msg=k)
+
+
+def test_remat_policies_change_the_program_not_the_gradients():
+    batch = {"tokens": random_tokens((1, 4, 17), 250)}
+    programs, grads = {}, {}
+    for remat in ("none", "dots", "full"):
+        trainer = Trainer(tiny_config(remat=remat, per_replica_batch=4), mesh(1, 1))
+        params, sharded = trainer.init_state(0).params, trainer.shard_batch(batch)
+        compiled = trainer.loss_and_grads.lower(params, sharded).compile()
+        programs[remat] = (len(re.findall(r" dot\(", compiled.as_text())), compiled.memory_analysis().temp_size_in_bytes)
+        grads[remat] = jax.device_get(trainer.loss_and_grads(params, sharded)[1])
+    (dots_none, temp_none), (dots_dots, temp_dots), (dots_full, temp_full) = (programs[k] for k in ("none", "dots", "full"))
+    # 'dots' saves the weight matmuls and recomputes only attention's two batched einsums; 'full' recomputes
+    # more; what is kept for the backward pass shrinks in the same order.
+    assert dots_dots == dots_none + 2 and dots_full > dots_dots
+    assert temp_none > temp_dots > temp_full
+    assert max_abs_diff(grads["none"], grads["dots"]) < 1e-8
+    assert max_abs_diff(grads["none"], grads["full"]) < 1e-8

@@ -42,3 +42,44 @@ def test_bad_inputs_exit_2_with_a_message(tmp_path, capsys):
     assert "no config.json" in capsys.readouterr().err
     assert to_hf_weights.main(["--input-ckpt", str(tmp_path / "none"), "--output-path", str(tmp_path / "o")]) == 2
     assert "no complete checkpoint" in capsys.readouterr().err
+
+
+_PEAK_RSS = ("import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True, stdout=subprocess.DEVNULL, "
+             "stderr=subprocess.DEVNULL); print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024)")
+
+
+def _export_peak_rss(ckpt_dir, out_dir) -> int:
+    """Peak resident bytes of `to_hf_weights.py` run alone (a fresh interpreter is its only child)."""
+    import os
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device, as a user runs it
+    run = subprocess.run([sys.executable, "-c", _PEAK_RSS, sys.executable, "to_hf_weights.py", "--input-ckpt",
+                          str(ckpt_dir), "--output-path", str(out_dir), "--dtype", "fp16"],
+                         capture_output=True, text=True, env=env, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert run.returncode == 0, run.stderr
+    return int(run.stdout)
+
+
+def test_export_peak_memory_is_about_twice_the_parameters(tmp_path):
+    """A 67M-parameter checkpoint with its optimizer state (3x the parameters on disk): the export's peak RSS
+    above the same tool on a tiny checkpoint stays under 2.25x the float32 parameters (measured 2.0x: the
+    restore's read buffers plus the parameters; one fp16 tensor at a time after that). Reading the Adam
+    moments, or a second full copy of the weights, would exceed it."""
+    import jax
+    from mesh_transformer.train.step import Trainer
+    from tests.helpers import mesh, tiny_config
+
+    sizes = {}
+    for name, shape in [("tiny", {}), ("big", {"layers": 4, "d_model": 1024, "n_heads": 16, "d_ff": 4096,
+                                               "n_vocab": 8192, "seq": 64})]:
+        config = tiny_config(**shape)
+        state = Trainer(config, mesh(1, 1)).init_state(0)
+        with CheckpointManager(str(tmp_path / name), config=config) as ckpt:
+            ckpt.save(1, state, wait=True)
+        sizes[name] = sum(x.nbytes for x in jax.tree.leaves(state.params))
+        del state
+    assert sizes["big"] > 250 * 2**20
+    baseline = _export_peak_rss(tmp_path / "tiny", tmp_path / "tiny-hf")
+    peak = _export_peak_rss(tmp_path / "big", tmp_path / "big-hf")
+    assert peak - baseline < 2.25 * sizes["big"], (peak - baseline) / sizes["big"]

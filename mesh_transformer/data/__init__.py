@@ -46,7 +46,7 @@ FORMAT = "mesh-transformer-dataset"
 VERSION = 1
 EOT = "<|endoftext|>"
 INDEX_SUFFIX = ".index.json"
-_DECOMPRESS = {".gz": gzip.GzipFile, ".xz": lzma.LZMAFile, ".bz2": bz2.BZ2File, ".zst": None}
+_DECOMPRESS = {".gz": gzip.open, ".xz": lzma.open, ".bz2": bz2.open, ".zst": None}  # each reads a file object
 _KINDS = {".txt": "txt", ".jsonl": "jsonl"}
 
 
@@ -96,7 +96,7 @@ def _open_text(path: str, compression: str | None) -> Iterator[io.TextIOBase]:
         if compression == ".zst":
             raw = stack.enter_context(zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True))
         elif compression:
-            raw = stack.enter_context(_DECOMPRESS[compression](fileobj=raw))
+            raw = stack.enter_context(_DECOMPRESS[compression](raw))
         yield io.TextIOWrapper(raw, encoding="utf-8")
 
 

@@ -1,0 +1,147 @@
+"""device_serve.py started as a user starts it (README: `python device_serve.py --hf DIR --port 5000`,
+key in $MESH_TRANSFORMER_API_KEY): a separate process on loopback, checked only over HTTP and through
+the operating system's view of its socket."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import numpy as np
+import psutil
+import pytest
+
+from mesh_transformer.generate import SamplingOptions
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+KEY = "process-key"
+SLOTS, MAX_BATCH, CHUNK = 16, 2, 4
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(hf_dir, *flags) -> tuple[subprocess.Popen, str]:
+    """Start device_serve.py with one CPU device (as on a laptop) and the key in the environment."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["MESH_TRANSFORMER_API_KEY"] = KEY
+    proc = subprocess.Popen([sys.executable, "device_serve.py", "--hf", str(hf_dir), "--port", str(port),
+                             "--dtype", "float32", *flags], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def wait_until_up(proc: subprocess.Popen, url: str) -> None:
+    deadline = time.monotonic() + 300
+    while True:
+        assert proc.poll() is None, proc.stdout.read()
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "device_serve.py did not start"
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def servers(tiny):
+    """Two servers started together: the batching flags, and a 1 ms --timeout (every request expires)."""
+    started = [launch(tiny.path, "--max-batch", str(MAX_BATCH), "--chunk", str(CHUNK), "--slots", str(SLOTS)),
+               launch(tiny.path, "--timeout", "0.001")]
+    try:
+        for proc, url in started:
+            wait_until_up(proc, url)
+        yield started
+    finally:
+        for proc, _ in started:
+            proc.terminate()
+        for proc, _ in started:
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+@pytest.fixture(scope="module")
+def http(servers):
+    _, url = servers[0]
+    with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=120) as client:
+        yield client
+
+
+def test_binds_loopback_only_by_default(servers):
+    for proc, url in servers:
+        port = int(url.rsplit(":", 1)[1])
+        listening = [c.laddr for c in psutil.Process(proc.pid).net_connections("inet") if c.status == psutil.CONN_LISTEN]
+        assert [(a.ip, a.port) for a in listening] == [("127.0.0.1", port)]
+
+
+def test_key_from_the_environment_is_required(servers, http):
+    _, url = servers[0]
+    body = {"prompt": "hi", "max_tokens": 2}
+    assert httpx.post(f"{url}/v1/completions", json=body).status_code == 401
+    assert httpx.post(f"{url}/v1/completions", json=body, headers={"Authorization": "Bearer nope"}).status_code == 401
+    assert httpx.post(f"{url}/complete", json={"context": "hi"}).status_code == 401
+    assert httpx.get(f"{url}/health").status_code == 200  # health stays open for load balancers
+    assert http.post("/v1/completions", json=body).status_code == 200
+
+
+def test_slots_bound_the_context(http):
+    r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": SLOTS})
+    assert r.status_code == 400 and f"at most {SLOTS - 1}" in r.json()["error"]["message"]
+    assert http.post("/v1/completions", json={"prompt": "hi", "max_tokens": SLOTS - 1 - 1}).status_code == 200
+
+
+def test_max_batch_limits_the_rows_prefilled_together(http):
+    """5 identical greedy sequences (finishing together) in 2 rows: admitted as 2 + 2 + 1."""
+    before = http.get("/health").json()["admissions"]
+    r = http.post("/v1/completions", json={"prompt": "The quick", "max_tokens": 6, "temperature": 0, "n": 5})
+    assert r.status_code == 200 and len({c["text"] for c in r.json()["choices"]}) == 1
+    assert http.get("/health").json()["admissions"] - before == 3
+
+
+def stream_events(http, prompt, max_tokens) -> list[dict]:
+    events = []
+    with http.stream("POST", "/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                                                       "logprobs": 0, "stream": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events.append(json.loads(line[6:])["choices"][0])
+    return events
+
+
+def test_chunk_is_the_decode_steps_between_streamed_events(http, gen, tiny):
+    """Text is streamed after the prefill's token plus each --chunk of decode steps, so every event but the
+    last ends at 1 + k x CHUNK tokens (an event may carry several chunks when the reader falls behind; with
+    the default --chunk 8, 5 and 13 could not both be boundaries)."""
+    prompt = [5]
+    [expected] = gen.generate([prompt], SamplingOptions(max_new_tokens=SLOTS - 2, temperature=0.0), tiny.tokenizer)
+    assert tiny.eos not in expected.tokens
+    boundaries = set()
+    for _ in range(5):  # a loaded machine can merge events; a few streams show the boundaries
+        events = stream_events(http, prompt, SLOTS - 2)
+        counts = np.cumsum([len(e["logprobs"]["tokens"]) if e["logprobs"] else 0 for e in events])
+        assert "".join(e["text"] for e in events) == expected.text and counts[-1] == SLOTS - 2
+        assert events[-1]["finish_reason"] == "length"
+        assert all((c - 1) % CHUNK == 0 for c in counts[:-1]), counts
+        boundaries |= set(counts[:-1].tolist())
+        if len(boundaries) >= 2:
+            break
+    assert len(boundaries) >= 2, boundaries
+
+
+def test_timeout_flag_answers_504(servers):
+    _, url = servers[1]
+    headers = {"Authorization": f"Bearer {KEY}"}
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 8}, headers=headers, timeout=120)
+    assert r.status_code == 504 and "timed out after 0.001 s" in r.json()["error"]["message"]
