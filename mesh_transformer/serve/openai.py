@@ -115,13 +115,16 @@ def parse(raw: bytes, schema: type[BaseModel]):
         raise ApiError(400, f"{where}: {first['msg']}" if where else first["msg"], param=where or None) from None
 
 
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "StreamOptions", "ContentPart"}
+
+
 def field_name(loc) -> str:
     """('messages', 0, 'content') -> 'messages[0].content'."""
     out = ""
     for part in loc:
         if isinstance(part, int):
             out += f"[{part}]"
-        elif not str(part).startswith(("function-", "union[", "list[", "str", "int")):  # pydantic's union tags
+        elif "[" not in str(part) and part not in _TYPE_TAGS:  # pydantic's union members: 'str', 'list[int]'
             out += ("." if out else "") + str(part)
     return out
 
