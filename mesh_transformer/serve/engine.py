@@ -14,7 +14,7 @@ import threading
 import time
 from typing import Iterable, Optional
 
-from mesh_transformer.generate import Batch, Generator, SamplingOptions, Sequence
+from mesh_transformer.generate import Batch, Generator, SamplingOptions, Sequence, bucket
 from mesh_transformer.serve.metrics import Metrics
 
 log = logging.getLogger("mesh_transformer.serve")
@@ -111,6 +111,15 @@ class Engine:
                 while self.batch.active():
                     self.batch.step()
                 n *= 2
+        # Decode attends to a window of the cache bucketed to powers of two (16 .. slots); a long
+        # request would otherwise compile each size on its way (seconds each, mid-request).
+        window = bucket(1)
+        while True:
+            window = min(window, self.batch.slots)
+            self.batch.state, *_ = self.gen.decode(self.batch.state, self.batch.chunk, 0, window)  # no row runs
+            if window == self.batch.slots:
+                break
+            window *= 2
 
     def stop(self) -> None:
         with self._cv:
@@ -159,7 +168,7 @@ class Engine:
         with self._cv:
             return {"active": len(self.batch.active()), "queued": len(self._pending), "completed": self.completed,
                     "admissions": self.admissions, "compiled_shapes": len(self.gen.shapes),
-                    "draining": self.draining}
+                    "draining": self.draining, "dtype": str(self.gen.config.compute_dtype)}
 
     # ---- the engine thread ----------------------------------------------------------------------
 
