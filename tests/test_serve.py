@@ -7,11 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 
 import httpx
 import numpy as np
-import pytest
 
 from mesh_transformer.generate import SamplingOptions
 from mesh_transformer.serve import Engine, create_app
