@@ -64,6 +64,7 @@ class ChatRequest(oa._Strict):
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    ignore_eos: bool = False
     tools: Optional[list] = None
     response_format: Optional[dict] = None
     user: Optional[str] = None
@@ -148,7 +149,7 @@ async def chat_completions(s: oa.Settings, http: HttpRequest):
                           top_k=body.top_k, frequency_penalty=body.frequency_penalty,
                           presence_penalty=body.presence_penalty, repetition_penalty=body.repetition_penalty,
                           stop=oa.stop_list(body.stop),
-                          logprobs=(body.top_logprobs or 0) if body.logprobs else None)
+                          logprobs=(body.top_logprobs or 0) if body.logprobs else None, ignore_eos=body.ignore_eos)
     except oa.ApiError as e:
         if e.param == "max_tokens":
             e.param, e.message = field, e.message.replace("max_tokens", field)

@@ -87,6 +87,7 @@ class CompletionRequest(_Strict):
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0  # extension (HF's)
+    ignore_eos: bool = False  # extension (vLLM's)
     echo: bool = False
     best_of: Optional[int] = None
     suffix: Optional[str] = None
@@ -157,10 +158,14 @@ def stop_list(stop, field: str = "stop") -> tuple[str, ...]:
     return tuple(stops)
 
 
-def options(engine: Engine, **given) -> SamplingOptions:
+def options(engine: Engine, ignore_eos: bool = False, **given) -> SamplingOptions:
+    """SamplingOptions from the request's fields (None: the default); 400 names a bad one.
+    `ignore_eos` (vLLM's): generate past the end-of-text token (benchmarks)."""
     names = {"max_tokens": "max_new_tokens"}
     fields = {names.get(k, k): v for k, v in given.items() if v is not None}
     fields.setdefault("eos_token_id", getattr(engine.tokenizer, "eos_token_id", None))
+    if ignore_eos:
+        fields["eos_token_id"] = None
     max_new = fields.get("max_new_tokens", 16)
     if max_new < 1:
         raise ApiError(400, f"max_tokens must be at least 1, got {max_new}", param="max_tokens")
@@ -337,7 +342,7 @@ async def completions(s: Settings, http: HttpRequest):
     opts = options(s.engine, max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
                    top_k=body.top_k, frequency_penalty=body.frequency_penalty,
                    presence_penalty=body.presence_penalty, repetition_penalty=body.repetition_penalty,
-                   stop=stop_list(body.stop), logprobs=body.logprobs)
+                   stop=stop_list(body.stop), logprobs=body.logprobs, ignore_eos=body.ignore_eos)
     seqs = sequences(s, ids, opts, body.n, body.seed)
     head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
             "model": body.model or s.model_name}
