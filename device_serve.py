@@ -1,11 +1,14 @@
-"""Serve a model over HTTP: the original `POST /complete` and an OpenAI-compatible `/v1/completions`.
+"""Serve a model over HTTP: OpenAI-compatible `/v1/completions` and `/v1/chat/completions`, the
+original `POST /complete`, a playground page at `/`, Prometheus `/metrics`.
 
     python device_serve.py --hf ./gpt-j-6b --mp 8 [--host 127.0.0.1] [--port 5000] [--api-key KEY]
 
-See mesh_transformer/serve.py for the endpoints and the batching.
+SIGTERM (or Ctrl-C) drains: new requests get 503, running ones finish (at most --drain-timeout
+seconds), then the server exits 0. See mesh_transformer/serve/ for the endpoints and the batching.
 """
 import argparse
 import logging
+import pathlib
 import sys
 
 from mesh_transformer import cli, loading, serve
@@ -21,32 +24,44 @@ def main(argv=None):
     parser.add_argument("--chunk", type=int, default=8, help="decode steps between admitting new requests")
     parser.add_argument("--slots", type=int, help="KV-cache slots per row (default: the model's context)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds before a request is answered 504")
+    parser.add_argument("--drain-timeout", type=float, default=30.0,
+                        help="on SIGTERM, seconds to let running requests finish before exiting")
     parser.add_argument("--api-key", help=f"require 'Authorization: Bearer KEY' (default: ${serve.API_KEY_ENV})")
     parser.add_argument("--max-request-bytes", type=int, default=1 << 20)
+    parser.add_argument("--chat-template", metavar="FILE",
+                        help="Jinja chat template for /v1/chat/completions (default: the tokenizer's, else a "
+                             "plain 'Role: content' template; see mesh_transformer/serve/chat.py)")
     parser.add_argument("--warmup", type=int, nargs="*", metavar="PROMPT_TOKENS",
                         help="compile prefill for every batch-size bucket at these prompt lengths (default 16) "
                              "and decode, before listening")
     parser.add_argument("--model-name", help="the id /v1/models reports (default: the weights' directory name)")
     args = parser.parse_args(argv)
 
-    import uvicorn
+    import jax
+    import uvicorn  # noqa: F401  (fail before loading weights if the server's dependencies are missing)
 
     logging.basicConfig(level=logging.INFO)
-    with cli.user_errors() as status:
+    if args.dtype is None and jax.default_backend() == "cpu":
+        args.dtype = "float32"  # XLA:CPU runs 16-bit matmuls through slow paths (README, "Decode")
+    with cli.user_errors(OSError) as status:
         model = loading.from_args(args)
+        chat_template = pathlib.Path(args.chat_template).read_text(encoding="utf-8") if args.chat_template else None
     if status.code:
         return status.code
     engine = serve.Engine(model.generator(), model.tokenizer,
                           max_batch=args.max_batch, slots=args.slots, chunk=args.chunk, max_queue=args.max_queue)
+    model.params = None  # the Generator holds its own copy
     if args.warmup is not None:
         engine.warmup(args.warmup or (16,))
     engine.start()
     app = serve.create_app(engine, model_name=args.model_name or model.name, api_key=args.api_key,
-                           timeout=args.timeout, max_request_bytes=args.max_request_bytes)
+                           timeout=args.timeout, max_request_bytes=args.max_request_bytes,
+                           chat_template=chat_template)
     try:
-        uvicorn.run(app, host=args.host, port=args.port)
+        serve.run(app, engine, host=args.host, port=args.port, drain_timeout=args.drain_timeout)
     finally:
         engine.stop()
+    return 0
 
 
 if __name__ == "__main__":

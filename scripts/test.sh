@@ -4,6 +4,7 @@
 #   bash scripts/test.sh -k hf -x   # extra arguments go to pytest
 set -euo pipefail
 cd "$(dirname "$0")/.."
+bash scripts/install_browser.sh  # system Chromium for the playground test (skipped when present)
 python3 -m venv .venv
 .venv/bin/pip install --quiet --disable-pip-version-check -r requirements-dev.txt -e .
 source scripts/env.sh  # after pip: its proxy settings keep everything below on loopback

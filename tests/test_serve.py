@@ -7,66 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
-import threading
-import time
 
 import httpx
 import numpy as np
-import pytest
 
 from mesh_transformer.generate import SamplingOptions
 from mesh_transformer.serve import Engine, create_app
 from tests.helpers import NEW
-
-KEY = "test-key"
-LIMIT = 4096
-
-
-def start_server(app):
-    """uvicorn in a daemon thread on a free loopback port -> (server, base url)."""
-    import uvicorn
-
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-    threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True).start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline, "server did not start"
-        time.sleep(0.01)
-    return server, f"http://127.0.0.1:{sock.getsockname()[1]}"
-
-
-@pytest.fixture(scope="module")
-def engine(gen, tiny):
-    engine = Engine(gen, tiny.tokenizer, max_batch=4, chunk=4, max_queue=256).start()
-    yield engine
-    engine.stop()
-
-
-@pytest.fixture(scope="module")
-def url(engine):
-    server, base = start_server(create_app(engine, model_name="tiny", api_key=KEY, max_request_bytes=LIMIT))
-    yield base
-    server.should_exit = True
-
-
-@pytest.fixture(scope="module")
-def client(url):
-    from openai import OpenAI
-    return OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=60)
-
-
-def library_text(gen, tiny, prompts, **kw):
-    """Greedy completions straight from the library, 4 prompts per batch (the compiled shape)."""
-    opts = SamplingOptions(max_new_tokens=NEW, temperature=0.0, eos_token_id=tiny.eos, **kw)
-    ids = [tiny.tokenizer.encode(p) for p in prompts]
-    out = []
-    for i in range(0, len(ids), 4):
-        group = ids[i:i + 4]
-        out += [s.text for s in gen.generate(group + [group[0]] * (4 - len(group)), opts, tiny.tokenizer)[:len(group)]]
-    return out
+from tests.serving import KEY, LIMIT, client, engine, library_text, start_server, url, wait_idle  # noqa: F401
 
 
 def test_openai_client_completion(client, gen, tiny):
@@ -204,7 +152,4 @@ def test_full_queue_answers_503_and_slow_requests_504(gen, tiny, engine):
         assert r.status_code == 504
     finally:
         slow.should_exit = True
-    deadline = time.monotonic() + 30
-    while engine.stats()["active"] or engine.stats()["queued"]:  # timed-out rows are retired
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    wait_idle(engine)  # timed-out rows are retired

@@ -1,0 +1,149 @@
+"""Where a lone request's time goes, from the library's decode loop up to HTTP.
+
+    python bench/serve_profile.py [--new 64] [--prompt-tokens 32] [--repeats 5]
+
+One random GPT-J as in issue 13 (4 layers, d_model 512, vocabulary 50,400, fp32, one CPU device),
+one greedy request of `--new` tokens, each layer measured on its own (median of `--repeats`):
+
+  library    Generator.generate: one prefill, one compiled decode loop (batch and cache sized to the request)
+  batch      the server's Batch (--max-batch rows, --slots cache slots), admit + steps of --chunk tokens
+  engine     Engine.generate: the same through the engine thread and its queue
+  http       device_serve.py's app in this process (uvicorn on loopback), non-streamed and streamed
+
+and the batch layer's split: admission (prefill), decode calls, host work between calls.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import threading
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+def median_time(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--new", type=int, default=64)
+    parser.add_argument("--prompt-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--max-batch", type=int, default=16)
+    parser.add_argument("--chunk", type=int, default=8)
+    parser.add_argument("--slots", type=int, default=None, help="cache slots per row (default: the context, 2048)")
+    args = parser.parse_args(argv)
+
+    import httpx
+    import uvicorn
+
+    from decode import make_random_gptj
+    from mesh_transformer import loading
+    from mesh_transformer.generate import Batch, Generator, SamplingOptions
+    from mesh_transformer.serve import Engine, create_app
+
+    tmp = tempfile.TemporaryDirectory()
+    make_random_gptj(tmp.name)
+    model = loading.load(hf=tmp.name, mp=1, dp=1, dtype="float32")
+    gen = Generator(model.config, model.params, model.mesh)
+    prompt = list(range(1000, 1000 + args.prompt_tokens))
+    options = SamplingOptions(max_new_tokens=args.new, temperature=0.0)
+    rows = {}
+
+    def library():
+        [seq] = gen.generate([prompt], options)
+        assert len(seq.tokens) == args.new
+    library()
+    rows["library (1 decode call)"] = median_time(library, args.repeats)
+
+    batch = Batch(gen, args.max_batch, args.slots or model.config.seq, args.chunk)
+    split = {"admit": [], "decode": [], "host": []}
+
+    def batched():
+        [seq] = gen.sequences([prompt], options)
+        t = time.perf_counter()
+        batch.admit([seq])
+        split["admit"].append(time.perf_counter() - t)
+        decode = host = 0.0
+        while batch.active():
+            t0 = time.perf_counter()
+            # the device call alone, then Batch's bookkeeping (Sequence.extend, retire)
+            state, out, done, reason, index = gen.decode(batch.state, batch.chunk, *batch._window())
+            t1 = time.perf_counter()
+            batch.state, batch.index = state, index
+            batch._absorb(out, done, reason)
+            decode, host = decode + t1 - t0, host + time.perf_counter() - t1
+        split["decode"].append(decode)
+        split["host"].append(host)
+    for _ in range(2):
+        batched()
+    for v in split.values():
+        v.clear()
+    rows[f"batch ({args.max_batch} rows, chunk {args.chunk})"] = median_time(batched, args.repeats)
+
+    engine = Engine(gen, model.tokenizer, max_batch=args.max_batch, slots=args.slots, chunk=args.chunk)
+    engine.batch = batch  # compiled and warm
+    engine.start()
+    rows["engine (thread + queue)"] = median_time(lambda: engine.generate(prompt, options), args.repeats)
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(create_app(engine, "random"), log_level="warning", lifespan="off"))
+    threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True).start()
+    while not server.started:
+        time.sleep(0.01)
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}/v1/completions"
+    body = {"prompt": prompt, "max_tokens": args.new, "temperature": 0, "ignore_eos": True}
+    first = []
+
+    with httpx.Client(timeout=120) as http:
+        def plain():
+            r = http.post(url, json=body)
+            assert r.json()["usage"]["completion_tokens"] == args.new, r.text
+
+        def streamed():
+            t = time.perf_counter()
+            seen = False
+            with http.stream("POST", url, json={**body, "stream": True}) as r:
+                for line in r.iter_lines():
+                    if not seen and line.startswith("data: "):
+                        first.append(time.perf_counter() - t)
+                        seen = True
+        plain()
+        rows["http, non-streamed"] = median_time(plain, args.repeats)
+        streamed()
+        first.clear()
+        rows["http, streamed"] = median_time(streamed, args.repeats)
+        rows["http, max_tokens=1 (HTTP + admission)"] = median_time(
+            lambda: http.post(url, json={**body, "max_tokens": 1}), args.repeats)
+    server.should_exit = True
+    engine.stop()
+
+    print(f"one greedy request: prompt {args.prompt_tokens} tokens, {args.new} new; random GPT-J 4x512, "
+          f"vocab 50,400, fp32, {os.cpu_count()} CPU cores; median of {args.repeats}")
+    for name, t in rows.items():
+        print(f"  {name:45s} {t * 1e3:8.1f} ms  {args.new / t:7.1f} tok/s")
+    med = {k: statistics.median(v) for k, v in split.items()}
+    print(f"  batch split: admission (prefill + first token) {med['admit'] * 1e3:.1f} ms, "
+          f"{-(-(args.new - 1) // args.chunk)} decode calls {med['decode'] * 1e3:.1f} ms, "
+          f"host bookkeeping {med['host'] * 1e3:.1f} ms")
+    print(f"  streamed: first event after {statistics.median(first) * 1e3:.1f} ms")
+    tmp.cleanup()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,275 @@
+"""The engine: one thread that batches requests onto the device.
+
+The engine keeps one `generate.Batch` of `max_batch` rows. Between decode calls of `chunk` tokens
+it admits waiting requests into free rows (they join requests already decoding) and hands new
+tokens to their handlers. A bounded queue refuses work when full (`QueueFull`), every request has
+a deadline, and `drain` stops admitting new work for a graceful shutdown.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import threading
+import time
+from typing import Iterable, Optional
+
+from mesh_transformer.generate import Batch, Generator, SamplingOptions, Sequence, bucket
+from mesh_transformer.serve.metrics import Metrics
+
+log = logging.getLogger("mesh_transformer.serve")
+
+
+class QueueFull(Exception):
+    pass
+
+
+class Draining(Exception):
+    """The server is shutting down and admits no new requests."""
+
+
+class Request:
+    """Sequences submitted together (one API call), and how to wake the handler waiting on them."""
+
+    def __init__(self, seqs: list[Sequence], loop: Optional[asyncio.AbstractEventLoop]):
+        self.seqs = seqs
+        self.loop = loop
+        self.updated = asyncio.Event() if loop else threading.Event()
+        self.submitted = time.monotonic()
+
+    def notify(self) -> None:
+        if self.loop is not None:
+            try:
+                self.loop.call_soon_threadsafe(self.updated.set)
+            except RuntimeError:  # the handler's loop is gone (server stopped)
+                pass
+        else:
+            self.updated.set()
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.seqs)
+
+    def cancel(self) -> None:
+        for s in self.seqs:
+            s.cancelled = True
+
+
+class _Timing:
+    """When a sequence was submitted and last got tokens (for the TTFT and inter-token histograms)."""
+
+    __slots__ = ("submitted", "last", "seen")
+
+    def __init__(self, submitted: float):
+        self.submitted, self.last, self.seen = submitted, submitted, 0
+
+
+class Engine:
+    """Runs a `Batch` in a background thread; `submit` from any thread.
+
+    max_batch: device rows; slots: cache slots per row (default: the model's context);
+    chunk: decode steps per device call (new requests join between calls); max_queue: waiting
+    sequences before `submit` raises QueueFull.
+    """
+
+    def __init__(self, generator: Generator, tokenizer, max_batch: int = 16, slots: Optional[int] = None,
+                 chunk: int = 8, max_queue: int = 100, metrics: Optional[Metrics] = None):
+        self.gen, self.tokenizer = generator, tokenizer
+        self.batch = Batch(generator, max_batch, slots or generator.config.seq, chunk)
+        self.context = min(generator.config.seq, self.batch.slots)  # prompt + output must fit a row
+        self.max_new_tokens = self.context - 1
+        self.max_queue = max_queue
+        self.metrics = metrics or Metrics()
+        self.metrics.watch(queued=lambda: len(self._pending), running=lambda: len(self.batch.active()))
+        self.draining = False
+        self._pending: collections.deque[tuple[Sequence, Request]] = collections.deque()
+        self._owner: dict[int, Request] = {}  # id(seq) -> request, for sequences in the batch
+        self._timing: dict[int, _Timing] = {}  # id(seq) -> timing, for sequences in the batch
+        self._cv = threading.Condition()
+        self._stop = False
+        self._abort: Optional[str] = None  # a finish reason for every request (set by `abort`)
+        self._thread = threading.Thread(target=self._run, name="mesh-transformer-engine", daemon=True)
+        self.completed = 0
+        self.admissions = 0  # prefill calls (each admits a group of waiting sequences)
+
+    def start(self) -> "Engine":
+        self._thread.start()
+        return self
+
+    def warmup(self, prompt_tokens: Iterable[int] = (16,)) -> None:
+        """Compile prefill for every group size (1, 2, 4, .. rows) at these prompt lengths, and decode.
+
+        Call before `start`; otherwise the first requests of each shape wait for the compiler
+        (prefill compiles once per group-size bucket and prompt-length bucket).
+        """
+        options = SamplingOptions(max_new_tokens=min(self.batch.chunk + 1, self.max_new_tokens), temperature=0.0)
+        for length in prompt_tokens:
+            n = 1
+            while n <= self.batch.size:
+                prompt = [0] * min(length, self.context - options.max_new_tokens)
+                self.batch.admit([Sequence(prompt, options, self.context) for _ in range(n)])
+                while self.batch.active():
+                    self.batch.step()
+                n *= 2
+        # Decode attends to a window of the cache bucketed to powers of two (16 .. slots); a long
+        # request would otherwise compile each size on its way (seconds each, mid-request).
+        window = bucket(1)
+        while True:
+            window = min(window, self.batch.slots)
+            self.batch.state, *_ = self.gen.decode(self.batch.state, self.batch.chunk, 0, window)  # no row runs
+            if window == self.batch.slots:
+                break
+            window *= 2
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        self._thread.join(timeout=30)
+
+    def drain(self) -> None:
+        """Admit no new requests (`submit` raises Draining); queued and running ones go on."""
+        with self._cv:
+            self.draining = True
+
+    def abort(self, reason: str = "shutdown") -> None:
+        """Finish every queued and running sequence now with `reason` (their handlers answer at once)."""
+        with self._cv:
+            self._abort = reason
+            self._cv.notify()
+
+    @property
+    def idle(self) -> bool:
+        with self._cv:
+            return not self._pending and not self._owner
+
+    # ---- called from request handlers ---------------------------------------------------------
+
+    def sequence(self, prompt_ids: list[int], options: SamplingOptions, timeout: Optional[float]) -> Sequence:
+        """Build (and validate) a Sequence; ValueError names what is wrong."""
+        if options.max_new_tokens > self.max_new_tokens:
+            raise ValueError(f"max_tokens must be at most {self.max_new_tokens} for this model "
+                             f"(context {self.context} tokens), got {options.max_new_tokens}")
+        deadline = time.monotonic() + timeout if timeout else None
+        return Sequence(prompt_ids, options, self.context, self.tokenizer, deadline=deadline)
+
+    def submit(self, seqs: list[Sequence], loop: Optional[asyncio.AbstractEventLoop] = None) -> Request:
+        request = Request(seqs, loop)
+        with self._cv:
+            if self.draining:
+                raise Draining()
+            if len(self._pending) + len(seqs) > self.max_queue:
+                raise QueueFull()
+            self._pending.extend((s, request) for s in seqs)
+            self._cv.notify()
+        return request
+
+    def stats(self) -> dict:
+        with self._cv:
+            return {"active": len(self.batch.active()), "queued": len(self._pending), "completed": self.completed,
+                    "admissions": self.admissions, "compiled_shapes": len(self.gen.shapes),
+                    "draining": self.draining, "dtype": str(self.gen.config.compute_dtype)}
+
+    # ---- the engine thread ----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._stop and not self._pending and not self.batch.active() and not self._abort:
+                    self._cv.wait()
+                if self._stop:
+                    break
+                if self._abort:
+                    self._finish_everything(self._abort)
+                group = self._take_admissible()
+                for seq, request in group:
+                    self._owner[id(seq)] = request
+            try:
+                self._advance(group)
+            except Exception:  # noqa: BLE001 - fail the affected requests, keep serving
+                log.exception("generation failed; failing the affected requests")
+                self._fail_all(group)
+
+    def _finish_everything(self, reason: str) -> None:
+        """(Under the lock.) Queued sequences end now; running ones are retired by the next step."""
+        self._abort = None
+        while self._pending:
+            seq, request = self._pending.popleft()
+            seq.finish(reason)
+            request.notify()
+        for r in self.batch.active():
+            self.batch.rows[r].finish(reason)
+
+    def _take_admissible(self) -> list[tuple[Sequence, Request]]:
+        """Waiting sequences (in order) that fit in the batch now; drops cancelled/expired ones."""
+        group: list[tuple[Sequence, Request]] = []
+        now = time.monotonic()
+        while self._pending:
+            seq, request = self._pending[0]
+            if seq.cancelled or (seq.deadline is not None and now > seq.deadline):
+                self._pending.popleft()
+                seq.finish("cancelled" if seq.cancelled else "timeout")
+                request.notify()
+                continue
+            if self.batch.plan([s for s, _ in group] + [seq]) is None:
+                break  # first come, first served: later requests wait behind this one
+            group.append(self._pending.popleft())
+        return group
+
+    def _advance(self, group: list[tuple[Sequence, Request]]) -> None:
+        finished: list[Sequence] = []
+        if group:
+            for seq, request in group:
+                self._timing[id(seq)] = _Timing(request.submitted)
+            finished += self.batch.admit([s for s, _ in group])
+            self.admissions += 1
+            self.metrics.admitted([len(s.prompt) for s, _ in group])
+            self._observe([s for s, _ in group])
+        if self.batch.active():
+            in_batch = [self.batch.rows[r] for r in self.batch.active()]
+            finished += self.batch.step()
+            self._observe(in_batch)
+        touched = {id(r): r for r in self._owner.values()}
+        for seq in finished:
+            with self._cv:
+                self._owner.pop(id(seq), None)
+            self._timing.pop(id(seq), None)
+            self.completed += 1
+        for request in touched.values():
+            request.notify()
+
+    def _observe(self, seqs: list[Sequence]) -> None:
+        """Record new tokens of `seqs`: the first one's latency from submission, the others' spacing."""
+        now = time.monotonic()
+        for seq in seqs:
+            t = self._timing.get(id(seq))
+            new = len(seq.tokens) - t.seen if t else 0
+            if new <= 0:
+                continue
+            spaced = new - 1 if t.seen == 0 else new  # tokens after the first, each `spacing` apart
+            self.metrics.generated(new, first=now - t.submitted if t.seen == 0 else None,
+                                   spacing=(now - t.last) / spaced if spaced else 0.0, spaced=spaced)
+            t.last, t.seen = now, len(seq.tokens)
+
+    def _fail_all(self, group) -> None:
+        for seq, request in group:
+            seq.finish("error")
+            request.notify()
+        with self._cv:
+            owners = list(self._owner.values())
+            self._owner.clear()
+        for request in owners:
+            for s in request.seqs:
+                s.finish("error")
+            request.notify()
+        self._timing.clear()
+        self.batch = Batch(self.gen, self.batch.size, self.batch.slots, self.batch.chunk)
+
+    def generate(self, prompt_ids: list[int], options: SamplingOptions, timeout: Optional[float] = None) -> Sequence:
+        """Blocking helper (tests, scripts): one sequence through the queue."""
+        seq = self.sequence(prompt_ids, options, timeout)
+        request = self.submit([seq])
+        while not request.finished:
+            request.updated.wait()
+            request.updated.clear()
+        return seq

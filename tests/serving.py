@@ -1,0 +1,75 @@
+"""What the serving tests share: an in-process server on loopback over the tiny model.
+
+Import the fixtures into a test module (`from tests.serving import engine, url, client`): each
+module gets its own Engine (4 rows, 4-token decode chunks) over the session's compiled Generator,
+served by uvicorn in a thread on a free 127.0.0.1 port with API key `KEY`.
+"""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import pytest
+
+from mesh_transformer.generate import SamplingOptions
+from mesh_transformer.serve import Engine, create_app
+from tests.helpers import NEW
+
+KEY = "test-key"
+LIMIT = 4096
+
+
+def start_server(app):
+    """uvicorn in a daemon thread on a free loopback port -> (server, base url)."""
+    import uvicorn
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True).start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline, "server did not start"
+        time.sleep(0.01)
+    return server, f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
+def library_text(gen, tiny, prompts, max_new_tokens=NEW, **kw):
+    """Greedy completions straight from the library, 4 prompts per batch (the compiled shape).
+    `prompts`: strings or token-id lists."""
+    opts = SamplingOptions(max_new_tokens=max_new_tokens, temperature=0.0, eos_token_id=tiny.eos, **kw)
+    ids = [tiny.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+    out = []
+    for i in range(0, len(ids), 4):
+        group = ids[i:i + 4]
+        out += [s.text for s in gen.generate(group + [group[0]] * (4 - len(group)), opts, tiny.tokenizer)[:len(group)]]
+    return out
+
+
+def wait_idle(engine, timeout: float = 30) -> None:
+    """Until no sequence is queued or running (cancelled rows are retired at the next step)."""
+    deadline = time.monotonic() + timeout
+    while engine.stats()["active"] or engine.stats()["queued"]:
+        assert time.monotonic() < deadline, engine.stats()
+        time.sleep(0.02)
+
+
+@pytest.fixture(scope="module")
+def engine(gen, tiny):
+    engine = Engine(gen, tiny.tokenizer, max_batch=4, chunk=4, max_queue=256).start()
+    yield engine
+    engine.stop()
+
+
+@pytest.fixture(scope="module")
+def url(engine):
+    server, base = start_server(create_app(engine, model_name="tiny", api_key=KEY, max_request_bytes=LIMIT))
+    yield base
+    server.should_exit = True
+
+
+@pytest.fixture(scope="module")
+def client(url):
+    from openai import OpenAI
+    return OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=60)
