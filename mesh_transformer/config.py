@@ -29,7 +29,6 @@ LEGACY_KEYS = {
     "early_cast": "parameters are always cast to compute_dtype before the forward pass",
     "val_batch_multiplier": "validation uses per_replica_batch",
     "noise_scale_alpha": "gradient-noise-scale statistics are not computed",
-    "bf16_optimizer": "optimizer state is kept in float32",
     "early_collect": "ZeRO gathers each layer inside the scan (see `zero`)",
     "eval_only": "use the evaluation tools instead",
 }
@@ -160,6 +159,11 @@ class TrainConfig:
     name: str = "mesh-transformer"
     wandb_project: Optional[str] = None
     eval_harness_tasks: list = field(default_factory=list)
+    lora: Optional[dict] = None  # {"rank", "alpha", "dropout", "targets"}: train adapters only (mesh_transformer.lora)
+    bf16_optimizer: bool = False  # Adam moments in bfloat16 (the original v2's key)
+    fcm_max_ratio: float = 0.0  # forgetful causal masking: mask up to this fraction of keys (training only)
+    fcm_min_ratio: float = 0.0
+    document_masking: bool = False  # plain text: documents packed in a row do not attend to each other
 
 
 @dataclass(frozen=True)
@@ -274,3 +278,9 @@ def validate(config: Config) -> None:
         require(t.tpu_size % t.cores_per_replica == 0, "tpu_size",
                  f"{t.tpu_size} devices cannot be split into model-parallel groups of cores_per_replica={t.cores_per_replica}")
     require(all(isinstance(v, str) for v in t.val_set.values()), "val_set", "must map names to index paths")
+    require(0 <= t.fcm_min_ratio <= t.fcm_max_ratio < 1, "fcm_max_ratio" if t.fcm_max_ratio < t.fcm_min_ratio
+            or t.fcm_max_ratio >= 1 else "fcm_min_ratio",
+            f"need 0 <= fcm_min_ratio <= fcm_max_ratio < 1, got {t.fcm_min_ratio} and {t.fcm_max_ratio}")
+    if t.lora is not None:
+        from mesh_transformer import lora
+        lora.resolve(m, lora.LoraConfig.from_dict(t.lora))

@@ -68,12 +68,13 @@ def family_for_hf(model_type) -> Family:
     raise ConfigError(f"config.json: model_type {model_type!r} is not supported (supported: {', '.join(supported)})")
 
 
-_MODELS: dict[tuple[str, int], core.Model] = {}
+_MODELS: dict[tuple, core.Model] = {}
 
 
-def build(config: ModelConfig, mp: int = 1) -> core.Model:
-    """The family's network for `config`, vocabulary padded for `mp` shards (one per config and mp)."""
-    key = (json.dumps({"cls": type(config).__name__, **dataclasses.asdict(config)}, sort_keys=True), mp)
+def build(config: ModelConfig, mp: int = 1, lora=None) -> core.Model:
+    """The family's network for `config`, vocabulary padded for `mp` shards (one per config, mp and
+    `lora`, a `parallel.LoRAPlan` adding adapters)."""
+    key = (json.dumps({"cls": type(config).__name__, **dataclasses.asdict(config)}, sort_keys=True), mp, lora)
     if key not in _MODELS:
-        _MODELS[key] = core.build(config, family(config.family).block, mp)
+        _MODELS[key] = core.build(config, family(config.family).block, mp, lora)
     return _MODELS[key]

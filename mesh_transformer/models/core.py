@@ -88,15 +88,19 @@ class Transformer(hk.Module):
         super().__init__(name=config.family)
         self.config, self.block, self.padded_vocab = config, block, padded_vocab
 
-    def __call__(self, tokens, cache: Optional[KVCache] = None, last_only: bool = False):
+    def __call__(self, tokens, cache: Optional[KVCache] = None, last_only: bool = False, segments=None,
+                 key_keep=None):
         """tokens [B, T] (int) -> (logits [B, T, V/mp] float32, this shard's vocabulary slice; new cache).
 
         Without a cache the T tokens are positions 0..T-1 under a causal mask (training). With a
         cache they go into slots cache.index .. index+T-1 and attend to every earlier valid slot.
         `last_only` computes logits for the last position only ([B, 1, V/mp]; prefill).
+        Training only: `segments` [B, T] (int) keeps packed examples apart (a token attends to its
+        own segment, positions restart at each); `key_keep` [B, T] (bool) drops the keys it marks
+        False from every query's view (forgetful causal masking).
         """
         c, stem = self.config, self.config.stem()
-        ctx = _context(tokens.shape, cache)
+        ctx = _context(tokens.shape, cache, segments, key_keep)
         dtype = jnp.dtype(c.compute_dtype)
         embedding = Embedding(self.padded_vocab, stem.embed_proj or c.d_model,
                               width_axis="embed_proj" if stem.embed_proj else "embed")
@@ -131,18 +135,36 @@ class Transformer(hk.Module):
         return logits, cache
 
 
-def _context(shape, cache: Optional[KVCache]) -> Context:
-    """Positions, mask [B, 1, 1, T, S] and key positions for `shape` = (B, T) new tokens."""
+def _context(shape, cache: Optional[KVCache], segments=None, key_keep=None) -> Context:
+    """Positions, mask [B, 1, 1, T, S] and key positions for `shape` = (B, T) new tokens.
+
+    segments [B, T]: positions count from each segment's first token and attention stays inside a
+    segment, so a packed row computes what its examples would one by one. key_keep [B, T]: keys
+    that no query may attend to where False.
+    """
     batch, t = shape
     if cache is None:
-        positions = jnp.broadcast_to(jnp.arange(t), shape)
-        mask = jnp.tril(jnp.ones((t, t), dtype=bool))[None, None, None]
-        return Context(positions, mask, positions)
+        mask = jnp.tril(jnp.ones((t, t), dtype=bool))[None]  # [1, T, S]
+        if segments is None:
+            positions = jnp.broadcast_to(jnp.arange(t), shape)
+        else:
+            positions = segment_positions(segments)
+            mask = mask & (segments[:, :, None] == segments[:, None, :])
+        if key_keep is not None:
+            mask = mask & key_keep[:, None, :]
+        return Context(positions, mask[:, None, None], positions)
     slots = cache.index + jnp.arange(t)  # [T]
     positions = jnp.maximum(slots[None, :] - cache.start[:, None], 0)
     keys = jnp.arange(cache.slots)  # [S]
     mask = (keys[None, None, :] <= slots[None, :, None]) & (keys[None, None, :] >= cache.start[:, None, None])
     return Context(positions, mask[:, None, None], keys[None, :] - cache.start[:, None], cache.index)
+
+
+def segment_positions(segments):
+    """segments [B, T] -> [B, T] int32: each token's position inside its segment (0 at its first token)."""
+    t = jnp.arange(segments.shape[1])
+    first = jnp.concatenate([jnp.ones_like(segments[:, :1], bool), segments[:, 1:] != segments[:, :-1]], axis=1)
+    return (t - jax.lax.cummax(jnp.where(first, t, 0), axis=1)).astype(jnp.int32)
 
 
 def unstacked(i: int) -> str:
@@ -182,13 +204,16 @@ class Model:
     config: ModelConfig
     mp: int
     transformed: hk.Transformed
+    lora: Optional[parallel.LoRAPlan] = None  # adapters on the weights it targets (their leaves end _lora_a/_lora_b)
 
     def init(self, rng, tokens=None):
         tokens = jnp.zeros((1, min(8, self.config.seq)), jnp.int32) if tokens is None else tokens
         return self.transformed.init(rng, tokens)
 
-    def apply(self, params, tokens, cache: Optional[KVCache] = None, last_only: bool = False):
-        return self.transformed.apply(params, tokens, cache, last_only)
+    def apply(self, params, tokens, cache: Optional[KVCache] = None, last_only: bool = False, *,
+              segments=None, key_keep=None, rng=None):
+        """`rng`: only LoRA dropout draws from it (None: no dropout)."""
+        return self.transformed.apply(params, rng, tokens, cache, last_only, segments, key_keep)
 
     @functools.cached_property
     def _declared(self):
@@ -255,8 +280,10 @@ def _pairs(params, infos):
     return [(x, infos[m][n]) for m, leaves in params.items() for n, x in leaves.items()]
 
 
-def build(config: ModelConfig, block: Callable, mp: int = 1) -> Model:
+def build(config: ModelConfig, block: Callable, mp: int = 1, lora: Optional[parallel.LoRAPlan] = None) -> Model:
     padded = config.padded_vocab(mp)
-    transformed = hk.without_apply_rng(hk.transform(
-        lambda tokens, cache=None, last_only=False: Transformer(config, block, padded)(tokens, cache, last_only)))
-    return Model(config, mp, transformed)
+    def forward(tokens, cache=None, last_only=False, segments=None, key_keep=None):
+        with parallel.lora_plan(lora):
+            return Transformer(config, block, padded)(tokens, cache, last_only, segments, key_keep)
+    transformed = hk.transform(forward)
+    return Model(config, mp, transformed, lora)

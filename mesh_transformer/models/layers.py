@@ -44,6 +44,8 @@ def dense(equation: str, x, w, dtype=None):
         raise ValueError(f"dense({equation!r}): expected x [..., *inputs] and a weight [*inputs, *outputs]")
     batch = x.shape[:x.ndim - n_in]
     x = x.reshape(*batch, -1)
+    if isinstance(w, parallel.LoRAWeight):
+        return _lora_dense(x, w, n_in, batch, dtype or x.dtype)
     if isinstance(w, parallel.InputsLast):
         outputs = w.array.shape[:-n_in]
         y = jnp.einsum("...k,ok->...o", x, w.array.reshape(math.prod(outputs), -1), preferred_element_type=jnp.float32)
@@ -51,6 +53,23 @@ def dense(equation: str, x, w, dtype=None):
         outputs = w.shape[n_in:]
         y = jnp.einsum("...k,ko->...o", x, w.reshape(-1, math.prod(outputs)), preferred_element_type=jnp.float32)
     return y.reshape(*batch, *outputs).astype(dtype or x.dtype)
+
+
+def _lora_dense(x, w: "parallel.LoRAWeight", n_in: int, batch, dtype):
+    """x [..., K] -> x W + scale * (dropout(x) A) B, W [*inputs, *outputs], A [*inputs, r], B [r, *outputs]
+    (LoRA, Hu et al. 2021; PEFT's order of operations). The low-rank path costs 2 r (K + outputs) per row."""
+    outputs = w.base.shape[n_in:]
+    y = jnp.einsum("...k,ko->...o", x, w.base.reshape(-1, math.prod(outputs)), preferred_element_type=jnp.float32)
+    xa = x
+    key = hk.maybe_next_rng_key() if w.dropout > 0 else None
+    if key is not None:  # training: one mask per data-parallel shard (the data differs), the same over mp
+        key = jax.random.fold_in(key, parallel.dp_index())
+        keep = jax.random.bernoulli(key, 1.0 - w.dropout, x.shape)
+        xa = jnp.where(keep, x / (1.0 - w.dropout), 0).astype(x.dtype)
+    low = jnp.einsum("...k,kr->...r", xa, w.a.reshape(-1, w.a.shape[-1]), preferred_element_type=jnp.float32)
+    low = jnp.einsum("...r,ro->...o", low.astype(x.dtype), w.b.reshape(w.b.shape[0], -1),
+                     preferred_element_type=jnp.float32)
+    return (y + w.scale * low).reshape(*batch, *outputs).astype(dtype)
 
 
 class RowParallel(NamedTuple):
@@ -253,7 +272,8 @@ class Attention(hk.Module):
         """h [B, T, D] -> [B, T, heads here, H] (q, k or v); for replicated kv heads, only this shard's one."""
         w = parallel.weight(f"{which}_proj", shape, axes, 1, normal(self.spec.init_std), h.dtype)
         b = parallel.param(f"{which}_bias", shape[1:], axes[1:], ZEROS, h.dtype) if self.spec.qkv_bias else None
-        heads_here = (w.array.shape[0] if isinstance(w, parallel.InputsLast) else w.shape[1])
+        heads_here = (w.array.shape[0] if isinstance(w, parallel.InputsLast)
+                      else w.base.shape[1] if isinstance(w, parallel.LoRAWeight) else w.shape[1])
         if n_local is not None and heads_here * kv_group > n_local:  # kv heads replicated over mp
             head = (parallel.mp_index() * n_local) // kv_group
             w = _one_head(w, head)
@@ -286,6 +306,8 @@ def _one_head(w, head):
     """The weight [D, K, H] (or inputs-last [K, H, D]) of kv head `head` alone: [D, 1, H]."""
     if isinstance(w, parallel.InputsLast):
         return parallel.InputsLast(jax.lax.dynamic_slice_in_dim(w.array, head, 1, axis=0), w.inputs)
+    if isinstance(w, parallel.LoRAWeight):  # B [r, K, H]: its kv head too
+        return w._replace(base=_one_head(w.base, head), b=jax.lax.dynamic_slice_in_dim(w.b, head, 1, axis=1))
     return jax.lax.dynamic_slice_in_dim(w, head, 1, axis=1)
 
 

@@ -9,6 +9,7 @@ same model code runs unsharded: every helper below is then the identity.
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 from dataclasses import dataclass
 from typing import Callable, Mapping, NamedTuple, Optional
@@ -88,6 +89,49 @@ def infos_for(params, record: Mapping[str, ParamInfo], stacked: str):
     return {module: {name: info(module, name) for name in leaves} for module, leaves in params.items()}
 
 
+class LoRAPlan(NamedTuple):
+    """Which matmul weights get low-rank adapters while a LoRA model runs (see `mesh_transformer.lora`).
+
+    targets: {(module name, leaf)}, the module being the last part of its Haiku path ("attn", "mlp",
+    "head", or the family's root for OPT's projections); scale = alpha / rank.
+    """
+
+    targets: frozenset
+    rank: int
+    scale: float
+    dropout: float = 0.0
+
+
+class LoRAWeight(NamedTuple):
+    """A frozen weight [*inputs, *outputs] with its adapter: W + scale * A @ B, with A [*inputs, r] and
+    B [r, *outputs] sharded like W's input and output axes (the rank axis is never split).
+    `layers.dense` computes x W + scale * (dropout(x) A) B, never the merged weight."""
+
+    base: jax.Array
+    a: jax.Array
+    b: jax.Array
+    scale: float
+    dropout: float = 0.0
+
+
+@contextlib.contextmanager
+def lora_plan(plan: Optional[LoRAPlan]):
+    """While active, `weight` adds adapters to the weights `plan` targets (None: no adapters)."""
+    previous = getattr(_state, "lora", None)
+    _state.lora = plan
+    try:
+        yield
+    finally:
+        _state.lora = previous
+
+
+LORA_A, LORA_B = "_lora_a", "_lora_b"  # leaf-name suffixes of the two factors
+
+
+def is_adapter(leaf: str) -> bool:
+    return leaf.endswith(LORA_A) or leaf.endswith(LORA_B)
+
+
 class InputsLast(NamedTuple):
     """A weight as stored with its `inputs` leading logical axes moved last; `layers.dense` reads it."""
 
@@ -108,8 +152,19 @@ def param(name: str, shape: tuple[int, ...], axes: tuple[str, ...], init, cast_t
 
 def weight(name: str, shape: tuple[int, ...], axes: tuple[str, ...], inputs: int, init, cast_to=None):
     """A matmul weight [*input axes, *output axes] (`inputs` leading axes are contracted): decays,
-    and may be stored inputs-last for decoding, in which case it comes back as `InputsLast`."""
-    return _declare(name, shape, ParamInfo(tuple(axes), inputs, True), init, cast_to)
+    and may be stored inputs-last for decoding, in which case it comes back as `InputsLast`.
+    Under a `lora_plan` that targets it, it comes back as a `LoRAWeight`."""
+    w = _declare(name, shape, ParamInfo(tuple(axes), inputs, True), init, cast_to)
+    plan = getattr(_state, "lora", None)
+    if plan is None or (hk.experimental.current_name().split("/")[-1], name) not in plan.targets:
+        return w
+    r, fan_in = plan.rank, math.prod(shape[:inputs])
+    # PEFT's init: A ~ kaiming_uniform(a=sqrt(5)) = U(+-1/sqrt(fan_in)), B = 0 (the adapter starts as a no-op).
+    a = _declare(name + LORA_A, (*shape[:inputs], r), ParamInfo((*axes[:inputs], "lora_rank"), inputs, True),
+                 hk.initializers.RandomUniform(-1 / math.sqrt(fan_in), 1 / math.sqrt(fan_in)), cast_to)
+    b = _declare(name + LORA_B, (r, *shape[inputs:]), ParamInfo(("lora_rank", *axes[inputs:]), 1, True),
+                 hk.initializers.Constant(0.0), cast_to)
+    return LoRAWeight(w, a, b, plan.scale, plan.dropout)
 
 
 def _declare(name: str, shape, info: ParamInfo, init, cast_to):
@@ -169,6 +224,11 @@ def mp_size() -> int:
     """The number of model-parallel shards (1 outside shard_map)."""
     manual = _current()
     return manual.axis_sizes.get(MP, 1) if manual is not None else 1
+
+
+def dp_index():
+    """This device's position along 'dp' (0 outside shard_map)."""
+    return jax.lax.axis_index(DP) if _bound(DP) else 0
 
 
 def psum_dp(x):
