@@ -8,6 +8,8 @@ Writes config.json and safetensors shards (plus the checkpoint's tokenizer files
 tensor at a time: from our checkpoints host memory holds the parameters once plus one output shard;
 from v1 checkpoints (any shard count, slim or full) one tensor, or one shard's part of it, at a time
 (bench/v1_convert.py: 4-7% of the checkpoint's size).
+A LoRA run's checkpoint exports merged (a plain HF model); `--peft` writes its adapter for
+`peft.PeftModel.from_pretrained(base, OUT)` instead.
 --config is required for v1 checkpoints (the original's flag), ignored for ours, which carry their own.
 """
 import argparse
@@ -25,6 +27,9 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="fp16", choices=("fp16", "bf16", "fp32"))
     p.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
     p.add_argument("--max-shard-gb", type=float, default=2.0, help="size of each safetensors file")
+    p.add_argument("--peft", action="store_true",
+                   help="a LoRA run: write the adapter in PEFT's format (adapter_config.json + "
+                        "adapter_model.safetensors) instead of the merged model")
     p.add_argument("--cpu", action="store_true", help="run on the CPU (the conversion never needs an accelerator)")
     p.add_argument("--debug", action="store_true", help="print each tensor as it is written")
     args = p.parse_args(argv)
@@ -41,7 +46,7 @@ def main(argv=None) -> int:
                 mtj_v1.export_hf(ckpt, local_out, args.dtype, max_shard, progress)
         else:
             with remote.local_output(args.output_path) as local_out:
-                hf.checkpoint_to_hf(args.input_ckpt, local_out, args.dtype, args.step, max_shard)
+                hf.checkpoint_to_hf(args.input_ckpt, local_out, args.dtype, args.step, max_shard, peft=args.peft)
     if status.code:
         return status.code
     print(f"wrote {args.output_path}")

@@ -60,28 +60,48 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--dp", type=int, help="data-parallel replicas (default: all remaining devices)")
     group.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                        help="compute dtype (default: the config's, bfloat16)")
+    group.add_argument("--lora-adapter", metavar="DIR",
+                       help="a PEFT LoRA adapter (adapter_config.json + adapter_model.safetensors) to merge "
+                            "into the weights at load")
 
 
 def from_args(args: argparse.Namespace) -> LoadedModel:
     return load(ckpt=args.ckpt, hf=args.hf, config=args.config, tokenizer=args.tokenizer,
-                mp=args.mp, dp=args.dp, dtype=args.dtype)
+                mp=args.mp, dp=args.dp, dtype=args.dtype, lora_adapter=getattr(args, "lora_adapter", None))
 
 
 def load(ckpt: Optional[str] = None, hf: Optional[str] = None, config: Optional[str] = None,
          tokenizer: Optional[str] = None, mp: Optional[int] = None, dp: Optional[int] = None,
-         dtype: Optional[str] = None) -> LoadedModel:
-    """Exactly one of `ckpt` / `hf`; see the module docstring."""
+         dtype: Optional[str] = None, lora_adapter: Optional[str] = None) -> LoadedModel:
+    """Exactly one of `ckpt` / `hf`; see the module docstring. LoRA adapters (a LoRA run's checkpoint,
+    or a PEFT `lora_adapter`) are merged into the weights here, so decoding costs nothing extra."""
     if (ckpt is None) == (hf is None):
         raise ConfigError("give exactly one of --ckpt (a training checkpoint) or --hf (a Hugging Face directory)")
     if ckpt is not None:
         from mesh_transformer.io import mtj_v1
         step_dir = mtj_v1.find(ckpt)
         if step_dir is not None:  # the original's format: the model's shape comes from --config alone
-            return _load_v1(ckpt, step_dir, config, tokenizer, mp, dp, dtype)
+            loaded = _load_v1(ckpt, step_dir, config, tokenizer, mp, dp, dtype)
+            return _with_adapter(loaded, lora_adapter)
     override = load_config(config) if config else None
     if hf is not None:
-        return _load_hf(hf, override, tokenizer, mp, dp, dtype)
-    return _load_ckpt(ckpt, override, tokenizer, mp, dp, dtype)
+        return _with_adapter(_load_hf(hf, override, tokenizer, mp, dp, dtype), lora_adapter)
+    return _with_adapter(_load_ckpt(ckpt, override, tokenizer, mp, dp, dtype), lora_adapter)
+
+
+def _with_adapter(loaded: LoadedModel, adapter: Optional[str]) -> LoadedModel:
+    """Merge a PEFT LoRA adapter into the loaded weights (W + alpha/r B A), keeping their dtype and placement."""
+    if adapter is None:
+        return loaded
+    import numpy as np
+    from mesh_transformer import lora
+
+    mp = loaded.mesh.shape[parallel.MP]
+    spec, adapters = lora.load_peft(adapter, loaded.config, mp)
+    host = jax.tree.map(lambda x: np.asarray(x, np.float32), loaded.params)
+    merged = lora.merged(lora.join(host, adapters), spec.scale)
+    loaded.params = jax.tree.map(lambda m, x: jax.device_put(m.astype(x.dtype), x.sharding), merged, loaded.params)
+    return loaded
 
 
 def _mesh(mp: Optional[int], dp: Optional[int], train_mp: Optional[int]) -> Mesh:
@@ -119,7 +139,11 @@ def _load_ckpt(path, override: Optional[Config], tokenizer, mp, dp, dtype) -> Lo
     model = models.build(config, mesh.shape[parallel.MP])
     model.check_mesh(mesh.shape, zero=False)
     shardings = parallel.named(mesh, model.param_specs(model.rules(False, mesh.shape[parallel.MP])))
-    params = manager.restore_params(abstract_params=model.abstract_params, target_shardings=shardings)
+    if full.train.lora is not None:  # adapters + a reference to the base: merged here
+        from mesh_transformer import lora
+        params = lora.restore_merged(manager, full, mesh.shape[parallel.MP], shardings=shardings)
+    else:
+        params = manager.restore_params(abstract_params=model.abstract_params, target_shardings=shardings)
     return LoadedModel(config, params, resolve_tokenizer(tokenizer, path, config), mesh, _name(path))
 
 

@@ -322,3 +322,100 @@ def _crop_vocab(b, model: ModelConfig, module: str, leaf: str):
 def _conv1d(model: ModelConfig) -> bool:
     """GPT-2 stores its linear layers as Conv1D [in, out] (PEFT's fan_in_fan_out)."""
     return model.family == "gpt2"
+
+
+# --------------------------------------------------------------------------------------------
+# The base a LoRA run adapts: recorded by reference in each checkpoint
+# --------------------------------------------------------------------------------------------
+
+BASE_KEY, FINGERPRINT_KEY = "lora_base", "lora_base_fingerprint"
+
+
+def base_reference(hf: Optional[str] = None, ckpt: Optional[str] = None, step: Optional[int] = None,
+                   seed: Optional[int] = None) -> dict:
+    """What a checkpoint records about its base: {"hf": dir} | {"ckpt": dir, "step": n} | {"init": seed}."""
+    def where(path):
+        return path if "://" in str(path) else str(Path(path).resolve())
+    if hf is not None:
+        return {"hf": where(hf)}
+    if ckpt is not None:
+        return {"ckpt": where(ckpt), "step": step}
+    return {"init": seed}
+
+
+def base_params(ref: dict, model: ModelConfig, mp: int = 1, shardings=None):
+    """Read the base `ref` points to -> plain params (no adapters; numpy float32, or placed by `shardings`)."""
+    from mesh_transformer import models
+    if not isinstance(ref, dict) or not ({"hf", "ckpt", "init"} & set(ref)):
+        raise ConfigError(f"this LoRA checkpoint names no base model ({BASE_KEY} = {ref!r})")
+    if "hf" in ref:
+        from mesh_transformer.io import hf
+        found, params = hf.load_hf(ref["hf"], mp=mp)
+        if found.architecture() != model.architecture():
+            raise ConfigError(f"{ref['hf']}: the LoRA base's architecture is not the config's")
+        return params if shardings is None else _place(params, shardings)
+    if "ckpt" in ref:
+        import jax
+        from mesh_transformer.io.checkpoint import CheckpointManager
+        abstract = models.build(model, mp).abstract_params
+        if shardings is None:
+            cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+            shardings = jax.tree.map(lambda _: cpu, abstract)
+        return CheckpointManager(ref["ckpt"], read_only=True).restore_params(
+            ref.get("step"), abstract_params=abstract, target_shardings=shardings, check_config=False)
+    import jax
+    params = models.build(model, mp).init(jax.random.key(ref["init"]))
+    return params if shardings is None else _place(params, shardings)
+
+
+def _place(params, shardings):
+    import jax
+    return jax.tree.map(lambda x, s: jax.device_put(np.asarray(x, np.float32), s), params, shardings)
+
+
+def fingerprint(base) -> int:
+    """One 32-bit number for a whole base (float32 view of each leaf), to notice a changed base on resume."""
+    import zlib
+    import jax
+    import jax.numpy as jnp
+    from mesh_transformer.io.checkpoint import fingerprints
+    prints = fingerprints(jax.tree.map(lambda x: jnp.asarray(x).astype(jnp.float32), base))
+    return zlib.crc32(json.dumps(sorted(prints.items())).encode())
+
+
+def from_train(train) -> Optional[LoraConfig]:
+    """The LoraConfig of a TrainConfig (None without the "lora" key)."""
+    return LoraConfig.from_dict(train.lora) if train.lora is not None else None
+
+
+def restore_merged(manager, config, mp: int, step: Optional[int] = None, shardings=None):
+    """A LoRA training checkpoint -> plain float32 params with the adapters merged in (W + scale A B).
+
+    `manager`: a CheckpointManager on the run; `config`: its Config. Returns numpy params, or placed
+    by `shardings` (a params-shaped tree of shardings)."""
+    import jax
+    from mesh_transformer import models
+    spec = from_train(config.train)
+    ref = manager.extras(step).get(BASE_KEY)
+    base = base_params(ref, config.model, mp)
+    adapters = restore_adapters(manager, config, step)
+    merged_params = merged(join(jax.tree.map(np.asarray, base), adapters), spec.scale)
+    if shardings is None:
+        return merged_params
+    del models
+    return _place(merged_params, shardings)
+
+
+def restore_adapters(manager, config, step: Optional[int] = None):
+    """The adapter leaves of a LoRA training checkpoint, as numpy float32 (shapes as saved)."""
+    import jax
+    from mesh_transformer import models
+    spec = from_train(config.train)
+    shapes = manager.saved_shapes(step)
+    abstract = split(models.build(config.model, 1, plan(config.model, spec)).abstract_params)[0]
+    abstract = {m: {n: jax.ShapeDtypeStruct(shapes.get(f"params.{m}.{n}", x.shape), x.dtype) for n, x in leaves.items()}
+                for m, leaves in abstract.items()}
+    cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+    adapters = manager.restore_params(step, abstract_params=abstract, target_shardings=jax.tree.map(lambda _: cpu, abstract),
+                                      check_config=False)
+    return jax.tree.map(np.asarray, adapters)

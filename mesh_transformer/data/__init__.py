@@ -519,6 +519,18 @@ def _local_copy(path: str, sha256: str, cache_dir: str | None, verify: bool) -> 
     return local
 
 
+def segment_ids(tokens: np.ndarray, eos_id: int) -> np.ndarray:
+    """uint16 [..., seq+1]: which document or example of its row each token belongs to.
+
+    Every document and every prompt/completion example ends with EOS, so a new segment starts after
+    each EOS (padding EOS tokens are one-token segments, all with mask 0). Derived when read, so every
+    dataset — those written before segments existed too — has them.
+    """
+    ends = (tokens == eos_id).astype(np.int64)
+    starts = np.concatenate([np.zeros_like(ends[..., :1]), ends[..., :-1]], axis=-1)
+    return (np.cumsum(starts, axis=-1) % 65536).astype(np.uint16)
+
+
 class Loader:
     """Batches ``{"tokens": int32 [A, B_local, seq+1], "mask": float32 [A, B_local, seq]}``.
 
@@ -536,7 +548,8 @@ class Loader:
 
     def __init__(self, dataset: Dataset, global_batch: int, seed: int = 0, *, process_index: int = 0,
                  process_count: int = 1, rows: tuple[int, int] | None = None, accumulation: int = 1,
-                 shuffle: bool = True, repeat: bool = True, state: dict | None = None, prefetch: int = 4):
+                 shuffle: bool = True, repeat: bool = True, state: dict | None = None, prefetch: int = 4,
+                 segments: bool = False):
         if global_batch % process_count:
             raise ValueError(f"global_batch={global_batch} is not divisible by process_count={process_count}")
         if not 0 <= process_index < process_count:
@@ -544,6 +557,7 @@ class Loader:
         if len(dataset) == 0:
             raise ValueError(f"{dataset.path}: dataset has no sequences")
         self.dataset, self.seed, self.shuffle, self.repeat = dataset, seed, shuffle, repeat
+        self.segments = segments  # add "segments" [A, B_local, seq+1] (see `segment_ids`)
         self.accumulation, self.global_batch = accumulation, global_batch
         if rows is None:
             rows = (process_index * global_batch // process_count, (process_index + 1) * global_batch // process_count)
@@ -598,7 +612,10 @@ class Loader:
         ids = self._ids(position, per_step).reshape(self.accumulation, self.global_batch)[:, self._columns]
         tokens, mask = self.dataset.read(ids.reshape(-1))
         a, b = ids.shape
-        return {"tokens": tokens.reshape(a, b, -1), "mask": mask.reshape(a, b, -1)}
+        batch = {"tokens": tokens.reshape(a, b, -1), "mask": mask.reshape(a, b, -1)}
+        if self.segments:
+            batch["segments"] = segment_ids(batch["tokens"], self.dataset.eos_id)
+        return batch
 
     def _produce(self, position: int):
         per_step = self.accumulation * self.global_batch

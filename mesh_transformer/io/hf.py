@@ -241,10 +241,12 @@ def hf_to_checkpoint(hf_dir: str, ckpt_dir: str, train=None) -> int:
     return model_config.n_params()
 
 
-def checkpoint_to_hf(ckpt_dir: str, out_dir: str, dtype: str = "fp16", step=None, max_shard_bytes: int = 2 << 30) -> Path:
+def checkpoint_to_hf(ckpt_dir: str, out_dir: str, dtype: str = "fp16", step=None, max_shard_bytes: int = 2 << 30,
+                     peft: bool = False) -> Path:
     """Export the params of a checkpoint (latest step by default) as a HF model directory.
 
-    Parameters are restored unsharded on the host CPU once, then written tensor by tensor.
+    Parameters are restored unsharded on the host CPU once, then written tensor by tensor. A LoRA
+    run's checkpoint exports merged (a plain HF model), or with `peft` as a PEFT adapter directory.
     """
     import jax
     from jax.sharding import SingleDeviceSharding
@@ -256,7 +258,21 @@ def checkpoint_to_hf(ckpt_dir: str, out_dir: str, dtype: str = "fp16", step=None
     saved = ckpt.saved_config(step)
     if saved is None:
         raise CheckpointError(f"{ckpt_dir}: the checkpoint holds no config; cannot tell the model's shape")
-    config = config_from_dict(saved).model
+    full = config_from_dict(saved)
+    config = full.model
+    if peft and full.train.lora is None:
+        raise ConfigError(f"{ckpt_dir}: --peft needs a LoRA run's checkpoint (its config has no 'lora' key)")
+    if full.train.lora is not None:
+        from mesh_transformer import lora
+        if peft:
+            spec, ref = lora.LoraConfig.from_dict(full.train.lora), ckpt.extras(step).get(lora.BASE_KEY) or {}
+            out = lora.save_peft(lora.restore_adapters(ckpt, full, step), config, spec, out_dir,
+                                 base=ref.get("hf") or ref.get("ckpt"))
+        else:
+            out = save_hf(lora.restore_merged(ckpt, full, 1, step), config, out_dir, dtype=dtype,
+                          max_shard_bytes=max_shard_bytes)
+        _copy_tokenizer(ckpt_dir, out)
+        return out
     cpu = SingleDeviceSharding(jax.devices("cpu")[0])
     # The vocabulary padding the checkpoint was saved with (it depends on the mp it trained with).
     shapes = ckpt.saved_shapes(step)
@@ -265,8 +281,13 @@ def checkpoint_to_hf(ckpt_dir: str, out_dir: str, dtype: str = "fp16", step=None
     params = ckpt.restore_params(step, abstract_params=abstract, target_shardings=jax.tree.map(lambda _: cpu, abstract),
                                  check_config=False)
     out = save_hf(params, config, out_dir, dtype=dtype, max_shard_bytes=max_shard_bytes)
+    _copy_tokenizer(ckpt_dir, out)
+    return out
+
+
+def _copy_tokenizer(ckpt_dir: str, out: Path) -> None:
+    from mesh_transformer.io import storage
     for name in TOKENIZER_FILES:
         source = storage.join(ckpt_dir, name)
         if storage.exists(source):
-            (out / name).write_bytes(storage.read_bytes(source))
-    return out
+            (Path(out) / name).write_bytes(storage.read_bytes(source))

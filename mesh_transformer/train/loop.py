@@ -23,7 +23,7 @@ from typing import Iterable, Mapping, Optional
 import jax
 import numpy as np
 
-from mesh_transformer import parallel
+from mesh_transformer import lora, parallel
 from mesh_transformer.io.checkpoint import CheckpointManager, checkpoint_dir
 from mesh_transformer.config import Config, ConfigError
 from mesh_transformer.errors import UserError
@@ -76,12 +76,18 @@ def train_loader(config: Config, dataset: Dataset, global_batch: int, state: Opt
     `rows`: this process's rows of each batch (default: all)."""
     t = config.train
     return Loader(dataset, global_batch, t.seed, accumulation=t.gradient_accumulation_steps, rows=rows,
-                  state=state or None)
+                  state=state or None, segments=uses_segments(config, dataset))
 
 
-def val_loader(dataset: Dataset, global_batch: int, rows: Optional[tuple[int, int]] = None) -> Loader:
+def uses_segments(config: Config, dataset: Dataset) -> bool:
+    """Packed prompt/completion examples always stay apart; plain-text documents with `document_masking`."""
+    return bool(dataset.has_mask or config.train.document_masking)
+
+
+def val_loader(dataset: Dataset, global_batch: int, rows: Optional[tuple[int, int]] = None,
+               segments: bool = False) -> Loader:
     """A validation pass: the set in order, once, the last batch padded with mask-0 rows."""
-    return Loader(dataset, global_batch, shuffle=False, repeat=False, rows=rows)
+    return Loader(dataset, global_batch, shuffle=False, repeat=False, rows=rows, segments=segments)
 
 
 def due(step: int, every: int) -> bool:
@@ -133,26 +139,42 @@ class TrainHost:
         self.ckpt = CheckpointManager(checkpoint_dir(t), keep_last=KEEP_LAST, keep_every=t.keep_every, config=config)
         self.tokens_per_step = tokens_per_step(config, self.trainer.global_batch)
         self._saved_step: Optional[int] = None
+        self._base_ref: Optional[dict] = None  # LoRA: where the frozen base came from
+        self._base_print: Optional[int] = None
 
     def start_state(self) -> tuple[TrainState, dict]:
-        """(state, loader state) to continue from; see the module docstring for the order."""
+        """(state, loader state) to continue from; see the module docstring for the order.
+
+        With LoRA the state holds the adapters; the frozen base is read from where the run's
+        checkpoints say it came from (`lora.BASE_KEY` in their extras) and checked against the
+        fingerprint recorded with it."""
         tr, o = self.trainer, self.options
         if self.ckpt.latest_step() is not None:
             state, extras = self.ckpt.restore(abstract_state=tr.abstract_state, target_shardings=tr.state_shardings)
             self._saved_step = int(state.step)
+            if tr.lora is not None:
+                self._load_base(extras.get(lora.BASE_KEY), extras.get(lora.FINGERPRINT_KEY))
             return state, extras.get("train_loader") or {}
         if o.hf:
             from mesh_transformer.io import hf
             hf_config, params = hf.load_hf(o.hf, mp=tr.mp)
             _check_same_architecture(hf_config, self.config, o.hf)
+            self._base_ref = lora.base_reference(hf=o.hf)
             return tr.state_from_params(params), {}
         if o.tune_model_path:
             from mesh_transformer.io import mtj_v1
             v1_dir = mtj_v1.find(o.tune_model_path)
             if v1_dir is not None:  # the original's format: a full one carries its Adam moments over
+                if tr.lora is not None:
+                    raise ConfigError(f"{o.tune_model_path}: LoRA on a mesh-transformer-jax v1 checkpoint: "
+                                      "convert it first (to_hf_weights.py, then --hf)")
                 v1 = mtj_v1.V1Checkpoint(v1_dir, self.config.model)
                 return mtj_v1.train_state(v1, tr, moments=v1.full and not o.fresh_opt), {}
             source = CheckpointManager(o.tune_model_path, read_only=True)
+            if tr.lora is not None:
+                step = source.latest_step()
+                self._load_base(lora.base_reference(ckpt=o.tune_model_path, step=step))
+                return tr.state_from_params(tr.base), {}
             if o.fresh_opt or not source.holds_optimizer_state():  # from_hf_weights.py writes params only
                 params = source.restore_params(abstract_params=tr.abstract_state.params,
                                                target_shardings=tr.state_shardings.params, check_config=False)
@@ -160,7 +182,20 @@ class TrainHost:
             state, _ = source.restore(abstract_state=tr.abstract_state, target_shardings=tr.state_shardings,
                                       check_config=False)
             return state._replace(step=jax.device_put(np.int32(0), tr.state_shardings.step)), {}
+        if tr.lora is not None:  # LoRA on a random base: reproducible from the seed
+            self._base_ref = lora.base_reference(seed=self.config.train.seed)
+            tr.base = tr.init_base(self.config.train.seed)
         return tr.init_state(self.config.train.seed), {}
+
+    def _load_base(self, ref: Optional[dict], expected: Optional[int] = None) -> None:
+        """Read the LoRA base `ref` names onto the mesh (compute dtype); ConfigError if it changed."""
+        tr = self.trainer
+        full = self.trainer.model.param_specs(self.trainer.rules)
+        shardings = parallel.named(tr.mesh, tr.split(full)[1])
+        tr.set_base(lora.base_params(ref, self.config.model, tr.mp, shardings=shardings))
+        self._base_ref = ref
+        if expected is not None and lora.fingerprint(tr.base) != expected:
+            raise ConfigError(f"the LoRA base {ref} is not the one this run was trained on (its weights changed)")
 
     def batch_rows(self) -> tuple[int, int]:
         """[start, stop) of the global batch's rows (axis 1 of [A, B, T+1]) that this process feeds.
@@ -192,7 +227,10 @@ class TrainHost:
     def device_batch(self, batch: dict) -> dict:
         """Crop a loader batch to the model's sequence length and place it on the mesh."""
         seq = self.config.model.seq
-        return self.trainer.shard_batch({"tokens": batch["tokens"][..., : seq + 1], "mask": batch["mask"][..., :seq]})
+        out = {"tokens": batch["tokens"][..., : seq + 1], "mask": batch["mask"][..., :seq]}
+        if "segments" in batch:
+            out["segments"] = batch["segments"][..., : seq + 1].astype(np.int32)
+        return self.trainer.shard_batch(out)
 
     def step(self, state: TrainState, batch: dict) -> tuple[TrainState, dict]:
         """One optimizer step on this process's rows of a batch -> (new state, logged metrics).
@@ -225,7 +263,12 @@ class TrainHost:
         right after a scheduled save); every process calls it with the same arguments."""
         step = int(state.step)
         if step != self._saved_step:
-            self.ckpt.save(step, state, extras={"train_loader": loader_state})
+            extras = {"train_loader": loader_state}
+            if self.trainer.lora is not None:  # the base by reference (README: "Fine-tune with LoRA")
+                if self._base_print is None:
+                    self._base_print = lora.fingerprint(self.trainer.base)
+                extras.update({lora.BASE_KEY: self._base_ref, lora.FINGERPRINT_KEY: self._base_print})
+            self.ckpt.save(step, state, extras=extras)
             self._saved_step = step
 
 
@@ -293,7 +336,8 @@ class TrainRun:
 
     def validate(self, params) -> dict:
         """val/loss_<name> over the first val_batches batches of each val_set, in order."""
-        loaders = {name: val_loader(dataset, self.trainer.global_batch, rows=self.host.batch_rows())
+        loaders = {name: val_loader(dataset, self.trainer.global_batch, rows=self.host.batch_rows(),
+                                    segments=uses_segments(self.config, dataset))
                    for name, dataset in self.val_sets.items()}
         try:
             return self.host.val_losses(params, loaders)

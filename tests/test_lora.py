@@ -1,0 +1,250 @@
+"""LoRA (with PEFT as the oracle), bf16 Adam moments, forgetful causal masking, packed segments."""
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from helpers import TINY, hf_logits, mesh, random_tokens, tiny_config
+from mesh_transformer import lora, parallel
+from mesh_transformer.config import ConfigError, config_from_dict
+from mesh_transformer.data import Dataset, segment_ids
+from mesh_transformer.train.loop import RunOptions, TrainRun
+from mesh_transformer.train.step import Trainer, fcm_keep
+
+torch = pytest.importorskip("torch")
+peft = pytest.importorskip("peft")
+
+HF = dict(vocab_size=101, n_positions=64, n_embd=32, n_layer=2, n_head=4, rotary_dim=4, bos_token_id=0,
+          eos_token_id=0)
+RANK, TARGETS = 4, ["q_proj", "v_proj", "fc_out"]
+
+
+def gptj_config(model_dir, **train):
+    return config_from_dict({"layers": 2, "d_model": 32, "n_heads": 4, "n_vocab": 101, "seq": 16, "pe_rotary_dims": 4,
+                             "compute_dtype": "float32", "remat": "none", "lr": 1e-2, "end_lr": 1e-2, "warmup_steps": 0,
+                             "anneal_steps": 10, "total_steps": 4, "per_replica_batch": 2, "model_dir": str(model_dir),
+                             "train_set": "unused", "weight_decay": 0.1,
+                             "lora": {"rank": RANK, "alpha": 8, "dropout": 0.0, "targets": TARGETS}, **train})
+
+
+def make_hf(path, cls="GPTJ", seed=0, **kw):
+    import transformers
+    torch.manual_seed(seed)
+    config = getattr(transformers, f"{cls}Config")(**kw)
+    model = getattr(transformers, f"{cls}ForCausalLM" if cls != "GPT2" else "GPT2LMHeadModel")(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    model.save_pretrained(path)
+    return model
+
+
+def run_training(config, hf_dir, stop_after=None):
+    run = TrainRun.__new__(TrainRun)  # TrainRun without opening config.train_set: an in-memory dataset
+    run.config, run.options = config, RunOptions(hf=str(hf_dir), tensorboard=False, stop_after=stop_after,
+                                                 log_dir=str(config.train.model_dir) + "-logs")
+    from mesh_transformer.train.loop import TrainHost
+    run.host = TrainHost(config, run.options)
+    run.trainer, run.ckpt, run.tokens_per_step = run.host.trainer, run.host.ckpt, run.host.tokens_per_step
+    rows = random_tokens((32, 17), 101, seed=3)
+    run.dataset, run.val_sets, run._interrupted = Dataset.from_arrays(rows, eos_id=100), {}, False
+    state = run.train()
+    return run, state
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A LoRA fine-tune (4 steps) of a random tiny HF GPT-J, through TrainRun with --hf."""
+    root = tmp_path_factory.mktemp("lora")
+    base = make_hf(root / "base", **HF)
+    config = gptj_config(root / "run")
+    run, state = run_training(config, root / "base")
+    return dict(root=root, base=base, config=config, run=run, state=state)
+
+
+def test_config_errors_name_the_key():
+    cases = [({"targets": ["q_prj"]}, "lora.targets"), ({"rank": 0}, "lora.rank"), ({"rank": 100}, "lora.rank"),
+             ({"ranks": 4}, "lora.ranks"), ({"dropout": 1.5}, "lora.dropout"), ({"targets": "all"}, "lora.targets")]
+    for raw, key in cases:
+        with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+            tiny_config(lora=raw)
+    with pytest.raises(ConfigError, match="fcm_max_ratio"):
+        tiny_config(fcm_max_ratio=1.0)
+
+
+def test_only_adapters_train_and_hold_optimizer_state(trained):
+    tr, state = trained["run"].trainer, trained["state"]
+    d, f, layers = 32, 128, 2
+    adapter_params = layers * (2 * RANK * (d + d) + RANK * (f + d))  # q, v: [D, r] + [r, N*H]; fc_out [F, r] + [r, D]
+    assert sum(x.size for x in jax.tree.leaves(state.params)) == adapter_params
+    assert parallel.bytes_of(state.opt_state) == 2 * 4 * adapter_params + 4  # mu, nu in fp32 + the step count
+    assert all(parallel.is_adapter(n) for v in state.params.values() for n in v)
+    assert not any(parallel.is_adapter(n) for v in tr.base.values() for n in v)
+    b = state.params["gptj/layers/attn"]["q_proj_lora_b"]
+    assert float(jnp.abs(b).max()) > 0  # B starts at 0: the adapters did train
+
+
+def test_merged_export_keeps_untargeted_weights_and_peft_export_matches(trained):
+    from mesh_transformer.io import hf
+    root = trained["root"]
+    hf.checkpoint_to_hf(str(root / "run"), str(root / "merged"), dtype="fp32")
+    hf.checkpoint_to_hf(str(root / "run"), str(root / "adapter"), peft=True)
+    base, merged = load_file(str(root / "base" / "model.safetensors")), load_file(str(root / "merged" / "model.safetensors"))
+    changed = {k for k in base if not np.array_equal(base[k], merged[k])}
+    assert changed == {f"transformer.h.{i}.{m}.weight" for i in range(2)
+                       for m in ("attn.q_proj", "attn.v_proj", "mlp.fc_out")}  # norms, biases, k, head: bit-equal
+    cfg = json.loads((root / "adapter" / lora.ADAPTER_CONFIG).read_text())
+    assert cfg["base_model_name_or_path"] == str((root / "base").resolve()) and cfg["r"] == RANK
+
+    import transformers
+    tokens = random_tokens((8, 16), 101, seed=7)
+    merged_model = transformers.AutoModelForCausalLM.from_pretrained(root / "merged").eval()
+    fresh_base = transformers.AutoModelForCausalLM.from_pretrained(root / "base").eval()
+    peft_model = peft.PeftModel.from_pretrained(fresh_base, str(root / "adapter")).eval()
+    expected = hf_logits(merged_model, tokens)
+    np.testing.assert_allclose(hf_logits(peft_model, tokens), expected, atol=1e-4)
+    ours = trained["run"].trainer.logits(trained["state"].params, jnp.asarray(tokens))
+    np.testing.assert_allclose(np.asarray(ours), expected, atol=1e-4)
+
+
+def test_loading_tools_merge_a_lora_checkpoint(trained):
+    from mesh_transformer import loading, models
+    root = trained["root"]
+    loaded = loading.load(ckpt=str(root / "run"), dtype="float32", mp=1, dp=1, tokenizer="gpt2")
+    tokens = random_tokens((8, 16), 101, seed=7)
+    logits, _ = models.build(loaded.config).apply(loaded.params, jnp.asarray(tokens))
+    ours = trained["run"].trainer.logits(trained["state"].params, jnp.asarray(tokens))
+    np.testing.assert_allclose(np.asarray(logits)[..., :101], np.asarray(ours), atol=1e-5)
+
+
+def test_resume_is_exact(trained, tmp_path):
+    """Stopped after 2 steps (checkpoint), a new run resumes (base re-read from the reference) and
+    ends where the uninterrupted run did; FCM and LoRA dropout draw the same per step."""
+    root = trained["root"]
+    extra = dict(fcm_max_ratio=0.4, fcm_min_ratio=0.1,
+                 lora={"rank": RANK, "alpha": 8, "dropout": 0.1, "targets": TARGETS})
+    _, straight = run_training(gptj_config(tmp_path / "a", **extra), root / "base")
+    run_training(gptj_config(tmp_path / "b", **extra), root / "base", stop_after=2)
+    run, resumed = run_training(gptj_config(tmp_path / "b", **extra), root / "base")
+    assert int(resumed.step) == 4
+    for x, y in zip(jax.tree.leaves(straight.params), jax.tree.leaves(resumed.params)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.mark.parametrize("dp,mp,zero", [(2, 4, False), (4, 2, True)])
+def test_sharded_lora_step_equals_single_device(dp, mp, zero, tmp_path):
+    config = gptj_config(tmp_path, zero=zero, d_ff=64, n_heads=8,
+                         lora={"rank": RANK, "alpha": 8, "targets": "all-linear"}, fcm_max_ratio=0.3, per_replica_batch=1)
+    batch = {"tokens": random_tokens((1, 4, 17), 101, seed=1)}
+    results = []
+    for shape in ((1, 1), (dp, mp)):
+        c = config if shape == (dp, mp) else gptj_config(tmp_path, d_ff=64, n_heads=8, per_replica_batch=4,
+                                                         lora=config.train.lora, fcm_max_ratio=0.3)
+        c = c if shape == (1, 1) else gptj_config(tmp_path, zero=zero, d_ff=64, n_heads=8, lora=config.train.lora,
+                                                  fcm_max_ratio=0.3, per_replica_batch=4 // dp)
+        tr = Trainer(c, mesh(*shape))
+        tr.base = tr.init_base(0)
+        state, metrics = tr.step(tr.init_state(0), tr.shard_batch(batch))
+        results.append((float(metrics["loss"]), jax.tree.map(np.asarray, state.params)))
+    assert results[0][0] == pytest.approx(results[1][0], abs=1e-6)
+    for x, y in zip(jax.tree.leaves(results[0][1]), jax.tree.leaves(results[1][1])):
+        np.testing.assert_allclose(x, y, atol=2e-6)
+
+
+@pytest.mark.parametrize("cls,kw,targets", [
+    ("GPTJ", HF, ["q_proj", "k_proj", "out_proj", "fc_in"]),
+    ("GPT2", dict(vocab_size=101, n_positions=32, n_embd=32, n_layer=2, n_head=4), ["c_attn", "c_proj"]),
+    ("GPTNeoX", dict(vocab_size=101, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                     max_position_embeddings=32), ["query_key_value", "dense_4h_to_h"]),
+])
+def test_imported_peft_adapter_gives_peft_logits(cls, kw, targets, tmp_path):
+    """An adapter made by peft (B random, so it does something) on a random model: --lora-adapter
+    gives PeftModel's logits; exporting it again (fused modules block-diagonal) gives them too."""
+    from mesh_transformer import loading, models
+    base = make_hf(tmp_path / "base", cls, **kw)
+    torch.manual_seed(1)
+    lcfg = peft.LoraConfig(r=RANK, lora_alpha=12, target_modules=targets, init_lora_weights=False,
+                           fan_in_fan_out=cls == "GPT2")
+    model = peft.get_peft_model(base, lcfg).eval()
+    model.save_pretrained(tmp_path / "adapter")
+    tokens = random_tokens((2, 12), 101, seed=2)
+    expected = hf_logits(model, tokens)
+    loaded = loading.load(hf=str(tmp_path / "base"), lora_adapter=str(tmp_path / "adapter"), dtype="float32",
+                          mp=1, dp=1, tokenizer="gpt2")
+    logits, _ = models.build(loaded.config).apply(loaded.params, jnp.asarray(tokens))
+    np.testing.assert_allclose(np.asarray(logits)[..., :101], expected, atol=1e-4)
+
+    spec, adapters = lora.load_peft(str(tmp_path / "adapter"), loaded.config)
+    lora.save_peft(adapters, loaded.config, spec, str(tmp_path / "again"))
+    import transformers
+    fresh = getattr(transformers, f"{cls}ForCausalLM" if cls != "GPT2" else "GPT2LMHeadModel").from_pretrained(tmp_path / "base")
+    again = peft.PeftModel.from_pretrained(fresh.eval(), str(tmp_path / "again")).eval()
+    np.testing.assert_allclose(hf_logits(again, tokens), expected, atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def plain():
+    """A tiny model (no positions, so only attention carries context) and its params."""
+    from mesh_transformer import models
+    config = tiny_config(pe="none", pe_rotary_dims=None).model
+    model = models.build(config)
+    return model, model.init(jax.random.key(0))
+
+
+def test_fcm_masks_what_it_says(plain):
+    model, params = plain
+    tokens = random_tokens((4, 16), 250, seed=4)
+    keep = np.asarray(fcm_keep(jax.random.key(0), (4, 16), 0.0, 0.0))
+    assert keep.all()  # ratio 0: nothing masked, the same as plain training
+    np.testing.assert_array_equal(model.apply(params, tokens, key_keep=jnp.asarray(keep))[0], model.apply(params, tokens)[0])
+    keep = np.asarray(fcm_keep(jax.random.key(1), (64, 512), 0.5, 0.5))
+    assert keep[:, 0].all() and abs(1 - keep.mean() - 0.5 * 511 / 512) < 0.01
+    keep = np.asarray(fcm_keep(jax.random.key(2), (4, 16), 0.5, 0.5))
+    other = np.where(keep, tokens, (tokens + 1) % 250)  # a masked key's token cannot matter to any other query
+    a = np.asarray(model.apply(params, tokens, key_keep=jnp.asarray(keep))[0])
+    b = np.asarray(model.apply(params, other, key_keep=jnp.asarray(keep))[0])
+    np.testing.assert_allclose(a[keep], b[keep], atol=1e-5)
+    assert np.abs(a[~keep] - b[~keep]).max() > 1e-3
+
+
+@pytest.mark.parametrize("family", [dict(), dict(family="gpt2", pe="fixed")])
+def test_packed_row_loss_is_the_sum_of_its_examples(family):
+    """Three examples packed in one row (EOS-terminated, then EOS padding): the row's loss sums equal
+    the three examples' computed one by one (positions restart; no attention across)."""
+    from mesh_transformer.train.step import Trainer as T
+    config = config_from_dict({**{k: v for k, v in TINY.items() if not family or k != "pe_rotary_dims"},
+                               "seq": 24, **family})
+    tr = T(config, mesh(1, 1))
+    state = tr.init_state(0)
+    eos = 249
+    lengths = [6, 9, 5]
+    examples = [np.r_[random_tokens((n - 1,), 200, seed=i), eos] for i, n in enumerate(lengths)]
+    row = np.r_[np.concatenate(examples), np.full(25 - sum(lengths), eos)].astype(np.int32)
+    segments = segment_ids(row[None], eos)
+    mask = np.zeros(24, np.float32)
+    mask[: sum(lengths) - 1] = 1  # every real target (the padding is not trained)
+    packed = tr.eval_sums(state.params, {"tokens": row[None, None], "mask": mask[None, None],
+                                         "segments": segments[None].astype(np.int32)})
+    nll = count = 0.0
+    for ex in examples:
+        tokens = np.r_[ex, np.full(25 - len(ex), eos)].astype(np.int32)
+        m = (np.arange(24) < len(ex) - 1).astype(np.float32)
+        one = tr.eval_sums(state.params, {"tokens": tokens[None, None], "mask": m[None, None]})
+        nll, count = nll + float(one[0]), count + float(one[1])
+    assert float(packed[1]) == count == sum(lengths) - 3
+    assert float(packed[0]) == pytest.approx(nll, rel=1e-5)
+    plain = tr.eval_sums(state.params, {"tokens": row[None, None], "mask": mask[None, None]})
+    assert abs(float(plain[0]) - nll) > 1e-3  # without segments the examples would see each other
+
+
+def test_bf16_optimizer_keeps_moments_in_bf16():
+    config = tiny_config(bf16_optimizer=True)
+    tr = Trainer(config, mesh(1, 1))
+    mu = tr.abstract_state.opt_state[1].mu
+    assert {x.dtype for x in jax.tree.leaves(mu)} == {jnp.dtype(jnp.bfloat16)}
+    state, metrics = tr.step(tr.init_state(0), tr.shard_batch({"tokens": random_tokens((1, 2, 17), 250)}))
+    assert np.isfinite(float(metrics["loss"]))
+    assert {x.dtype for x in jax.tree.leaves(state.opt_state[1].nu)} == {jnp.dtype(jnp.bfloat16)}
