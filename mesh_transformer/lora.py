@@ -270,7 +270,7 @@ def load_peft(directory: str, model: ModelConfig, mp: int = 1) -> tuple[LoraConf
     if not weights_file.exists():
         raise ConfigError(f"{path}: no {ADAPTER_WEIGHTS}")
     tensors = load_file(str(weights_file))
-    r, out = lora.rank, {}
+    out = {}
     for entry in resolve(model, lora):
         layers = range(model.layers) if entry.per_layer else [None]
         per_layer = {(m, leaf): ([], []) for m, leaf in entry.ours}

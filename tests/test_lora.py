@@ -110,7 +110,13 @@ def test_merged_export_keeps_untargeted_weights_and_peft_export_matches(trained)
     np.testing.assert_allclose(np.asarray(ours), expected, atol=1e-4)
 
 
-def test_loading_tools_merge_a_lora_checkpoint(trained):
+@pytest.fixture
+def no_tokenizer(monkeypatch):
+    from mesh_transformer import loading
+    monkeypatch.setattr(loading, "resolve_tokenizer", lambda *a: None)  # the tiny vocabulary has none
+
+
+def test_loading_tools_merge_a_lora_checkpoint(trained, no_tokenizer):
     from mesh_transformer import loading, models
     root = trained["root"]
     loaded = loading.load(ckpt=str(root / "run"), dtype="float32", mp=1, dp=1, tokenizer="gpt2")
@@ -134,17 +140,15 @@ def test_resume_is_exact(trained, tmp_path):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
-@pytest.mark.parametrize("dp,mp,zero", [(2, 4, False), (4, 2, True)])
+@pytest.mark.parametrize("dp,mp,zero", [(2, 4, True)])
 def test_sharded_lora_step_equals_single_device(dp, mp, zero, tmp_path):
-    config = gptj_config(tmp_path, zero=zero, d_ff=64, n_heads=8,
+    config = gptj_config(tmp_path, zero=zero, d_ff=64, n_heads=8, layers=1,
                          lora={"rank": RANK, "alpha": 8, "targets": "all-linear"}, fcm_max_ratio=0.3, per_replica_batch=1)
     batch = {"tokens": random_tokens((1, 4, 17), 101, seed=1)}
     results = []
     for shape in ((1, 1), (dp, mp)):
-        c = config if shape == (dp, mp) else gptj_config(tmp_path, d_ff=64, n_heads=8, per_replica_batch=4,
-                                                         lora=config.train.lora, fcm_max_ratio=0.3)
-        c = c if shape == (1, 1) else gptj_config(tmp_path, zero=zero, d_ff=64, n_heads=8, lora=config.train.lora,
-                                                  fcm_max_ratio=0.3, per_replica_batch=4 // dp)
+        c = gptj_config(tmp_path, zero=zero and shape != (1, 1), d_ff=64, n_heads=8, layers=1, lora=config.train.lora,
+                        fcm_max_ratio=0.3, per_replica_batch=4 // shape[0])
         tr = Trainer(c, mesh(*shape))
         tr.base = tr.init_base(0)
         state, metrics = tr.step(tr.init_state(0), tr.shard_batch(batch))
@@ -160,7 +164,7 @@ def test_sharded_lora_step_equals_single_device(dp, mp, zero, tmp_path):
     ("GPTNeoX", dict(vocab_size=101, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
                      max_position_embeddings=32), ["query_key_value", "dense_4h_to_h"]),
 ])
-def test_imported_peft_adapter_gives_peft_logits(cls, kw, targets, tmp_path):
+def test_imported_peft_adapter_gives_peft_logits(cls, kw, targets, tmp_path, no_tokenizer):
     """An adapter made by peft (B random, so it does something) on a random model: --lora-adapter
     gives PeftModel's logits; exporting it again (fused modules block-diagonal) gives them too."""
     from mesh_transformer import loading, models
@@ -189,23 +193,24 @@ def test_imported_peft_adapter_gives_peft_logits(cls, kw, targets, tmp_path):
 def plain():
     """A tiny model (no positions, so only attention carries context) and its params."""
     from mesh_transformer import models
-    config = tiny_config(pe="none", pe_rotary_dims=None).model
+    config = tiny_config(pe="none", pe_rotary_dims=None, layers=1).model
     model = models.build(config)
-    return model, model.init(jax.random.key(0))
+    apply = jax.jit(lambda p, t, keep=None: model.apply(p, t, key_keep=keep)[0])
+    return apply, jax.jit(model.init)(jax.random.key(0))
 
 
 def test_fcm_masks_what_it_says(plain):
-    model, params = plain
+    apply, params = plain
     tokens = random_tokens((4, 16), 250, seed=4)
     keep = np.asarray(fcm_keep(jax.random.key(0), (4, 16), 0.0, 0.0))
     assert keep.all()  # ratio 0: nothing masked, the same as plain training
-    np.testing.assert_array_equal(model.apply(params, tokens, key_keep=jnp.asarray(keep))[0], model.apply(params, tokens)[0])
+    np.testing.assert_array_equal(apply(params, tokens, jnp.asarray(keep)), apply(params, tokens))
     keep = np.asarray(fcm_keep(jax.random.key(1), (64, 512), 0.5, 0.5))
     assert keep[:, 0].all() and abs(1 - keep.mean() - 0.5 * 511 / 512) < 0.01
     keep = np.asarray(fcm_keep(jax.random.key(2), (4, 16), 0.5, 0.5))
     other = np.where(keep, tokens, (tokens + 1) % 250)  # a masked key's token cannot matter to any other query
-    a = np.asarray(model.apply(params, tokens, key_keep=jnp.asarray(keep))[0])
-    b = np.asarray(model.apply(params, other, key_keep=jnp.asarray(keep))[0])
+    a = np.asarray(apply(params, tokens, jnp.asarray(keep)))[..., :250]
+    b = np.asarray(apply(params, other, jnp.asarray(keep)))[..., :250]
     np.testing.assert_allclose(a[keep], b[keep], atol=1e-5)
     assert np.abs(a[~keep] - b[~keep]).max() > 1e-3
 
@@ -216,7 +221,7 @@ def test_packed_row_loss_is_the_sum_of_its_examples(family):
     the three examples' computed one by one (positions restart; no attention across)."""
     from mesh_transformer.train.step import Trainer as T
     config = config_from_dict({**{k: v for k, v in TINY.items() if not family or k != "pe_rotary_dims"},
-                               "seq": 24, **family})
+                               "seq": 24, "layers": 1, **family})
     tr = T(config, mesh(1, 1))
     state = tr.init_state(0)
     eos = 249
@@ -241,10 +246,16 @@ def test_packed_row_loss_is_the_sum_of_its_examples(family):
 
 
 def test_bf16_optimizer_keeps_moments_in_bf16():
-    config = tiny_config(bf16_optimizer=True)
-    tr = Trainer(config, mesh(1, 1))
-    mu = tr.abstract_state.opt_state[1].mu
-    assert {x.dtype for x in jax.tree.leaves(mu)} == {jnp.dtype(jnp.bfloat16)}
-    state, metrics = tr.step(tr.init_state(0), tr.shard_batch({"tokens": random_tokens((1, 2, 17), 250)}))
-    assert np.isfinite(float(metrics["loss"]))
-    assert {x.dtype for x in jax.tree.leaves(state.opt_state[1].nu)} == {jnp.dtype(jnp.bfloat16)}
+    """Both Adam moments stored in bfloat16; the update is Adam's (computed in float32) to bf16 precision."""
+    from mesh_transformer.train.step import optimizer
+    params = {"m": {"w": jnp.linspace(-1, 1, 64).reshape(8, 8)}}
+    grads = {"m": {"w": jnp.cos(jnp.arange(64.0)).reshape(8, 8)}}
+    mask = {"m": {"w": True}}
+    low, full = (optimizer(tiny_config(bf16_optimizer=b).train, mask) for b in (True, False))
+    s_low, s_full = low.init(params), full.init(params)
+    assert {x.dtype for x in jax.tree.leaves((s_low[1].mu, s_low[1].nu))} == {jnp.dtype(jnp.bfloat16)}
+    assert parallel.bytes_of(s_low) < parallel.bytes_of(s_full) * 0.6
+    for _ in range(3):
+        u_low, s_low = low.update(grads, s_low, params)
+        u_full, s_full = full.update(grads, s_full, params)
+    np.testing.assert_allclose(u_low["m"]["w"], u_full["m"]["w"], rtol=2e-2, atol=1e-3)

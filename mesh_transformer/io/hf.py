@@ -250,7 +250,6 @@ def checkpoint_to_hf(ckpt_dir: str, out_dir: str, dtype: str = "fp16", step=None
     """
     import jax
     from jax.sharding import SingleDeviceSharding
-    from mesh_transformer.io import storage
     from mesh_transformer.io.checkpoint import CheckpointError, CheckpointManager
     from mesh_transformer.config import config_from_dict
 
