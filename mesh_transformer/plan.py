@@ -36,7 +36,7 @@ DEVICE_MEMORIES_GIB = (16, 32, 80)  # a TPU v3 core, a TPU v4 chip, an A100/H100
 class Plan:
     """What one training step of `config` costs on a dp x mp mesh (memory per device, in bytes)."""
 
-    n_params: int  # unique trainable parameters, unpadded vocabulary (HF's count)
+    n_params: int  # unique parameters of the model, unpadded vocabulary (HF's count)
     flops_per_token: int  # model FLOPs per trained token (forward + backward, no remat)
     tokens_per_step: int
     dp: int
@@ -46,6 +46,7 @@ class Plan:
     bytes_per_device: dict  # params, opt_state, batch, temporaries, outputs, code, total
     compiled: dict  # the raw memory_analysis() fields the split was made from
     compile_seconds: float
+    n_trainable: int = 0  # parameters with gradients and optimizer state (LoRA: the adapters only)
 
     def fits(self, gib: float) -> bool:
         return self.bytes_per_device["total"] <= gib * GiB
@@ -90,7 +91,7 @@ def plan(config: Config, dp: int, mp: int, zero: Optional[bool] = None, devices=
     """Compile the train step for a dp x mp mesh of `devices` (default: the first dp*mp of jax.devices())."""
     import jax
 
-    from mesh_transformer import parallel
+    from mesh_transformer import models, parallel
     from mesh_transformer.train.step import Trainer
 
     if zero is not None:
@@ -98,6 +99,9 @@ def plan(config: Config, dp: int, mp: int, zero: Optional[bool] = None, devices=
     trainer = Trainer(config, parallel.make_mesh(mp, dp, devices))
     state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                          trainer.abstract_state, trainer.state_shardings)
+    # LoRA: the frozen base (compute dtype, no gradient, no optimizer state) is an input of the step.
+    trainer.base = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                                trainer.abstract_base, trainer.base_shardings)
     batch = trainer.abstract_batch()
     start = time.perf_counter()
     compiled = trainer.step.lower(state, batch).compile()
@@ -109,6 +113,7 @@ def plan(config: Config, dp: int, mp: int, zero: Optional[bool] = None, devices=
     opt_state = shard_bytes((trainer.abstract_state.opt_state, trainer.abstract_state.step),
                             (trainer.state_shardings.opt_state, trainer.state_shardings.step))
     memory = {
+        **({"frozen_base": shard_bytes(trainer.abstract_base, trainer.base_shardings)} if trainer.lora else {}),
         "params": params,
         "opt_state": opt_state,
         "batch": shard_bytes(batch, jax.tree.map(lambda b: b.sharding, batch)),
@@ -120,7 +125,9 @@ def plan(config: Config, dp: int, mp: int, zero: Optional[bool] = None, devices=
     memory["total"] = sum(memory.values())
     m, t = config.model, config.train
     return Plan(
-        n_params=trainer.model.n_params(),
+        n_params=trainer.model.n_params() if trainer.lora is None else models.build(m, mp).n_params(),
+        n_trainable=(trainer.model.n_params() if trainer.lora is None
+                     else sum(x.size for x in jax.tree.leaves(trainer.abstract_state.params))),
         flops_per_token=trainer.model.flops_per_token(),
         tokens_per_step=t.gradient_accumulation_steps * trainer.global_batch * m.seq,
         dp=dp, mp=mp, zero=config.train.zero,
@@ -139,6 +146,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--mp", type=int, help="model-parallel size (default: cores_per_replica)")
     p.add_argument("--zero", action=argparse.BooleanOptionalAction, default=None,
                    help="shard params and optimizer state over dp too (default: the config's 'zero')")
+    p.add_argument("--lora-rank", type=int, help="plan a LoRA run of this rank (sets the config's 'lora')")
+    p.add_argument("--lora-targets", default="all-linear",
+                   help="with --lora-rank: comma-separated HF module names, or all-linear (default)")
+    p.add_argument("--bf16-optimizer", action="store_true", help="Adam moments in bfloat16 (config key bf16_optimizer)")
     p.add_argument("--device-memory", type=float, action="append", metavar="GIB",
                    help=f"report whether the step fits in GIB per device (repeatable; default {DEVICE_MEMORIES_GIB})")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
@@ -180,6 +191,8 @@ def format_plan(result: Plan, config_path: str, device_memories_gib: Sequence[fl
         ("mesh", f"dp={result.dp} x mp={result.mp} = {result.dp * result.mp} {result.platform} devices, "
                  f"zero={result.zero}"),
         ("parameters", f"{result.n_params:,} ({result.n_params / 1e9:.2f} B, unique, unpadded vocab)"),
+        *([("trainable", f"{result.n_trainable:,} (LoRA adapters; the rest is the frozen base)")]
+          if result.n_trainable and result.n_trainable != result.n_params else []),
         ("FLOPs/token", f"{result.flops_per_token:,} ({result.flops_per_token / 1e9:.1f} GFLOP, training)"),
         ("tokens/step", f"{result.tokens_per_step:,}"),
         ("per device", ""),
@@ -190,12 +203,24 @@ def format_plan(result: Plan, config_path: str, device_memories_gib: Sequence[fl
     return "\n".join(f"{k:<14} {v}".rstrip() for k, v in rows)
 
 
+def _with_flags(config: Config, args) -> Config:
+    """The config with --lora-rank / --bf16-optimizer applied (validated like the keys)."""
+    from mesh_transformer.config import config_from_dict
+    raw = config.to_json_dict()
+    if args.lora_rank is not None:
+        targets = args.lora_targets if args.lora_targets == "all-linear" else args.lora_targets.split(",")
+        raw["lora"] = {"rank": args.lora_rank, "alpha": 2 * args.lora_rank, "targets": targets}
+    if args.bf16_optimizer:
+        raw["bf16_optimizer"] = True
+    return config_from_dict(raw)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parser().parse_args(argv)
     memories = args.device_memory or DEVICE_MEMORIES_GIB
     try:
-        config = load_config(args.config)
+        config = _with_flags(load_config(args.config), args)
         dp, mp = mesh_shape(config, args.dp, args.mp)
         if not _have_devices(dp * mp):
             # jax is already up with too few devices (we were called as a library): start afresh.
