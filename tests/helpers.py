@@ -172,3 +172,16 @@ def parity_error(config, params, torch_model, seed: int = 1) -> float:
     tokens = random_tokens((2, 13), config.n_vocab, seed=seed)
     ours = jax.jit(lambda p, t: models.build(config).apply(p, t)[0])(params, tokens)
     return float(np.max(np.abs(np.asarray(ours)[..., :config.n_vocab] - hf_logits(torch_model, tokens))))
+
+
+def word_tokenizer(path, n_words: int = 200):
+    """Save a word-level HF tokenizer ("w0" ... "w{n-1}" -> 0 ... n-1, whitespace-split) to `path`
+    whose EOS is the ordinary word "w0": text can contain the EOS id (as a prompt that holds the
+    model's EOS token does), which the EOS rule for segments would split."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    word_level = Tokenizer(models.WordLevel({f"w{i}": i for i in range(n_words)}, unk_token="w1"))
+    word_level.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=word_level, eos_token="w0").save_pretrained(path)
+    return str(path)

@@ -229,6 +229,10 @@ def test_pack_batch_is_lossless_and_small():
         assert back["tokens"].dtype == np.int32 and back["mask"].dtype == np.float32
     weights = mask * 0.5  # not 0/1: kept as float32
     assert cluster.pack_batch({"tokens": tokens, "mask": weights}, seq=32)["mask"].dtype == np.float32
+    segments = np.cumsum(tokens == 7, axis=-1).astype(np.uint16)  # packed examples reach the workers
+    back = cluster.unpack_batch(cluster.pack_batch({"tokens": tokens, "mask": mask, "segments": segments}, seq=32))
+    np.testing.assert_array_equal(back["segments"], segments[..., :33])
+    assert back["segments"].dtype == np.int32
 
 
 def test_fine_tunes_start_from_the_weights_and_moments_asked_for(two_hosts, data, tmp_path):

@@ -10,7 +10,7 @@ import numpy as np
 
 from mesh_transformer import parallel
 from mesh_transformer.config import config_from_dict
-from mesh_transformer.data import Dataset
+from mesh_transformer.data import Dataset, Loader, segment_ids
 from mesh_transformer.io import hf
 from mesh_transformer.io.checkpoint import CheckpointManager
 from mesh_transformer.train.step import Trainer
@@ -42,6 +42,9 @@ def test_dataset_written_before_model_families_loads():
     tokens, mask = ds.read(np.arange(3))
     assert tokens.shape == (3, 33) and mask.shape == (3, 32)
     assert 0 < mask.sum() < mask.size  # prompt/completion: only completions are trained on
+    assert ds.index["version"] == 1 and not ds.has_segments  # written before segments were stored:
+    with Loader(ds, 3, shuffle=False, segments=True, prefetch=1) as loader:  # the EOS rule gives them
+        np.testing.assert_array_equal(next(loader)["segments"][0], segment_ids(tokens, ds.eos_id))
 
 
 def test_checkpoint_trained_with_mp3_exports_to_hf(tmp_path):

@@ -9,7 +9,8 @@ import zstandard
 
 import create_finetune_dataset
 from mesh_transformer.io import storage
-from mesh_transformer.data import BuildConfig, Dataset, DatasetError, Loader, build_dataset
+from helpers import word_tokenizer
+from mesh_transformer.data import BuildConfig, Dataset, DatasetError, Loader, build_dataset, segment_ids
 from mesh_transformer.io.tokenizer import load_tokenizer
 
 EOS = 50256
@@ -119,6 +120,33 @@ def test_prompt_completion_mask(tok, tmp_path):
         assert mask[r].tolist() == [m for _, m in padded[1:]]  # mask[t] weights predicting token t+1
     trained = tokens[:, 1:][mask == 1]  # the targets the loss sees: completions and their EOS only
     assert tok.decode(trained) == " 4<|endoftext|> Paris<|endoftext|> 8<|endoftext|>"
+
+
+def test_segments_are_stored_so_a_prompt_holding_eos_stays_one_example(tmp_path):
+    """Format v2 stores each token's segment with prompt/completion data: an example whose prompt
+    (or completion) contains the EOS id ("w0" here) is one segment, where the EOS rule would cut it.
+    Plain text stores none (a document's only EOS is its last token) and reads them by the EOS rule."""
+    words = word_tokenizer(tmp_path / "tok")
+    examples = [("w5 w0 w6", "w7 w8"), ("w9", "w10 w0 w11"), ("w12 w13 w14 w15 w16", "w17 w18 w19")]
+    with open(tmp_path / "qa.jsonl", "w") as f:
+        for p, c in examples:
+            f.write(json.dumps({"in_text": p, "out_text": c}) + "\n")
+    ds = build(tmp_path / "qa.jsonl", tmp_path / "out", tokenizer=words, seq=12)
+    assert ds.index["version"] == 2 and ds.index["has_segments"] and ds.has_segments
+    assert (tmp_path / "out" / "ds-00000.segments.npy").exists()
+    batch = next(iter(Loader(ds, 2, shuffle=False, segments=True, prefetch=1)))
+    tokens, segments = batch["tokens"][0], batch["segments"][0]
+    # row 0: [w5 w0 w6 w7 w8 EOS][w9 w10 w0 w11 EOS][pad pad]; row 1: [example 2 + EOS][pad x4]
+    assert tokens[0].tolist() == [5, 0, 6, 7, 8, 0, 9, 10, 0, 11, 0, 0, 0]
+    assert segments[0].tolist() == [0] * 6 + [1] * 5 + [2] * 2
+    assert segments[1].tolist() == [0] * 9 + [1] * 4
+    assert segment_ids(tokens, 0)[0].tolist() != segments[0].tolist()  # what the EOS rule would say
+
+    (tmp_path / "docs.txt").write_text("w3 w4 w5<|endoftext|>w6 w7 w8 w9 w10 w11", encoding="utf-8")
+    text = build(tmp_path / "docs.txt", tmp_path / "out", name="text", tokenizer=words, seq=4)
+    assert not text.has_segments and not list((tmp_path / "out").glob("text-*.segments.npy"))
+    batch = next(iter(Loader(text, 2, shuffle=False, segments=True, prefetch=1)))
+    assert batch["segments"][0].tolist() == [[0, 0, 0, 0, 1], [0, 0, 0, 0, 0]]
 
 
 def test_shuffle_repack_and_min_unique_are_seeded(tok, tmp_path):

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from helpers import TINY, hf_logits, mesh, random_tokens, tiny_config
+from helpers import TINY, hf_logits, mesh, random_tokens, tiny_config, word_tokenizer
 from mesh_transformer import lora, parallel
 from mesh_transformer.config import ConfigError, config_from_dict
 from mesh_transformer.data import Dataset, segment_ids
@@ -216,33 +216,39 @@ def test_fcm_masks_what_it_says(plain):
 
 
 @pytest.mark.parametrize("family", [dict(), dict(family="gpt2", pe="fixed")])
-def test_packed_row_loss_is_the_sum_of_its_examples(family):
-    """Three examples packed in one row (EOS-terminated, then EOS padding): the row's loss sums equal
-    the three examples' computed one by one (positions restart; no attention across)."""
+def test_packed_row_loss_is_the_sum_of_its_examples(family, tmp_path):
+    """Three prompt/completion examples packed in one row by create_finetune_dataset (the first's
+    prompt holds the EOS id), read with their stored segments: the row's loss sums equal the three
+    examples' computed one by one (positions restart; no attention across)."""
+    from mesh_transformer.data import BuildConfig, Loader, build_dataset
     from mesh_transformer.train.step import Trainer as T
+    examples = [("w5 w0 w6", "w7 w8"), ("w9 w10", "w11 w12 w13 w14 w15 w16"), ("w17", "w18 w0 w19")]
+    with open(tmp_path / "qa.jsonl", "w") as f:
+        for p, c in examples:
+            f.write(json.dumps({"in_text": p, "out_text": c}) + "\n")
+    index = build_dataset(BuildConfig(str(tmp_path / "qa.jsonl"), "qa", str(tmp_path / "ds"), seq=24,
+                                      tokenizer=word_tokenizer(tmp_path / "tok"), preserve_data_order=True))
+    with Loader(Dataset.open(index), 1, shuffle=False, segments=True, prefetch=1) as loader:
+        batch = {k: v.astype(np.int32) if k != "mask" else v for k, v in next(loader).items()}
+    eos = 0
     config = config_from_dict({**{k: v for k, v in TINY.items() if not family or k != "pe_rotary_dims"},
                                "seq": 24, "layers": 1, **family})
     tr = T(config, mesh(1, 1))
     state = tr.init_state(0)
-    eos = 249
-    lengths = [6, 9, 5]
-    examples = [np.r_[random_tokens((n - 1,), 200, seed=i), eos] for i, n in enumerate(lengths)]
-    row = np.r_[np.concatenate(examples), np.full(25 - sum(lengths), eos)].astype(np.int32)
-    segments = segment_ids(row[None], eos)
-    mask = np.zeros(24, np.float32)
-    mask[: sum(lengths) - 1] = 1  # every real target (the padding is not trained)
-    packed = tr.eval_sums(state.params, {"tokens": row[None, None], "mask": mask[None, None],
-                                         "segments": segments[None].astype(np.int32)})
+    packed = tr.eval_sums(state.params, batch)
     nll = count = 0.0
-    for ex in examples:
-        tokens = np.r_[ex, np.full(25 - len(ex), eos)].astype(np.int32)
-        m = (np.arange(24) < len(ex) - 1).astype(np.float32)
+    for p, c in examples:
+        p, c = [int(w[1:]) for w in p.split()], [int(w[1:]) for w in c.split()] + [eos]
+        tokens = np.r_[p, c, np.full(25 - len(p) - len(c), eos)].astype(np.int32)
+        m = ((np.arange(24) >= len(p) - 1) & (np.arange(24) < len(p) + len(c) - 1)).astype(np.float32)
         one = tr.eval_sums(state.params, {"tokens": tokens[None, None], "mask": m[None, None]})
         nll, count = nll + float(one[0]), count + float(one[1])
-    assert float(packed[1]) == count == sum(lengths) - 3
+    assert float(packed[1]) == count == 2 + 6 + 3 + 3  # completions and their EOS
     assert float(packed[0]) == pytest.approx(nll, rel=1e-5)
-    plain = tr.eval_sums(state.params, {"tokens": row[None, None], "mask": mask[None, None]})
-    assert abs(float(plain[0]) - nll) > 1e-3  # without segments the examples would see each other
+    by_eos = tr.eval_sums(state.params, {**batch, "segments": segment_ids(batch["tokens"], eos).astype(np.int32)})
+    plain = tr.eval_sums(state.params, {"tokens": batch["tokens"], "mask": batch["mask"]})
+    for other in (by_eos, plain):  # the EOS rule cuts the first example; without segments examples see each other
+        assert abs(float(other[0]) - nll) > 1e-3
 
 
 def test_bf16_optimizer_keeps_moments_in_bf16():

@@ -5,6 +5,8 @@ A dataset is a directory (local or gs://) holding
     <name>.index.json          written last: a dataset without its index does not exist
     <name>-00000.tokens.npy    uint16 (vocab <= 65536) or uint32, [n, seq+1]
     <name>-00000.mask.npy      uint8 [n, seq], only when prompt/completion examples were given
+    <name>-00000.segments.npy  uint16 [n, seq+1], with the mask (version 2): which document or
+                               example of its row each token belongs to (0, 1, ... per row)
     ...
 
 Row ``r`` of a tokens shard is one training sequence; ``mask[r, t]`` weights the loss of
@@ -17,6 +19,11 @@ remainder is carried into the next repack epoch and dropped at the end. A prompt
 example (``{"in_text", "out_text"}``) is never split: it goes whole into the current row, or the
 row is closed with EOS padding (mask 0) and the example starts the next one. Its loss mask is 1 on
 the completion and its EOS only.
+
+Segments: version 2 stores each token's segment with prompt/completion data, so packed examples
+stay apart even where a prompt itself contains the EOS id. Datasets without stored segments (plain
+text, where every document ends at its only EOS, and version-1 datasets) get them from the EOS rule
+when read (`segment_ids`).
 """
 from __future__ import annotations
 
@@ -43,7 +50,8 @@ from mesh_transformer.errors import UserError
 from mesh_transformer.io import storage
 
 FORMAT = "mesh-transformer-dataset"
-VERSION = 1
+VERSION = 2  # 2: segments stored with prompt/completion data
+READABLE_VERSIONS = (1, 2)
 EOT = "<|endoftext|>"
 INDEX_SUFFIX = ".index.json"
 _DECOMPRESS = {".gz": gzip.open, ".xz": lzma.open, ".bz2": bz2.open, ".zst": None}  # each reads a file object
@@ -179,34 +187,43 @@ class BuildConfig:
 
 
 class _Packer:
-    """Cuts token pieces into rows of ``width`` tokens, each with a per-token loss mask."""
+    """Cuts token pieces into rows of ``width`` tokens, each with a per-token loss mask and segment."""
 
     def __init__(self, width: int, pad_id: int):
         self.width, self.pad_id = width, pad_id
         self.tokens = np.zeros(0, np.int64)
         self.mask = np.zeros(0, np.uint8)
-        self.padding = 0
+        self.pieces = np.zeros(0, np.int64)  # which piece (document, example, padding) each token is of
+        self.padding = self.n_pieces = 0
 
     def _emit(self):
         n = len(self.tokens) // self.width * self.width
-        rows = (self.tokens[:n].reshape(-1, self.width), self.mask[:n].reshape(-1, self.width))
-        self.tokens, self.mask = self.tokens[n:], self.mask[n:]
+        pieces = self.pieces[:n].reshape(-1, self.width)
+        segments = np.concatenate([np.zeros_like(pieces[:, :1]), np.cumsum(pieces[:, 1:] != pieces[:, :-1], axis=1)],
+                                  axis=1).astype(np.uint16)  # renumbered 0, 1, ... per row
+        rows = (self.tokens[:n].reshape(-1, self.width), self.mask[:n].reshape(-1, self.width), segments)
+        self.tokens, self.mask, self.pieces = self.tokens[n:], self.mask[n:], self.pieces[n:]
         return rows
+
+    def _append(self, ids, mask):
+        self.tokens = np.concatenate([self.tokens, ids])
+        self.mask = np.concatenate([self.mask, mask])
+        self.pieces = np.concatenate([self.pieces, np.full(len(ids), self.n_pieces, np.int64)])
+        self.n_pieces += 1
 
     def add(self, ids: np.ndarray, mask: np.ndarray, whole: bool):
         """Append a piece; ``whole`` pieces never straddle two rows. Returns full rows [k, width]."""
         if whole and len(self.tokens) + len(ids) > self.width:
             self.close_row()
-        self.tokens = np.concatenate([self.tokens, ids])
-        self.mask = np.concatenate([self.mask, mask])
+        self._append(ids, mask)
         return self._emit()
 
     def close_row(self):
-        """Pad the current partial row with EOS (mask 0)."""
+        """Pad the current partial row with EOS (mask 0; one segment of its own)."""
         pad = (-len(self.tokens)) % self.width
         self.padding += pad
-        self.tokens = np.concatenate([self.tokens, np.full(pad, self.pad_id, np.int64)])
-        self.mask = np.concatenate([self.mask, np.zeros(pad, np.uint8)])
+        if pad:
+            self._append(np.full(pad, self.pad_id, np.int64), np.zeros(pad, np.uint8))
 
 
 class _Stats(dict):
@@ -271,16 +288,17 @@ def _progress(cfg: BuildConfig, **kw):
     return tqdm(disable=not cfg.progress, mininterval=1, smoothing=0.1, **kw)
 
 
-def _pack_all(cfg: BuildConfig, tok, files: list[str], raw_tokens, raw_mask, stats: _Stats):
+def _pack_all(cfg: BuildConfig, tok, files: list[str], raw_tokens, raw_mask, raw_segments, stats: _Stats):
     """Pass 1: read, tokenize and pack every repack epoch into raw row files. -> rows per epoch."""
     rng = np.random.default_rng([cfg.seed, 0])
     packer = _Packer(cfg.seq + 1, tok.eos_token_id)
     rows_per_epoch = []
     bar = _progress(cfg, desc="tokenizing", unit="doc")
 
-    def write(toks, masks) -> int:
+    def write(toks, masks, segments) -> int:
         toks.astype(_dtype(tok)).tofile(raw_tokens)
         masks.tofile(raw_mask)
+        segments.tofile(raw_segments)
         return len(toks)
 
     for _ in range(cfg.n_repack_epochs):
@@ -350,16 +368,20 @@ def _save_npy(path: str, array: np.ndarray) -> str:
     return w.sha.hexdigest()
 
 
-def _write_shards(cfg, order, tokens, masks, has_mask) -> list[dict]:
+def _write_shards(cfg, order, tokens, masks, segments, has_mask) -> list[dict]:
+    """Shards of rows ``order``; with ``has_mask`` (prompt/completion data) masks and segments too."""
     shards = []
     bar = _progress(cfg, desc="writing shards", unit="seq", total=len(order))
     for i, start in enumerate(range(0, len(order), cfg.sequences_per_shard)):
         ids = order[start:start + cfg.sequences_per_shard]
-        shard = {"tokens": f"{cfg.name}-{i:05d}.tokens.npy", "mask": None, "n_sequences": len(ids), "sha256": {}}
+        shard = {"tokens": f"{cfg.name}-{i:05d}.tokens.npy", "mask": None, "segments": None, "n_sequences": len(ids),
+                 "sha256": {}}
         shard["sha256"]["tokens"] = _save_npy(storage.join(cfg.output_dir, shard["tokens"]), tokens[ids])
         if has_mask:
             shard["mask"] = f"{cfg.name}-{i:05d}.mask.npy"
             shard["sha256"]["mask"] = _save_npy(storage.join(cfg.output_dir, shard["mask"]), masks[ids, 1:])
+            shard["segments"] = f"{cfg.name}-{i:05d}.segments.npy"
+            shard["sha256"]["segments"] = _save_npy(storage.join(cfg.output_dir, shard["segments"]), segments[ids])
         shards.append(shard)
         bar.update(len(ids))
     bar.close()
@@ -392,9 +414,9 @@ def build_dataset(cfg: BuildConfig) -> str:
         raise DatasetError(str(e)) from None
     width, dtype, stats = cfg.seq + 1, _dtype(tok), _Stats(files=len(files))
     with tempfile.TemporaryDirectory(prefix="mesh-transformer-dataset-") as tmp:
-        raw_tokens, raw_mask = os.path.join(tmp, "tokens.raw"), os.path.join(tmp, "mask.raw")
-        with open(raw_tokens, "wb") as ft, open(raw_mask, "wb") as fm:
-            rows_per_epoch = _pack_all(cfg, tok, files, ft, fm, stats)
+        raw_tokens, raw_mask, raw_segments = (os.path.join(tmp, f"{k}.raw") for k in ("tokens", "mask", "segments"))
+        with open(raw_tokens, "wb") as ft, open(raw_mask, "wb") as fm, open(raw_segments, "wb") as fs:
+            rows_per_epoch = _pack_all(cfg, tok, files, ft, fm, fs, stats)
         if not stats.get("documents") and not stats.get("examples"):
             raise DatasetError(f"{cfg.input_path}: empty input (no documents or examples found)")
         n_rows = sum(rows_per_epoch)
@@ -403,6 +425,7 @@ def build_dataset(cfg: BuildConfig) -> str:
                                f"sequence of seq+1 = {width} tokens")
         tokens = np.memmap(raw_tokens, dtype, "r", shape=(n_rows, width))
         masks = np.memmap(raw_mask, np.uint8, "r", shape=(n_rows, width))
+        segments = np.memmap(raw_segments, np.uint16, "r", shape=(n_rows, width))
         order = _final_order(cfg, tok, tokens, rows_per_epoch, stats)
         if len(order) == 0:
             raise DatasetError(f"{cfg.input_path}: every sequence has fewer than "
@@ -410,18 +433,18 @@ def build_dataset(cfg: BuildConfig) -> str:
         storage.makedirs(cfg.output_dir)
         if old:  # from here until the new index lands, no index points at half-replaced shards
             storage.remove(out_index)
-        shards = _write_shards(cfg, order, tokens, masks, bool(stats.get("examples")))
-        del tokens, masks
+        shards = _write_shards(cfg, order, tokens, masks, segments, bool(stats.get("examples")))
+        del tokens, masks, segments
     index = {
         "format": FORMAT, "version": VERSION, "name": cfg.name, "seq": cfg.seq, "dtype": dtype.name,
         "tokenizer": cfg.tokenizer, "vocab_size": len(tok), "eos_id": tok.eos_token_id,
         "n_sequences": int(len(order)), "n_tokens": int(len(order) * width),
-        "has_mask": bool(stats.get("examples")), "shards": shards, "stats": dict(stats),
+        "has_mask": bool(stats.get("examples")), "has_segments": bool(stats.get("examples")), "shards": shards, "stats": dict(stats),
         "options": {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("verbose", "progress")},
     }
     storage.write_text(out_index, json.dumps(index, indent=1))
-    new_files = {s[k] for s in shards for k in ("tokens", "mask")}
-    for stale in ({s[k] for s in old["shards"] for k in ("tokens", "mask")} - new_files if old else ()):
+    new_files = {s.get(k) for s in shards for k in ("tokens", "mask", "segments")}
+    for stale in ({s.get(k) for s in old["shards"] for k in ("tokens", "mask", "segments")} - new_files if old else ()):
         if stale:
             with contextlib.suppress(FileNotFoundError):
                 storage.remove(storage.join(cfg.output_dir, stale))
@@ -446,21 +469,26 @@ def _sha256(path: str) -> str:
 class Dataset:
     """Memory-mapped view of a dataset's shards: ``read(ids)`` gathers sequences by global id."""
 
-    def __init__(self, index: dict, tokens: list[np.ndarray], masks: list[np.ndarray | None], path: str = ""):
+    def __init__(self, index: dict, tokens: list[np.ndarray], masks: list[np.ndarray | None], path: str = "",
+                 segments: list[np.ndarray | None] | None = None):
         self.index, self.path = index, path
         self._tokens, self._masks = tokens, masks
+        self._segments = segments or [None] * len(tokens)
         self._starts = np.cumsum([0] + [len(t) for t in tokens])
         self.seq, self.n_sequences = index["seq"], int(self._starts[-1])
         self.has_mask, self.eos_id = index["has_mask"], index["eos_id"]
+        self.has_segments = all(s is not None for s in self._segments)  # stored; else the EOS rule
 
     def __len__(self) -> int:
         return self.n_sequences
 
     @classmethod
-    def from_arrays(cls, tokens: np.ndarray, mask: np.ndarray | None = None, eos_id: int = 50256) -> "Dataset":
-        """An in-memory dataset (tests, synthetic data): tokens [n, seq+1], mask [n, seq] or None."""
+    def from_arrays(cls, tokens: np.ndarray, mask: np.ndarray | None = None, eos_id: int = 50256,
+                    segments: np.ndarray | None = None) -> "Dataset":
+        """An in-memory dataset (tests, synthetic data): tokens [n, seq+1], mask [n, seq] or None,
+        segments [n, seq+1] or None (derived from EOS when read)."""
         index = {"seq": tokens.shape[1] - 1, "has_mask": mask is not None, "eos_id": eos_id}
-        return cls(index, [tokens], [mask])
+        return cls(index, [tokens], [mask], segments=[segments])
 
     @classmethod
     def open(cls, path: str, cache_dir: str | None = None, verify: bool = False) -> "Dataset":
@@ -472,23 +500,23 @@ class Dataset:
             index = json.loads(storage.read_text(path))
         except (OSError, json.JSONDecodeError) as e:
             raise DatasetError(f"{path}: cannot read dataset index: {e}") from None
-        if index.get("format") != FORMAT or index.get("version") != VERSION:
-            raise DatasetError(f"{path}: not a {FORMAT} v{VERSION} index "
+        if index.get("format") != FORMAT or index.get("version") not in READABLE_VERSIONS:
+            raise DatasetError(f"{path}: not a {FORMAT} index of version {' or '.join(map(str, READABLE_VERSIONS))} "
                                f"(format={index.get('format')!r}, version={index.get('version')!r})")
         base = storage.dirname(path)
-        arrays = {"tokens": [], "mask": []}
+        arrays = {"tokens": [], "mask": [], "segments": []}
         for shard in index["shards"]:
-            for kind in ("tokens", "mask"):
+            for kind in arrays:
                 if not shard.get(kind):
                     arrays[kind].append(None)
                     continue
                 local = _local_copy(storage.join(base, shard[kind]), shard["sha256"][kind], cache_dir, verify)
                 arr = np.load(local, mmap_mode="r")
-                want = (shard["n_sequences"], index["seq"] + (kind == "tokens"))
+                want = (shard["n_sequences"], index["seq"] + (kind != "mask"))
                 if arr.shape != want:
                     raise DatasetError(f"{local}: shape {arr.shape}, index {path} says {want}")
                 arrays[kind].append(arr)
-        return cls(index, arrays["tokens"], arrays["mask"], path)
+        return cls(index, arrays["tokens"], arrays["mask"], path, arrays["segments"])
 
     def read(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Sequences ``ids`` (-1 = padding) -> tokens int32 [k, seq+1], mask float32 [k, seq]."""
@@ -502,6 +530,19 @@ class Dataset:
             tokens[sel] = self._tokens[s][rows]
             mask[sel] = 1.0 if self._masks[s] is None else self._masks[s][rows]
         return tokens, mask
+
+    def read_segments(self, ids: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+        """uint16 [k, seq+1] segments of sequences ``ids`` (their ``tokens`` from `read`): the stored
+        ones, or for a dataset without them (plain text, version 1) the EOS rule (`segment_ids`)."""
+        if not self.has_segments:
+            return segment_ids(tokens, self.eos_id)
+        ids = np.asarray(ids, np.int64)
+        out = np.zeros((len(ids), self.seq + 1), np.uint16)  # padding rows (-1): one segment, mask 0
+        shard = np.searchsorted(self._starts, ids, side="right") - 1
+        for s in np.unique(shard[ids >= 0]):
+            sel = np.flatnonzero((shard == s) & (ids >= 0))
+            out[sel] = self._segments[s][ids[sel] - self._starts[s]]
+        return out
 
 
 def _local_copy(path: str, sha256: str, cache_dir: str | None, verify: bool) -> str:
@@ -523,8 +564,9 @@ def segment_ids(tokens: np.ndarray, eos_id: int) -> np.ndarray:
     """uint16 [..., seq+1]: which document or example of its row each token belongs to.
 
     Every document and every prompt/completion example ends with EOS, so a new segment starts after
-    each EOS (padding EOS tokens are one-token segments, all with mask 0). Derived when read, so every
-    dataset — those written before segments existed too — has them.
+    each EOS (padding EOS tokens are one-token segments, all with mask 0). The rule for datasets that
+    do not store segments: plain text (a document holds no EOS but its last token) and version-1
+    datasets (where an example whose prompt contains the EOS id is split in two).
     """
     ends = (tokens == eos_id).astype(np.int64)
     starts = np.concatenate([np.zeros_like(ends[..., :1]), ends[..., :-1]], axis=-1)
@@ -557,7 +599,7 @@ class Loader:
         if len(dataset) == 0:
             raise ValueError(f"{dataset.path}: dataset has no sequences")
         self.dataset, self.seed, self.shuffle, self.repeat = dataset, seed, shuffle, repeat
-        self.segments = segments  # add "segments" [A, B_local, seq+1] (see `segment_ids`)
+        self.segments = segments  # add "segments" [A, B_local, seq+1] (see `Dataset.read_segments`)
         self.accumulation, self.global_batch = accumulation, global_batch
         if rows is None:
             rows = (process_index * global_batch // process_count, (process_index + 1) * global_batch // process_count)
@@ -614,7 +656,7 @@ class Loader:
         a, b = ids.shape
         batch = {"tokens": tokens.reshape(a, b, -1), "mask": mask.reshape(a, b, -1)}
         if self.segments:
-            batch["segments"] = segment_ids(batch["tokens"], self.dataset.eos_id)
+            batch["segments"] = self.dataset.read_segments(ids.reshape(-1), tokens).reshape(a, b, -1)
         return batch
 
     def _produce(self, position: int):

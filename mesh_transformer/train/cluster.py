@@ -44,7 +44,7 @@ from mesh_transformer.errors import UserError
 from mesh_transformer.data import DatasetError
 from mesh_transformer.train.metrics import MetricsLogger
 from mesh_transformer.train.loop import (RunOptions, TrainingError, due, open_datasets, require_keys, train_loader,
-                                         train_values, val_loader)
+                                         train_values, uses_segments, val_loader)
 
 HOST_RESOURCE = "mesh_host"  # Ray custom resource that marks a host for one worker
 TEST_HANG_ENV = "MESH_TRANSFORMER_TEST_HANG"  # test-only fault injection, see HostWorker.step
@@ -104,8 +104,11 @@ def unpack_batch(batch: Mapping[str, np.ndarray]) -> dict:
     """The dtypes the step expects (tokens int32 [A, b, T+1], mask float32 [A, b, T]) from `pack_batch`'s."""
     tokens = np.asarray(batch["tokens"], np.int32)
     mask = batch.get("mask")
-    return {"tokens": tokens, "mask": np.ones(tokens[..., 1:].shape, np.float32) if mask is None
-            else np.asarray(mask, np.float32)}
+    out = {"tokens": tokens, "mask": np.ones(tokens[..., 1:].shape, np.float32) if mask is None
+           else np.asarray(mask, np.float32)}
+    if "segments" in batch:  # packed examples kept apart (int32 [A, b, T+1])
+        out["segments"] = np.asarray(batch["segments"], np.int32)
+    return out
 
 
 class HostWorker:
@@ -367,14 +370,18 @@ class WorkerGroup:
 def pack_batch(batch: Mapping[str, np.ndarray], seq: int) -> dict:
     """Crop a loader batch to `seq` and shrink it losslessly for the trip to the workers: tokens as
     uint16 when every id fits, the mask left out when all ones (plain text) and sent as uint8 when
-    0/1 -- 2 to 3 bytes a token instead of 8."""
+    0/1 -- 2 to 3 bytes a token instead of 8. Segments (packed examples), when the loader gives
+    them, travel as they are (uint16)."""
     tokens, mask = batch["tokens"][..., : seq + 1], batch["mask"][..., :seq]
     if tokens.size and tokens.min() >= 0 and tokens.max() < 1 << 16:
         tokens = tokens.astype(np.uint16)
-    if mask.all():
-        return {"tokens": tokens}
-    small = mask.astype(np.uint8)
-    return {"tokens": tokens, "mask": small if np.array_equal(small, mask) else mask}
+    out = {"tokens": tokens}
+    if "segments" in batch:
+        out["segments"] = batch["segments"][..., : seq + 1]
+    if not mask.all():
+        small = mask.astype(np.uint8)
+        out["mask"] = small if np.array_equal(small, mask) else mask
+    return out
 
 
 def rows_of(batch: Mapping[str, np.ndarray], rows: tuple[int, int]) -> dict:
@@ -549,7 +556,7 @@ class ClusterRun:
             return None
         per_worker: list[dict] = [{} for _ in range(len(g))]
         for name, dataset in self.val_sets.items():
-            with val_loader(dataset, g.global_batch) as loader:
+            with val_loader(dataset, g.global_batch, segments=uses_segments(self.config, dataset)) as loader:
                 batches = [pack_batch(b, self.config.model.seq)
                            for b in itertools.islice(loader, t.val_batches or None)]
             for i, rows in enumerate(g.rows):
