@@ -319,3 +319,42 @@ def test_tensorboard_plot_and_sample_outputs(dataset, tmp_path):
         [model.tokenizer.encode(p) for p in prompts], options, tokenizer=model.tokenizer)
     for prompt, seq in zip(prompts, expected):
         assert f"\n>>> {prompt}{seq.text}\n" in run.stdout + "\n"
+
+
+def test_lora_kill_after_a_checkpoint_then_resume_matches_uninterrupted(dataset, hf_model, tmp_path):
+    """LoRA on an HF base with FCM, LoRA dropout and document masking: SIGKILL once a checkpoint is
+    on disk, resume (base re-read from the checkpoint's reference), and the adapters, optimizer state
+    and losses of the steps after it equal an uninterrupted run's."""
+    path, _ = hf_model
+    lora = dict(lora={"rank": 4, "alpha": 8, "dropout": 0.1, "targets": ["q_proj", "v_proj", "fc_out"]},
+                fcm_max_ratio=0.3, fcm_min_ratio=0.1, document_masking=True, total_steps=10, warmup_steps=0,
+                lr=1e-2, cores_per_replica=1, tpu_size=2)
+    reference = write_config(tmp_path_factory_dir(tmp_path, "reference"), dataset, **lora)
+    config = write_config(tmp_path_factory_dir(tmp_path, "killed"), dataset, **lora)
+    straight = device_train(reference, "--hf", str(path), wait=False)  # side by side with the killed run
+    ckpt_dir = str(config.parent / "ckpt")
+    proc = device_train(config, "--hf", str(path), wait=False)
+    deadline = time.time() + 300
+    while not glob.glob(f"{ckpt_dir}/step_2") or glob.glob(f"{ckpt_dir}/step_2.orbax-checkpoint-tmp*"):
+        assert proc.poll() is None and time.time() < deadline, proc.stdout.read()
+        time.sleep(0.002)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    out = straight.communicate(timeout=600)[0]
+    assert straight.returncode == 0, out
+    killed_at = CheckpointManager(ckpt_dir, read_only=True).all_steps()[-1]
+    assert 2 <= killed_at < 10  # the run really was cut short
+    code, out = device_train(config, "--hf", str(path))
+    assert code == 0 and f"step {killed_at} of 10" in out, out
+    ours, theirs = full_state(config, 10), full_state(reference, 10)
+    assert set(ours.params) == set(theirs.params) and all("lora" in n for m in ours.params.values() for n in m)
+    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # metrics.jsonl is appended to: the killed run's steps past its checkpoint, then the resumed run's
+    losses = lambda rows: {r["step"]: r["train/loss"] for r in rows}  # noqa: E731  (last one wins)
+    assert losses(metrics(config)) == losses(metrics(reference)) and len(losses(metrics(config))) == 10
+
+
+def tmp_path_factory_dir(tmp_path, name):
+    (tmp_path / name).mkdir()
+    return tmp_path / name
