@@ -47,9 +47,13 @@ class Plan:
     compiled: dict  # the raw memory_analysis() fields the split was made from
     compile_seconds: float
     n_trainable: int = 0  # parameters with gradients and optimizer state (LoRA: the adapters only)
+    # Of the temporaries: XLA:CPU's float32 copy of a bf16/fp16 frozen base. XLA:CPU has no bf16
+    # matmul, so it converts the (stacked) base weights to float32 once per step; GPU and TPU
+    # compilers multiply in bf16 and make no such copy. Subtracted from what `fits` compares.
+    cpu_upcast_bytes: int = 0
 
     def fits(self, gib: float) -> bool:
-        return self.bytes_per_device["total"] <= gib * GiB
+        return self.bytes_per_device["total"] - self.cpu_upcast_bytes <= gib * GiB
 
     def to_json(self, device_memories_gib: Sequence[float] = DEVICE_MEMORIES_GIB) -> dict:
         out = dataclasses.asdict(self)
@@ -124,6 +128,9 @@ def plan(config: Config, dp: int, mp: int, zero: Optional[bool] = None, devices=
     }
     memory["total"] = sum(memory.values())
     m, t = config.model, config.train
+    platform = trainer.mesh.devices.flat[0].platform
+    itemsize = jax.numpy.dtype(m.compute_dtype).itemsize
+    upcast = (memory["frozen_base"] * 4 // itemsize if trainer.lora and platform == "cpu" and itemsize < 4 else 0)
     return Plan(
         n_params=trainer.model.n_params() if trainer.lora is None else models.build(m, mp).n_params(),
         n_trainable=(trainer.model.n_params() if trainer.lora is None
@@ -131,7 +138,7 @@ def plan(config: Config, dp: int, mp: int, zero: Optional[bool] = None, devices=
         flops_per_token=trainer.model.flops_per_token(),
         tokens_per_step=t.gradient_accumulation_steps * trainer.global_batch * m.seq,
         dp=dp, mp=mp, zero=config.train.zero,
-        platform=trainer.mesh.devices.flat[0].platform,
+        platform=platform, cpu_upcast_bytes=upcast,
         bytes_per_device=memory, compiled=stats, compile_seconds=round(seconds, 2))
 
 
@@ -197,6 +204,10 @@ def format_plan(result: Plan, config_path: str, device_memories_gib: Sequence[fl
         ("tokens/step", f"{result.tokens_per_step:,}"),
         ("per device", ""),
         *((f"  {k}", _bytes(v)) for k, v in b.items()),
+        *([("  of which", f"{_bytes(result.cpu_upcast_bytes)} of the temporaries: XLA:CPU's float32 copy of the "
+                          f"frozen base (no bf16 matmul on CPU; GPU/TPU make none)"),
+           ("  GPU/TPU", f"{_bytes(b['total'] - result.cpu_upcast_bytes)} total (what 'fits' compares)")]
+          if result.cpu_upcast_bytes else []),
         ("fits", "   ".join(f"{g:g} GiB: {'yes' if result.fits(g) else 'no'}" for g in device_memories_gib)),
         ("compiled in", f"{result.compile_seconds:.1f} s"),
     ]
