@@ -39,9 +39,13 @@ def user_errors(*also: type[BaseException]):
 
 def simulate_cpu_devices(n: int) -> None:
     """Ask XLA for n CPU devices (try a dp x mp layout on a laptop); only effective before jax is imported."""
+    os.environ.update(cpu_devices_env(n))
+
+
+def cpu_devices_env(n: int) -> dict:
+    """The environment variables that give a process started with them n simulated CPU devices."""
     flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", os.environ.get("XLA_FLAGS", ""))
-    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
-    os.environ["JAX_PLATFORMS"] = "cpu"
+    return {"XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count={n}".strip(), "JAX_PLATFORMS": "cpu"}
 
 
 def add_run_args(p: argparse.ArgumentParser) -> None:

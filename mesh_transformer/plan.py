@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from mesh_transformer.cli import simulate_cpu_devices
+from mesh_transformer.cli import cpu_devices_env, simulate_cpu_devices
 from mesh_transformer.config import Config, ConfigError, load_config
 
 GiB = 2**30
@@ -145,6 +145,9 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+FRESH_ENV = "MESH_TRANSFORMER_PLAN_FRESH"  # set in the one fresh process: it never starts another
+
+
 def _have_devices(n: int) -> bool:
     """Whether this process can plan on n devices (jax not yet imported: it will, see above)."""
     if "jax" not in sys.modules:
@@ -153,9 +156,13 @@ def _have_devices(n: int) -> bool:
     return sys.modules["jax"].device_count() >= n
 
 
-def _run_fresh(argv: Sequence[str]) -> int:
+def _run_fresh(argv: Sequence[str], n: int) -> int:
+    """Plan in a new process whose XLA is asked for n CPU devices before anything imports jax."""
+    if os.environ.get(FRESH_ENV):
+        raise ConfigError(f"the planner could not get {n} devices (XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r})")
     package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
+    env = {**os.environ, **cpu_devices_env(n), FRESH_ENV: "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
     return subprocess.run([sys.executable, "-m", "mesh_transformer.plan", *argv], env=env).returncode
 
 
@@ -192,7 +199,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         dp, mp = mesh_shape(config, args.dp, args.mp)
         if not _have_devices(dp * mp):
             # jax is already up with too few devices (we were called as a library): start afresh.
-            return _run_fresh(argv)
+            return _run_fresh(argv, dp * mp)
         result = plan(config, dp, mp, args.zero)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)

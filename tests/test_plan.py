@@ -144,6 +144,13 @@ def test_main_replans_in_a_fresh_process_when_devices_are_missing(tmp_path, capf
     assert b["opt_state"] == 2 * b["params"] + 8
 
 
+def test_a_fresh_process_short_of_devices_says_so_instead_of_starting_another(tmp_path, capsys, monkeypatch):
+    """The fresh planner process must not start yet another one (a fork bomb took CI's memory)."""
+    monkeypatch.setenv(planner.FRESH_ENV, "1")
+    assert planner.main(["--config", write_config(tmp_path, GPTJ_6B)]) == 2
+    assert "could not get 256 devices" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("raw, flags, names", [
     ({**TINY, "n_head": 4}, [], "'n_head'"),  # unknown key
     ({**TINY, "n_heads": 2}, ["--mp", "4"], "'n_heads'"),  # 2 heads over mp=4
