@@ -18,6 +18,7 @@ from typing import NamedTuple, Optional
 import haiku as hk
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from mesh_transformer import parallel
 
@@ -51,7 +52,11 @@ def dense(equation: str, x, w, dtype=None):
     else:
         outputs = w.shape[n_in:]
         y = product("...k,ko->...o", x, w.reshape(-1, math.prod(outputs)))
-    return y.reshape(*batch, *outputs).astype(dtype or x.dtype)
+    # named so remat="dots" keeps it: a custom_vjp call is no dot_general to jax.checkpoint_policies
+    return checkpoint_name(y.reshape(*batch, *outputs).astype(dtype or x.dtype), WEIGHT_PRODUCT)
+
+
+WEIGHT_PRODUCT = "weight_product"  # the checkpoint_name of every dense() output
 
 
 def product(equation: str, a, b):
