@@ -50,7 +50,7 @@ def test_dataset_written_before_model_families_loads():
 def test_checkpoint_trained_with_mp3_exports_to_hf(tmp_path):
     """mp=3 pads the vocabulary to a multiple of 384, not 128: export reads the saved padding."""
     from transformers import GPTJForCausalLM
-    config = config_from_dict(dict(layers=2, d_model=48, n_heads=6, n_vocab=200, seq=16, d_ff=64, pe_rotary_dims=4,
+    config = config_from_dict(dict(layers=2, d_model=48, n_heads=6, n_vocab=200, seq=16, d_ff=96, pe_rotary_dims=4,
                                    compute_dtype="float32", cores_per_replica=3, model_dir=str(tmp_path / "run")))
     trainer = Trainer(config, parallel.make_mesh(3, 1, jax.devices()[:3]))
     state = trainer.init_state(0)

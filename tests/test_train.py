@@ -241,8 +241,6 @@ def test_bfloat16_compute_is_in_the_program_and_close_to_float32(by_compute_dtyp
     assert abs(loss16 - loss32) < 2e-3
 
 
-@pytest.mark.xfail(strict=True, reason="the backward pass's matmuls run in float32: layers.dense casts its float32 "
-                   "result to compute_dtype, so the cotangent reaching each dot is float32 (reported)")
 def test_bfloat16_backward_matmuls_run_in_bfloat16(by_compute_dtype):
     *_, program16 = by_compute_dtype["bfloat16"]
     assert ("f32", "f32") not in _dot_operand_types(program16)

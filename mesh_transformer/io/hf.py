@@ -8,6 +8,7 @@ output shard besides the source parameters. The family comes from config.json's 
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -21,8 +22,9 @@ from mesh_transformer.io.tokenizer import TOKENIZER_FILES
 
 
 def config_from_hf(hf: dict, **overrides) -> ModelConfig:
-    """Our config from a HF `config.json` dict; the family from its `model_type`."""
-    return models.family_for_hf(hf.get("model_type")).config.from_hf_config(hf, **overrides)
+    """Our config from a HF `config.json` dict (the family from its `model_type`), then `overrides`
+    (e.g. a training config's `seq` or `compute_dtype`)."""
+    return dataclasses.replace(models.family_for_hf(hf.get("model_type")).config.from_hf_config(hf), **overrides)
 
 
 def config_to_hf(c: ModelConfig, torch_dtype: str = "float32") -> dict:

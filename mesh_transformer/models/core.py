@@ -27,11 +27,14 @@ import jax.numpy as jnp
 
 from mesh_transformer import parallel
 from mesh_transformer.config import ModelConfig
-from mesh_transformer.models.layers import Context, Embedding, LMHead, dense, norm, normal
+from mesh_transformer.models.layers import WEIGHT_PRODUCT, Context, Embedding, LMHead, dense, norm, normal
 
 REMAT_POLICIES = {
     "full": None,  # save nothing, recompute the layer in the backward pass
-    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    # save the weight matmuls (dense() names them), recompute attention's batched einsums
+    "dots": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+        jax.checkpoint_policies.save_only_these_names(WEIGHT_PRODUCT)),
 }
 STACKED = "layers"  # module of the scanned layers: parameters "<family>/layers/..." with a leading [L] axis
 

@@ -39,7 +39,7 @@ class GPT2Config(ModelConfig):
         return StemSpec(final_norm="layernorm", tied=self.tie_embeddings)
 
     @classmethod
-    def from_hf_config(cls, hf: dict, **overrides) -> "GPT2Config":
+    def from_hf_config(cls, hf: dict) -> "GPT2Config":
         for key in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"):
             if hf.get(key):
                 raise ConfigError(f"config.json: GPT-2 option {key} is not supported")
@@ -49,7 +49,7 @@ class GPT2Config(ModelConfig):
         return cls(layers=hf["n_layer"], d_model=d, n_heads=hf["n_head"], n_vocab=hf["vocab_size"],
                    seq=hf.get("n_positions", 1024), d_ff=hf.get("n_inner") or 4 * d,
                    activation=hf.get("activation_function", "gelu_new"), tie_embeddings=hf.get("tie_word_embeddings", True),
-                   layer_norm_eps=hf.get("layer_norm_epsilon", 1e-5), **overrides)
+                   layer_norm_eps=hf.get("layer_norm_epsilon", 1e-5))
 
     def to_hf_config(self) -> dict:
         if self.pe != "fixed" or self.n_heads * self.head_dim != self.d_model:

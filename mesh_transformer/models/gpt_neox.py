@@ -51,7 +51,7 @@ class GPTNeoXConfig(ModelConfig):
         return StemSpec(final_norm="layernorm")
 
     @classmethod
-    def from_hf_config(cls, hf: dict, **overrides) -> "GPTNeoXConfig":
+    def from_hf_config(cls, hf: dict) -> "GPTNeoXConfig":
         rope = hf.get("rope_parameters") or {}
         kind = rope.get("rope_type", "default")
         if kind != "default" or hf.get("rope_scaling"):
@@ -61,8 +61,7 @@ class GPTNeoXConfig(ModelConfig):
                    rotary_pct=rope.get("partial_rotary_factor", hf.get("rotary_pct", 0.25)),
                    rope_theta=rope.get("rope_theta", hf.get("rotary_emb_base", 10000.0)),
                    parallel_residual=hf.get("use_parallel_residual", True), activation=hf.get("hidden_act", "gelu"),
-                   attention_bias=hf.get("attention_bias", True), layer_norm_eps=hf.get("layer_norm_eps", 1e-5),
-                   **overrides)
+                   attention_bias=hf.get("attention_bias", True), layer_norm_eps=hf.get("layer_norm_eps", 1e-5))
 
     def to_hf_config(self) -> dict:
         if self.pe != "rotary" or self.n_heads * self.head_dim != self.d_model:

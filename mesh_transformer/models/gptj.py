@@ -56,14 +56,14 @@ class GPTJConfig(ModelConfig):
         return StemSpec(final_norm=self.norm, head_bias=True)
 
     @classmethod
-    def from_hf_config(cls, hf: dict, **overrides) -> "GPTJConfig":
+    def from_hf_config(cls, hf: dict) -> "GPTJConfig":
         act = hf.get("activation_function", "gelu_new")
         if act not in ("gelu_new", "gelu_pytorch_tanh"):
             raise ConfigError(f"config.json: activation_function {act!r} is not supported (GPT-J uses 'gelu_new')")
         d, n = hf["n_embd"], hf["n_head"]
         return cls(layers=hf["n_layer"], d_model=d, n_heads=n, n_vocab=hf["vocab_size"], seq=hf.get("n_positions", 2048),
                    d_ff=hf.get("n_inner") or 4 * d, pe="rotary", pe_rotary_dims=hf.get("rotary_dim") or d // n,
-                   layer_norm_eps=hf.get("layer_norm_epsilon", 1e-5), **overrides)
+                   layer_norm_eps=hf.get("layer_norm_epsilon", 1e-5))
 
     def to_hf_config(self) -> dict:
         if self.pe != "rotary" or self.norm != "layernorm" or self.n_heads * self.head_dim != self.d_model:

@@ -11,12 +11,14 @@ K key/value heads, G query heads per kv head, H head dim, F d_ff, V (local) voca
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple, Optional
 
 import haiku as hk
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from mesh_transformer import parallel
 
@@ -48,11 +50,61 @@ def dense(equation: str, x, w, dtype=None):
         return _lora_dense(x, w, n_in, batch, dtype or x.dtype)
     if isinstance(w, parallel.InputsLast):
         outputs = w.array.shape[:-n_in]
-        y = jnp.einsum("...k,ok->...o", x, w.array.reshape(math.prod(outputs), -1), preferred_element_type=jnp.float32)
+        y = product("...k,ok->...o", x, w.array.reshape(math.prod(outputs), -1))
     else:
         outputs = w.shape[n_in:]
-        y = jnp.einsum("...k,ko->...o", x, w.reshape(-1, math.prod(outputs)), preferred_element_type=jnp.float32)
-    return y.reshape(*batch, *outputs).astype(dtype or x.dtype)
+        y = product("...k,ko->...o", x, w.reshape(-1, math.prod(outputs)))
+    # named so remat="dots" keeps it: a custom_vjp call is no dot_general to jax.checkpoint_policies
+    return checkpoint_name(y.reshape(*batch, *outputs).astype(dtype or x.dtype), WEIGHT_PRODUCT)
+
+
+WEIGHT_PRODUCT = "weight_product"  # the checkpoint_name of every dense() output
+
+
+def product(equation: str, a, b):
+    """`jnp.einsum(equation, a, b)` accumulated and returned in float32, whose gradient matmuls take
+    their operands in the forward's dtypes: with bfloat16 operands all three matmuls run natively
+    (bf16 x bf16), as in torch's autocast, instead of in float32 on the float32 cotangent.
+
+    Every index of `equation` appears in two of its three terms (no index summed inside one operand).
+    Inside shard_map both operands first vary over the same mesh axes (what the einsum does
+    implicitly), so the transposes of those casts add the reductions autodiff owes (a column-parallel
+    input's gradient over 'mp', a weight's over 'dp')."""
+    axes = tuple(sorted(_varying(a) | _varying(b)))
+    return _product(equation, _vary(a, axes), _vary(b, axes))
+
+
+def _varying(x) -> frozenset:
+    """The mesh axes a value varies over inside shard_map (empty outside)."""
+    manual = getattr(jax.typeof(x), "manual_axis_type", None)
+    return manual.varying if manual is not None else frozenset()
+
+
+def _vary(x, axes: tuple):
+    missing = tuple(a for a in axes if a not in _varying(x))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _product(equation: str, a, b):
+    return jnp.einsum(equation, a, b, preferred_element_type=jnp.float32)
+
+
+def _product_forward(equation, a, b):
+    return _product(equation, a, b), (a, b)
+
+
+def _product_backward(equation, saved, g):
+    a, b = saved
+    terms, out = equation.split("->")
+    in_a, in_b = terms.split(",")
+    g = g.astype(jnp.promote_types(a.dtype, b.dtype))
+    da = jnp.einsum(f"{out},{in_b}->{in_a}", g, b, preferred_element_type=jnp.float32)
+    db = jnp.einsum(f"{in_a},{out}->{in_b}", a, g, preferred_element_type=jnp.float32)
+    return da.astype(a.dtype), db.astype(b.dtype)
+
+
+_product.defvjp(_product_forward, _product_backward)
 
 
 def _lora_dense(x, w: "parallel.LoRAWeight", n_in: int, batch, dtype):
@@ -286,12 +338,12 @@ class Attention(hk.Module):
         b, t, n, hd = q.shape
         kv = k.shape[1]
         q = q.reshape(b, t, kv, n // kv, hd).astype(k.dtype)
-        scores = jnp.einsum("btkgh,bkhs->bkgts", q, k, preferred_element_type=jnp.float32) / jnp.sqrt(jnp.float32(hd))
+        scores = product("btkgh,bkhs->bkgts", q, k) / jnp.sqrt(jnp.float32(hd))
         if self.spec.alibi:
             scores = scores + self._alibi(kv, n // kv, ctx)
         scores = jnp.where(ctx.mask, scores, jnp.finfo(jnp.float32).min)
         weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-        out = jnp.einsum("bkgts,bksh->btkgh", weights, v, preferred_element_type=jnp.float32)
+        out = product("bkgts,bksh->btkgh", weights, v)
         return out.reshape(b, t, n, hd).astype(q.dtype)
 
     def _alibi(self, kv: int, group: int, ctx: Context):
@@ -389,7 +441,7 @@ class Embedding(hk.Module):
     def attend(self, x, n_vocab: int):
         """Tied output projection: x [B, T, width] -> local logits [B, T, V/mp] (float32), padding -inf."""
         table = self._table(x.dtype)
-        return jnp.einsum("btd,vd->btv", x, table, preferred_element_type=jnp.float32) + vocab_padding(table.shape[0], n_vocab)
+        return product("btd,vd->btv", x, table) + vocab_padding(table.shape[0], n_vocab)
 
 
 def vocab_padding(local_vocab: int, n_vocab: int):

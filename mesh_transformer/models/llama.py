@@ -63,7 +63,7 @@ class LlamaConfig(ModelConfig):
         return StemSpec(final_norm="rmsnorm", tied=self.tie_embeddings)
 
     @classmethod
-    def from_hf_config(cls, hf: dict, **overrides) -> "LlamaConfig":
+    def from_hf_config(cls, hf: dict) -> "LlamaConfig":
         act = hf.get("hidden_act", "silu")
         if act != "silu":
             raise ConfigError(f"config.json: hidden_act {act!r} is not supported (LLaMA uses 'silu')")
@@ -80,8 +80,7 @@ class LlamaConfig(ModelConfig):
                    seq=min(seq, window) if window else seq, d_ff=hf["intermediate_size"], rope_theta=theta,
                    rope_scaling=scaling, qkv_bias=qwen2 or hf.get("attention_bias", False),
                    out_bias=not qwen2 and hf.get("attention_bias", False), mlp_bias=hf.get("mlp_bias", False),
-                   tie_embeddings=hf.get("tie_word_embeddings", False), layer_norm_eps=hf.get("rms_norm_eps", 1e-6),
-                   **overrides)
+                   tie_embeddings=hf.get("tie_word_embeddings", False), layer_norm_eps=hf.get("rms_norm_eps", 1e-6))
 
     def to_hf_config(self) -> dict:
         """LlamaForCausalLM, or Qwen2ForCausalLM for q/k/v biases without an o_proj bias."""

@@ -53,7 +53,7 @@ class OPTConfig(ModelConfig):
                         position_offset=POSITION_OFFSET, embed_proj=self.embed_proj)
 
     @classmethod
-    def from_hf_config(cls, hf: dict, **overrides) -> "OPTConfig":
+    def from_hf_config(cls, hf: dict) -> "OPTConfig":
         for key, want in (("enable_bias", True), ("layer_norm_elementwise_affine", True), ("_remove_final_layer_norm", False)):
             if hf.get(key, want) != want:
                 raise ConfigError(f"config.json: OPT option {key}={hf.get(key)} is not supported")
@@ -62,7 +62,7 @@ class OPTConfig(ModelConfig):
         return cls(layers=hf["num_hidden_layers"], d_model=hf["hidden_size"], n_heads=hf["num_attention_heads"],
                    n_vocab=hf["vocab_size"], seq=hf.get("max_position_embeddings", 2048), d_ff=hf["ffn_dim"],
                    pre_norm=hf.get("do_layer_norm_before", True), word_embed_proj_dim=hf.get("word_embed_proj_dim"),
-                   activation=hf.get("activation_function", "relu"), **overrides)
+                   activation=hf.get("activation_function", "relu"))
 
     def to_hf_config(self) -> dict:
         if self.pe != "fixed" or self.n_heads * self.head_dim != self.d_model or self.layer_norm_eps != 1e-5:
