@@ -20,6 +20,7 @@ from typing import Any, Optional
 from mesh_transformer.errors import UserError
 
 REMAT_POLICIES = ("none", "full", "dots")
+ATTENTION_IMPLS = ("xla", "cudnn")  # how training computes attention (models/layers.py Attention)
 DTYPES = ("float32", "bfloat16", "float16")
 DEFAULT_FAMILY = "gptj"  # what every original config means
 
@@ -58,6 +59,7 @@ class ModelConfig:
     layer_norm_eps: float = 1e-5
     compute_dtype: str = "bfloat16"
     remat: str = "full"
+    attention_impl: str = "xla"  # "cudnn": jax.nn.dot_product_attention, cuDNN flash attention on NVIDIA GPUs
 
     PE_CHOICES: typing.ClassVar[tuple[str, ...]] = ("rotary", "fixed", "none", "alibi")
 
@@ -104,9 +106,10 @@ class ModelConfig:
         return models.build(self).flops_per_token()
 
     def architecture(self) -> dict[str, Any]:
-        """What fixes the meaning of the weights: every key but compute_dtype and remat, with
-        defaults resolved; `seq` only with learned positions."""
-        out = {k: v for k, v in dataclasses.asdict(self).items() if k not in ("compute_dtype", "remat", "seq")}
+        """What fixes the meaning of the weights: every key but compute_dtype, remat and attention_impl,
+        with defaults resolved; `seq` only with learned positions."""
+        out = {k: v for k, v in dataclasses.asdict(self).items()
+               if k not in ("compute_dtype", "remat", "attention_impl", "seq")}
         out.update(d_head=self.head_dim, d_ff=self.ff_dim)
         if self.pe == "fixed":
             out["seq"] = self.seq
@@ -124,6 +127,8 @@ class ModelConfig:
         require(self.pe in self.PE_CHOICES, "pe", f"family {self.family!r} supports {self.PE_CHOICES}, got {self.pe!r}")
         require(self.compute_dtype in DTYPES, "compute_dtype", f"must be one of {DTYPES}, got {self.compute_dtype!r}")
         require(self.remat in REMAT_POLICIES, "remat", f"must be one of {REMAT_POLICIES}, got {self.remat!r}")
+        require(self.attention_impl in ATTENTION_IMPLS, "attention_impl",
+                f"must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}")
         require(self.layer_norm_eps > 0, "layer_norm_eps", "must be positive")
 
 

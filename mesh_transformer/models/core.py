@@ -103,7 +103,7 @@ class Transformer(hk.Module):
         False from every query's view (forgetful causal masking).
         """
         c, stem = self.config, self.config.stem()
-        ctx = _context(tokens.shape, cache, segments, key_keep)
+        ctx = _context(tokens.shape, cache, segments, key_keep)._replace(attention=c.attention_impl)
         dtype = jnp.dtype(c.compute_dtype)
         embedding = Embedding(self.padded_vocab, stem.embed_proj or c.d_model,
                               width_axis="embed_proj" if stem.embed_proj else "embed")
@@ -155,7 +155,7 @@ def _context(shape, cache: Optional[KVCache], segments=None, key_keep=None) -> C
             mask = mask & (segments[:, :, None] == segments[:, None, :])
         if key_keep is not None:
             mask = mask & key_keep[:, None, :]
-        return Context(positions, mask[:, None, None], positions)
+        return Context(positions, mask[:, None, None], positions, causal=segments is None and key_keep is None)
     slots = cache.index + jnp.arange(t)  # [T]
     positions = jnp.maximum(slots[None, :] - cache.start[:, None], 0)
     keys = jnp.arange(cache.slots)  # [S]

@@ -276,13 +276,17 @@ class Context(NamedTuple):
     """What every layer of one forward pass shares.
 
     positions [B, T] of the new tokens; mask [B, 1, 1, T, S] (True = may attend);
-    key_positions [B, S] (ALiBi); slot_index: the cache slot the T new tokens go to (None: no cache).
+    key_positions [B, S] (ALiBi); slot_index: the cache slot the T new tokens go to (None: no cache);
+    causal: the mask is exactly the causal one (no segments, no dropped keys); attention: the
+    config's implementation ("xla" or "cudnn").
     """
 
     positions: jax.Array
     mask: jax.Array
     key_positions: jax.Array
     slot_index: Optional[jax.Array] = None
+    causal: bool = False
+    attention: str = "xla"
 
 
 class Attention(hk.Module):
@@ -309,13 +313,16 @@ class Attention(hk.Module):
         v = self._project(h, "v", (d, kv, hd), ("embed", "kv_heads", "head_dim"), kv_group=n // kv, n_local=q.shape[2])
         if s.rotary is not None:
             q, k = s.rotary(q, ctx.positions), s.rotary(k, ctx.positions)
-        k, v = jnp.transpose(k, (0, 2, 3, 1)), jnp.swapaxes(v, 1, 2)  # [B, K, H, T], [B, K, T, H] as cached
-        if cache is not None:
-            cache_k, cache_v = cache
-            k = jax.lax.dynamic_update_slice_in_dim(cache_k, k.astype(cache_k.dtype), ctx.slot_index, 3)
-            v = jax.lax.dynamic_update_slice_in_dim(cache_v, v.astype(cache_v.dtype), ctx.slot_index, 2)
-            cache = (k, v)
-        out = self._attend(q, k, v, ctx)  # [B, T, N, H]
+        if cache is None and ctx.attention == "cudnn" and not s.alibi:
+            out = _fused_attention(q, k, v, ctx)
+        else:
+            k, v = jnp.transpose(k, (0, 2, 3, 1)), jnp.swapaxes(v, 1, 2)  # [B, K, H, T], [B, K, T, H] as cached
+            if cache is not None:
+                cache_k, cache_v = cache
+                k = jax.lax.dynamic_update_slice_in_dim(cache_k, k.astype(cache_k.dtype), ctx.slot_index, 3)
+                v = jax.lax.dynamic_update_slice_in_dim(cache_v, v.astype(cache_v.dtype), ctx.slot_index, 2)
+                cache = (k, v)
+            out = self._attend(q, k, v, ctx)  # [B, T, N, H]
         w_out = parallel.weight("out_proj", (n, hd, d), ("heads", "head_dim", "embed"), 2, normal(s.out_std), dt)
         bias = parallel.param("out_bias", (d,), ("embed",), ZEROS, dt) if s.out_bias else None
         return RowParallel(dense("btnh,nhd->btd", out, w_out), bias), cache
@@ -352,6 +359,18 @@ class Attention(hk.Module):
         slopes = jnp.take(alibi_slopes(self.spec.n_heads), parallel.mp_index() * n_local + jnp.arange(n_local))
         distance = ctx.key_positions[:, None, :] - ctx.positions[:, :, None]  # [B, T, S], <= 0 where attended
         return slopes.reshape(1, kv, group, 1, 1) * distance[:, None, None].astype(jnp.float32)
+
+
+def _fused_attention(q, k, v, ctx: Context):
+    """q [B, T, N, H], k and v [B, T, K, H] -> [B, T, N, H] with `jax.nn.dot_product_attention`:
+    cuDNN's flash attention on NVIDIA GPUs in 16-bit (the [T, S] scores never reach memory; a plain
+    causal mask skips the blocks above the diagonal), XLA's implementation elsewhere. Used for
+    training (no cache, no ALiBi); decoding keeps the einsum path, which reads the cache in place."""
+    on_gpu = jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16)
+    k, v = k.astype(q.dtype), v.astype(q.dtype)
+    mask = None if ctx.causal else ctx.mask[:, 0]  # [B, 1, T, S]
+    return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=ctx.causal,
+                                        implementation="cudnn" if on_gpu else "xla")
 
 
 def _one_head(w, head):
