@@ -23,6 +23,12 @@ def main(argv=None):
     parser.add_argument("--max-queue", type=int, default=100, help="waiting sequences before answering 503")
     parser.add_argument("--chunk", type=int, default=8, help="decode steps between admitting new requests")
     parser.add_argument("--slots", type=int, help="KV-cache slots per row (default: the model's context)")
+    parser.add_argument("--prefix-cache-tokens", type=int, metavar="N",
+                        help="keys/values of up to N prompt tokens kept for reuse by prompts that start the same "
+                             "way, least recently used evicted first; 0 disables (default: what fits in "
+                             "512 MiB, at most 16 contexts; see mesh_transformer/generate/prefix.py)")
+    parser.add_argument("--prefix-block", type=int, default=16,
+                        help="tokens per prefix-cache block: prompts share cached keys/values in whole blocks")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds before a request is answered 504")
     parser.add_argument("--drain-timeout", type=float, default=30.0,
                         help="on SIGTERM, seconds to let running requests finish before exiting")
@@ -36,6 +42,10 @@ def main(argv=None):
                              "and decode, before listening")
     parser.add_argument("--model-name", help="the id /v1/models reports (default: the weights' directory name)")
     args = parser.parse_args(argv)
+    if args.prefix_block < 1 or not (args.prefix_cache_tokens is None or args.prefix_cache_tokens == 0
+                                     or args.prefix_cache_tokens >= args.prefix_block):
+        parser.error(f"--prefix-cache-tokens must be 0 (off) or at least --prefix-block ({args.prefix_block}), "
+                     f"and --prefix-block at least 1; got {args.prefix_cache_tokens} and {args.prefix_block}")
 
     import jax
     import uvicorn  # noqa: F401  (fail before loading weights if the server's dependencies are missing)
@@ -49,7 +59,8 @@ def main(argv=None):
     if status.code:
         return status.code
     engine = serve.Engine(model.generator(), model.tokenizer,
-                          max_batch=args.max_batch, slots=args.slots, chunk=args.chunk, max_queue=args.max_queue)
+                          max_batch=args.max_batch, slots=args.slots, chunk=args.chunk, max_queue=args.max_queue,
+                          prefix_cache_tokens=args.prefix_cache_tokens, prefix_block=args.prefix_block)
     model.params = None  # the Generator holds its own copy
     if args.warmup is not None:
         engine.warmup(args.warmup or (16,))

@@ -18,6 +18,7 @@ from mesh_transformer.generate.sampling import FINISH_REASONS, SamplingOptions
 
 if TYPE_CHECKING:
     from mesh_transformer.generate.decode import Generator
+    from mesh_transformer.generate.prefix import PrefixCache
 
 # --------------------------------------------------------------------------------------------
 # One request on the host: prompt, output so far, text and stop strings
@@ -131,13 +132,16 @@ class Batch:
 
     All rows share the cache's write index. A group of prompts can join when, after moving the
     batch to a new index I (a cache roll), every prompt fits in slots [I - length, I) and every
-    row still running has room for its remaining tokens in [I, S).
+    row still running has room for its remaining tokens in [I, S). With a `prefix` cache, prompts
+    reuse the keys and values of blocks earlier prompts stored there (see `prefix`).
     """
 
-    def __init__(self, generator: Generator, rows: int, slots: int, chunk: Optional[int] = 16):
+    def __init__(self, generator: Generator, rows: int, slots: int, chunk: Optional[int] = 16,
+                 prefix: Optional[PrefixCache] = None):
         self.gen = generator
         self.size, self.slots = round_up(max(rows, generator.min_rows), generator.dp), slots
         self.chunk = chunk
+        self.prefix = prefix
         self.state = generator.new_state(self.size, slots)
         self.rows: list[Optional[Sequence]] = [None] * self.size
         self.start = [0] * self.size  # first valid slot of each row (host copy)
@@ -182,7 +186,8 @@ class Batch:
         self.start = [s + index - self.index for s in self.start]
         rows = self.free()[: len(seqs)]
         self.state, first, done, reason = self.gen.admit(
-            self.state, [s.prompt for s in seqs], [s.options for s in seqs], [s.seed for s in seqs], rows, index)
+            self.state, [s.prompt for s in seqs], [s.options for s in seqs], [s.seed for s in seqs], rows, index,
+            self.prefix)
         self.index = index
         for r, s in zip(rows, seqs):
             self.rows[r] = s

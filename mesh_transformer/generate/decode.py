@@ -43,6 +43,7 @@ from mesh_transformer.models.core import KVCache, unstacked_modules
 
 if TYPE_CHECKING:
     from mesh_transformer.generate.batching import Sequence
+    from mesh_transformer.generate.prefix import Plan, PrefixCache
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +120,7 @@ def emit(state: DecodeState, logits, active) -> tuple[DecodeState, Emitted]:
 
 
 KV_SPEC = P(parallel.DP, parallel.MP, None, None)  # each layer's k and v: rows over dp, heads over mp
+POOL_SPEC = P(None, parallel.MP, None, None)  # the prefix cache's pool: one row, heads over mp
 
 
 def state_specs(layers: int) -> DecodeState:
@@ -172,12 +174,19 @@ class Generator:
         self.shapes: set[tuple] = set()  # programs compiled so far (see `_note`)
         self.shardings = parallel.named(mesh, self.specs)
         kv = (KV_SPEC,) * config.layers
+        prefill_specs = (self.param_specs, P(parallel.DP, None), P(parallel.DP))
         self._prefill = parallel.shard_map(
-            self._prefill_local, mesh, self.rules,
-            in_specs=(self.param_specs, P(parallel.DP, None), P(parallel.DP)),
+            self._prefill_local, mesh, self.rules, in_specs=prefill_specs,
+            out_specs=(P(parallel.DP, None), kv, kv), inputs_last=self.inputs_last)
+        self._prefill_after = parallel.shard_map(  # after cached keys/values (prefix caching)
+            self._prefill_local, mesh, self.rules, in_specs=prefill_specs + (kv, kv),
             out_specs=(P(parallel.DP, None), kv, kv), inputs_last=self.inputs_last)
         self._new_state = jax.jit(self._empty, static_argnums=(0, 1), out_shardings=self.shardings)
-        self._admit = jax.jit(self._admit_rows, out_shardings=(self.shardings, None), donate_argnums=1)
+        self.pool_sharding = jax.sharding.NamedSharding(mesh, POOL_SPEC)
+        self._new_pool = jax.jit(lambda slots: KVCache.zeros(self.config, 1, slots, mp=self.mp)._replace(
+            start=None, index=None), static_argnums=0, out_shardings=self.pool_sharding)
+        self._admit = jax.jit(self._admit_rows, out_shardings=(self.shardings, self.pool_sharding, None),
+                              donate_argnums=(1, 2))
         self._decode = jax.jit(self._decode_steps, static_argnums=(3, 4), donate_argnums=1,
                                out_shardings=(self.shardings, None))
         self._retire = jax.jit(lambda s, m: s._replace(done=s.done | m), out_shardings=self.shardings,
@@ -214,32 +223,58 @@ class Generator:
                            jnp.ones(batch, bool), i32(), i32(), jnp.zeros((batch, vocab), jnp.int32),
                            jnp.zeros((batch, vocab), bool), jnp.full((batch, STOP_TOKENS), -2, jnp.int32))
 
-    def _prefill_local(self, params, tokens, start):
-        """tokens [n, T] left-padded, start [n] = T - length -> (last logits [n, V], k, v: per layer [n, N, T, H])."""
-        empty = KVCache.zeros(self.config, tokens.shape[0], tokens.shape[1], start, self.mp, local=True)
-        logits, cache = self.model.apply(params, tokens, empty, last_only=True)
+    def _prefill_local(self, params, tokens, start, cached_k=None, cached_v=None):
+        """tokens [n, T] left-padded -> (last logits [n, V], k, v: per layer [n, N, C+T, H] (k: H, C+T)).
+
+        cached_k/v: per layer [n, N, H, C] / [n, N, C, H], the keys and values of the C slots before
+        the tokens (prefix caching; none: C = 0). start [n]: each row's first valid slot of the C+T.
+        """
+        n, t = tokens.shape
+        cache = KVCache.zeros(self.config, n, t, start, self.mp, local=True)
+        if cached_k is not None:
+            join = lambda cached, empty, axis: jnp.concatenate([cached, empty], axis)  # noqa: E731
+            cache = KVCache(cached_k, cached_v, None, None).along_slots(join, cache)
+            cache = cache._replace(start=start, index=jnp.int32(cached_v[0].shape[KVCache.V_SLOTS]))
+        logits, cache = self.model.apply(params, tokens, cache, last_only=True)
         return parallel.all_gather_mp(logits[:, -1]), cache.k, cache.v
 
-    def _admit_rows(self, params, state: DecodeState, tokens, lengths, row_ids, rows: RowOptions, index):
-        """Prefill `tokens` [n, T] into rows `row_ids` [n] (n >= batch: dropped) ending at slot `index`.
+    def _admit_rows(self, params, state: DecodeState, pool: Optional[KVCache], tokens, lengths, row_ids,
+                    rows: RowOptions, index, read, write):
+        """Prefill `tokens` [n, W] into rows `row_ids` [n] (n >= batch: dropped) ending at slot `index`.
 
         The whole batch first moves to `index` (a roll of the cache; positions do not change), then
         each new row's prompt fills slots index-length .. index-1 and its first token is sampled.
+        Prefix caching (`pool` not None): read [n, C] are pool slots whose keys/values the first C
+        of the W slots take (M, the pool's size: none), so only the last W-C tokens are computed;
+        write [n, W] the pool slot each of the W slots' keys/values go to afterwards (M: none).
         """
-        n, t = tokens.shape
+        n, w = tokens.shape
+        c = 0 if read is None else read.shape[1]
         batch, slots = state.last.shape[0], state.cache.slots
         cache = _roll_cache(state.cache, index - state.cache.index)
-        logits, k, v = self._prefill(params, tokens, t - lengths)
-        target = index - t + jnp.arange(t)
+        if c:
+            gather = lambda x, axis: jnp.moveaxis(  # noqa: E731 - pool [1, .., M, ..] -> [n, .., C, ..]
+                jnp.take(x[0], read, axis=axis - 1, mode="fill", fill_value=0), axis - 1, 0)
+            cached = pool.along_slots(gather)
+            logits, k, v = self._prefill_after(params, tokens[:, c:], w - lengths, cached.k, cached.v)
+        else:
+            logits, k, v = self._prefill(params, tokens, w - lengths)
+        new = KVCache(k, v, None, None)
+        if pool is not None:
+            def store(x, computed, axis):  # x [1, .., M, ..] <- computed [n, .., W, ..] at pool slots `write`
+                where = (slice(None),) * (axis - 1) + (write,)
+                return x[0].at[where].set(jnp.moveaxis(computed, 0, axis - 1), mode="drop")[None]
+            pool = pool.along_slots(store, new)
+        target = index - w + jnp.arange(w)
         target = jnp.where(target >= 0, target, slots)  # left padding beyond slot 0 is dropped
 
-        def put(x, new, axis):  # new's T slots into x's rows row_ids at slots target
+        def put(x, new, axis):  # new's W slots into x's rows row_ids at slots target
             where = (row_ids[:, None],) + (slice(None),) * (axis - 1) + (target[None, :],)
             return x.at[where].set(jnp.moveaxis(new, axis, 1), mode="drop")
-        cache = cache.along_slots(put, KVCache(k, v, None, None))
+        cache = cache.along_slots(put, new)
         cache = cache._replace(start=cache.start.at[row_ids].set(index - lengths, mode="drop"))
         set_rows = lambda x, new: x.at[row_ids].set(new, mode="drop")
-        valid = jnp.arange(t)[None, :] >= (t - lengths)[:, None]
+        valid = jnp.arange(w)[None, :] >= (w - lengths)[:, None]
         prompt_seen = jnp.zeros((n, self.vocab), bool).at[jnp.arange(n)[:, None], tokens].max(valid)
         state = DecodeState(
             cache, jax.tree.map(set_rows, state.rows, rows), state.last, set_rows(state.done, False),
@@ -247,7 +282,8 @@ class Generator:
             set_rows(state.seen, prompt_seen), set_rows(state.recent, -2))
         full = jnp.full((batch, self.vocab), -jnp.inf).at[row_ids].set(logits, mode="drop")
         active = jnp.zeros(batch, bool).at[row_ids].set(True, mode="drop")
-        return emit(state, full, active)
+        state, first = emit(state, full, active)
+        return state, pool, first
 
     def _decode_local(self, params, state: DecodeState, steps: int):
         """Up to `steps` decode steps, stopping early once no row anywhere is running."""
@@ -291,26 +327,52 @@ class Generator:
     def new_state(self, batch: int, slots: int) -> DecodeState:
         return self._new_state(batch, slots)
 
+    def new_pool(self, slots: int) -> KVCache:
+        """An empty prefix-cache pool of `slots` token slots (see `prefix.PrefixCache`)."""
+        return self._new_pool(slots)
+
     def admit(self, state, prompts: Seq[Seq[int]], options: Seq[SamplingOptions], seeds: Seq[int],
-              row_ids: Seq[int], index: int):
+              row_ids: Seq[int], index: int, prefix: Optional["PrefixCache"] = None):
         """Prefill `prompts` into rows `row_ids`, ending at cache slot `index` (the batch's new write index).
 
+        With a `prefix` cache, prompt blocks found in it are read rather than computed and the
+        prompts' new full blocks are stored in it. The computed part of each prompt is its last T
+        tokens (T: the bucket of the longest part not found), the rest (C slots before them,
+        bucketed) is read; that keeps each row's slots contiguous whatever its own hit.
         Returns (state, first tokens Emitted [B], done [B], reason [B]).
         """
         n = round_up(bucket(len(prompts), 1), self.dp)
-        t = bucket(max(len(p) for p in prompts))
-        tokens = np.zeros((n, t), np.int32)
+        plan = prefix.plan(prompts) if prefix is not None else None
+        cached = plan.cached if plan else [0] * len(prompts)
+        t = bucket(max(len(p) - c for p, c in zip(prompts, cached)))
+        reuse = [max(0, len(p) - t) for p in prompts]  # <= cached: read from the pool
+        c = bucket(max(reuse)) if max(reuse) else 0
+        w = c + t
+        tokens = np.zeros((n, w), np.int32)
         lengths = np.ones(n, np.int32)
         for i, p in enumerate(prompts):
-            tokens[i, t - len(p):] = p
+            tokens[i, w - len(p):] = p
             lengths[i] = len(p)
         batch = state.last.shape[0]
         ids = np.full(n, batch, np.int32)
         ids[: len(row_ids)] = row_ids
         pad = [options[0]] * (n - len(options))
         rows = RowOptions.stack(list(options) + pad, list(seeds) + [0] * len(pad))
-        self._note("prefill", rows=n, tokens=t, batch=batch, slots=state.cache.slots)
-        state, first = self._admit(self.params, state, tokens, lengths, ids, rows, np.int32(index))
+        read = write = pool = None
+        if prefix is not None:
+            read, write = prefix_slots(plan, prefix.block, prefix.tokens, [len(p) for p in prompts], reuse, n, c, w)
+            pool, prefix.pool = prefix.pool, None
+        self._note("prefill", rows=n, tokens=t, cached=c, batch=batch, slots=state.cache.slots)
+        try:
+            state, pool, first = self._admit(self.params, state, pool, tokens, lengths, ids, rows, np.int32(index),
+                                             read, write)
+        except BaseException:
+            if prefix is not None:
+                prefix.forget(plan)
+            raise
+        finally:
+            if prefix is not None and prefix.pool is None:
+                prefix.pool = pool
         first, done, reason = jax.device_get((first, state.done, state.reason))
         return state, first, done, reason
 
@@ -368,4 +430,24 @@ class Generator:
 
 def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
+
+
+def prefix_slots(plan: "Plan", block: int, size: int, lengths: Seq[int], reuse: Seq[int], n: int, c: int, w: int):
+    """The pool slots an admission reads and writes -> (read [n, c], write [n, w]); `size` (the pool's
+    slot count) where none.
+
+    Row i's prompt fills the last lengths[i] of the w slots (token j at slot w - length + j); its
+    first reuse[i] tokens are read (they end at slot c - 1), and the tokens of `plan.new[i]`'s blocks
+    are written from where the prefill left them.
+    """
+    read = np.full((n, c), size, np.int32)
+    write = np.full((n, w), size, np.int32)
+    for i, (length, r) in enumerate(zip(lengths, reuse)):
+        if r:
+            j = np.arange(r)
+            read[i, c - r:] = np.asarray(plan.found[i], np.int32)[j // block] * block + j % block
+        for number, slot in plan.new[i]:
+            first = w - length + number * block
+            write[i, first:first + block] = slot * block + np.arange(block)
+    return read, write
 

@@ -15,6 +15,7 @@ import time
 from typing import Iterable, Optional
 
 from mesh_transformer.generate import Batch, Generator, SamplingOptions, Sequence, bucket
+from mesh_transformer.generate.prefix import DEFAULT_BLOCK, PrefixCache, default_tokens
 from mesh_transformer.serve.metrics import Metrics
 
 log = logging.getLogger("mesh_transformer.serve")
@@ -69,13 +70,19 @@ class Engine:
 
     max_batch: device rows; slots: cache slots per row (default: the model's context);
     chunk: decode steps per device call (new requests join between calls); max_queue: waiting
-    sequences before `submit` raises QueueFull.
+    sequences before `submit` raises QueueFull; prefix_cache_tokens: token slots of the prefix
+    cache (None: `prefix.default_tokens`; 0: no prefix cache), in blocks of `prefix_block` tokens.
     """
 
     def __init__(self, generator: Generator, tokenizer, max_batch: int = 16, slots: Optional[int] = None,
-                 chunk: int = 8, max_queue: int = 100, metrics: Optional[Metrics] = None):
+                 chunk: int = 8, max_queue: int = 100, metrics: Optional[Metrics] = None,
+                 prefix_cache_tokens: Optional[int] = None, prefix_block: int = DEFAULT_BLOCK):
         self.gen, self.tokenizer = generator, tokenizer
-        self.batch = Batch(generator, max_batch, slots or generator.config.seq, chunk)
+        slots = slots or generator.config.seq
+        if prefix_cache_tokens is None:
+            prefix_cache_tokens = default_tokens(generator.config, slots, prefix_block)
+        self._prefix = (prefix_cache_tokens, prefix_block)
+        self.batch = Batch(generator, max_batch, slots, chunk, self._new_prefix_cache())
         self.context = min(generator.config.seq, self.batch.slots)  # prompt + output must fit a row
         self.max_new_tokens = self.context - 1
         self.max_queue = max_queue
@@ -91,6 +98,10 @@ class Engine:
         self._thread = threading.Thread(target=self._run, name="mesh-transformer-engine", daemon=True)
         self.completed = 0
         self.admissions = 0  # prefill calls (each admits a group of waiting sequences)
+
+    def _new_prefix_cache(self) -> Optional[PrefixCache]:
+        tokens, block = self._prefix
+        return PrefixCache(self.gen, tokens, block) if tokens else None
 
     def start(self) -> "Engine":
         self._thread.start()
@@ -120,6 +131,8 @@ class Engine:
             if window == self.batch.slots:
                 break
             window *= 2
+        if self.batch.prefix is not None:
+            self.batch.prefix.clear()  # the warm-up prompts are no one's prefix
 
     def stop(self) -> None:
         with self._cv:
@@ -166,9 +179,11 @@ class Engine:
 
     def stats(self) -> dict:
         with self._cv:
+            prefix = self.batch.prefix
             return {"active": len(self.batch.active()), "queued": len(self._pending), "completed": self.completed,
                     "admissions": self.admissions, "compiled_shapes": len(self.gen.shapes),
-                    "draining": self.draining, "dtype": str(self.gen.config.compute_dtype)}
+                    "draining": self.draining, "dtype": str(self.gen.config.compute_dtype),
+                    "prefix_cache": prefix.stats() if prefix is not None else None}
 
     # ---- the engine thread ----------------------------------------------------------------------
 
@@ -221,9 +236,12 @@ class Engine:
         if group:
             for seq, request in group:
                 self._timing[id(seq)] = _Timing(request.submitted)
+            prefix = self.batch.prefix
+            hits = prefix.hits if prefix is not None else 0
             finished += self.batch.admit([s for s, _ in group])
             self.admissions += 1
-            self.metrics.admitted([len(s.prompt) for s, _ in group])
+            self.metrics.admitted([len(s.prompt) for s, _ in group],
+                                  (prefix.hits - hits) if prefix is not None else None)
             self._observe([s for s, _ in group])
         if self.batch.active():
             in_batch = [self.batch.rows[r] for r in self.batch.active()]
@@ -263,7 +281,8 @@ class Engine:
                 s.finish("error")
             request.notify()
         self._timing.clear()
-        self.batch = Batch(self.gen, self.batch.size, self.batch.slots, self.batch.chunk)
+        # a failed admission may have consumed the pool (donated) or left blocks unfilled: start afresh
+        self.batch = Batch(self.gen, self.batch.size, self.batch.slots, self.batch.chunk, self._new_prefix_cache())
 
     def generate(self, prompt_ids: list[int], options: SamplingOptions, timeout: Optional[float] = None) -> Sequence:
         """Blocking helper (tests, scripts): one sequence through the queue."""

@@ -11,7 +11,6 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 # Seconds. TTFT spans a prefill on a CPU (ms) to a queue wait behind full batches (minutes).
 TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 ITL_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
-NOT_YET = " Prefix caching is not implemented yet: nothing is looked up, so this stays 0."
 
 
 class Metrics:
@@ -31,11 +30,12 @@ class Metrics:
                              "sequence divided by the tokens delivered (decode runs in chunks of --chunk steps)",
                              buckets=ITL_BUCKETS, registry=r)
         self.prefix_queries = Counter(PREFIX + "prefix_cache_queries",
-                                      "Prompt tokens looked up in the prefix cache." + NOT_YET, registry=r)
+                                      "Prompt tokens looked up in the prefix cache (0 without one)", registry=r)
         self.prefix_hits = Counter(PREFIX + "prefix_cache_hits",
-                                   "Prompt tokens found in the prefix cache." + NOT_YET, registry=r)
+                                   "Prompt tokens found in the prefix cache (their keys and values were read, "
+                                   "not computed)", registry=r)
         self.prefix_hit_rate = Gauge(PREFIX + "prefix_cache_hit_rate",
-                                     "prefix_cache_hits / prefix_cache_queries." + NOT_YET, registry=r)
+                                     "prefix_cache_hits / prefix_cache_queries", registry=r)
         self.prefix_hit_rate.set_function(self._hit_rate)
         self._queried = self._found = 0
 
@@ -47,11 +47,15 @@ class Metrics:
     def answered(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint, str(status)).inc()
 
-    def admitted(self, prompt_lengths: list[int]) -> None:
+    def admitted(self, prompt_lengths: list[int], prefix_hits: Optional[int]) -> None:
+        """Prompts prefilled; `prefix_hits`: their tokens found in the prefix cache (None: there is none)."""
         tokens = sum(prompt_lengths)
         self.prompt_tokens.inc(tokens)
-        self.prefix_queries.inc(tokens)
-        self._queried += tokens
+        if prefix_hits is not None:
+            self.prefix_queries.inc(tokens)
+            self.prefix_hits.inc(prefix_hits)
+            self._queried += tokens
+            self._found += prefix_hits
 
     def generated(self, tokens: int, first: Optional[float], spacing: float, spaced: int) -> None:
         """`tokens` new tokens of one sequence; `first`: seconds to its first token if among them;

@@ -1,0 +1,103 @@
+"""Prefix caching: prompts sharing a start with earlier ones read its keys/values instead of computing
+them, with the same outputs as without the cache (GPT-J and a GQA LLaMA on mp=2), LRU-bounded,
+reported by /health and /metrics."""
+from __future__ import annotations
+
+import httpx
+import numpy as np
+import pytest
+
+from mesh_transformer.generate import Batch, SamplingOptions
+from mesh_transformer.generate.prefix import PrefixCache
+from tests.helpers import mesh, random_tokens
+from tests.serving import client, engine, url, wait_idle  # noqa: F401
+
+BLOCK = 4  # small blocks: the tiny models' contexts are 32 and 64 tokens
+
+
+@pytest.fixture(scope="module")
+def llama_gen(tmp_path_factory):
+    """A random tiny LLaMA with 4 query and 2 kv heads (the pool is sized by kv heads), on mp=2."""
+    from mesh_transformer.generate import Generator
+    from mesh_transformer.io import hf
+    from tests.helpers import make_hf_model
+    path = tmp_path_factory.mktemp("llama_gqa")
+    make_hf_model(path, "llama_gqa2_llama3_rope")
+    config, params = hf.load_hf(path, compute_dtype="float32", remat="none")
+    return Generator(config, hf.pad_vocab(params, config, config.padded_vocab(2)), mesh(1, 2))
+
+
+def one_by_one(gen, prompts, options, prefix):
+    """Each prompt run alone (with its options) through a 2-row Batch, so later prompts can hit what
+    earlier ones stored."""
+    batch = Batch(gen, 2, gen.config.seq, 4, prefix)
+    out = []
+    for p, o in zip(prompts, options):
+        [seq] = gen.sequences([p], o)
+        batch.admit([seq])
+        while batch.active():
+            batch.step()
+        out.append(seq)
+    return out
+
+
+@pytest.mark.parametrize("model", ["gptj", "llama_gqa_mp2"])
+def test_prefix_cache_changes_no_output(model, gen, llama_gen):
+    """Greedy and seeded sampling (with a repetition penalty: the prompt's tokens count even where they
+    were read from the cache) give the same tokens and log-probabilities with the cache as without."""
+    g = gen if model == "gptj" else llama_gen
+    vocab, context = g.config.n_vocab, g.config.seq
+    shared = random_tokens((1, context // 2 - 3), vocab, seed=1)[0].tolist()
+    tails = [random_tokens((1, n), vocab, seed=10 + n)[0].tolist() for n in (2, 5, 1, 3)]
+    prompts = [shared + tails[0], shared + tails[1], shared[:9] + tails[2], shared + tails[0] + tails[3]]
+    new = context // 2 - 4
+    greedy = SamplingOptions(max_new_tokens=new, temperature=0.0, logprobs=2)
+    sampled = SamplingOptions(max_new_tokens=new, temperature=0.9, top_p=0.95, seed=7, repetition_penalty=1.3,
+                              logprobs=0)
+    options = [greedy, sampled, greedy, sampled]
+    plain = one_by_one(g, prompts, options, None)
+    prefix = PrefixCache(g, 64 * BLOCK, BLOCK)
+    cached = one_by_one(g, prompts, options, prefix)
+    # prompts 2 and 4 found the shared prompt's full blocks, prompt 3 its first 2 (its 10th token is new)
+    assert prefix.hits == 2 * (len(shared) // BLOCK * BLOCK) + 2 * BLOCK
+    for a, b in zip(plain, cached):
+        assert a.tokens == b.tokens
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=2e-5)
+        assert a.top_logprobs == [[(i, pytest.approx(p, abs=2e-5)) for i, p in row] for row in b.top_logprobs]
+
+
+def test_table_evicts_least_recently_used_leaves_first(gen):
+    """3 blocks of room: a new prompt evicts the oldest chain's leaf before its root, so the root still
+    hits; a block every prompt of one admission needs is stored once; `forget` frees what a failed
+    admission reserved."""
+    cache = PrefixCache(gen, 3 * BLOCK + 1, BLOCK)
+    assert cache.tokens == 3 * BLOCK
+    a, b = list(range(1, 10)), list(range(100, 109))  # 2 full blocks each (+1 token)
+    first = cache.plan([a, a])
+    assert first.cached == [0, 0] and [len(n) for n in first.new] == [2, 0]  # the second chains through the first
+    assert cache.plan([a]).cached == [8]
+    second = cache.plan([b])  # 1 free block, then evicts a's leaf (a's root was touched after it)
+    assert second.cached == [0] and len(second.new[0]) == 2 and cache.evictions == 1
+    assert cache.plan([a]).cached == [BLOCK]
+    assert cache.stats()["cached_tokens"] == 3 * BLOCK
+    cache.forget(second)
+    assert cache.plan([b]).cached == [0] and cache.stats()["cached_tokens"] == 3 * BLOCK
+
+
+def test_served_prefix_hits_in_health_and_metrics(client, url, engine, tiny):
+    """The default server cache (16-token blocks): a 20-token prompt sent twice hits 16 tokens the
+    second time, with the same answer; /health and /metrics count it."""
+    wait_idle(engine)
+    before = httpx.get(f"{url}/health").json()["prefix_cache"]
+    prompt = random_tokens((1, 20), tiny.tokenizer.vocab_size, seed=5)[0].tolist()
+    first, again = (client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0, logprobs=1)
+                    .choices[0].logprobs for _ in range(2))
+    assert again.tokens == first.tokens
+    np.testing.assert_allclose(again.token_logprobs, first.token_logprobs, atol=2e-5)
+    after = httpx.get(f"{url}/health").json()["prefix_cache"]
+    assert after["block_tokens"] == 16 and after["capacity_tokens"] > 0
+    assert after["hit_tokens"] - before["hit_tokens"] == 16
+    assert after["queried_tokens"] - before["queried_tokens"] == 40
+    metrics = httpx.get(f"{url}/metrics").text
+    hits = float(metrics.split("\nmesh_transformer_prefix_cache_hits_total ")[1].split()[0])
+    assert hits == after["hit_tokens"]
