@@ -334,10 +334,12 @@ async def complete(s: Settings, http: HttpRequest):
 async def completions(s: Settings, http: HttpRequest):
     body = parse(await http.body(), CompletionRequest)
     ids = prompts(s, body.prompt)
-    for name, bad in (("echo", body.echo), ("suffix", body.suffix is not None),
-                      ("best_of", body.best_of not in (None, body.n))):
+    for name, bad in (("suffix", body.suffix is not None), ("best_of", body.best_of not in (None, body.n)),
+                      ("stream", body.stream and body.echo)):
         if bad:
-            raise ApiError(400, f"{name} is not supported", param=name)
+            raise ApiError(400, f"{name} is not supported" + (" with echo" if name == "stream" else ""), param=name)
+    if body.echo:
+        return await _echo_completions(s, body, ids)
     max_tokens = body.max_tokens if body.max_tokens is not None else room(s.engine, ids)
     opts = options(s.engine, max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
                    top_k=body.top_k, frequency_penalty=body.frequency_penalty,
@@ -398,3 +400,91 @@ async def _completion_events(engine: Engine, request: Request, head: dict, n: in
     if so.include_usage:
         yield event({**head, "choices": [], "usage": usage(request.seqs, n)})
     yield b"data: [DONE]\n\n"
+
+
+# --------------------------------------------------------------------------------------------
+# echo: the prompt's own tokens and log-probabilities (how evaluators score text)
+# --------------------------------------------------------------------------------------------
+
+async def _echo_completions(s: Settings, body: CompletionRequest, ids: list[list[int]]):
+    """`echo: true`: each choice's text is its prompt followed by the completion (none with
+    `max_tokens: 0`), and with `logprobs` its logprobs cover the prompt's tokens too, the first
+    one's null (nothing comes before it), as OpenAI's legacy completions do. Prompts are scored
+    together in one batched pass (`evaluate.scoring`); they must fit the context with max_tokens."""
+    engine = s.engine
+    max_tokens = body.max_tokens if body.max_tokens is not None else 16
+    if max_tokens < 0:
+        raise ApiError(400, f"max_tokens must not be negative, got {max_tokens}", param="max_tokens")
+    for i, p in enumerate(ids):
+        if len(p) + max_tokens > engine.context:
+            field = "prompt" if len(ids) == 1 else f"prompt[{i}]"
+            raise ApiError(400, f"{field} has {len(p)} tokens; with echo, prompt + max_tokens ({max_tokens}) must "
+                                f"fit the model's context of {engine.context} tokens", param=field)
+    texts = _prompt_texts(engine, body.prompt, ids)
+    seqs: list[Optional[Sequence]] = [None] * (len(ids) * body.n)
+    if max_tokens > 0:
+        opts = options(engine, max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
+                       top_k=body.top_k, frequency_penalty=body.frequency_penalty,
+                       presence_penalty=body.presence_penalty, repetition_penalty=body.repetition_penalty,
+                       stop=stop_list(body.stop), logprobs=body.logprobs, ignore_eos=body.ignore_eos)
+        seqs = sequences(s, ids, opts, body.n, body.seed)
+        submit_and_wait = wait(engine, seqs, s.timeout)
+    else:
+        submit_and_wait = None
+    scores = None
+    if body.logprobs is not None:
+        from mesh_transformer.evaluate.scoring import scorer_for
+        scorer = scorer_for(engine.gen)
+        scoring = asyncio.to_thread(scorer.score, ids, max(1, body.logprobs))
+        if submit_and_wait is not None:
+            scores, _ = await asyncio.gather(scoring, submit_and_wait)
+        else:
+            scores = await scoring
+    elif submit_and_wait is not None:
+        await submit_and_wait
+    choices = []
+    for index in range(len(ids) * body.n):
+        p = index // body.n
+        choices.append(_echo_choice(engine, index, ids[p], texts[p], scores[p] if scores else None, seqs[index],
+                                    body.logprobs))
+    prompt_tokens = sum(len(p) for p in ids)
+    completion = sum(seq.kept_tokens() for seq in seqs if seq is not None)
+    return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+            "model": body.model or s.model_name, "choices": choices,
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+                      "total_tokens": prompt_tokens + completion}}
+
+
+def _prompt_texts(engine: Engine, prompt, ids: list[list[int]]) -> list[str]:
+    """The prompts as echoed: the strings as sent, token-id prompts decoded."""
+    given = [prompt] if isinstance(prompt, str) else prompt if prompt and isinstance(prompt[0], str) else None
+    return list(given) if given is not None else [engine.tokenizer.decode(p) for p in ids]
+
+
+def _echo_choice(engine: Engine, index: int, prompt: list[int], text: str, scores, seq: Optional[Sequence],
+                 n_top: Optional[int]) -> dict:
+    tok = engine.tokenizer
+    logprobs = None
+    if n_top is not None:
+        offsets = [len(tok.decode(prompt[:i])) for i in range(len(prompt))]
+        logprobs = {"tokens": [tok.decode([t]) for t in prompt],
+                    "token_logprobs": [None] + [float(x) for x in scores.logprobs],
+                    "top_logprobs": [None] + [_top_dict(tok, top[:n_top], lps[:n_top])
+                                              for top, lps in zip(scores.top_ids, scores.top_logprobs)],
+                    "text_offset": offsets}
+        if seq is not None:
+            generated = _logprobs(engine, seq)
+            logprobs = {key: logprobs[key] + (generated[key] if key != "text_offset" else
+                                              [len(text) + o for o in generated[key]]) for key in logprobs}
+    completion = seq.text if seq is not None else ""
+    return {"text": text + completion, "index": index, "logprobs": logprobs,
+            "finish_reason": seq.finish_reason if seq is not None else "length", "prompt_truncated": 0}
+
+
+def _top_dict(tok, ids, logprobs) -> dict:
+    """{token text: log p}, most likely first; where two ids decode to the same text (partial UTF-8
+    bytes) the likelier one is kept, so the dict's max is the most likely token's."""
+    out: dict = {}
+    for t, lp in zip(ids, logprobs):
+        out.setdefault(tok.decode([int(t)]), float(lp))
+    return out

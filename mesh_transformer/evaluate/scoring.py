@@ -1,0 +1,167 @@
+"""Scoring prompts: one forward pass gives every position's log p(next token) and its most likely tokens.
+
+    scorer = Scorer.for_generator(gen)            # the weights a Generator (or server) already holds
+    scorer = Scorer.for_trainer(trainer, params)  # training's params, as they are (stacked, maybe ZeRO/LoRA)
+    [s] = scorer.score([[50256, 464, 3290]], top=1)   # a prompt of L <= seq + 1 tokens
+    s.logprobs   # [L-1]: log p(token i+1 | tokens 0..i)
+    s.top_ids    # [L-1, top]: the most likely next tokens at each position (s.top_ids[:, 0] is greedy)
+
+The evaluator (`evaluate.lm`) and the server's `echo` (`serve.openai`) both score through here.
+Prompts are sorted by length and batched: rows and positions are powers of two (`bucket`, as in
+generation), so a whole evaluation compiles a handful of programs; sequences are right-padded,
+and padded positions come after the real ones (causal attention), so padding never changes a
+score and is never returned.
+
+Vocab-parallel like the loss: each mp shard holds logits for V/mp tokens; the log-normaliser and a
+target's logit take [B, T]-sized reductions over 'mp', the top tokens a top-k per shard and one
+over the mp x top candidates. Full logits are never gathered.
+
+Shape letters: B rows, T positions, V/mp this shard's vocabulary, K top tokens.
+"""
+from __future__ import annotations
+
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence as Seq
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, PartitionSpec as P
+
+from mesh_transformer import parallel
+from mesh_transformer.generate.decode import bucket, round_up
+from mesh_transformer.generate.sampling import TOP_LOGPROBS, argmax
+from mesh_transformer.models.core import KVCache
+from mesh_transformer.train import loss
+
+DEFAULT_BATCH_TOKENS = 8192  # rows x positions of one forward pass (activations scale with it)
+
+
+@dataclass
+class PromptScores:
+    """Scores of one prompt of L tokens (entry i is about token i+1)."""
+
+    logprobs: np.ndarray  # [L-1] float32: log p(token i+1 | tokens 0..i)
+    top_ids: np.ndarray  # [L-1, K] int32: the K most likely tokens after token i, most likely first
+    top_logprobs: np.ndarray  # [L-1, K] float32: their log p
+
+
+def token_scores(logits, targets, top: int):
+    """Inside shard_map: logits [B, T, V/mp] (this shard's vocabulary), targets [B, T] ->
+    (log p(target) [B, T], top ids [B, T, K], their log p [B, T, K]).
+
+    A target that is the most likely token gets exactly the top log p (same logit, same normaliser),
+    so callers may compare the two for equality, as OpenAI clients do."""
+    log_norm = loss.log_normalizer(logits)
+    logprob = loss.target_logits(logits, targets) - log_norm
+    local_vocab = logits.shape[-1]
+    if top == 1:  # argmax in two levels (XLA:CPU's top_k and one-level argmax are slow over a vocabulary)
+        flat = logits.reshape(-1, local_vocab)
+        ids = argmax(flat).reshape(logits.shape[:-1] + (1,))
+        values = jnp.take_along_axis(logits, ids, axis=-1)
+    else:
+        values, ids = jax.lax.top_k(logits, top)
+    ids = ids.astype(jnp.int32) + (parallel.mp_index() * local_vocab).astype(jnp.int32)
+    values, ids = parallel.all_gather_mp(values), parallel.all_gather_mp(ids)  # [B, T, mp*K], shard order
+    best, where = jax.lax.top_k(values, top)  # ties: the lower shard, i.e. the lower token id
+    return logprob, jnp.take_along_axis(ids, where, axis=-1), best - log_norm[..., None]
+
+
+class Scorer:
+    """A compiled scoring pass over one set of parameters on one mesh.
+
+    `forward(params, tokens [b, T]) -> logits [b, T, V/mp]` runs inside shard_map with `rules`;
+    `param_specs` place `params`. Use `for_generator` or `for_trainer`."""
+
+    def __init__(self, forward: Callable, params: Any, param_specs: Any, mesh: Mesh, rules, seq: int,
+                 inputs_last: bool = False, batch_tokens: int = DEFAULT_BATCH_TOKENS):
+        self.params, self.mesh, self.seq, self.batch_tokens = params, mesh, seq, batch_tokens
+        self.dp = mesh.shape[parallel.DP]
+        row = P(parallel.DP, None)
+        top = P(parallel.DP, None, None)
+        self._programs = {
+            k: jax.jit(parallel.shard_map(lambda p, t, y, k=k: token_scores(forward(p, t), y, k), mesh, rules,
+                                          in_specs=(param_specs, row, row), out_specs=(row, top, top),
+                                          inputs_last=inputs_last))
+            for k in (1, TOP_LOGPROBS)}
+        self.shapes: set[tuple[int, int, int]] = set()  # (rows, positions, K) compiled so far
+        self._lock = threading.Lock()  # one pass at a time (a server's handlers share one scorer)
+
+    @classmethod
+    def for_generator(cls, gen, batch_tokens: int = DEFAULT_BATCH_TOKENS) -> "Scorer":
+        """Score with the weights a `generate.Generator` holds (per layer, compute dtype, its layout):
+        no second copy. Tokens run through the KV-cache path of the model with an empty cache."""
+        config, mp = gen.config, gen.mp
+
+        def forward(params, tokens):
+            empty = KVCache.zeros(config, tokens.shape[0], tokens.shape[1], 0, mp, local=True)
+            return gen.model.apply(params, tokens, empty)[0]
+        return cls(forward, gen.params, gen.param_specs, gen.mesh, gen.rules, config.seq, gen.inputs_last,
+                   batch_tokens)
+
+    @classmethod
+    def for_trainer(cls, trainer, params, batch_tokens: int = DEFAULT_BATCH_TOKENS) -> "Scorer":
+        """Score with a training run's current `params` (float32 master weights, stacked layers, sharded
+        as training keeps them; with LoRA the adapters, joined to the trainer's frozen base)."""
+        from mesh_transformer import lora
+        specs = trainer.model.param_specs(trainer.rules)
+        joined = lora.join(trainer.base, params)
+        return cls(lambda p, tokens: trainer.model.apply(p, tokens)[0], joined, specs, trainer.mesh,
+                   trainer.rules, trainer.config.model.seq, batch_tokens=batch_tokens)
+
+    # ---- host API ---------------------------------------------------------------------------
+
+    def score(self, prompts: Seq[Seq[int]], top: int = 1, rows: Optional[int] = None) -> list[PromptScores]:
+        """Scores of each prompt, in the order given. A prompt of L tokens (1 <= L <= seq + 1) runs
+        its first L-1 tokens through the model and scores its last L-1.
+
+        `top` (1..5): how many most likely tokens to report per position. `rows`: at most this many
+        prompts per forward pass (default: as many as `batch_tokens` allows)."""
+        if not 1 <= top <= TOP_LOGPROBS:
+            raise ValueError(f"top must be in [1, {TOP_LOGPROBS}], got {top}")
+        for p in prompts:
+            if not 1 <= len(p) <= self.seq + 1:
+                raise ValueError(f"a prompt to score has {len(p)} tokens; it needs 1 to {self.seq + 1} "
+                                 f"(the context is {self.seq})")
+        k = 1 if top == 1 else TOP_LOGPROBS
+        empty = PromptScores(np.zeros(0, np.float32), np.zeros((0, top), np.int32), np.zeros((0, top), np.float32))
+        out: list[PromptScores] = [empty] * len(prompts)
+        order = sorted((i for i in range(len(prompts)) if len(prompts[i]) > 1), key=lambda i: -len(prompts[i]))
+        start = 0
+        while start < len(order):
+            t = bucket(len(prompts[order[start]]) - 1, 1)
+            limit = max(1, min(rows or len(order), self.batch_tokens // t))
+            n = min(1 << (limit.bit_length() - 1), len(order) - start)  # full groups: a power of two
+            group = order[start:start + n]
+            for i, (logprob, ids, values) in zip(group, self._pass([prompts[i] for i in group], t, k)):
+                out[i] = PromptScores(logprob, ids[:, :top], values[:, :top])
+            start += n
+        return out
+
+    def _pass(self, prompts: list[Seq[int]], t: int, k: int) -> list[tuple]:
+        """One forward pass: each prompt's inputs (all but its last token) right-padded to `t`
+        positions, its targets (all but its first); rows bucketed."""
+        n = round_up(bucket(len(prompts), 1), self.dp)
+        tokens = np.zeros((n, t), np.int32)
+        targets = np.zeros((n, t), np.int32)
+        for i, p in enumerate(prompts):
+            tokens[i, :len(p) - 1] = p[:-1]
+            targets[i, :len(p) - 1] = p[1:]
+        self.shapes.add((n, t, k))
+        with self._lock:
+            logprob, ids, top = jax.device_get(self._programs[k](self.params, tokens, targets))
+        return [(logprob[i, :len(p) - 1], ids[i, :len(p) - 1], top[i, :len(p) - 1]) for i, p in enumerate(prompts)]
+
+
+
+_SCORERS: "weakref.WeakKeyDictionary[Any, Scorer]" = weakref.WeakKeyDictionary()
+
+
+def scorer_for(gen) -> Scorer:
+    """The one Scorer over a Generator's weights (made on first use and shared by every caller, so
+    its compiled programs are too)."""
+    if gen not in _SCORERS:
+        _SCORERS[gen] = Scorer.for_generator(gen)
+    return _SCORERS[gen]

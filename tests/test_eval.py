@@ -1,0 +1,167 @@
+"""Evaluation against lm-evaluation-harness itself, with HF transformers as the oracle.
+
+Local tasks (tests/eval_tasks.py: a LAMBADA-style last word, a one-shot multiple choice, short
+greedy answers, rolling-window perplexity) on random tiny HF models of every family with a BPE
+tokenizer trained on the task text. Per request, `eval_harness.py`'s model (`MeshLM`, sharded
+dp2 x mp2), lm-eval's `local-completions` against our server, and lm-eval's own `--model hf`
+(HFLM) on the same weights give the same log-likelihoods (1e-4, fp32), greedy flags, generations
+and accuracies.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tests.eval_tasks import TASKS, train_tokenizer, write_tasks
+from tests.helpers import make_hf_model
+
+TOL = 1e-4
+CASES = ("gptj", "gpt_neox", "llama_gqa2_llama3_rope", "gpt2", "opt_projected")  # one per family
+SERVED = ("gptj", "llama_gqa2_llama3_rope")  # also checked through the OpenAI API
+MESH = {"gptj": (2, 2)}  # (dp, mp); others (1, 2)
+FAMILY_TASKS = {"gptj": TASKS}  # others skip the rolling-window task (the same code for every family)
+
+
+@pytest.fixture(scope="module")
+def tasks_dir(tmp_path_factory):
+    return write_tasks(tmp_path_factory.mktemp("eval_tasks"))
+
+
+@pytest.fixture(scope="module")
+def manager(tasks_dir):
+    from mesh_transformer.evaluate import harness
+    return harness.task_manager(tasks_dir)
+
+
+def evaluate(lm, manager, tasks=TASKS):
+    from mesh_transformer.evaluate import harness
+    return harness.run(lm, list(tasks), manager, bootstrap_iters=0, log_samples=True)
+
+
+@pytest.fixture(scope="module", params=CASES)
+def family(request, tmp_path_factory, manager):
+    """(case, HF directory, HFLM's results) for one family's random tiny model."""
+    from lm_eval.models.huggingface import HFLM
+
+    path = tmp_path_factory.mktemp(request.param)
+    tokenizer = train_tokenizer(path)
+    make_hf_model(path, request.param, vocab_size=len(tokenizer), bos_token_id=tokenizer.eos_token_id,
+                  eos_token_id=tokenizer.eos_token_id)
+    hflm = HFLM(pretrained=str(path), dtype="float32", batch_size=8, device="cpu")
+    return request.param, path, evaluate(hflm, manager, tasks_of(request.param))
+
+
+def tasks_of(case):
+    return FAMILY_TASKS.get(case, TASKS[:3])
+
+
+@pytest.fixture(scope="module")
+def ours(family):
+    """Our model as eval_harness.py loads it, on dp2 x mp2."""
+    from mesh_transformer import loading
+    from mesh_transformer.evaluate.lm import MeshLM
+    case, path, _ = family
+    dp, mp = MESH.get(case, (1, 2))
+    return MeshLM.from_loaded(loading.load(hf=str(path), mp=mp, dp=dp, dtype="float32"), batch_size=8)
+
+
+def answers(results, task):
+    """Per request, in document order: (log-likelihood, greedy) pairs, or generated texts, or rolling log-likelihoods."""
+    out = []
+    for sample in sorted(results["samples"][task], key=lambda s: s["doc_id"]):
+        out += [r[0] for r in sample["resps"]]
+    return out
+
+
+def assert_same_answers(ours, theirs, tasks=TASKS):
+    for task in tasks:
+        a, b = answers(ours, task), answers(theirs, task)
+        assert len(a) == len(b) > 0, task
+        for x, y in zip(a, b):
+            if isinstance(y, str):
+                assert x == y, task
+            elif isinstance(y, (list, tuple)):  # (log-likelihood, is greedy)
+                assert abs(float(x[0]) - float(y[0])) < TOL and bool(x[1]) == bool(y[1]), (task, x, y)
+            else:  # a rolling log-likelihood (a sum over a whole document)
+                assert abs(float(x) - float(y)) < TOL * 10, (task, x, y)
+        for metric, value in theirs["results"][task].items():
+            if metric.startswith(("acc", "exact_match")) and "stderr" not in metric:
+                assert ours["results"][task][metric] == value, (task, metric)
+
+
+def test_meshlm_matches_hflm(family, ours, manager):
+    case, _, hf_results = family
+    results = evaluate(ours, manager, tasks_of(case))
+    assert_same_answers(results, hf_results, tasks_of(case))
+    assert ours.scorer.shapes and len(ours.scorer.shapes) <= 8  # bucketed: a few compiled shapes for 4 tasks
+
+
+@pytest.fixture(scope="module")
+def served(family, ours):
+    """device_serve.py's app over the same Generator (shared compiled programs), on 127.0.0.1."""
+    from mesh_transformer.serve import Engine, create_app
+    from tests.serving import KEY, start_server
+
+    engine = Engine(ours._generator, ours.tokenizer, max_batch=8, chunk=8).start()
+    server, url = start_server(create_app(engine, model_name="tiny", api_key=KEY))
+    yield url
+    server.should_exit = True
+    engine.stop()
+
+
+@pytest.mark.parametrize("family", SERVED, indirect=True)
+def test_local_completions_against_our_server_matches_hflm(family, served, manager, monkeypatch):
+    """lm-eval's `local-completions` (token ids, echo, logprobs 1, max_tokens 1; generation by text)."""
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
+    from tests.serving import KEY
+
+    case, path, hf_results = family
+    monkeypatch.setenv("OPENAI_API_KEY", KEY)
+    seq = json.loads((path / "config.json").read_text()).get("n_positions") or 64
+    api = LocalCompletionsAPI(base_url=f"{served}/v1/completions", model="tiny", tokenizer_backend="huggingface",
+                              tokenizer=str(path), max_length=seq, batch_size=8, max_retries=1)
+    # local-completions keeps one token of the context for the one it asks the server to generate, so
+    # windows that HFLM cuts at 64 tokens it cuts at 62: compare the tasks whose requests fit both
+    results = evaluate(api, manager, ("tiny_lambada", "tiny_qa"))
+    assert_same_answers(results, hf_results, ("tiny_lambada", "tiny_qa"))
+
+
+@pytest.mark.parametrize("family", SERVED[:1], indirect=True)
+def test_echo_through_the_openai_client(family, served, ours):
+    """echo with max_tokens 0 and 3, string and token-id prompts, several per request, top 2
+    alternatives: the prompt's tokens, offsets and log-probabilities (the first null) as OpenAI gives them."""
+    from openai import OpenAI
+    from tests.serving import KEY
+
+    client = OpenAI(base_url=f"{served}/v1", api_key=KEY, max_retries=0, timeout=60)
+    tok = ours.tokenizer
+    texts = ["Q: What do bees make?\nA:", "The dog waited by the door"]
+    ids = [tok.encode(t) for t in texts]
+    expected = ours.scorer.score(ids, top=2)
+    for prompt in (texts, ids):
+        for max_tokens in (0, 3):
+            r = client.completions.create(model="tiny", prompt=prompt, max_tokens=max_tokens, echo=True,
+                                          logprobs=2, temperature=0)
+            assert len(r.choices) == 2
+            for choice, text, p, want in zip(r.choices, texts, ids, expected):
+                lp = choice.logprobs
+                assert choice.text.startswith(text) and (max_tokens or choice.text == text)
+                assert lp.tokens[:len(p)] == [tok.decode([t]) for t in p]
+                assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+                np.testing.assert_allclose(lp.token_logprobs[1:len(p)], want.logprobs, atol=1e-6)
+                for top, best in zip(lp.top_logprobs[1:len(p)], want.top_logprobs):  # (two ids may share a text)
+                    assert 1 <= len(top) <= 2 and max(top.values()) == pytest.approx(float(best[0]), abs=1e-6)
+                assert lp.text_offset[:len(p)] == [len(tok.decode(p[:i])) for i in range(len(p))]
+                assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.text_offset) == len(p) + max_tokens \
+                    or choice.finish_reason == "stop"
+                if max_tokens:  # the prompt, then what the same request without echo gives
+                    plain = client.completions.create(model="tiny", prompt=[p], max_tokens=max_tokens, temperature=0)
+                    assert choice.text == text + plain.choices[0].text
+                    assert lp.text_offset[len(p)] == len(text)
+                else:
+                    assert choice.finish_reason == "length" and r.usage.completion_tokens == 0
+
