@@ -163,12 +163,19 @@ class TrainConfig:
     keep_every: int = 0
     name: str = "mesh-transformer"
     wandb_project: Optional[str] = None
-    eval_harness_tasks: list = field(default_factory=list)
+    eval_harness_tasks: list = field(default_factory=list)  # lm-eval task names run during training
+    eval_every: Optional[int] = None  # steps between those evaluations; default val_every (0 = never)
+    eval_include_path: Optional[str] = None  # a folder of task YAMLs the task names may refer to
     lora: Optional[dict] = None  # {"rank", "alpha", "dropout", "targets"}: train adapters only (mesh_transformer.lora)
     bf16_optimizer: bool = False  # Adam moments in bfloat16 (the original v2's key)
     fcm_max_ratio: float = 0.0  # forgetful causal masking: mask up to this fraction of keys (training only)
     fcm_min_ratio: float = 0.0
     document_masking: bool = False  # plain text: documents packed in a row do not attend to each other
+
+    @property
+    def eval_period(self) -> int:
+        """Steps between runs of eval_harness_tasks: eval_every, else val_every (0 = never)."""
+        return self.val_every if self.eval_every is None else self.eval_every
 
 
 @dataclass(frozen=True)
@@ -276,6 +283,9 @@ def validate(config: Config) -> None:
         require(getattr(t, key) > 0, key, f"must be positive, got {getattr(t, key)}")
     for key in ("warmup_steps", "val_batches", "val_every", "ckpt_every", "keep_every", "z_loss", "weight_decay"):
         require(getattr(t, key) >= 0, key, f"must not be negative, got {getattr(t, key)}")
+    require(t.eval_every is None or t.eval_every >= 0, "eval_every", f"must not be negative, got {t.eval_every}")
+    require(all(isinstance(x, str) and x for x in t.eval_harness_tasks), "eval_harness_tasks",
+            "must be a list of lm-eval task names")
     require(t.lr >= 0 and t.end_lr >= 0, "lr", "learning rates must not be negative")
     require(0 <= t.b1 < 1 and 0 <= t.b2 < 1, "b1", "Adam betas must be in [0, 1)")
     require(t.clip_norm > 0, "clip_norm", "must be positive")

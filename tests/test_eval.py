@@ -165,3 +165,75 @@ def test_echo_through_the_openai_client(family, served, ours):
                 else:
                     assert choice.finish_reason == "length" and r.usage.completion_tokens == 0
 
+
+
+@pytest.mark.parametrize("family", SERVED[:1], indirect=True)
+def test_eval_harness_script_prints_the_table_and_writes_json(family, tasks_dir, tmp_path, capsys):
+    import eval_harness
+
+    _, path, hf_results = family
+    out = tmp_path / "results.json"
+    code = eval_harness.main(["--hf", str(path), "--mp", "2", "--dp", "2", "--dtype", "float32", "--tasks",
+                              "tiny_lambada,tiny_piqa", "--include-path", str(tasks_dir), "--log-samples",
+                              "--bootstrap-iters", "0", "--output", str(out)])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "|tiny_lambada|" in printed.replace(" ", "") and "acc_norm" in printed
+    assert_same_answers(json.loads(out.read_text()), hf_results, ("tiny_lambada", "tiny_piqa"))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--tasks", "tiny_lambda"], "unknown task 'tiny_lambda': not one of lm-eval's tasks nor in the include path "
+                                 "(did you mean 'tiny_lambada'?)"),
+    (["--tasks", "tiny_lambada", "--include-path", "EMPTY"], "holds no task YAML files"),
+    (["--tasks", "tiny_lambada,tiny_broken"], "task 'tiny_broken': its data cannot be loaded (FileNotFoundError"),
+])
+def test_bad_tasks_are_one_clear_error(argv, message, tasks_dir, manager, tmp_path, capsys):
+    """Checked before any weights load (--hf names a directory that does not exist)."""
+    import eval_harness
+
+    (tmp_path / "empty").mkdir()
+    argv = [str(tmp_path / "empty") if a == "EMPTY" else a for a in argv]
+    if "--include-path" not in argv:
+        argv += ["--include-path", str(tasks_dir)]
+    assert eval_harness.main(["--hf", str(tmp_path / "no-such-model"), *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
+
+
+def test_device_train_logs_eval_harness_tasks(tmp_path, tasks_dir, train_data):
+    """eval_harness_tasks every eval_every steps on the training params (dp4 x mp2): eval/<task>/<metric>
+    in metrics.jsonl, the same numbers eval_harness.py gives on the checkpoint saved at that step,
+    and the plot's second panel."""
+    from mesh_transformer import loading
+    from mesh_transformer.evaluate import harness
+    from mesh_transformer.evaluate.lm import MeshLM
+    from mesh_transformer.train.metrics import read_metrics
+    from tests.test_device_train import device_train, write_config
+
+    config = write_config(tmp_path, train_data, total_steps=2, ckpt_every=2, val_set={},
+                          eval_harness_tasks=["tiny_lambada", "tiny_piqa"], eval_every=2,
+                          eval_include_path=str(tasks_dir))
+    code, out = device_train(config, "--plot", str(tmp_path / "loss.png"))
+    assert code == 0, out
+    rows = [r for r in read_metrics(tmp_path / "logs" / "metrics.jsonl") if any(k.startswith("eval/") for k in r)]
+    assert [r["step"] for r in rows] == [2]
+    logged = {k: v for k, v in rows[0].items() if k.startswith("eval/")}
+    assert {"eval/tiny_lambada/acc", "eval/tiny_lambada/perplexity", "eval/tiny_piqa/acc",
+            "eval/tiny_piqa/acc_norm"} <= set(logged)
+    lm = MeshLM.from_loaded(loading.load(ckpt=str(tmp_path / "ckpt"), mp=2, dp=4, dtype="float32"))
+    again = harness.metrics(harness.run(lm, ["tiny_lambada", "tiny_piqa"], harness.task_manager(tasks_dir),
+                                        bootstrap_iters=0))
+    assert logged.keys() == again.keys()
+    for key, value in again.items():
+        assert logged[key] == pytest.approx(value, rel=1e-4), key
+    assert (tmp_path / "loss.png").stat().st_size > 0
+
+
+@pytest.fixture(scope="module")
+def train_data(tmp_path_factory):
+    from tests.test_device_train import ROOT
+    out = tmp_path_factory.mktemp("data")
+    subprocess.run([sys.executable, "create_finetune_dataset.py", "data/corpus/stories.txt", "train", "--output-dir",
+                    str(out), "--seq", "32"], cwd=ROOT, check=True, capture_output=True)
+    return out

@@ -12,6 +12,7 @@ task whose data cannot be loaded are each one `EvalError` naming it.
 from __future__ import annotations
 
 import difflib
+import functools
 import json
 import math
 import os
@@ -34,17 +35,22 @@ def require_lm_eval():
 
 
 def task_manager(include_path: Optional[str | os.PathLike] = None):
-    """lm-eval's TaskManager: its own tasks plus the task YAMLs under `include_path` (if given)."""
+    """lm-eval's TaskManager: its own tasks plus the task YAMLs under `include_path` (if given).
+    Indexing lm-eval's few thousand task files takes seconds: one manager per path per process."""
     require_lm_eval()
-    from lm_eval.tasks import TaskManager
-
     if include_path is not None:
         path = Path(include_path)
         if not path.is_dir():
             raise EvalError(f"--include-path {include_path}: not a directory")
         if not any(path.rglob("*.yaml")) and not any(path.rglob("*.yml")):
             raise EvalError(f"--include-path {include_path}: holds no task YAML files (*.yaml)")
-    return TaskManager(include_path=str(include_path) if include_path is not None else None)
+    return _manager(str(Path(include_path).resolve()) if include_path is not None else None)
+
+
+@functools.lru_cache(maxsize=8)
+def _manager(include_path: Optional[str]):
+    from lm_eval.tasks import TaskManager
+    return TaskManager(include_path=include_path)
 
 
 def load_tasks(names: Seq[str], manager) -> list:

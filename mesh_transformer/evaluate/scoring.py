@@ -1,7 +1,8 @@
 """Scoring prompts: one forward pass gives every position's log p(next token) and its most likely tokens.
 
     scorer = Scorer.for_generator(gen)            # the weights a Generator (or server) already holds
-    scorer = Scorer.for_trainer(trainer, params)  # training's params, as they are (stacked, maybe ZeRO/LoRA)
+    scorer = Scorer.for_trainer(trainer, params)  # training's params, as they are (stacked, maybe ZeRO/LoRA);
+                                                  # scorer.use(newer_params) later, without recompiling
     [s] = scorer.score([[50256, 464, 3290]], top=1)   # a prompt of L <= seq + 1 tokens
     s.logprobs   # [L-1]: log p(token i+1 | tokens 0..i)
     s.top_ids    # [L-1, top]: the most likely next tokens at each position (s.top_ids[:, 0] is greedy)
@@ -76,8 +77,10 @@ class Scorer:
     `param_specs` place `params`. Use `for_generator` or `for_trainer`."""
 
     def __init__(self, forward: Callable, params: Any, param_specs: Any, mesh: Mesh, rules, seq: int,
-                 inputs_last: bool = False, batch_tokens: int = DEFAULT_BATCH_TOKENS):
-        self.params, self.mesh, self.seq, self.batch_tokens = params, mesh, seq, batch_tokens
+                 inputs_last: bool = False, batch_tokens: int = DEFAULT_BATCH_TOKENS,
+                 prepare: Callable = lambda params: params):
+        self.mesh, self.seq, self.batch_tokens, self._prepare = mesh, seq, batch_tokens, prepare
+        self.params = prepare(params)
         self.dp = mesh.shape[parallel.DP]
         row = P(parallel.DP, None)
         top = P(parallel.DP, None, None)
@@ -106,10 +109,13 @@ class Scorer:
         """Score with a training run's current `params` (float32 master weights, stacked layers, sharded
         as training keeps them; with LoRA the adapters, joined to the trainer's frozen base)."""
         from mesh_transformer import lora
-        specs = trainer.model.param_specs(trainer.rules)
-        joined = lora.join(trainer.base, params)
-        return cls(lambda p, tokens: trainer.model.apply(p, tokens)[0], joined, specs, trainer.mesh,
-                   trainer.rules, trainer.config.model.seq, batch_tokens=batch_tokens)
+        return cls(lambda p, tokens: trainer.model.apply(p, tokens)[0], params, trainer.model.param_specs(trainer.rules),
+                   trainer.mesh, trainer.rules, trainer.config.model.seq, batch_tokens=batch_tokens,
+                   prepare=lambda p: lora.join(trainer.base, p))
+
+    def use(self, params) -> None:
+        """Score with `params` from now on (e.g. a training run's newer ones); the programs stay compiled."""
+        self.params = self._prepare(params)
 
     # ---- host API ---------------------------------------------------------------------------
 

@@ -184,6 +184,11 @@ class HostWorker:
         return self._guarded("validation", lambda: self.host.val_losses(
             self.state.params, {name: map(unpack_batch, b) for name, b in batches.items()}))
 
+    def evaluate(self, tokenizer: str) -> dict:
+        """eval_harness_tasks on the current params; every worker runs them (the forward passes span
+        all hosts), each returns the same metrics."""
+        return self._guarded("evaluation", lambda: self.host.eval_metrics(self.state.params, tokenizer))
+
     def save(self, loader_state: dict) -> None:
         self._guarded("saving", self.host.save, self.state, loader_state)
 
@@ -395,6 +400,7 @@ class _Job:
     step: int
     step_refs: Optional[list]
     val_refs: Optional[list] = None
+    eval_refs: Optional[list] = None
     save_refs: Optional[list] = None
 
 
@@ -525,6 +531,8 @@ class ClusterRun:
         job = _Job(step, g.call("step", per_worker=slices))
         if val_refs is not None and due(step, t.val_every):
             job.val_refs = g.call("validate", per_worker=val_refs)
+        if t.eval_harness_tasks and due(step, t.eval_period):
+            job.eval_refs = g.call("evaluate", self.dataset.index.get("tokenizer") or "gpt2")
         if due(step, t.ckpt_every) or finished:
             job.save_refs = g.call("save", loader_state)
         return job
@@ -540,6 +548,9 @@ class ClusterRun:
         if job.val_refs is not None:
             values.update(_mean(g.gather(job.val_refs, f"validation at step {job.step}", g.timeout("validate"),
                                          job.step)))
+        if job.eval_refs is not None:  # a whole task set: the start-up timeout, not a step's
+            values.update(g.gather(job.eval_refs, f"evaluation at step {job.step}", self.options.startup_timeout,
+                                   job.step)[0])
         if job.save_refs is not None:
             g.gather(job.save_refs, f"the checkpoint of step {job.step}", g.timeout("save"), job.step)
         self._furthest = max(self._furthest, job.step)

@@ -139,6 +139,10 @@ class TrainHost:
         self.ckpt = CheckpointManager(checkpoint_dir(t), keep_last=KEEP_LAST, keep_every=t.keep_every, config=config)
         self.tokens_per_step = tokens_per_step(config, self.trainer.global_batch)
         self._saved_step: Optional[int] = None
+        self.evaluator = None  # eval_harness_tasks (mesh_transformer.evaluate.training), checked now
+        if t.eval_harness_tasks and t.eval_period:
+            from mesh_transformer.evaluate.training import TrainingEvaluator
+            self.evaluator = TrainingEvaluator(config, self.trainer)
         self._base_ref: Optional[dict] = None  # LoRA: where the frozen base came from
         self._base_print: Optional[int] = None
 
@@ -258,6 +262,11 @@ class TrainHost:
             out[f"val/loss_{name}"] = nll / max(count, 1.0)
         return out
 
+    def eval_metrics(self, params, tokenizer: str) -> dict:
+        """eval/<task>/<metric> of eval_harness_tasks on `params` ({} when none are configured);
+        `tokenizer`: the training data's (a spec `io.tokenizer.load_tokenizer` reads)."""
+        return self.evaluator(params, tokenizer) if self.evaluator is not None else {}
+
     def save(self, state: TrainState, loader_state: dict) -> None:
         """Start an (async) checkpoint of `state` unless its step is saved already (e.g. a Ctrl-C
         right after a scheduled save); every process calls it with the same arguments."""
@@ -281,6 +290,7 @@ class TrainRun:
         self.host = TrainHost(config, options)
         self.trainer, self.ckpt, self.tokens_per_step = self.host.trainer, self.host.ckpt, self.host.tokens_per_step
         self.dataset, self.val_sets = open_datasets(config)
+        self.tokenizer = self.dataset.index.get("tokenizer") or "gpt2"  # the data's, saved with checkpoints
         self._interrupted = False
 
     # ---- start-up -----------------------------------------------------------------------------
@@ -297,7 +307,7 @@ class TrainRun:
         t = self.config.train
         state, loader_state = self.start_state()
         step = int(state.step)
-        keep_tokenizer(self.ckpt.directory, self.dataset.index.get("tokenizer") or "gpt2")
+        keep_tokenizer(self.ckpt.directory, self.tokenizer)
         logger = MetricsLogger(self.options.log_dir or f"logs/{t.name}", t.name, t.wandb_project,
                                self.config.to_json_dict(), tensorboard=self.options.tensorboard)
         logger.message(f"{t.name}: step {step} of {t.total_steps}, mesh dp={self.trainer.dp} x mp={self.trainer.mp}, "
@@ -314,6 +324,8 @@ class TrainRun:
                                       self.trainer.global_batch)
                 if due(step, t.val_every):
                     values.update(self.validate(state.params))
+                if due(step, t.eval_period):
+                    values.update(self.host.eval_metrics(state.params, self.tokenizer))
                 logger.log(step, values)
                 logger.progress(step, t.total_steps, values)
                 finished = step >= t.total_steps or (self.options.stop_after and steps_run >= self.options.stop_after)

@@ -55,7 +55,7 @@ class MetricsLogger:
             if key in values:
                 parts.append(f"{key.split('/')[-1]} {values[key]:{fmt}}")
         for key, value in values.items():
-            if key.startswith("val/"):
+            if key.startswith(("val/", "eval/")):
                 parts.append(f"{key} {value:.4f}")
         line = " | ".join(parts)
         if self._live:
@@ -85,7 +85,8 @@ def read_metrics(path: str | os.PathLike) -> list[dict]:
 
 
 def plot_metrics(metrics_path: str | os.PathLike, out_png: str | os.PathLike) -> Path:
-    """Train and validation loss against step, as a PNG."""
+    """Train and validation loss against step, as a PNG; with eval_harness_tasks logged, their
+    metrics (eval/<task>/<metric>) in a second panel beside it."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -93,16 +94,23 @@ def plot_metrics(metrics_path: str | os.PathLike, out_png: str | os.PathLike) ->
     rows = read_metrics(metrics_path)
     if not rows:
         raise ValueError(f"{metrics_path}: no metrics logged yet")
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
+    evals = sorted({k for r in rows for k in r if k.startswith("eval/")})
+    fig, axes = plt.subplots(1, 2 if evals else 1, figsize=(13 if evals else 7, 4), dpi=120, squeeze=False)
     series = sorted({k for r in rows for k in r if k == "train/loss" or k.startswith("val/")})
-    for key in series:
-        points = [(r["step"], r[key]) for r in rows if key in r]
-        ax.plot(*zip(*points), label=key, marker="o" if key.startswith("val/") else None, markersize=3)
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss (nats/token)")
-    ax.grid(alpha=0.3)
-    ax.legend()
+    _panel(axes[0][0], rows, series, "loss (nats/token)", marked="val/")
+    if evals:
+        _panel(axes[0][1], rows, evals, "lm-eval metric", marked="eval/")
     fig.tight_layout()
     fig.savefig(out_png)
     plt.close(fig)
     return Path(out_png)
+
+
+def _panel(ax, rows: list[dict], keys: list[str], ylabel: str, marked: str) -> None:
+    for key in keys:
+        points = [(r["step"], r[key]) for r in rows if key in r]
+        ax.plot(*zip(*points), label=key, marker="o" if key.startswith(marked) else None, markersize=3)
+    ax.set_xlabel("step")
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
