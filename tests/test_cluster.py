@@ -292,3 +292,41 @@ def test_fine_tunes_start_from_the_weights_and_moments_asked_for(two_hosts, data
                 expected = (keep * b1 * m + (1 - b1) * scale * g if name == "mu"
                             else keep * b2 * m + (1 - b2) * (scale * g) ** 2)
                 np.testing.assert_allclose(o, expected, rtol=1e-4, atol=1e-6 * np.abs(expected).max())
+
+
+def test_lora_on_two_hosts_equals_one_process(ray_local, data, tmp_path):
+    """A LoRA fine-tune (--hf base, all-linear adapters, LoRA dropout) through train.py on 2 Ray hosts:
+    step 1's loss is the torch base model's (B starts at 0), every step's loss and the final adapters
+    equal device_train.py's loop in one process, and the checkpoint holds the adapters alone."""
+    import torch
+
+    from mesh_transformer import parallel
+    from mesh_transformer.data import Dataset, Loader
+    from tests.helpers import make_hf_gptj
+    torch_model = make_hf_gptj(tmp_path / "hf", vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, rotary_dim=8,
+                               n_positions=64, initializer_range=0.2)
+    first = torch.tensor(Loader(Dataset.open(data["train"]), 8, 0).batch_at(0)["tokens"].reshape(-1, SEQ + 1),
+                         dtype=torch.long)
+    with torch.no_grad():
+        torch_loss = float(torch.nn.functional.cross_entropy(torch_model(first[:, :-1]).logits.double().reshape(
+            -1, VOCAB), first[:, 1:].reshape(-1)))
+    lora = {"rank": 4, "alpha": 8, "dropout": 0.1, "targets": "all-linear"}
+    results = {}
+    for where in ("cluster", "process"):
+        config = make_config(data, tmp_path / f"{where}-ckpt", total_steps=3, ckpt_every=3, val_every=0, lora=lora)
+        run = RunOptions(log_dir=str(tmp_path / f"{where}-logs"), tensorboard=False, hf=str(tmp_path / "hf"))
+        if where == "cluster":
+            cluster.ClusterRun(config, options(tmp_path, run=run)).train()
+        else:
+            TrainRun(config, run).train()
+        losses = {r["step"]: r["train/loss"] for r in read_metrics(tmp_path / f"{where}-logs" / "metrics.jsonl")
+                  if "train/loss" in r}
+        results[where] = losses, final_params(config, tmp_path / f"{where}-ckpt")
+    (cluster_loss, cluster_params), (process_loss, process_params) = results["cluster"], results["process"]
+    assert sorted(cluster_loss) == [1, 2, 3]
+    assert cluster_loss[1] == pytest.approx(torch_loss, rel=1e-5)
+    for step in cluster_loss:
+        assert cluster_loss[step] == pytest.approx(process_loss[step], rel=LOSS_RTOL)
+    assert cluster_loss[3] != cluster_loss[1]
+    assert all(parallel.is_adapter(n) for leaves in cluster_params.values() for n in leaves)
+    assert max_abs_diff(cluster_params, process_params) < PARAM_ATOL

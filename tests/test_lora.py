@@ -148,6 +148,38 @@ def test_sharded_lora_step_equals_single_device(dp, mp, zero, tmp_path):
         np.testing.assert_allclose(x, y, atol=2e-6)
 
 
+FAMILY_KEYS = {"gptj": {"pe_rotary_dims": 4}, "llama": {"family": "llama", "n_kv_heads": 2}}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY_KEYS))
+def test_sharded_lora_gradients_equal_single_device(family):
+    """Every adapter's gradient on dp2 x mp4 with ZeRO equals one device's, with B made non-zero
+    first (at init B = 0, so A's gradient is exactly 0 and a wrongly scaled or unreduced A
+    gradient would go unseen). llama: 2 kv heads replicated over 4 shards, k/v adapters included."""
+    from tests.helpers import max_abs_diff
+    batch = {"tokens": random_tokens((2, 4, 17), 101, seed=1)}
+    results = []
+    for dp, mp, zero in ((1, 1, False), (2, 4, True)):
+        c = config_from_dict({"layers": 2, "d_model": 32, "n_heads": 8, "d_ff": 64, "n_vocab": 101, "seq": 16,
+                              "compute_dtype": "float32", "remat": "none", "per_replica_batch": 4 // dp,
+                              "gradient_accumulation_steps": 2, "cores_per_replica": mp, "zero": zero,
+                              "lora": {"rank": RANK, "alpha": 8, "targets": "all-linear"}, **FAMILY_KEYS[family]})
+        tr = Trainer(c, mesh(dp, mp))
+        tr.base = tr.init_base(0)
+        if not results:
+            rng = np.random.RandomState(5)
+            adapters = {m: {n: (rng.normal(0, 0.1, x.shape).astype(np.float32) if n.endswith("_lora_b") else np.asarray(x))
+                            for n, x in leaves.items()} for m, leaves in jax.device_get(tr.init_state(0).params).items()}
+        params = jax.device_put(adapters, tr.state_shardings.params)
+        loss, grads = tr.loss_and_grads(params, tr.shard_batch(batch))
+        results.append((float(loss), jax.device_get(grads)))
+    (loss_1, grads_1), (loss_n, grads_n) = results
+    assert abs(loss_1 - loss_n) < 1e-6
+    a_grads = [g for leaves in grads_1.values() for n, g in leaves.items() if n.endswith("_lora_a")]
+    assert a_grads and min(float(np.abs(g).max()) for g in a_grads) > 1e-4  # A's gradients are not trivially zero
+    assert max_abs_diff(grads_1, grads_n) < 2e-6
+
+
 @pytest.mark.parametrize("cls,kw,targets", [
     ("GPTJ", HF, ["q_proj", "k_proj", "out_proj", "fc_in"]),
     ("GPT2", dict(vocab_size=101, n_positions=32, n_embd=32, n_layer=2, n_head=4), ["c_attn", "c_proj"]),
