@@ -1,24 +1,31 @@
 """Training throughput on this machine: mesh-transformer vs HF transformers (torch) on the same GPT-J.
 
-    .venv/bin/python bench/train_throughput.py [--layers 4 --d-model 512 --seq 256 --batch 4] [--json]
+    .venv/bin/python bench/train_throughput.py [--layers 4 --d-model 512 --seq 256 --batch 4]
+                                               [--steps 4 --rounds 3] [--json]
 
-Both train the same config (fp32, AdamW, same batch) in the same run. Ours runs twice: on one
+Both train the same config (fp32, AdamW, same batch) in the same process. Ours runs twice: on one
 CPU device, and on one simulated device per core with the model split over them (mp = cores),
 which is how this library uses a multi-core CPU (XLA runs each device's element-wise work on its
-own thread). Reports tokens/s, model FLOP utilisation (MFU = tokens/s x training FLOPs per token /
-peak matmul FLOP/s) and the peak matmul rate measured with both frameworks (MFU uses the higher).
+own thread). After compiling and 2 warm-up steps each, the three sides run `--steps` timed steps
+in turn, `--rounds` times (ours, ours mp, torch, ours, ...), and each reports the median and
+min-max of its rounds. Reports tokens/s, model FLOP utilisation (MFU = tokens/s x training FLOPs
+per token / peak matmul FLOP/s) and the peak matmul rate measured with both frameworks (MFU uses
+the higher), after the machine, software and load (bench/machine.py).
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
+import sys
 import time
 
 import numpy as np
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import machine  # noqa: E402
 
-def parse_args():
+
+def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--d-model", type=int, default=512)
@@ -26,9 +33,9 @@ def parse_args():
     p.add_argument("--vocab", type=int, default=50257)
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--steps", type=int, default=6, help="timed steps (after 2 warm-up steps)")
-    p.add_argument("--json", action="store_true")
-    return p.parse_args()
+    p.add_argument("--steps", type=int, default=4, help="timed steps per round (after 2 warm-up steps)")
+    machine.add_args(p, rounds=3)
+    return p.parse_args(argv)
 
 
 def peak_matmul_flops(n=2048, repeats=10) -> dict:
@@ -51,30 +58,49 @@ def peak_matmul_flops(n=2048, repeats=10) -> dict:
     return {"jax": jax_rate, "torch": torch_rate, "peak": max(jax_rate, torch_rate)}
 
 
-def bench_ours(args, tokens, dp=1, mp=1) -> float:
+def timed_steps(step, steps: int, warmup: int = 2):
+    """Run `warmup` steps now; return a callable that times `steps` more and returns seconds per step."""
+    for _ in range(warmup):
+        step()
+
+    def measure() -> float:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        return (time.perf_counter() - t0) / steps
+    return measure
+
+
+def make_trainer(args, mp: int = 1, dp: int = 1, **overrides):
+    """Our Trainer for the benchmark's config on dp x mp CPU devices (`overrides`: more config keys)."""
     import jax
     from mesh_transformer import parallel
     from mesh_transformer.config import config_from_dict
     from mesh_transformer.train.step import Trainer
-    config = config_from_dict(dict(
-        layers=args.layers, d_model=args.d_model, n_heads=args.heads, n_vocab=args.vocab, seq=args.seq,
-        pe_rotary_dims=args.d_model // args.heads // 4, compute_dtype="float32", remat="none",
-        per_replica_batch=args.batch // dp, cores_per_replica=mp, lr=1e-4, warmup_steps=0, anneal_steps=1000,
-        total_steps=1000))
-    trainer = Trainer(config, parallel.make_mesh(mp, dp, jax.devices()[: dp * mp]))
-    state = trainer.init_state(0)
+    keys = dict(layers=args.layers, d_model=args.d_model, n_heads=args.heads, n_vocab=args.vocab, seq=args.seq,
+                compute_dtype="float32", remat="none", per_replica_batch=args.batch // dp, cores_per_replica=mp,
+                lr=1e-4, warmup_steps=0, anneal_steps=1000, total_steps=1000, weight_decay=0.1, clip_norm=1.0)
+    if overrides.get("family", "gptj") == "gptj":
+        keys["pe_rotary_dims"] = args.d_model // args.heads // 4
+    config = config_from_dict({**keys, **overrides})
+    return Trainer(config, parallel.make_mesh(mp, dp, jax.devices()[: dp * mp]))
+
+
+def bench_ours(args, tokens, dp=1, mp=1):
+    """-> (a callable timing `args.steps` steps: seconds per step, the config)."""
+    import jax
+    trainer = make_trainer(args, mp, dp)
+    box = {"state": trainer.init_state(0)}
     batch = trainer.shard_batch({"tokens": tokens[None]})
-    for _ in range(2):
-        state, metrics = trainer.step(state, batch)
-    jax.block_until_ready(metrics)
-    t0 = time.perf_counter()
-    for _ in range(args.steps):
-        state, metrics = trainer.step(state, batch)
-    jax.block_until_ready(metrics)
-    return (time.perf_counter() - t0) / args.steps, config
+
+    def step():
+        box["state"], metrics = trainer.step(box["state"], batch)
+        jax.block_until_ready(metrics)
+    return timed_steps(step, args.steps), trainer.config
 
 
-def bench_torch(args, tokens) -> float:
+def bench_torch(args, tokens):
+    """-> a callable timing `args.steps` steps of HF GPT-J + torch AdamW: seconds per step."""
     import torch
     from transformers import GPTJConfig, GPTJForCausalLM
     torch.manual_seed(0)
@@ -90,44 +116,43 @@ def bench_torch(args, tokens) -> float:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-    for _ in range(2):
-        step()
-    t0 = time.perf_counter()
-    for _ in range(args.steps):
-        step()
-    return (time.perf_counter() - t0) / args.steps
+    return timed_steps(step, args.steps)
 
 
 def main():
     args = parse_args()
     cores = os.cpu_count() or 1
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={cores}"
+    description = machine.describe()
     import torch
-    torch.set_num_threads(os.cpu_count())
+    torch.set_num_threads(cores)
     tokens = np.random.RandomState(0).randint(0, args.vocab, (args.batch, args.seq + 1)).astype(np.int32)
     peak = peak_matmul_flops()
-    ours_s, config = bench_ours(args, tokens)
     mp = cores if args.heads % cores == 0 else 1
-    ours_mp_s, _ = bench_ours(args, tokens, mp=mp)
-    torch_s = bench_torch(args, tokens)
+    ours, config = bench_ours(args, tokens)
+    sides = {"mesh-transformer, 1 device": ours, f"mesh-transformer, mp={mp}": bench_ours(args, tokens, mp=mp)[0],
+             "transformers (torch)": bench_torch(args, tokens)}
+    seconds = machine.interleaved(sides, args.rounds, progress=not args.json)
     tokens_per_step = args.batch * args.seq
     flops = config.model.flops_per_token()
     rows = {}
-    for name, seconds in [("mesh-transformer, 1 device", ours_s), (f"mesh-transformer, mp={mp}", ours_mp_s),
-                          ("transformers (torch)", torch_s)]:
-        rate = tokens_per_step / seconds
-        rows[name] = {"step_s": seconds, "tokens_per_s": rate, "mfu": rate * flops / peak["peak"]}
-    result = {"config": vars(args), "flops_per_token": flops, "peak_matmul_flops": peak, "results": rows,
-              "speedup_vs_torch": torch_s / min(ours_s, ours_mp_s)}
-    if args.json:
-        print(json.dumps(result, indent=2))
-        return
-    print(f"peak matmul: {peak['peak'] / 1e9:.1f} GFLOP/s (jax {peak['jax'] / 1e9:.1f}, torch {peak['torch'] / 1e9:.1f})")
-    print(f"{'':28s} {'step s':>8s} {'tokens/s':>10s} {'MFU':>6s} {'MFU vs torch peak':>18s}")
-    for name, r in rows.items():
-        print(f"{name:28s} {r['step_s']:8.3f} {r['tokens_per_s']:10.0f} {100 * r['mfu']:5.1f}% "
-              f"{100 * r['tokens_per_s'] * flops / peak['torch']:17.1f}%")
-    print(f"speed-up vs torch: {result['speedup_vs_torch']:.2f}x")
+    for name, s in seconds.items():
+        rate = machine.summary([tokens_per_step / x for x in s["runs"]])
+        rows[name] = {"step_s": s, "tokens_per_s": rate, "mfu": rate["median"] * flops / peak["peak"]}
+    torch_rate = rows["transformers (torch)"]["tokens_per_s"]["median"]
+    speedups = {name: r["tokens_per_s"]["median"] / torch_rate for name, r in rows.items() if "torch" not in name}
+    results = {"config": vars(args), "flops_per_token": flops, "peak_matmul_flops": peak, "sides": rows,
+               "speedup_vs_torch": speedups}
+
+    def text():
+        print(f"peak matmul: {peak['peak'] / 1e9:.1f} GFLOP/s (jax {peak['jax'] / 1e9:.1f}, torch {peak['torch'] / 1e9:.1f}); "
+              f"{args.rounds} rounds x {args.steps} steps, interleaved")
+        print(f"{'':28s} {'step s':>8s} {'tokens/s median (min-max)':>26s} {'MFU':>6s} {'MFU vs torch peak':>18s} {'vs torch':>9s}")
+        for name, r in rows.items():
+            t = r["tokens_per_s"]
+            print(f"{name:28s} {r['step_s']['median']:8.3f} {machine.fmt(t):>26s} {100 * r['mfu']:5.1f}% "
+                  f"{100 * t['median'] * flops / peak['torch']:17.1f}% {t['median'] / torch_rate:8.2f}x")
+    machine.report(description, results, args.json, text)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,154 @@
+"""What every benchmark here says first: the machine, the software, the load; and the interleaved runner.
+
+    from machine import add_args, describe, interleaved, report   # bench/ scripts import it by name
+
+A benchmark's numbers only mean something next to what they ran on: the CPU and the flags its
+kernels use (AVX-512, AVX-512-BF16 and AMX change which paths oneDNN and XLA:CPU take), the cores,
+the memory, the library versions and XLA_FLAGS, and the load average while it ran (this machine may
+be shared). `describe()` collects that; `header()` prints it; `report()` prints the text or, with
+`--json`, one JSON object holding the same and the results.
+
+`interleaved()` runs every side of a comparison in turn, round after round (ours, peer, ours,
+peer, ...), so a change of load in the middle hits both alike, and summarises each side as
+median and min-max over the rounds.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import os
+import platform
+import statistics
+import sys
+from typing import Callable, Mapping
+
+FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
+PACKAGES = ("jax", "jaxlib", "torch", "transformers")
+
+
+def cpu() -> dict:
+    """{"model", "flags" (those of FLAGS it has), "cores" (usable by this process), "memory_gib", "l2"/"l3"}."""
+    info: dict = {"model": platform.processor() or platform.machine(), "flags": []}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key == "model name":
+                    info["model"] = value.strip()
+                elif key == "flags":
+                    have = set(value.split())
+                    info["flags"] = [flag for flag in FLAGS if flag in have]
+                    break
+    except OSError:
+        pass
+    info["cores"] = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    info["memory_gib"] = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
+    info.update(_caches())
+    return info
+
+
+def _caches() -> dict:
+    """L2 and L3 sizes of cpu0 as the kernel reports them ("1024K"), where it does."""
+    out = {}
+    root = "/sys/devices/system/cpu/cpu0/cache"
+    for index in sorted(os.listdir(root)) if os.path.isdir(root) else []:
+        try:
+            with open(f"{root}/{index}/level") as f:
+                level = f.read().strip()
+            with open(f"{root}/{index}/size") as f:
+                size = f.read().strip()
+        except OSError:
+            continue
+        if level in ("2", "3"):
+            out[f"l{level}"] = size
+    return out
+
+
+def software(extra: tuple[str, ...] = ()) -> dict:
+    """Versions of the packages that decide the numbers (read from their metadata: nothing is imported)."""
+    versions = {"python": platform.python_version()}
+    for name in PACKAGES + tuple(extra):
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = None
+    return {"versions": versions, "XLA_FLAGS": os.environ.get("XLA_FLAGS", ""),
+            "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "")}
+
+
+def load_average() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def kind(info: Mapping) -> str:
+    """A short name for the README's rows: '2-core AMD EPYC 7B13 (AVX2)', '... (AVX-512, AVX-512-BF16, AMX)'."""
+    flags = info["flags"]
+    isa = ["AMX"] if "amx_tile" in flags else []
+    isa = (["AVX-512"] + (["AVX-512-BF16"] if "avx512_bf16" in flags else []) + isa) if "avx512f" in flags else \
+        (["AVX2"] if "avx2" in flags else [])
+    return f"{info['cores']}-core {info['model']} ({', '.join(isa) or 'no AVX2'})"
+
+
+def describe(extra_packages: tuple[str, ...] = ()) -> dict:
+    """Everything above, as one JSON-ready dict (call it at the start; `report` adds the load at the end)."""
+    info = cpu()
+    return {"machine": {**info, "kind": kind(info)}, "software": software(extra_packages),
+            "load_average": {"start": load_average()}, "argv": sys.argv}
+
+
+def header(description: Mapping) -> str:
+    """The lines a text report starts with."""
+    m, s = description["machine"], description["software"]
+    versions = ", ".join(f"{k} {v}" for k, v in s["versions"].items() if v)
+    caches = ", ".join(f"{k.upper()} {m[k]}" for k in ("l2", "l3") if k in m)
+    loads = " -> ".join(" ".join(f"{x:.2f}" for x in v) for v in description["load_average"].values())
+    return (f"machine: {m['model']}; {m['cores']} cores; {m['memory_gib']} GiB; flags: {' '.join(m['flags']) or '-'}"
+            f"{'; ' + caches if caches else ''}\n"
+            f"software: {versions}; XLA_FLAGS={s['XLA_FLAGS']!r}\n"
+            f"load average (1/5/15 min): {loads}")
+
+
+def summary(values: list[float]) -> dict:
+    """{"median", "min", "max", "runs"} of one side's measurements."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "runs": list(values)}
+
+
+def interleaved(sides: Mapping[str, Callable[[], float]], rounds: int, progress: bool = False) -> dict:
+    """Call each side once per round, in turn, `rounds` rounds -> {side: summary of its values}.
+
+    Each callable measures once and returns a number (a rate, or seconds); warm-up and compilation
+    belong before the first round."""
+    values: dict[str, list[float]] = {name: [] for name in sides}
+    for r in range(rounds):
+        for name, measure in sides.items():
+            values[name].append(measure())
+            if progress:
+                print(f"  round {r + 1}/{rounds} {name:32s} {values[name][-1]:12.2f}   (load {load_average()[0]:.2f})",
+                      file=sys.stderr, flush=True)
+    return {name: summary(v) for name, v in values.items()}
+
+
+def fmt(s: Mapping, digits: int = 0) -> str:
+    """'median (min-max)' of a summary."""
+    return f"{s['median']:.{digits}f} ({s['min']:.{digits}f}-{s['max']:.{digits}f})"
+
+
+def add_args(parser: argparse.ArgumentParser, rounds: int | None = None) -> None:
+    """--json (and --rounds, for scripts that interleave) on a script's parser."""
+    parser.add_argument("--json", action="store_true", help="print one JSON object (machine, software, load, results)")
+    if rounds is not None:
+        parser.add_argument("--rounds", type=int, default=rounds,
+                            help="interleaved rounds of every side; median and min-max are reported")
+
+
+def report(description: dict, results: Mapping, as_json: bool, text: Callable[[], None] | None = None) -> None:
+    """Print the header and `text()`'s lines, or one JSON object {description..., "results": results}."""
+    description["load_average"]["end"] = load_average()
+    if as_json:
+        print(json.dumps({**description, "results": results}, indent=2, default=str))
+        return
+    print(header(description))
+    if text is not None:
+        text()
