@@ -148,6 +148,22 @@ def test_sharded_lora_step_equals_single_device(dp, mp, zero, tmp_path):
         np.testing.assert_allclose(x, y, atol=2e-6)
 
 
+def _assert_adapters_split_like_their_weight(tr):
+    """A [L, *inputs, r] takes its weight's specs of the input axes, B [L, r, *outputs] those of the
+    outputs; the rank axis is never split."""
+    for module, leaves in tr.param_specs.items():
+        for name, spec in leaves.items():
+            weight = name.rsplit("_lora_", 1)[0]
+            ndim, base_ndim = tr.abstract_state.params[module][name].ndim, tr.abstract_base[module][weight].ndim
+            spec = tuple(spec) + (None,) * (ndim - len(spec))  # specs may leave trailing axes out
+            base = tuple(tr.base_specs[module][weight])
+            base = base + (None,) * (base_ndim - len(base))
+            if name.endswith("_lora_a"):
+                assert spec == base[:ndim - 1] + (None,), (name, spec, base)
+            else:
+                assert spec == (base[0], None) + base[len(base) - (ndim - 2):], (name, spec, base)
+
+
 FAMILY_KEYS = {"gptj": {"pe_rotary_dims": 4}, "llama": {"family": "llama", "n_kv_heads": 2}}
 
 
@@ -165,6 +181,7 @@ def test_sharded_lora_gradients_equal_single_device(family):
                               "gradient_accumulation_steps": 2, "cores_per_replica": mp, "zero": zero,
                               "lora": {"rank": RANK, "alpha": 8, "targets": "all-linear"}, **FAMILY_KEYS[family]})
         tr = Trainer(c, mesh(dp, mp))
+        _assert_adapters_split_like_their_weight(tr)
         tr.base = tr.init_base(0)
         if not results:
             rng = np.random.RandomState(5)
