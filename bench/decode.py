@@ -9,7 +9,10 @@ of it. The bandwidth is measured before and after every configuration and the hi
 used (a shared machine's bandwidth varies from minute to minute; the highest gives the strictest bound).
 Decode time
 excludes the prompt: ours is timed around the compiled decode loop alone (after a warm-up run that
-compiles it); transformers' is generate(new tokens) - generate(1 token).
+compiles it); transformers' is generate(new tokens) - generate(1 token). Ours and transformers run in
+turn, --repeats rounds per configuration (ours, transformers, ours, ...); each reports the median and
+min-max of its rounds. The machine, software and load come first (bench/machine.py); --json prints
+everything as one JSON object.
 """
 from __future__ import annotations
 
@@ -23,8 +26,11 @@ import time
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import numpy as np  # noqa: E402
+
+import machine  # noqa: E402
 
 
 def copy_bandwidth(mbytes: int = 256, repeats: int = 5) -> float:
@@ -55,7 +61,8 @@ def make_random_gptj(path, layers=4, d_model=512, heads=8, vocab=50400, seq=2048
 MATVEC_ROWS = 2  # up to this batch, Generator(matvec=True): weights inputs-last (float32 only)
 
 
-def bench_ours(model, batch: int, prompt_len: int, new: int, repeats: int):
+def bench_ours(model, batch: int, prompt_len: int, new: int):
+    """Compile, then -> (a callable decoding once: decode tokens/s, details of the last call)."""
     from mesh_transformer.generate import Batch, Generator, SamplingOptions
 
     gen = Generator(model.config, model.params, model.mesh, matvec=batch <= MATVEC_ROWS)
@@ -74,12 +81,16 @@ def bench_ours(model, batch: int, prompt_len: int, new: int, repeats: int):
         return t1 - t0, t2 - t1
 
     once()  # compile
-    prefill, decode = min(once() for _ in range(repeats))
-    return {"prefill_s": prefill, "decode_s": decode, "decode_tok_s": batch * (new - 1) / decode,
-            "weights": "inputs-last" if gen.inputs_last else "inputs-first"}
+    last = {"weights": "inputs-last" if gen.inputs_last else "inputs-first"}
+
+    def measure() -> float:
+        last["prefill_s"], last["decode_s"] = once()
+        return batch * (new - 1) / last["decode_s"]
+    return measure, last
 
 
-def bench_hf(torch_model, batch: int, prompt_len: int, new: int, repeats: int, dtype: str):
+def bench_hf(torch_model, batch: int, prompt_len: int, new: int, dtype: str):
+    """-> a callable timing transformers' decode once (generate(new) - generate(1)): decode tokens/s."""
     import torch
 
     model = torch_model.to(getattr(torch, dtype))
@@ -94,8 +105,7 @@ def bench_hf(torch_model, batch: int, prompt_len: int, new: int, repeats: int, d
         return time.perf_counter() - t
 
     run(2)
-    decode = min(run(new) for _ in range(repeats)) - min(run(1) for _ in range(repeats))
-    return {"decode_s": decode, "decode_tok_s": batch * (new - 1) / decode}
+    return lambda: batch * (new - 1) / (run(new) - run(1))
 
 
 def main(argv=None):
@@ -108,13 +118,17 @@ def main(argv=None):
     parser.add_argument("--new", type=int, default=64, help="new tokens per sequence")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds of ours and transformers")
     parser.add_argument("--no-hf", action="store_true", help="skip transformers")
-    parser.add_argument("--out", help="write the results as JSON here")
+    parser.add_argument("--out", help="also write the JSON object here")
+    machine.add_args(parser)
     parser.add_argument("--mp", type=int, default=1,
                         help="split the model over this many (simulated CPU) devices")
     args = parser.parse_args(argv)
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={args.mp}"
+    description = machine.describe()
+    if not args.json:
+        print(machine.header(description), flush=True)
 
     import jax
     import torch
@@ -123,8 +137,9 @@ def main(argv=None):
     from mesh_transformer import loading, parallel
 
     bandwidths = [copy_bandwidth()]
-    print(f"devices: {jax.devices()}  torch threads: {torch.get_num_threads()}")
-    print(f"memory copy bandwidth (read + write): {bandwidths[0]:.1f} GB/s")
+    log = (lambda *a, **k: None) if args.json else print
+    log(f"devices: {jax.devices()}  torch threads: {torch.get_num_threads()}")
+    log(f"memory copy bandwidth (read + write): {bandwidths[0]:.1f} GB/s")
     with tempfile.TemporaryDirectory() as tmp:
         path = args.hf or tmp
         torch_model = (GPTJForCausalLM.from_pretrained(path).eval() if args.hf
@@ -135,29 +150,38 @@ def main(argv=None):
             # every weight is read once per step, except the embedding table (one row per sequence)
             weight_bytes = parallel.bytes_of(model.params) - parallel.bytes_of(model.params["gptj/embed"])
             for batch in args.batches:
-                row = {"dtype": dtype, "batch": batch, "weight_GB": weight_bytes / 1e9,
-                       "ours": bench_ours(model, batch, args.prompt, args.new, args.repeats)}
-                bandwidths.append(copy_bandwidth())
+                ours, details = bench_ours(model, batch, args.prompt, args.new)
+                sides = {"ours": ours}
                 if not args.no_hf:
-                    row["hf"] = bench_hf(torch_model, batch, args.prompt, args.new, args.repeats, dtype)
+                    sides["hf"] = bench_hf(torch_model, batch, args.prompt, args.new, dtype)
+                rates = machine.interleaved(sides, args.repeats)
+                bandwidths.append(copy_bandwidth())
+                row = {"dtype": dtype, "batch": batch, "weight_GB": weight_bytes / 1e9,
+                       "ours": {**details, "decode_tok_s": rates["ours"]["median"], "rounds": rates["ours"]}}
+                if "hf" in rates:
+                    row["hf"] = {"decode_tok_s": rates["hf"]["median"], "rounds": rates["hf"]}
                 if batch == 1:
                     row["bandwidth_GBps"] = max(bandwidths)
                     row["bound_tok_s"] = max(bandwidths) * 1e9 / weight_bytes
                     row["ours_pct_of_bound"] = 100 * row["ours"]["decode_tok_s"] / row["bound_tok_s"]
                 results.append(row)
-                print(format_row(row), flush=True)
+                log(format_row(row), flush=True)
             del model
+    report = {"bandwidth_GBps": max(bandwidths), "rows": results}
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"bandwidth_GBps": max(bandwidths), "results": results}, f, indent=2)
+            json.dump({**description, "results": report}, f, indent=2)
+    if args.json:
+        machine.report(description, report, True)
 
 
 def format_row(row) -> str:
     line = (f"{row['dtype']:>9} batch {row['batch']:>3} ({row['ours']['weights']:>12}): "
-            f"ours {row['ours']['decode_tok_s']:9.1f} tok/s "
+            f"ours {machine.fmt(row['ours']['rounds'], 1):>20s} tok/s "
             f"(prefill {row['ours']['prefill_s'] * 1e3:.1f} ms)")
     if "hf" in row:
-        line += f" | transformers {row['hf']['decode_tok_s']:9.1f} tok/s | x{row['ours']['decode_tok_s'] / row['hf']['decode_tok_s']:.2f}"
+        line += (f" | transformers {machine.fmt(row['hf']['rounds'], 1):>20s} tok/s"
+                 f" | x{row['ours']['decode_tok_s'] / row['hf']['decode_tok_s']:.2f} (medians)")
     if "bound_tok_s" in row:
         line += (f" | bandwidth bound {row['bound_tok_s']:.1f} tok/s ({row['weight_GB']:.3f} GB per step at "
                  f"{row['bandwidth_GBps']:.1f} GB/s): ours {row['ours_pct_of_bound']:.0f}%")
