@@ -12,18 +12,22 @@ arrays and end with the same device arrays (same shardings), so each number is e
               for numpy, which is synchronous, the whole save
     numpy     np.asarray + np.save (+ fsync) per array / np.load + jax.device_put per array
 
-MB/s = state bytes (10^6) / seconds; the best of --repeats runs. Reads come from the page cache
-(the files were just written): it measures software overhead, not the disk.
+MB/s = state bytes (10^6) / seconds. Ours and numpy run in turn, --repeats rounds (ours, numpy, ours,
+...); each rate is reported as median and min-max over the rounds. Reads come from the page cache
+(the files were just written): it measures software overhead, not the disk. The machine, software
+and load come first (bench/machine.py).
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import sys
 import tempfile
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import machine  # noqa: E402
 
 
 def parse_args():
@@ -33,7 +37,7 @@ def parse_args():
     p.add_argument("--mp", type=int, default=None, help="model-parallel size (default: all devices)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
-    p.add_argument("--json", action="store_true")
+    machine.add_args(p)
     return p.parse_args()
 
 
@@ -67,7 +71,7 @@ def timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def bench_ours(state, root: str, repeats: int) -> dict:
+def bench_ours(state, root: str, repeats: int = 1) -> dict:
     import jax
 
     from mesh_transformer.io.checkpoint import CheckpointManager
@@ -89,7 +93,7 @@ def bench_ours(state, root: str, repeats: int) -> dict:
     return {"save_s": min(save), "blocking_s": min(blocking), "restore_s": min(restore)}
 
 
-def bench_numpy(state, root: str, repeats: int) -> dict:
+def bench_numpy(state, root: str, repeats: int = 1) -> dict:
     import jax
     import numpy as np
 
@@ -125,6 +129,7 @@ def main():
     if os.environ["JAX_PLATFORMS"] == "cpu" and "xla_force_host_platform_device_count" not in flags:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={args.devices}"
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    description = machine.describe()
     import jax
 
     from mesh_transformer import parallel
@@ -133,24 +138,28 @@ def main():
     state = make_state(args.mb, mp)
     megabytes = parallel.bytes_of(state) / 1e6
     root = tempfile.mkdtemp(prefix="ckpt_bench_", dir=args.dir)
+    rounds = {"ours": [], "numpy": []}
     try:
-        results = {"ours": bench_ours(state, root, args.repeats), "numpy": bench_numpy(state, root, args.repeats)}
+        for _ in range(args.repeats):  # interleaved: a change of load hits both alike
+            rounds["ours"].append(bench_ours(state, root))
+            rounds["numpy"].append(bench_numpy(state, root))
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    for r in results.values():
-        r.update(save_mb_s=megabytes / r["save_s"], blocking_mb_s=megabytes / r["blocking_s"],
-                 restore_mb_s=megabytes / r["restore_s"])
+    results = {}
+    for name, runs in rounds.items():
+        results[name] = {key: machine.summary([r[key] for r in runs]) for key in runs[0]}
+        for key in ("save", "blocking", "restore"):
+            results[name][f"{key}_mb_s"] = machine.summary([megabytes / r[f"{key}_s"] for r in runs])
     report = {"state_mb": megabytes, "devices": len(jax.devices()), "mp": mp, "backend": jax.default_backend(),
               "repeats": args.repeats, "results": results}
-    if args.json:
-        print(json.dumps(report, indent=2))
-        return
-    print(f"state {megabytes:.0f} MB on {report['devices']} {report['backend']} devices (mp={mp}), "
-          f"best of {args.repeats}")
-    print(f"{'method':<8} {'save MB/s':>10} {'save s':>8} {'blocking s':>11} {'restore MB/s':>13} {'restore s':>10}")
-    for name, r in results.items():
-        print(f"{name:<8} {r['save_mb_s']:>10.0f} {r['save_s']:>8.2f} {r['blocking_s']:>11.2f} "
-              f"{r['restore_mb_s']:>13.0f} {r['restore_s']:>10.2f}")
+    def text():
+        print(f"state {megabytes:.0f} MB on {report['devices']} {report['backend']} devices (mp={mp}), "
+              f"{args.repeats} interleaved rounds; MB/s as median (min-max)")
+        print(f"{'method':<8} {'save MB/s':>18} {'blocking s':>11} {'restore MB/s':>18}")
+        for name, r in results.items():
+            print(f"{name:<8} {machine.fmt(r['save_mb_s']):>18} {r['blocking_s']['median']:>11.2f} "
+                  f"{machine.fmt(r['restore_mb_s']):>18}")
+    machine.report(description, report, args.json, text)
 
 
 if __name__ == "__main__":

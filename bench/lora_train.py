@@ -12,8 +12,8 @@ clip 1.0) on the same random batch; LoRA with the same rank, alpha, targets and 
 rate is tokens per step / its median step time (after 2 warm-up steps); reported: median and
 min–max over the runs. Memory: the process's peak RSS, and how far it rose above the RSS after
 imports (the model, optimizer and step's own); for ours also XLA's buffer assignment of the
-compiled step (arguments + temporaries). Prints the CPU, its flags and the load average around
-the runs: the machine may be shared, so read the numbers with the load.
+compiled step (arguments + temporaries). Prints the machine, software and load average around
+the runs (bench/machine.py): the machine may be shared, so read the numbers with the load.
 """
 from __future__ import annotations
 
@@ -28,6 +28,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 PEER_PYTHON = os.path.join(HERE, ".venv-peft", "bin", "python")
+sys.path.insert(0, HERE)
+import machine  # noqa: E402
 KINDS = ("ours-lora", "peft-lora", "ours-full")
 
 
@@ -48,7 +50,7 @@ def parse_args(argv=None):
     p.add_argument("--mp", type=int, default=1, help="ours: CPU devices the model is split over (mp)")
     p.add_argument("--kinds", default=",".join(KINDS), help="which of " + ", ".join(KINDS))
     p.add_argument("--peer-python", default=PEER_PYTHON)
-    p.add_argument("--json", action="store_true")
+    machine.add_args(p)
     p.add_argument("--worker", choices=KINDS, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -152,28 +154,6 @@ def worker_peft(args) -> dict:
 
 # ----------------------------------------------------------------------------- driver
 
-def machine() -> dict:
-    info = {"cores": os.cpu_count()}
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            key, _, value = line.partition(":")
-            key = key.strip()
-            if key == "model name" and "cpu" not in info:
-                info["cpu"] = value.strip()
-            elif key == "flags" and "flags" not in info:
-                wanted = ("avx", "avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_tile",
-                          "amx_bf16")
-                info["flags"] = [w for w in wanted if w in value.split()]
-    return info
-
-
-def uptime() -> str:
-    try:
-        return subprocess.run(["uptime"], capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "load average: " + ", ".join(f"{x:.2f}" for x in os.getloadavg())
-
-
 def run_worker(args, kind: str, argv: list[str]) -> dict:
     python = args.peer_python if kind == "peft-lora" else sys.executable
     if kind == "peft-lora" and not os.path.exists(python):
@@ -208,29 +188,27 @@ def main(argv=None):
         print(json.dumps(result))
         return
     kinds = [k for k in KINDS if k in args.kinds.split(",")]
-    load = {"before": uptime()}
-    if not args.json:
-        print(f"{machine()}\n{load['before']}", flush=True)
+    description = machine.describe(("peft",))
     runs: dict[str, list] = {k: [] for k in kinds}
-    for r in range(args.runs):  # interleaved: a change of load hits every kind alike
-        for kind in kinds:
+
+    def measure(kind):
+        def once() -> float:
             runs[kind].append(run_worker(args, kind, argv))
-            if not args.json:
-                rate = args.batch * args.seq / statistics.median(runs[kind][-1]["step_s"])
-                print(f"  run {r + 1}/{args.runs} {kind:10s} {rate:8.0f} tokens/s   ({uptime().split('load average:')[-1].strip()})",
-                      flush=True)
-    load["after"] = uptime()
+            return args.batch * args.seq / statistics.median(runs[kind][-1]["step_s"])
+        return once
+    machine.interleaved({k: measure(k) for k in kinds}, args.runs, progress=not args.json)
     results = {k: summary(args, v) for k, v in runs.items()}
     result = {"config": {k: v for k, v in vars(args).items() if k not in ("worker", "json", "peer_python")},
-              "machine": machine(), "load": load, "results": results}
+              "kinds": results}
     if "ours-lora" in results and "peft-lora" in results:
         result["lora_speedup_vs_peft"] = results["ours-lora"]["tokens_per_s"]["median"] / results["peft-lora"]["tokens_per_s"]["median"]
     if "ours-lora" in results and "ours-full" in results:
         result["lora_speedup_vs_full"] = results["ours-lora"]["tokens_per_s"]["median"] / results["ours-full"]["tokens_per_s"]["median"]
-    if args.json:
-        print(json.dumps(result, indent=2))
-        return
-    print(f"{load['after']}\n")
+    machine.report(description, result, args.json, lambda: text(result))
+
+
+def text(result):
+    results = result["kinds"]
     print(f"{'':24s} {'trainable':>11s} {'tokens/s (median, min-max)':>28s} {'peak RSS':>9s} {'above imports':>14s} "
           f"{'XLA args + temps':>17s}")
     names = {"ours-lora": "mesh-transformer LoRA", "peft-lora": "PEFT + transformers", "ours-full": "mesh-transformer full"}

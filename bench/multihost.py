@@ -23,8 +23,11 @@ import time
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import numpy as np  # noqa: E402
+
+import machine  # noqa: E402
 
 
 def parse_args():
@@ -37,7 +40,7 @@ def parse_args():
     p.add_argument("--batch", type=int, default=4, help="per_replica_batch (global batch = 4 x this)")
     p.add_argument("--steps", type=int, default=12, help="steps per run; the first 2 and the last are not timed")
     p.add_argument("--hosts", type=int, nargs="+", default=[1, 2, 4], help="worker counts for the bytes table")
-    p.add_argument("--json", action="store_true")
+    machine.add_args(p)
     return p.parse_args()
 
 
@@ -102,6 +105,7 @@ def pickled_overhead(args, hosts: int) -> int:
 
 def main():
     args = parse_args()
+    description = machine.describe()
     from mesh_transformer.train import cluster
     tmp = tempfile.mkdtemp(prefix="bench-multihost-")
     ray_dir = cluster.start_local_ray(max(args.hosts + [2]))
@@ -122,9 +126,10 @@ def main():
                               "per_host_bytes_per_step": r["bytes_per_step"] // h,
                               "pickle_overhead_bytes_per_step": pickled_overhead(args, h),
                               "run_wall_s": r["wall_s"]} for h, r in runs.items()}}
-    if args.json:
-        print(json.dumps(result, indent=1))
-        return
+    machine.report(description, result, args.json, lambda: text(args, result, tokens))
+
+
+def text(args, result, tokens):
     print(f"\nmodel: {args.layers} layers, d_model {args.d_model}, vocab {args.vocab}, seq {args.seq}; "
           f"dp=4 x mp=2 on 8 CPU devices; {tokens} tokens/step")
     print(f"{'':26s}{'step ms':>10s}{'tokens/s':>10s}{'driver B/step':>15s}{'per host':>10s}{'+pickle':>9s}")

@@ -19,6 +19,8 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import machine  # noqa: E402
 
 
 def main():
@@ -26,9 +28,10 @@ def main():
     p.add_argument("--config", default=os.path.join(ROOT, "configs/tiny_cpu.json"))
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--cpu-devices", type=int, default=8)
-    p.add_argument("--json", action="store_true")
+    machine.add_args(p)
     args = p.parse_args()
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={args.cpu_devices}"
+    description = machine.describe()
     import dataclasses
 
     import jax
@@ -69,13 +72,12 @@ def main():
     result = {"config": args.config, "mesh": f"dp={trainer.dp} x mp={trainer.mp}", "steps": args.steps,
               "bare_step_s": bare, "end_to_end_step_s": e2e, "bare_tokens_per_s": tokens_per_step / bare,
               "end_to_end_tokens_per_s": tokens_per_step / e2e, "end_to_end_over_bare": bare / e2e}
-    if args.json:
-        print(json.dumps(result, indent=2))
-        return
-    print(f"{args.config} on {result['mesh']} ({args.cpu_devices} CPU devices), {tokens_per_step} tokens/step")
-    print(f"bare train step          {bare:.3f} s/step  {result['bare_tokens_per_s']:9.0f} tokens/s")
-    print(f"device_train loop        {e2e:.3f} s/step  {result['end_to_end_tokens_per_s']:9.0f} tokens/s "
-          f"({100 * result['end_to_end_over_bare']:.0f}% of bare)")
+    def text():
+        print(f"{args.config} on {result['mesh']} ({args.cpu_devices} CPU devices), {tokens_per_step} tokens/step")
+        print(f"bare train step          {bare:.3f} s/step  {result['bare_tokens_per_s']:9.0f} tokens/s")
+        print(f"device_train loop        {e2e:.3f} s/step  {result['end_to_end_tokens_per_s']:9.0f} tokens/s "
+              f"({100 * result['end_to_end_over_bare']:.0f}% of bare)")
+    machine.report(description, result, args.json, text)
 
 
 if __name__ == "__main__":

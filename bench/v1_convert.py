@@ -25,6 +25,8 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import machine  # noqa: E402
 
 
 def config_dict(args) -> dict:
@@ -111,6 +113,7 @@ def main() -> None:
     p.add_argument("--shards", type=int, default=8)
     p.add_argument("--dir", default="/tmp/v1bench")
     p.add_argument("--modes", default="to_hf,to_ours,load", help="comma-separated subset to run")
+    machine.add_args(p)
     p.add_argument("--child", nargs=4, metavar=("MODE", "STEP_DIR", "CONFIG", "OUT"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
@@ -118,6 +121,10 @@ def main() -> None:
         return
     import shutil
 
+    description = machine.describe()
+    say = (lambda *a, **k: None) if args.json else print
+    if not args.json:
+        print(machine.header(description), flush=True)
     shutil.rmtree(args.dir, ignore_errors=True)
     step_dir, config = os.path.join(args.dir, "step_1000"), os.path.join(args.dir, "config.json")
     os.makedirs(args.dir)
@@ -126,18 +133,22 @@ def main() -> None:
     started = time.perf_counter()
     write_checkpoint(step_dir, args)
     size = sum(os.path.getsize(os.path.join(r, n)) for r, _, ns in os.walk(step_dir) for n in ns)
-    print(f"v1 checkpoint: {size / 1e9:.2f} GB ({args.layers} layers, d_model {args.d_model}, vocab 50400, "
+    say(f"v1 checkpoint: {size / 1e9:.2f} GB ({args.layers} layers, d_model {args.d_model}, vocab 50400, "
           f"{args.shards} shards, bf16), written in {time.perf_counter() - started:.0f} s")
+    results = {"checkpoint_bytes": size, "modes": {}}
     for mode in args.modes.split(","):
         r = run_child(mode, step_dir, config, os.path.join(args.dir, f"out_{mode}"))
+        results["modes"][mode] = {**r, "mb_s": size / 1e6 / r["seconds"]}
         line = (f"{mode:8s} {size / 1e6 / r['seconds']:7.0f} MB/s  {r['seconds']:6.1f} s  peak above baseline "
                 f"{r['peak_above_baseline'] / 1e9:.2f} GB = {r['peak_above_baseline'] / size:.0%} of the checkpoint")
         if "model_bytes" in r:
             line += (f"; loaded model {r['model_bytes'] / 1e9:.2f} GB, peak = "
                      f"{r['peak_above_baseline'] / r['model_bytes']:.0%} of it")
-        print(line, flush=True)
+        say(line, flush=True)
         shutil.rmtree(os.path.join(args.dir, f"out_{mode}"), ignore_errors=True)
     shutil.rmtree(args.dir, ignore_errors=True)
+    if args.json:
+        machine.report(description, results, True)
 
 
 if __name__ == "__main__":
