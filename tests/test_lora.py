@@ -42,15 +42,17 @@ def make_hf(path, cls="GPTJ", seed=0, **kw):
     return model
 
 
-def run_training(config, hf_dir, stop_after=None):
+def run_training(config, hf_dir=None, stop_after=None, tune_model_path=None):
     run = TrainRun.__new__(TrainRun)  # TrainRun without opening config.train_set: an in-memory dataset
-    run.config, run.options = config, RunOptions(hf=str(hf_dir), tensorboard=False, stop_after=stop_after,
+    run.config, run.options = config, RunOptions(hf=hf_dir and str(hf_dir), tensorboard=False, stop_after=stop_after,
+                                                 tune_model_path=tune_model_path,
                                                  log_dir=str(config.train.model_dir) + "-logs")
     from mesh_transformer.train.loop import TrainHost
     run.host = TrainHost(config, run.options)
     run.trainer, run.ckpt, run.tokens_per_step = run.host.trainer, run.host.ckpt, run.host.tokens_per_step
     rows = random_tokens((32, 17), 101, seed=3)
     run.dataset, run.val_sets, run._interrupted = Dataset.from_arrays(rows, eos_id=100), {}, False
+    run.tokenizer = "gpt2"
     state = run.train()
     return run, state
 
@@ -108,6 +110,28 @@ def test_merged_export_keeps_untargeted_weights_and_peft_export_matches(trained)
     np.testing.assert_allclose(hf_logits(peft_model, tokens), expected, atol=1e-4)
     ours = trained["run"].trainer.logits(trained["state"].params, jnp.asarray(tokens))
     np.testing.assert_allclose(np.asarray(ours), expected, atol=1e-4)
+
+
+def test_lora_on_our_checkpoint_trains_like_lora_on_the_hf_model(trained, no_tokenizer):
+    """--tune-model-path with LoRA: the base is read from our (full fine-tune style) checkpoint of the
+    same HF model and referenced by path; losses and adapters equal the --hf run's, and the loading
+    tools merge the adapters onto that base."""
+    from mesh_transformer import loading, models
+    from mesh_transformer.io import hf
+    from mesh_transformer.train.metrics import read_metrics
+    root = trained["root"]
+    hf.hf_to_checkpoint(str(root / "base"), str(root / "base-ckpt"))
+    config = gptj_config(root / "run-from-ckpt")
+    run, state = run_training(config, tune_model_path=str(root / "base-ckpt"))
+    loss = lambda c: [r["train/loss"] for r in read_metrics(str(c.train.model_dir) + "-logs/metrics.jsonl")]  # noqa: E731
+    np.testing.assert_allclose(loss(config), loss(trained["config"]), rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(jax.device_get(state.params)), jax.tree.leaves(jax.device_get(trained["state"].params))):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+    loaded = loading.load(ckpt=str(root / "run-from-ckpt"), dtype="float32", mp=1, dp=1, tokenizer="gpt2")
+    tokens = random_tokens((8, 16), 101, seed=8)
+    logits, _ = models.build(loaded.config).apply(loaded.params, jnp.asarray(tokens))
+    ours = run.trainer.logits(state.params, jnp.asarray(tokens))
+    np.testing.assert_allclose(np.asarray(logits)[..., :101], np.asarray(ours), atol=1e-5)
 
 
 @pytest.fixture
