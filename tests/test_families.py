@@ -259,3 +259,45 @@ def test_served_model_holds_its_weights_once(name, tmp_path):
     grown = sum(x.nbytes for x in jax.live_arrays() if id(x) not in before)
     assert model.params is None and not any(x.is_deleted() for x in jax.tree.leaves(gen.params))
     assert grown == parallel.bytes_of(gen.params) == 2 * sum(x.size for x in jax.tree.leaves(gen.params))
+
+
+def test_mistral_loads_as_llama_with_hf_logits(tmp_path):
+    """A MistralForCausalLM (GQA, sliding window no shorter than the context) imports as the llama
+    family, cut to its window, with HF's logits."""
+    import torch
+    import transformers
+    torch.manual_seed(0)
+    model = transformers.MistralForCausalLM(transformers.MistralConfig(
+        vocab_size=99, max_position_embeddings=64, sliding_window=32, hidden_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, intermediate_size=40, initializer_range=0.2)).eval()
+    model.save_pretrained(tmp_path)
+    config, params = hf.load_hf(tmp_path, compute_dtype="float32", remat="none")
+    assert (config.family, config.kv_heads, config.seq) == ("llama", 2, 32)
+    assert parity_error(config, params, model) < TOL
+
+
+@pytest.mark.parametrize("n_heads", [4, 6, 8, 12])
+def test_alibi_slopes_equal_transformers_bloom(n_heads):
+    """ALiBi's per-head slopes (pe="alibi") against transformers' BLOOM implementation of the paper's
+    recipe (the interleaved extra slopes when n_heads is not a power of two included)."""
+    import torch
+    from transformers.models.bloom.modeling_bloom import build_alibi_tensor
+    from mesh_transformer.models.layers import alibi_slopes
+    bias = build_alibi_tensor(torch.ones(1, 2), n_heads, torch.float32)  # [heads, 1, 2]: slope x key position
+    np.testing.assert_allclose(np.asarray(alibi_slopes(n_heads)), bias[:, 0, 1].numpy(), rtol=1e-6)
+
+
+def test_alibi_generation_equals_the_full_forward_pass():
+    """With ALiBi the cached decode path (left-padded rows, key positions from each row's start)
+    gives the tokens a full forward pass picks greedily, step by step."""
+    config = config_from_dict({**TRAIN_BASE, **TRAIN_CASES["llama_alibi"], "remat": "none"}).model
+    params = jax.device_get(_trainer("llama_alibi", 1, 1, False).init_state(0).params)
+    params = jax.tree.map(lambda x: x * 8 if x.ndim > 1 else x, params)  # peaked logits: no near-ties
+    forward = jax.jit(lambda p, t: models.build(config).apply(p, t)[0])
+    prompts = [random_tokens((1, n), config.n_vocab, seed=n)[0].tolist() for n in (3, 6)]
+    outs = Generator(config, params, mesh(1, 1)).generate(prompts, SamplingOptions(max_new_tokens=5, temperature=0))
+    for prompt, out in zip(prompts, outs):
+        tokens = list(prompt)
+        for _ in range(5):
+            tokens.append(int(np.argmax(np.asarray(forward(params, np.asarray([tokens])))[0, -1, :config.n_vocab])))
+        assert out.tokens == tokens[len(prompt):]
