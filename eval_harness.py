@@ -41,8 +41,9 @@ def main(argv=None):
         from mesh_transformer.evaluate import harness
         from mesh_transformer.evaluate.lm import MeshLM
 
-        manager = harness.task_manager(args.include_path)
-        tasks = harness.load_tasks(harness.task_names(args.tasks), manager)  # fail before loading weights
+        names = harness.task_names(args.tasks)
+        manager = harness.task_manager(args.include_path, names)
+        tasks = harness.load_tasks(names, manager)  # fail before loading weights
         lm = MeshLM.from_loaded(loading.from_args(args), batch_size=args.batch_size, max_gen_toks=args.max_gen_toks)
         limit = int(args.limit) if args.limit is not None and args.limit >= 1 else args.limit
         results = harness.run(lm, tasks, manager, num_fewshot=args.num_fewshot, limit=limit,

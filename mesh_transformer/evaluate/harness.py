@@ -34,9 +34,12 @@ def require_lm_eval():
                         "(or pip install lm-eval)") from None
 
 
-def task_manager(include_path: Optional[str | os.PathLike] = None):
+def task_manager(include_path: Optional[str | os.PathLike] = None, names: Seq[str] = ()):
     """lm-eval's TaskManager: its own tasks plus the task YAMLs under `include_path` (if given).
-    Indexing lm-eval's few thousand task files takes seconds: one manager per path per process."""
+
+    Indexing lm-eval's few thousand task files takes seconds (tens on a busy machine), so when every
+    one of `names` is a task of the include path alone, the manager holds only those; and there is
+    one manager per (path, scope) per process."""
     require_lm_eval()
     if include_path is not None:
         path = Path(include_path)
@@ -44,13 +47,16 @@ def task_manager(include_path: Optional[str | os.PathLike] = None):
             raise EvalError(f"--include-path {include_path}: not a directory")
         if not any(path.rglob("*.yaml")) and not any(path.rglob("*.yml")):
             raise EvalError(f"--include-path {include_path}: holds no task YAML files (*.yaml)")
-    return _manager(str(Path(include_path).resolve()) if include_path is not None else None)
+        local = _manager(str(path.resolve()), False)
+        if names and all(name in local.all_tasks for name in names):
+            return local
+    return _manager(str(Path(include_path).resolve()) if include_path is not None else None, True)
 
 
 @functools.lru_cache(maxsize=8)
-def _manager(include_path: Optional[str]):
+def _manager(include_path: Optional[str], defaults: bool):
     from lm_eval.tasks import TaskManager
-    return TaskManager(include_path=include_path)
+    return TaskManager(include_path=include_path, include_defaults=defaults)
 
 
 def load_tasks(names: Seq[str], manager) -> list:
@@ -115,8 +121,8 @@ def metrics(results: dict, prefix: str = "eval") -> dict[str, float]:
     for section in ("results", "groups"):
         for task, values in (results.get(section) or {}).items():
             for key, value in values.items():
-                metric, _, filt = key.partition(",")
-                if "_stderr" in metric or isinstance(value, bool) or not isinstance(value, (int, float)):
+                metric, comma, filt = key.partition(",")
+                if not comma or "_stderr" in metric or isinstance(value, bool) or not isinstance(value, (int, float)):
                     continue
                 name = metric if filt in ("", "none") else f"{metric}_{filt}"
                 if math.isfinite(float(value)):

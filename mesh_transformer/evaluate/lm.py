@@ -13,7 +13,6 @@ batched), generations through `generate.Generator` (batched by generation settin
 """
 from __future__ import annotations
 
-import logging
 from collections import defaultdict
 from typing import Optional
 
@@ -24,8 +23,6 @@ from lm_eval.models.utils import (_add_special_kwargs, handle_stop_sequences, ha
 
 from mesh_transformer.evaluate.scoring import Scorer, scorer_for
 from mesh_transformer.generate import MAX_STOPS, SamplingOptions
-
-log = logging.getLogger(__name__)
 
 DEFAULT_MAX_GEN_TOKS = 256  # HFLM's
 

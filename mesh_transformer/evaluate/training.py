@@ -24,7 +24,7 @@ class TrainingEvaluator:
         t = config.train
         self.config, self.trainer = config, trainer
         self.names = harness.task_names(t.eval_harness_tasks)
-        self.manager = harness.task_manager(t.eval_include_path)
+        self.manager = harness.task_manager(t.eval_include_path, self.names)
         harness.load_tasks(self.names, self.manager)  # an unknown task fails the run now, not hours in
         self.scorer: Optional[Scorer] = None
         self._generator = None

@@ -1,0 +1,145 @@
+"""Evaluation speed: loglikelihood requests/s of eval_harness.py's model (`MeshLM`) against lm-eval's
+own `--model hf` (HFLM, torch) on the same weights and the same task, in the same run.
+
+    python bench/eval_throughput.py                          # random GPT-J, 4 x d_model 512, GPT-2 vocabulary
+    python bench/eval_throughput.py --docs 400 --rounds 5 --layers 8 --d-model 1024
+
+The task is LAMBADA-shaped (score each text's last word after the rest: one loglikelihood request
+per document), over sentences of data/corpus/stories.txt written as a local task, so nothing is
+downloaded. Both sides run through `lm_eval.simple_evaluate` with the same batch size; each is run
+once to warm up (our compiles, torch's allocator), then `--rounds` times, alternating, and every
+round's requests/s is reported with the median and the range. Both sides' per-request
+log-likelihoods are compared (max |difference|), so the two measure the same work.
+Ours runs with the model split over `--devices` simulated CPU devices as mp (the README's
+training numbers: one device per core is how XLA uses a multi-core CPU).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+TASK = """task: bench_lambada
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: "{data}"
+test_split: test
+output_type: loglikelihood
+doc_to_text: "{{{{text.split(' ')[:-1]|join(' ')}}}}"
+doc_to_target: "{{{{' '+text.split(' ')[-1]}}}}"
+metric_list:
+  - metric: perplexity
+    aggregation: perplexity
+    higher_is_better: false
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+"""
+
+
+def write_task(directory: str, docs: int) -> None:
+    """`docs` texts of 2-4 consecutive story sentences each, as a local lm-eval task."""
+    import re
+    text = open(os.path.join(ROOT, "data", "corpus", "stories.txt")).read().replace("<|endoftext|>", " ")
+    sentences = [s.strip() for s in re.split(r"(?<=[.!?])\s+", text) if len(s.split()) > 3]
+    with open(os.path.join(directory, "docs.jsonl"), "w") as f:
+        for i in range(docs):
+            k = 2 + i % 3
+            body = " ".join(sentences[(i * 3) % (len(sentences) - k):][:k]).rstrip(".!?\"")
+            f.write(json.dumps({"text": body}) + "\n")
+    with open(os.path.join(directory, "bench_lambada.yaml"), "w") as f:
+        f.write(TASK.format(data=os.path.join(directory, "docs.jsonl")))
+
+
+def make_model(path: str, layers: int, d_model: int, heads: int, seq: int) -> None:
+    """A random GPT-J with the GPT-2 tokenizer saved beside it (both sides read this directory)."""
+    import torch
+    from transformers import GPTJConfig, GPTJForCausalLM
+
+    from mesh_transformer.io.tokenizer import load_tokenizer
+
+    torch.manual_seed(0)
+    config = GPTJConfig(vocab_size=50257, n_positions=seq, n_embd=d_model, n_layer=layers, n_head=heads,
+                        rotary_dim=min(64, d_model // heads), bos_token_id=50256, eos_token_id=50256,
+                        initializer_range=0.2)
+    GPTJForCausalLM(config).eval().save_pretrained(path)
+    load_tokenizer("gpt2").save_pretrained(path)
+
+
+def timed(lm, manager, docs: int) -> tuple[float, list]:
+    from mesh_transformer.evaluate import harness
+
+    start = time.perf_counter()
+    results = harness.run(lm, ["bench_lambada"], manager, bootstrap_iters=0, log_samples=True)
+    seconds = time.perf_counter() - start
+    lls = [s["resps"][0][0][0] for s in sorted(results["samples"]["bench_lambada"], key=lambda s: s["doc_id"])]
+    return docs / seconds, lls
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--docs", type=int, default=256)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--batch-size", type=int, default=16, help="the same for both sides")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--d-model", type=int, default=512)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--seq", type=int, default=512)
+    p.add_argument("--devices", type=int, default=2, help="simulated CPU devices for ours (mp)")
+    args = p.parse_args(argv)
+
+    from mesh_transformer import cli
+    cli.simulate_cpu_devices(args.devices)
+    import torch
+    from lm_eval.models.huggingface import HFLM
+
+    from mesh_transformer import loading
+    from mesh_transformer.evaluate import harness
+    from mesh_transformer.evaluate.lm import MeshLM
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir, task_dir = os.path.join(tmp, "model"), os.path.join(tmp, "tasks")
+        os.makedirs(task_dir)
+        make_model(model_dir, args.layers, args.d_model, args.heads, args.seq)
+        write_task(task_dir, args.docs)
+        manager = harness.task_manager(task_dir, ["bench_lambada"])
+        ours = MeshLM.from_loaded(loading.load(hf=model_dir, mp=args.devices, dp=1, dtype="float32"),
+                                  batch_size=args.batch_size)
+        theirs = HFLM(pretrained=model_dir, dtype="float32", batch_size=args.batch_size, device="cpu")
+        sides = {"mesh-transformer": ours, "lm-eval hf (torch)": theirs}
+        rates: dict[str, list[float]] = {name: [] for name in sides}
+        answers = {}
+        for name, lm in sides.items():  # warm-up: compiles, allocator
+            _, answers[name] = timed(lm, manager, args.docs)
+        for _ in range(args.rounds):
+            for name, lm in sides.items():
+                rate, _ = timed(lm, manager, args.docs)
+                rates[name].append(rate)
+        diff = max(abs(a - b) for a, b in zip(*answers.values()))
+        print(f"model: GPT-J {args.layers} layers, d_model {args.d_model}, vocabulary 50,257, fp32; "
+              f"{args.docs} loglikelihood requests, batch {args.batch_size}; ours on {args.devices} CPU devices "
+              f"(mp), torch {torch.__version__} with {torch.get_num_threads()} threads; load average "
+              f"{os.getloadavg()[0]:.1f} at the end")
+        print(f"max |log-likelihood difference| between the two: {diff:.2e}")
+        print("| | requests/s (median) | min - max | rounds |")
+        print("|---|---|---|---|")
+        for name, values in rates.items():
+            print(f"| {name} | {statistics.median(values):.1f} | {min(values):.1f} - {max(values):.1f} | "
+                  f"{', '.join(f'{v:.1f}' for v in values)} |")
+        ratio = statistics.median(rates["mesh-transformer"]) / statistics.median(rates["lm-eval hf (torch)"])
+        print(f"ours / HFLM: {ratio:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
