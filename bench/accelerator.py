@@ -1,0 +1,219 @@
+"""Training MFU and decode bandwidth on an accelerator (GPU/TPU): what a CPU cannot show.
+
+    python bench/accelerator.py train --preset llama-1b gptj-1.3b [--batch 8] [--remat dots] [--attention cudnn xla]
+    python bench/accelerator.py decode --preset gptj-1.3b llama-1b [--new 128]
+    python bench/accelerator.py peak                      # measured bf16 matmul rate and memory bandwidth
+
+Training runs the library's own sharded step (`train.step.Trainer`: bf16 compute, float32 master
+weights, AdamW, gradient clipping) on random tokens, one device (dp = mp = 1). MFU = tokens/s x
+the model's training FLOPs per token (`ModelConfig.flops_per_token`: 6 x matmul parameters plus
+attention, the PaLM convention) / peak bf16 matmul FLOP/s, given against the chip's published dense
+peak and against the rate this run measured for a large bf16 matmul.
+
+Decode runs `generate.Generator` (the serving path) greedy on random prompts and reports, for small
+batches, the bytes each step must read (every weight but the embedding table, plus the KV cache
+written so far) per step time, as a share of the device-to-device copy bandwidth measured in the
+same run (bytes read + written, as a copy streams both).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+
+PRESETS = {
+    # GPT-J-shaped 1.3B (GPT-Neo 1.3B's sizes with GPT-J's block): 24 x 2048, 16 heads of 128, rotary 64
+    "gptj-1.3b": dict(family="gptj", layers=24, d_model=2048, n_heads=16, d_ff=8192, n_vocab=50400,
+                      pe_rotary_dims=64, seq=2048),
+    # Llama-3.2-1B's shape: 16 x 2048, 32 query / 8 kv heads of 64, SwiGLU 8192, vocabulary 128,256, tied
+    "llama-1b": dict(family="llama", layers=16, d_model=2048, n_heads=32, n_kv_heads=8, d_ff=8192,
+                     n_vocab=128256, tie_embeddings=True, rope_theta=500000.0, seq=2048),
+    "llama-tiny": dict(family="llama", layers=2, d_model=256, n_heads=4, n_kv_heads=2, d_ff=512, n_vocab=1000,
+                       seq=256),
+}
+# Dense bf16 matmul peaks published by the vendors (FLOP/s), by the device_kind JAX reports.
+PUBLISHED_PEAK = {"NVIDIA H100 80GB HBM3": 989.4e12, "NVIDIA H100": 989.4e12, "NVIDIA H200": 989.4e12,
+                  "NVIDIA A100-SXM4-80GB": 312e12, "NVIDIA A100-SXM4-40GB": 312e12}
+
+
+def machine() -> dict:
+    import jax
+    dev = jax.devices()[0]
+    return {"device": dev.device_kind, "backend": jax.default_backend(), "devices": jax.device_count(),
+            "jax": jax.__version__, "python": platform.python_version(),
+            "xla_flags": os.environ.get("XLA_FLAGS", "")}
+
+
+def timed(fn, repeats: int) -> list[float]:
+    """Seconds of each of `repeats` calls of fn (which blocks until its result is ready)."""
+    out = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def measure_peak(n: int = 8192, repeats: int = 10) -> dict:
+    """Measured bf16 matmul FLOP/s ([n, n] x [n, n], float32 accumulation) and copy bandwidth."""
+    import jax
+    import jax.numpy as jnp
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.bfloat16)
+    matmul = jax.jit(lambda x: x @ x)
+    matmul(a).block_until_ready()
+    best = min(timed(lambda: matmul(a).block_until_ready(), repeats))
+    buf = jnp.ones((2 ** 30 // 4,), jnp.float32)  # 1 GiB
+    copy = jax.jit(lambda x: x * 1.0001)  # reads and writes every byte once
+    copy(buf).block_until_ready()
+    best_copy = min(timed(lambda: copy(buf).block_until_ready(), repeats))
+    kind = jax.devices()[0].device_kind
+    return {"matmul_flops": 2 * n ** 3 / best, "published_flops": PUBLISHED_PEAK.get(kind),
+            "copy_bytes_per_s": 2 * buf.nbytes / best_copy}
+
+
+OVERRIDES: dict = {}  # --set key=value: config keys over every preset's
+
+
+def model_config(preset: str, **overrides):
+    from mesh_transformer.config import config_from_dict
+    raw = {**PRESETS[preset], "compute_dtype": "bfloat16", "lr": 1e-4, "warmup_steps": 10, "anneal_steps": 1000,
+           "total_steps": 1000, **OVERRIDES, **overrides}
+    return config_from_dict(raw)
+
+
+def bench_train(preset: str, batch: int, remat: str, attention: str, steps: int, peak: dict) -> dict:
+    import jax
+    from mesh_transformer import parallel
+    from mesh_transformer.train.step import Trainer
+    config = model_config(preset, per_replica_batch=batch, remat=remat, attention_impl=attention)
+    m = config.model
+    trainer = Trainer(config, parallel.make_mesh(1, 1, jax.devices()[:1]))
+    state = trainer.init_state(0)
+    tokens = np.random.RandomState(0).randint(0, m.n_vocab, (1, batch, m.seq + 1)).astype(np.int32)
+    data = trainer.shard_batch({"tokens": tokens})
+    t0 = time.perf_counter()
+    state, metrics = trainer.step(state, data)
+    jax.block_until_ready(metrics)
+    compile_s = time.perf_counter() - t0
+    state, metrics = trainer.step(state, data)
+    jax.block_until_ready(metrics)
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        state, metrics = trainer.step(state, data)
+        jax.block_until_ready(metrics)
+        times.append(time.perf_counter() - t0)
+    step_s = float(np.median(times))
+    tokens_per_s = batch * m.seq / step_s
+    flops = m.flops_per_token()
+    mem = jax.devices()[0].memory_stats() or {}
+    row = {"preset": preset, "params": m.n_params(), "batch": batch, "seq": m.seq, "remat": remat,
+           "attention": attention, "compile_s": compile_s, "step_s": step_s,
+           "step_s_min_max": [min(times), max(times)], "tokens_per_s": tokens_per_s,
+           "flops_per_token": flops, "loss": float(metrics["loss"]),
+           "mfu_measured_peak": tokens_per_s * flops / peak["matmul_flops"],
+           "peak_bytes_in_use": mem.get("peak_bytes_in_use")}
+    if peak.get("published_flops"):
+        row["mfu"] = tokens_per_s * flops / peak["published_flops"]
+    del state, data
+    return row
+
+
+def bench_decode(preset: str, batches: list[int], prompt: int, new: int, peak: dict) -> list[dict]:
+    import jax
+    from mesh_transformer import parallel
+    from mesh_transformer.generate import Batch, Generator, SamplingOptions
+    from mesh_transformer.train.step import Trainer
+    config = model_config(preset, remat="none")
+    m = config.model
+    params = Trainer(config, parallel.make_mesh(1, 1, jax.devices()[:1])).init_state(0).params
+    gen = Generator(m, params, parallel.make_mesh(1, 1, jax.devices()[:1]), donate=True)
+    del params
+    family_embed = f"{m.family}/embed"
+    weight_bytes = parallel.bytes_of(gen.params) - sum(
+        parallel.bytes_of(v) for k, v in gen.params.items() if k == family_embed and not _tied(m))
+    rows = []
+    rng = np.random.RandomState(0)
+    options = SamplingOptions(max_new_tokens=new, temperature=0.0)
+    for batch in batches:
+        def once():
+            seqs = gen.sequences(rng.randint(0, m.n_vocab, (batch, prompt)).tolist(), options)
+            b = Batch.for_sequences(gen, seqs, chunk=None)
+            b.admit(seqs)
+            jax.effects_barrier()
+            t0 = time.perf_counter()
+            b.step()
+            return time.perf_counter() - t0
+        once()
+        decode_s = min(once() for _ in range(3))
+        step_s = decode_s / (new - 1)
+        # the cache read by an average step: keys and values of every layer up to the middle of the run
+        kv_bytes = 2 * m.layers * batch * m.kv_heads * m.head_dim * (prompt + new / 2) * 2
+        read = weight_bytes + kv_bytes
+        rows.append({"preset": preset, "batch": batch, "prompt": prompt, "new": new, "weight_GB": weight_bytes / 1e9,
+                     "kv_GB": kv_bytes / 1e9, "step_ms": 1e3 * step_s, "tokens_per_s": batch / step_s,
+                     "bandwidth_share": read / step_s / peak["copy_bytes_per_s"],
+                     "read_bytes_per_s": read / step_s})
+    return rows
+
+
+def _tied(m) -> bool:
+    """A tied embedding table is also the output projection: read whole every step."""
+    return bool(getattr(m, "tie_embeddings", False))
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("what", choices=["train", "decode", "peak", "all"])
+    p.add_argument("--preset", nargs="+", default=["llama-1b", "gptj-1.3b"], choices=sorted(PRESETS))
+    p.add_argument("--batch", type=int, nargs="+", default=[8])
+    p.add_argument("--remat", nargs="+", default=["dots"])
+    p.add_argument("--attention", nargs="+", default=["cudnn"])
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--decode-batches", type=int, nargs="+", default=[1, 16])
+    p.add_argument("--prompt", type=int, default=128)
+    p.add_argument("--new", type=int, default=128)
+    p.add_argument("--set", nargs="*", default=[], metavar="KEY=JSON", help="override config keys of every preset")
+    p.add_argument("--json", help="also write the results here")
+    args = p.parse_args(argv)
+    OVERRIDES.update({k: json.loads(v) for k, v in (kv.split("=", 1) for kv in args.set)})
+
+    info = machine()
+    print(json.dumps(info))
+    peak = measure_peak()
+    published = peak["published_flops"]
+    print(f"bf16 matmul: {peak['matmul_flops'] / 1e12:.0f} TFLOP/s measured"
+          + (f", {published / 1e12:.0f} published" if published else "")
+          + f"; copy bandwidth {peak['copy_bytes_per_s'] / 1e12:.2f} TB/s (read + write)", flush=True)
+    results = {"machine": info, "peak": peak, "overrides": OVERRIDES, "train": [], "decode": []}
+    if args.what in ("train", "all"):
+        for preset in args.preset:
+            for batch in args.batch:
+                for remat in args.remat:
+                    for attention in args.attention:
+                        try:
+                            row = bench_train(preset, batch, remat, attention, args.steps, peak)
+                        except Exception as e:  # out of memory for one variant: report it, go on
+                            row = {"preset": preset, "batch": batch, "remat": remat, "attention": attention,
+                                   "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
+                        results["train"].append(row)
+                        print(json.dumps(row), flush=True)
+    if args.what in ("decode", "all"):
+        for preset in args.preset:
+            for row in bench_decode(preset, args.decode_batches, args.prompt, args.new, peak):
+                results["decode"].append(row)
+                print(json.dumps(row), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
