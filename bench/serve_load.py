@@ -1,16 +1,31 @@
-"""Server throughput under a fixed concurrent load: requests/s, tokens/s, p50/p99 latency.
+"""Serving under concurrent load, ours beside the peers a user would pick instead, in one run.
 
-    python bench/serve_load.py                                  # starts device_serve.py on a random model
-    python bench/serve_load.py --hf ./gpt-j-6b --server-args "--mp 8 --max-batch 32"
+    python bench/serve_load.py                                   # device_serve.py alone, random GPT-J
+    bash bench/setup_vllm_venv.sh && python bench/serve_load.py --peer vllm --peer transformers
     python bench/serve_load.py --url http://127.0.0.1:5000 --concurrency 32 --requests 512
 
-The load comes from this process (asyncio + httpx, `--concurrency` requests in flight at all
-times); the server is another process (started here unless `--url` is given).
+Models (random weights, the GPT-2 tokenizer saved beside them, built here): `gptj` as in issue 13
+(4 layers, d_model 512, 8 heads, vocabulary 50,400) and `llama`, LLaMA-shaped at the same size
+(8 query and 2 kv heads, SwiGLU 1,376). Every server gets the same model directory in float32
+(`--dtype`), and the same load from this process: for each concurrency and shared-prefix length,
+`--requests` streamed completions (`--concurrency` in flight at all times) of random text prompts
+of `--prompt-tokens` tokens, after a shared prefix of `--shared-prefix` tokens when that is not 0,
+`--max-tokens` new tokens each (ignore_eos), after one unmeasured round of the same shape (other
+prompts; it compiles our programs and fills every server's prefix cache with the shared prefix).
+
+Reported per run: requests/s, output tokens/s, time to first token (TTFT: request sent -> first
+streamed token) p50/p99, and inter-token latency (ITL: (last token - first token) / (tokens - 1) of
+each request, what vLLM's benchmark calls TPOT) p50/p99.
+
+Peers, each started from its own venv or command:
+  vllm          vLLM's CPU build (`bash bench/setup_vllm_venv.sh`): its OpenAI server, prefix caching on
+  transformers  `transformers serve --force-model DIR --continuous-batching` from the project's venv
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import shlex
 import socket
@@ -18,11 +33,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+VLLM_PYTHON = os.path.join(ROOT, "bench", ".venv-vllm", "bin", "python")
+OURS_ARGS = "--max-batch 64 --chunk 8 --warmup 128"
 
 
 def free_port() -> int:
@@ -31,100 +49,255 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(model_dir: str, extra: str, startup_timeout: float = 600):
-    """device_serve.py in a subprocess on a free loopback port -> (process, url)."""
-    import httpx
+# --------------------------------------------------------------------------------------------
+# Models and servers
+# --------------------------------------------------------------------------------------------
 
-    port = free_port()
-    cmd = [sys.executable, os.path.join(ROOT, "device_serve.py"), "--hf", model_dir, "--port", str(port), *shlex.split(extra)]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + startup_timeout
+def make_model(kind: str, path: str) -> str:
+    """A random `kind` ('gptj' or 'llama') HF model with the GPT-2 tokenizer in `path`."""
+    import torch
+    import transformers
+
+    from mesh_transformer.io.tokenizer import GPT2_EOS, load_tokenizer
+
+    if kind == "gptj":
+        from decode import make_random_gptj
+        make_random_gptj(path)
+    else:
+        torch.manual_seed(0)
+        config = transformers.LlamaConfig(vocab_size=50304, hidden_size=512, intermediate_size=1376, num_hidden_layers=4,
+                                          num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=2048,
+                                          bos_token_id=GPT2_EOS, eos_token_id=GPT2_EOS)
+        transformers.LlamaForCausalLM(config).eval().save_pretrained(path)
+    load_tokenizer("gpt2").save_pretrained(path)
+    return path
+
+
+def wait_ready(proc, url: str, name: str, log: str, timeout: float = 900) -> None:
+    import httpx
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"device_serve.py exited with {proc.returncode}:\n{proc.stderr.read()[-3000:]}")
+            tail = open(log, errors="replace").read()[-3000:]
+            raise RuntimeError(f"{name} exited with {proc.returncode}:\n{tail}")
         try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return proc, url
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
         except httpx.TransportError:
-            time.sleep(0.5)
+            pass
+        time.sleep(1)
     proc.kill()
-    raise RuntimeError("device_serve.py did not start in time")
+    raise RuntimeError(f"{name} did not start in {timeout:g} s (log: {log})")
 
 
-async def load(url: str, concurrency: int, requests: int, body: dict, api_key=None, warmup_rounds: int = 1):
+def start_server(peer: str, model_dir: str, dtype: str, ours_args: str, logdir: str):
+    """Start `peer` ('ours', 'vllm', 'transformers') on `model_dir` -> (process, url, model name)."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    name = os.path.basename(model_dir.rstrip("/"))
+    if peer == "ours":
+        cmd = [sys.executable, os.path.join(ROOT, "device_serve.py"), "--hf", model_dir, "--port", str(port),
+               "--dtype", dtype, *shlex.split(ours_args)]
+    elif peer == "vllm":
+        if not os.path.exists(VLLM_PYTHON):
+            raise RuntimeError("no vLLM venv: run `bash bench/setup_vllm_venv.sh` first")
+        cmd = [VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--host", "127.0.0.1",
+               "--port", str(port), "--dtype", dtype, "--served-model-name", name, "--max-model-len", "2048"]
+        env.update(VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4"), VLLM_HOST_IP="127.0.0.1",
+                   VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
+    elif peer == "transformers":
+        cmd = [os.path.join(os.path.dirname(sys.executable), "transformers"), "serve", "--force-model", model_dir,
+               "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype, "--continuous-batching"]
+        name = model_dir
+    else:
+        raise ValueError(f"unknown peer {peer!r} (ours, vllm, transformers)")
+    log = os.path.join(logdir, f"{peer}-{os.path.basename(model_dir)}.log")
+    proc = subprocess.Popen(cmd, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT, text=True)
+    wait_ready(proc, url, peer, log)
+    return proc, url, name
+
+
+def stop(proc) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+# --------------------------------------------------------------------------------------------
+# The load
+# --------------------------------------------------------------------------------------------
+
+def random_text(tokenizer, n: int, rng) -> str:
+    """Text of about `n` GPT-2 tokens (random ids decoded; re-encoding gives about as many)."""
+    return tokenizer.decode(rng.integers(300, 50000, n).tolist())
+
+
+def prompts(tokenizer, count: int, tokens: int, shared: int, seed: int) -> list[str]:
+    rng = np.random.default_rng(seed)
+    prefix = random_text(tokenizer, shared, np.random.default_rng(12345)) + "\n" if shared else ""
+    return [prefix + random_text(tokenizer, tokens, rng) for _ in range(count)]
+
+
+@dataclass
+class Result:
+    wall: float
+    ttft: np.ndarray
+    itl: np.ndarray
+    tokens: np.ndarray
+    prompt_tokens: np.ndarray
+    errors: list
+
+    def row(self) -> dict:
+        pct = lambda x, q: float(np.percentile(x, q) * 1e3) if len(x) else float("nan")  # noqa: E731
+        return {"requests_s": len(self.tokens) / self.wall, "output_tok_s": self.tokens.sum() / self.wall,
+                "ttft_p50_ms": pct(self.ttft, 50), "ttft_p99_ms": pct(self.ttft, 99),
+                "itl_p50_ms": pct(self.itl, 50), "itl_p99_ms": pct(self.itl, 99),
+                "prompt_tokens": float(self.prompt_tokens.mean()) if len(self.prompt_tokens) else 0,
+                "failed": len(self.errors)}
+
+
+async def one_request(client, body: dict):
+    """A streamed completion -> (ttft, itl, completion tokens, prompt tokens)."""
+    t0 = time.perf_counter()
+    first = last = None
+    usage = None
+    async with client.stream("POST", "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"{r.status_code}: {(await r.aread())[:300]!r}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if event.get("choices"):
+                now = time.perf_counter()
+                first = first if first is not None else now
+                last = now
+            if event.get("usage"):
+                usage = event["usage"]
+    n = usage["completion_tokens"] if usage else 0
+    return first - t0, (last - first) / (n - 1) if n > 1 else 0.0, n, usage["prompt_tokens"] if usage else 0
+
+
+async def load(url: str, model: str, texts: list[str], concurrency: int, body: dict, api_key=None) -> Result:
     import httpx
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    latencies, tokens, errors = [], [], []
-    remaining = iter(range(requests))
+    ttft, itl, tokens, prompt_tokens, errors = [], [], [], [], []
+    todo = iter(enumerate(texts))
 
     async def worker(client):
-        for i in remaining:  # noqa: B020 - shared by all workers; rebound between rounds
-            t = time.perf_counter()
-            r = await client.post("/v1/completions", json={**body, "seed": i})
-            if r.status_code != 200:
-                errors.append(r.status_code)
+        for i, text in todo:
+            try:
+                a, b, n, p = await one_request(client, {**body, "model": model, "prompt": text, "seed": i, "stream": True,
+                                                        "stream_options": {"include_usage": True}})
+            except (RuntimeError, httpx.HTTPError) as e:
+                errors.append(str(e)[:200])
                 continue
-            latencies.append(time.perf_counter() - t)
-            tokens.append(r.json()["usage"]["completion_tokens"])
+            ttft.append(a), itl.append(b), tokens.append(n), prompt_tokens.append(p)
 
     limits = httpx.Limits(max_connections=concurrency)
-    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=600, limits=limits) as client:
-        for _ in range(warmup_rounds):  # the same load unmeasured first: its shapes get compiled
-            await asyncio.gather(*(worker(client) for _ in range(concurrency)))
-            latencies.clear(), tokens.clear(), errors.clear()
-            remaining = iter(range(requests))
-        compiled = (await client.get("/health")).json().get("compiled_shapes")
+    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=1800, limits=limits) as client:
         start = time.perf_counter()
         await asyncio.gather(*(worker(client) for _ in range(concurrency)))
         wall = time.perf_counter() - start
-        compiled = (await client.get("/health")).json().get("compiled_shapes", 0) - (compiled or 0)
-    if compiled:
-        print(f"warning: {compiled} new program(s) compiled during the measurement; more --warmup-rounds?")
-    return wall, np.array(latencies), np.array(tokens), errors
+    return Result(wall, np.array(ttft), np.array(itl), np.array(tokens), np.array(prompt_tokens), errors)
+
+
+def compiled_shapes(url: str):
+    import httpx
+    try:
+        return httpx.get(f"{url}/health", timeout=5).json().get("compiled_shapes")
+    except (ValueError, AttributeError, httpx.HTTPError):
+        return None  # a peer's /health is not JSON
+
+
+def run_scenarios(url: str, model: str, tokenizer, args, label: str, results: list) -> None:
+    body = {"max_tokens": args.max_tokens, "temperature": args.temperature, "ignore_eos": True}
+    for shared in args.shared_prefix:
+        for concurrency in args.concurrency:
+            for round_ in range(args.warmup_rounds + 1):  # other prompts each round; same shared prefix
+                seed = 1000 * round_ + 10 * concurrency + (shared > 0)
+                texts = ([args.prompt] * args.requests if args.prompt else
+                         prompts(tokenizer, args.requests, args.prompt_tokens, shared, seed))
+                before = compiled_shapes(url)
+                result = asyncio.run(load(url, model, texts, concurrency, body, args.api_key))
+            after = compiled_shapes(url)
+            row = {"server": label, "concurrency": concurrency, "shared_prefix": shared, **result.row()}
+            if before is not None and after != before:
+                row["note"] = f"{after - before} programs compiled while measuring"
+            results.append(row)
+            print(format_row(row), flush=True)
+            if result.errors:
+                print("  errors:", result.errors[:3], flush=True)
+
+
+HEADER = (f"{'server':28s} {'conc':>4s} {'prefix':>6s} {'prompt':>6s} {'req/s':>6s} {'tok/s':>7s} "
+          f"{'TTFT p50':>9s} {'TTFT p99':>9s} {'ITL p50':>8s} {'ITL p99':>8s} fail")
+
+
+def format_row(r: dict) -> str:
+    return (f"{r['server']:28s} {r['concurrency']:4d} {r['shared_prefix']:6d} {r['prompt_tokens']:6.0f} "
+            f"{r['requests_s']:6.2f} {r['output_tok_s']:7.1f} {r['ttft_p50_ms']:9.0f} {r['ttft_p99_ms']:9.0f} "
+            f"{r['itl_p50_ms']:8.1f} {r['itl_p99_ms']:8.1f} {r['failed']:4d} {r.get('note', '')}")
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--url", help="an already running server")
-    parser.add_argument("--hf", help="model for the server to start (default: a random 4-layer GPT-J)")
-    parser.add_argument("--server-args", default="--max-batch 16 --chunk 8 --warmup 16 64 --dtype float32",
-                        help="extra device_serve.py flags (float32: the fast dtype on CPU)")
+    parser.add_argument("--url", help="measure an already running server (ours or any OpenAI completions server)")
+    parser.add_argument("--hf", help="one model directory for every server (default: the random --models)")
+    parser.add_argument("--models", nargs="+", default=["gptj", "llama"], choices=["gptj", "llama"])
+    parser.add_argument("--peer", action="append", default=[], choices=["vllm", "transformers"],
+                        help="also serve the model with this peer (repeatable)")
+    parser.add_argument("--server-args", default=OURS_ARGS, help="extra device_serve.py flags")
+    parser.add_argument("--dtype", default="float32", help="every server's dtype")
     parser.add_argument("--api-key")
-    parser.add_argument("--concurrency", type=int, default=16)
-    parser.add_argument("--requests", type=int, default=64)
-    parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--prompt", default="The quick brown fox jumps over the lazy dog. " * 4)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[16, 64])
+    parser.add_argument("--requests", type=int, default=128)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--shared-prefix", type=int, nargs="+", default=[0, 1000],
+                        help="tokens of a prefix every prompt shares (0: none)")
+    parser.add_argument("--prompt", help="one text prompt for every request instead of random ones")
     parser.add_argument("--temperature", type=float, default=0.8)
-    parser.add_argument("--warmup-rounds", type=int, default=1, help="unmeasured runs of the same load first")
+    parser.add_argument("--warmup-rounds", type=int, default=1, help="unmeasured rounds of each shape first")
+    parser.add_argument("--json", help="write the rows here too")
     args = parser.parse_args(argv)
 
-    proc, tmp = None, None
-    try:
-        url = args.url
-        if url is None:
-            model_dir = args.hf
-            if model_dir is None:
-                from decode import make_random_gptj
-                tmp = tempfile.TemporaryDirectory()
-                model_dir = tmp.name
-                make_random_gptj(model_dir)
-            proc, url = start_server(model_dir, args.server_args)
-        body = {"prompt": args.prompt, "max_tokens": args.max_tokens, "temperature": args.temperature}
-        wall, latency, tokens, errors = asyncio.run(load(url, args.concurrency, args.requests, body, args.api_key,
-                                                         args.warmup_rounds))
-        print(f"{len(latency)} requests ({len(errors)} failed) at concurrency {args.concurrency} in {wall:.2f} s")
-        print(f"throughput: {len(latency) / wall:.2f} requests/s, {tokens.sum() / wall:.1f} generated tokens/s")
-        if len(latency):
-            print(f"latency: p50 {np.percentile(latency, 50) * 1e3:.0f} ms, p99 {np.percentile(latency, 99) * 1e3:.0f} ms, "
-                  f"mean {latency.mean() * 1e3:.0f} ms")
-    finally:
-        if proc is not None:
-            proc.terminate()
-            proc.wait(timeout=30)
-        if tmp is not None:
-            tmp.cleanup()
+    from mesh_transformer.io.tokenizer import load_tokenizer
+    tokenizer = load_tokenizer("gpt2")
+    results: list[dict] = []
+    print(f"load: {args.requests} streamed requests per row, {args.prompt_tokens}-token prompts (+ shared prefix), "
+          f"{args.max_tokens} new tokens, temperature {args.temperature}, {args.dtype}; "
+          f"{os.cpu_count()} CPU cores, load average {os.getloadavg()[0]:.1f} at start", flush=True)
+    print(HEADER, flush=True)
+    if args.url:
+        import httpx
+        model = httpx.get(f"{args.url}/v1/models", timeout=10).json()["data"][0]["id"]
+        run_scenarios(args.url, model, tokenizer, args, "server at --url", results)
+        return results
+    with tempfile.TemporaryDirectory() as tmp:
+        models = {"hf": args.hf} if args.hf else {m: make_model(m, os.path.join(tmp, m)) for m in args.models}
+        for kind, model_dir in models.items():
+            for peer in ["ours", *args.peer]:
+                try:
+                    proc, url, name = start_server(peer, model_dir, args.dtype, args.server_args, tmp)
+                except RuntimeError as e:
+                    print(f"{peer} on {kind}: could not start: {str(e).splitlines()[0]}", flush=True)
+                    print("\n".join(str(e).splitlines()[-15:]), flush=True)
+                    continue
+                try:
+                    run_scenarios(url, name, tokenizer, args, f"{peer} ({kind})", results)
+                finally:
+                    stop(proc)
+        print(f"load average at the end: {os.getloadavg()[0]:.1f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return results
 
 
 if __name__ == "__main__":

@@ -10,7 +10,9 @@ one greedy request of `--new` tokens, each layer measured on its own (median of 
   engine     Engine.generate: the same through the engine thread and its queue
   http       device_serve.py's app in this process (uvicorn on loopback), non-streamed and streamed
 
-and the batch layer's split: admission (prefill), decode calls, host work between calls.
+and the batch layer's split: admission (prefill), decode calls, host work between calls; then the
+time to first token (admission) of a prompt of `--shared-prefix` tokens every prompt shares plus
+`--prompt-tokens` of its own, with the prefix cache on and off.
 """
 from __future__ import annotations
 
@@ -46,6 +48,7 @@ def main(argv=None):
     parser.add_argument("--max-batch", type=int, default=16)
     parser.add_argument("--chunk", type=int, default=8)
     parser.add_argument("--slots", type=int, default=None, help="cache slots per row (default: the context, 2048)")
+    parser.add_argument("--shared-prefix", type=int, default=1000)
     args = parser.parse_args(argv)
 
     import httpx
@@ -54,6 +57,7 @@ def main(argv=None):
     from decode import make_random_gptj
     from mesh_transformer import loading
     from mesh_transformer.generate import Batch, Generator, SamplingOptions
+    from mesh_transformer.generate.prefix import PrefixCache, default_tokens
     from mesh_transformer.serve import Engine, create_app
 
     tmp = tempfile.TemporaryDirectory()
@@ -142,6 +146,23 @@ def main(argv=None):
           f"{-(-(args.new - 1) // args.chunk)} decode calls {med['decode'] * 1e3:.1f} ms, "
           f"host bookkeeping {med['host'] * 1e3:.1f} ms")
     print(f"  streamed: first event after {statistics.median(first) * 1e3:.1f} ms")
+
+    slots = args.slots or model.config.seq
+    shared = list(range(2000, 2000 + args.shared_prefix))
+    fresh = iter(range(10_000, 50_000, args.prompt_tokens))
+    for label, prefix in [("off", None), ("on", PrefixCache(gen, default_tokens(model.config, slots)))]:
+        cached = Batch(gen, args.max_batch, slots, args.chunk, prefix)
+
+        def first_token():
+            start = next(fresh)
+            [seq] = gen.sequences([shared + list(range(start, start + args.prompt_tokens))],
+                                  SamplingOptions(max_new_tokens=1, temperature=0.0))
+            cached.admit([seq])
+            assert seq.finished
+        for _ in range(2):  # compile; the first also stores the shared prefix
+            first_token()
+        print(f"  time to first token, {args.shared_prefix}-token shared prefix + {args.prompt_tokens} own, "
+              f"prefix cache {label}: {median_time(first_token, args.repeats) * 1e3:.1f} ms")
     tmp.cleanup()
 
 

@@ -207,12 +207,14 @@ class Batch:
         self.state, out, done, reason, self.index = self.gen.decode(self.state, self.chunk, *self._window())
         return finished + self._absorb(out, done, reason)
 
-    def _window(self) -> tuple[int, int]:
-        """(first slot, size): the bucketed span of slots the running rows use in the next decode call."""
-        first = min(self.start[r] for r in self.active())
-        need = max(self.rows[r].options.max_new_tokens - len(self.rows[r].tokens) for r in self.active())
+    def _window(self) -> tuple[int, int, int]:
+        """(first slot, size, rows): the bucketed span of slots the running rows use in the next
+        decode call, and the bucketed number of rows from row 0 that holds them all."""
+        active = self.active()
+        first = min(self.start[r] for r in active)
+        need = max(self.rows[r].options.max_new_tokens - len(self.rows[r].tokens) for r in active)
         size = min(bucket(self.index + min(self.chunk, need) - first), self.slots)
-        return min(first, self.slots - size), size
+        return min(first, self.slots - size), size, min(bucket(max(active) + 1, 1), self.size)
 
     def _absorb(self, out: Optional[Emitted], done, reason) -> list[Sequence]:
         """Hand emitted tokens [B, K] to their sequences; free the rows of finished ones."""

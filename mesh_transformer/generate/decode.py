@@ -132,10 +132,15 @@ def state_specs(layers: int) -> DecodeState:
         last=row, done=row, n_generated=row, reason=row, counts=row2, seen=row2, recent=row2)
 
 
-def _roll_cache(cache: KVCache, shift):
-    """Move every row's slots by `shift` (positions are slot - start, so they do not change)."""
-    rolled = jax.lax.cond(shift != 0, lambda: cache.along_slots(lambda x, axis: jnp.roll(x, shift, axis)),
-                          lambda: cache)
+def _roll_cache(cache: KVCache, shift, running):
+    """Move every row's slots by `shift` (positions are slot - start, so they do not change).
+
+    Only when some row is `running` [B]: otherwise no slot holds anything a row will read, and
+    relabelling the index is enough (a roll of a 64-row cache takes seconds on a CPU: it would be
+    most of a lone request's time to first token).
+    """
+    rolled = jax.lax.cond((shift != 0) & jnp.any(running),
+                          lambda: cache.along_slots(lambda x, axis: jnp.roll(x, shift, axis)), lambda: cache)
     return rolled._replace(start=cache.start + shift, index=cache.index + shift)
 
 
@@ -187,7 +192,7 @@ class Generator:
             start=None, index=None), static_argnums=0, out_shardings=self.pool_sharding)
         self._admit = jax.jit(self._admit_rows, out_shardings=(self.shardings, self.pool_sharding, None),
                               donate_argnums=(1, 2))
-        self._decode = jax.jit(self._decode_steps, static_argnums=(3, 4), donate_argnums=1,
+        self._decode = jax.jit(self._decode_steps, static_argnums=(3, 4, 5), donate_argnums=1,
                                out_shardings=(self.shardings, None))
         self._retire = jax.jit(lambda s, m: s._replace(done=s.done | m), out_shardings=self.shardings,
                                donate_argnums=0)
@@ -251,7 +256,7 @@ class Generator:
         n, w = tokens.shape
         c = 0 if read is None else read.shape[1]
         batch, slots = state.last.shape[0], state.cache.slots
-        cache = _roll_cache(state.cache, index - state.cache.index)
+        cache = _roll_cache(state.cache, index - state.cache.index, ~state.done)
         if c:
             gather = lambda x, axis: jnp.moveaxis(  # noqa: E731 - pool [1, .., M, ..] -> [n, .., C, ..]
                 jnp.take(x[0], read, axis=axis - 1, mode="fill", fill_value=0), axis - 1, 0)
@@ -305,21 +310,33 @@ class Generator:
         _, state, out = jax.lax.while_loop(running, step, (jnp.zeros((), jnp.int32), state, out))
         return state, out
 
-    def _decode_steps(self, params, state: DecodeState, first_slot, steps: int, window: int):
-        """Decode in slots first_slot .. first_slot+window-1 only: attention reads `window` slots, not S."""
+    def _decode_steps(self, params, state: DecodeState, first_slot, steps: int, window: int,
+                      rows: Optional[int] = None):
+        """Decode rows 0 .. rows-1 (default: all) in slots first_slot .. first_slot+window-1 only:
+        attention reads `window` slots, not S, and a lone request in a big batch costs one row's
+        matmuls, not B's (its logits alone are [B, V]). Rows >= `rows` must not be running."""
+        rows = rows or state.last.shape[0]
         decode = parallel.shard_map(
             lambda p, s: self._decode_local(p, s, steps), self.mesh, self.rules,
             in_specs=(self.param_specs, self.specs),
             out_specs=(self.specs, Emitted(*([P(None, parallel.DP)] * 2), *([P(None, parallel.DP, None)] * 2))),
             inputs_last=self.inputs_last)
         full = state.cache
-        view = full.along_slots(lambda x, axis: jax.lax.dynamic_slice_in_dim(x, first_slot, window, axis))
-        view = view._replace(start=full.start - first_slot, index=full.index - first_slot)
-        state, out = decode(params, state._replace(cache=view))
-        c = state.cache
-        put_back = lambda whole, part, axis: jax.lax.dynamic_update_slice_in_dim(whole, part, first_slot, axis)  # noqa: E731
+        view = full.along_slots(lambda x, axis: jax.lax.dynamic_slice_in_dim(x[:rows], first_slot, window, axis))
+        view = view._replace(start=full.start[:rows] - first_slot, index=full.index - first_slot)
+        head = jax.tree.map(lambda x: x[:rows], state._replace(cache=None))
+        part, out = decode(params, head._replace(cache=view))
+        c = part.cache
+        put_back = lambda whole, p, axis: jax.lax.dynamic_update_slice(  # noqa: E731
+            whole, p, (0,) * axis + (first_slot,) + (0,) * (whole.ndim - axis - 1))
         cache = full.along_slots(put_back, c)
-        cache = cache._replace(start=c.start + first_slot, index=c.index + first_slot)
+        cache = cache._replace(start=full.start.at[:rows].set(c.start + first_slot), index=c.index + first_slot)
+        state = jax.tree.map(lambda whole, p: whole.at[:rows].set(p), state._replace(cache=None),
+                             part._replace(cache=None))
+        batch = full.start.shape[0]
+        pad = lambda x, fill: jnp.pad(x, [(0, 0), (0, batch - rows)] + [(0, 0)] * (x.ndim - 2),  # noqa: E731
+                                      constant_values=fill)
+        out = Emitted(pad(out.token, -1), pad(out.logprob, jnp.nan), pad(out.top_ids, 0), pad(out.top_logprobs, 0))
         return state._replace(cache=cache), jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), out)  # [B, K, ...]
 
     # ---- host API ---------------------------------------------------------------------------
@@ -376,15 +393,19 @@ class Generator:
         first, done, reason = jax.device_get((first, state.done, state.reason))
         return state, first, done, reason
 
-    def decode(self, state, steps: int, first_slot: int = 0, window: Optional[int] = None):
+    def decode(self, state, steps: int, first_slot: int = 0, window: Optional[int] = None,
+               rows: Optional[int] = None):
         """Up to `steps` decode steps -> (state, Emitted [B, steps], done [B], reason [B], write index).
 
         Attention reads only slots first_slot .. first_slot+window-1 (default: all): they must hold
-        every running row's tokens and the `steps` new ones.
+        every running row's tokens and the `steps` new ones. Only rows 0 .. rows-1 (default: all)
+        are computed: no row beyond them may be running (`Batch` fills the lowest free rows first).
         """
         window = window or state.cache.slots
-        self._note("decode", batch=state.last.shape[0], slots=state.cache.slots, steps=steps, window=window)
-        state, out = self._decode(self.params, state, np.int32(first_slot), steps, window)
+        batch = state.last.shape[0]
+        rows = batch if rows is None or self.dp > 1 else max(rows, self.min_rows)  # dp: rows split evenly
+        self._note("decode", batch=batch, rows=rows, slots=state.cache.slots, steps=steps, window=window)
+        state, out = self._decode(self.params, state, np.int32(first_slot), steps, window, rows)
         out, done, reason, index = jax.device_get((out, state.done, state.reason, state.cache.index))
         return state, out, done, reason, int(index)
 

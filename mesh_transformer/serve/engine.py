@@ -122,15 +122,17 @@ class Engine:
                 while self.batch.active():
                     self.batch.step()
                 n *= 2
-        # Decode attends to a window of the cache bucketed to powers of two (16 .. slots); a long
-        # request would otherwise compile each size on its way (seconds each, mid-request).
-        window = bucket(1)
-        while True:
-            window = min(window, self.batch.slots)
-            self.batch.state, *_ = self.gen.decode(self.batch.state, self.batch.chunk, 0, window)  # no row runs
-            if window == self.batch.slots:
-                break
-            window *= 2
+        # Decode attends to a window of the cache bucketed to powers of two (16 .. slots) and computes
+        # the rows up to the last running one, bucketed (1 .. max_batch); a long request would
+        # otherwise compile each size on its way (seconds each, mid-request).
+        for rows in sorted({min(bucket(r, 1), self.batch.size) for r in range(1, self.batch.size + 1)}):
+            window = bucket(1)
+            while True:
+                window = min(window, self.batch.slots)
+                self.batch.state, *_ = self.gen.decode(self.batch.state, self.batch.chunk, 0, window, rows)  # none runs
+                if window == self.batch.slots:
+                    break
+                window *= 2
         if self.batch.prefix is not None:
             self.batch.prefix.clear()  # the warm-up prompts are no one's prefix
 
