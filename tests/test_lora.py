@@ -1,5 +1,6 @@
 """LoRA (with PEFT as the oracle), bf16 Adam moments, forgetful causal masking, packed segments."""
 import json
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -93,7 +94,12 @@ def test_merged_export_keeps_untargeted_weights_and_peft_export_matches(trained)
     from mesh_transformer.io import hf
     root = trained["root"]
     hf.checkpoint_to_hf(str(root / "run"), str(root / "merged"), dtype="fp32")
-    hf.checkpoint_to_hf(str(root / "run"), str(root / "adapter"), peft=True)
+    import subprocess
+    import sys
+    script = str(Path(__file__).resolve().parents[1] / "to_hf_weights.py")
+    cli = subprocess.run([sys.executable, script, "--input-ckpt", str(root / "run"), "--output-path",
+                          str(root / "adapter"), "--peft"], capture_output=True, text=True)
+    assert cli.returncode == 0, cli.stderr[-2000:]
     base, merged = load_file(str(root / "base" / "model.safetensors")), load_file(str(root / "merged" / "model.safetensors"))
     changed = {k for k in base if not np.array_equal(base[k], merged[k])}
     assert changed == {f"transformer.h.{i}.{m}.weight" for i in range(2)
@@ -226,6 +232,10 @@ def test_sharded_lora_gradients_equal_single_device(family):
     ("GPT2", dict(vocab_size=101, n_positions=32, n_embd=32, n_layer=2, n_head=4), ["c_attn", "c_proj"]),
     ("GPTNeoX", dict(vocab_size=101, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
                      max_position_embeddings=32), ["query_key_value", "dense_4h_to_h"]),
+    ("Llama", dict(vocab_size=101, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                   intermediate_size=40, max_position_embeddings=32), ["q_proj", "v_proj", "gate_proj", "down_proj"]),
+    ("OPT", dict(vocab_size=101, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, ffn_dim=48,
+                 max_position_embeddings=32, pad_token_id=1), ["k_proj", "out_proj", "fc1"]),
 ])
 def test_imported_peft_adapter_gives_peft_logits(cls, kw, targets, tmp_path, no_tokenizer):
     """An adapter made by peft (B random, so it does something) on a random model: --lora-adapter
