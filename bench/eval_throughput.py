@@ -71,8 +71,7 @@ def make_model(path: str, layers: int, d_model: int, heads: int, seq: int) -> No
 
     torch.manual_seed(0)
     config = GPTJConfig(vocab_size=50257, n_positions=seq, n_embd=d_model, n_layer=layers, n_head=heads,
-                        rotary_dim=min(64, d_model // heads), bos_token_id=50256, eos_token_id=50256,
-                        initializer_range=0.2)
+                        rotary_dim=min(64, d_model // heads), bos_token_id=50256, eos_token_id=50256)
     GPTJForCausalLM(config).eval().save_pretrained(path)
     load_tokenizer("gpt2").save_pretrained(path)
 

@@ -33,7 +33,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from mesh_transformer import parallel
 from mesh_transformer.generate.decode import bucket, round_up
-from mesh_transformer.generate.sampling import TOP_LOGPROBS, argmax
+from mesh_transformer.generate.sampling import TOP_LOGPROBS
 from mesh_transformer.models.core import KVCache
 from mesh_transformer.train import loss
 
@@ -58,10 +58,10 @@ def token_scores(logits, targets, top: int):
     log_norm = loss.log_normalizer(logits)
     logprob = loss.target_logits(logits, targets) - log_norm
     local_vocab = logits.shape[-1]
-    if top == 1:  # argmax in two levels (XLA:CPU's top_k and one-level argmax are slow over a vocabulary)
-        flat = logits.reshape(-1, local_vocab)
-        ids = argmax(flat).reshape(logits.shape[:-1] + (1,))
-        values = jnp.take_along_axis(logits, ids, axis=-1)
+    if top == 1:  # the max, then the first id holding it: two plain reductions (XLA:CPU's argmax and
+        values = jnp.max(logits, axis=-1, keepdims=True)  # top_k, variadic reductions, are many times slower)
+        ids = jnp.min(jnp.where(logits == values, jnp.arange(local_vocab, dtype=jnp.int32), local_vocab),
+                      axis=-1, keepdims=True)
     else:
         values, ids = jax.lax.top_k(logits, top)
     ids = ids.astype(jnp.int32) + (parallel.mp_index() * local_vocab).astype(jnp.int32)
