@@ -10,8 +10,11 @@ and accuracies.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # local task data only; before `datasets` is imported
 
 import numpy as np
 import pytest
