@@ -10,6 +10,7 @@ the first.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -65,7 +66,8 @@ def main():
     bare = (time.perf_counter() - start) / args.steps
 
     run = TrainRun(config, RunOptions(log_dir=f"{tmp}/logs", tensorboard=False))
-    run.train()
+    with contextlib.redirect_stdout(sys.stderr if args.json else sys.stdout):  # --json: stdout holds the JSON only
+        run.train()
     rows = [json.loads(line) for line in open(f"{tmp}/logs/metrics.jsonl")][1:]  # step 1 compiles
     e2e = float(np.median([1.0 / r["steps_per_sec"] for r in rows]))
     tokens_per_step = t.gradient_accumulation_steps * trainer.global_batch * config.model.seq
