@@ -125,7 +125,7 @@ class Engine:
         # Decode attends to a window of the cache bucketed to powers of two (16 .. slots) and computes
         # the rows up to the last running one, bucketed (1 .. max_batch); a long request would
         # otherwise compile each size on its way (seconds each, mid-request).
-        for rows in sorted({min(bucket(r, 1), self.batch.size) for r in range(1, self.batch.size + 1)}):
+        for rows in [self.batch.size]:  # the rows `Batch` decodes (all of them, see `Batch._window`)
             window = bucket(1)
             while True:
                 window = min(window, self.batch.slots)
