@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import time
 
@@ -44,11 +43,11 @@ PUBLISHED_PEAK = {"NVIDIA H100 80GB HBM3": 989.4e12, "NVIDIA H100": 989.4e12, "N
 
 
 def machine() -> dict:
+    """The host and software as every bench script reports them (bench/machine.py), plus the accelerator."""
     import jax
-    dev = jax.devices()[0]
-    return {"device": dev.device_kind, "backend": jax.default_backend(), "devices": jax.device_count(),
-            "jax": jax.__version__, "python": platform.python_version(),
-            "xla_flags": os.environ.get("XLA_FLAGS", "")}
+    from bench import machine as host
+    return {**host.describe(), "accelerator": {"device": jax.devices()[0].device_kind,
+                                               "backend": jax.default_backend(), "devices": jax.device_count()}}
 
 
 def timed(fn, repeats: int) -> list[float]:
