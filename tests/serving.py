@@ -48,9 +48,10 @@ def library_text(gen, tiny, prompts, max_new_tokens=NEW, **kw):
 
 
 def wait_idle(engine, timeout: float = 30) -> None:
-    """Until no sequence is queued or running (cancelled rows are retired at the next step)."""
+    """Until no sequence is queued or running (cancelled rows are retired at the next step) and the
+    engine thread waits for work (so its last step's arrays are released)."""
     deadline = time.monotonic() + timeout
-    while engine.stats()["active"] or engine.stats()["queued"]:
+    while engine.stats()["active"] or engine.stats()["queued"] or not engine.parked:
         assert time.monotonic() < deadline, engine.stats()
         time.sleep(0.02)
 

@@ -95,6 +95,7 @@ class Engine:
         self._cv = threading.Condition()
         self._stop = False
         self._abort: Optional[str] = None  # a finish reason for every request (set by `abort`)
+        self._parked = False  # the engine thread waits for work (no step's arrays held but the batch's)
         self._thread = threading.Thread(target=self._run, name="mesh-transformer-engine", daemon=True)
         self.completed = 0
         self.admissions = 0  # prefill calls (each admits a group of waiting sequences)
@@ -158,6 +159,13 @@ class Engine:
         with self._cv:
             return not self._pending and not self._owner
 
+    @property
+    def parked(self) -> bool:
+        """Idle, and the engine thread is waiting for work: the last step's results are released
+        (what a test of live device buffers needs; `idle` turns true a little earlier)."""
+        with self._cv:
+            return self._parked and not self._pending
+
     # ---- called from request handlers ---------------------------------------------------------
 
     def sequence(self, prompt_ids: list[int], options: SamplingOptions, timeout: Optional[float]) -> Sequence:
@@ -193,7 +201,9 @@ class Engine:
         while True:
             with self._cv:
                 while not self._stop and not self._pending and not self.batch.active() and not self._abort:
+                    self._parked = True
                     self._cv.wait()
+                self._parked = False
                 if self._stop:
                     break
                 if self._abort:
