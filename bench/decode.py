@@ -1,6 +1,7 @@
 """Decode speed: our Generator vs transformers' `generate` (torch, KV cache on), same weights, same run.
 
     python bench/decode.py                                   # random 200M-parameter GPT-J (8 x d_model 1024), CPU
+    python bench/decode.py --family llama                    # the same size, LLaMA-shaped (bench/families.py)
     python bench/decode.py --hf ./gpt-j-6b --batches 1 16 --dtypes bfloat16 --new 128
 
 Prints the machine's memory copy bandwidth, and for batch 1 the memory-bandwidth bound on decode
@@ -30,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import numpy as np  # noqa: E402
 
+import families  # noqa: E402
 import machine  # noqa: E402
 
 
@@ -45,15 +47,19 @@ def copy_bandwidth(mbytes: int = 256, repeats: int = 5) -> float:
     return 2 * src.nbytes / best / 1e9
 
 
-def make_random_gptj(path, layers=4, d_model=512, heads=8, vocab=50400, seq=2048, seed=0):
-    """Save a random GPT-J (GPT-2 tokenizer sized vocabulary) to `path`; return the torch model."""
-    import torch
-    from transformers import GPTJConfig, GPTJForCausalLM
+GPT2_EOS = 50256  # <|endoftext|>: the random models use the GPT-2 tokenizer
 
-    torch.manual_seed(seed)
-    config = GPTJConfig(vocab_size=vocab, n_positions=seq, n_embd=d_model, n_layer=layers, n_head=heads,
-                        rotary_dim=min(64, d_model // heads), bos_token_id=50256, eos_token_id=50256)
-    model = GPTJForCausalLM(config).eval()
+
+def make_random(path, family="gptj", layers=4, d_model=512, heads=8, vocab=50400, seq=2048, seed=0):
+    """Save a random `family` model (GPT-2 tokenizer sized vocabulary; the family's shape, see
+    bench/families.py) to `path`; return the torch model."""
+    from mesh_transformer.config import config_from_dict
+
+    config = config_from_dict({"family": family, "layers": layers, "d_model": d_model, "n_heads": heads,
+                               "n_vocab": vocab, "seq": seq, **families.family_keys(family, d_model, heads)})
+    model = families.hf_model(config.model, seed).eval()
+    for c in (model.config, model.generation_config):
+        c.bos_token_id = c.eos_token_id = GPT2_EOS
     model.save_pretrained(path)
     return model
 
@@ -110,7 +116,8 @@ def bench_hf(torch_model, batch: int, prompt_len: int, new: int, dtype: str):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--hf", help="a HF GPT-J directory (default: a random model, see --layers/--d-model)")
+    parser.add_argument("--hf", help="a HF model directory (default: a random model, see --family/--layers/--d-model)")
+    families.add_arg(parser)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--d-model", type=int, default=1024)
     parser.add_argument("--heads", type=int, default=16)
@@ -132,7 +139,7 @@ def main(argv=None):
 
     import jax
     import torch
-    from transformers import GPTJForCausalLM
+    from transformers import AutoModelForCausalLM
 
     from mesh_transformer import loading, parallel
 
@@ -142,13 +149,12 @@ def main(argv=None):
     log(f"memory copy bandwidth (read + write): {bandwidths[0]:.1f} GB/s")
     with tempfile.TemporaryDirectory() as tmp:
         path = args.hf or tmp
-        torch_model = (GPTJForCausalLM.from_pretrained(path).eval() if args.hf
-                       else make_random_gptj(tmp, args.layers, args.d_model, args.heads))
+        torch_model = (AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval() if args.hf
+                       else make_random(tmp, args.family, args.layers, args.d_model, args.heads))
         results = []
         for dtype in args.dtypes:
             model = loading.load(hf=path, mp=args.mp, dp=1, dtype=dtype)
-            # every weight is read once per step, except the embedding table (one row per sequence)
-            weight_bytes = parallel.bytes_of(model.params) - parallel.bytes_of(model.params["gptj/embed"])
+            weight_bytes = bytes_read_per_step(model)
             for batch in args.batches:
                 ours, details = bench_ours(model, batch, args.prompt, args.new)
                 sides = {"ours": ours}
@@ -173,6 +179,16 @@ def main(argv=None):
             json.dump({**description, "results": report}, f, indent=2)
     if args.json:
         machine.report(description, report, True)
+
+
+def bytes_read_per_step(model) -> int:
+    """Every weight is read once per decode step, except an untied embedding table (one row per
+    sequence); a tied one is the head's weight too."""
+    from mesh_transformer import parallel
+    family = model.config.model.family if hasattr(model.config, "model") else model.config.family
+    untied_embed = f"{family}/head" in model.params
+    embed = parallel.bytes_of(model.params[f"{family}/embed"]) if untied_embed else 0
+    return parallel.bytes_of(model.params) - embed
 
 
 def format_row(row) -> str:

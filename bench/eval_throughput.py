@@ -3,6 +3,7 @@ own `--model hf` (HFLM, torch) on the same weights and the same task, in the sam
 
     python bench/eval_throughput.py                          # random GPT-J, 4 x d_model 512, GPT-2 vocabulary
     python bench/eval_throughput.py --docs 400 --rounds 5 --layers 8 --d-model 1024
+    bash bench/setup_vllm_venv.sh && python bench/eval_throughput.py --peer vllm
 
 The task is LAMBADA-shaped (score each text's last word after the rest: one loglikelihood request
 per document), over sentences of data/corpus/stories.txt written as a local task, so nothing is
@@ -11,7 +12,9 @@ once to warm up (our compiles, torch's allocator), then `--rounds` times, altern
 round's requests/s is reported with the median and the range. Both sides' per-request
 log-likelihoods are compared (max |difference|), so the two measure the same work.
 Ours runs with the model split over `--devices` simulated CPU devices as mp (the README's
-training numbers: one device per core is how XLA uses a multi-core CPU).
+training numbers: one device per core is how XLA uses a multi-core CPU). `--peer vllm` adds vLLM's
+CPU build (its own venv, bench/setup_vllm_venv.sh) served on the same weights and driven by
+lm-eval's `local-completions` (token ids, echo, logprobs), the way an OpenAI-style evaluator uses it.
 """
 from __future__ import annotations
 
@@ -25,6 +28,8 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+import serve_load  # noqa: E402  (the peer servers)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -96,6 +101,8 @@ def main(argv=None):
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--seq", type=int, default=512)
     p.add_argument("--devices", type=int, default=2, help="simulated CPU devices for ours (mp)")
+    p.add_argument("--peer", action="append", default=[], choices=["vllm"],
+                   help="also vLLM's CPU build through lm-eval local-completions")
     args = p.parse_args(argv)
 
     from mesh_transformer import cli
@@ -117,6 +124,9 @@ def main(argv=None):
                                   batch_size=args.batch_size)
         theirs = HFLM(pretrained=model_dir, dtype="float32", batch_size=args.batch_size, device="cpu")
         sides = {"mesh-transformer": ours, "lm-eval hf (torch)": theirs}
+        servers = []
+        if "vllm" in args.peer:
+            sides["vLLM CPU (local-completions)"] = vllm_side(model_dir, args, tmp, servers)
         rates: dict[str, list[float]] = {name: [] for name in sides}
         answers = {}
         for name, lm in sides.items():  # warm-up: compiles, allocator
@@ -125,12 +135,18 @@ def main(argv=None):
             for name, lm in sides.items():
                 rate, _ = timed(lm, manager, args.docs)
                 rates[name].append(rate)
-        diff = max(abs(a - b) for a, b in zip(*answers.values()))
+        for proc in servers:
+            serve_load.stop(proc)
+        reference = answers["lm-eval hf (torch)"]
+        diffs = {name: max(abs(a - b) for a, b in zip(got, reference)) for name, got in answers.items()
+                 if name != "lm-eval hf (torch)"}
+        diff = diffs["mesh-transformer"]
         print(f"model: GPT-J {args.layers} layers, d_model {args.d_model}, vocabulary 50,257, fp32; "
               f"{args.docs} loglikelihood requests, batch {args.batch_size}; ours on {args.devices} CPU devices "
               f"(mp), torch {torch.__version__} with {torch.get_num_threads()} threads; load average "
               f"{os.getloadavg()[0]:.1f} at the end")
-        print(f"max |log-likelihood difference| between the two: {diff:.2e}")
+        print(f"max |log-likelihood difference| from lm-eval hf: ours {diff:.2e}" +
+              "".join(f", {n} {d:.2e}" for n, d in diffs.items() if n != "mesh-transformer"))
         print("| | requests/s (median) | min - max | rounds |")
         print("|---|---|---|---|")
         for name, values in rates.items():
@@ -138,6 +154,19 @@ def main(argv=None):
                   f"{', '.join(f'{v:.1f}' for v in values)} |")
         ratio = statistics.median(rates["mesh-transformer"]) / statistics.median(rates["lm-eval hf (torch)"])
         print(f"ours / HFLM: {ratio:.2f}x")
+        if "vLLM CPU (local-completions)" in rates:
+            print(f"ours / vLLM: {statistics.median(rates['mesh-transformer']) / statistics.median(rates['vLLM CPU (local-completions)']):.2f}x")
+
+
+def vllm_side(model_dir: str, args, tmp: str, servers: list):
+    """vLLM's CPU server on `model_dir` (fp32) and lm-eval's local-completions model pointed at it."""
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
+
+    proc, url, name = serve_load.start_server("vllm", model_dir, "float32", "", tmp, max_len=args.seq)
+    servers.append(proc)
+    os.environ.setdefault("OPENAI_API_KEY", "EMPTY")
+    return LocalCompletionsAPI(base_url=f"{url}/v1/completions", model=name, tokenizer_backend="huggingface",
+                               tokenizer=model_dir, max_length=args.seq, batch_size=args.batch_size, max_retries=1)
 
 
 if __name__ == "__main__":

@@ -54,21 +54,12 @@ def free_port() -> int:
 # --------------------------------------------------------------------------------------------
 
 def make_model(kind: str, path: str) -> str:
-    """A random `kind` ('gptj' or 'llama') HF model with the GPT-2 tokenizer in `path`."""
-    import torch
-    import transformers
+    """A random `kind` ('gptj' or 'llama', shaped as bench/families.py says) HF model with the GPT-2
+    tokenizer in `path`."""
+    from decode import make_random
+    from mesh_transformer.io.tokenizer import load_tokenizer
 
-    from mesh_transformer.io.tokenizer import GPT2_EOS, load_tokenizer
-
-    if kind == "gptj":
-        from decode import make_random_gptj
-        make_random_gptj(path)
-    else:
-        torch.manual_seed(0)
-        config = transformers.LlamaConfig(vocab_size=50304, hidden_size=512, intermediate_size=1376, num_hidden_layers=4,
-                                          num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=2048,
-                                          bos_token_id=GPT2_EOS, eos_token_id=GPT2_EOS)
-        transformers.LlamaForCausalLM(config).eval().save_pretrained(path)
+    make_random(path, kind, vocab=50304 if kind == "llama" else 50400)
     load_tokenizer("gpt2").save_pretrained(path)
     return path
 
@@ -90,8 +81,9 @@ def wait_ready(proc, url: str, name: str, log: str, timeout: float = 900) -> Non
     raise RuntimeError(f"{name} did not start in {timeout:g} s (log: {log})")
 
 
-def start_server(peer: str, model_dir: str, dtype: str, ours_args: str, logdir: str):
-    """Start `peer` ('ours', 'vllm', 'transformers') on `model_dir` -> (process, url, model name)."""
+def start_server(peer: str, model_dir: str, dtype: str, ours_args: str, logdir: str, max_len: int = 2048):
+    """Start `peer` ('ours', 'vllm', 'transformers') on `model_dir` -> (process, url, model name);
+    `max_len`: vLLM's context (at most the model's)."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
@@ -103,7 +95,7 @@ def start_server(peer: str, model_dir: str, dtype: str, ours_args: str, logdir: 
         if not os.path.exists(VLLM_PYTHON):
             raise RuntimeError("no vLLM venv: run `bash bench/setup_vllm_venv.sh` first")
         cmd = [VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--host", "127.0.0.1",
-               "--port", str(port), "--dtype", dtype, "--served-model-name", name, "--max-model-len", "2048"]
+               "--port", str(port), "--dtype", dtype, "--served-model-name", name, "--max-model-len", str(max_len)]
         env.update(VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4"), VLLM_HOST_IP="127.0.0.1",
                    VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
     elif peer == "transformers":

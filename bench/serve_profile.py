@@ -54,14 +54,14 @@ def main(argv=None):
     import httpx
     import uvicorn
 
-    from decode import make_random_gptj
+    from decode import make_random
     from mesh_transformer import loading
     from mesh_transformer.generate import Batch, Generator, SamplingOptions
     from mesh_transformer.generate.prefix import PrefixCache, default_tokens
     from mesh_transformer.serve import Engine, create_app
 
     tmp = tempfile.TemporaryDirectory()
-    make_random_gptj(tmp.name)
+    make_random(tmp.name)
     model = loading.load(hf=tmp.name, mp=1, dp=1, dtype="float32")
     gen = Generator(model.config, model.params, model.mesh)
     prompt = list(range(1000, 1000 + args.prompt_tokens))

@@ -1,9 +1,11 @@
-"""Training throughput on this machine: mesh-transformer vs HF transformers (torch) on the same GPT-J.
+"""Training throughput on this machine: mesh-transformer vs HF transformers (torch) on the same model.
 
-    .venv/bin/python bench/train_throughput.py [--layers 4 --d-model 512 --seq 256 --batch 4]
+    .venv/bin/python bench/train_throughput.py [--family gptj|llama|gpt_neox|gpt2|opt]
+                                               [--layers 4 --d-model 512 --seq 256 --batch 4]
                                                [--steps 4 --rounds 3] [--json]
 
-Both train the same config (fp32, AdamW, same batch) in the same process. Ours runs twice: on one
+Both train the same config (fp32, AdamW, same batch) in the same process; the transformers model is
+built from ours through the library's HF export mapping (each family's shape: bench/families.py). Ours runs twice: on one
 CPU device, and on one simulated device per core with the model split over them (mp = cores),
 which is how this library uses a multi-core CPU (XLA runs each device's element-wise work on its
 own thread). After compiling and 2 warm-up steps each, the three sides run `--steps` timed steps
@@ -22,11 +24,13 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import families  # noqa: E402
 import machine  # noqa: E402
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    families.add_arg(p)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--d-model", type=int, default=512)
     p.add_argument("--heads", type=int, default=8)
@@ -80,8 +84,8 @@ def make_trainer(args, mp: int = 1, dp: int = 1, **overrides):
     keys = dict(layers=args.layers, d_model=args.d_model, n_heads=args.heads, n_vocab=args.vocab, seq=args.seq,
                 compute_dtype="float32", remat="none", per_replica_batch=args.batch // dp, cores_per_replica=mp,
                 lr=1e-4, warmup_steps=0, anneal_steps=1000, total_steps=1000, weight_decay=0.1, clip_norm=1.0)
-    if overrides.get("family", "gptj") == "gptj":
-        keys["pe_rotary_dims"] = args.d_model // args.heads // 4
+    family = overrides.pop("family", getattr(args, "family", "gptj"))
+    keys.update(family=family, **families.family_keys(family, args.d_model, args.heads))
     config = config_from_dict({**keys, **overrides})
     return Trainer(config, parallel.make_mesh(mp, dp, jax.devices()[: dp * mp]))
 
@@ -99,14 +103,11 @@ def bench_ours(args, tokens, dp=1, mp=1):
     return timed_steps(step, args.steps), trainer.config
 
 
-def bench_torch(args, tokens):
-    """-> a callable timing `args.steps` steps of HF GPT-J + torch AdamW: seconds per step."""
+def bench_torch(args, tokens, config):
+    """-> a callable timing `args.steps` steps of the transformers twin of `config` + torch AdamW:
+    seconds per step."""
     import torch
-    from transformers import GPTJConfig, GPTJForCausalLM
-    torch.manual_seed(0)
-    model = GPTJForCausalLM(GPTJConfig(
-        vocab_size=args.vocab, n_positions=args.seq, n_embd=args.d_model, n_layer=args.layers, n_head=args.heads,
-        rotary_dim=args.d_model // args.heads // 4, attn_pdrop=0.0, embd_pdrop=0.0, resid_pdrop=0.0)).train()
+    model = families.hf_model(config.model).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
     inputs = torch.tensor(tokens, dtype=torch.long)
 
@@ -128,10 +129,11 @@ def main():
     torch.set_num_threads(cores)
     tokens = np.random.RandomState(0).randint(0, args.vocab, (args.batch, args.seq + 1)).astype(np.int32)
     peak = peak_matmul_flops()
-    mp = cores if args.heads % cores == 0 else 1
+    kv_heads = families.family_keys(args.family, args.d_model, args.heads).get("n_kv_heads", args.heads)
+    mp = cores if args.heads % cores == 0 and kv_heads % cores == 0 else 1
     ours, config = bench_ours(args, tokens)
     sides = {"mesh-transformer, 1 device": ours, f"mesh-transformer, mp={mp}": bench_ours(args, tokens, mp=mp)[0],
-             "transformers (torch)": bench_torch(args, tokens)}
+             "transformers (torch)": bench_torch(args, tokens, config)}
     seconds = machine.interleaved(sides, args.rounds, progress=not args.json)
     tokens_per_step = args.batch * args.seq
     flops = config.model.flops_per_token()
@@ -145,6 +147,8 @@ def main():
                "speedup_vs_torch": speedups}
 
     def text():
+        print(f"{args.family}: {args.layers} layers, d_model {args.d_model}, {args.heads} heads "
+              f"({config.model.kv_heads} key/value), d_ff {config.model.ff_dim}, {config.model.n_params() / 1e6:.1f}M parameters")
         print(f"peak matmul: {peak['peak'] / 1e9:.1f} GFLOP/s (jax {peak['jax'] / 1e9:.1f}, torch {peak['torch'] / 1e9:.1f}); "
               f"{args.rounds} rounds x {args.steps} steps, interleaved")
         print(f"{'':28s} {'step s':>8s} {'tokens/s median (min-max)':>26s} {'MFU':>6s} {'MFU vs torch peak':>18s} {'vs torch':>9s}")

@@ -103,6 +103,25 @@ def test_meshlm_matches_hflm(family, ours, manager):
     assert ours.scorer.shapes and len(ours.scorer.shapes) <= 8  # bucketed: a few compiled shapes for 4 tasks
 
 
+@pytest.mark.parametrize("family", SERVED, indirect=True)
+def test_scoring_only_the_tail_gives_the_full_passes_last_scores(family, ours):
+    """`tail` computes the head at each prompt's last positions only: the same numbers as scoring
+    every position, for rows of different lengths and tails in one pass (shorter rows than the
+    pass's scored span included)."""
+    rng = np.random.RandomState(0)
+    prompts = [rng.randint(0, 200, n).tolist() for n in (2, 5, 9, 17, 30, 3)]
+    tails = [1, 4, 2, 7, 3, 2]
+    full = ours.scorer.score(prompts, top=2)
+    part = ours.scorer.score(prompts, top=2, tail=tails)
+    for f, p, n in zip(full, part, tails):
+        assert p.logprobs.shape == (n,) and p.top_ids.shape == (n, 2)
+        np.testing.assert_allclose(p.logprobs, f.logprobs[-n:], atol=1e-5)
+        np.testing.assert_array_equal(p.top_ids, f.top_ids[-n:])
+        np.testing.assert_allclose(p.top_logprobs, f.top_logprobs[-n:], atol=1e-5)
+    with pytest.raises(ValueError, match="tail 5 for a prompt of 5 tokens"):
+        ours.scorer.score([prompts[1]], tail=[5])
+
+
 @pytest.fixture(scope="module")
 def served(family, ours):
     """device_serve.py's app over the same Generator (shared compiled programs), on 127.0.0.1."""

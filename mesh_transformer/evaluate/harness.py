@@ -89,11 +89,32 @@ def run(lm, tasks: Seq, manager, num_fewshot: Optional[int] = None, limit: Optio
     dict (results, groups, configs, versions, n-shot, samples if `log_samples`, ...)."""
     from lm_eval import simple_evaluate
 
+    _cache_compiled_templates()
     if all(isinstance(t, str) for t in tasks):
         tasks = load_tasks(tasks, manager)
     return simple_evaluate(model=lm, tasks=tasks, task_manager=manager, num_fewshot=num_fewshot, limit=limit,
                            bootstrap_iters=bootstrap_iters, log_samples=log_samples, random_seed=seed,
                            numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed)
+
+
+def _cache_compiled_templates() -> None:
+    """lm-eval compiles a task's Jinja templates again for every document (`utils.apply_template`:
+    four compiles per LAMBADA document, about as long as scoring it on a small model); compile each
+    template string once. Rendering is unchanged (the same compiled template, fresh per call)."""
+    from lm_eval import utils
+
+    compile_once = getattr(utils.env.from_string, "compile_once", None)
+    if compile_once is not None:
+        return
+    compile_fresh = utils.env.from_string
+    compile_once = functools.lru_cache(maxsize=1024)(compile_fresh)
+
+    def from_string(source, globals=None, template_class=None):
+        if isinstance(source, str) and globals is None and template_class is None:
+            return compile_once(source)
+        return compile_fresh(source, globals, template_class)
+    from_string.compile_once = compile_once
+    utils.env.from_string = from_string
 
 
 def table(results: dict) -> str:

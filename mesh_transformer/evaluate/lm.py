@@ -93,10 +93,11 @@ class MeshLM(TemplateLM):
             windows.append((context + continuation)[-(self.max_length + 1):])
             conts.append(continuation)
         results = []
-        for window, cont, scores in zip(windows, conts, self.scorer.score(windows, top=1, rows=self.batch_size)):
-            n = len(cont)
-            results.append((float(scores.logprobs[-n:].astype("float64").sum()),
-                            bool((scores.top_ids[-n:, 0] == window[-n:]).all())))
+        tails = [min(len(c), len(w) - 1) for w, c in zip(windows, conts)]
+        for window, n, scores in zip(windows, tails, self.scorer.score(windows, top=1, rows=self.batch_size,
+                                                                       tail=tails)):
+            results.append((float(scores.logprobs.astype("float64").sum()),
+                            bool((scores.top_ids[:, 0] == window[-n:]).all())))
         for (key, _, _), answer in zip(requests, results):
             if key is not None:
                 self.cache_hook.add_partial("loglikelihood", key, answer)

@@ -6,12 +6,16 @@
     [s] = scorer.score([[50256, 464, 3290]], top=1)   # a prompt of L <= seq + 1 tokens
     s.logprobs   # [L-1]: log p(token i+1 | tokens 0..i)
     s.top_ids    # [L-1, top]: the most likely next tokens at each position (s.top_ids[:, 0] is greedy)
+    [s] = scorer.score([[50256, 464, 3290]], tail=[1])  # only the last position: s.logprobs is [1]
 
 The evaluator (`evaluate.lm`) and the server's `echo` (`serve.openai`) both score through here.
-Prompts are sorted by length and batched: rows and positions are powers of two (`bucket`, as in
-generation), so a whole evaluation compiles a handful of programs; sequences are right-padded,
+Prompts are sorted by length and batched: rows are powers of two (`bucket`, as in generation),
+positions four sizes per power of two (`positions_bucket`), so a whole evaluation compiles a
+handful of programs and pads little; sequences are right-padded,
 and padded positions come after the real ones (causal attention), so padding never changes a
-score and is never returned.
+score and is never returned. With `tail` (an evaluator's continuation lengths) the vocabulary
+head and the scores run on each prompt's last positions only (a bucketed K of them), not on all
+T: for a small model with a 50k vocabulary that head is most of the work.
 
 Vocab-parallel like the loss: each mp shard holds logits for V/mp tokens; the log-normaliser and a
 target's logit take [B, T]-sized reductions over 'mp', the top tokens a top-k per shard and one
@@ -70,6 +74,13 @@ def token_scores(logits, targets, top: int):
     return logprob, jnp.take_along_axis(ids, where, axis=-1), best - log_norm[..., None]
 
 
+def positions_bucket(n: int, per_octave: int = 4, grain: int = 8) -> int:
+    """The positions a pass of prompts up to n tokens long is compiled for: `per_octave` sizes per
+    power of two, multiples of `grain` (..., 32, 40, 48, 56, 64, 80, 96, ...): at most about
+    1/per_octave of a pass is padding, for a few more compiled shapes than powers of two alone."""
+    return round_up(n, max(grain, bucket(n, 1) // (2 * per_octave)))
+
+
 class Scorer:
     """A compiled scoring pass over one set of parameters on one mesh.
 
@@ -85,11 +96,16 @@ class Scorer:
         row = P(parallel.DP, None)
         top = P(parallel.DP, None, None)
         self._programs = {
-            k: jax.jit(parallel.shard_map(lambda p, t, y, k=k: token_scores(forward(p, t), y, k), mesh, rules,
+            k: jax.jit(parallel.shard_map(lambda p, t, y, k=k: token_scores(forward(p, t, None), y, k), mesh, rules,
                                           in_specs=(param_specs, row, row), out_specs=(row, top, top),
                                           inputs_last=inputs_last))
             for k in (1, TOP_LOGPROBS)}
-        self.shapes: set[tuple[int, int, int]] = set()  # (rows, positions, K) compiled so far
+        self._tail_programs = {  # logits at given positions only: (params, tokens, targets there, positions)
+            k: jax.jit(parallel.shard_map(lambda p, t, y, w, k=k: token_scores(forward(p, t, w), y, k), mesh, rules,
+                                          in_specs=(param_specs, row, row, row), out_specs=(row, top, top),
+                                          inputs_last=inputs_last))
+            for k in (1, TOP_LOGPROBS)}
+        self.shapes: set[tuple] = set()  # (rows, positions, K[, scored positions]) compiled so far
         self._lock = threading.Lock()  # one pass at a time (a server's handlers share one scorer)
 
     @classmethod
@@ -98,9 +114,9 @@ class Scorer:
         no second copy. Tokens run through the KV-cache path of the model with an empty cache."""
         config, mp = gen.config, gen.mp
 
-        def forward(params, tokens):
+        def forward(params, tokens, positions):
             empty = KVCache.zeros(config, tokens.shape[0], tokens.shape[1], 0, mp, local=True)
-            return gen.model.apply(params, tokens, empty)[0]
+            return gen.model.apply(params, tokens, empty, logit_positions=positions)[0]
         return cls(forward, gen.params, gen.param_specs, gen.mesh, gen.rules, config.seq, gen.inputs_last,
                    batch_tokens)
 
@@ -109,7 +125,7 @@ class Scorer:
         """Score with a training run's current `params` (float32 master weights, stacked layers, sharded
         as training keeps them; with LoRA the adapters, joined to the trainer's frozen base)."""
         from mesh_transformer import lora
-        return cls(lambda p, tokens: trainer.model.apply(p, tokens)[0], params, trainer.model.param_specs(trainer.rules),
+        return cls(lambda p, tokens, positions: trainer.model.apply(p, tokens, logit_positions=positions)[0], params, trainer.model.param_specs(trainer.rules),
                    trainer.mesh, trainer.rules, trainer.config.model.seq, batch_tokens=batch_tokens,
                    prepare=lambda p: lora.join(trainer.base, p))
 
@@ -119,9 +135,11 @@ class Scorer:
 
     # ---- host API ---------------------------------------------------------------------------
 
-    def score(self, prompts: Seq[Seq[int]], top: int = 1, rows: Optional[int] = None) -> list[PromptScores]:
+    def score(self, prompts: Seq[Seq[int]], top: int = 1, rows: Optional[int] = None,
+              tail: Optional[Seq[int]] = None) -> list[PromptScores]:
         """Scores of each prompt, in the order given. A prompt of L tokens (1 <= L <= seq + 1) runs
-        its first L-1 tokens through the model and scores its last L-1.
+        its first L-1 tokens through the model and scores its last L-1 (with `tail`, its last
+        tail[i] only: 1 <= tail[i] <= L-1; the returned arrays then have tail[i] entries).
 
         `top` (1..5): how many most likely tokens to report per position. `rows`: at most this many
         prompts per forward pass (default: as many as `batch_tokens` allows)."""
@@ -131,34 +149,52 @@ class Scorer:
             if not 1 <= len(p) <= self.seq + 1:
                 raise ValueError(f"a prompt to score has {len(p)} tokens; it needs 1 to {self.seq + 1} "
                                  f"(the context is {self.seq})")
+        if tail is not None:
+            if len(tail) != len(prompts):
+                raise ValueError(f"tail has {len(tail)} entries for {len(prompts)} prompts")
+            for p, n in zip(prompts, tail):
+                if not 1 <= n <= len(p) - 1:
+                    raise ValueError(f"tail {n} for a prompt of {len(p)} tokens: it must be 1 to {len(p) - 1}")
         k = 1 if top == 1 else TOP_LOGPROBS
         empty = PromptScores(np.zeros(0, np.float32), np.zeros((0, top), np.int32), np.zeros((0, top), np.float32))
         out: list[PromptScores] = [empty] * len(prompts)
         order = sorted((i for i in range(len(prompts)) if len(prompts[i]) > 1), key=lambda i: -len(prompts[i]))
         start = 0
         while start < len(order):
-            t = bucket(len(prompts[order[start]]) - 1, 1)
+            t = positions_bucket(len(prompts[order[start]]) - 1)
             limit = max(1, min(rows or len(order), self.batch_tokens // t))
             n = min(1 << (limit.bit_length() - 1), len(order) - start)  # full groups: a power of two
             group = order[start:start + n]
-            for i, (logprob, ids, values) in zip(group, self._pass([prompts[i] for i in group], t, k)):
+            scored = self._pass([prompts[i] for i in group], t, k, [tail[i] for i in group] if tail else None)
+            for i, (logprob, ids, values) in zip(group, scored):
                 out[i] = PromptScores(logprob, ids[:, :top], values[:, :top])
             start += n
         return out
 
-    def _pass(self, prompts: list[Seq[int]], t: int, k: int) -> list[tuple]:
+    def _pass(self, prompts: list[Seq[int]], t: int, k: int, tail: Optional[list[int]] = None) -> list[tuple]:
         """One forward pass: each prompt's inputs (all but its last token) right-padded to `t`
-        positions, its targets (all but its first); rows bucketed."""
+        positions, its targets (all but its first); rows bucketed. With `tail`, logits only at each
+        row's last `s` input positions (s: the bucket of the longest tail; a shorter row repeats
+        position 0, never returned)."""
         n = round_up(bucket(len(prompts), 1), self.dp)
         tokens = np.zeros((n, t), np.int32)
         targets = np.zeros((n, t), np.int32)
         for i, p in enumerate(prompts):
             tokens[i, :len(p) - 1] = p[:-1]
             targets[i, :len(p) - 1] = p[1:]
-        self.shapes.add((n, t, k))
+        if tail is None:
+            self.shapes.add((n, t, k))
+            with self._lock:
+                logprob, ids, top = jax.device_get(self._programs[k](self.params, tokens, targets))
+            return [(logprob[i, :len(p) - 1], ids[i, :len(p) - 1], top[i, :len(p) - 1]) for i, p in enumerate(prompts)]
+        s = min(bucket(max(tail), 1), t)
+        ends = np.array([len(p) - 1 for p in prompts] + [s] * (n - len(prompts)))
+        positions = np.maximum(ends[:, None] - s + np.arange(s), 0).astype(np.int32)  # [n, s]
+        self.shapes.add((n, t, k, s))
         with self._lock:
-            logprob, ids, top = jax.device_get(self._programs[k](self.params, tokens, targets))
-        return [(logprob[i, :len(p) - 1], ids[i, :len(p) - 1], top[i, :len(p) - 1]) for i, p in enumerate(prompts)]
+            logprob, ids, top = jax.device_get(self._tail_programs[k](
+                self.params, tokens, np.take_along_axis(targets, positions, axis=1), positions))
+        return [(logprob[i, s - m:], ids[i, s - m:], top[i, s - m:]) for i, m in enumerate(tail)]
 
 
 

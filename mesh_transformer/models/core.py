@@ -92,12 +92,14 @@ class Transformer(hk.Module):
         self.config, self.block, self.padded_vocab = config, block, padded_vocab
 
     def __call__(self, tokens, cache: Optional[KVCache] = None, last_only: bool = False, segments=None,
-                 key_keep=None):
+                 key_keep=None, logit_positions=None):
         """tokens [B, T] (int) -> (logits [B, T, V/mp] float32, this shard's vocabulary slice; new cache).
 
         Without a cache the T tokens are positions 0..T-1 under a causal mask (training). With a
         cache they go into slots cache.index .. index+T-1 and attend to every earlier valid slot.
-        `last_only` computes logits for the last position only ([B, 1, V/mp]; prefill).
+        `last_only` computes logits for the last position only ([B, 1, V/mp]; prefill);
+        `logit_positions` [B, K] (int) for those positions only ([B, K, V/mp]; scoring the end of a
+        prompt: the vocabulary head is most of a small model's work).
         Training only: `segments` [B, T] (int) keeps packed examples apart (a token attends to its
         own segment, positions restart at each); `key_keep` [B, T] (bool) drops the keys it marks
         False from every query's view (forgetful causal masking).
@@ -130,6 +132,8 @@ class Transformer(hk.Module):
         if stem.final_norm:
             x = norm(stem.final_norm, c.d_model, c.layer_norm_eps, "ln_f")(x)
         x = x[:, -1:] if last_only else x
+        if logit_positions is not None:
+            x = jnp.take_along_axis(x, logit_positions[..., None], axis=1)
         if stem.embed_proj:
             x = dense("btd,dp->btp", x, parallel.weight("project_out", (c.d_model, stem.embed_proj),
                                                          ("embed", "embed_proj"), 1, normal(0.02), x.dtype))
@@ -214,9 +218,9 @@ class Model:
         return self.transformed.init(rng, tokens)
 
     def apply(self, params, tokens, cache: Optional[KVCache] = None, last_only: bool = False, *,
-              segments=None, key_keep=None, rng=None):
+              segments=None, key_keep=None, logit_positions=None, rng=None):
         """`rng`: only LoRA dropout draws from it (None: no dropout)."""
-        return self.transformed.apply(params, rng, tokens, cache, last_only, segments, key_keep)
+        return self.transformed.apply(params, rng, tokens, cache, last_only, segments, key_keep, logit_positions)
 
     @functools.cached_property
     def _declared(self):
@@ -285,8 +289,8 @@ def _pairs(params, infos):
 
 def build(config: ModelConfig, block: Callable, mp: int = 1, lora: Optional[parallel.LoRAPlan] = None) -> Model:
     padded = config.padded_vocab(mp)
-    def forward(tokens, cache=None, last_only=False, segments=None, key_keep=None):
+    def forward(tokens, cache=None, last_only=False, segments=None, key_keep=None, logit_positions=None):
         with parallel.lora_plan(lora):
-            return Transformer(config, block, padded)(tokens, cache, last_only, segments, key_keep)
+            return Transformer(config, block, padded)(tokens, cache, last_only, segments, key_keep, logit_positions)
     transformed = hk.transform(forward)
     return Model(config, mp, transformed, lora)

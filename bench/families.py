@@ -1,0 +1,54 @@
+"""The model family a benchmark runs (`--family`), as our config and as its transformers twin.
+
+Every family's benchmark shape is the same few numbers (layers, d_model, heads, vocabulary); what a
+family adds is its own shape convention, chosen as the family's released models have it:
+
+- gptj: rotary on a quarter of each head (as the 6B: 64 of 256 dims);
+- llama: grouped-query attention with a quarter as many key/value heads as query heads (Llama 3),
+  SwiGLU width 8/3 x d_model rounded up to a multiple of 256 (Llama's `multiple_of`), untied head;
+- gpt_neox, gpt2, opt: their defaults (ours mirror HF's).
+
+`hf_model` builds the transformers model of a config through the library's own export mapping
+(`io.hf.config_to_hf`), so both sides train or decode the same architecture, with dropout off.
+"""
+from __future__ import annotations
+
+FAMILIES = ("gptj", "llama", "gpt_neox", "gpt2", "opt")
+
+
+def add_arg(parser, default: str = "gptj") -> None:
+    parser.add_argument("--family", choices=FAMILIES, default=default,
+                        help="model family (shape conventions: bench/families.py)")
+
+
+def family_keys(family: str, d_model: int, heads: int) -> dict:
+    """Config keys beyond layers/d_model/heads/vocab that make `family`'s usual shape."""
+    d_head = d_model // heads
+    if family == "gptj":
+        return {"pe_rotary_dims": max(2, d_head // 4)}
+    if family == "llama":
+        return {"n_kv_heads": max(1, heads // 4), "d_ff": -(-8 * d_model // 3 // 256) * 256}
+    return {}
+
+
+def hf_model(model_config, seed: int = 0):
+    """The transformers (torch, fp32) model of our `model_config`, randomly initialised, dropout off."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from mesh_transformer.io.hf import config_to_hf
+
+    hf = config_to_hf(model_config)
+    hf.pop("torch_dtype", None)
+    hf.pop("architectures", None)
+    kind = hf.pop("model_type")
+    for key in list(hf):
+        if key.endswith("pdrop") or key.endswith("dropout"):
+            hf[key] = 0.0
+    config = AutoConfig.for_model(kind, **hf)
+    for key in ("attn_pdrop", "embd_pdrop", "resid_pdrop", "dropout", "attention_dropout", "hidden_dropout",
+                "activation_dropout", "summary_first_dropout"):
+        if hasattr(config, key):
+            setattr(config, key, 0.0)
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
