@@ -330,3 +330,36 @@ def test_lora_on_two_hosts_equals_one_process(ray_local, data, tmp_path):
     assert cluster_loss[3] != cluster_loss[1]
     assert all(parallel.is_adapter(n) for leaves in cluster_params.values() for n in leaves)
     assert max_abs_diff(cluster_params, process_params) < PARAM_ATOL
+
+
+def test_eval_harness_tasks_on_two_hosts_match_eval_harness_on_the_checkpoint(ray_local, data, tmp_path):
+    """train.py with eval_harness_tasks: every host runs the task on the current params (its forward
+    passes span both), the driver logs eval/<task>/<metric> once, and the numbers are what
+    eval_harness.py's model gives on the checkpoint saved at that step."""
+    from pathlib import Path
+
+    from mesh_transformer import loading
+    from mesh_transformer.evaluate import harness
+    from mesh_transformer.evaluate.lm import MeshLM
+    from tests.eval_tasks import train_tokenizer, write_tasks
+
+    tasks_dir = write_tasks(tmp_path / "tasks")
+    tokenizer = train_tokenizer(tmp_path / "tokenizer")
+    index = json.loads(Path(data["train"]).read_text())
+    with_tokenizer = Path(data["train"]).with_name("train-tokenizer.index.json")
+    with_tokenizer.write_text(json.dumps({**index, "tokenizer": str(tmp_path / "tokenizer")}))
+    config = make_config({"train": str(with_tokenizer), "val": data["val"]}, tmp_path / "ckpt",
+                         n_vocab=len(tokenizer), total_steps=1, warmup_steps=0, ckpt_every=1, val_every=0,
+                         eval_harness_tasks=["tiny_lambada"], eval_every=1, eval_include_path=str(tasks_dir))
+    cluster.ClusterRun(config, options(tmp_path)).train()
+    rows = [r for r in read_metrics(tmp_path / "logs" / "metrics.jsonl") if any(k.startswith("eval/") for k in r)]
+    assert [r["step"] for r in rows] == [1]
+    logged = {k: v for k, v in rows[0].items() if k.startswith("eval/")}
+    assert set(logged) == {"eval/tiny_lambada/acc", "eval/tiny_lambada/perplexity"}
+    lm = MeshLM.from_loaded(loading.load(ckpt=str(tmp_path / "ckpt"), mp=2, dp=1, dtype="float32",
+                                         tokenizer=str(tmp_path / "tokenizer")))
+    again = harness.metrics(harness.run(lm, ["tiny_lambada"], harness.task_manager(tasks_dir, ["tiny_lambada"]),
+                                        bootstrap_iters=0))
+    assert logged.keys() == again.keys()
+    for key, value in again.items():
+        assert logged[key] == pytest.approx(value, rel=1e-4), key

@@ -188,6 +188,16 @@ def test_echo_through_the_openai_client(family, served, ours):
                 assert lp.text_offset[len(p)] == len(text)
             else:
                 assert choice.finish_reason == "length" and r.usage.completion_tokens == 0
+    # n > 1: prompt i's choices are i*n .. i*n+n-1, each the prompt (same scores), then its own sample
+    r = client.completions.create(model="tiny", prompt=ids, max_tokens=3, echo=True, logprobs=1, n=2,
+                                  temperature=1.0, seed=7)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    for choice in r.choices:
+        text, p, want = texts[choice.index // 2], ids[choice.index // 2], expected[choice.index // 2]
+        assert choice.text.startswith(text)
+        np.testing.assert_allclose(choice.logprobs.token_logprobs[1:len(p)], want.logprobs, atol=1e-6)
+        assert len(choice.logprobs.tokens) == len(p) + 3 or choice.finish_reason == "stop"
+    assert r.usage.prompt_tokens == sum(len(p) for p in ids)
 
 
 

@@ -95,15 +95,17 @@ class Scorer:
         self.dp = mesh.shape[parallel.DP]
         row = P(parallel.DP, None)
         top = P(parallel.DP, None, None)
+        # scores come back replicated: on many hosts every process reads all rows (they are small)
+        everywhere = jax.sharding.NamedSharding(mesh, P())
         self._programs = {
             k: jax.jit(parallel.shard_map(lambda p, t, y, k=k: token_scores(forward(p, t, None), y, k), mesh, rules,
                                           in_specs=(param_specs, row, row), out_specs=(row, top, top),
-                                          inputs_last=inputs_last))
+                                          inputs_last=inputs_last), out_shardings=everywhere)
             for k in (1, TOP_LOGPROBS)}
         self._tail_programs = {  # logits at given positions only: (params, tokens, targets there, positions)
             k: jax.jit(parallel.shard_map(lambda p, t, y, w, k=k: token_scores(forward(p, t, w), y, k), mesh, rules,
                                           in_specs=(param_specs, row, row, row), out_specs=(row, top, top),
-                                          inputs_last=inputs_last))
+                                          inputs_last=inputs_last), out_shardings=everywhere)
             for k in (1, TOP_LOGPROBS)}
         self.shapes: set[tuple] = set()  # (rows, positions, K[, scored positions]) compiled so far
         self._lock = threading.Lock()  # one pass at a time (a server's handlers share one scorer)
