@@ -6,7 +6,7 @@
 
 Models (random weights, the GPT-2 tokenizer saved beside them, built here): `gptj` as in issue 13
 (4 layers, d_model 512, 8 heads, vocabulary 50,400) and `llama`, LLaMA-shaped at the same size
-(8 query and 2 kv heads, SwiGLU 1,376). Every server gets the same model directory in float32
+(8 query and 2 kv heads, SwiGLU 1,536: bench/families.py). Every server gets the same model directory in float32
 (`--dtype`), and the same load from this process: for each concurrency and shared-prefix length,
 `--requests` streamed completions (`--concurrency` in flight at all times) of random text prompts
 of `--prompt-tokens` tokens, after a shared prefix of `--shared-prefix` tokens when that is not 0,
@@ -170,6 +170,10 @@ async def one_request(client, body: dict):
                 last = now
             if event.get("usage"):
                 usage = event["usage"]
+            if event.get("error") or event.get("object") == "error":
+                raise RuntimeError(f"error in the stream: {line[6:300]}")
+    if first is None:  # a stream that ended without a token is a failed request, not a measurement
+        raise RuntimeError(f"the stream ended without a token (usage: {usage})")
     n = usage["completion_tokens"] if usage else 0
     return first - t0, (last - first) / (n - 1) if n > 1 else 0.0, n, usage["prompt_tokens"] if usage else 0
 
