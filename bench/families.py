@@ -41,14 +41,9 @@ def hf_model(model_config, seed: int = 0):
     hf = config_to_hf(model_config)
     hf.pop("torch_dtype", None)
     hf.pop("architectures", None)
-    kind = hf.pop("model_type")
-    for key in list(hf):
-        if key.endswith("pdrop") or key.endswith("dropout"):
-            hf[key] = 0.0
-    config = AutoConfig.for_model(kind, **hf)
-    for key in ("attn_pdrop", "embd_pdrop", "resid_pdrop", "dropout", "attention_dropout", "hidden_dropout",
-                "activation_dropout", "summary_first_dropout"):
-        if hasattr(config, key):
+    config = AutoConfig.for_model(hf.pop("model_type"), **hf)
+    for key, value in config.to_dict().items():  # every family's dropout knobs, whatever their names
+        if key.endswith(("pdrop", "dropout")) and isinstance(value, float):
             setattr(config, key, 0.0)
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32)

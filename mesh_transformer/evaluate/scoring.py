@@ -97,17 +97,12 @@ class Scorer:
         top = P(parallel.DP, None, None)
         # scores come back replicated: on many hosts every process reads all rows (they are small)
         everywhere = jax.sharding.NamedSharding(mesh, P())
-        self._programs = {
-            k: jax.jit(parallel.shard_map(lambda p, t, y, k=k: token_scores(forward(p, t, None), y, k), mesh, rules,
-                                          in_specs=(param_specs, row, row), out_specs=(row, top, top),
-                                          inputs_last=inputs_last), out_shardings=everywhere)
-            for k in (1, TOP_LOGPROBS)}
-        self._tail_programs = {  # logits at given positions only: (params, tokens, targets there, positions)
+        self._programs = {  # (params, tokens, targets at the scored positions, those positions)
             k: jax.jit(parallel.shard_map(lambda p, t, y, w, k=k: token_scores(forward(p, t, w), y, k), mesh, rules,
                                           in_specs=(param_specs, row, row, row), out_specs=(row, top, top),
                                           inputs_last=inputs_last), out_shardings=everywhere)
             for k in (1, TOP_LOGPROBS)}
-        self.shapes: set[tuple] = set()  # (rows, positions, K[, scored positions]) compiled so far
+        self.shapes: set[tuple[int, int, int, int]] = set()  # (rows, positions, K, scored positions) compiled so far
         self._lock = threading.Lock()  # one pass at a time (a server's handlers share one scorer)
 
     @classmethod
@@ -175,9 +170,9 @@ class Scorer:
 
     def _pass(self, prompts: list[Seq[int]], t: int, k: int, tail: Optional[list[int]] = None) -> list[tuple]:
         """One forward pass: each prompt's inputs (all but its last token) right-padded to `t`
-        positions, its targets (all but its first); rows bucketed. With `tail`, logits only at each
-        row's last `s` input positions (s: the bucket of the longest tail; a shorter row repeats
-        position 0, never returned)."""
+        positions, its targets (all but its first); rows bucketed. Logits at every position, or with
+        `tail` only at each row's last `s` input positions (s: the bucket of the longest tail; a
+        shorter row repeats position 0, never returned)."""
         n = round_up(bucket(len(prompts), 1), self.dp)
         tokens = np.zeros((n, t), np.int32)
         targets = np.zeros((n, t), np.int32)
@@ -185,18 +180,19 @@ class Scorer:
             tokens[i, :len(p) - 1] = p[:-1]
             targets[i, :len(p) - 1] = p[1:]
         if tail is None:
-            self.shapes.add((n, t, k))
-            with self._lock:
-                logprob, ids, top = jax.device_get(self._programs[k](self.params, tokens, targets))
-            return [(logprob[i, :len(p) - 1], ids[i, :len(p) - 1], top[i, :len(p) - 1]) for i, p in enumerate(prompts)]
-        s = min(bucket(max(tail), 1), t)
-        ends = np.array([len(p) - 1 for p in prompts] + [s] * (n - len(prompts)))
-        positions = np.maximum(ends[:, None] - s + np.arange(s), 0).astype(np.int32)  # [n, s]
+            s = t
+            positions = np.broadcast_to(np.arange(t, dtype=np.int32), (n, t))
+            keep = [slice(0, len(p) - 1) for p in prompts]
+        else:
+            s = min(bucket(max(tail), 1), t)
+            ends = np.array([len(p) - 1 for p in prompts] + [s] * (n - len(prompts)))
+            positions = np.maximum(ends[:, None] - s + np.arange(s), 0).astype(np.int32)  # [n, s]
+            keep = [slice(s - m, s) for m in tail]
         self.shapes.add((n, t, k, s))
         with self._lock:
-            logprob, ids, top = jax.device_get(self._tail_programs[k](
+            logprob, ids, top = jax.device_get(self._programs[k](
                 self.params, tokens, np.take_along_axis(targets, positions, axis=1), positions))
-        return [(logprob[i, s - m:], ids[i, s - m:], top[i, s - m:]) for i, m in enumerate(tail)]
+        return [(logprob[i, r], ids[i, r], top[i, r]) for i, r in enumerate(keep)]
 
 
 
