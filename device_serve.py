@@ -29,6 +29,10 @@ def main(argv=None):
                              "512 MiB, at most 16 contexts; see mesh_transformer/generate/prefix.py)")
     parser.add_argument("--prefix-block", type=int, default=16,
                         help="tokens per prefix-cache block: prompts share cached keys/values in whole blocks")
+    parser.add_argument("--batch-invariant", action="store_true",
+                        help="decode all --max-batch rows at every step, so a request's tokens are bit-identical "
+                             "whatever else runs (default: only the rows in use, faster when few run; float "
+                             "rounding then depends on how many run)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds before a request is answered 504")
     parser.add_argument("--drain-timeout", type=float, default=30.0,
                         help="on SIGTERM, seconds to let running requests finish before exiting")
@@ -60,7 +64,8 @@ def main(argv=None):
         return status.code
     engine = serve.Engine(model.generator(), model.tokenizer,
                           max_batch=args.max_batch, slots=args.slots, chunk=args.chunk, max_queue=args.max_queue,
-                          prefix_cache_tokens=args.prefix_cache_tokens, prefix_block=args.prefix_block)
+                          prefix_cache_tokens=args.prefix_cache_tokens, prefix_block=args.prefix_block,
+                          batch_invariant=args.batch_invariant)
     model.params = None  # the Generator holds its own copy
     if args.warmup is not None:
         engine.warmup(args.warmup or (16,))

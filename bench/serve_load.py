@@ -27,6 +27,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import shlex
 import socket
 import subprocess
@@ -40,7 +41,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 VLLM_PYTHON = os.path.join(ROOT, "bench", ".venv-vllm", "bin", "python")
-OURS_ARGS = "--max-batch 64 --chunk 8 --warmup 128"
+OURS_ARGS = "--max-batch 64 --chunk 8 --warmup 128 160"
 
 
 def free_port() -> int:
@@ -86,7 +87,10 @@ def start_server(peer: str, model_dir: str, dtype: str, ours_args: str, logdir: 
     `max_len`: vLLM's context (at most the model's)."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           # one CPU device, as a user's machine has it (not the test suite's 8 simulated ones:
+           # device_serve.py would split the batch over them, dp=8 on 2 cores)
+           "XLA_FLAGS": re.sub(r"--xla_force_host_platform_device_count=\S+", "", os.environ.get("XLA_FLAGS", "")).strip()}
     name = os.path.basename(model_dir.rstrip("/"))
     if peer == "ours":
         cmd = [sys.executable, os.path.join(ROOT, "device_serve.py"), "--hf", model_dir, "--port", str(port),

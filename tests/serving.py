@@ -58,7 +58,9 @@ def wait_idle(engine, timeout: float = 30) -> None:
 
 @pytest.fixture(scope="module")
 def engine(gen, tiny):
-    engine = Engine(gen, tiny.tokenizer, max_batch=4, chunk=4, max_queue=256).start()
+    """Batch-invariant: answers over HTTP equal the library's bit for bit, whatever runs beside them
+    (the default, rows in use only, is pinned in tests/test_generate.py)."""
+    engine = Engine(gen, tiny.tokenizer, max_batch=4, chunk=4, max_queue=256, batch_invariant=True).start()
     yield engine
     engine.stop()
 

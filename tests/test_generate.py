@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 from mesh_transformer import generate, loading
 from mesh_transformer.generate import sampling
+from mesh_transformer.generate.decode import fine_bucket
 from mesh_transformer.io import hf
 from mesh_transformer.generate import Generator, RowOptions, SamplingOptions
 from tests.helpers import NEW, mesh
@@ -283,11 +284,35 @@ def test_bad_options_are_refused_with_the_field_name(gen):
 def test_buckets_bound_the_compiled_shapes(gen):
     assert [generate.bucket(n) for n in (1, 16, 17, 100, 1000)] == [16, 16, 32, 128, 1024]
     assert [generate.bucket(n, 1) for n in (1, 3, 4, 5)] == [1, 4, 4, 8]
+    assert [fine_bucket(n, grain=16) for n in (1, 16, 17, 100, 128, 133, 1133)] == [16, 16, 32, 112, 128, 160, 1280]
     gen.generate(PROMPTS, greedy())
     compiled = gen._admit._cache_size(), gen._decode._cache_size()
     for length in (9, 12, 16):  # new prompt lengths and options, same buckets: nothing recompiles
         gen.generate([[3] * length] * 4, SamplingOptions(max_new_tokens=NEW - length % 5, temperature=0.5, top_k=2))
     assert (gen._admit._cache_size(), gen._decode._cache_size()) == compiled
+
+
+def test_decode_computes_only_the_rows_in_use(gen, monkeypatch):
+    """3 requests in a 16-row batch decode 4 rows (bucketed), the same tokens a 4-row batch gives;
+    batch-invariant, all 16 rows."""
+    prompts, computed = [[5, 6, 7], [8, 9], [10, 11, 12, 13]], []
+    decode = gen.decode
+    monkeypatch.setattr(gen, "decode", lambda state, steps, first, window, rows: (
+        computed.append(rows), decode(state, steps, first, window, rows))[1])
+
+    def run(rows: int, invariant: bool = False):
+        batch = generate.Batch(gen, rows, 64, chunk=4, batch_invariant=invariant)
+        seqs = gen.sequences(prompts, greedy())
+        batch.admit(seqs)
+        computed.clear()
+        while batch.active():
+            batch.step()
+        return [s.tokens for s in seqs], set(computed)
+
+    fast, rows = run(16)
+    assert rows == {4} and len(fast[0]) == NEW
+    assert run(4) == (fast, {4})
+    assert run(16, invariant=True)[1] == {16}
 
 
 MARGIN = 0.12  # twice the largest log-p error allowed below: no 16-bit error can flip a wider choice

@@ -38,8 +38,9 @@ INVALID = [  # (raw body, endpoint, param)
 
 @pytest.fixture(scope="module")
 def engine(gen, tiny):
-    """The tests' usual engine (4 rows, 4-token chunks), its programs compiled before it serves."""
-    engine = Engine(gen, tiny.tokenizer, max_batch=4, chunk=4, max_queue=256)
+    """The tests' usual engine (4 rows, 4-token chunks), its programs compiled before it serves;
+    batch-invariant, so every answer is bit-identical to the same request's answer alone."""
+    engine = Engine(gen, tiny.tokenizer, max_batch=4, chunk=4, max_queue=256, batch_invariant=True)
     engine.warmup((16, 32))
     yield engine.start()
     engine.stop()

@@ -10,7 +10,7 @@
 
 The evaluator (`evaluate.lm`) and the server's `echo` (`serve.openai`) both score through here.
 Prompts are sorted by length and batched: rows are powers of two (`bucket`, as in generation),
-positions four sizes per power of two (`positions_bucket`), so a whole evaluation compiles a
+positions four sizes per power of two (`fine_bucket`), so a whole evaluation compiles a
 handful of programs and pads little; sequences are right-padded,
 and padded positions come after the real ones (causal attention), so padding never changes a
 score and is never returned. With `tail` (an evaluator's continuation lengths) the vocabulary
@@ -36,7 +36,7 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
 from mesh_transformer import parallel
-from mesh_transformer.generate.decode import bucket, round_up
+from mesh_transformer.generate.decode import bucket, fine_bucket, round_up
 from mesh_transformer.generate.sampling import TOP_LOGPROBS
 from mesh_transformer.models.core import KVCache
 from mesh_transformer.train import loss
@@ -72,13 +72,6 @@ def token_scores(logits, targets, top: int):
     values, ids = parallel.all_gather_mp(values), parallel.all_gather_mp(ids)  # [B, T, mp*K], shard order
     best, where = jax.lax.top_k(values, top)  # ties: the lower shard, i.e. the lower token id
     return logprob, jnp.take_along_axis(ids, where, axis=-1), best - log_norm[..., None]
-
-
-def positions_bucket(n: int, per_octave: int = 4, grain: int = 8) -> int:
-    """The positions a pass of prompts up to n tokens long is compiled for: `per_octave` sizes per
-    power of two, multiples of `grain` (..., 32, 40, 48, 56, 64, 80, 96, ...): at most about
-    1/per_octave of a pass is padding, for a few more compiled shapes than powers of two alone."""
-    return round_up(n, max(grain, bucket(n, 1) // (2 * per_octave)))
 
 
 class Scorer:
@@ -158,7 +151,7 @@ class Scorer:
         order = sorted((i for i in range(len(prompts)) if len(prompts[i]) > 1), key=lambda i: -len(prompts[i]))
         start = 0
         while start < len(order):
-            t = positions_bucket(len(prompts[order[start]]) - 1)
+            t = fine_bucket(len(prompts[order[start]]) - 1)
             limit = max(1, min(rows or len(order), self.batch_tokens // t))
             n = min(1 << (limit.bit_length() - 1), len(order) - start)  # full groups: a power of two
             group = order[start:start + n]

@@ -134,14 +134,22 @@ class Batch:
     batch to a new index I (a cache roll), every prompt fits in slots [I - length, I) and every
     row still running has room for its remaining tokens in [I, S). With a `prefix` cache, prompts
     reuse the keys and values of blocks earlier prompts stored there (see `prefix`).
+
+    A decode call computes rows 0 .. the last running one, bucketed (the lowest free rows fill
+    first), so 3 requests in a 64-row batch cost 4 rows, not 64. The matmuls' float rounding then
+    depends on that count (XLA:CPU picks kernels by shape), so a greedy answer can differ from the
+    same request's answer alone where two tokens are within rounding of each other, as in vLLM.
+    `batch_invariant`: every call computes all rows, so a request's tokens are bit-identical
+    whatever else runs (slower when few rows run).
     """
 
     def __init__(self, generator: Generator, rows: int, slots: int, chunk: Optional[int] = 16,
-                 prefix: Optional[PrefixCache] = None):
+                 prefix: Optional[PrefixCache] = None, batch_invariant: bool = False):
         self.gen = generator
         self.size, self.slots = round_up(max(rows, generator.min_rows), generator.dp), slots
         self.chunk = chunk
         self.prefix = prefix
+        self.batch_invariant = batch_invariant
         self.state = generator.new_state(self.size, slots)
         self.rows: list[Optional[Sequence]] = [None] * self.size
         self.start = [0] * self.size  # first valid slot of each row (host copy)
@@ -214,11 +222,11 @@ class Batch:
         first = min(self.start[r] for r in active)
         need = max(self.rows[r].options.max_new_tokens - len(self.rows[r].tokens) for r in active)
         size = min(bucket(self.index + min(self.chunk, need) - first), self.slots)
-        # All rows: computing only rows 0 .. last running (`Generator.decode(rows=)`) speeds a lone
-        # request up (README, "Speed"), but it makes a row's float rounding depend on how many rows
-        # run beside it, and the soak test's two identical rounds then differed once; off until
-        # that is understood.
-        return min(first, self.slots - size), size, self.size
+        return min(first, self.slots - size), size, self.row_bucket(max(active) + 1)
+
+    def row_bucket(self, rows: int) -> int:
+        """The rows a decode call computes when rows 0 .. rows-1 may be running."""
+        return self.size if self.batch_invariant else min(bucket(rows, 1), self.size)
 
     def _absorb(self, out: Optional[Emitted], done, reason) -> list[Sequence]:
         """Hand emitted tokens [B, K] to their sequences; free the rows of finished ones."""

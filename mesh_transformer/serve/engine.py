@@ -71,18 +71,21 @@ class Engine:
     max_batch: device rows; slots: cache slots per row (default: the model's context);
     chunk: decode steps per device call (new requests join between calls); max_queue: waiting
     sequences before `submit` raises QueueFull; prefix_cache_tokens: token slots of the prefix
-    cache (None: `prefix.default_tokens`; 0: no prefix cache), in blocks of `prefix_block` tokens.
+    cache (None: `prefix.default_tokens`; 0: no prefix cache), in blocks of `prefix_block` tokens;
+    batch_invariant: decode every row at every step, so answers do not depend on the load
+    (`generate.Batch`).
     """
 
     def __init__(self, generator: Generator, tokenizer, max_batch: int = 16, slots: Optional[int] = None,
                  chunk: int = 8, max_queue: int = 100, metrics: Optional[Metrics] = None,
-                 prefix_cache_tokens: Optional[int] = None, prefix_block: int = DEFAULT_BLOCK):
+                 prefix_cache_tokens: Optional[int] = None, prefix_block: int = DEFAULT_BLOCK,
+                 batch_invariant: bool = False):
         self.gen, self.tokenizer = generator, tokenizer
         slots = slots or generator.config.seq
         if prefix_cache_tokens is None:
             prefix_cache_tokens = default_tokens(generator.config, slots, prefix_block)
         self._prefix = (prefix_cache_tokens, prefix_block)
-        self.batch = Batch(generator, max_batch, slots, chunk, self._new_prefix_cache())
+        self.batch = Batch(generator, max_batch, slots, chunk, self._new_prefix_cache(), batch_invariant)
         self.context = min(generator.config.seq, self.batch.slots)  # prompt + output must fit a row
         self.max_new_tokens = self.context - 1
         self.max_queue = max_queue
@@ -119,6 +122,8 @@ class Engine:
             n = 1
             while n <= self.batch.size:
                 prompt = [0] * min(length, self.context - options.max_new_tokens)
+                if self.batch.prefix is not None:
+                    self.batch.prefix.clear()  # compile the prefill of prompts not in the cache
                 self.batch.admit([Sequence(prompt, options, self.context) for _ in range(n)])
                 while self.batch.active():
                     self.batch.step()
@@ -126,7 +131,7 @@ class Engine:
         # Decode attends to a window of the cache bucketed to powers of two (16 .. slots) and computes
         # the rows up to the last running one, bucketed (1 .. max_batch); a long request would
         # otherwise compile each size on its way (seconds each, mid-request).
-        for rows in [self.batch.size]:  # the rows `Batch` decodes (all of them, see `Batch._window`)
+        for rows in sorted({self.batch.row_bucket(r) for r in range(1, self.batch.size + 1)}):
             window = bucket(1)
             while True:
                 window = min(window, self.batch.slots)
@@ -294,7 +299,8 @@ class Engine:
             request.notify()
         self._timing.clear()
         # a failed admission may have consumed the pool (donated) or left blocks unfilled: start afresh
-        self.batch = Batch(self.gen, self.batch.size, self.batch.slots, self.batch.chunk, self._new_prefix_cache())
+        self.batch = Batch(self.gen, self.batch.size, self.batch.slots, self.batch.chunk, self._new_prefix_cache(),
+                           self.batch.batch_invariant)
 
     def generate(self, prompt_ids: list[int], options: SamplingOptions, timeout: Optional[float] = None) -> Sequence:
         """Blocking helper (tests, scripts): one sequence through the queue."""
