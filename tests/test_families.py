@@ -301,3 +301,30 @@ def test_alibi_generation_equals_the_full_forward_pass():
         for _ in range(5):
             tokens.append(int(np.argmax(np.asarray(forward(params, np.asarray([tokens])))[0, -1, :config.n_vocab])))
         assert out.tokens == tokens[len(prompt):]
+
+
+def test_loss_and_grads_match_hf_autograd(case, tmp_path):
+    """The training loss and every parameter's gradient equal torch autograd's through the HF model.
+    Our gradients go out through the export (its transforms are linear) and back in through
+    transformers' own loader, which names them as the model's parameters. The tokens avoid the pad
+    token: HF embeddings built with `padding_idx` (OPT's) never update that row, ours do (README)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    _, _, torch_model, config, params = case
+    tokens = random_tokens((2, 12), config.n_vocab, seed=4)
+    pad = torch_model.config.pad_token_id
+    tokens[tokens == pad] = (pad + 1) % config.n_vocab if pad is not None else 0
+    trainer = Trainer(config_for(config, per_replica_batch=2), mesh(1, 1))
+    loss, grads = trainer.loss_and_grads(trainer.state_from_params(params).params,
+                                         trainer.shard_batch({"tokens": tokens[None]}))
+    torch_model.zero_grad()
+    labels = torch.tensor(tokens, dtype=torch.long)
+    hf_loss = torch_model(labels, labels=labels).loss
+    hf_loss.backward()
+    hf.save_hf(jax.device_get(grads), config, tmp_path / "grads")
+    ours = dict(AutoModelForCausalLM.from_pretrained(tmp_path / "grads").named_parameters())
+    expected = {name: p.grad.numpy() for name, p in torch_model.named_parameters()}
+    assert abs(float(loss) - hf_loss.item()) < TOL
+    errors = {name: float(np.max(np.abs(ours[name].detach().numpy() - g))) for name, g in expected.items()}
+    scale = max(float(np.max(np.abs(g))) for g in expected.values())
+    assert max(errors.values()) < 1e-5 * scale, sorted(errors.items(), key=lambda kv: -kv[1])[:3]
