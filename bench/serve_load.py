@@ -34,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Optional
 from dataclasses import dataclass
 
 import numpy as np
@@ -215,10 +216,36 @@ def compiled_shapes(url: str):
         return None  # a peer's /health is not JSON
 
 
-def run_scenarios(url: str, model: str, tokenizer, args, label: str, results: list) -> None:
+class Server:
+    """A started peer that `revive` starts again if it died (vLLM 0.32's CPU build crashes under 64
+    concurrent requests here: the rows after that still run, on a fresh server)."""
+
+    def __init__(self, peer: str, model_dir: str, args, logdir: str):
+        self.start = lambda: start_server(peer, model_dir, args.dtype, args.server_args, logdir)
+        self.proc, self.url, self.name = self.start()
+
+    def revive(self) -> bool:
+        """Start the server again if it exited or stopped answering (vLLM's API process outlives its
+        crashed engine); True if it was restarted."""
+        import httpx
+        if self.proc.poll() is None:
+            try:
+                if httpx.get(f"{self.url}/health", timeout=10).status_code == 200:
+                    return False
+            except httpx.HTTPError:
+                pass
+            stop(self.proc)
+        self.proc, self.url, self.name = self.start()
+        return True
+
+
+def run_scenarios(url: str, model: str, tokenizer, args, label: str, results: list,
+                  server: Optional[Server] = None) -> None:
     body = {"max_tokens": args.max_tokens, "temperature": args.temperature, "ignore_eos": True}
     for shared in args.shared_prefix:
         for concurrency in args.concurrency:
+            revived = server is not None and server.revive()
+            url = server.url if server is not None else url
             for round_ in range(args.warmup_rounds + 1):  # other prompts each round; same shared prefix
                 seed = 1000 * round_ + 10 * concurrency + (shared > 0)
                 texts = ([args.prompt] * args.requests if args.prompt else
@@ -229,6 +256,8 @@ def run_scenarios(url: str, model: str, tokenizer, args, label: str, results: li
             row = {"server": label, "concurrency": concurrency, "shared_prefix": shared, **result.row()}
             if before is not None and after != before:
                 row["note"] = f"{after - before} programs compiled while measuring"
+            if revived:
+                row["note"] = (row.get("note", "") + "; " if row.get("note") else "") + "on a restarted server (it had died)"
             results.append(row)
             print(format_row(row), flush=True)
             if result.errors:
@@ -284,15 +313,14 @@ def main(argv=None):
         for kind, model_dir in models.items():
             for peer in ["ours", *args.peer]:
                 try:
-                    proc, url, name = start_server(peer, model_dir, args.dtype, args.server_args, tmp)
+                    server = Server(peer, model_dir, args, tmp)
+                    try:
+                        run_scenarios(server.url, server.name, tokenizer, args, f"{peer} ({kind})", results, server)
+                    finally:
+                        stop(server.proc)
                 except RuntimeError as e:
                     print(f"{peer} on {kind}: could not start: {str(e).splitlines()[0]}", flush=True)
                     print("\n".join(str(e).splitlines()[-15:]), flush=True)
-                    continue
-                try:
-                    run_scenarios(url, name, tokenizer, args, f"{peer} ({kind})", results)
-                finally:
-                    stop(proc)
         print(f"load average at the end: {os.getloadavg()[0]:.1f}")
     if args.json:
         with open(args.json, "w") as f:

@@ -45,6 +45,9 @@ class LoadedModel:
         return Generator(self.config, params, self.mesh, matvec=matvec, donate=True)
 
 
+COMPILE_CACHE_ENV = "MESH_TRANSFORMER_COMPILE_CACHE"
+
+
 def add_model_args(parser: argparse.ArgumentParser) -> None:
     """The flags every tool that loads a model shares."""
     group = parser.add_argument_group("model")
@@ -63,9 +66,24 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--lora-adapter", metavar="DIR",
                        help="a PEFT LoRA adapter (adapter_config.json + adapter_model.safetensors) to merge "
                             "into the weights at load")
+    group.add_argument("--compile-cache", metavar="DIR", default=os.environ.get(COMPILE_CACHE_ENV),
+                       help="keep compiled XLA programs in this directory: a later run with the "
+                            f"same model, devices and shapes loads them instead of compiling (default: ${COMPILE_CACHE_ENV}, "
+                            "else off)")
+
+
+def use_compile_cache(directory: Optional[str]) -> None:
+    """JAX's persistent compilation cache in `directory` (None: leave it off). Every program is kept,
+    however fast it compiled: a server's warm-up compiles dozens of shapes of a few seconds each."""
+    if not directory:
+        return
+    jax.config.update("jax_compilation_cache_dir", directory)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 def from_args(args: argparse.Namespace) -> LoadedModel:
+    use_compile_cache(getattr(args, "compile_cache", None))
     return load(ckpt=args.ckpt, hf=args.hf, config=args.config, tokenizer=args.tokenizer,
                 mp=args.mp, dp=args.dp, dtype=args.dtype, lora_adapter=getattr(args, "lora_adapter", None))
 

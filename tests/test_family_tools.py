@@ -27,10 +27,11 @@ TRAIN = dict(cores_per_replica=2, per_replica_batch=2, warmup_steps=1, anneal_st
              ckpt_every=2, name="family-tools", compute_dtype="float32", remat="none")
 
 
-def run(*cmd, timeout=600):
-    proc = subprocess.run([sys.executable, *cmd], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+def run(*cmd, timeout=600, env=None):
+    proc = subprocess.run([sys.executable, *cmd], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                          env=None if env is None else {**os.environ, **env})
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    return proc.stdout
+    return proc.stdout if env is None else proc.stdout + proc.stderr
 
 
 @pytest.fixture(scope="module")
@@ -58,11 +59,16 @@ def llama(tmp_path_factory):
 def test_llama_import_sample_export(llama, tmp_path):
     hf_dir, torch_model = llama
     run("from_hf_weights.py", "--input-hf", str(hf_dir), "--output-ckpt", str(tmp_path / "ckpt"))
-    out = run("device_sample.py", "--ckpt", str(tmp_path / "ckpt"), "--dtype", "float32", "--prompt", "Once upon a",
-              "--temperature", "0", "--max-new-tokens", "6", "--no-eos")
+    sample = ("device_sample.py", "--ckpt", str(tmp_path / "ckpt"), "--dtype", "float32", "--prompt", "Once upon a",
+              "--temperature", "0", "--max-new-tokens", "6", "--no-eos", "--compile-cache", str(tmp_path / "xla"))
+    out = run(*sample)
     tok = load_tokenizer("gpt2")
     expected = tok.decode(hf_greedy(torch_model, tok.encode("Once upon a"), 6))
     assert out.startswith(expected) and "[6 tokens, finish: length]" in out
+    # A second run loads its programs from --compile-cache instead of compiling them.
+    again = run(*sample, env={"JAX_DEBUG_LOG_MODULES": "jax._src.compiler"})
+    assert again.startswith(expected) and "Persistent compilation cache hit" in again
+    assert "PERSISTENT COMPILATION CACHE MISS" not in again
     run("to_hf_weights.py", "--input-ckpt", str(tmp_path / "ckpt"), "--output-path", str(tmp_path / "hf"), "--dtype", "fp32")
     from transformers import AutoModelForCausalLM
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()

@@ -315,6 +315,26 @@ def test_decode_computes_only_the_rows_in_use(gen, monkeypatch):
     assert run(16, invariant=True)[1] == {16}
 
 
+def test_admission_moves_only_the_running_rows_slots(tiny, gen, monkeypatch):
+    """A prompt longer than the write index moves the running row's slots (its 16-slot span, not
+    the 64-slot cache: `Generator.move`); both rows' greedy tokens still equal HF's."""
+    batch = generate.Batch(gen, 4, 64, chunk=4)
+    prompts = [[5, 6, 7, 8, 9], list(range(100, 116))]
+    first, second = gen.sequences(prompts, greedy())
+    batch.admit([first])
+    batch.step()
+    batch.step()  # the write index: 5 + 2 x 4
+    moves, move = [], gen.move
+    monkeypatch.setattr(gen, "move", lambda state, start, index, new: (
+        moves.append((start, index, new)), move(state, start, index, new))[1])
+    batch.admit([second])
+    while batch.active():
+        batch.step()
+    assert moves == [(0, 13, 16)] and ("move", ("size", 16), ("slots", 64)) in gen.shapes
+    for prompt, seq in zip(prompts, (first, second)):
+        assert seq.tokens == tiny.hf_greedy(prompt)[0], f"prompt {prompt}"
+
+
 MARGIN = 0.12  # twice the largest log-p error allowed below: no 16-bit error can flip a wider choice
 
 

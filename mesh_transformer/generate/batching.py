@@ -191,6 +191,9 @@ class Batch:
         index = self.plan(seqs)
         if index is None:
             raise ValueError("these sequences do not fit in the batch now (check `plan` first)")
+        active = self.active()
+        if active and index != self.index:
+            self.state = self.gen.move(self.state, min(self.start[r] for r in active), self.index, index)
         self.start = [s + index - self.index for s in self.start]
         rows = self.free()[: len(seqs)]
         self.state, first, done, reason = self.gen.admit(

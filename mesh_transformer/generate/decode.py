@@ -151,6 +151,16 @@ def _roll_cache(cache: KVCache, shift, running):
     return rolled._replace(start=cache.start + shift, index=cache.index + shift)
 
 
+def _move_slots(cache: KVCache, source, shift, size: int):
+    """Move slots source .. source+size-1 of every row by `shift` (both spans inside the cache):
+    the running rows' span, bucketed, instead of the whole cache (`_roll_cache`): 0.3 s instead of
+    3-5 s for a 64-row, 2,048-slot cache of the 64M GPT-J when the span is 256 slots."""
+    def move(x, axis):
+        return jax.lax.dynamic_update_slice_in_dim(x, jax.lax.dynamic_slice_in_dim(x, source, size, axis),
+                                                   source + shift, axis)
+    return cache.along_slots(move)._replace(start=cache.start + shift, index=cache.index + shift)
+
+
 # --------------------------------------------------------------------------------------------
 # Generator: the compiled functions for one model on one mesh
 # --------------------------------------------------------------------------------------------
@@ -203,6 +213,8 @@ class Generator:
                                out_shardings=(self.shardings, None))
         self._retire = jax.jit(lambda s, m: s._replace(done=s.done | m), out_shardings=self.shardings,
                                donate_argnums=0)
+        self._move = jax.jit(lambda s, source, shift, size: s._replace(cache=_move_slots(s.cache, source, shift, size)),
+                             static_argnums=3, donate_argnums=0, out_shardings=self.shardings)
 
     def _place(self, params, donate: bool):
         """Per-layer params in the compute dtype (weights inputs-last with `matvec`), on the mesh by
@@ -422,6 +434,28 @@ class Generator:
         if key not in self.shapes:
             self.shapes.add(key)
             log.info("compiling %s for %s", program, ", ".join(f"{k}={v}" for k, v in shape.items()))
+
+    def move(self, state, first: int, index: int, new_index: int):
+        """Move the slots running rows use (first .. index-1) so that the write index becomes
+        `new_index`, copying that span (bucketed) rather than the whole cache. When the bucketed span
+        cannot move in one piece, the state comes back unchanged and `admit` rolls the whole cache."""
+        slots = state.cache.slots
+        size = min(bucket(index - first), slots)
+        shift = new_index - index
+        source = min(max(index - size, 0), slots - size)
+        if shift == 0 or not 0 <= source + shift <= slots - size:
+            return state
+        self._note("move", size=size, slots=slots)
+        return self._move(state, np.int32(source), np.int32(shift), size)
+
+    def warm_moves(self, state):
+        """Compile `move` for every span bucket (each call moves nothing)."""
+        size = bucket(1)
+        while size < state.cache.slots:
+            self._note("move", size=size, slots=state.cache.slots)
+            state = self._move(state, np.int32(0), np.int32(0), size)
+            size *= 2
+        return state
 
     def retire(self, state, rows: Seq[int]):
         mask = np.zeros(state.last.shape[0], bool)

@@ -139,6 +139,7 @@ class Engine:
                 if window == self.batch.slots:
                     break
                 window *= 2
+        self.batch.state = self.gen.warm_moves(self.batch.state)  # admission moves the running rows' slots
         if self.batch.prefix is not None:
             self.batch.prefix.clear()  # the warm-up prompts are no one's prefix
 
