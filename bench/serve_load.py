@@ -217,8 +217,9 @@ def compiled_shapes(url: str):
 
 
 class Server:
-    """A started peer that `revive` starts again if it died (vLLM 0.32's CPU build crashes under 64
-    concurrent requests here: the rows after that still run, on a fresh server)."""
+    """A started peer that `revive` starts again if it died (vLLM 0.32's CPU build crashes in its
+    seeded sampling under load here, at temperature > 0: the rows after that still run, on a fresh
+    server; `--temperature 0` avoids it)."""
 
     def __init__(self, peer: str, model_dir: str, args, logdir: str):
         self.start = lambda: start_server(peer, model_dir, args.dtype, args.server_args, logdir)
