@@ -34,8 +34,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Optional
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 
@@ -255,10 +255,10 @@ def run_scenarios(url: str, model: str, tokenizer, args, label: str, results: li
                 result = asyncio.run(load(url, model, texts, concurrency, body, args.api_key))
             after = compiled_shapes(url)
             row = {"server": label, "concurrency": concurrency, "shared_prefix": shared, **result.row()}
-            if before is not None and after != before:
-                row["note"] = f"{after - before} programs compiled while measuring"
-            if revived:
-                row["note"] = (row.get("note", "") + "; " if row.get("note") else "") + "on a restarted server (it had died)"
+            notes = ([f"{after - before} programs compiled while measuring"] if before is not None and after != before
+                     else []) + (["on a restarted server (it had died)"] if revived else [])
+            if notes:
+                row["note"] = "; ".join(notes)
             results.append(row)
             print(format_row(row), flush=True)
             if result.errors:

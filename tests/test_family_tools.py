@@ -27,11 +27,12 @@ TRAIN = dict(cores_per_replica=2, per_replica_batch=2, warmup_steps=1, anneal_st
              ckpt_every=2, name="family-tools", compute_dtype="float32", remat="none")
 
 
-def run(*cmd, timeout=600, env=None):
+def run(*cmd, timeout=600, env=None, with_stderr=False):
+    """Run a tool; its stdout (and stderr after it, `with_stderr`). `env`: variables added to ours."""
     proc = subprocess.run([sys.executable, *cmd], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
                           env=None if env is None else {**os.environ, **env})
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    return proc.stdout if env is None else proc.stdout + proc.stderr
+    return proc.stdout + proc.stderr if with_stderr else proc.stdout
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +67,7 @@ def test_llama_import_sample_export(llama, tmp_path):
     expected = tok.decode(hf_greedy(torch_model, tok.encode("Once upon a"), 6))
     assert out.startswith(expected) and "[6 tokens, finish: length]" in out
     # A second run loads its programs from --compile-cache instead of compiling them.
-    again = run(*sample, env={"JAX_DEBUG_LOG_MODULES": "jax._src.compiler"})
+    again = run(*sample, env={"JAX_DEBUG_LOG_MODULES": "jax._src.compiler"}, with_stderr=True)
     assert again.startswith(expected) and "Persistent compilation cache hit" in again
     assert "PERSISTENT COMPILATION CACHE MISS" not in again
     run("to_hf_weights.py", "--input-ckpt", str(tmp_path / "ckpt"), "--output-path", str(tmp_path / "hf"), "--dtype", "fp32")

@@ -179,7 +179,7 @@ class Batch:
                    [self.rows[r].options.max_new_tokens - len(self.rows[r].tokens) for r in active])
         if active and self.index >= longest and self.index + need <= self.slots:
             return self.index  # no move needed
-        in_use = self.index - min(self.start[r] for r in active) if active else 0
+        in_use = self.index - self._first_slot(active) if active else 0
         index = max(longest, in_use)
         return index if index + need <= self.slots else None
 
@@ -193,7 +193,7 @@ class Batch:
             raise ValueError("these sequences do not fit in the batch now (check `plan` first)")
         active = self.active()
         if active and index != self.index:
-            self.state = self.gen.move(self.state, min(self.start[r] for r in active), self.index, index)
+            self.state = self.gen.move(self.state, self._first_slot(active), self.index, index)
         self.start = [s + index - self.index for s in self.start]
         rows = self.free()[: len(seqs)]
         self.state, first, done, reason = self.gen.admit(
@@ -222,10 +222,14 @@ class Batch:
         """(first slot, size, rows): the bucketed span of slots the running rows use in the next
         decode call, and the bucketed number of rows from row 0 that holds them all."""
         active = self.active()
-        first = min(self.start[r] for r in active)
+        first = self._first_slot(active)
         need = max(self.rows[r].options.max_new_tokens - len(self.rows[r].tokens) for r in active)
         size = min(bucket(self.index + min(self.chunk, need) - first), self.slots)
         return min(first, self.slots - size), size, self.row_bucket(max(active) + 1)
+
+    def _first_slot(self, active: list[int]) -> int:
+        """The first cache slot any of the `active` rows uses."""
+        return min(self.start[r] for r in active)
 
     def row_bucket(self, rows: int) -> int:
         """The rows a decode call computes when rows 0 .. rows-1 may be running."""
