@@ -22,6 +22,9 @@ def main(argv=None):
     parser.add_argument("--max-batch", type=int, default=16, help="sequences decoded together on the device")
     parser.add_argument("--max-queue", type=int, default=100, help="waiting sequences before answering 503")
     parser.add_argument("--chunk", type=int, default=8, help="decode steps between admitting new requests")
+    parser.add_argument("--join-chunk", type=int, default=1,
+                        help="decode steps of the call right after requests joined or finished (requests arrive in "
+                             "bursts: the rest of one waits this long to be admitted, not a whole --chunk)")
     parser.add_argument("--slots", type=int, help="KV-cache slots per row (default: the model's context)")
     parser.add_argument("--prefix-cache-tokens", type=int, metavar="N",
                         help="keys/values of up to N prompt tokens kept for reuse by prompts that start the same "
@@ -44,8 +47,14 @@ def main(argv=None):
     parser.add_argument("--warmup", type=int, nargs="*", metavar="PROMPT_TOKENS",
                         help="compile prefill for every batch-size bucket at these prompt lengths (default 16) "
                              "and decode, before listening")
+    parser.add_argument("--warmup-prefix", type=int, default=0, metavar="TOKENS",
+                        help="with --warmup, also compile the prefill of prompts behind a TOKENS-long prefix already "
+                             "in the prefix cache (a system prompt or few-shot examples every request repeats)")
     parser.add_argument("--model-name", help="the id /v1/models reports (default: the weights' directory name)")
     args = parser.parse_args(argv)
+    if args.chunk < 1 or args.join_chunk < 1:
+        parser.error(f"--chunk and --join-chunk must be at least 1 decode step; got {args.chunk} and "
+                     f"{args.join_chunk}")
     if args.prefix_block < 1 or not (args.prefix_cache_tokens is None or args.prefix_cache_tokens == 0
                                      or args.prefix_cache_tokens >= args.prefix_block):
         parser.error(f"--prefix-cache-tokens must be 0 (off) or at least --prefix-block ({args.prefix_block}), "
@@ -63,12 +72,13 @@ def main(argv=None):
     if status.code:
         return status.code
     engine = serve.Engine(model.generator(), model.tokenizer,
-                          max_batch=args.max_batch, slots=args.slots, chunk=args.chunk, max_queue=args.max_queue,
+                          max_batch=args.max_batch, slots=args.slots, chunk=args.chunk, join_chunk=args.join_chunk,
+                          max_queue=args.max_queue,
                           prefix_cache_tokens=args.prefix_cache_tokens, prefix_block=args.prefix_block,
                           batch_invariant=args.batch_invariant)
     model.params = None  # the Generator holds its own copy
     if args.warmup is not None:
-        engine.warmup(args.warmup or (16,))
+        engine.warmup(args.warmup or (16,), shared_prefix=args.warmup_prefix)
     engine.start()
     app = serve.create_app(engine, model_name=args.model_name or model.name, api_key=args.api_key,
                            timeout=args.timeout, max_request_bytes=args.max_request_bytes,

@@ -17,6 +17,10 @@ Reported per run: requests/s, output tokens/s, time to first token (TTFT: reques
 streamed token) p50/p99, and inter-token latency (ITL: (last token - first token) / (tokens - 1) of
 each request, what vLLM's benchmark calls TPOT) p50/p99.
 
+Ours: `device_serve.py` with one CPU device and `--server-args` (default: 64 rows, chunks of 8
+steps, and a warm-up that compiles the prefill of 128- and 160-token prompts alone and behind a
+1,024-token prefix already cached, the shapes these prompts take).
+
 Peers, each started from its own venv or command:
   vllm          vLLM's CPU build (`bash bench/setup_vllm_venv.sh`): its OpenAI server, prefix caching on
   transformers  `transformers serve --force-model DIR --continuous-batching` from the project's venv
@@ -42,7 +46,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 VLLM_PYTHON = os.path.join(ROOT, "bench", ".venv-vllm", "bin", "python")
-OURS_ARGS = "--max-batch 64 --chunk 8 --warmup 128 160"
+OURS_ARGS = "--max-batch 64 --chunk 8 --warmup 128 160 --warmup-prefix 1024"
 
 
 def free_port() -> int:

@@ -89,7 +89,7 @@ def test_decode_reads_weights_and_cache_in_place(tiny, matvec):
     config, params = hf.load_hf(tiny.path, compute_dtype="float32")
     g = Generator(config, params, mesh(1, 1), matvec=matvec)
     state = g.new_state(2, 32)
-    hlo = g._decode.lower(g.params, state, np.int32(0), 4, 32).compile().as_text()
+    hlo = g._decode.lower(g.params, state, np.int32(0), np.int32(4), 4, 32).compile().as_text()
     matrices = [x for x in jax.tree.leaves(g.params) if x.ndim >= 2] + [state.cache.k[0], state.cache.v[0]]
     smallest = min(x.size for x in matrices)
     moved = [[int(d) for d in dims.split(",") if d] for dims in
@@ -297,8 +297,8 @@ def test_decode_computes_only_the_rows_in_use(gen, monkeypatch):
     batch-invariant, all 16 rows."""
     prompts, computed = [[5, 6, 7], [8, 9], [10, 11, 12, 13]], []
     decode = gen.decode
-    monkeypatch.setattr(gen, "decode", lambda state, steps, first, window, rows: (
-        computed.append(rows), decode(state, steps, first, window, rows))[1])
+    monkeypatch.setattr(gen, "decode", lambda state, steps, first, window, rows, limit=None: (
+        computed.append(rows), decode(state, steps, first, window, rows, limit))[1])
 
     def run(rows: int, invariant: bool = False):
         batch = generate.Batch(gen, rows, 64, chunk=4, batch_invariant=invariant)
@@ -332,6 +332,25 @@ def test_admission_moves_only_the_running_rows_slots(tiny, gen, monkeypatch):
         batch.step()
     assert moves == [(0, 13, 16)] and ("move", ("size", 16), ("slots", 64)) in gen.shapes
     for prompt, seq in zip(prompts, (first, second)):
+        assert seq.tokens == tiny.hf_greedy(prompt)[0], f"prompt {prompt}"
+
+
+def test_a_decode_call_stops_at_its_limit_with_the_same_program(tiny, gen):
+    """`Batch.step(limit)` (the engine's short call after requests join): 1, then 2, then the whole
+    chunk of 4 tokens per row from one compiled decode program; the tokens still equal HF's greedy."""
+    batch = generate.Batch(gen, 2, 64, chunk=4)
+    prompts = [[5, 6, 7, 8, 9], [11, 12, 13]]
+    seqs = gen.sequences(prompts, greedy())
+    batch.admit(seqs)
+    lengths, programs = [], []
+    for limit in (1, 2, None):
+        batch.step(limit)
+        lengths.append([len(s.tokens) for s in seqs])
+        programs.append(gen._decode._cache_size())
+    assert lengths == [[2, 2], [4, 4], [8, 8]] and programs[0] == programs[-1], (lengths, programs)
+    while batch.active():
+        batch.step()
+    for prompt, seq in zip(prompts, seqs):
         assert seq.tokens == tiny.hf_greedy(prompt)[0], f"prompt {prompt}"
 
 

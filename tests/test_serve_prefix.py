@@ -101,3 +101,24 @@ def test_served_prefix_hits_in_health_and_metrics(client, url, engine, tiny):
     metrics = httpx.get(f"{url}/metrics").text
     hits = float(metrics.split("\nmesh_transformer_prefix_cache_hits_total ")[1].split()[0])
     assert hits == after["hit_tokens"]
+
+
+def test_warmup_compiles_prefills_behind_a_cached_prefix(llama_gen):
+    """`Engine.warmup(shared_prefix=P)` compiles what prompts of P shared tokens plus a warmed length
+    take: the first one (nothing cached yet), then 1 and 2 at a time reading the cached blocks. Those
+    requests then compile nothing (a compile stalls every running row for seconds)."""
+    from mesh_transformer.serve import Engine
+    engine = Engine(llama_gen, None, max_batch=2, chunk=4, prefix_cache_tokens=64 * BLOCK, prefix_block=BLOCK)
+    engine.warmup((5,), shared_prefix=8 * BLOCK)
+    compiled = set(llama_gen.shapes)
+    vocab = llama_gen.config.n_vocab
+    shared = random_tokens((1, 8 * BLOCK), vocab, seed=3)[0].tolist()
+    options = SamplingOptions(max_new_tokens=3, temperature=0.0)
+    hits = engine.batch.prefix.hits
+    for n, seed in ((1, 4), (1, 5), (2, 6)):
+        own = random_tokens((n, 5), vocab, seed=seed).tolist()
+        engine.batch.admit(llama_gen.sequences([shared + tail for tail in own], options))
+        while engine.batch.active():
+            engine.batch.step()
+    assert engine.batch.prefix.hits - hits == 3 * 8 * BLOCK  # the 2nd, 3rd and 4th prompt read the prefix
+    assert set(llama_gen.shapes) == compiled, set(llama_gen.shapes) - compiled

@@ -19,7 +19,7 @@ from mesh_transformer.generate import SamplingOptions
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KEY = "process-key"
-SLOTS, MAX_BATCH, CHUNK = 16, 2, 4
+SLOTS, MAX_BATCH, CHUNK, JOIN_CHUNK = 16, 2, 4, 2
 
 
 def free_port() -> int:
@@ -55,7 +55,8 @@ def wait_until_up(proc: subprocess.Popen, url: str) -> None:
 @pytest.fixture(scope="module")
 def servers(tiny):
     """Two servers started together: the batching flags, and a 1 ms --timeout (every request expires)."""
-    started = [launch(tiny.path, "--max-batch", str(MAX_BATCH), "--chunk", str(CHUNK), "--slots", str(SLOTS)),
+    started = [launch(tiny.path, "--max-batch", str(MAX_BATCH), "--chunk", str(CHUNK), "--join-chunk", str(JOIN_CHUNK),
+                      "--slots", str(SLOTS)),
                launch(tiny.path, "--timeout", "0.001")]
     try:
         for proc, url in started:
@@ -121,9 +122,10 @@ def stream_events(http, prompt, max_tokens) -> list[dict]:
 
 
 def test_chunk_is_the_decode_steps_between_streamed_events(http, gen, tiny):
-    """Text is streamed after the prefill's token plus each --chunk of decode steps, so every event but the
-    last ends at 1 + k x CHUNK tokens (an event may carry several chunks when the reader falls behind; with
-    the default --chunk 8, 5 and 13 could not both be boundaries)."""
+    """Text is streamed after the prefill's token, after the --join-chunk steps of the call right after
+    the request joined, then after each --chunk of decode steps: every event but the last ends at 1 or
+    1 + JOIN_CHUNK + k x CHUNK tokens (an event may carry several calls' tokens when the reader falls
+    behind; with one chunk size for every call, 5 or 9 would be boundaries, not 3, 7 and 11)."""
     prompt = [5]
     [expected] = gen.generate([prompt], SamplingOptions(max_new_tokens=SLOTS - 2, temperature=0.0), tiny.tokenizer)
     assert tiny.eos not in expected.tokens
@@ -133,11 +135,17 @@ def test_chunk_is_the_decode_steps_between_streamed_events(http, gen, tiny):
         counts = np.cumsum([len(e["logprobs"]["tokens"]) if e["logprobs"] else 0 for e in events])
         assert "".join(e["text"] for e in events) == expected.text and counts[-1] == SLOTS - 2
         assert events[-1]["finish_reason"] == "length"
-        assert all((c - 1) % CHUNK == 0 for c in counts[:-1]), counts
+        assert all(c == 1 or (c - 1 - JOIN_CHUNK) % CHUNK == 0 for c in counts[:-1]), counts
         boundaries |= set(counts[:-1].tolist())
         if len(boundaries) >= 2:
             break
     assert len(boundaries) >= 2, boundaries
+
+
+def test_a_decode_call_of_no_steps_is_refused(tiny):
+    proc, _ = launch(tiny.path, "--join-chunk", "0")
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 2 and "--join-chunk must be at least 1 decode step; got 8 and 0" in out, out
 
 
 def test_timeout_flag_answers_504(servers):

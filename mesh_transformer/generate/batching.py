@@ -205,8 +205,9 @@ class Batch:
             self.start[r] = index - len(s.prompt)
         return self._absorb(jax.tree.map(lambda x: x[:, None], first), done, reason)
 
-    def step(self) -> list[Sequence]:
-        """Retire cancelled or timed-out rows, then one decode call; returns the sequences that finished."""
+    def step(self, limit: Optional[int] = None) -> list[Sequence]:
+        """Retire cancelled or timed-out rows, then one decode call of `chunk` steps (at most `limit`:
+        the same compiled program stops early); returns the sequences that finished."""
         now = time.monotonic()
         for r in self.active():
             s = self.rows[r]
@@ -215,7 +216,7 @@ class Batch:
         finished = self._absorb(None, None, None)
         if not self.active():
             return finished
-        self.state, out, done, reason, self.index = self.gen.decode(self.state, self.chunk, *self._window())
+        self.state, out, done, reason, self.index = self.gen.decode(self.state, self.chunk, *self._window(), limit)
         return finished + self._absorb(out, done, reason)
 
     def _window(self) -> tuple[int, int, int]:

@@ -209,7 +209,7 @@ class Generator:
             start=None, index=None), static_argnums=0, out_shardings=self.pool_sharding)
         self._admit = jax.jit(self._admit_rows, out_shardings=(self.shardings, self.pool_sharding, None),
                               donate_argnums=(1, 2))
-        self._decode = jax.jit(self._decode_steps, static_argnums=(3, 4, 5), donate_argnums=1,
+        self._decode = jax.jit(self._decode_steps, static_argnums=(4, 5, 6), donate_argnums=1,
                                out_shardings=(self.shardings, None))
         self._retire = jax.jit(lambda s, m: s._replace(done=s.done | m), out_shardings=self.shardings,
                                donate_argnums=0)
@@ -309,8 +309,9 @@ class Generator:
         state, first = emit(state, full, active)
         return state, pool, first
 
-    def _decode_local(self, params, state: DecodeState, steps: int):
-        """Up to `steps` decode steps, stopping early once no row anywhere is running."""
+    def _decode_local(self, params, state: DecodeState, limit, steps: int):
+        """Up to `limit` (<= `steps`, the emitted buffer's size) decode steps, stopping early once
+        no row anywhere is running."""
         batch = state.last.shape[0]
         out = Emitted(jnp.full((steps, batch), -1, jnp.int32), jnp.zeros((steps, batch)),
                       jnp.zeros((steps, batch, TOP_LOGPROBS), jnp.int32), jnp.zeros((steps, batch, TOP_LOGPROBS)))
@@ -318,7 +319,7 @@ class Generator:
 
         def running(carry):
             i, s, _ = carry
-            return (i < steps) & (jax.lax.psum(jnp.sum(~s.done), parallel.DP) > 0)
+            return (i < jnp.minimum(limit, steps)) & (jax.lax.psum(jnp.sum(~s.done), parallel.DP) > 0)
 
         def step(carry):
             i, s, out = carry
@@ -329,30 +330,37 @@ class Generator:
         _, state, out = jax.lax.while_loop(running, step, (jnp.zeros((), jnp.int32), state, out))
         return state, out
 
-    def _decode_steps(self, params, state: DecodeState, first_slot, steps: int, window: int,
+    def _decode_steps(self, params, state: DecodeState, first_slot, limit, steps: int, window: int,
                       rows: Optional[int] = None):
         """Decode rows 0 .. rows-1 (default: all) in slots first_slot .. first_slot+window-1 only:
         attention reads `window` slots, not S, and a lone request in a big batch costs one row's
         matmuls, not B's (its logits alone are [B, V]). Rows >= `rows` must not be running."""
         rows = rows or state.last.shape[0]
         decode = parallel.shard_map(
-            lambda p, s: self._decode_local(p, s, steps), self.mesh, self.rules,
-            in_specs=(self.param_specs, self.specs),
+            lambda p, s, limit: self._decode_local(p, s, limit, steps), self.mesh, self.rules,
+            in_specs=(self.param_specs, self.specs, P()),
             out_specs=(self.specs, Emitted(*([P(None, parallel.DP)] * 2), *([P(None, parallel.DP, None)] * 2))),
             inputs_last=self.inputs_last)
         full = state.cache
         view = full.along_slots(lambda x, axis: jax.lax.dynamic_slice_in_dim(x[:rows], first_slot, window, axis))
         view = view._replace(start=full.start[:rows] - first_slot, index=full.index - first_slot)
         head = jax.tree.map(lambda x: x[:rows], state._replace(cache=None))
-        part, out = decode(params, head._replace(cache=view))
+        part, out = decode(params, head._replace(cache=view), limit)
         c = part.cache
-        put_back = lambda whole, p, axis: jax.lax.dynamic_update_slice(  # noqa: E731
-            whole, p, (0,) * axis + (first_slot,) + (0,) * (whole.ndim - axis - 1))
-        cache = full.along_slots(put_back, c)
+        batch = full.start.shape[0]
+        if rows == batch and window == full.slots:
+            cache = c  # the view was the whole cache, updated in place
+        else:  # the call wrote slots index .. index+steps-1 of the view: copy back those, not the window
+            span = min(steps, window)
+            written = jnp.clip(view.index, 0, window - span)
+
+            def put_back(whole, p, axis):
+                new = jax.lax.dynamic_slice_in_dim(p, written, span, axis)
+                return jax.lax.dynamic_update_slice_in_dim(whole, new, first_slot + written, axis)
+            cache = full.along_slots(put_back, c)
         cache = cache._replace(start=full.start.at[:rows].set(c.start + first_slot), index=c.index + first_slot)
         state = jax.tree.map(lambda whole, p: whole.at[:rows].set(p), state._replace(cache=None),
                              part._replace(cache=None))
-        batch = full.start.shape[0]
         pad = lambda x, fill: jnp.pad(x, [(0, 0), (0, batch - rows)] + [(0, 0)] * (x.ndim - 2),  # noqa: E731
                                       constant_values=fill)
         out = Emitted(pad(out.token, -1), pad(out.logprob, jnp.nan), pad(out.top_ids, 0), pad(out.top_logprobs, 0))
@@ -413,8 +421,11 @@ class Generator:
         return state, first, done, reason
 
     def decode(self, state, steps: int, first_slot: int = 0, window: Optional[int] = None,
-               rows: Optional[int] = None):
+               rows: Optional[int] = None, limit: Optional[int] = None):
         """Up to `steps` decode steps -> (state, Emitted [B, steps], done [B], reason [B], write index).
+
+        `limit` (default `steps`) stops the call after that many steps with the same compiled
+        program: the engine takes short calls while requests are arriving (see `Batch.step`).
 
         Attention reads only slots first_slot .. first_slot+window-1 (default: all): they must hold
         every running row's tokens and the `steps` new ones. Only rows 0 .. rows-1 (default: all)
@@ -424,7 +435,8 @@ class Generator:
         batch = state.last.shape[0]
         rows = batch if rows is None or self.dp > 1 else max(rows, self.min_rows)  # dp: rows split evenly
         self._note("decode", batch=batch, rows=rows, slots=state.cache.slots, steps=steps, window=window)
-        state, out = self._decode(self.params, state, np.int32(first_slot), steps, window, rows)
+        limit = steps if limit is None else min(limit, steps)
+        state, out = self._decode(self.params, state, np.int32(first_slot), np.int32(limit), steps, window, rows)
         out, done, reason, index = jax.device_get((out, state.done, state.reason, state.cache.index))
         return state, out, done, reason, int(index)
 

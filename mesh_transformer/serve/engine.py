@@ -2,8 +2,11 @@
 
 The engine keeps one `generate.Batch` of `max_batch` rows. Between decode calls of `chunk` tokens
 it admits waiting requests into free rows (they join requests already decoding) and hands new
-tokens to their handlers. A bounded queue refuses work when full (`QueueFull`), every request has
-a deadline, and `drain` stops admitting new work for a graceful shutdown.
+tokens to their handlers. Requests come in bursts (clients answer each other, a finished request's
+client sends its next one), so the call right after requests joined or finished runs only
+`join_chunk` steps: the rest of a burst waits one short call, not a whole chunk, to be admitted.
+A bounded queue refuses work when full (`QueueFull`), every request has a deadline, and `drain`
+stops admitting new work for a graceful shutdown.
 """
 from __future__ import annotations
 
@@ -13,6 +16,8 @@ import logging
 import threading
 import time
 from typing import Iterable, Optional
+
+import numpy as np
 
 from mesh_transformer.generate import Batch, Generator, SamplingOptions, Sequence, bucket
 from mesh_transformer.generate.prefix import DEFAULT_BLOCK, PrefixCache, default_tokens
@@ -69,7 +74,8 @@ class Engine:
     """Runs a `Batch` in a background thread; `submit` from any thread.
 
     max_batch: device rows; slots: cache slots per row (default: the model's context);
-    chunk: decode steps per device call (new requests join between calls); max_queue: waiting
+    chunk: decode steps per device call (new requests join between calls); join_chunk: the steps
+    of a call right after requests joined or finished (see the module's docstring); max_queue: waiting
     sequences before `submit` raises QueueFull; prefix_cache_tokens: token slots of the prefix
     cache (None: `prefix.default_tokens`; 0: no prefix cache), in blocks of `prefix_block` tokens;
     batch_invariant: decode every row at every step, so answers do not depend on the load
@@ -79,7 +85,7 @@ class Engine:
     def __init__(self, generator: Generator, tokenizer, max_batch: int = 16, slots: Optional[int] = None,
                  chunk: int = 8, max_queue: int = 100, metrics: Optional[Metrics] = None,
                  prefix_cache_tokens: Optional[int] = None, prefix_block: int = DEFAULT_BLOCK,
-                 batch_invariant: bool = False):
+                 batch_invariant: bool = False, join_chunk: int = 1):
         self.gen, self.tokenizer = generator, tokenizer
         slots = slots or generator.config.seq
         if prefix_cache_tokens is None:
@@ -89,6 +95,8 @@ class Engine:
         self.context = min(generator.config.seq, self.batch.slots)  # prompt + output must fit a row
         self.max_new_tokens = self.context - 1
         self.max_queue = max_queue
+        self.join_chunk = join_chunk
+        self._left = False  # the last decode call finished a sequence (its client may send the next)
         self.metrics = metrics or Metrics()
         self.metrics.watch(queued=lambda: len(self._pending), running=lambda: len(self.batch.active()))
         self.draining = False
@@ -111,22 +119,30 @@ class Engine:
         self._thread.start()
         return self
 
-    def warmup(self, prompt_tokens: Iterable[int] = (16,)) -> None:
+    def warmup(self, prompt_tokens: Iterable[int] = (16,), shared_prefix: int = 0) -> None:
         """Compile prefill for every group size (1, 2, 4, .. rows) at these prompt lengths, and decode.
 
+        With `shared_prefix` P (and the prefix cache on), also the prefill of prompts made of P tokens
+        already in the cache followed by each length's own tokens: the shape prompts behind a common
+        system prompt or few-shot examples take (a multiple of the cache's block matches them best).
         Call before `start`; otherwise the first requests of each shape wait for the compiler
         (prefill compiles once per group-size bucket and prompt-length bucket).
         """
         options = SamplingOptions(max_new_tokens=min(self.batch.chunk + 1, self.max_new_tokens), temperature=0.0)
+        longest = self.context - options.max_new_tokens
+        rng = np.random.RandomState(0)
+        own = lambda length: rng.randint(self.gen.config.n_vocab, size=length).tolist()  # noqa: E731
         for length in prompt_tokens:
             n = 1
             while n <= self.batch.size:
-                prompt = [0] * min(length, self.context - options.max_new_tokens)
                 if self.batch.prefix is not None:
                     self.batch.prefix.clear()  # compile the prefill of prompts not in the cache
-                self.batch.admit([Sequence(prompt, options, self.context) for _ in range(n)])
-                while self.batch.active():
-                    self.batch.step()
+                self._warm([[0] * min(length, longest)] * n, options)
+                if shared_prefix and self.batch.prefix is not None:
+                    shared = own(min(shared_prefix, longest - 1))
+                    mine = max(1, min(length, longest - len(shared)))
+                    self._warm([shared + own(mine)], options)  # stores the shared blocks
+                    self._warm([shared + own(mine) for _ in range(n)], options)  # reads them
                 n *= 2
         # Decode attends to a window of the cache bucketed to powers of two (16 .. slots) and computes
         # the rows up to the last running one, bucketed (1 .. max_batch); a long request would
@@ -142,6 +158,11 @@ class Engine:
         self.batch.state = self.gen.warm_moves(self.batch.state)  # admission moves the running rows' slots
         if self.batch.prefix is not None:
             self.batch.prefix.clear()  # the warm-up prompts are no one's prefix
+
+    def _warm(self, prompts: list[list[int]], options: SamplingOptions) -> None:
+        self.batch.admit([Sequence(p, options, self.context) for p in prompts])
+        while self.batch.active():
+            self.batch.step()
 
     def stop(self) -> None:
         with self._cv:
@@ -263,8 +284,9 @@ class Engine:
             self._observe([s for s, _ in group])
         if self.batch.active():
             in_batch = [self.batch.rows[r] for r in self.batch.active()]
-            finished += self.batch.step()
+            finished += self.batch.step(self.join_chunk if group or self._left else None)
             self._observe(in_batch)
+        self._left = bool(finished)
         touched = {id(r): r for r in self._owner.values()}
         for seq in finished:
             with self._cv:
