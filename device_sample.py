@@ -9,7 +9,7 @@ Defaults are the original's: 512 tokens, top_p 0.9, temperature 0.75.
 import argparse
 import sys
 
-from mesh_transformer import cli, loading
+from mesh_transformer import cli, host_memory, loading
 from mesh_transformer.generate import SamplingOptions
 
 
@@ -57,6 +57,7 @@ def main(argv=None):
     parser.add_argument("--prompt", action="append", help="prompt (repeatable); default: read stdin")
     add_sampling_args(parser)
     args = parser.parse_args(argv)
+    host_memory.keep_freed_memory()
 
     with cli.user_errors() as status:
         model = loading.from_args(args)

@@ -11,7 +11,7 @@ import logging
 import pathlib
 import sys
 
-from mesh_transformer import cli, loading, serve
+from mesh_transformer import cli, host_memory, loading, serve
 
 
 def main(argv=None):
@@ -52,6 +52,7 @@ def main(argv=None):
                              "in the prefix cache (a system prompt or few-shot examples every request repeats)")
     parser.add_argument("--model-name", help="the id /v1/models reports (default: the weights' directory name)")
     args = parser.parse_args(argv)
+    host_memory.keep_freed_memory()
     if args.chunk < 1 or args.join_chunk < 1:
         parser.error(f"--chunk and --join-chunk must be at least 1 decode step; got {args.chunk} and "
                      f"{args.join_chunk}")

@@ -14,7 +14,7 @@ import argparse
 import os
 import sys
 
-from mesh_transformer import cli
+from mesh_transformer import cli, host_memory
 
 
 def parse_args(argv=None):
@@ -30,6 +30,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    host_memory.keep_freed_memory()
     if args.cpu_devices:  # must happen before jax is imported
         cli.simulate_cpu_devices(args.cpu_devices)
     from mesh_transformer.config import load_config

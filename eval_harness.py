@@ -12,7 +12,7 @@ import argparse
 import logging
 import sys
 
-from mesh_transformer import cli, loading
+from mesh_transformer import cli, host_memory, loading
 
 
 def main(argv=None):
@@ -31,6 +31,7 @@ def main(argv=None):
     g.add_argument("--log-samples", action="store_true", help="keep every request and answer in the JSON")
     g.add_argument("--output", metavar="FILE", help="write lm-eval's results JSON here")
     args = parser.parse_args(argv)
+    host_memory.keep_freed_memory()
 
     import jax
 

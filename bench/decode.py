@@ -132,6 +132,8 @@ def main(argv=None):
     parser.add_argument("--mp", type=int, default=1,
                         help="split the model over this many (simulated CPU) devices")
     args = parser.parse_args(argv)
+    from mesh_transformer import host_memory
+    host_memory.keep_freed_memory()  # as device_sample.py does; the in-process transformers side gets it too
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={args.mp}"
     description = machine.describe()
     if not args.json:

@@ -122,6 +122,8 @@ def bench_torch(args, tokens, config):
 
 def main():
     args = parse_args()
+    from mesh_transformer import host_memory
+    host_memory.keep_freed_memory()  # as device_train.py does; the in-process torch side gets it too (README)
     cores = os.cpu_count() or 1
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={cores}"
     description = machine.describe()

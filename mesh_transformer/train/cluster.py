@@ -37,6 +37,7 @@ from typing import Any, Callable, Mapping, Optional
 import numpy as np
 import ray
 
+from mesh_transformer import host_memory
 from mesh_transformer.io import storage
 from mesh_transformer.io.checkpoint import CheckpointError, checkpoint_dir
 from mesh_transformer.config import Config, ConfigError
@@ -119,6 +120,7 @@ class HostWorker:
     """
 
     def __init__(self):
+        host_memory.keep_freed_memory()  # this process runs the training steps (see host_memory)
         self.host = self.state = None
         self.process_index, self.step_number = None, 0
         self.broken: Optional[str] = None  # after a failed step the state's buffers are gone (donated)
