@@ -310,8 +310,8 @@ class Generator:
         return state, pool, first
 
     def _decode_local(self, params, state: DecodeState, limit, steps: int):
-        """Up to `limit` (<= `steps`, the emitted buffer's size) decode steps, stopping early once
-        no row anywhere is running."""
+        """Up to `limit` decode steps (`decode` keeps it <= `steps`, the emitted buffer's size),
+        stopping early once no row anywhere is running."""
         batch = state.last.shape[0]
         out = Emitted(jnp.full((steps, batch), -1, jnp.int32), jnp.zeros((steps, batch)),
                       jnp.zeros((steps, batch, TOP_LOGPROBS), jnp.int32), jnp.zeros((steps, batch, TOP_LOGPROBS)))
@@ -319,7 +319,7 @@ class Generator:
 
         def running(carry):
             i, s, _ = carry
-            return (i < jnp.minimum(limit, steps)) & (jax.lax.psum(jnp.sum(~s.done), parallel.DP) > 0)
+            return (i < limit) & (jax.lax.psum(jnp.sum(~s.done), parallel.DP) > 0)
 
         def step(carry):
             i, s, out = carry
