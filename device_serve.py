@@ -25,6 +25,10 @@ def main(argv=None):
     parser.add_argument("--join-chunk", type=int, default=1,
                         help="decode steps of the call right after requests joined or finished (requests arrive in "
                              "bursts: the rest of one waits this long to be admitted, not a whole --chunk)")
+    parser.add_argument("--admit-tokens", type=int, default=4096, metavar="N",
+                        help="prompt positions one admission (prefill) computes at most: a burst of requests joins in "
+                             "groups of about N tokens, each decoding while the next is prefilled (vLLM's "
+                             "--max-num-batched-tokens plays this part); a longer prompt is admitted alone")
     parser.add_argument("--slots", type=int, help="KV-cache slots per row (default: the model's context)")
     parser.add_argument("--prefix-cache-tokens", type=int, metavar="N",
                         help="keys/values of up to N prompt tokens kept for reuse by prompts that start the same "
@@ -56,6 +60,8 @@ def main(argv=None):
     if args.chunk < 1 or args.join_chunk < 1:
         parser.error(f"--chunk and --join-chunk must be at least 1 decode step; got {args.chunk} and "
                      f"{args.join_chunk}")
+    if args.admit_tokens < 1:
+        parser.error(f"--admit-tokens must be at least 1; got {args.admit_tokens}")
     if args.prefix_block < 1 or not (args.prefix_cache_tokens is None or args.prefix_cache_tokens == 0
                                      or args.prefix_cache_tokens >= args.prefix_block):
         parser.error(f"--prefix-cache-tokens must be 0 (off) or at least --prefix-block ({args.prefix_block}), "
@@ -74,6 +80,7 @@ def main(argv=None):
         return status.code
     engine = serve.Engine(model.generator(), model.tokenizer,
                           max_batch=args.max_batch, slots=args.slots, chunk=args.chunk, join_chunk=args.join_chunk,
+                          admit_tokens=args.admit_tokens,
                           max_queue=args.max_queue,
                           prefix_cache_tokens=args.prefix_cache_tokens, prefix_block=args.prefix_block,
                           batch_invariant=args.batch_invariant)

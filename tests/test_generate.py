@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from mesh_transformer import generate, loading
 from mesh_transformer.generate import sampling
-from mesh_transformer.generate.decode import fine_bucket
+from mesh_transformer.generate.decode import fine_bucket, span_bucket
 from mesh_transformer.io import hf
 from mesh_transformer.generate import Generator, RowOptions, SamplingOptions
 from tests.helpers import NEW, mesh
@@ -317,22 +317,33 @@ def test_decode_computes_only_the_rows_in_use(gen, monkeypatch):
 
 def test_admission_moves_only_the_running_rows_slots(tiny, gen, monkeypatch):
     """A prompt longer than the write index moves the running row's slots (its 16-slot span, not
-    the 64-slot cache: `Generator.move`); both rows' greedy tokens still equal HF's."""
+    the 64-slot cache: `Generator.move`) to a bucketed index; both rows' greedy tokens still equal HF's."""
     batch = generate.Batch(gen, 4, 64, chunk=4)
-    prompts = [[5, 6, 7, 8, 9], list(range(100, 116))]
-    first, second = gen.sequences(prompts, greedy())
+    prompts = [[5, 6, 7, 8, 9], list(range(100, 122))]
+    first, second = gen.sequences(prompts, [greedy(), SamplingOptions(max_new_tokens=8, temperature=0.0)])
     batch.admit([first])
-    batch.step()
-    batch.step()  # the write index: 5 + 2 x 4
+    assert batch.index == 16  # 5 tokens, bucketed: prompts up to 16 tokens join without a move
+    batch.step()  # the write index: 16 + 4
     moves, move = [], gen.move
     monkeypatch.setattr(gen, "move", lambda state, start, index, new: (
         moves.append((start, index, new)), move(state, start, index, new))[1])
     batch.admit([second])
     while batch.active():
         batch.step()
-    assert moves == [(0, 13, 16)] and ("move", ("size", 16), ("slots", 64)) in gen.shapes
+    assert moves == [(11, 20, 32)] and ("move", ("size", 16), ("slots", 64)) in gen.shapes
     for prompt, seq in zip(prompts, (first, second)):
-        assert seq.tokens == tiny.hf_greedy(prompt)[0], f"prompt {prompt}"
+        assert seq.tokens == tiny.hf_greedy(prompt, len(seq.tokens))[0], f"prompt {prompt}"
+
+
+def test_a_long_span_moves_instead_of_rolling_the_cache(gen):
+    """The slots of prompts behind a 1,000-token prefix (1,166 from the first row's start to the
+    write index) move as a 1,280-slot span: bucketed to 2,048 they could not move inside a
+    2,048-slot cache and admission rolled the whole cache (seconds at 64 rows)."""
+    assert [span_bucket(n) for n in (5, 16, 17, 129, 1166, 1281)] == [16, 16, 32, 160, 1280, 1536]
+    state = gen.new_state(2, 2048)
+    moved = gen.move(state, 10, 1176, 1280)
+    assert moved is not state and ("move", ("size", 1280), ("slots", 2048)) in gen.shapes
+    assert int(moved.cache.index) == 104  # the new state's index moved by +104 as well
 
 
 def test_a_decode_call_stops_at_its_limit_with_the_same_program(tiny, gen):

@@ -84,6 +84,29 @@ def test_64_concurrent_requests_share_batches(client, url, engine, gen, tiny):
     assert engine.stats()["active"] == 0 and engine.stats()["queued"] == 0
 
 
+def test_admit_tokens_bounds_each_prefill(gen, tiny):
+    """8 prompts waiting together, 10 tokens each (16 positions, bucketed): with admit_tokens 32 they
+    join 2 at a time (4 rows x 16 would exceed it); with 8, below one prompt, each joins alone.
+    Every answer is HF's greedy one."""
+    prompts = [list(range(10 + i, 20 + i)) for i in range(8)]
+    expected = [tiny.hf_greedy(p)[0] for p in prompts]
+    for budget, groups in ((32, [2, 2, 2, 2]), (8, [1] * 8)):
+        engine = Engine(gen, None, max_batch=8, chunk=4, admit_tokens=budget)
+        sizes, admit = [], engine.batch.admit
+        engine.batch.admit = lambda seqs: (sizes.append(len(seqs)), admit(seqs))[1]
+        seqs = [engine.sequence(p, SamplingOptions(max_new_tokens=NEW, temperature=0.0), None) for p in prompts]
+        request = engine.submit(seqs)  # all waiting before the engine starts
+        engine.start()
+        try:
+            while not request.finished:
+                request.updated.wait(timeout=60)
+                request.updated.clear()
+        finally:
+            engine.stop()
+        assert sizes == groups
+        assert [s.tokens for s in seqs] == expected
+
+
 def test_original_complete_endpoint(url, gen, tiny):
     headers = {"Authorization": f"Bearer {KEY}"}
     r = httpx.post(f"{url}/complete", json={"context": "Pack my box", "top_p": 0.9, "temp": 0.0, "length": NEW},

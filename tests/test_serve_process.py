@@ -142,10 +142,12 @@ def test_chunk_is_the_decode_steps_between_streamed_events(http, gen, tiny):
     assert len(boundaries) >= 2, boundaries
 
 
-def test_a_decode_call_of_no_steps_is_refused(tiny):
-    proc, _ = launch(tiny.path, "--join-chunk", "0")
-    out, _ = proc.communicate(timeout=120)
-    assert proc.returncode == 2 and "--join-chunk must be at least 1 decode step; got 8 and 0" in out, out
+def test_a_decode_call_of_no_steps_or_an_admission_of_no_tokens_is_refused(tiny):
+    for flags, message in ((("--join-chunk", "0"), "--join-chunk must be at least 1 decode step; got 8 and 0"),
+                           (("--admit-tokens", "0"), "--admit-tokens must be at least 1; got 0")):
+        proc, _ = launch(tiny.path, *flags)
+        out, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 2 and message in out, out
 
 
 def test_timeout_flag_answers_504(servers):

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Optional, Sequence as Seq
 
 import jax
 
-from mesh_transformer.generate.decode import Emitted, bucket, round_up
+from mesh_transformer.generate.decode import Emitted, bucket, prefill_width, round_up, span_bucket
 from mesh_transformer.generate.sampling import FINISH_REASONS, SamplingOptions
 
 if TYPE_CHECKING:
@@ -180,8 +180,21 @@ class Batch:
         if active and self.index >= longest and self.index + need <= self.slots:
             return self.index  # no move needed
         in_use = self.index - self._first_slot(active) if active else 0
-        index = max(longest, in_use)
-        return index if index + need <= self.slots else None
+        # a bucketed index: later prompts a little longer join without a move, and a move's span
+        # (bucketed the same way) lands at slot 0 or after
+        for index in (max(span_bucket(longest), span_bucket(in_use)), max(longest, in_use)):
+            if index + need <= self.slots:
+                return index
+        return None
+
+    def uncached(self, seq: Sequence) -> int:
+        """The tokens of `seq`'s prompt an admission now would compute (not in the prefix cache)."""
+        return len(seq.prompt) - (self.prefix.cached_tokens(seq.prompt) if self.prefix is not None else 0)
+
+    def prefill_tokens(self, n: int, uncached: int) -> int:
+        """Token positions the prefill of `n` prompts computes when the longest part not in the
+        prefix cache is `uncached` tokens (both bucketed, as `Generator.admit` pads them)."""
+        return round_up(bucket(n, 1), self.gen.dp) * prefill_width(uncached)
 
     def admit(self, seqs: Seq[Sequence]) -> list[Sequence]:
         """Prefill `seqs` into free rows if they fit now (see `plan`); returns those already finished.

@@ -67,6 +67,20 @@ def fine_bucket(n: int, per_octave: int = 4, grain: int = 8) -> int:
     return round_up(max(n, 1), max(grain, bucket(n, 1) // (2 * per_octave)))
 
 
+def prefill_width(uncached: int) -> int:
+    """The tokens a prefill computes per row: the longest prompt part not read from the prefix
+    cache, bucketed (4 sizes per power of two)."""
+    return fine_bucket(uncached, grain=MIN_BUCKET)
+
+
+def span_bucket(n: int) -> int:
+    """The slot spans a cache move copies, and the write indices a batch moves to (`Batch.plan`):
+    4 sizes per power of two, so the 1,166 slots of a prompt behind a 1,000-token prefix move as
+    1,280 — as 2,048 they could not move at all in a 2,048-slot cache, and the whole cache rolled
+    (seconds at 64 rows, every request waiting)."""
+    return fine_bucket(n, grain=MIN_BUCKET)
+
+
 # --------------------------------------------------------------------------------------------
 # Decode state and the per-step update shared by prefill and decode
 # --------------------------------------------------------------------------------------------
@@ -159,6 +173,35 @@ def _move_slots(cache: KVCache, source, shift, size: int):
         return jax.lax.dynamic_update_slice_in_dim(x, jax.lax.dynamic_slice_in_dim(x, source, size, axis),
                                                    source + shift, axis)
     return cache.along_slots(move)._replace(start=cache.start + shift, index=cache.index + shift)
+
+
+def _write_rows(cache: KVCache, new: KVCache, row_ids, first_slot) -> KVCache:
+    """Write the W slots of each row of `new` ([n, ..., W, ...] per layer) into row row_ids[i] of
+    `cache`, at slots first_slot .. first_slot+W-1. Rows `row_ids` >= the batch are skipped (they
+    come last). A negative `first_slot` is left padding before slot 0: those slots wrap round to
+    the end of the written span, slots W+first_slot .. W-1, which follow the row's last prompt
+    slot: the row writes each of them before it attends to it.
+
+    One contiguous copy per row and array (a loop of dynamic_update_slice), not a scatter of
+    every (row, slot) pair: XLA:CPU runs a scatter one element at a time (a third of a 16-row
+    admission behind a 1,000-token cached prefix went to it).
+    """
+    start = jnp.maximum(first_slot, 0)
+    new = jax.lax.cond(first_slot < 0, lambda n: n.along_slots(lambda x, axis: jnp.roll(x, first_slot, axis)),
+                       lambda n: n, new)
+    batch = cache.v[0].shape[0]
+
+    def write_row(i, arrays):
+        def put(x, rows, axis):
+            at = [row_ids[i]] + [0] * (x.ndim - 1)
+            at[axis] = start
+            return jax.lax.dynamic_update_slice(x, jax.lax.dynamic_slice_in_dim(rows, i, 1, 0), at)
+        k, v = arrays
+        return (tuple(put(x, r, KVCache.K_SLOTS) for x, r in zip(k, new.k)),
+                tuple(put(x, r, KVCache.V_SLOTS) for x, r in zip(v, new.v)))
+
+    k, v = jax.lax.fori_loop(0, jnp.sum(row_ids < batch), write_row, (cache.k, cache.v))
+    return cache._replace(k=k, v=v)
 
 
 # --------------------------------------------------------------------------------------------
@@ -274,7 +317,7 @@ class Generator:
         """
         n, w = tokens.shape
         c = 0 if read is None else read.shape[1]
-        batch, slots = state.last.shape[0], state.cache.slots
+        batch = state.last.shape[0]
         cache = _roll_cache(state.cache, index - state.cache.index, ~state.done)
         if c:
             gather = lambda x, axis: jnp.moveaxis(  # noqa: E731 - pool [1, .., M, ..] -> [n, .., C, ..]
@@ -289,13 +332,7 @@ class Generator:
                 where = (slice(None),) * (axis - 1) + (write,)
                 return x[0].at[where].set(jnp.moveaxis(computed, 0, axis - 1), mode="drop")[None]
             pool = pool.along_slots(store, new)
-        target = index - w + jnp.arange(w)
-        target = jnp.where(target >= 0, target, slots)  # left padding beyond slot 0 is dropped
-
-        def put(x, new, axis):  # new's W slots into x's rows row_ids at slots target
-            where = (row_ids[:, None],) + (slice(None),) * (axis - 1) + (target[None, :],)
-            return x.at[where].set(jnp.moveaxis(new, axis, 1), mode="drop")
-        cache = cache.along_slots(put, new)
+        cache = _write_rows(cache, new, row_ids, index - w)
         cache = cache._replace(start=cache.start.at[row_ids].set(index - lengths, mode="drop"))
         set_rows = lambda x, new: x.at[row_ids].set(new, mode="drop")
         valid = jnp.arange(w)[None, :] >= (w - lengths)[:, None]
@@ -388,7 +425,7 @@ class Generator:
         n = round_up(bucket(len(prompts), 1), self.dp)
         plan = prefix.plan(prompts) if prefix is not None else None
         cached = plan.cached if plan else [0] * len(prompts)
-        t = fine_bucket(max(len(p) - c for p, c in zip(prompts, cached)), grain=MIN_BUCKET)
+        t = prefill_width(max(len(p) - c for p, c in zip(prompts, cached)))
         reuse = [max(0, len(p) - t) for p in prompts]  # <= cached: read from the pool
         c = bucket(max(reuse)) if max(reuse) else 0
         w = c + t
@@ -452,7 +489,7 @@ class Generator:
         `new_index`, copying that span (bucketed) rather than the whole cache. When the bucketed span
         cannot move in one piece, the state comes back unchanged and `admit` rolls the whole cache."""
         slots = state.cache.slots
-        size = min(bucket(index - first), slots)
+        size = min(span_bucket(index - first), slots)
         shift = new_index - index
         source = min(max(index - size, 0), slots - size)
         if shift == 0 or not 0 <= source + shift <= slots - size:
@@ -462,11 +499,11 @@ class Generator:
 
     def warm_moves(self, state):
         """Compile `move` for every span bucket (each call moves nothing)."""
-        size = bucket(1)
+        size = span_bucket(1)
         while size < state.cache.slots:
             self._note("move", size=size, slots=state.cache.slots)
             state = self._move(state, np.int32(0), np.int32(0), size)
-            size *= 2
+            size = span_bucket(size + 1)
         return state
 
     def retire(self, state, rows: Seq[int]):

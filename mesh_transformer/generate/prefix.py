@@ -96,6 +96,10 @@ class PrefixCache:
         new = [self._reserve(p, len(f), serial, used) for p, f, serial in zip(prompts, found, serials)]
         return Plan(cached, found, new)
 
+    def cached_tokens(self, prompt: Seq[int]) -> int:
+        """The prompt tokens an admission now would read from the cache (`plan` without its effects)."""
+        return len(self._lookup(prompt)) * self.block
+
     def forget(self, plan: Plan) -> None:
         """Drop the blocks `plan` reserved (their prefill did not happen)."""
         gone = {slot for new in plan.new for _, slot in new}
