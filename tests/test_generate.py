@@ -398,3 +398,15 @@ def test_16_bit_inference_tracks_float32(tiny, fp32_greedy, dtype, bound):
     lp32 = np.concatenate([s.logprobs[:k] for s, k in zip(seqs32, same)])
     lp16 = np.concatenate([s.logprobs[:k] for s, k in zip(seqs16, same)])
     assert 0 < np.abs(lp16 - lp32).max() < bound
+
+
+def test_decode_leaves_its_matmuls_to_xla_on_cpu(gen):
+    """The decode program is compiled without XLA:CPU's YNNPACK dot fusion (slower for a decode
+    step's few rows: `decode.DECODE_CPU_OPTIONS`); the same function compiled with the defaults
+    would use it."""
+    state = gen.new_state(2, 32)
+    args = (gen.params, state, np.int32(0), np.int32(4), 4, 32)
+    ours = gen._decode.lower(*args).compile().as_text()
+    default = jax.jit(gen._decode_steps, static_argnums=(4, 5, 6)).lower(*args).compile().as_text()
+    assert "ynn_fusion" in default
+    assert "ynn_fusion" not in ours and re.search(r"\bdot\(", ours)
