@@ -8,7 +8,7 @@ client sends its next one), so the call right after requests joined or finished 
 An admission computes at most `admit_tokens` prompt positions (as vLLM bounds a step's batched
 tokens): a burst of 64 prompts joins 16 at a time, each group decoding while the next is prefilled,
 so its first requests see their first tokens after a quarter of the burst's prefill, and the
-prefill runs at the speed of 16 rows (a 64-row prefill behind a cached 1,000-token prefix ran 45%
+prefill runs at the speed of 16 rows (a 64-row prefill behind a cached 1,000-token prefix ran 43%
 slower per row on a CPU).
 A bounded queue refuses work when full (`QueueFull`), every request has a deadline, and `drain`
 stops admitting new work for a graceful shutdown.
