@@ -194,7 +194,7 @@ class Batch:
     def prefill_tokens(self, n: int, uncached: int) -> int:
         """Token positions the prefill of `n` prompts computes when the longest part not in the
         prefix cache is `uncached` tokens (both bucketed, as `Generator.admit` pads them)."""
-        return round_up(bucket(n, 1), self.gen.dp) * prefill_width(uncached)
+        return self.gen.prefill_rows(n) * prefill_width(uncached)
 
     def admit(self, seqs: Seq[Sequence]) -> list[Sequence]:
         """Prefill `seqs` into free rows if they fit now (see `plan`); returns those already finished.

@@ -429,7 +429,7 @@ class Generator:
         bucketed) is read; that keeps each row's slots contiguous whatever its own hit.
         Returns (state, first tokens Emitted [B], done [B], reason [B]).
         """
-        n = round_up(bucket(len(prompts), 1), self.dp)
+        n = self.prefill_rows(len(prompts))
         plan = prefix.plan(prompts) if prefix is not None else None
         cached = plan.cached if plan else [0] * len(prompts)
         t = prefill_width(max(len(p) - c for p, c in zip(prompts, cached)))
@@ -463,6 +463,10 @@ class Generator:
                 prefix.pool = pool
         first, done, reason = jax.device_get((first, state.done, state.reason))
         return state, first, done, reason
+
+    def prefill_rows(self, prompts: int) -> int:
+        """The rows an admission of `prompts` prompts computes (bucketed, a multiple of dp)."""
+        return round_up(bucket(prompts, 1), self.dp)
 
     def decode(self, state, steps: int, first_slot: int = 0, window: Optional[int] = None,
                rows: Optional[int] = None, limit: Optional[int] = None):
