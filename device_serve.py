@@ -29,6 +29,10 @@ def main(argv=None):
                         help="prompt positions one admission (prefill) computes at most: a burst of requests joins in "
                              "groups of about N tokens, each decoding while the next is prefilled (vLLM's "
                              "--max-num-batched-tokens plays this part); a longer prompt is admitted alone")
+    parser.add_argument("--gather-ms", type=float, default=serve.DEFAULT_GATHER * 1000, metavar="MS",
+                        help="when no request is running, how long a new one may wait for others arriving right behind "
+                             "it (clients finishing together send their next requests together): a burst is "
+                             "admitted as one prefill, not as whoever came first and then the rest; 0 disables")
     parser.add_argument("--slots", type=int, help="KV-cache slots per row (default: the model's context)")
     parser.add_argument("--prefix-cache-tokens", type=int, metavar="N",
                         help="keys/values of up to N prompt tokens kept for reuse by prompts that start the same "
@@ -62,6 +66,8 @@ def main(argv=None):
                      f"{args.join_chunk}")
     if args.admit_tokens < 1:
         parser.error(f"--admit-tokens must be at least 1; got {args.admit_tokens}")
+    if args.gather_ms < 0:
+        parser.error(f"--gather-ms must be at least 0; got {args.gather_ms:g}")
     if args.prefix_block < 1 or not (args.prefix_cache_tokens is None or args.prefix_cache_tokens == 0
                                      or args.prefix_cache_tokens >= args.prefix_block):
         parser.error(f"--prefix-cache-tokens must be 0 (off) or at least --prefix-block ({args.prefix_block}), "
@@ -80,7 +86,7 @@ def main(argv=None):
         return status.code
     engine = serve.Engine(model.generator(), model.tokenizer,
                           max_batch=args.max_batch, slots=args.slots, chunk=args.chunk, join_chunk=args.join_chunk,
-                          admit_tokens=args.admit_tokens,
+                          admit_tokens=args.admit_tokens, gather=args.gather_ms / 1000,
                           max_queue=args.max_queue,
                           prefix_cache_tokens=args.prefix_cache_tokens, prefix_block=args.prefix_block,
                           batch_invariant=args.batch_invariant)

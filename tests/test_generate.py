@@ -401,7 +401,7 @@ def test_16_bit_inference_tracks_float32(tiny, fp32_greedy, dtype, bound):
 
 
 def test_decode_leaves_its_matmuls_to_xla_on_cpu(gen):
-    """The decode program is compiled without XLA:CPU's YNNPACK dot fusion (slower for a decode
+    """The float32 decode program is compiled without XLA:CPU's YNNPACK dot fusion (slower for a decode
     step's few rows: `decode.DECODE_CPU_OPTIONS`); the same function compiled with the defaults
     would use it."""
     state = gen.new_state(2, 32)
@@ -410,3 +410,18 @@ def test_decode_leaves_its_matmuls_to_xla_on_cpu(gen):
     default = jax.jit(gen._decode_steps, static_argnums=(4, 5, 6)).lower(*args).compile().as_text()
     assert "ynn_fusion" in default
     assert "ynn_fusion" not in ours and re.search(r"\bdot\(", ours)
+
+
+def test_bf16_decode_holds_no_float32_copy_of_a_weight(tiny):
+    """16-bit decode keeps XLA:CPU's YNNPACK path and gathers embedding rows as integers, so its
+    compiled program makes no float32 array the size of a weight: without either, XLA:CPU converts
+    each bf16 weight (and the embedding table a gather reads) to float32, hoisted out of the loop
+    and held for the call — twice the weights' bytes again (an 8-layer 200M model: 823 MB of
+    temporaries at one row instead of 111)."""
+    model = loading.load(hf=str(tiny.path), mp=1, dp=1, dtype="bfloat16")
+    g = Generator(model.config, model.params, model.mesh)
+    state = g.new_state(2, 32)
+    compiled = g._decode.lower(g.params, state, np.int32(0), np.int32(4), 4, 32).compile()
+    weights = {x.size for x in jax.tree.leaves(g.params) if x.ndim >= 2 and x.dtype == jnp.bfloat16}
+    f32 = {math.prod(int(d) for d in dims.split(",")) for dims in re.findall(r"= f32\[([\d,]+)\]", compiled.as_text())}
+    assert weights and not weights & f32, sorted(weights & f32)

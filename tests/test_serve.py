@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import httpx
 import numpy as np
+import pytest
 
 from mesh_transformer.generate import SamplingOptions
 from mesh_transformer.serve import Engine, create_app
+from mesh_transformer.serve import engine as engine_module
 from tests.helpers import NEW
 from tests.serving import KEY, LIMIT, client, engine, library_text, start_server, url, wait_idle  # noqa: F401
 
@@ -105,6 +108,34 @@ def test_admit_tokens_bounds_each_prefill(gen, tiny):
             engine.stop()
         assert sizes == groups
         assert [s.tokens for s in seqs] == expected
+
+
+@pytest.mark.parametrize("gather", [2.0, 0.0], ids=["gathered", "as_they_come"])
+def test_an_idle_engine_admits_a_burst_together(gen, tiny, monkeypatch, gather):
+    """Requests that arrive one by one, each within the quiet time of the last, while nothing
+    runs: with `gather` the engine waits for the burst and admits it as one group; without, the
+    first joins alone, before the others arrive. Answers are HF's greedy ones either way."""
+    monkeypatch.setattr(engine_module, "GATHER_QUIET", 1.0)  # arrivals 100 ms apart stay "together" on a busy CI
+    prompts = [list(range(10 + i, 20 + i)) for i in range(4)]
+    engine = Engine(gen, None, max_batch=8, chunk=4, gather=gather).start()
+    sizes, admit = [], engine.batch.admit
+    engine.batch.admit = lambda seqs: (sizes.append(len(seqs)), admit(seqs))[1]
+    try:
+        requests = []
+        for p in prompts:
+            requests.append(engine.submit([engine.sequence(p, SamplingOptions(max_new_tokens=NEW, temperature=0.0), None)]))
+            time.sleep(0.1)
+        for request in requests:
+            while not request.finished:
+                request.updated.wait(timeout=60)
+                request.updated.clear()
+    finally:
+        engine.stop()
+    if gather:
+        assert sizes == [4]
+    else:
+        assert sizes[0] == 1 and sum(sizes) == 4
+    assert [r.seqs[0].tokens for r in requests] == [tiny.hf_greedy(p)[0] for p in prompts]
 
 
 def test_original_complete_endpoint(url, gen, tiny):

@@ -144,7 +144,8 @@ def test_chunk_is_the_decode_steps_between_streamed_events(http, gen, tiny):
 
 def test_a_decode_call_of_no_steps_or_an_admission_of_no_tokens_is_refused(tiny):
     for flags, message in ((("--join-chunk", "0"), "--join-chunk must be at least 1 decode step; got 8 and 0"),
-                           (("--admit-tokens", "0"), "--admit-tokens must be at least 1; got 0")):
+                           (("--admit-tokens", "0"), "--admit-tokens must be at least 1; got 0"),
+                           (("--gather-ms", "-5"), "--gather-ms must be at least 0; got -5")):
         proc, _ = launch(tiny.path, *flags)
         out, _ = proc.communicate(timeout=120)
         assert proc.returncode == 2 and message in out, out

@@ -48,10 +48,12 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MIN_BUCKET = 16
-# XLA:CPU hands matmuls to YNNPACK by default. For the decode step's few-row matmuls its own
-# kernels are faster (bench/decode.py on the AVX2 EPYC, 200M GPT-J: 16 rows fp32 145 -> 201 tok/s,
-# bf16 64 rows 184 -> 221, one row 41 -> 43), while prefill's many-row matmuls are faster with
-# YNNPACK (16 x 32 tokens: 671 vs 884 ms), so only the decode program leaves it out.
+# XLA:CPU hands matmuls to YNNPACK by default. For the decode step's few-row float32 matmuls its
+# own kernels are faster (bench/decode.py on the AVX2 EPYC, 200M GPT-J: 16 rows 145 -> 201 tok/s,
+# one row 41 -> 43), while prefill's many-row matmuls are faster with YNNPACK (16 x 32 tokens:
+# 671 vs 884 ms), so only the float32 decode program leaves it out. 16-bit decode keeps YNNPACK:
+# XLA's own kernels take no bf16 operands, so without it every bf16 weight is converted to a
+# float32 copy, hoisted out of the decode loop and held for the call (2x the weights' bytes).
 DECODE_CPU_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
 # Decode batches in 16-bit dtypes have at least 2 rows: with one, XLA:CPU turns each bf16 matmul
 # into a conversion of the weights plus a float32 matvec (10x slower). A spare row costs little:
@@ -223,15 +225,17 @@ class Generator:
     once on the devices (peak: the caller's params plus the largest leaf); the caller must not use
     them afterwards (`loading.LoadedModel.generator` does this).
 
-    `matvec`: store the weights inputs-last (their `ParamInfo.inputs` axes last), for decoding one or two rows
-    at a time: on CPU, batch-1 decode runs about 12% faster (matrix-vector products read such
-    weights faster), batch-16 decode about 12% slower (bench/decode.py). float32 only: 16-bit decode
+    `matvec`: store the weights inputs-last (their `ParamInfo.inputs` axes last), for decoding one row
+    at a time (`device_sample.py`): on CPU, batch-1 decode runs about 12% faster (matrix-vector
+    products read such weights faster), while matmuls of 2 rows or more read them many times
+    slower (a [2, 4096] x [4096, 8192] product: 30x). float32 only: 16-bit decode
     runs matmuls of at least 2 rows (`MIN_ROWS_16BIT`), which read weights faster inputs-first.
     """
 
     def __init__(self, config: ModelConfig, params, mesh: Mesh, matvec: bool = False, donate: bool = False):
         self.config, self.mesh = config, mesh
-        self.min_rows = 1 if jnp.dtype(config.compute_dtype).itemsize >= 4 else MIN_ROWS_16BIT
+        float32 = jnp.dtype(config.compute_dtype).itemsize >= 4
+        self.min_rows = 1 if float32 else MIN_ROWS_16BIT
         self.inputs_last = matvec and self.min_rows == 1  # 2-row matmuls read weights faster inputs-first
         self.mp, self.dp = mesh.shape[parallel.MP], mesh.shape[parallel.DP]
         self.model = models.build(config, self.mp)
@@ -260,7 +264,7 @@ class Generator:
         on_cpu = mesh.devices.flat[0].platform == "cpu"
         self._decode = jax.jit(self._decode_steps, static_argnums=(4, 5, 6), donate_argnums=1,
                                out_shardings=(self.shardings, None),
-                               compiler_options=DECODE_CPU_OPTIONS if on_cpu else None)
+                               compiler_options=DECODE_CPU_OPTIONS if on_cpu and float32 else None)
         self._retire = jax.jit(lambda s, m: s._replace(done=s.done | m), out_shardings=self.shardings,
                                donate_argnums=0)
         self._move = jax.jit(lambda s, source, shift, size: s._replace(cache=_move_slots(s.cache, source, shift, size)),

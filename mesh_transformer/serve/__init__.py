@@ -11,9 +11,9 @@ the original /complete, errors, streaming), `chat` (/v1/chat/completions and cha
 """
 from mesh_transformer.serve.app import API_KEY_ENV, create_app, run
 from mesh_transformer.serve.chat import PLAIN_TEMPLATE, ChatTemplate
-from mesh_transformer.serve.engine import Draining, Engine, QueueFull, Request
+from mesh_transformer.serve.engine import DEFAULT_GATHER, Draining, Engine, QueueFull, Request
 from mesh_transformer.serve.metrics import Metrics
 from mesh_transformer.serve.openai import ApiError
 
-__all__ = ["API_KEY_ENV", "ApiError", "ChatTemplate", "Draining", "Engine", "Metrics", "PLAIN_TEMPLATE", "QueueFull",
-           "Request", "create_app", "run"]
+__all__ = ["API_KEY_ENV", "ApiError", "ChatTemplate", "DEFAULT_GATHER", "Draining", "Engine", "Metrics",
+           "PLAIN_TEMPLATE", "QueueFull", "Request", "create_app", "run"]

@@ -10,6 +10,10 @@ tokens): a burst of 64 prompts joins 16 at a time, each group decoding while the
 so its first requests see their first tokens after a quarter of the burst's prefill, and the
 prefill runs at the speed of 16 rows (a 64-row prefill behind a cached 1,000-token prefix ran 43%
 slower per row on a CPU).
+When nothing is running, a request that arrives waits up to `gather` seconds for the rest of its
+burst (until arrivals pause for `GATHER_QUIET` seconds): clients finishing together send their
+next requests within milliseconds of each other, and admitted as they came (1, then 15) the later
+ones waited for the first group's prefill and paid for two padded prefills (10 rows run as 16).
 A bounded queue refuses work when full (`QueueFull`), every request has a deadline, and `drain`
 stops admitting new work for a graceful shutdown.
 """
@@ -29,6 +33,9 @@ from mesh_transformer.generate.prefix import DEFAULT_BLOCK, PrefixCache, default
 from mesh_transformer.serve.metrics import Metrics
 
 log = logging.getLogger("mesh_transformer.serve")
+
+DEFAULT_GATHER = 0.02  # seconds an idle engine waits for the rest of a burst, at most ...
+GATHER_QUIET = 0.003  # ... while requests keep arriving within this much of each other
 
 
 class QueueFull(Exception):
@@ -86,13 +93,14 @@ class Engine:
     sequences before `submit` raises QueueFull; prefix_cache_tokens: token slots of the prefix
     cache (None: `prefix.default_tokens`; 0: no prefix cache), in blocks of `prefix_block` tokens;
     batch_invariant: decode every row at every step, so answers do not depend on the load
-    (`generate.Batch`).
+    (`generate.Batch`); gather: seconds an idle engine waits for the rest of a burst (0: none).
     """
 
     def __init__(self, generator: Generator, tokenizer, max_batch: int = 16, slots: Optional[int] = None,
                  chunk: int = 8, max_queue: int = 100, metrics: Optional[Metrics] = None,
                  prefix_cache_tokens: Optional[int] = None, prefix_block: int = DEFAULT_BLOCK,
-                 batch_invariant: bool = False, join_chunk: int = 1, admit_tokens: int = 4096):
+                 batch_invariant: bool = False, join_chunk: int = 1, admit_tokens: int = 4096,
+                 gather: float = DEFAULT_GATHER):
         self.gen, self.tokenizer = generator, tokenizer
         slots = slots or generator.config.seq
         if prefix_cache_tokens is None:
@@ -104,6 +112,7 @@ class Engine:
         self.max_queue = max_queue
         self.join_chunk = join_chunk
         self.admit_tokens = admit_tokens
+        self.gather = gather
         self._left = False  # the last decode call finished a sequence (its client may send the next)
         self.metrics = metrics or Metrics()
         self.metrics.watch(queued=lambda: len(self._pending), running=lambda: len(self.batch.active()))
@@ -244,6 +253,8 @@ class Engine:
                     break
                 if self._abort:
                     self._finish_everything(self._abort)
+                elif self._pending and not self.batch.active():
+                    self._gather_burst()
                 group = self._take_admissible()
                 for seq, request in group:
                     self._owner[id(seq)] = request
@@ -252,6 +263,18 @@ class Engine:
             except Exception:  # noqa: BLE001 - fail the affected requests, keep serving
                 log.exception("generation failed; failing the affected requests")
                 self._fail_all(group)
+
+    def _gather_burst(self) -> None:
+        """(Under the lock.) Wait up to `gather` seconds while requests keep arriving (each within
+        `GATHER_QUIET` of the last), so a burst is admitted together."""
+        deadline = time.monotonic() + self.gather
+        while not self._stop and self._abort is None and len(self._pending) < self.batch.size:
+            seen, left = len(self._pending), deadline - time.monotonic()
+            if left <= 0:
+                return
+            self._cv.wait(min(GATHER_QUIET, left))
+            if len(self._pending) == seen:
+                return
 
     def _finish_everything(self, reason: str) -> None:
         """(Under the lock.) Queued sequences end now; running ones are retired by the next step."""
