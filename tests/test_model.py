@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from mesh_transformer import models
-from mesh_transformer.models.layers import RMSNorm
+from mesh_transformer.models.layers import RMSNorm, take_rows
 from mesh_transformer.train.step import Trainer
 from tests.helpers import max_abs_diff, mesh, random_tokens, tiny_config
 
@@ -52,3 +52,19 @@ def test_options_shard_like_the_default(options):
                                            sharded.shard_batch(tokens))
     assert abs(float(loss) - float(loss2)) < 1e-5
     assert max_abs_diff(jax.device_get(grads), jax.device_get(grads2)) < 1e-6
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_take_rows_is_jnp_take_with_its_gradient(dtype):
+    """Embedding rows of a 16-bit table are gathered as integers (so XLA:CPU makes no float32 copy
+    of the table): the same rows, and the same gradient (repeated ids add up), as jnp.take."""
+    rng = np.random.default_rng(0)
+    table = jnp.asarray(rng.normal(size=(10, 4)), dtype)
+    ids = jnp.array([[3, 3, 9], [0, 9, 1]])
+    weights = jnp.asarray(rng.normal(size=(2, 3, 4)), jnp.float32)
+    assert (take_rows(table, ids) == jnp.take(table, ids, axis=0)).all()
+    loss = lambda take: lambda t: (take(t, ids).astype(jnp.float32) * weights).sum()  # noqa: E731
+    ours = jax.grad(loss(take_rows))(table)
+    theirs = jax.grad(loss(lambda t, i: jnp.take(t, i, axis=0)))(table)
+    assert ours.dtype == table.dtype and (ours == theirs).all() and float(jnp.abs(ours[3]).sum()) > 0
+

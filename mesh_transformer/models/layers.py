@@ -460,28 +460,32 @@ class MLP(hk.Module):
 # Embedding and head (vocab-parallel)
 # --------------------------------------------------------------------------------------------
 
-@jax.custom_vjp
 def take_rows(table, ids):
     """`table[ids]` (rows of axis 0). A 16-bit table is gathered as 16-bit integers: XLA:CPU runs a
     bf16 gather on a float32 copy of its whole operand, which inside a decode loop is hoisted and
-    held for the call (a 50k x 4k embedding table: an extra 800 MB). The gradient is jnp.take's."""
-    if jnp.dtype(table.dtype).itemsize != 2 or not jnp.issubdtype(table.dtype, jnp.floating):
-        return jnp.take(table, ids, axis=0)
+    held for the call (a 50k x 4k embedding table: an extra 800 MB)."""
+    if jnp.dtype(table.dtype).itemsize == 2 and jnp.issubdtype(table.dtype, jnp.floating):
+        return _take_as_integers(table, ids)
+    return jnp.take(table, ids, axis=0)
+
+
+@jax.custom_vjp
+def _take_as_integers(table, ids):
     bits = jax.lax.bitcast_convert_type(table, jnp.uint16)
     return jax.lax.bitcast_convert_type(jnp.take(bits, ids, axis=0), table.dtype)
 
 
-def _take_rows_fwd(table, ids):
-    return take_rows(table, ids), (table, ids)
+def _take_as_integers_fwd(table, ids):
+    return _take_as_integers(table, ids), (table, ids)
 
 
-def _take_rows_bwd(residuals, g):
+def _take_as_integers_bwd(residuals, g):  # jnp.take's gradient: g scattered-added into the table's rows
     table, ids = residuals
     _, pullback = jax.vjp(lambda t: jnp.take(t, ids, axis=0), table)
     return pullback(g)[0], None
 
 
-take_rows.defvjp(_take_rows_fwd, _take_rows_bwd)
+_take_as_integers.defvjp(_take_as_integers_fwd, _take_as_integers_bwd)
 
 
 class Embedding(hk.Module):
