@@ -71,7 +71,7 @@ def make_random(path, family="gptj", layers=4, d_model=512, heads=8, vocab=50400
     return model
 
 
-MATVEC_ROWS = 1  # up to this batch, Generator(matvec=True): weights inputs-last
+MATVEC_ROWS = 1  # up to this batch, Generator(matvec=True): weights inputs-last (float32 only)
 
 
 def bench_ours(model, batch: int, prompt_len: int, new: int):
