@@ -82,14 +82,20 @@ def test_greedy_matches_hf_with_weights_stored_inputs_last(tiny):
     assert_matches_hf(tiny, matvec.generate(PROMPTS, greedy(logprobs=0)), PROMPTS)
 
 
+def decode_args(g: Generator) -> tuple:
+    """`Generator._decode`'s arguments for one compiled call: 2 rows, 32 slots, 4 steps."""
+    return g.params, g.new_state(2, 32), np.int32(0), np.int32(4), 4, 32
+
+
 @pytest.mark.parametrize("matvec", [False, True], ids=["inputs_first", "inputs_last"])
 def test_decode_reads_weights_and_cache_in_place(tiny, matvec):
     """The compiled decode loop copies or transposes no weight and no layer's KV cache: each step
     reads them where they are (a copy per step would double a memory-bound step's traffic)."""
     config, params = hf.load_hf(tiny.path, compute_dtype="float32")
     g = Generator(config, params, mesh(1, 1), matvec=matvec)
-    state = g.new_state(2, 32)
-    hlo = g._decode.lower(g.params, state, np.int32(0), np.int32(4), 4, 32).compile().as_text()
+    args = decode_args(g)
+    hlo = g._decode.lower(*args).compile().as_text()
+    state = args[1]
     matrices = [x for x in jax.tree.leaves(g.params) if x.ndim >= 2] + [state.cache.k[0], state.cache.v[0]]
     smallest = min(x.size for x in matrices)
     moved = [[int(d) for d in dims.split(",") if d] for dims in
@@ -404,8 +410,7 @@ def test_decode_leaves_its_matmuls_to_xla_on_cpu(gen):
     """The float32 decode program is compiled without XLA:CPU's YNNPACK dot fusion (slower for a decode
     step's few rows: `decode.DECODE_CPU_OPTIONS`); the same function compiled with the defaults
     would use it."""
-    state = gen.new_state(2, 32)
-    args = (gen.params, state, np.int32(0), np.int32(4), 4, 32)
+    args = decode_args(gen)
     ours = gen._decode.lower(*args).compile().as_text()
     default = jax.jit(gen._decode_steps, static_argnums=(4, 5, 6)).lower(*args).compile().as_text()
     assert "ynn_fusion" in default
@@ -420,8 +425,7 @@ def test_bf16_decode_holds_no_float32_copy_of_a_weight(tiny):
     temporaries at one row instead of 111)."""
     model = loading.load(hf=str(tiny.path), mp=1, dp=1, dtype="bfloat16")
     g = Generator(model.config, model.params, model.mesh)
-    state = g.new_state(2, 32)
-    compiled = g._decode.lower(g.params, state, np.int32(0), np.int32(4), 4, 32).compile()
+    compiled = g._decode.lower(*decode_args(g)).compile()
     weights = {x.size for x in jax.tree.leaves(g.params) if x.ndim >= 2 and x.dtype == jnp.bfloat16}
     f32 = {math.prod(int(d) for d in dims.split(",")) for dims in re.findall(r"= f32\[([\d,]+)\]", compiled.as_text())}
     assert weights and not weights & f32, sorted(weights & f32)

@@ -236,7 +236,7 @@ class Generator:
         self.config, self.mesh = config, mesh
         float32 = jnp.dtype(config.compute_dtype).itemsize >= 4
         self.min_rows = 1 if float32 else MIN_ROWS_16BIT
-        self.inputs_last = matvec and self.min_rows == 1  # 2-row matmuls read weights faster inputs-first
+        self.inputs_last = matvec and float32  # 16-bit: 2-row matmuls read weights faster inputs-first
         self.mp, self.dp = mesh.shape[parallel.MP], mesh.shape[parallel.DP]
         self.model = models.build(config, self.mp)
         self.model.check_mesh(mesh.shape, zero=False)
