@@ -14,7 +14,9 @@ run a model call it first (device_train.py, device_sample.py, device_serve.py, e
 train.py's host workers); the converters, which stream one tensor at a time to disk, do not (with
 freed blocks kept, an export's peak grew from 2.0x to 3.1x the parameters: blocks of many sizes
 fragment the heap). Set MESH_TRANSFORMER_MALLOC=system to leave malloc as it was. Anything but
-glibc (macOS, musl) is left alone.
+glibc (macOS, musl) is left alone. mallopt takes an int, so a block of 2 GiB or more is still
+mmapped and faulted afresh on each call: keep programs' temporaries below that (the serving
+admission once copied a 64-row KV cache, 2.1 GB, and spent a quarter of its time in page faults).
 """
 from __future__ import annotations
 

@@ -160,15 +160,11 @@ def state_specs(layers: int) -> DecodeState:
         last=row, done=row, n_generated=row, reason=row, counts=row2, seen=row2, recent=row2)
 
 
-def _roll_cache(cache: KVCache, shift, running):
-    """Move every row's slots by `shift` (positions are slot - start, so they do not change).
-
-    Only when some row is `running` [B]: otherwise no slot holds anything a row will read, and
-    relabelling the index is enough (a roll of a 64-row cache takes seconds on a CPU: it would be
-    most of a lone request's time to first token).
-    """
-    rolled = jax.lax.cond((shift != 0) & jnp.any(running),
-                          lambda: cache.along_slots(lambda x, axis: jnp.roll(x, shift, axis)), lambda: cache)
+def _roll_cache(cache: KVCache, shift) -> KVCache:
+    """Move every row's slots by `shift` (positions are slot - start, so they do not change): a
+    copy of the whole cache (seconds for a 64-row cache on a CPU), for `Generator.move` only when
+    the running rows' span cannot move in one piece."""
+    rolled = cache.along_slots(lambda x, axis: jnp.roll(x, shift, axis))
     return rolled._replace(start=cache.start + shift, index=cache.index + shift)
 
 
@@ -269,6 +265,8 @@ class Generator:
                                donate_argnums=0)
         self._move = jax.jit(lambda s, source, shift, size: s._replace(cache=_move_slots(s.cache, source, shift, size)),
                              static_argnums=3, donate_argnums=0, out_shardings=self.shardings)
+        self._roll = jax.jit(lambda s, shift: s._replace(cache=_roll_cache(s.cache, shift)),
+                             donate_argnums=0, out_shardings=self.shardings)
 
     def _place(self, params, donate: bool):
         """Per-layer params in the compute dtype (weights inputs-last with `matvec`), on the mesh by
@@ -320,8 +318,9 @@ class Generator:
                     rows: RowOptions, index, read, write):
         """Prefill `tokens` [n, W] into rows `row_ids` [n] (n >= batch: dropped) ending at slot `index`.
 
-        The whole batch first moves to `index` (a roll of the cache; positions do not change), then
-        each new row's prompt fills slots index-length .. index-1 and its first token is sampled.
+        Rows still running must already write at `index` (`move`): the cache is relabelled, not
+        copied, so the program updates it in place. Each new row's prompt fills slots
+        index-length .. index-1 and its first token is sampled.
         Prefix caching (`pool` not None): read [n, C] are pool slots whose keys/values the first C
         of the W slots take (M, the pool's size: none), so only the last W-C tokens are computed;
         write [n, W] the pool slot each of the W slots' keys/values go to afterwards (M: none).
@@ -329,7 +328,8 @@ class Generator:
         n, w = tokens.shape
         c = 0 if read is None else read.shape[1]
         batch = state.last.shape[0]
-        cache = _roll_cache(state.cache, index - state.cache.index, ~state.done)
+        shift = index - state.cache.index  # no row that is running sees it (see above)
+        cache = state.cache._replace(start=state.cache.start + shift, index=index)
         if c:
             gather = lambda x, axis: jnp.moveaxis(  # noqa: E731 - pool [1, .., M, ..] -> [n, .., C, ..]
                 jnp.take(x[0], read, axis=axis - 1, mode="fill", fill_value=0), axis - 1, 0)
@@ -501,19 +501,24 @@ class Generator:
 
     def move(self, state, first: int, index: int, new_index: int):
         """Move the slots running rows use (first .. index-1) so that the write index becomes
-        `new_index`, copying that span (bucketed) rather than the whole cache. When the bucketed span
-        cannot move in one piece, the state comes back unchanged and `admit` rolls the whole cache."""
+        `new_index`, copying that span (bucketed) rather than the whole cache; when the bucketed span
+        cannot move in one piece, the whole cache rolls. Call it before `admit` while rows run."""
         slots = state.cache.slots
         size = min(span_bucket(index - first), slots)
         shift = new_index - index
         source = min(max(index - size, 0), slots - size)
-        if shift == 0 or not 0 <= source + shift <= slots - size:
+        if shift == 0:
             return state
+        if not 0 <= source + shift <= slots - size:
+            self._note("roll", slots=slots)
+            return self._roll(state, np.int32(shift))
         self._note("move", size=size, slots=slots)
         return self._move(state, np.int32(source), np.int32(shift), size)
 
     def warm_moves(self, state):
-        """Compile `move` for every span bucket (each call moves nothing)."""
+        """Compile `move` for every span bucket and the whole-cache roll (each call moves nothing)."""
+        self._note("roll", slots=state.cache.slots)
+        state = self._roll(state, np.int32(0))
         size = span_bucket(1)
         while size < state.cache.slots:
             self._note("move", size=size, slots=state.cache.slots)
