@@ -131,7 +131,7 @@ class Batch:
     """Rows of one DecodeState, filled and emptied as sequences come and go.
 
     All rows share the cache's write index. A group of prompts can join when, after moving the
-    batch to a new index I (a cache roll), every prompt fits in slots [I - length, I) and every
+    batch to a new index I (`Generator.move`), every prompt fits in slots [I - length, I) and every
     row still running has room for its remaining tokens in [I, S). With a `prefix` cache, prompts
     reuse the keys and values of blocks earlier prompts stored there (see `prefix`).
 
