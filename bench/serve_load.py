@@ -23,7 +23,7 @@ steps, and a warm-up that compiles the prefill of 128- and 160-token prompts alo
 
 Peers, each started from its own venv or command:
   vllm          vLLM's CPU build (`bash bench/setup_vllm_venv.sh`): its OpenAI server, prefix caching on
-  transformers  `transformers serve --force-model DIR --continuous-batching` from the project's venv
+  transformers  `transformers serve DIR --continuous-batching` from the project's venv
 """
 from __future__ import annotations
 
@@ -108,7 +108,7 @@ def start_server(peer: str, model_dir: str, dtype: str, ours_args: str, logdir: 
         env.update(VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4"), VLLM_HOST_IP="127.0.0.1",
                    VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
     elif peer == "transformers":
-        cmd = [os.path.join(os.path.dirname(sys.executable), "transformers"), "serve", "--force-model", model_dir,
+        cmd = [os.path.join(os.path.dirname(sys.executable), "transformers"), "serve", model_dir,  # 5.x: positional
                "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype, "--continuous-batching"]
         name = model_dir
     else:
@@ -226,6 +226,7 @@ class Server:
     server; `--temperature 0` avoids it)."""
 
     def __init__(self, peer: str, model_dir: str, args, logdir: str):
+        self.peer = peer
         self.start = lambda: start_server(peer, model_dir, args.dtype, args.server_args, logdir)
         self.proc, self.url, self.name = self.start()
 
@@ -247,6 +248,8 @@ class Server:
 def run_scenarios(url: str, model: str, tokenizer, args, label: str, results: list,
                   server: Optional[Server] = None) -> None:
     body = {"max_tokens": args.max_tokens, "temperature": args.temperature, "ignore_eos": True}
+    if server is not None and server.peer == "transformers":
+        del body["ignore_eos"]  # `transformers serve` answers 422 to it: its rows may stop at EOS (tok/s counts what came)
     for shared in args.shared_prefix:
         for concurrency in args.concurrency:
             revived = server is not None and server.revive()
