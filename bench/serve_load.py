@@ -249,7 +249,7 @@ def run_scenarios(url: str, model: str, tokenizer, args, label: str, results: li
                   server: Optional[Server] = None) -> None:
     body = {"max_tokens": args.max_tokens, "temperature": args.temperature, "ignore_eos": True}
     if server is not None and server.peer == "transformers":
-        del body["ignore_eos"]  # `transformers serve` answers 422 to it: its rows may stop at EOS (tok/s counts what came)
+        del body["ignore_eos"]  # `transformers serve` answers 422 to it
     for shared in args.shared_prefix:
         for concurrency in args.concurrency:
             revived = server is not None and server.revive()
