@@ -516,9 +516,9 @@ class Generator:
         return self._move(state, np.int32(source), np.int32(shift), size)
 
     def warm_moves(self, state):
-        """Compile `move` for every span bucket and the whole-cache roll (each call moves nothing)."""
-        self._note("roll", slots=state.cache.slots)
-        state = self._roll(state, np.int32(0))
+        """Compile `move` for every span bucket (each call moves nothing). The whole-cache roll is
+        left to its first use: it compiles in a fraction of a second, while running it here would
+        copy the whole cache (seconds, and twice the cache's memory at start-up)."""
         size = span_bucket(1)
         while size < state.cache.slots:
             self._note("move", size=size, slots=state.cache.slots)
