@@ -4,20 +4,21 @@
     python bench/decode.py --family llama                    # the same size, LLaMA-shaped (bench/families.py)
     python bench/decode.py --hf ./gpt-j-6b --batches 1 16 --dtypes bfloat16 --new 128
 
-Prints the machine's memory copy bandwidth, and for batch 1 the memory-bandwidth bound on decode
-(every step reads every weight but the embedding table once: those bytes / bandwidth) with our share
-of it. The bandwidth is measured before and after every configuration and the highest value is
-used (a shared machine's bandwidth varies from minute to minute; the highest gives the strictest bound).
-Decode time
-excludes the prompt: ours is timed around the compiled decode loop alone (after a warm-up run that
-compiles it); transformers' is generate(new tokens) - generate(1 token). Ours and transformers run in
-turn, --repeats rounds per configuration (ours, transformers, ours, ...); each reports the median and
-min-max of its rounds. The machine, software and load come first (bench/machine.py); --json prints
-everything as one JSON object.
+Prints the machine's memory copy bandwidth (every core copying at once), and for batch 1 the
+memory-bandwidth bound on decode (every step reads every weight but the embedding table once: those
+bytes / bandwidth) with our share of it. The bandwidth is measured before and after every
+configuration and the highest value is used (a shared machine's bandwidth varies from minute to
+minute; the highest gives the strictest bound). Decode time excludes the prompt: ours is timed
+around the compiled decode loop alone (after a warm-up run that compiles it); transformers' is
+generate(new tokens) - generate(1 token). Ours and transformers run in turn, --repeats rounds per
+configuration (ours, transformers, ours, ...); each reports the median and min-max of its rounds.
+The machine, software and load come first (bench/machine.py); --json prints everything as one JSON
+object.
 """
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import mmap
 import os
@@ -36,21 +37,29 @@ import families  # noqa: E402
 import machine  # noqa: E402
 
 
-def copy_bandwidth(mbytes: int = 256, repeats: int = 5) -> float:
-    """GB/s of a large numpy copy, counting bytes read + written (best of `repeats`).
+def copy_bandwidth(mbytes: int = 512, repeats: int = 5) -> float:
+    """GB/s of a large numpy copy on every core at once (one thread per core, each copying its
+    slice; numpy releases the GIL), counting bytes read + written, best of `repeats`.
 
-    Both arrays are anonymous memory maps, as malloc gives large blocks by default: with the
-    library's malloc setting (`host_memory`, which this script applies) numpy's arrays would come
-    from the heap, where the same copy runs at a third of the speed on the EPYC (9.4 vs 30 GB/s,
-    4 KiB pages), and the bound would understate the machine."""
-    size = mbytes * 2**20
+    Every core, because decode reads its weights with all of XLA's threads: on the AVX-512 EPYC a
+    single thread's copy ran at 40 GB/s and two threads' at 70, and the one-thread figure made
+    decode look 150% of its bound. Both arrays are anonymous memory maps, as malloc gives large
+    blocks by default: with the library's malloc setting (`host_memory`, which this script applies)
+    numpy's arrays would come from the heap, where the same copy runs at a third of the speed on
+    the AVX2 EPYC (9.4 vs 30 GB/s, 4 KiB pages), and the bound would understate the machine."""
+    threads = len(os.sched_getaffinity(0))
+    size = mbytes * 2**20 // (8 * threads) * (8 * threads)
     src, dst = (np.frombuffer(mmap.mmap(-1, size), np.float64) for _ in range(2))
     src[:] = 1.0
+    dst[:] = 0.0
+    step = len(src) // threads
+    parts = [slice(i * step, (i + 1) * step) for i in range(threads)]
     best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        np.copyto(dst, src)
-        best = min(best, time.perf_counter() - t)
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+        for _ in range(repeats):
+            t = time.perf_counter()
+            list(pool.map(lambda part: np.copyto(dst[part], src[part]), parts))
+            best = min(best, time.perf_counter() - t)
     return 2 * src.nbytes / best / 1e9
 
 
@@ -155,7 +164,7 @@ def main(argv=None):
     bandwidths = [copy_bandwidth()]
     log = (lambda *a, **k: None) if args.json else print
     log(f"devices: {jax.devices()}  torch threads: {torch.get_num_threads()}")
-    log(f"memory copy bandwidth (read + write): {bandwidths[0]:.1f} GB/s")
+    log(f"memory copy bandwidth (read + write, every core): {bandwidths[0]:.1f} GB/s")
     with tempfile.TemporaryDirectory() as tmp:
         path = args.hf or tmp
         torch_model = (AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval() if args.hf
