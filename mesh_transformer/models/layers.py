@@ -374,19 +374,12 @@ class Attention(hk.Module):
         # A kv head's g query heads and t positions are one row dimension of both matmuls (g x t rows
         # per kv head): XLA:CPU ran them 17x slower with g and t as separate dimensions (g = 4, t = 1).
         q = q.reshape(b, t, kv, g, hd).transpose(0, 2, 3, 1, 4).reshape(b, kv, g * t, hd).astype(k.dtype)
-        # One row per kv head (one token, no grouping) in a 16-bit dtype: the row is doubled, so that
-        # XLA:CPU hands both matmuls to YNNPACK, which reads the 16-bit cache in place; a one-row
-        # 16-bit matmul it runs on a float32 copy of the layer's cache, made every step (with
-        # `write_slots`: GPT-J in bf16 at 16 rows, bench/decode.py's model, 6-29% faster).
-        doubled = g * t == 1 and k.dtype.itemsize < 4
-        scores = product("bkmh,bkhs->bkms", _twice(q) if doubled else q, k)
-        scores = (scores[:, :, :1] if doubled else scores).reshape(b, kv, g, t, s) / jnp.sqrt(jnp.float32(hd))
+        scores = _rows_product("bkmh,bkhs->bkms", q, k).reshape(b, kv, g, t, s) / jnp.sqrt(jnp.float32(hd))
         if self.spec.alibi:
             scores = scores + self._alibi(kv, g, ctx)
         scores = jnp.where(ctx.mask, scores, jnp.finfo(jnp.float32).min)
         weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype).reshape(b, kv, g * t, s)
-        out = product("bkms,bksh->bkmh", _twice(weights) if doubled else weights, v)
-        out = (out[:, :, :1] if doubled else out).reshape(b, kv, g, t, hd)
+        out = _rows_product("bkms,bksh->bkmh", weights, v).reshape(b, kv, g, t, hd)
         return out.transpose(0, 3, 1, 2, 4).reshape(b, t, n, hd).astype(q.dtype)
 
     def _alibi(self, kv: int, group: int, ctx: Context):
@@ -397,8 +390,15 @@ class Attention(hk.Module):
         return slopes.reshape(1, kv, group, 1, 1) * distance[:, None, None].astype(jnp.float32)
 
 
-def _twice(x):  # [B, K, 1, X] -> [B, K, 2, X], the row repeated
-    return jnp.concatenate([x, x], axis=2)
+def _rows_product(equation: str, rows, other):
+    """`product(equation, rows, other)` for rows [B, K, M, X] (M: a kv head's query rows). A single
+    16-bit row (one token, no grouping) is doubled and the copy's result dropped: XLA:CPU hands a
+    matmul of 2+ rows to YNNPACK, which reads the 16-bit cache in place, but runs a one-row one on
+    a float32 copy of the layer's cache, made every decode step (with `write_slots`: GPT-J in bf16
+    at 16 rows, bench/decode.py's model, 6-29% faster)."""
+    if rows.shape[2] > 1 or not _is_16_bit_float(rows):
+        return product(equation, rows, other)
+    return product(equation, jnp.concatenate([rows, rows], axis=2), other)[:, :, :1]
 
 
 def write_slots(cache, new, index, axis: int):
@@ -406,11 +406,20 @@ def write_slots(cache, new, index, axis: int):
     16-bit integers: XLA:CPU runs a bf16 dynamic-update-slice as float32 over the whole array
     (convert, update, convert back: a full read and write of every layer's cache each decode step)."""
     new = new.astype(cache.dtype)
-    if cache.dtype.itemsize != 2:
-        return jax.lax.dynamic_update_slice_in_dim(cache, new, index, axis)
-    bits = functools.partial(jax.lax.bitcast_convert_type, new_dtype=jnp.uint16)
-    written = jax.lax.dynamic_update_slice_in_dim(bits(cache), bits(new), index, axis)
-    return jax.lax.bitcast_convert_type(written, cache.dtype)
+    update = lambda c, n: jax.lax.dynamic_update_slice_in_dim(c, n, index, axis)
+    return _on_bits(update, cache, new) if _is_16_bit_float(cache) else update(cache, new)
+
+
+def _is_16_bit_float(x) -> bool:
+    return jnp.dtype(x.dtype).itemsize == 2 and jnp.issubdtype(x.dtype, jnp.floating)
+
+
+def _on_bits(op, *arrays):
+    """`op` on 16-bit float arrays viewed as 16-bit integers (pure data movement is bit-exact), its
+    result viewed back: XLA:CPU runs some 16-bit float ops on float32 copies of whole operands."""
+    dtype = arrays[0].dtype
+    bits = op(*(jax.lax.bitcast_convert_type(a, jnp.uint16) for a in arrays))
+    return jax.lax.bitcast_convert_type(bits, dtype)
 
 
 def _fused_attention(q, k, v, ctx: Context):
@@ -487,15 +496,14 @@ def take_rows(table, ids):
     """`table[ids]` (rows of axis 0). A 16-bit table is gathered as 16-bit integers: XLA:CPU runs a
     bf16 gather on a float32 copy of its whole operand, which inside a decode loop is hoisted and
     held for the call (a 50k x 4k embedding table: an extra 800 MB)."""
-    if jnp.dtype(table.dtype).itemsize == 2 and jnp.issubdtype(table.dtype, jnp.floating):
+    if _is_16_bit_float(table):
         return _take_as_integers(table, ids)
     return jnp.take(table, ids, axis=0)
 
 
 @jax.custom_vjp
 def _take_as_integers(table, ids):
-    bits = jax.lax.bitcast_convert_type(table, jnp.uint16)
-    return jax.lax.bitcast_convert_type(jnp.take(bits, ids, axis=0), table.dtype)
+    return _on_bits(lambda bits: jnp.take(bits, ids, axis=0), table)
 
 
 def _take_as_integers_fwd(table, ids):
