@@ -40,6 +40,9 @@ def main(argv=None):
                              "512 MiB, at most 16 contexts; see mesh_transformer/generate/prefix.py)")
     parser.add_argument("--prefix-block", type=int, default=16,
                         help="tokens per prefix-cache block: prompts share cached keys/values in whole blocks")
+    parser.add_argument("--no-prefix-sharing", action="store_true",
+                        help="copy a prompt's cached keys/values into its row instead of every row behind the same "
+                             "prefix reading them from the cache once per step between them (the default)")
     parser.add_argument("--batch-invariant", action="store_true",
                         help="decode all --max-batch rows at every step, so a request's tokens are bit-identical "
                              "whatever else runs (default: only the rows in use, faster when few run; float "
@@ -89,7 +92,7 @@ def main(argv=None):
                           admit_tokens=args.admit_tokens, gather=args.gather_ms / 1000,
                           max_queue=args.max_queue,
                           prefix_cache_tokens=args.prefix_cache_tokens, prefix_block=args.prefix_block,
-                          batch_invariant=args.batch_invariant)
+                          batch_invariant=args.batch_invariant, share_prefix=not args.no_prefix_sharing)
     model.params = None  # the Generator holds its own copy
     if args.warmup is not None:
         engine.warmup(args.warmup or (16,), shared_prefix=args.warmup_prefix)

@@ -17,6 +17,13 @@ fragment the heap). Set MESH_TRANSFORMER_MALLOC=system to leave malloc as it was
 glibc (macOS, musl) is left alone. mallopt takes an int, so a block of 2 GiB or more is still
 mmapped and faulted afresh on each call: keep programs' temporaries below that (the serving
 admission once copied a 64-row KV cache, 2.1 GB, and spent a quarter of its time in page faults).
+
+Compiled programs hold memory maps: XLA:CPU jit-compiles each kernel of a program on its own, with
+a mapping for its code, its constants and its data (about 500 maps for a decode program, whatever
+the depth: identical layers share kernels). Linux caps a process's maps at vm.max_map_count (65,530
+on Debian 12 and Ubuntu 22.04, 1,048,576 on Ubuntu 24.04 and Fedora); past it, the next compile
+fails inside LLVM and the process dies (SIGSEGV). `memory_maps` reads both numbers so a server can
+drop compiled programs before that (`generate.Generator`).
 """
 from __future__ import annotations
 
@@ -50,3 +57,24 @@ def keep_freed_memory() -> bool:
     if not done:
         log.warning("glibc refused a mallopt setting; XLA:CPU buffers may page-fault on every call")
     return done
+
+
+MAPS_PER_PROGRAM = 1000  # a new compiled program's maps, with margin (a decode program: about 500)
+
+
+def memory_maps() -> tuple[int, int] | None:
+    """(memory maps this process holds, the kernel's limit vm.max_map_count); None where unknown."""
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            held = sum(1 for _ in f)
+        with open("/proc/sys/vm/max_map_count") as f:
+            return held, int(f.read())
+    except (OSError, ValueError):
+        return None
+
+
+def room_for_programs(programs: int = 1, keep_free: float = 0.0) -> bool:
+    """Whether `programs` more compiled programs fit under vm.max_map_count with `keep_free` of it
+    still unused (True where unknown)."""
+    maps = memory_maps()
+    return maps is None or maps[0] + programs * MAPS_PER_PROGRAM <= maps[1] * (1 - keep_free)

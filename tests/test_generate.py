@@ -298,13 +298,37 @@ def test_buckets_bound_the_compiled_shapes(gen):
     assert (gen._admit._cache_size(), gen._decode._cache_size()) == compiled
 
 
+def test_near_the_memory_map_limit_compiled_programs_are_dropped_first(tiny, gen, monkeypatch, caplog):
+    """Each XLA:CPU kernel of a compiled program holds memory maps, and a compile past the kernel's
+    vm.max_map_count kills the process: near it, a new shape first drops the generator's programs
+    (they compile again, with the same answers), and a server's warm-up stops instead."""
+    from mesh_transformer import host_memory
+    from mesh_transformer.serve import Engine
+    model = loading.load(hf=str(tiny.path), mp=1, dp=1, dtype="float32")
+    g = Generator(model.config, model.params, model.mesh)
+    g.generate([[5, 6, 7]], greedy())
+    g.generate([[1, 2], [3, 4], [5, 6]], greedy())  # 4 rows
+    assert g._admit._cache_size() == 2
+    two = [[5, 6, 7], [8, 9, 10]]  # 2 rows: new shapes
+    expected = [s.tokens for s in gen.generate(two, greedy())]
+    real, limit = host_memory.memory_maps, host_memory.memory_maps()[0] + host_memory.MAPS_PER_PROGRAM // 2
+    monkeypatch.setattr(host_memory, "memory_maps", lambda: (real()[0], limit))  # no room for one more
+    assert [s.tokens for s in g.generate(two, greedy())] == expected
+    assert g._admit._cache_size() == 1  # the two earlier prefills were dropped before this one compiled
+    assert "vm.max_map_count" in caplog.text
+    engine = Engine(g, None, max_batch=2, chunk=4, prefix_cache_tokens=0)
+    before = set(g.shapes)
+    engine.warmup((5,))
+    assert set(g.shapes) == before and "warm-up stopped" in caplog.text
+
+
 def test_decode_computes_only_the_rows_in_use(gen, monkeypatch):
     """3 requests in a 16-row batch decode 4 rows (bucketed), the same tokens a 4-row batch gives;
     batch-invariant, all 16 rows."""
     prompts, computed = [[5, 6, 7], [8, 9], [10, 11, 12, 13]], []
     decode = gen.decode
-    monkeypatch.setattr(gen, "decode", lambda state, steps, first, window, rows, limit=None: (
-        computed.append(rows), decode(state, steps, first, window, rows, limit))[1])
+    monkeypatch.setattr(gen, "decode", lambda state, steps, first, window, rows, limit=None, **shared: (
+        computed.append(rows), decode(state, steps, first, window, rows, limit, **shared))[1])
 
     def run(rows: int, invariant: bool = False):
         batch = generate.Batch(gen, rows, 64, chunk=4, batch_invariant=invariant)

@@ -27,6 +27,18 @@ def llama_gen(tmp_path_factory):
     return Generator(config, hf.pad_vocab(params, config, config.padded_vocab(2)), mesh(1, 2))
 
 
+@pytest.fixture(scope="module")
+def gptj_dp2_gen(tmp_path_factory):
+    """A random tiny GPT-J with a 96-token context (room for a prefix longer than one prefill), on dp=2."""
+    from mesh_transformer.generate import Generator
+    from mesh_transformer.io import hf
+    from tests.helpers import make_hf_gptj
+    path = tmp_path_factory.mktemp("gptj_96")
+    make_hf_gptj(path, n_positions=96)
+    config, params = hf.load_hf(path, compute_dtype="float32", remat="none")
+    return Generator(config, hf.pad_vocab(params, config, config.padded_vocab(1)), mesh(2, 1))
+
+
 def one_by_one(gen, prompts, options, prefix):
     """Each prompt run alone (with its options) through a 2-row Batch, so later prompts can hit what
     earlier ones stored."""
@@ -64,6 +76,58 @@ def test_prefix_cache_changes_no_output(model, gen, llama_gen):
         assert a.tokens == b.tokens
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=2e-5)
         assert a.top_logprobs == [[(i, pytest.approx(p, abs=2e-5)) for i, p in row] for row in b.top_logprobs]
+
+
+def staggered(gen, prompts, options, prefix, share=True, pool_pressure=None):
+    """prompts[0] alone (it stores the shared blocks), then the others joining a 4-row batch one
+    decode call apart (then `pool_pressure`, while they run) -> (sequences, the pool slots the running
+    rows read and the window's size once all have joined)."""
+    batch = Batch(gen, 4, gen.config.seq, 2, prefix, share_prefix=share)
+    seqs = [gen.sequences([p], o)[0] for p, o in zip(prompts, options)]
+    batch.admit(seqs[:1])
+    while batch.active():
+        batch.step()
+    for seq in seqs[1:]:
+        batch.admit([seq])
+        batch.step()
+    shared, window = len(batch._shared_slots()), batch._window()[1]
+    if pool_pressure:
+        batch.admit(gen.sequences([pool_pressure], options[0]))
+    while batch.active():
+        batch.step()
+    return seqs, shared, window
+
+
+@pytest.mark.parametrize("model", ["gptj_dp2", "llama_gqa_mp2"])
+def test_rows_reading_the_pool_decode_as_with_their_own_copies(model, gptj_dp2_gen, llama_gen):
+    """Rows behind one cached prefix read its blocks from the pool as they decode, all rows at once
+    (`SharedPrefix`): the same tokens and log-probabilities as rows holding copies of it and as no
+    prefix cache at all, with fewer own slots to attend to; the blocks stay pinned while read and
+    are released after; a prompt that needs room meanwhile evicts only blocks no row reads."""
+    g = gptj_dp2_gen if model == "gptj_dp2" else llama_gen
+    vocab, context = g.config.n_vocab, g.config.seq
+    shared = random_tokens((1, (context - 24) // BLOCK * BLOCK), vocab, seed=2)[0].tolist()
+    tails = [random_tokens((1, n), vocab, seed=20 + n)[0].tolist() for n in (2, 5, 3, 1)]
+    prompts = [shared + t for t in tails]
+    greedy = SamplingOptions(max_new_tokens=10, temperature=0.0, logprobs=1)
+    sampled = SamplingOptions(max_new_tokens=10, temperature=0.9, seed=3, repetition_penalty=1.3, logprobs=0)
+    options = [greedy, sampled, greedy, sampled]
+    other = random_tokens((1, len(prompts[0])), vocab, seed=99)[0].tolist()  # no block in common
+    plain, _, _ = staggered(g, prompts, options, None)
+    copies, none_read, copied_window = staggered(g, prompts, options, PrefixCache(g, 64 * BLOCK, BLOCK), share=False)
+    room = len(shared) // BLOCK + 1  # the shared blocks and one more
+    prefix = PrefixCache(g, room * BLOCK, BLOCK)
+    reading, read, window = staggered(g, prompts, options, prefix, pool_pressure=other)
+    assert none_read == 0 and read >= len(shared) - 16 and window < copied_window
+    for a, b, c in zip(plain, copies, reading):
+        assert a.tokens == b.tokens == c.tokens
+        np.testing.assert_allclose(c.logprobs, a.logprobs, atol=2e-5)
+        np.testing.assert_allclose(c.logprobs, b.logprobs, atol=2e-5)
+    assert prefix.evictions > 0 and prefix.stats()["shared_tokens"] == 0  # every reader ended: nothing pinned
+    read_blocks = -(-read // BLOCK)
+    assert prefix.cached_tokens(prompts[1]) >= read_blocks * BLOCK  # never evicted while read
+    longest = random_tokens((1, room * BLOCK), vocab, seed=98)[0].tolist()
+    assert len(prefix.plan([longest]).new[0]) == room  # unpinned, every block is the LRU's to give again
 
 
 def test_table_evicts_least_recently_used_leaves_first(gen):

@@ -12,8 +12,9 @@ import time
 from typing import TYPE_CHECKING, Optional, Sequence as Seq
 
 import jax
+import numpy as np
 
-from mesh_transformer.generate.decode import Emitted, bucket, prefill_width, round_up, span_bucket
+from mesh_transformer.generate.decode import Emitted, bucket, prefill_width, round_up, shared_layout, span_bucket
 from mesh_transformer.generate.sampling import FINISH_REASONS, SamplingOptions
 
 if TYPE_CHECKING:
@@ -133,7 +134,10 @@ class Batch:
     All rows share the cache's write index. A group of prompts can join when, after moving the
     batch to a new index I (`Generator.move`), every prompt fits in slots [I - length, I) and every
     row still running has room for its remaining tokens in [I, S). With a `prefix` cache, prompts
-    reuse the keys and values of blocks earlier prompts stored there (see `prefix`).
+    reuse the keys and values of blocks earlier prompts stored there (see `prefix`), and with
+    `share_prefix` their rows go on reading those blocks from the pool as they decode: every decode
+    call reads the union of the running rows' blocks once for all of them (at most S slots; an
+    admission that would pass that copies its blocks into its rows' own slots instead).
 
     A decode call computes rows 0 .. the last running one, bucketed (the lowest free rows fill
     first), so 3 requests in a 64-row batch cost 4 rows, not 64. The matmuls' float rounding then
@@ -144,15 +148,17 @@ class Batch:
     """
 
     def __init__(self, generator: Generator, rows: int, slots: int, chunk: Optional[int] = 16,
-                 prefix: Optional[PrefixCache] = None, batch_invariant: bool = False):
+                 prefix: Optional[PrefixCache] = None, batch_invariant: bool = False, share_prefix: bool = True):
         self.gen = generator
         self.size, self.slots = round_up(max(rows, generator.min_rows), generator.dp), slots
         self.chunk = chunk
         self.prefix = prefix
         self.batch_invariant = batch_invariant
+        self.share_prefix = share_prefix
         self.state = generator.new_state(self.size, slots)
         self.rows: list[Optional[Sequence]] = [None] * self.size
         self.start = [0] * self.size  # first valid slot of each row (host copy)
+        self.reads = [np.zeros(0, np.int32)] * self.size  # pool slots each row reads (its first positions)
         self.index = 0
         self._retire: set[int] = set()
 
@@ -209,13 +215,17 @@ class Batch:
             self.state = self.gen.move(self.state, self._first_slot(active), self.index, index)
         self.start = [s + index - self.index for s in self.start]
         rows = self.free()[: len(seqs)]
-        self.state, first, done, reason = self.gen.admit(
+        share = self.slots if self.share_prefix and self.prefix is not None else 0
+        self.state, first, done, reason, reads = self.gen.admit(
             self.state, [s.prompt for s in seqs], [s.options for s in seqs], [s.seed for s in seqs], rows, index,
-            self.prefix)
+            self.prefix, share, self._shared_slots())
         self.index = index
-        for r, s in zip(rows, seqs):
+        for r, s, read in zip(rows, seqs, reads):
             self.rows[r] = s
-            self.start[r] = index - len(s.prompt)
+            self.start[r] = index - len(s.prompt) + len(read)
+            self.reads[r] = read
+            if len(read):
+                self.prefix.pin(read)
         return self._absorb(jax.tree.map(lambda x: x[:, None], first), done, reason)
 
     def step(self, limit: Optional[int] = None) -> list[Sequence]:
@@ -229,8 +239,19 @@ class Batch:
         finished = self._absorb(None, None, None)
         if not self.active():
             return finished
-        self.state, out, done, reason, self.index = self.gen.decode(self.state, self.chunk, *self._window(), limit)
+        self.state, out, done, reason, self.index = self.gen.decode(self.state, self.chunk, *self._window(), limit,
+                                                                    shared=self._shared())
         return finished + self._absorb(out, done, reason)
+
+    def _shared_slots(self) -> np.ndarray:
+        """The pool slots the running rows read (sorted, each once)."""
+        return np.unique(np.concatenate([self.reads[r] for r in self.active()] + [np.zeros(0, np.int32)]))
+
+    def _shared(self):
+        """`Generator.decode`'s `shared` for the running rows (None: no row reads the pool)."""
+        if not any(len(self.reads[r]) for r in self.active()):
+            return None
+        return (self.prefix.pool, *shared_layout(self.reads, self.prefix.tokens))
 
     def _window(self) -> tuple[int, int, int]:
         """(first slot, size, rows): the bucketed span of slots the running rows use in the next
@@ -266,6 +287,9 @@ class Batch:
                 continue
             finished.append(s)
             self.rows[r] = None
+            if len(self.reads[r]):
+                self.prefix.unpin(self.reads[r])
+                self.reads[r] = np.zeros(0, np.int32)
         if stopped_here:
             self.state = self.gen.retire(self.state, stopped_here)
         return finished

@@ -25,6 +25,7 @@ vocabulary, L layers, N heads, H head dim.
 """
 from __future__ import annotations
 
+import gc
 import logging
 import math
 from typing import TYPE_CHECKING, Any, Iterator, NamedTuple, Optional, Sequence as Seq
@@ -34,12 +35,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
-from mesh_transformer import models, parallel
+from mesh_transformer import host_memory, models, parallel
 from mesh_transformer.config import ModelConfig
 from mesh_transformer.generate.sampling import (EOS, LENGTH, MAX_STOPS, RUNNING, STOP, STOP_TOKENS, TOP_LOGPROBS,
                                                 RowOptions, SamplingOptions, choose, log_probs, stop_hit, _none,
                                                 penalize)
-from mesh_transformer.models.core import KVCache, unstacked_modules
+from mesh_transformer.models.core import KVCache, SharedPrefix, unstacked_modules
 
 if TYPE_CHECKING:
     from mesh_transformer.generate.batching import Sequence
@@ -149,13 +150,19 @@ def emit(state: DecodeState, logits, active) -> tuple[DecodeState, Emitted]:
 
 KV_SPEC = P(parallel.DP, parallel.MP, None, None)  # each layer's k and v: rows over dp, heads over mp
 POOL_SPEC = P(None, parallel.MP, None, None)  # the prefix cache's pool: one row, heads over mp
+SHARED_SPEC = P(parallel.MP, None, None)  # a SharedPrefix's k and v: heads over mp
+
+
+def shared_specs(layers: int) -> SharedPrefix:
+    """PartitionSpecs of a SharedPrefix: k and v heads over 'mp', positions' rows over 'dp'."""
+    return SharedPrefix((SHARED_SPEC,) * layers, (SHARED_SPEC,) * layers, P(parallel.DP, None))
 
 
 def state_specs(layers: int) -> DecodeState:
     """PartitionSpecs: rows over 'dp'; the cache's heads over 'mp' as well."""
     row, row2, kv = P(parallel.DP), P(parallel.DP, None), (KV_SPEC,) * layers
     return DecodeState(
-        cache=KVCache(kv, kv, row, P()),
+        cache=KVCache(kv, kv, row, P(), row),
         rows=RowOptions(*([row] * 9), P(parallel.DP, None, None), row),
         last=row, done=row, n_generated=row, reason=row, counts=row2, seen=row2, recent=row2)
 
@@ -251,6 +258,10 @@ class Generator:
         self._prefill_after = parallel.shard_map(  # after cached keys/values (prefix caching)
             self._prefill_local, mesh, self.rules, in_specs=prefill_specs + (kv, kv),
             out_specs=(P(parallel.DP, None), kv, kv), inputs_last=self.inputs_last)
+        self._prefill_shared = parallel.shard_map(  # after a SharedPrefix of pool slots
+            lambda p, tokens, start, offset, shared: self._prefill_local(p, tokens, start, offset=offset, shared=shared),
+            mesh, self.rules, in_specs=prefill_specs + (P(parallel.DP), shared_specs(config.layers)),
+            out_specs=(P(parallel.DP, None), kv, kv), inputs_last=self.inputs_last)
         self._new_state = jax.jit(self._empty, static_argnums=(0, 1), out_shardings=self.shardings)
         self.pool_sharding = jax.sharding.NamedSharding(mesh, POOL_SPEC)
         self._new_pool = jax.jit(lambda slots: KVCache.zeros(self.config, 1, slots, mp=self.mp)._replace(
@@ -295,27 +306,30 @@ class Generator:
         rows = RowOptions(jnp.zeros(batch), i32(), jnp.ones(batch), jnp.ones(batch), jnp.zeros(batch),
                           jnp.zeros(batch), jnp.zeros(batch, jnp.uint32), i32(1), i32(-1),
                           jnp.full((batch, MAX_STOPS, STOP_TOKENS), -1, jnp.int32), i32(-1))
-        return DecodeState(KVCache.zeros(self.config, batch, slots, mp=self.mp), rows, i32(),
+        cache = KVCache.zeros(self.config, batch, slots, mp=self.mp)._replace(offset=i32())
+        return DecodeState(cache, rows, i32(),
                            jnp.ones(batch, bool), i32(), i32(), jnp.zeros((batch, vocab), jnp.int32),
                            jnp.zeros((batch, vocab), bool), jnp.full((batch, STOP_TOKENS), -2, jnp.int32))
 
-    def _prefill_local(self, params, tokens, start, cached_k=None, cached_v=None):
+    def _prefill_local(self, params, tokens, start, cached_k=None, cached_v=None, offset=None, shared=None):
         """tokens [n, T] left-padded -> (last logits [n, V], k, v: per layer [n, N, C+T, H] (k: H, C+T)).
 
         cached_k/v: per layer [n, N, H, C] / [n, N, C, H], the keys and values of the C slots before
         the tokens (prefix caching; none: C = 0). start [n]: each row's first valid slot of the C+T.
+        Or `shared` (a SharedPrefix, C = 0): the tokens before each row's T read once for all rows,
+        offset [n] of them (the position of each row's first valid slot).
         """
         n, t = tokens.shape
-        cache = KVCache.zeros(self.config, n, t, start, self.mp, local=True)
+        cache = KVCache.zeros(self.config, n, t, start, self.mp, local=True)._replace(offset=offset)
         if cached_k is not None:
             join = lambda cached, empty, axis: jnp.concatenate([cached, empty], axis)  # noqa: E731
             cache = KVCache(cached_k, cached_v, None, None).along_slots(join, cache)
             cache = cache._replace(start=start, index=jnp.int32(cached_v[0].shape[KVCache.V_SLOTS]))
-        logits, cache = self.model.apply(params, tokens, cache, last_only=True)
+        logits, cache = self.model.apply(params, tokens, cache, last_only=True, shared=shared)
         return parallel.all_gather_mp(logits[:, -1]), cache.k, cache.v
 
     def _admit_rows(self, params, state: DecodeState, pool: Optional[KVCache], tokens, lengths, row_ids,
-                    rows: RowOptions, index, read, write):
+                    rows: RowOptions, index, read, write, offsets, shared_slots=None, shared_positions=None):
         """Prefill `tokens` [n, W] into rows `row_ids` [n] (n >= batch: dropped) ending at slot `index`.
 
         Rows still running must already write at `index` (`move`): the cache is relabelled, not
@@ -324,13 +338,22 @@ class Generator:
         Prefix caching (`pool` not None): read [n, C] are pool slots whose keys/values the first C
         of the W slots take (M, the pool's size: none), so only the last W-C tokens are computed;
         write [n, W] the pool slot each of the W slots' keys/values go to afterwards (M: none).
+        offsets [n]: the first tokens of each prompt that its row reads from the pool while it decodes
+        (a `SharedPrefix`) rather than from its own slots, which then start after them; with
+        shared_slots [U] and shared_positions [n, U] (see `decode`), the prefill reads them that
+        way too (once for all rows, not a gathered copy per row), and only the last W-C slots are
+        written to the rows.
         """
         n, w = tokens.shape
         c = 0 if read is None else read.shape[1]
         batch = state.last.shape[0]
         shift = index - state.cache.index  # no row that is running sees it (see above)
         cache = state.cache._replace(start=state.cache.start + shift, index=index)
-        if c:
+        if shared_slots is not None:
+            shared = _shared_prefix(pool, shared_slots, shared_positions)
+            logits, k, v = self._prefill_shared(params, tokens[:, c:], w - lengths + offsets - c, offsets, shared)
+            write = write[:, c:]
+        elif c:
             gather = lambda x, axis: jnp.moveaxis(  # noqa: E731 - pool [1, .., M, ..] -> [n, .., C, ..]
                 jnp.take(x[0], read, axis=axis - 1, mode="fill", fill_value=0), axis - 1, 0)
             cached = pool.along_slots(gather)
@@ -343,8 +366,9 @@ class Generator:
                 where = (slice(None),) * (axis - 1) + (write,)
                 return x[0].at[where].set(jnp.moveaxis(computed, 0, axis - 1), mode="drop")[None]
             pool = pool.along_slots(store, new)
-        cache = _write_rows(cache, new, row_ids, index - w)
-        cache = cache._replace(start=cache.start.at[row_ids].set(index - lengths, mode="drop"))
+        cache = _write_rows(cache, new, row_ids, index - new.slots)
+        cache = cache._replace(start=cache.start.at[row_ids].set(index - lengths + offsets, mode="drop"),
+                               offset=cache.offset.at[row_ids].set(offsets, mode="drop"))
         set_rows = lambda x, new: x.at[row_ids].set(new, mode="drop")
         valid = jnp.arange(w)[None, :] >= (w - lengths)[:, None]
         prompt_seen = jnp.zeros((n, self.vocab), bool).at[jnp.arange(n)[:, None], tokens].max(valid)
@@ -357,7 +381,7 @@ class Generator:
         state, first = emit(state, full, active)
         return state, pool, first
 
-    def _decode_local(self, params, state: DecodeState, limit, steps: int):
+    def _decode_local(self, params, state: DecodeState, limit, steps: int, shared: Optional[SharedPrefix] = None):
         """Up to `limit` decode steps (`decode` keeps it <= `steps`, the emitted buffer's size),
         stopping early once no row anywhere is running."""
         batch = state.last.shape[0]
@@ -371,7 +395,7 @@ class Generator:
 
         def step(carry):
             i, s, out = carry
-            logits, cache = self.model.apply(params, s.last[:, None], s.cache)
+            logits, cache = self.model.apply(params, s.last[:, None], s.cache, shared=shared)
             s, e = emit(s._replace(cache=cache), parallel.all_gather_mp(logits[:, -1]), ~s.done)
             return i + 1, s, jax.tree.map(lambda o, x: o.at[i].set(x), out, e)
 
@@ -379,21 +403,26 @@ class Generator:
         return state, out
 
     def _decode_steps(self, params, state: DecodeState, first_slot, limit, steps: int, window: int,
-                      rows: Optional[int] = None):
+                      rows: Optional[int] = None, pool: Optional[KVCache] = None, shared_slots=None,
+                      shared_positions=None):
         """Decode rows 0 .. rows-1 (default: all) in slots first_slot .. first_slot+window-1 only:
         attention reads `window` slots, not S, and a lone request in a big batch costs one row's
-        matmuls, not B's (its logits alone are [B, V]). Rows >= `rows` must not be running."""
+        matmuls, not B's (its logits alone are [B, V]). Rows >= `rows` must not be running.
+        With a prefix-cache `pool`, the rows also read its slots `shared_slots` [U] (gathered once
+        per call into a `SharedPrefix`) at positions `shared_positions` [B, U] (-1: not read)."""
         rows = rows or state.last.shape[0]
+        shared = None if pool is None else _shared_prefix(pool, shared_slots, shared_positions[:rows])
         decode = parallel.shard_map(
-            lambda p, s, limit: self._decode_local(p, s, limit, steps), self.mesh, self.rules,
-            in_specs=(self.param_specs, self.specs, P()),
+            lambda p, s, limit, *shared: self._decode_local(p, s, limit, steps, *shared), self.mesh, self.rules,
+            in_specs=(self.param_specs, self.specs, P()) + (() if shared is None else (shared_specs(len(shared.k)),)),
             out_specs=(self.specs, Emitted(*([P(None, parallel.DP)] * 2), *([P(None, parallel.DP, None)] * 2))),
             inputs_last=self.inputs_last)
         full = state.cache
         view = full.along_slots(lambda x, axis: jax.lax.dynamic_slice_in_dim(x[:rows], first_slot, window, axis))
-        view = view._replace(start=full.start[:rows] - first_slot, index=full.index - first_slot)
+        view = view._replace(start=full.start[:rows] - first_slot, index=full.index - first_slot,
+                             offset=full.offset[:rows])
         head = jax.tree.map(lambda x: x[:rows], state._replace(cache=None))
-        part, out = decode(params, head._replace(cache=view), limit)
+        part, out = decode(params, head._replace(cache=view), limit, *(() if shared is None else (shared,)))
         c = part.cache
         batch = full.start.shape[0]
         if rows == batch and window == full.slots:
@@ -406,7 +435,8 @@ class Generator:
                 new = jax.lax.dynamic_slice_in_dim(p, written, span, axis)
                 return jax.lax.dynamic_update_slice_in_dim(whole, new, first_slot + written, axis)
             cache = full.along_slots(put_back, c)
-        cache = cache._replace(start=full.start.at[:rows].set(c.start + first_slot), index=c.index + first_slot)
+        cache = cache._replace(start=full.start.at[:rows].set(c.start + first_slot), index=c.index + first_slot,
+                               offset=full.offset)
         state = jax.tree.map(lambda whole, p: whole.at[:rows].set(p), state._replace(cache=None),
                              part._replace(cache=None))
         pad = lambda x, fill: jnp.pad(x, [(0, 0), (0, batch - rows)] + [(0, 0)] * (x.ndim - 2),  # noqa: E731
@@ -424,14 +454,19 @@ class Generator:
         return self._new_pool(slots)
 
     def admit(self, state, prompts: Seq[Seq[int]], options: Seq[SamplingOptions], seeds: Seq[int],
-              row_ids: Seq[int], index: int, prefix: Optional["PrefixCache"] = None):
+              row_ids: Seq[int], index: int, prefix: Optional["PrefixCache"] = None, share_limit: int = 0,
+              read_now: Seq[int] = ()):
         """Prefill `prompts` into rows `row_ids`, ending at cache slot `index` (the batch's new write index).
 
         With a `prefix` cache, prompt blocks found in it are read rather than computed and the
         prompts' new full blocks are stored in it. The computed part of each prompt is its last T
         tokens (T: the bucket of the longest part not found), the rest (C slots before them,
         bucketed) is read; that keeps each row's slots contiguous whatever its own hit.
-        Returns (state, first tokens Emitted [B], done [B], reason [B]).
+        Sharing: when the pool slots the rows read, with those running rows read already (`read_now`),
+        number at most `share_limit`, the rows keep reading them from the pool while they decode
+        (see `decode`'s `shared`) instead of holding copies in their own slots.
+        Returns (state, first tokens Emitted [B], done [B], reason [B], the pool slots each prompt's
+        row reads while it decodes: its positions 0, 1, .. (none: empty)).
         """
         n = self.prefill_rows(len(prompts))
         plan = prefix.plan(prompts) if prefix is not None else None
@@ -451,13 +486,21 @@ class Generator:
         pad = [options[0]] * (n - len(options))
         rows = RowOptions.stack(list(options) + pad, list(seeds) + [0] * len(pad))
         read = write = pool = None
+        offsets = np.zeros(n, np.int32)
+        reads = [np.zeros(0, np.int32) for _ in prompts]
+        shared = ()
         if prefix is not None:
             read, write = prefix_slots(plan, prefix.block, prefix.tokens, [len(p) for p in prompts], reuse, n, c, w)
+            reading = [read[i, c - r:] for i, r in enumerate(reuse)]
+            if any(reuse) and len(set(read_now).union(*map(set, reading))) <= share_limit:
+                offsets[: len(reuse)], reads = reuse, reading
+                shared = shared_layout(reads + [np.zeros(0, np.int32)] * (n - len(reads)), prefix.tokens)
             pool, prefix.pool = prefix.pool, None
-        self._note("prefill", rows=n, tokens=t, cached=c, batch=batch, slots=state.cache.slots)
+        self._note("prefill", rows=n, tokens=t, cached=c, batch=batch, slots=state.cache.slots,
+                   shared=len(shared[0]) if shared else 0)
         try:
             state, pool, first = self._admit(self.params, state, pool, tokens, lengths, ids, rows, np.int32(index),
-                                             read, write)
+                                             read, write, offsets, *shared)
         except BaseException:
             if prefix is not None:
                 prefix.forget(plan)
@@ -466,14 +509,14 @@ class Generator:
             if prefix is not None and prefix.pool is None:
                 prefix.pool = pool
         first, done, reason = jax.device_get((first, state.done, state.reason))
-        return state, first, done, reason
+        return state, first, done, reason, reads
 
     def prefill_rows(self, prompts: int) -> int:
         """The rows an admission of `prompts` prompts computes (bucketed, a multiple of dp)."""
         return round_up(bucket(prompts, 1), self.dp)
 
     def decode(self, state, steps: int, first_slot: int = 0, window: Optional[int] = None,
-               rows: Optional[int] = None, limit: Optional[int] = None):
+               rows: Optional[int] = None, limit: Optional[int] = None, shared=None):
         """Up to `steps` decode steps -> (state, Emitted [B, steps], done [B], reason [B], write index).
 
         `limit` (default `steps`) stops the call after that many steps with the same compiled
@@ -482,22 +525,45 @@ class Generator:
         Attention reads only slots first_slot .. first_slot+window-1 (default: all): they must hold
         every running row's tokens and the `steps` new ones. Only rows 0 .. rows-1 (default: all)
         are computed: no row beyond them may be running (`Batch` fills the lowest free rows first).
+
+        `shared`: (a prefix cache's pool, slots [U], positions [B, U]): every row also attends to
+        the pool's slots `slots` (the pool's size: padding), slot u at position positions[b, u] of
+        row b (-1: row b does not read it), before the tokens of its own slots (see `admit`).
         """
         window = window or state.cache.slots
         batch = state.last.shape[0]
         rows = batch if rows is None or self.dp > 1 else max(rows, self.min_rows)  # dp: rows split evenly
-        self._note("decode", batch=batch, rows=rows, slots=state.cache.slots, steps=steps, window=window)
+        self._note("decode", batch=batch, rows=rows, slots=state.cache.slots, steps=steps, window=window,
+                   shared=0 if shared is None else len(shared[1]))
         limit = steps if limit is None else min(limit, steps)
-        state, out = self._decode(self.params, state, np.int32(first_slot), np.int32(limit), steps, window, rows)
+        state, out = self._decode(self.params, state, np.int32(first_slot), np.int32(limit), steps, window, rows,
+                                  *(shared or ()))
         out, done, reason, index = jax.device_get((out, state.done, state.reason, state.cache.index))
         return state, out, done, reason, int(index)
 
     def _note(self, program: str, **shape) -> None:
-        """Log each new shape: a compile (seconds to minutes) happens on its first call."""
+        """Log each new shape: a compile (seconds to minutes) happens on its first call. When the
+        process is near its limit of memory maps, drop every program compiled so far first
+        (`host_memory.memory_maps`: past the limit the compile would kill the process)."""
         key = (program, *sorted(shape.items()))
         if key not in self.shapes:
+            if not host_memory.room_for_programs():
+                self.drop_programs()
             self.shapes.add(key)
             log.info("compiling %s for %s", program, ", ".join(f"{k}={v}" for k, v in shape.items()))
+
+    def drop_programs(self) -> None:
+        """Free every compiled program of this generator; each compiles again on its next use
+        (seconds; loaded from the persistent compilation cache if one is set)."""
+        maps = host_memory.memory_maps()
+        for program in (self._decode, self._admit, self._move, self._roll, self._retire, self._new_state,
+                        self._new_pool):
+            program.clear_cache()
+        gc.collect()  # the executables, and with them their kernels' memory maps
+        log.warning("this process holds %s of its %s memory maps (vm.max_map_count), mostly compiled programs: "
+                    "dropped this model's %d; they compile again when used. For room to keep more: "
+                    "sudo sysctl -w vm.max_map_count=1048576", *(maps or ("?", "?")), len(self.shapes))
+        self.shapes.clear()
 
     def move(self, state, first: int, index: int, new_index: int):
         """Move the slots running rows use (first .. index-1) so that the write index becomes
@@ -557,6 +623,26 @@ class Generator:
             raise ValueError(f"{len(prompts)} prompts but {len(options)} SamplingOptions")
         from mesh_transformer.generate.batching import Sequence
         return [Sequence(p, o, self.config.seq, tokenizer) for p, o in zip(prompts, options)]
+
+
+def shared_layout(reads: Seq[np.ndarray], pool_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """The pool slots rows read (reads[b]: row b's, at its positions 0, 1, ..) -> (slots [U]: each
+    once, bucketed with `pool_size` = none; positions [B, U]: slot u's position in row b, -1 if
+    row b does not read it), `decode`'s and the admission's `shared`."""
+    used = np.unique(np.concatenate(list(reads) + [np.zeros(0, np.int32)])).astype(np.int32)
+    slots = np.full(bucket(len(used)), pool_size, np.int32)
+    slots[: len(used)] = used
+    positions = np.full((len(reads), len(slots)), -1, np.int32)
+    for b, row in enumerate(reads):
+        positions[b, np.searchsorted(used, row)] = np.arange(len(row))
+    return slots, positions
+
+
+def _shared_prefix(pool: KVCache, slots, positions) -> SharedPrefix:
+    """The pool's slots `slots` [U] (the pool's size: none, zeros) as a SharedPrefix read at `positions`."""
+    take = lambda x, axis: jnp.take(x[0], slots, axis=axis - 1, mode="fill", fill_value=0)  # noqa: E731
+    gathered = pool.along_slots(take)
+    return SharedPrefix(gathered.k, gathered.v, positions)
 
 
 def round_up(n: int, multiple: int) -> int:

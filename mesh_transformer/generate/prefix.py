@@ -10,6 +10,11 @@ capacity); the host table maps keys to blocks in least-recently-used order, and 
 a free one or evicts the least recently used. A parent is always touched after its children, so
 leaves go first and a chain is never cut in the middle while its tail stays.
 
+Decoding rows may keep reading a prompt's cached blocks from the pool (a `SharedPrefix`: rows
+behind one system prompt read its keys and values once per step between them, not once each from
+copies in their own slots); such blocks are pinned (`pin`) until the last of those rows ends, and
+eviction passes over them.
+
 `plan` is the whole host side of one admission: which prompt tokens are found (`cached`, always
 leaving a prompt's last token to compute, since its logits give the first output token), where
 they live (`found`), and which new full blocks the prefill's keys and values go to (`new`).
@@ -62,19 +67,36 @@ class PrefixCache:
         self.pool = gen.new_pool(self.tokens)  # replaced by each admission (donated to it)
         self._table: collections.OrderedDict[tuple, _Entry] = collections.OrderedDict()  # oldest first
         self._free = list(range(self.blocks))
+        self._pins: collections.Counter[int] = collections.Counter()  # block -> rows reading it
         self._serials = itertools.count(1)
         self.queries = self.hits = self.evictions = 0
 
     def stats(self) -> dict:
         return {"block_tokens": self.block, "capacity_tokens": self.tokens, "cached_tokens": len(self._table) * self.block,
+                "shared_tokens": len(self._pins) * self.block,
                 "queried_tokens": self.queries, "hit_tokens": self.hits,
                 "hit_rate": self.hits / self.queries if self.queries else 0.0, "evicted_blocks": self.evictions}
 
     def clear(self) -> None:
-        """Forget every block and the counters (the pool's contents become unreachable)."""
+        """Forget every block and the counters (the pool's contents become unreachable; pinned
+        blocks stay readable by their rows and become free when unpinned)."""
         self._table.clear()
-        self._free = list(range(self.blocks))
+        self._free = [b for b in range(self.blocks) if b not in self._pins]
         self.queries = self.hits = self.evictions = 0
+
+    def pin(self, slots: Seq[int]) -> None:
+        """A decoding row reads these pool token slots: keep their blocks until `unpin`."""
+        self._pins.update({s // self.block for s in slots})
+
+    def unpin(self, slots: Seq[int]) -> None:
+        """The row reading these slots ended; a block no row reads and the table forgot is free again."""
+        listed = {e.slot for e in self._table.values()}
+        for block in {s // self.block for s in slots}:
+            self._pins[block] -= 1
+            if self._pins[block] <= 0:
+                del self._pins[block]
+                if block not in listed:
+                    self._free.append(block)
 
     def plan(self, prompts: Seq[Seq[int]]) -> Plan:
         """Look every prompt up, then reserve blocks for the full blocks not found.
@@ -143,12 +165,16 @@ class PrefixCache:
         return new
 
     def _take(self, used: set[int]):
-        """A free pool block, else the least recently used one's (None if this admission uses them all)."""
+        """A free pool block, else the least recently used one's that no decoding row reads (None if
+        this admission and those rows use them all)."""
         if self._free:
             return self._free.pop()
-        key, oldest = next(iter(self._table.items()))
-        if oldest.slot in used:
-            return None
-        del self._table[key]
-        self.evictions += 1
-        return oldest.slot
+        for key, oldest in self._table.items():
+            if oldest.slot in self._pins:
+                continue
+            if oldest.slot in used:
+                return None
+            del self._table[key]
+            self.evictions += 1
+            return oldest.slot
+        return None

@@ -56,13 +56,15 @@ class KVCache(NamedTuple):
     place as layers run. These are the layouts attention's two matmuls (q.k^T, then weights.v)
     read, so no step transposes the cache. K is the kv heads (`ModelConfig.cache_heads`). Row b's
     tokens live in slots start[b] .. index-1 (prompts are left-padded to a shared length); the next
-    tokens are written at slot `index`.
+    tokens are written at slot `index`. `offset` [B] (decoding; None: 0): the tokens before a row's
+    first slot that it reads from a `SharedPrefix` instead, so its slot `start` holds position offset.
     """
 
     k: tuple[jax.Array, ...]
     v: tuple[jax.Array, ...]
     start: jax.Array  # [B] int32
     index: jax.Array  # [] int32
+    offset: Optional[jax.Array] = None  # [B] int32
 
     K_SLOTS, V_SLOTS = 3, 2  # the slot axis of each k and v array
 
@@ -86,26 +88,40 @@ class KVCache(NamedTuple):
         return self._replace(k=k, v=v)
 
 
+class SharedPrefix(NamedTuple):
+    """Keys and values several decoding rows share (a prefix-cache block chain), read once per step
+    for all of them instead of once per row from copies in each row's own slots.
+
+    k: one [K, H, U] array per layer, v: one [K, U, H]; positions [B, U] int32: the position each
+    of the U slots holds in row b's sequence, -1 where row b does not read it (the attention mask).
+    """
+
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
+    positions: jax.Array
+
+
 class Transformer(hk.Module):
     def __init__(self, config: ModelConfig, block: Callable, padded_vocab: int):
         super().__init__(name=config.family)
         self.config, self.block, self.padded_vocab = config, block, padded_vocab
 
     def __call__(self, tokens, cache: Optional[KVCache] = None, last_only: bool = False, segments=None,
-                 key_keep=None, logit_positions=None):
+                 key_keep=None, logit_positions=None, shared: Optional[SharedPrefix] = None):
         """tokens [B, T] (int) -> (logits [B, T, V/mp] float32, this shard's vocabulary slice; new cache).
 
         Without a cache the T tokens are positions 0..T-1 under a causal mask (training). With a
         cache they go into slots cache.index .. index+T-1 and attend to every earlier valid slot.
         `last_only` computes logits for the last position only ([B, 1, V/mp]; prefill);
         `logit_positions` [B, K] (int) for those positions only ([B, K, V/mp]; scoring the end of a
-        prompt: the vocabulary head is most of a small model's work).
+        prompt: the vocabulary head is most of a small model's work). `shared` (with a cache):
+        keys and values before each row's own slots that rows share (see `SharedPrefix`).
         Training only: `segments` [B, T] (int) keeps packed examples apart (a token attends to its
         own segment, positions restart at each); `key_keep` [B, T] (bool) drops the keys it marks
         False from every query's view (forgetful causal masking).
         """
         c, stem = self.config, self.config.stem()
-        ctx = _context(tokens.shape, cache, segments, key_keep)._replace(attention=c.attention_impl)
+        ctx = _context(tokens.shape, cache, segments, key_keep, shared)._replace(attention=c.attention_impl)
         dtype = jnp.dtype(c.compute_dtype)
         embedding = Embedding(self.padded_vocab, stem.embed_proj or c.d_model,
                               width_axis="embed_proj" if stem.embed_proj else "embed")
@@ -125,10 +141,11 @@ class Transformer(hk.Module):
             new_k, new_v = [], []
             for i in range(c.layers):
                 with hk.name_scope(unstacked(i)):
-                    x, (k, v) = self.block(c, x, ctx, (cache.k[i], cache.v[i]))
+                    layer = (cache.k[i], cache.v[i]) + ((shared.k[i], shared.v[i]) if shared else ())
+                    x, (k, v) = self.block(c, x, ctx, layer)
                 new_k.append(k)
                 new_v.append(v)
-            cache = KVCache(tuple(new_k), tuple(new_v), cache.start, cache.index + tokens.shape[1])
+            cache = cache._replace(k=tuple(new_k), v=tuple(new_v), index=cache.index + tokens.shape[1])
         if stem.final_norm:
             x = norm(stem.final_norm, c.d_model, c.layer_norm_eps, "ln_f")(x)
         x = x[:, -1:] if last_only else x
@@ -142,7 +159,8 @@ class Transformer(hk.Module):
         return logits, cache
 
 
-def _context(shape, cache: Optional[KVCache], segments=None, key_keep=None) -> Context:
+def _context(shape, cache: Optional[KVCache], segments=None, key_keep=None,
+             shared: Optional[SharedPrefix] = None) -> Context:
     """Positions, mask [B, 1, 1, T, S] and key positions for `shape` = (B, T) new tokens.
 
     segments [B, T]: positions count from each segment's first token and attention stays inside a
@@ -161,10 +179,12 @@ def _context(shape, cache: Optional[KVCache], segments=None, key_keep=None) -> C
             mask = mask & key_keep[:, None, :]
         return Context(positions, mask[:, None, None], positions, causal=segments is None and key_keep is None)
     slots = cache.index + jnp.arange(t)  # [T]
-    positions = jnp.maximum(slots[None, :] - cache.start[:, None], 0)
+    offset = 0 if cache.offset is None else cache.offset[:, None]
+    positions = jnp.maximum(slots[None, :] - cache.start[:, None], 0) + offset
     keys = jnp.arange(cache.slots)  # [S]
     mask = (keys[None, None, :] <= slots[None, :, None]) & (keys[None, None, :] >= cache.start[:, None, None])
-    return Context(positions, mask[:, None, None], keys[None, :] - cache.start[:, None], cache.index)
+    return Context(positions, mask[:, None, None], keys[None, :] - cache.start[:, None] + offset, cache.index,
+                   shared_positions=None if shared is None else shared.positions)
 
 
 def segment_positions(segments):
@@ -218,9 +238,10 @@ class Model:
         return self.transformed.init(rng, tokens)
 
     def apply(self, params, tokens, cache: Optional[KVCache] = None, last_only: bool = False, *,
-              segments=None, key_keep=None, logit_positions=None, rng=None):
+              segments=None, key_keep=None, logit_positions=None, shared: Optional[SharedPrefix] = None, rng=None):
         """`rng`: only LoRA dropout draws from it (None: no dropout)."""
-        return self.transformed.apply(params, rng, tokens, cache, last_only, segments, key_keep, logit_positions)
+        return self.transformed.apply(params, rng, tokens, cache, last_only, segments, key_keep, logit_positions,
+                                      shared)
 
     @functools.cached_property
     def _declared(self):
@@ -289,8 +310,10 @@ def _pairs(params, infos):
 
 def build(config: ModelConfig, block: Callable, mp: int = 1, lora: Optional[parallel.LoRAPlan] = None) -> Model:
     padded = config.padded_vocab(mp)
-    def forward(tokens, cache=None, last_only=False, segments=None, key_keep=None, logit_positions=None):
+    def forward(tokens, cache=None, last_only=False, segments=None, key_keep=None, logit_positions=None,
+                shared=None):
         with parallel.lora_plan(lora):
-            return Transformer(config, block, padded)(tokens, cache, last_only, segments, key_keep, logit_positions)
+            return Transformer(config, block, padded)(tokens, cache, last_only, segments, key_keep, logit_positions,
+                                                      shared)
     transformed = hk.transform(forward)
     return Model(config, mp, transformed, lora)

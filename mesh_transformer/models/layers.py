@@ -304,7 +304,8 @@ class Context(NamedTuple):
     positions [B, T] of the new tokens; mask [B, 1, 1, T, S] (True = may attend);
     key_positions [B, S] (ALiBi); slot_index: the cache slot the T new tokens go to (None: no cache);
     causal: the mask is exactly the causal one (no segments, no dropped keys); attention: the
-    config's implementation ("xla" or "cudnn").
+    config's implementation ("xla" or "cudnn"); shared_positions [B, U]: each row's positions of
+    the shared prefix's U slots, -1 where it does not read one (decoding with a `SharedPrefix`).
     """
 
     positions: jax.Array
@@ -313,6 +314,7 @@ class Context(NamedTuple):
     slot_index: Optional[jax.Array] = None
     causal: bool = False
     attention: str = "xla"
+    shared_positions: Optional[jax.Array] = None
 
 
 class Attention(hk.Module):
@@ -328,7 +330,9 @@ class Attention(hk.Module):
         self.spec = spec
 
     def __call__(self, h, ctx: Context, cache=None):
-        """h [B, T, D], cache (k [B, K, H, S], v [B, K, S, H]) or None.
+        """h [B, T, D], cache (k [B, K, H, S], v [B, K, S, H]) or None; it may be followed by a
+        shared prefix's keys and values (k [K, H, U], v [K, U, H]) that every row reads where
+        `ctx.shared_positions` says.
 
         Returns (RowParallel out [B, T, D], updated (k, v) or None).
         """
@@ -343,12 +347,13 @@ class Attention(hk.Module):
             out = _fused_attention(q, k, v, ctx)
         else:
             k, v = jnp.transpose(k, (0, 2, 3, 1)), jnp.swapaxes(v, 1, 2)  # [B, K, H, T], [B, K, T, H] as cached
+            shared = None
             if cache is not None:
-                cache_k, cache_v = cache
+                cache_k, cache_v, *shared = cache
                 k = write_slots(cache_k, k, ctx.slot_index, 3)
                 v = write_slots(cache_v, v, ctx.slot_index, 2)
                 cache = (k, v)
-            out = self._attend(q, k, v, ctx)  # [B, T, N, H]
+            out = self._attend(q, k, v, ctx, shared or None)  # [B, T, N, H]
         w_out = parallel.weight("out_proj", (n, hd, d), ("heads", "head_dim", "embed"), 2, normal(s.out_std), dt)
         bias = parallel.param("out_bias", (d,), ("embed",), ZEROS, dt) if s.out_bias else None
         return RowParallel(dense("btnh,nhd->btd", out, w_out), bias), cache
@@ -366,8 +371,13 @@ class Attention(hk.Module):
         x = dense("btd,dnh->btnh", h, w)
         return x if b is None else x + b
 
-    def _attend(self, q, k, v, ctx: Context):
-        """q [B, T, N, H], k [B, K, H, S], v [B, K, S, H] -> [B, T, N, H] (softmax in float32)."""
+    def _attend(self, q, k, v, ctx: Context, shared=None):
+        """q [B, T, N, H], k [B, K, H, S], v [B, K, S, H] -> [B, T, N, H] (softmax in float32).
+
+        shared (k [K, H, U], v [K, U, H]) or None: slots every row may read (`ctx.shared_positions`),
+        one softmax over them and the row's own S slots. Their products take all rows' queries at
+        once ([K, B x G x T] rows), so the U slots are read once per step, not once per row.
+        """
         b, t, n, hd = q.shape
         kv, s = k.shape[1], k.shape[3]
         g = n // kv
@@ -376,17 +386,31 @@ class Attention(hk.Module):
         q = q.reshape(b, t, kv, g, hd).transpose(0, 2, 3, 1, 4).reshape(b, kv, g * t, hd).astype(k.dtype)
         scores = _rows_product("bkmh,bkhs->bkms", q, k).reshape(b, kv, g, t, s) / jnp.sqrt(jnp.float32(hd))
         if self.spec.alibi:
-            scores = scores + self._alibi(kv, g, ctx)
+            scores = scores + self._alibi(kv, g, ctx.key_positions, ctx.positions)
         scores = jnp.where(ctx.mask, scores, jnp.finfo(jnp.float32).min)
-        weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype).reshape(b, kv, g * t, s)
-        out = _rows_product("bkms,bksh->bkmh", weights, v).reshape(b, kv, g, t, hd)
-        return out.transpose(0, 3, 1, 2, 4).reshape(b, t, n, hd).astype(q.dtype)
+        if shared is not None:
+            scores = jnp.concatenate([self._shared_scores(q, shared[0], ctx, g, t), scores], axis=-1)
+        weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype).reshape(b, kv, g * t, -1)
+        out = _rows_product("bkms,bksh->bkmh", weights[..., -s:], v)
+        if shared is not None:
+            out = out + _all_rows_product(weights[..., :-s], shared[1])
+        return out.reshape(b, kv, g, t, hd).transpose(0, 3, 1, 2, 4).reshape(b, t, n, hd).astype(q.dtype)
 
-    def _alibi(self, kv: int, group: int, ctx: Context):
-        """[B, K, G, T, S] bias: -slope * distance from each query back to each key."""
+    def _shared_scores(self, q, shared_k, ctx: Context, g: int, t: int):
+        """q [B, K, G x T, H] . shared_k [K, H, U] -> masked scores [B, K, G, T, U] (float32)."""
+        b, kv, _, hd = q.shape
+        scores = _all_rows_product(q, shared_k).reshape(b, kv, g, t, -1) / jnp.sqrt(jnp.float32(hd))
+        positions = ctx.shared_positions  # [B, U]
+        if self.spec.alibi:
+            scores = scores + self._alibi(kv, g, positions, ctx.positions)
+        return jnp.where((positions >= 0)[:, None, None, None, :], scores, jnp.finfo(jnp.float32).min)
+
+    def _alibi(self, kv: int, group: int, key_positions, positions):
+        """[B, K, G, T, S] bias: -slope * distance from each query (positions [B, T]) back to each key
+        (key_positions [B, S])."""
         n_local = kv * group
         slopes = jnp.take(alibi_slopes(self.spec.n_heads), parallel.mp_index() * n_local + jnp.arange(n_local))
-        distance = ctx.key_positions[:, None, :] - ctx.positions[:, :, None]  # [B, T, S], <= 0 where attended
+        distance = key_positions[:, None, :] - positions[:, :, None]  # [B, T, S], <= 0 where attended
         return slopes.reshape(1, kv, group, 1, 1) * distance[:, None, None].astype(jnp.float32)
 
 
@@ -399,6 +423,14 @@ def _rows_product(equation: str, rows, other):
     if rows.shape[2] > 1 or not _is_16_bit_float(rows):
         return product(equation, rows, other)
     return product(equation, jnp.concatenate([rows, rows], axis=2), other)[:, :, :1]
+
+
+def _all_rows_product(rows, shared):
+    """rows [B, K, M, X] . shared [K, X, Y] -> [B, K, M, Y]: one matmul of B x M rows per kv head,
+    so the shared operand (which has no row axis) is read once for all rows."""
+    b, kv, m, _ = rows.shape
+    out = product("knx,kxy->kny", jnp.swapaxes(rows, 0, 1).reshape(kv, b * m, -1), shared)
+    return jnp.swapaxes(out.reshape(kv, b, m, -1), 0, 1)
 
 
 def write_slots(cache, new, index, axis: int):

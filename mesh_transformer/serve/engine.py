@@ -28,11 +28,14 @@ from typing import Iterable, Optional
 
 import numpy as np
 
+from mesh_transformer import host_memory
 from mesh_transformer.generate import Batch, Generator, SamplingOptions, Sequence, bucket
+from mesh_transformer.generate.decode import prefill_width
 from mesh_transformer.generate.prefix import DEFAULT_BLOCK, PrefixCache, default_tokens
 from mesh_transformer.serve.metrics import Metrics
 
 log = logging.getLogger("mesh_transformer.serve")
+WARM_KEEPS_FREE = 0.25  # of the process's memory maps (vm.max_map_count): warm-up leaves it to traffic's shapes
 
 DEFAULT_GATHER = 0.02  # seconds an idle engine waits for the rest of a burst, at most ...
 GATHER_QUIET = 0.003  # ... while requests keep arriving within this much of each other
@@ -93,20 +96,23 @@ class Engine:
     sequences before `submit` raises QueueFull; prefix_cache_tokens: token slots of the prefix
     cache (None: `prefix.default_tokens`; 0: no prefix cache), in blocks of `prefix_block` tokens;
     batch_invariant: decode every row at every step, so answers do not depend on the load
-    (`generate.Batch`); gather: seconds an idle engine waits for the rest of a burst (0: none).
+    (`generate.Batch`); gather: seconds an idle engine waits for the rest of a burst (0: none);
+    share_prefix: rows read their prompts' cached blocks from the prefix cache's pool while they
+    decode, once per step for all of them, instead of holding copies (`generate.Batch`).
     """
 
     def __init__(self, generator: Generator, tokenizer, max_batch: int = 16, slots: Optional[int] = None,
                  chunk: int = 8, max_queue: int = 100, metrics: Optional[Metrics] = None,
                  prefix_cache_tokens: Optional[int] = None, prefix_block: int = DEFAULT_BLOCK,
                  batch_invariant: bool = False, join_chunk: int = 1, admit_tokens: int = 4096,
-                 gather: float = DEFAULT_GATHER):
+                 gather: float = DEFAULT_GATHER, share_prefix: bool = True):
         self.gen, self.tokenizer = generator, tokenizer
         slots = slots or generator.config.seq
         if prefix_cache_tokens is None:
             prefix_cache_tokens = default_tokens(generator.config, slots, prefix_block)
         self._prefix = (prefix_cache_tokens, prefix_block)
-        self.batch = Batch(generator, max_batch, slots, chunk, self._new_prefix_cache(), batch_invariant)
+        self.batch = Batch(generator, max_batch, slots, chunk, self._new_prefix_cache(), batch_invariant, share_prefix)
+        self._warm_full = False  # warm-up stopped at the process's limit of memory maps
         self.context = min(generator.config.seq, self.batch.slots)  # prompt + output must fit a row
         self.max_new_tokens = self.context - 1
         self.max_queue = max_queue
@@ -146,6 +152,7 @@ class Engine:
         Call before `start`; otherwise the first requests of each shape wait for the compiler
         (prefill compiles once per group-size bucket and prompt-length bucket).
         """
+        self._warm_full = False
         options = SamplingOptions(max_new_tokens=min(self.batch.chunk + 1, self.max_new_tokens), temperature=0.0)
         longest = self.context - options.max_new_tokens
         rng = np.random.RandomState(0)
@@ -164,20 +171,53 @@ class Engine:
                 n *= 2
         # Decode attends to a window of the cache bucketed to powers of two (16 .. slots) and computes
         # the rows up to the last running one, bucketed (1 .. max_batch); a long request would
-        # otherwise compile each size on its way (seconds each, mid-request).
-        for rows in sorted({self.batch.row_bucket(r) for r in range(1, self.batch.size + 1)}):
-            window = bucket(1)
-            while True:
-                window = min(window, self.batch.slots)
-                self.batch.state, *_ = self.gen.decode(self.batch.state, self.batch.chunk, 0, window, rows)  # none runs
-                if window == self.batch.slots:
-                    break
-                window *= 2
-        self.batch.state = self.gen.warm_moves(self.batch.state)  # admission moves the running rows' slots
+        # otherwise compile each size on its way (seconds each, mid-request). Rows behind the shared
+        # prefix also read its pool slots (bucketed): those programs too. Smaller windows first:
+        # what does not fit under the process's limit of memory maps is left out (see `_room`).
+        readings = [None] + self._warm_readings(prompt_tokens, shared_prefix, longest)
+        rows = sorted({self.batch.row_bucket(r) for r in range(1, self.batch.size + 1)})
+        windows = sorted({min(bucket(1) << i, self.batch.slots) for i in range(self.batch.slots.bit_length())})
+        for window in windows:
+            for r in rows:
+                for reading in readings:
+                    if not self._room(f"decode over {window} slots"):
+                        break
+                    self.batch.state, *_ = self.gen.decode(self.batch.state, self.batch.chunk, 0, window, r,
+                                                           shared=reading)  # none runs
+        if self._room("cache moves"):
+            self.batch.state = self.gen.warm_moves(self.batch.state)  # admission moves the running rows' slots
         if self.batch.prefix is not None:
             self.batch.prefix.clear()  # the warm-up prompts are no one's prefix
 
+    def _warm_readings(self, prompt_tokens: Iterable[int], shared_prefix: int, longest: int) -> list:
+        """`Generator.decode`'s `shared` for rows behind a `shared_prefix`-token cached prefix with
+        prompts of these lengths (one per pool-slot bucket they read; none when not sharing)."""
+        if not (shared_prefix and self.batch.prefix is not None and self.batch.share_prefix):
+            return []
+        block, common = self.batch.prefix.block, min(shared_prefix, longest - 1)
+        reads = set()
+        for length in prompt_tokens:
+            total = common + max(1, min(length, longest - common))
+            cached = min(common // block, (total - 1) // block) * block
+            reads.add(bucket(max(1, total - prefill_width(total - cached))))
+        return [(self.batch.prefix.pool, np.full(u, self.batch.prefix.tokens, np.int32),
+                 np.full((self.batch.size, u), -1, np.int32)) for u in sorted(reads)]
+
+    def _room(self, what: str) -> bool:
+        """Whether one more program fits under the process's limit of memory maps, a quarter of it
+        left for the shapes traffic brings (else warm-up stops: compiling past the limit would make
+        the generator drop every program, see `Generator._note`)."""
+        if host_memory.room_for_programs(1, keep_free=WARM_KEEPS_FREE):
+            return True
+        if not self._warm_full:
+            log.warning("warm-up stopped before %s: the process is near its limit of memory maps "
+                        "(vm.max_map_count; raise it to warm more shapes)", what)
+        self._warm_full = True
+        return False
+
     def _warm(self, prompts: list[list[int]], options: SamplingOptions) -> None:
+        if not self._room(f"the prefill of {len(prompts)} x {len(prompts[0])} tokens"):
+            return
         self.batch.admit([Sequence(p, options, self.context) for p in prompts])
         while self.batch.active():
             self.batch.step()
@@ -360,7 +400,7 @@ class Engine:
         self._timing.clear()
         # a failed admission may have consumed the pool (donated) or left blocks unfilled: start afresh
         self.batch = Batch(self.gen, self.batch.size, self.batch.slots, self.batch.chunk, self._new_prefix_cache(),
-                           self.batch.batch_invariant)
+                           self.batch.batch_invariant, self.batch.share_prefix)
 
     def generate(self, prompt_ids: list[int], options: SamplingOptions, timeout: Optional[float] = None) -> Sequence:
         """Blocking helper (tests, scripts): one sequence through the queue."""
