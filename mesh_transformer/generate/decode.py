@@ -8,7 +8,9 @@ A batch is a fixed set of rows sharing one `model.KVCache` (per layer k [B, N, H
 v [B, N, S, H]), a shared write index and a per-row first valid slot. Requests join a batch
 (`admit`: prefill, write the prompt's keys/values ending at the shared index, sample the first
 token) and leave it (EOS, stop sequence, length, or the host retiring them) independently, so a
-server can add requests while others decode (`Batch`, also what `generate` uses).
+server can add requests while others decode (`Batch`, also what `generate` uses). Rows whose
+prompts start with prefix-cache blocks can read those from the cache's pool instead of their own
+slots (`SharedPrefix`, read once per step for all rows; see `admit` and `decode`).
 
 Sharding is training's: parameters by the MEGATRON table (split into per-layer arrays, see
 `models.core.unstack_layers`), the cache with heads over 'mp' and rows over 'dp', the model inside
