@@ -77,6 +77,14 @@ def fine_bucket(n: int, per_octave: int = 4, grain: int = 8) -> int:
     return round_up(max(n, 1), max(grain, bucket(n, 1) // (2 * per_octave)))
 
 
+def computed_and_read(lengths: Seq[int], cached: Seq[int]) -> tuple[int, list[int]]:
+    """An admission of prompts of these lengths, with `cached` of each in the prefix cache ->
+    (the tokens its prefill computes per row, the first tokens of each prompt it reads from the
+    pool instead; at most `cached`)."""
+    t = prefill_width(max(n - c for n, c in zip(lengths, cached)))
+    return t, [max(0, n - t) for n in lengths]
+
+
 def prefill_width(uncached: int) -> int:
     """The tokens a prefill computes per row: the longest prompt part not read from the prefix
     cache, bucketed (4 sizes per power of two)."""
@@ -473,8 +481,7 @@ class Generator:
         n = self.prefill_rows(len(prompts))
         plan = prefix.plan(prompts) if prefix is not None else None
         cached = plan.cached if plan else [0] * len(prompts)
-        t = prefill_width(max(len(p) - c for p, c in zip(prompts, cached)))
-        reuse = [max(0, len(p) - t) for p in prompts]  # <= cached: read from the pool
+        t, reuse = computed_and_read([len(p) for p in prompts], cached)
         c = bucket(max(reuse)) if max(reuse) else 0
         w = c + t
         tokens = np.zeros((n, w), np.int32)

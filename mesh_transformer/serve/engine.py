@@ -30,7 +30,7 @@ import numpy as np
 
 from mesh_transformer import host_memory
 from mesh_transformer.generate import Batch, Generator, SamplingOptions, Sequence, bucket
-from mesh_transformer.generate.decode import prefill_width
+from mesh_transformer.generate.decode import computed_and_read
 from mesh_transformer.generate.prefix import DEFAULT_BLOCK, PrefixCache, default_tokens
 from mesh_transformer.serve.metrics import Metrics
 
@@ -198,8 +198,8 @@ class Engine:
         reads = set()
         for length in prompt_tokens:
             total = common + max(1, min(length, longest - common))
-            cached = min(common // block, (total - 1) // block) * block
-            reads.add(bucket(max(1, total - prefill_width(total - cached))))
+            cached = min(common // block, (total - 1) // block) * block  # what `PrefixCache.plan` finds
+            reads.add(bucket(computed_and_read([total], [cached])[1][0]))
         return [(self.batch.prefix.pool, np.full(u, self.batch.prefix.tokens, np.int32),
                  np.full((self.batch.size, u), -1, np.int32)) for u in sorted(reads)]
 
