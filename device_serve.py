@@ -30,9 +30,10 @@ def main(argv=None):
                              "groups of about N tokens, each decoding while the next is prefilled (vLLM's "
                              "--max-num-batched-tokens plays this part); a longer prompt is admitted alone")
     parser.add_argument("--gather-ms", type=float, default=serve.DEFAULT_GATHER * 1000, metavar="MS",
-                        help="when no request is running, how long a new one may wait for others arriving right behind "
-                             "it (clients finishing together send their next requests together): a burst is "
-                             "admitted as one prefill, not as whoever came first and then the rest; 0 disables")
+                        help="when no request is running, how long new ones may wait for the rest of their burst "
+                             "(as many as the last decode call finished, or others arriving right behind them: "
+                             "clients finishing together send their next requests together): a burst is admitted "
+                             "as one prefill, not as whoever came first and then the rest; 0 disables")
     parser.add_argument("--slots", type=int, help="KV-cache slots per row (default: the model's context)")
     parser.add_argument("--prefix-cache-tokens", type=int, metavar="N",
                         help="keys/values of up to N prompt tokens kept for reuse by prompts that start the same "

@@ -22,8 +22,8 @@ from mesh_transformer.config import ConfigError, config_from_dict
 from mesh_transformer.generate import Generator, SamplingOptions
 from mesh_transformer.io import hf
 from mesh_transformer.train.step import Trainer
-from tests.helpers import (FAMILY_CASES, PARITY_TOL, config_for, hf_greedy, hf_logits, make_hf_model, mesh,
-                           parity_error, random_tokens)
+from tests.helpers import (FAMILY_CASES, PARITY_TOL, config_for, hf_greedy, hf_logits, make_hf_model,
+                           max_abs_diff, mesh, parity_error, random_tokens)
 
 TOL = PARITY_TOL
 FAMILY_OF = {"gptj": "gptj", "gpt_neox": "gpt_neox", "gpt_neox_sequential": "gpt_neox", "qwen2": "llama",
@@ -314,6 +314,38 @@ def test_alibi_generation_equals_the_full_forward_pass():
         for _ in range(5):
             tokens.append(int(np.argmax(np.asarray(forward(params, np.asarray([tokens])))[0, -1, :config.n_vocab])))
         assert out.tokens == tokens[len(prompt):]
+
+
+@pytest.mark.parametrize("family", ["gptj", "llama", "llama_alibi"])
+def test_prefill_in_query_blocks_equals_one_block(family, monkeypatch):
+    """A prefill's attention in blocks of one row and a few positions (as on a CPU for big prompts;
+    here forced with a tiny budget: 13 positions in 2 blocks of 7, the last padded) gives the
+    logits and keys/values of one block, with left-padded rows, a shared prefix two rows read
+    different parts of, grouped-query heads (llama) and ALiBi's distances."""
+    from mesh_transformer.models import layers
+    from mesh_transformer.models.core import KVCache, SharedPrefix, unstack_layers
+    config = config_from_dict({**TRAIN_BASE, **TRAIN_CASES[family], "remat": "none", "seq": 32}).model
+    model = models.build(config)
+    params = unstack_layers(model.init(jax.random.key(0)), config.layers)
+    params = jax.tree.map(lambda x: x * 4 if x.ndim > 1 else x, params)  # attention far from uniform
+    rng = np.random.RandomState(0)
+    b, t, u, kv, hd = 2, 13, 8, config.cache_heads(1), config.head_dim
+    shared = SharedPrefix(tuple(rng.randn(kv, hd, u).astype(np.float32) for _ in range(config.layers)),
+                          tuple(rng.randn(kv, u, hd).astype(np.float32) for _ in range(config.layers)),
+                          np.array([np.arange(u), np.where(np.arange(u) < 5, np.arange(u), -1)], np.int32))
+    cache = KVCache.zeros(config, b, t, start=np.array([0, 3]))._replace(offset=np.array([u, 5], np.int32))
+    tokens = random_tokens((b, t), config.n_vocab, seed=5)
+
+    def prefill(budget):
+        monkeypatch.setattr(layers, "SCORES_PER_BLOCK", budget)
+        logits, new = jax.jit(lambda p: model.apply(p, tokens, cache, shared=shared))(params)
+        return jax.device_get((logits[..., :config.n_vocab], new.k, new.v))
+
+    assert layers.query_block(b, t, config.n_heads * (t + u)) is None  # these shapes fit one block ...
+    monkeypatch.setattr(layers, "SCORES_PER_BLOCK", 16)
+    assert layers.query_block(b, t, config.n_heads * (t + u)) == 7  # ... unless the budget is tiny
+    whole, blocked = prefill(1 << 40), prefill(16)
+    assert max_abs_diff(whole, blocked) < 1e-5 * max(float(np.max(np.abs(whole[0]))), 1.0)
 
 
 def test_loss_and_grads_match_hf_autograd(case, tmp_path):

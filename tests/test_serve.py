@@ -138,6 +138,40 @@ def test_an_idle_engine_admits_a_burst_together(gen, tiny, monkeypatch, gather):
     assert [r.seqs[0].tokens for r in requests] == [tiny.hf_greedy(p)[0] for p in prompts]
 
 
+def test_clients_that_finished_together_are_admitted_together_when_they_come_back(gen, tiny):
+    """Three requests finish in the same decode call; their clients' next requests come back 100 ms
+    apart (far more than GATHER_QUIET): the idle engine waits for all three (as many as finished)
+    and prefills them as one group. A lone request long after (past `gather`) is not held back."""
+    prompts = [list(range(10 + i, 20 + i)) for i in range(3)]
+    options = SamplingOptions(max_new_tokens=NEW, temperature=0.0)
+    engine = Engine(gen, None, max_batch=8, chunk=4, gather=2.0).start()
+    admitted, admit = [], engine.batch.admit  # (rows, when)
+    engine.batch.admit = lambda seqs: (admitted.append((len(seqs), time.monotonic())), admit(seqs))[1]
+
+    def wait(requests):
+        for request in requests:
+            while not request.finished:
+                request.updated.wait(timeout=60)
+                request.updated.clear()
+
+    try:
+        wait([engine.submit([engine.sequence(p, options, None)]) for p in prompts])  # 3 clients at once
+        came_back = []
+        for p in prompts:
+            came_back.append(engine.submit([engine.sequence(p, options, None)]))
+            time.sleep(0.1)
+        wait(came_back)
+        time.sleep(2.5)  # past `gather` after the last call: nothing is expected any more
+        lone = engine.submit([engine.sequence(prompts[0], options, None)])
+        wait([lone])
+    finally:
+        engine.stop()
+    assert [rows for rows, _ in admitted] == [3, 3, 1]
+    held = admitted[-1][1] - lone.submitted
+    assert held < 1.0, f"a lone request waited {held:.2f} s for a burst that had already come back"
+    assert [r.seqs[0].tokens for r in came_back] == [tiny.hf_greedy(p)[0] for p in prompts]
+
+
 def test_original_complete_endpoint(url, gen, tiny):
     headers = {"Authorization": f"Bearer {KEY}"}
     r = httpx.post(f"{url}/complete", json={"context": "Pack my box", "top_p": 0.9, "temp": 0.0, "length": NEW},
