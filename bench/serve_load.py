@@ -302,6 +302,7 @@ def main(argv=None):
     parser.add_argument("--temperature", type=float, default=0.8)
     parser.add_argument("--warmup-rounds", type=int, default=1, help="unmeasured rounds of each shape first")
     parser.add_argument("--json", help="write the rows here too")
+    parser.add_argument("--logs", help="keep every server's log in this directory (default: deleted at the end)")
     args = parser.parse_args(argv)
 
     from mesh_transformer.io.tokenizer import load_tokenizer
@@ -321,7 +322,9 @@ def main(argv=None):
         for kind, model_dir in models.items():
             for peer in ["ours", *args.peer]:
                 try:
-                    server = Server(peer, model_dir, args, tmp)
+                    if args.logs:
+                        os.makedirs(args.logs, exist_ok=True)
+                    server = Server(peer, model_dir, args, args.logs or tmp)
                     try:
                         run_scenarios(server.url, server.name, tokenizer, args, f"{peer} ({kind})", results, server)
                     finally:

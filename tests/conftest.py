@@ -91,3 +91,23 @@ def gen(tiny):
     from mesh_transformer.generate import Generator
     model = loading.load(hf=str(tiny.path), mp=1, dp=1, dtype="float32")
     return Generator(model.config, model.params, model.mesh)
+
+
+MAPS_KEPT = 0.5  # of vm.max_map_count: past it, JAX's caches are cleared after a test module
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compiled_programs_stay_under_the_map_limit():
+    """XLA:CPU maps each kernel of a compiled program on its own (about 500 memory maps a decode
+    program) and the kernel stops a process at vm.max_map_count (65,530 here): the suite's one
+    process held ~49,000 maps by its end. After a test module, when more than `MAPS_KEPT` of the
+    limit is held, every cached program is dropped (the next use of one compiles it again)."""
+    yield
+    from mesh_transformer import host_memory
+    maps = host_memory.memory_maps()
+    if maps is not None and maps[0] > MAPS_KEPT * maps[1]:
+        import gc
+
+        import jax
+        jax.clear_caches()
+        gc.collect()

@@ -63,9 +63,9 @@ def _export_peak_rss(ckpt_dir, out_dir) -> int:
 
 def test_export_peak_memory_is_about_twice_the_parameters(tmp_path):
     """A 67M-parameter checkpoint with its optimizer state (3x the parameters on disk): the export's peak RSS
-    above the same tool on a tiny checkpoint stays under 2.25x the float32 parameters (measured 2.0x: the
-    restore's read buffers plus the parameters; one fp16 tensor at a time after that). Reading the Adam
-    moments, or a second full copy of the weights, would exceed it."""
+    above the same tool on a tiny checkpoint stays under 2.6x the float32 parameters (measured 2.0-2.3x
+    over runs of the suite: the restore's read buffers plus the parameters; one fp16 tensor at a time
+    after that). A second full copy of the weights (3x) or reading the Adam moments (4x) would exceed it."""
     import jax
     from mesh_transformer.train.step import Trainer
     from tests.helpers import mesh, tiny_config
@@ -82,4 +82,4 @@ def test_export_peak_memory_is_about_twice_the_parameters(tmp_path):
     assert sizes["big"] > 250 * 2**20
     baseline = _export_peak_rss(tmp_path / "tiny", tmp_path / "tiny-hf")
     peak = _export_peak_rss(tmp_path / "big", tmp_path / "big-hf")
-    assert peak - baseline < 2.25 * sizes["big"], (peak - baseline) / sizes["big"]
+    assert peak - baseline < 2.6 * sizes["big"], (peak - baseline) / sizes["big"]
