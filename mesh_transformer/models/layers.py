@@ -416,8 +416,8 @@ class Attention(hk.Module):
         """q [b, K, G, T, H] of b rows (mask [b, 1, 1, T, S], positions [b, T], key_positions [b, S],
         shared_positions [b, U] or None) -> [b, K, G, T, H] float32.
 
-        The softmax runs over the shared slots' scores and the row's own without joining them: one
-        maximum, then each part's exponentials times its values, divided by the sum of both.
+        With a shared prefix the softmax runs over its scores and the row's own without joining them:
+        one maximum, then each part's exponentials times its values, divided by the sum of both.
         """
         b, kv, g, t, hd = q.shape
         # A kv head's g query heads and t positions are one row dimension of both matmuls (g x t rows
@@ -427,20 +427,19 @@ class Attention(hk.Module):
         own = scale(_rows_product("bkmh,bkhs->bkms", q, k))
         if self.spec.alibi:
             own = own + self._alibi(kv, g, key_positions, positions)
-        parts = [(jnp.where(mask, own, NEG), v, functools.partial(_rows_product, "bkms,bksh->bkmh"))]
-        if shared_k is not None:
-            scores = scale(_all_rows_product(q, shared_k))
-            if self.spec.alibi:
-                scores = scores + self._alibi(kv, g, shared_positions, positions)
-            reads = (shared_positions >= 0)[:, None, None, None, :]
-            parts.append((jnp.where(reads, scores, NEG), shared_v, _all_rows_product))
-        top = functools.reduce(jnp.maximum, [jax.lax.stop_gradient(p.max(-1, keepdims=True)) for p, _, _ in parts])
-        out = total = 0.0
-        for scores, values, times in parts:
-            weights = jnp.exp(scores - top)
-            total = total + weights.sum(-1, keepdims=True)
-            out = out + times(weights.astype(values.dtype).reshape(b, kv, g * t, -1), values)
-        return out.reshape(b, kv, g, t, hd) / total
+        own = jnp.where(mask, own, NEG)
+        rows = lambda weights: weights.astype(v.dtype).reshape(b, kv, g * t, -1)  # noqa: E731
+        if shared_k is None:
+            out = _rows_product("bkms,bksh->bkmh", rows(jax.nn.softmax(own, axis=-1)), v)
+            return out.reshape(b, kv, g, t, hd)
+        shared = scale(_all_rows_product(q, shared_k))
+        if self.spec.alibi:
+            shared = shared + self._alibi(kv, g, shared_positions, positions)
+        shared = jnp.where((shared_positions >= 0)[:, None, None, None, :], shared, NEG)
+        top = jax.lax.stop_gradient(jnp.maximum(own.max(-1, keepdims=True), shared.max(-1, keepdims=True)))
+        own, shared = jnp.exp(own - top), jnp.exp(shared - top)
+        out = _rows_product("bkms,bksh->bkmh", rows(own), v) + _all_rows_product(rows(shared), shared_v)
+        return out.reshape(b, kv, g, t, hd) / (own.sum(-1, keepdims=True) + shared.sum(-1, keepdims=True))
 
     def _alibi(self, kv: int, group: int, key_positions, positions):
         """[B, K, G, T, S] bias: -slope * distance from each query (positions [B, T]) back to each key
