@@ -396,21 +396,32 @@ class Attention(hk.Module):
         if block is None:
             out = attend(q, k, v, ctx.mask, ctx.positions, ctx.key_positions, ctx.shared_positions)
         else:
-            blocks, padded = -(-t // block), -(-t // block) * block
-            pad = lambda x, axis: jnp.pad(x, [(0, padded - t if a == axis else 0) for a in range(x.ndim)])  # noqa: E731
-            split = lambda x, axis: jnp.moveaxis(  # noqa: E731 - [.., T, ..] -> [T / block, .., block, ..]
-                x.reshape(x.shape[:axis] + (blocks, block) + x.shape[axis + 1:]), axis, 0)
-
-            def row(xs):  # one row: its blocks of queries in turn
-                q, k, v, mask, positions, key_positions, shared_positions = jax.tree.map(lambda x: x[None], xs)
-                out = jax.lax.map(lambda qmp: attend(*qmp[:1], k, v, *qmp[1:], key_positions, shared_positions),
-                                  (split(q, 3), split(mask, 3), split(positions, 1)))  # [blocks, 1, K, G, block, H]
-                return jnp.moveaxis(out[:, 0], 0, 2).reshape(kv, g, padded, hd)
-
-            mask = jnp.broadcast_to(ctx.mask, (b,) + ctx.mask.shape[1:])
-            out = jax.lax.map(row, (pad(q, 3), k, v, pad(mask, 3), pad(ctx.positions, 1), ctx.key_positions,
-                                    ctx.shared_positions))[:, :, :, :t]
+            out = self._attend_in_blocks(attend, q, k, v, ctx, block)
         return out.transpose(0, 3, 1, 2, 4).reshape(b, t, n, hd).astype(q.dtype)
+
+    @staticmethod
+    def _attend_in_blocks(attend, q, k, v, ctx: Context, block: int):
+        """`attend` (`_attend_block`) over one row and `block` of its query positions at a time, in
+        turn: q [B, K, G, T, H] -> [B, K, G, T, H] (the last block of each row padded)."""
+        b, kv, g, t, hd = q.shape
+        blocks = -(-t // block)
+        padded = blocks * block
+        pad = lambda x, axis: jnp.pad(x, [(0, padded - t if a == axis else 0) for a in range(x.ndim)])  # noqa: E731
+        split = lambda x, axis: jnp.moveaxis(  # noqa: E731 - [.., T, ..] -> [T / block, .., block, ..]
+            x.reshape(x.shape[:axis] + (blocks, block) + x.shape[axis + 1:]), axis, 0)
+
+        def row(xs):
+            q, k, v, mask, positions, key_positions, shared_positions = jax.tree.map(lambda x: x[None], xs)
+
+            def one_block(xs):
+                q, mask, positions = xs
+                return attend(q, k, v, mask, positions, key_positions, shared_positions)
+            out = jax.lax.map(one_block, (split(q, 3), split(mask, 3), split(positions, 1)))  # [blocks, 1, K, G, ..]
+            return jnp.moveaxis(out[:, 0], 0, 2).reshape(kv, g, padded, hd)
+
+        mask = jnp.broadcast_to(ctx.mask, (b,) + ctx.mask.shape[1:])
+        rows = (pad(q, 3), k, v, pad(mask, 3), pad(ctx.positions, 1), ctx.key_positions, ctx.shared_positions)
+        return jax.lax.map(row, rows)[:, :, :, :t]
 
     def _attend_block(self, q, k, v, mask, positions, key_positions, shared_positions, shared_k, shared_v):
         """q [b, K, G, T, H] of b rows (mask [b, 1, 1, T, S], positions [b, T], key_positions [b, S],
