@@ -99,7 +99,7 @@ MAPS_KEPT = 0.5  # of vm.max_map_count: past it, JAX's caches are cleared after 
 @pytest.fixture(scope="module", autouse=True)
 def compiled_programs_stay_under_the_map_limit():
     """XLA:CPU maps each kernel of a compiled program on its own (about 500 memory maps a decode
-    program) and the kernel stops a process at vm.max_map_count (65,530 here): the suite's one
+    program) and Linux stops a process at vm.max_map_count (65,530 here): the suite's one
     process held ~49,000 maps by its end. After a test module, when more than `MAPS_KEPT` of the
     limit is held, every cached program is dropped (the next use of one compiles it again)."""
     yield
