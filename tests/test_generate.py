@@ -460,8 +460,8 @@ def test_16_bit_inference_tracks_float32(tiny, fp32_greedy, dtype, bound):
 def test_decode_leaves_its_matmuls_to_xla_on_cpu(gen):
     """The float32 decode program is compiled without XLA:CPU's YNNPACK dot fusion (slower for a decode
     step's few rows: `decode.DECODE_CPU_OPTIONS`); the same function compiled with the defaults
-    would use it."""
-    args = decode_args(gen)
+    would use it. 16 rows: up to 8 the weight products are the few-row kernel's (`kernels`)."""
+    args = (gen.params, gen.new_state(16, 32), np.int32(0), np.int32(4), 4, 32)
     ours = gen._decode.lower(*args).compile().as_text()
     default = jax.jit(gen._decode_steps, static_argnums=(4, 5, 6)).lower(*args).compile().as_text()
     assert "ynn_fusion" in default

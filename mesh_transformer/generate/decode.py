@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
-from mesh_transformer import host_memory, models, parallel
+from mesh_transformer import host_memory, kernels, models, parallel
 from mesh_transformer.config import ModelConfig
 from mesh_transformer.generate.sampling import (EOS, LENGTH, MAX_STOPS, RUNNING, STOP, STOP_TOKENS, TOP_LOGPROBS,
                                                 RowOptions, SamplingOptions, choose, log_probs, stop_hit, _none,
@@ -58,10 +58,11 @@ MIN_BUCKET = 16
 # XLA's own kernels take no bf16 operands, so without it every bf16 weight is converted to a
 # float32 copy, hoisted out of the decode loop and held for the call (2x the weights' bytes).
 DECODE_CPU_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
-# Decode batches in 16-bit dtypes have at least 2 rows: with one, XLA:CPU turns each bf16 matmul
-# into a conversion of the weights plus a float32 matvec (10x slower). A spare row costs little:
-# decode reads every weight once per step whatever the batch. (float32 keeps one row: XLA:CPU's
-# matvec reads weights faster than its 2-row matmul.)
+# Decode batches in 16-bit dtypes have at least 2 rows where XLA runs their products: with one,
+# XLA:CPU turns each bf16 matmul into a conversion of the weights plus a float32 matvec (10x
+# slower). A spare row costs little: decode reads every weight once per step whatever the batch.
+# float32 keeps one row (XLA:CPU's matvec reads weights faster than its 2-row matmul), and so does
+# bfloat16 on CPU where `kernels` built its bf16 product (which reads one row's weights at memory speed).
 MIN_ROWS_16BIT = 2
 
 
@@ -241,15 +242,16 @@ class Generator:
     `matvec`: store the weights inputs-last (their `ParamInfo.inputs` axes last), for decoding one row
     at a time (`device_sample.py`): on CPU, batch-1 decode runs about 12% faster (matrix-vector
     products read such weights faster), while matmuls of 2 rows or more read them many times
-    slower (a [2, 4096] x [4096, 8192] product: 30x). float32 only: 16-bit decode
-    runs matmuls of at least 2 rows (`MIN_ROWS_16BIT`), which read weights faster inputs-first.
+    slower (a [2, 4096] x [4096, 8192] product: 30x). float32 only: 16-bit decode reads
+    weights inputs-first (the bf16 kernel of `kernels`, or XLA's matmuls of at least 2 rows).
     """
 
     def __init__(self, config: ModelConfig, params, mesh: Mesh, matvec: bool = False, donate: bool = False):
         self.config, self.mesh = config, mesh
         float32 = jnp.dtype(config.compute_dtype).itemsize >= 4
-        self.min_rows = 1 if float32 else MIN_ROWS_16BIT
-        self.inputs_last = matvec and float32  # 16-bit: 2-row matmuls read weights faster inputs-first
+        one_row = float32 or (jnp.dtype(config.compute_dtype) == jnp.bfloat16 and kernels.available())
+        self.min_rows = 1 if one_row else MIN_ROWS_16BIT
+        self.inputs_last = matvec and float32  # 16-bit products read weights inputs-first
         self.mp, self.dp = mesh.shape[parallel.MP], mesh.shape[parallel.DP]
         self.model = models.build(config, self.mp)
         self.model.check_mesh(mesh.shape, zero=False)

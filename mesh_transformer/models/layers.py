@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from mesh_transformer import parallel
+from mesh_transformer import kernels, parallel
 
 
 def normal(std: float) -> hk.initializers.Initializer:
@@ -87,6 +87,8 @@ def _vary(x, axes: tuple):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _product(equation: str, a, b):
+    if equation == "...k,ko->...o" and kernels.applies(a, b):  # decoding a few rows on CPU
+        return kernels.rows_times_weight(a, b)
     return jnp.einsum(equation, a, b, preferred_element_type=jnp.float32)
 
 

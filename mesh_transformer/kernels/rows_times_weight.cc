@@ -1,0 +1,227 @@
+// x [B, K] (float32) times w [K, O] (bfloat16 or float32) for few rows B, as XLA FFI custom calls
+// for XLA:CPU, returned as P partial products [P, B, O] (float32) that the caller sums.
+//
+// Why: decoding few rows reads every weight once per step, so the product should run at memory
+// speed. XLA:CPU's own matmul kernels take no bfloat16 operands (it converts the whole weight to
+// float32 first, and in a decode loop holds that copy for the call) and its YNNPACK path reads bf16
+// weights at a third to a half of the memory bandwidth at 1-8 rows; its float32 matmul of 2-8
+// rows reads weights at 60-80% of the bandwidth its one-row matrix-vector product reaches.
+//
+// How: P parts (threads of XLA's intra-op pool) take chunks of w's rows in turn and stream them
+// whole (contiguous memory the hardware prefetches, plus a software prefetch ahead), eight weight
+// rows per pass over a tile of the part's own partial product kept in cache. bf16 is widened to
+// float32 exactly (a 16-bit shift); products and sums are float32 fused multiply-adds, so the
+// result is a float32 matmul of the (widened) weight up to summation order.
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int64_t kRowsPerPass = 8;      // weight rows accumulated per pass over a tile (B loads
+                                         // and stores of it per 8 weight vectors)
+constexpr int64_t kTileFloats = 16384;   // one tile of a partial product, all B rows: 64 KiB
+constexpr int64_t kPrefetchAhead = 512;  // weights ahead in each row
+constexpr int64_t kChunksPerPart = 8;    // row chunks per part: a thread that starts late takes fewer
+constexpr int64_t kMaxRows = 64;         // B at most (callers use few)
+
+// Weight element access, scalar and vector, per stored type.
+inline float Scalar(const float* p) { return *p; }
+inline float Scalar(const uint16_t* p) {
+  const uint32_t wide = static_cast<uint32_t>(*p) << 16;
+  float f;
+  std::memcpy(&f, &wide, sizeof f);
+  return f;
+}
+
+__attribute__((target("avx512f"))) inline __m512 Load16(const float* p) { return _mm512_loadu_ps(p); }
+__attribute__((target("avx512f"))) inline __m512 Load16(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+__attribute__((target("avx2"))) inline __m256 Load8(const float* p) { return _mm256_loadu_ps(p); }
+__attribute__((target("avx2"))) inline __m256 Load8(const uint16_t* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+
+// One pass: acc[b][o] += sum_r x[b][r] * w_r[o] over the kRowsPerPass rows r, for o in [from, n).
+template <typename W>
+void PassScalar(float* acc, int64_t acc_stride, const W* const* w, const float* x, int64_t x_stride, int64_t rows,
+                int64_t from, int64_t n) {
+  for (int64_t b = 0; b < rows; ++b) {
+    const float* xb = x + b * x_stride;
+    float* yb = acc + b * acc_stride;
+    for (int64_t o = from; o < n; ++o) {
+      float sum = yb[o];
+      for (int64_t r = 0; r < kRowsPerPass; ++r) sum += xb[r] * Scalar(w[r] + o);
+      yb[o] = sum;
+    }
+  }
+}
+
+// The same for o in [0, a multiple of 16): returns where it stopped.
+template <typename W>
+__attribute__((target("avx512f"))) int64_t PassAvx512(float* acc, int64_t acc_stride, const W* const* w,
+                                                      const float* x, int64_t x_stride, int64_t rows, int64_t n) {
+  constexpr int64_t kLine = 64 / sizeof(W);  // one prefetch per cache line of each row
+  int64_t o = 0;
+  for (; o + 16 <= n; o += 16) {
+    if (o % kLine == 0) {
+      for (int64_t r = 0; r < kRowsPerPass; ++r) {
+        _mm_prefetch(reinterpret_cast<const char*>(w[r] + o + kPrefetchAhead), _MM_HINT_T0);
+      }
+    }
+    __m512 wv[kRowsPerPass];
+    for (int64_t r = 0; r < kRowsPerPass; ++r) wv[r] = Load16(w[r] + o);
+    for (int64_t b = 0; b < rows; ++b) {
+      const float* xb = x + b * x_stride;
+      float* yb = acc + b * acc_stride + o;
+      __m512 y = _mm512_loadu_ps(yb);
+      for (int64_t r = 0; r < kRowsPerPass; ++r) y = _mm512_fmadd_ps(_mm512_set1_ps(xb[r]), wv[r], y);
+      _mm512_storeu_ps(yb, y);
+    }
+  }
+  return o;
+}
+
+template <typename W>
+__attribute__((target("avx2,fma"))) int64_t PassAvx2(float* acc, int64_t acc_stride, const W* const* w,
+                                                     const float* x, int64_t x_stride, int64_t rows, int64_t n) {
+  constexpr int64_t kLine = 64 / sizeof(W);
+  int64_t o = 0;
+  for (; o + 8 <= n; o += 8) {
+    if (o % kLine == 0) {
+      for (int64_t r = 0; r < kRowsPerPass; ++r) {
+        _mm_prefetch(reinterpret_cast<const char*>(w[r] + o + kPrefetchAhead), _MM_HINT_T0);
+      }
+    }
+    __m256 wv[kRowsPerPass];
+    for (int64_t r = 0; r < kRowsPerPass; ++r) wv[r] = Load8(w[r] + o);
+    for (int64_t b = 0; b < rows; ++b) {
+      const float* xb = x + b * x_stride;
+      float* yb = acc + b * acc_stride + o;
+      __m256 y = _mm256_loadu_ps(yb);
+      for (int64_t r = 0; r < kRowsPerPass; ++r) y = _mm256_fmadd_ps(_mm256_set1_ps(xb[r]), wv[r], y);
+      _mm256_storeu_ps(yb, y);
+    }
+  }
+  return o;
+}
+
+enum class Isa { kScalar, kAvx2, kAvx512 };
+
+Isa Detect() {
+  if (__builtin_cpu_supports("avx512f")) return Isa::kAvx512;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return Isa::kAvx2;
+  return Isa::kScalar;
+}
+
+template <typename W>
+void Pass(Isa isa, float* acc, int64_t acc_stride, const W* const* w, const float* x, int64_t x_stride,
+          int64_t rows, int64_t n) {
+  int64_t done = 0;
+  if (isa == Isa::kAvx512) done = PassAvx512(acc, acc_stride, w, x, x_stride, rows, n);
+  if (isa == Isa::kAvx2) done = PassAvx2(acc, acc_stride, w, x, x_stride, rows, n);
+  PassScalar(acc, acc_stride, w, x, x_stride, rows, done, n);
+}
+
+// out [B, O] += x[:, k_begin:k_end] w[k_begin:k_end, :], one tile of columns at a time.
+template <typename W>
+void Accumulate(Isa isa, const float* x, const W* w, float* out, int64_t rows, int64_t k_size, int64_t o_size,
+                int64_t k_begin, int64_t k_end) {
+  const int64_t tile = std::max<int64_t>(64, kTileFloats / rows / 64 * 64);
+  for (int64_t t0 = 0; t0 < o_size; t0 += tile) {
+    const int64_t n = std::min(o_size, t0 + tile) - t0;
+    for (int64_t k = k_begin; k < k_end; k += kRowsPerPass) {
+      const int64_t here = std::min(kRowsPerPass, k_end - k);
+      const W* w_rows[kRowsPerPass];
+      float padded[kRowsPerPass * kMaxRows];  // a last pass of fewer rows: the others' x is 0
+      const float* xs = x + k;
+      int64_t x_stride = k_size;
+      for (int64_t r = 0; r < kRowsPerPass; ++r) w_rows[r] = w + (k + std::min(r, here - 1)) * o_size + t0;
+      if (here < kRowsPerPass) {
+        std::fill(padded, padded + kRowsPerPass * rows, 0.0f);
+        for (int64_t b = 0; b < rows; ++b) std::copy(x + b * k_size + k, x + b * k_size + k + here, padded + b * kRowsPerPass);
+        xs = padded;
+        x_stride = kRowsPerPass;
+      }
+      Pass(isa, out + t0, o_size, w_rows, xs, x_stride, rows, n);
+    }
+  }
+}
+
+template <typename W>
+ffi::Future RowsTimesWeight(ffi::ThreadPool pool, const float* x, int64_t x_count, const W* w, int64_t k_size,
+                            int64_t o_size, float* out, int64_t n_parts, int64_t rows) {
+  static const Isa isa = Detect();
+  if (rows < 1 || rows > kMaxRows || x_count != rows * k_size) {
+    ffi::Promise promise;
+    ffi::Future future(promise);
+    promise.SetError(ffi::Error::InvalidArgument("rows x weight: x must be [B, K] with 1 <= B <= 64"));
+    return future;
+  }
+  // Chunks of w's rows go in order to whichever part's thread asks next; each part sums its chunks
+  // into its own output, zeroed first (a part that gets none adds 0).
+  struct Shared {
+    std::atomic<int64_t> next{0};
+  };
+  auto shared = std::make_shared<Shared>();
+  const int64_t chunk =
+      std::max<int64_t>(kRowsPerPass, k_size / (kChunksPerPart * n_parts) / kRowsPerPass * kRowsPerPass);
+  const int64_t n_chunks = (k_size + chunk - 1) / chunk;
+  auto run = [=](int64_t p) {
+    float* own = out + p * rows * o_size;
+    std::fill(own, own + rows * o_size, 0.0f);
+    for (int64_t c = shared->next.fetch_add(1); c < n_chunks; c = shared->next.fetch_add(1)) {
+      Accumulate(isa, x, w, own, rows, k_size, o_size, c * chunk, std::min(k_size, (c + 1) * chunk));
+    }
+  };
+  ffi::CountDownPromise done(n_parts);
+  for (int64_t p = 1; p < n_parts; ++p) {
+    pool.Schedule([=]() mutable {
+      run(p);
+      done.CountDown();
+    });
+  }
+  run(0);
+  done.CountDown();
+  return ffi::Future(done);
+}
+
+ffi::Future Bf16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::BF16> w,
+                 ffi::ResultBuffer<ffi::F32> parts) {
+  const auto dims = parts->dimensions();
+  return RowsTimesWeight(pool, x.typed_data(), x.element_count(), reinterpret_cast<const uint16_t*>(w.untyped_data()),
+                         w.dimensions()[0], w.dimensions()[1], parts->typed_data(), dims[0], dims[1]);
+}
+
+ffi::Future F32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                ffi::ResultBuffer<ffi::F32> parts) {
+  const auto dims = parts->dimensions();
+  return RowsTimesWeight(pool, x.typed_data(), x.element_count(), w.typed_data(), w.dimensions()[0],
+                         w.dimensions()[1], parts->typed_data(), dims[0], dims[1]);
+}
+
+}  // namespace
+
+// Arguments: x [B, K] float32, w [K, O]; result: parts [P, B, O] float32.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshTransformerBf16RowsTimesWeight, Bf16,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshTransformerF32RowsTimesWeight, F32,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());

@@ -1,0 +1,126 @@
+"""The few-row CPU kernel (`mesh_transformer.kernels`): exact against a float64 product of the
+(widened) weight at every shape the kernel's loops split unevenly, in bf16 and float32, inside
+shard_map, under autodiff, and in a one-row bf16 decode, where it replaces XLA's products (the same
+tokens as XLA's own path)."""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from mesh_transformer import kernels, loading, parallel
+from mesh_transformer.generate import Generator, SamplingOptions
+from mesh_transformer.models import layers
+from tests.helpers import NEW, mesh
+
+pytestmark = pytest.mark.skipif(kernels.compiler() is None, reason="no C++ compiler: the model runs XLA's products")
+
+
+BF16 = kernels.KERNELS[jnp.dtype(jnp.bfloat16)][0]
+
+
+def case(rows, k, o, dtype=jnp.bfloat16, seed=0):
+    rng = np.random.RandomState(seed)
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    w = jnp.asarray(rng.standard_normal((k, o)), dtype)
+    exact = x.astype(np.float64) @ np.asarray(w.astype(jnp.float32), np.float64)
+    return x, w, exact
+
+
+# K: a multiple of the 8 weight rows per pass, 5 past one, fewer rows than parts; O: under one
+# 16-wide vector, not a multiple of 16, more than one tile of the partial product (16,384 floats).
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("rows,k,o,n_parts", [(1, 64, 48, 1), (1, 37, 70, 2), (2, 130, 1000, 3), (3, 5, 9, 4),
+                                              (4, 64, 16400, 2), (8, 3, 33, 2), (7, 21, 40, 1)])
+def test_rows_times_weight_is_the_float32_product(rows, k, o, n_parts, dtype):
+    x, w, exact = case(rows, k, o, dtype)
+    y = jax.jit(lambda x, w: kernels.rows_times_weight(x, w, n_parts))(x, w)
+    assert y.dtype == jnp.float32 and y.shape == (rows, o)
+    scale = np.abs(x).astype(np.float64) @ np.abs(np.asarray(w.astype(jnp.float32), np.float64))
+    err = np.abs(np.asarray(y, np.float64) - exact) / scale
+    assert err.max() < 1e-6, err.max()  # float32 sums of k products: measured ~1e-7
+
+
+@pytest.mark.parametrize("dtype,uses", [(jnp.bfloat16, range(1, 9)), (jnp.float32, range(2, 9))], ids=["bf16", "f32"])
+def test_dense_uses_the_kernel_for_few_rows_and_xla_for_more(dtype, uses):
+    """bf16 from one row, float32 from two (one float32 row is XLA's matrix-vector product, as fast);
+    from 9 rows on XLA's products; float16 never."""
+    x, w, _ = case(10, 32, 24, dtype)
+    target = kernels.KERNELS[jnp.dtype(dtype)][0]
+    hlo = lambda rows, w: jax.jit(lambda x, w: layers.dense("btk,ko->bto", x, w)).lower(  # noqa: E731
+        jnp.asarray(x[:rows, None], dtype), w).as_text()
+    assert [rows for rows in range(1, 11) if target in hlo(rows, w)] == list(uses)
+    assert not any(t in hlo(1, w.astype(jnp.float16)) for t, _, _ in kernels.KERNELS.values())
+
+
+def test_the_kernel_differentiates_like_the_einsum():
+    """`layers.product`'s backward stays the einsum's: a training step on a few bf16 rows works."""
+    x, w, _ = case(2, 40, 24)
+    x = jnp.asarray(x, jnp.bfloat16)
+    loss = lambda x, w: jnp.sum(jnp.sin(layers.product("...k,ko->...o", x, w)))  # noqa: E731
+    einsum = lambda x, w: jnp.sum(jnp.sin(jnp.einsum("bk,ko->bo", x, w, preferred_element_type=jnp.float32)))  # noqa: E731
+    got, want = jax.grad(loss, (0, 1))(x, w), jax.grad(einsum, (0, 1))(x, w)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-2, atol=1e-2)
+
+
+def test_the_kernel_runs_on_each_shard_of_a_column_parallel_weight():
+    x, w, exact = case(1, 64, 96)
+    m = mesh(2, 4)
+
+    def local(x, w):
+        with parallel.manual_axes(m, {}):
+            return layers.product("...k,ko->...o", x, w)
+
+    f = jax.jit(jax.shard_map(local, mesh=m, in_specs=(P(), P(None, parallel.MP)), out_specs=P(None, parallel.MP)))
+    assert BF16 in f.lower(x, w).as_text()
+    np.testing.assert_allclose(np.asarray(f(x, w)), exact, rtol=1e-5, atol=1e-5)
+
+
+def test_one_row_bf16_decode_runs_the_kernel_with_xla_paths_tokens(tiny, monkeypatch):
+    """A one-row bf16 decode (no spare row) calls the kernel for its weight products and decodes the
+    same greedy tokens, with log p within float32 rounding, as XLA's own products of the same weights."""
+    model = loading.load(hf=str(tiny.path), mp=1, dp=1, dtype="bfloat16")
+    options = SamplingOptions(max_new_tokens=NEW, temperature=0.0, logprobs=1)
+    prompt = [[5, 6, 7, 8, 9]]
+    g = Generator(model.config, model.params, model.mesh)
+    assert g.min_rows == 1
+    (ours,) = g.generate(prompt, options)
+    state = g.new_state(1, 32)
+    assert BF16 in g._decode.lower(g.params, state, np.int32(0), np.int32(4), 4, 32).as_text()
+    monkeypatch.setattr(kernels, "applies", lambda x, w: False)  # every product back to XLA's
+    (xla,) = Generator(model.config, model.params, model.mesh).generate(prompt, options)
+    assert ours.tokens == xla.tokens
+    np.testing.assert_allclose(ours.logprobs, xla.logprobs, atol=1e-3)
+
+
+def test_without_a_compiler_the_model_falls_back_to_xla_with_a_warning(monkeypatch, tmp_path, caplog):
+    monkeypatch.setattr(kernels, "compiler", lambda: None)
+    with pytest.raises(RuntimeError, match=r"no C\+\+ compiler"):
+        kernels.build(out_dir=tmp_path)
+    monkeypatch.setattr(kernels, "_state", {})
+    with caplog.at_level(logging.WARNING, logger="mesh_transformer.kernels"):
+        assert not kernels.available()
+    assert "no C++ compiler" in caplog.text and "using XLA's products" in caplog.text
+
+
+def test_a_source_that_does_not_compile_is_named_in_the_error(tmp_path):
+    bad = tmp_path / "broken_kernel.cc"
+    bad.write_text("this is not C++\n")
+    with pytest.raises(RuntimeError, match="could not compile broken_kernel.cc"):
+        kernels.build(source=bad, out_dir=tmp_path / "out")
+    assert not list((tmp_path / "out").glob("*.so"))  # nothing half-written left in the cache
+
+
+def test_a_built_library_is_reused_and_a_new_source_rebuilt(tmp_path):
+    first = kernels.build(out_dir=tmp_path)
+    stamp = first.stat().st_mtime_ns
+    assert kernels.build(out_dir=tmp_path) == first and first.stat().st_mtime_ns == stamp
+    changed = tmp_path / kernels.SOURCE.name
+    changed.write_text(kernels.SOURCE.read_text() + "\n// changed\n")
+    assert kernels.build(source=changed, out_dir=tmp_path) != first
