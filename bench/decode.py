@@ -85,6 +85,7 @@ MATVEC_ROWS = 1  # up to this batch, Generator(matvec=True): weights inputs-last
 
 def bench_ours(model, batch: int, prompt_len: int, new: int):
     """Compile, then -> (a callable decoding once: decode tokens/s, details of the last call)."""
+    from mesh_transformer import kernels
     from mesh_transformer.generate import Batch, Generator, SamplingOptions
 
     gen = Generator(model.config, model.params, model.mesh, matvec=batch <= MATVEC_ROWS)
@@ -103,7 +104,8 @@ def bench_ours(model, batch: int, prompt_len: int, new: int):
         return t1 - t0, t2 - t1
 
     once()  # compile
-    last = {"weights": "inputs-last" if gen.inputs_last else "inputs-first"}
+    last = {"weights": "inputs-last" if gen.inputs_last else "inputs-first",
+            "kernels": kernels.available()}  # mesh_transformer.kernels: few-row products
 
     def measure() -> float:
         last["prefill_s"], last["decode_s"] = once()
@@ -210,7 +212,8 @@ def bytes_read_per_step(model) -> int:
 
 
 def format_row(row) -> str:
-    line = (f"{row['dtype']:>9} batch {row['batch']:>3} ({row['ours']['weights']:>12}): "
+    kernel = ", kernels" if row["ours"].get("kernels") else ""
+    line = (f"{row['dtype']:>9} batch {row['batch']:>3} ({row['ours']['weights']:>12}{kernel}): "
             f"ours {machine.fmt(row['ours']['rounds'], 1):>20s} tok/s "
             f"(prefill {row['ours']['prefill_s'] * 1e3:.1f} ms)")
     if "hf" in row:

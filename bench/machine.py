@@ -75,7 +75,8 @@ def software(extra: tuple[str, ...] = ()) -> dict:
         except importlib.metadata.PackageNotFoundError:
             versions[name] = None
     return {"versions": versions, "XLA_FLAGS": os.environ.get("XLA_FLAGS", ""),
-            "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "")}
+            "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", ""),
+            "MESH_TRANSFORMER_KERNELS": os.environ.get("MESH_TRANSFORMER_KERNELS", "1")}
 
 
 def load_average() -> list[float]:

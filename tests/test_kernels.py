@@ -5,6 +5,11 @@ tokens as XLA's own path)."""
 from __future__ import annotations
 
 import logging
+import math
+import os
+import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -44,6 +49,19 @@ def test_rows_times_weight_is_the_float32_product(rows, k, o, n_parts, dtype):
     scale = np.abs(x).astype(np.float64) @ np.abs(np.asarray(w.astype(jnp.float32), np.float64))
     err = np.abs(np.asarray(y, np.float64) - exact) / scale
     assert err.max() < 1e-6, err.max()  # float32 sums of k products: measured ~1e-7
+
+
+@pytest.mark.parametrize("groups,m,k,o", [((1, 16), 1, 64, 96), ((2, 3), 4, 37, 20), ((3, 1), 8, 96, 64)])
+def test_grouped_rows_times_weight_is_each_groups_product(groups, m, k, o):
+    """Attention's shapes: [B, kv heads] groups, query rows per kv head, head size or slots."""
+    rng = np.random.RandomState(1)
+    x = rng.standard_normal((*groups, m, k)).astype(np.float32)
+    w = jnp.asarray(rng.standard_normal((*groups, k, o)), jnp.bfloat16)
+    wide = np.asarray(w.astype(jnp.float32), np.float64)
+    exact = np.einsum("...mk,...ko->...mo", x.astype(np.float64), wide)
+    y = jax.jit(kernels.grouped_rows_times_weight)(x, w)
+    scale = np.einsum("...mk,...ko->...mo", np.abs(x).astype(np.float64), np.abs(wide))
+    assert y.shape == exact.shape and (np.abs(np.asarray(y, np.float64) - exact) / scale).max() < 1e-6
 
 
 @pytest.mark.parametrize("dtype,uses", [(jnp.bfloat16, range(1, 9)), (jnp.float32, range(2, 9))], ids=["bf16", "f32"])
@@ -94,6 +112,7 @@ def test_one_row_bf16_decode_runs_the_kernel_with_xla_paths_tokens(tiny, monkeyp
     state = g.new_state(1, 32)
     assert BF16 in g._decode.lower(g.params, state, np.int32(0), np.int32(4), 4, 32).as_text()
     monkeypatch.setattr(kernels, "applies", lambda x, w: False)  # every product back to XLA's
+    monkeypatch.setattr(kernels, "grouped_applies", lambda x, w: False)
     (xla,) = Generator(model.config, model.params, model.mesh).generate(prompt, options)
     assert ours.tokens == xla.tokens
     np.testing.assert_allclose(ours.logprobs, xla.logprobs, atol=1e-3)
@@ -124,3 +143,69 @@ def test_a_built_library_is_reused_and_a_new_source_rebuilt(tmp_path):
     changed = tmp_path / kernels.SOURCE.name
     changed.write_text(kernels.SOURCE.read_text() + "\n// changed\n")
     assert kernels.build(source=changed, out_dir=tmp_path) != first
+
+
+ISA_CHECK = """
+import numpy as np, jax, jax.numpy as jnp
+from mesh_transformer import kernels
+rng = np.random.RandomState(0)
+for rows, k, o, dtype in [(1, 37, 70, jnp.bfloat16), (5, 64, 130, jnp.float32), (8, 19, 40, jnp.bfloat16)]:
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    w = jnp.asarray(rng.standard_normal((k, o)), dtype)
+    wide = np.asarray(w.astype(jnp.float32), np.float64)
+    y = np.asarray(jax.jit(lambda x, w: kernels.rows_times_weight(x, w, 2))(x, w), np.float64)
+    assert (np.abs(y - x @ wide) / (np.abs(x) @ np.abs(wide))).max() < 1e-6, (rows, k, o)
+x = rng.standard_normal((2, 3, 4, 21)).astype(np.float32)
+w = jnp.asarray(rng.standard_normal((2, 3, 21, 50)), jnp.bfloat16)
+wide = np.asarray(w.astype(jnp.float32), np.float64)
+y = np.asarray(kernels.grouped_rows_times_weight(x, w), np.float64)
+assert (np.abs(y - x @ wide) / (np.abs(x) @ np.abs(wide))).max() < 1e-6
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("isa", ["avx2", "scalar"])
+def test_the_narrower_instruction_set_paths_give_the_same_products(isa):
+    """The AVX2 path (the AVX2 EPYC's) and the portable one, forced on this CPU in a fresh process
+    (the kernel picks its path once per process)."""
+    env = {**os.environ, "MESH_TRANSFORMER_KERNEL_ISA": isa}
+    done = subprocess.run([sys.executable, "-c", ISA_CHECK], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("axis,index", [(3, 0), (3, 4), (2, 1), (2, 9), (2, -3)])
+def test_write_slots_is_dynamic_update_slice(dtype, axis, index):
+    """The same array as XLA's dynamic-update-slice (a start past the end or before 0 clamped), also
+    when the old cache is still read afterwards (XLA then gives the call a copy to write)."""
+    rng = np.random.RandomState(2)
+    cache = jnp.asarray(rng.standard_normal((2, 3, 7, 6)), dtype)
+    new = jnp.asarray(rng.standard_normal((2, 3, 7, 6))[..., :2] if axis == 3 else
+                      rng.standard_normal((2, 3, 2, 6)), dtype)
+    ours, old = jax.jit(lambda c, n, i: (kernels.write_slots(c, n, i, axis), c * 1))(cache, new, index)
+    want = jax.lax.dynamic_update_slice_in_dim(cache, new, index, axis)
+    assert ours.dtype == cache.dtype and np.array_equal(np.asarray(ours, np.float32), np.asarray(want, np.float32))
+    assert np.array_equal(np.asarray(old, np.float32), np.asarray(cache, np.float32))
+
+
+@pytest.mark.parametrize("dtype,rows", [("float32", 1), ("bfloat16", 1), ("bfloat16", 4)])
+def test_the_decode_loop_writes_each_cache_in_place_and_reads_it_where_it_is(tiny, dtype, rows):
+    """Every array the size of a layer's KV cache in the compiled decode loop is that cache: the new
+    slots are written by `kernels.write_slots` (the result aliases the cache) and the attention reads
+    it through bitcasts. With XLA's dynamic-update-slice, one row in float32 copied each cache four
+    times a step, and bf16 made three cache-sized fusions (a 1,000-token context decoded at half
+    the short-context speed)."""
+    model = loading.load(hf=str(tiny.path), mp=1, dp=1, dtype=dtype)
+    g = Generator(model.config, model.params, model.mesh)
+    slots = 200
+    state = g.new_state(rows, slots)
+    size = state.cache.k[0].size
+    assert size not in {x.size for x in jax.tree.leaves(g.params)}
+    hlo = g._decode.lower(g.params, state, np.int32(0), np.int32(4), 4, slots).compile().as_text()
+    made = [(op, line.strip()) for line in hlo.splitlines()
+            for dims, op in re.findall(r"= \w+\[([\d,]*)\]\{[^}]*\} ([\w-]+)\(", line)
+            if math.prod(int(d) for d in dims.split(",") if d) == size]
+    assert {op for op, _ in made} <= {"custom-call", "bitcast", "get-tuple-element", "parameter"}, \
+        [line[:160] for _, line in made]
+    writes = [line for op, line in made if op == "custom-call"]
+    assert writes and all(f'custom_call_target="{kernels.WRITE_SLOTS[0]}"' in line for line in writes)

@@ -1,8 +1,10 @@
 """CPU kernels XLA:CPU lacks, as XLA FFI custom calls compiled from source on first use.
 
-One today: `rows_times_weight`, the product of a few float32 rows and a bfloat16 or float32 weight
-at the machine's memory bandwidth, for decoding (`rows_times_weight.cc` says why XLA:CPU's own
-products are slower there). `layers.product` calls it where `applies` says so.
+All for decoding, in `rows_times_weight.cc` (which says why XLA:CPU's own are slower there):
+`rows_times_weight`, the product of a few float32 rows and a bfloat16 or float32 weight at the
+machine's memory bandwidth (`layers.product` calls it where `applies` says so);
+`grouped_rows_times_weight`, the same per (row, kv head) group, for attention over a bf16 KV cache
+(`grouped_applies`); `write_slots`, a KV cache update in place (`layers.write_slots`).
 
 The source is compiled with the system's C++ compiler (`$CXX`, else `c++`/`g++`/`clang++`) against
 the FFI headers jaxlib ships, once per source/jaxlib/compiler, into
@@ -26,6 +28,7 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +38,10 @@ KERNELS = {
     jnp.dtype(jnp.bfloat16): ("mesh_transformer_bf16_rows_times_weight", "MeshTransformerBf16RowsTimesWeight", (1, 8)),
     jnp.dtype(jnp.float32): ("mesh_transformer_f32_rows_times_weight", "MeshTransformerF32RowsTimesWeight", (2, 8)),
 }
+# Attention over a bf16 KV cache: per group (row and kv head) a few query rows times the cache.
+GROUPED = ("mesh_transformer_bf16_grouped_rows_times_weight", "MeshTransformerBf16GroupedRowsTimesWeight")
+GROUPED_MAX_ROWS = 8
+WRITE_SLOTS = ("mesh_transformer_write_slots", "MeshTransformerWriteSlots")
 # Row counts, measured on the AVX-512 EPYC (16 chained [r, 1024] x [1024, 4096] products, weights
 # out of cache): bf16 1-8 rows in 3.4-6.7 ms against XLA's 7.3-8.5 (YNNPACK; 73 ms at one row),
 # float32 2-8 rows in 6.9-9.3 ms against 8.3-10.6; from 12 rows on XLA's are faster (the kernel
@@ -103,7 +110,7 @@ def _load() -> bool:
             if enabled():
                 try:
                     library = ctypes.cdll.LoadLibrary(str(build()))
-                    for target, symbol, _ in KERNELS.values():
+                    for target, symbol in [kernel[:2] for kernel in KERNELS.values()] + [GROUPED, WRITE_SLOTS]:
                         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
                     _state["ok"] = True
                 except (OSError, RuntimeError, AttributeError, subprocess.SubprocessError) as error:
@@ -150,3 +157,41 @@ def rows_times_weight(x, w, n_parts: Optional[int] = None):
     target = KERNELS[jnp.dtype(w.dtype)][0]
     partial = jax.ffi.ffi_call(target, result)(rows, w)
     return partial.sum(0).reshape(*batch, w.shape[1])
+
+
+def grouped_applies(x, w) -> bool:
+    """Whether `grouped_rows_times_weight(x, w)` will run: x [*G, M, K] with M <= GROUPED_MAX_ROWS,
+    w [*G, K, O] bfloat16 with the same leading group axes, on CPU, with the kernels built."""
+    return (jnp.dtype(w.dtype) == jnp.bfloat16 and x.ndim == w.ndim >= 3 and x.shape[:-2] == w.shape[:-2]
+            and x.shape[-1] == w.shape[-2] and x.shape[-2] <= GROUPED_MAX_ROWS and available())
+
+
+def grouped_rows_times_weight(x, w):
+    """x [*G, M, K] times w [*G, K, O] (bfloat16), group by group -> float32 [*G, M, O] (attention's
+    products over a bf16 KV cache, read in place; XLA:CPU converts it or hands each to YNNPACK)."""
+    if not _load():
+        raise RuntimeError("the CPU kernels are not available here (see the warning logged when loading them)")
+    groups, (m, k), o = x.shape[:-2], x.shape[-2:], w.shape[-1]
+    n = 1
+    for size in groups:
+        n *= size
+    flat_x = x.reshape(n, m, k).astype(jnp.float32)
+    typed = jax.typeof(flat_x)
+    result = jax.ShapeDtypeStruct((n, m, o), jnp.float32, sharding=typed.sharding,
+                                  manual_axis_type=getattr(typed, "manual_axis_type", None))
+    return jax.ffi.ffi_call(GROUPED[0], result)(flat_x, w.reshape(n, k, o)).reshape(*groups, m, o)
+
+
+def write_slots(cache, new, index, axis: int):
+    """`cache` with `new` written at `index` along `axis` (negative from the end, then clamped, as
+    `lax.dynamic_update_slice` does), in place: the result aliases the cache buffer, and only `new`
+    is copied (see `layers.write_slots` for what XLA:CPU's own update copied)."""
+    if not _load():
+        raise RuntimeError("the CPU kernels are not available here (see the warning logged when loading them)")
+    typed = jax.typeof(cache)
+    result = jax.ShapeDtypeStruct(cache.shape, cache.dtype, sharding=typed.sharding,
+                                  manual_axis_type=getattr(typed, "manual_axis_type", None))
+    call = jax.ffi.ffi_call(WRITE_SLOTS[0], result, input_output_aliases={0: 0})
+    index = jnp.asarray(index, jnp.int32)
+    index = jnp.where(index < 0, index + cache.shape[axis], index)  # as lax's: negative counts from the end
+    return call(cache, new.astype(cache.dtype), index, axis=np.int64(axis))

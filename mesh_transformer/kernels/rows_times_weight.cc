@@ -1,5 +1,7 @@
-// x [B, K] (float32) times w [K, O] (bfloat16 or float32) for few rows B, as XLA FFI custom calls
-// for XLA:CPU, returned as P partial products [P, B, O] (float32) that the caller sums.
+// XLA FFI custom calls for XLA:CPU's decode steps: x [B, K] (float32) times w [K, O] (bfloat16 or
+// float32) for few rows B, returned as P partial products [P, B, O] (float32) that the caller sums;
+// the same per group of a [G, M, K] x [G, K, O] product (attention over a bf16 KV cache); and a
+// KV cache's new slots written in place (WriteSlots, at the end).
 //
 // Why: decoding few rows reads every weight once per step, so the product should run at memory
 // speed. XLA:CPU's own matmul kernels take no bfloat16 operands (it converts the whole weight to
@@ -17,6 +19,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 
@@ -117,10 +120,15 @@ __attribute__((target("avx2,fma"))) int64_t PassAvx2(float* acc, int64_t acc_str
 
 enum class Isa { kScalar, kAvx2, kAvx512 };
 
+// The widest the CPU has, or narrower if $MESH_TRANSFORMER_KERNEL_ISA says so ("avx2", "scalar":
+// how the tests run every path on one machine).
 Isa Detect() {
+  const char* forced = std::getenv("MESH_TRANSFORMER_KERNEL_ISA");
+  if (forced != nullptr && std::strcmp(forced, "scalar") == 0) return Isa::kScalar;
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  if (forced != nullptr && std::strcmp(forced, "avx2") == 0) return avx2 ? Isa::kAvx2 : Isa::kScalar;
   if (__builtin_cpu_supports("avx512f")) return Isa::kAvx512;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return Isa::kAvx2;
-  return Isa::kScalar;
+  return avx2 ? Isa::kAvx2 : Isa::kScalar;
 }
 
 template <typename W>
@@ -157,15 +165,34 @@ void Accumulate(Isa isa, const float* x, const W* w, float* out, int64_t rows, i
   }
 }
 
+// `work` on n_tasks threads of the pool (this one and n_tasks - 1 scheduled), done when all return.
+template <typename F>
+ffi::Future OnThreads(ffi::ThreadPool& pool, int64_t n_tasks, F work) {
+  ffi::CountDownPromise done(n_tasks);
+  for (int64_t t = 1; t < n_tasks; ++t) {
+    pool.Schedule([=]() mutable {
+      work(t);
+      done.CountDown();
+    });
+  }
+  work(0);
+  done.CountDown();
+  return ffi::Future(done);
+}
+
+ffi::Future Failed(const char* message) {
+  ffi::Promise promise;
+  ffi::Future future(promise);
+  promise.SetError(ffi::Error::InvalidArgument(message));
+  return future;
+}
+
 template <typename W>
 ffi::Future RowsTimesWeight(ffi::ThreadPool pool, const float* x, int64_t x_count, const W* w, int64_t k_size,
                             int64_t o_size, float* out, int64_t n_parts, int64_t rows) {
   static const Isa isa = Detect();
   if (rows < 1 || rows > kMaxRows || x_count != rows * k_size) {
-    ffi::Promise promise;
-    ffi::Future future(promise);
-    promise.SetError(ffi::Error::InvalidArgument("rows x weight: x must be [B, K] with 1 <= B <= 64"));
-    return future;
+    return Failed("rows x weight: x must be [B, K] with 1 <= B <= 64");
   }
   // Chunks of w's rows go in order to whichever part's thread asks next; each part sums its chunks
   // into its own output, zeroed first (a part that gets none adds 0).
@@ -176,23 +203,13 @@ ffi::Future RowsTimesWeight(ffi::ThreadPool pool, const float* x, int64_t x_coun
   const int64_t chunk =
       std::max<int64_t>(kRowsPerPass, k_size / (kChunksPerPart * n_parts) / kRowsPerPass * kRowsPerPass);
   const int64_t n_chunks = (k_size + chunk - 1) / chunk;
-  auto run = [=](int64_t p) {
+  return OnThreads(pool, n_parts, [=](int64_t p) {
     float* own = out + p * rows * o_size;
     std::fill(own, own + rows * o_size, 0.0f);
     for (int64_t c = shared->next.fetch_add(1); c < n_chunks; c = shared->next.fetch_add(1)) {
       Accumulate(isa, x, w, own, rows, k_size, o_size, c * chunk, std::min(k_size, (c + 1) * chunk));
     }
-  };
-  ffi::CountDownPromise done(n_parts);
-  for (int64_t p = 1; p < n_parts; ++p) {
-    pool.Schedule([=]() mutable {
-      run(p);
-      done.CountDown();
-    });
-  }
-  run(0);
-  done.CountDown();
-  return ffi::Future(done);
+  });
 }
 
 ffi::Future Bf16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::BF16> w,
@@ -207,6 +224,69 @@ ffi::Future F32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::
   const auto dims = parts->dimensions();
   return RowsTimesWeight(pool, x.typed_data(), x.element_count(), w.typed_data(), w.dimensions()[0],
                          w.dimensions()[1], parts->typed_data(), dims[0], dims[1]);
+}
+
+// y [G, M, O] = x [G, M, K] times w [G, K, O], group by group (attention over a KV cache: one
+// group per row and kv head): threads take whole groups in turn.
+template <typename W>
+ffi::Future GroupedRowsTimesWeight(ffi::ThreadPool pool, const float* x, const W* w, float* y, int64_t groups,
+                                   int64_t rows, int64_t k_size, int64_t o_size) {
+  static const Isa isa = Detect();
+  if (rows < 1 || rows > kMaxRows) return Failed("grouped rows x weight: at most 64 rows per group");
+  struct Shared {
+    std::atomic<int64_t> next{0};
+  };
+  auto shared = std::make_shared<Shared>();
+  const int64_t n_tasks = std::max<int64_t>(1, std::min<int64_t>(groups, pool.num_threads()));
+  return OnThreads(pool, n_tasks, [=](int64_t) {
+    for (int64_t g = shared->next.fetch_add(1); g < groups; g = shared->next.fetch_add(1)) {
+      float* out = y + g * rows * o_size;
+      std::fill(out, out + rows * o_size, 0.0f);
+      Accumulate(isa, x + g * rows * k_size, w + g * k_size * o_size, out, rows, k_size, o_size, 0, k_size);
+    }
+  });
+}
+
+using F32x3 = ffi::Buffer<ffi::F32, 3>;
+using Bf16x3 = ffi::Buffer<ffi::BF16, 3>;
+
+ffi::Future Bf16Grouped(ffi::ThreadPool pool, F32x3 x, Bf16x3 w, ffi::Result<F32x3> y) {
+  const auto x_dims = x.dimensions(), w_dims = w.dimensions();
+  return GroupedRowsTimesWeight(pool, x.typed_data(), reinterpret_cast<const uint16_t*>(w.untyped_data()),
+                                y->typed_data(), x_dims[0], x_dims[1], w_dims[1], w_dims[2]);
+}
+
+// cache [.., S, ..] with update [.., T, ..] written at slots index .. index+T-1 of `axis` (index
+// clamped to [0, S-T], as XLA's dynamic-update-slice does), in place: the result aliases the cache.
+// XLA:CPU runs a 16-bit dynamic-update-slice over float32 copies of the whole array, or (on its
+// bits) as two fusions that each copy the cache; a decode step then copies every layer's cache.
+using Index = ffi::Buffer<ffi::S32, 0>;
+
+ffi::Error WriteSlots(ffi::AnyBuffer cache, ffi::AnyBuffer update, Index index,
+                      ffi::Result<ffi::AnyBuffer> out, int64_t axis) {
+  const auto dims = cache.dimensions(), new_dims = update.dimensions();
+  const int64_t rank = static_cast<int64_t>(dims.size());
+  if (axis < 0 || axis >= rank || static_cast<int64_t>(new_dims.size()) != rank) {
+    return ffi::Error::InvalidArgument("write slots: update and cache ranks differ or axis out of range");
+  }
+  int64_t outer = 1, inner = 1;
+  for (int64_t d = 0; d < rank; ++d) {
+    if (d != axis && dims[d] != new_dims[d]) return ffi::Error::InvalidArgument("write slots: shapes differ");
+    if (d < axis) outer *= dims[d];
+    if (d > axis) inner *= dims[d];
+  }
+  const int64_t slots = dims[axis], count = new_dims[axis];
+  if (count > slots) return ffi::Error::InvalidArgument("write slots: more new slots than the cache has");
+  const int64_t start = std::clamp<int64_t>(*index.typed_data(), 0, slots - count);
+  const size_t width = ffi::ByteWidth(cache.element_type());
+  char* target = static_cast<char*>(out->untyped_data());
+  if (target != cache.untyped_data()) std::memcpy(target, cache.untyped_data(), cache.size_bytes());
+  const char* source = static_cast<const char*>(update.untyped_data());
+  const size_t block = count * inner * width;
+  for (int64_t o = 0; o < outer; ++o) {
+    std::memcpy(target + (o * slots + start) * inner * width, source + o * block, block);
+  }
+  return ffi::Error::Success();
 }
 
 }  // namespace
@@ -225,3 +305,21 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshTransformerF32RowsTimesWeight, F32,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
+
+// Arguments: x [G, M, K] float32, w [G, K, O] bfloat16; result: y [G, M, O] float32.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshTransformerBf16GroupedRowsTimesWeight, Bf16Grouped,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<F32x3>()
+                                  .Arg<Bf16x3>()
+                                  .Ret<F32x3>());
+
+// Arguments: cache, update (same dtype and rank), index (int32 scalar); attribute axis; the result
+// aliases the cache (`input_output_aliases={0: 0}`).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshTransformerWriteSlots, WriteSlots,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<Index>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("axis"));

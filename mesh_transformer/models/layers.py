@@ -89,6 +89,8 @@ def _vary(x, axes: tuple):
 def _product(equation: str, a, b):
     if equation == "...k,ko->...o" and kernels.applies(a, b):  # decoding a few rows on CPU
         return kernels.rows_times_weight(a, b)
+    if equation in _PER_ROW_AND_KV_HEAD and kernels.grouped_applies(a, b):  # attention over a bf16 cache
+        return kernels.grouped_rows_times_weight(a, b)
     return jnp.einsum(equation, a, b, preferred_element_type=jnp.float32)
 
 
@@ -477,13 +479,17 @@ def query_block(rows: int, queries: int, scores_per_query: int) -> Optional[int]
     return -(-queries // blocks)  # blocks of equal size: the last one is padded least
 
 
+_PER_ROW_AND_KV_HEAD = ("bkmh,bkhs->bkms", "bkms,bksh->bkmh")  # `_rows_product`'s: [B, K] groups
+
+
 def _rows_product(equation: str, rows, other):
     """`product(equation, rows, other)` for rows [B, K, M, X] (M: a kv head's query rows). A single
     16-bit row (one token, no grouping) is doubled and the copy's result dropped: XLA:CPU hands a
     matmul of 2+ rows to YNNPACK, which reads the 16-bit cache in place, but runs a one-row one on
     a float32 copy of the layer's cache, made every decode step (with `write_slots`: GPT-J in bf16
-    at 16 rows, bench/decode.py's model, 6-29% faster)."""
-    if rows.shape[2] > 1 or not _is_16_bit_float(rows):
+    at 16 rows, bench/decode.py's model, 6-29% faster). On CPU with `kernels` built, a bf16 cache
+    is read by the grouped kernel instead (`_product`), which needs no spare row."""
+    if rows.shape[2] > 1 or not _is_16_bit_float(rows) or kernels.grouped_applies(rows, other):
         return product(equation, rows, other)
     return product(equation, jnp.concatenate([rows, rows], axis=2), other)[:, :, :1]
 
@@ -497,10 +503,17 @@ def _all_rows_product(rows, shared):
 
 
 def write_slots(cache, new, index, axis: int):
-    """`new` written into `cache` at `index` along `axis`, in place. A 16-bit cache is written as
-    16-bit integers: XLA:CPU runs a bf16 dynamic-update-slice as float32 over the whole array
-    (convert, update, convert back: a full read and write of every layer's cache each decode step)."""
+    """`new` written into `cache` at `index` along `axis`, in place.
+
+    On CPU by `kernels.write_slots`, which moves only the new slots: XLA:CPU's dynamic-update-slice
+    was copied whole when its result had two consumers of different shapes (the next state, and a
+    one-row attention's view without the row axis: XLA made two fusions of it, each from a copy of
+    the cache — every layer's cache copied four times per decode step, half the one-row speed at a
+    1,000-token context), and a 16-bit one runs over float32 copies of the whole array. Elsewhere
+    (or without the kernels) XLA's, a 16-bit cache written as 16-bit integers (exact)."""
     new = new.astype(cache.dtype)
+    if kernels.available():
+        return kernels.write_slots(cache, new, index, axis)
     update = lambda c, n: jax.lax.dynamic_update_slice_in_dim(c, n, index, axis)
     return _on_bits(update, cache, new) if _is_16_bit_float(cache) else update(cache, new)
 
