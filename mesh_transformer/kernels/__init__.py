@@ -123,10 +123,13 @@ def available() -> bool:
     return jax.default_backend() == "cpu" and _load()
 
 
+MAX_PARTS = 8  # a few threads saturate a socket's memory bandwidth; each part is a [rows, O] float32 partial
+
+
 def parts() -> int:
-    """Threads one product splits its weight's rows over: the cores per local device."""
+    """Threads one product splits its weight's rows over: the cores per local device, at most MAX_PARTS."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores // max(1, jax.local_device_count("cpu")))
+    return max(1, min(MAX_PARTS, cores // max(1, jax.local_device_count("cpu"))))
 
 
 def applies(x, w) -> bool:
