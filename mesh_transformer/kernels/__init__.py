@@ -38,15 +38,15 @@ KERNELS = {
     jnp.dtype(jnp.bfloat16): ("mesh_transformer_bf16_rows_times_weight", "MeshTransformerBf16RowsTimesWeight", (1, 8)),
     jnp.dtype(jnp.float32): ("mesh_transformer_f32_rows_times_weight", "MeshTransformerF32RowsTimesWeight", (2, 8)),
 }
-# Attention over a bf16 KV cache: per group (row and kv head) a few query rows times the cache.
-GROUPED = ("mesh_transformer_bf16_grouped_rows_times_weight", "MeshTransformerBf16GroupedRowsTimesWeight")
-GROUPED_MAX_ROWS = 8
-WRITE_SLOTS = ("mesh_transformer_write_slots", "MeshTransformerWriteSlots")
 # Row counts, measured on the AVX-512 EPYC (16 chained [r, 1024] x [1024, 4096] products, weights
 # out of cache): bf16 1-8 rows in 3.4-6.7 ms against XLA's 7.3-8.5 (YNNPACK; 73 ms at one row),
 # float32 2-8 rows in 6.9-9.3 ms against 8.3-10.6; from 12 rows on XLA's are faster (the kernel
 # loads and stores its partial product once per row per pass). One float32 row stays XLA's
 # matrix-vector product, as fast as the kernel (6.5 vs 6.9 ms).
+# Attention over a bf16 KV cache: per group (row and kv head) a few query rows times the cache.
+GROUPED = ("mesh_transformer_bf16_grouped_rows_times_weight", "MeshTransformerBf16GroupedRowsTimesWeight")
+GROUPED_MAX_ROWS = 8
+WRITE_SLOTS = ("mesh_transformer_write_slots", "MeshTransformerWriteSlots")
 FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC")
 
 _lock = threading.Lock()
