@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import logging
+import math
 import os
 import shutil
 import subprocess
@@ -123,6 +124,17 @@ def available() -> bool:
     return jax.default_backend() == "cpu" and _load()
 
 
+def _call(target: str, like, shape, dtype, **options):
+    """`jax.ffi.ffi_call(target, ...)` for one result of `shape`/`dtype` that varies over the mesh
+    axes `like` does (inside shard_map), after making sure the kernels are loaded."""
+    if not _load():
+        raise RuntimeError("the CPU kernels are not available here (see the warning logged when loading them)")
+    typed = jax.typeof(like)
+    result = jax.ShapeDtypeStruct(shape, dtype, sharding=typed.sharding,
+                                  manual_axis_type=getattr(typed, "manual_axis_type", None))
+    return jax.ffi.ffi_call(target, result, **options)
+
+
 MAX_PARTS = 8  # a few threads saturate a socket's memory bandwidth; each part is a [rows, O] float32 partial
 
 
@@ -138,27 +150,18 @@ def applies(x, w) -> bool:
     kernel = KERNELS.get(jnp.dtype(w.dtype))
     if kernel is None or w.ndim != 2:
         return False
-    rows = 1
-    for size in x.shape[:-1]:
-        rows *= size
     low, high = kernel[2]
-    return low <= rows <= high and available()
+    return low <= math.prod(x.shape[:-1]) <= high and available()
 
 
 def rows_times_weight(x, w, n_parts: Optional[int] = None):
     """x [..., K] (any float dtype) times w [K, O] (bfloat16 or float32) -> float32 [..., O]: the
     float32 product of the (widened) weight, summed in another order than XLA's (~1e-7 relative).
     `n_parts` threads (default `parts()`) take chunks of w's rows; their sums are added here."""
-    if not _load():
-        raise RuntimeError("the CPU kernels are not available here (see the warning logged when loading them)")
     batch, k = x.shape[:-1], x.shape[-1]
     rows = x.reshape(-1, k).astype(jnp.float32)
-    n = n_parts or parts()
-    typed = jax.typeof(rows)  # inside shard_map the result varies over the mesh axes x does
-    result = jax.ShapeDtypeStruct((n, rows.shape[0], w.shape[1]), jnp.float32, sharding=typed.sharding,
-                                  manual_axis_type=getattr(typed, "manual_axis_type", None))
-    target = KERNELS[jnp.dtype(w.dtype)][0]
-    partial = jax.ffi.ffi_call(target, result)(rows, w)
+    shape = (n_parts or parts(), rows.shape[0], w.shape[1])
+    partial = _call(KERNELS[jnp.dtype(w.dtype)][0], rows, shape, jnp.float32)(rows, w)
     return partial.sum(0).reshape(*batch, w.shape[1])
 
 
@@ -172,29 +175,17 @@ def grouped_applies(x, w) -> bool:
 def grouped_rows_times_weight(x, w):
     """x [*G, M, K] times w [*G, K, O] (bfloat16), group by group -> float32 [*G, M, O] (attention's
     products over a bf16 KV cache, read in place; XLA:CPU converts it or hands each to YNNPACK)."""
-    if not _load():
-        raise RuntimeError("the CPU kernels are not available here (see the warning logged when loading them)")
     groups, (m, k), o = x.shape[:-2], x.shape[-2:], w.shape[-1]
-    n = 1
-    for size in groups:
-        n *= size
+    n = math.prod(groups)
     flat_x = x.reshape(n, m, k).astype(jnp.float32)
-    typed = jax.typeof(flat_x)
-    result = jax.ShapeDtypeStruct((n, m, o), jnp.float32, sharding=typed.sharding,
-                                  manual_axis_type=getattr(typed, "manual_axis_type", None))
-    return jax.ffi.ffi_call(GROUPED[0], result)(flat_x, w.reshape(n, k, o)).reshape(*groups, m, o)
+    return _call(GROUPED[0], flat_x, (n, m, o), jnp.float32)(flat_x, w.reshape(n, k, o)).reshape(*groups, m, o)
 
 
 def write_slots(cache, new, index, axis: int):
     """`cache` with `new` written at `index` along `axis` (negative from the end, then clamped, as
     `lax.dynamic_update_slice` does), in place: the result aliases the cache buffer, and only `new`
     is copied (see `layers.write_slots` for what XLA:CPU's own update copied)."""
-    if not _load():
-        raise RuntimeError("the CPU kernels are not available here (see the warning logged when loading them)")
-    typed = jax.typeof(cache)
-    result = jax.ShapeDtypeStruct(cache.shape, cache.dtype, sharding=typed.sharding,
-                                  manual_axis_type=getattr(typed, "manual_axis_type", None))
-    call = jax.ffi.ffi_call(WRITE_SLOTS[0], result, input_output_aliases={0: 0})
     index = jnp.asarray(index, jnp.int32)
     index = jnp.where(index < 0, index + cache.shape[axis], index)  # as lax's: negative counts from the end
+    call = _call(WRITE_SLOTS[0], cache, cache.shape, cache.dtype, input_output_aliases={0: 0})
     return call(cache, new.astype(cache.dtype), index, axis=np.int64(axis))
