@@ -21,12 +21,12 @@ from jax.sharding import PartitionSpec as P
 from mesh_transformer import kernels, loading, parallel
 from mesh_transformer.generate import Generator, SamplingOptions
 from mesh_transformer.models import layers
-from tests.helpers import NEW, mesh
+from tests.helpers import NEW, make_hf_model, mesh
 
 pytestmark = pytest.mark.skipif(kernels.compiler() is None, reason="no C++ compiler: the model runs XLA's products")
 
 
-BF16 = kernels.KERNELS[jnp.dtype(jnp.bfloat16)][0]
+BF16 = kernels.KERNELS[jnp.dtype(jnp.bfloat16)].target
 
 
 def case(rows, k, o, dtype=jnp.bfloat16, seed=0):
@@ -44,19 +44,34 @@ def case(rows, k, o, dtype=jnp.bfloat16, seed=0):
                                               (4, 64, 16400, 2), (8, 3, 33, 2), (7, 21, 40, 1)])
 def test_rows_times_weight_is_the_float32_product(rows, k, o, n_parts, dtype):
     x, w, exact = case(rows, k, o, dtype)
-    y = jax.jit(lambda x, w: kernels.rows_times_weight(x, w, n_parts))(x, w)
-    assert y.dtype == jnp.float32 and y.shape == (rows, o)
+    y = jax.jit(lambda x, w: kernels.rows_times_weight(x, w, n_parts, blocked=False))(x, w)
+    assert_float32_product(y, x, w, exact)
+
+
+# Register-blocked: rows in blocks of 6 (1 row; 9 = 6 + 3; 13 = 6 + 6 + 1; 70, past the streamed
+# kernel's 64), weight rows in blocks of 256 (300 = 256 + 44), columns in panels of 4 16-wide
+# vectors (5: none, one at a time; 100 = 64 + 2 vectors + 4; 144 = 2 panels + 1 vector).
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("rows,k,o", [(1, 40, 5), (9, 300, 100), (13, 600, 64), (32, 256, 144), (70, 37, 200)])
+def test_blocked_rows_times_weight_is_the_float32_product(rows, k, o, dtype):
+    x, w, exact = case(rows, k, o, dtype)
+    assert_float32_product(jax.jit(lambda x, w: kernels.rows_times_weight(x, w, blocked=True))(x, w), x, w, exact)
+
+
+def assert_float32_product(y, x, w, exact):
+    assert y.dtype == jnp.float32 and y.shape == exact.shape
     scale = np.abs(x).astype(np.float64) @ np.abs(np.asarray(w.astype(jnp.float32), np.float64))
     err = np.abs(np.asarray(y, np.float64) - exact) / scale
     assert err.max() < 1e-6, err.max()  # float32 sums of k products: measured ~1e-7
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
 @pytest.mark.parametrize("groups,m,k,o", [((1, 16), 1, 64, 96), ((2, 3), 4, 37, 20), ((3, 1), 8, 96, 64)])
-def test_grouped_rows_times_weight_is_each_groups_product(groups, m, k, o):
+def test_grouped_rows_times_weight_is_each_groups_product(groups, m, k, o, dtype):
     """Attention's shapes: [B, kv heads] groups, query rows per kv head, head size or slots."""
     rng = np.random.RandomState(1)
     x = rng.standard_normal((*groups, m, k)).astype(np.float32)
-    w = jnp.asarray(rng.standard_normal((*groups, k, o)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((*groups, k, o)), dtype)
     wide = np.asarray(w.astype(jnp.float32), np.float64)
     exact = np.einsum("...mk,...ko->...mo", x.astype(np.float64), wide)
     y = jax.jit(kernels.grouped_rows_times_weight)(x, w)
@@ -64,16 +79,21 @@ def test_grouped_rows_times_weight_is_each_groups_product(groups, m, k, o):
     assert y.shape == exact.shape and (np.abs(np.asarray(y, np.float64) - exact) / scale).max() < 1e-6
 
 
-@pytest.mark.parametrize("dtype,uses", [(jnp.bfloat16, range(1, 9)), (jnp.float32, range(2, 9))], ids=["bf16", "f32"])
-def test_dense_uses_the_kernel_for_few_rows_and_xla_for_more(dtype, uses):
-    """bf16 from one row, float32 from two (one float32 row is XLA's matrix-vector product, as fast);
-    from 9 rows on XLA's products; float16 never."""
-    x, w, _ = case(10, 32, 24, dtype)
-    target = kernels.KERNELS[jnp.dtype(dtype)][0]
+@pytest.mark.parametrize("dtype,streamed,blocked", [(jnp.bfloat16, [1, 2, 8], []), (jnp.float32, [2, 8], [32, 64])],
+                         ids=["bf16", "f32"])
+def test_dense_uses_the_kernel_where_it_is_faster_than_xla(dtype, streamed, blocked):
+    """bf16 1-8 rows, streamed (from 9 rows YNNPACK's bf16 pair products are faster); float32 2-8
+    rows streamed (one row is XLA's matrix-vector product, as fast), 9-31 XLA's, 32-64 blocked (a
+    serving batch's decode step), more XLA's (prefill, YNNPACK); float16 never."""
+    x, w, _ = case(80, 32, 24, dtype)
+    target = kernels.KERNELS[jnp.dtype(dtype)].target
     hlo = lambda rows, w: jax.jit(lambda x, w: layers.dense("btk,ko->bto", x, w)).lower(  # noqa: E731
         jnp.asarray(x[:rows, None], dtype), w).as_text()
-    assert [rows for rows in range(1, 11) if target in hlo(rows, w)] == list(uses)
-    assert not any(t in hlo(1, w.astype(jnp.float16)) for t, _, _ in kernels.KERNELS.values())
+    runs = {rows: re.search(rf'{target}.*blocked = (true|false)', hlo(rows, w))
+            for rows in [1, 2, 8, 9, 16, 31, 32, 64, 65, 80]}
+    assert [rows for rows, found in runs.items() if found and found[1] == "false"] == streamed
+    assert [rows for rows, found in runs.items() if found and found[1] == "true"] == blocked
+    assert not any(k.target in hlo(1, w.astype(jnp.float16)) for k in kernels.KERNELS.values())
 
 
 def test_the_kernel_differentiates_like_the_einsum():
@@ -100,22 +120,31 @@ def test_the_kernel_runs_on_each_shard_of_a_column_parallel_weight():
     np.testing.assert_allclose(np.asarray(f(x, w)), exact, rtol=1e-5, atol=1e-5)
 
 
-def test_one_row_bf16_decode_runs_the_kernel_with_xla_paths_tokens(tiny, monkeypatch):
-    """A one-row bf16 decode (no spare row) calls the kernel for its weight products and decodes the
-    same greedy tokens, with log p within float32 rounding, as XLA's own products of the same weights."""
-    model = loading.load(hf=str(tiny.path), mp=1, dp=1, dtype="bfloat16")
+@pytest.mark.parametrize("dtype,rows,case", [("bfloat16", 1, "gptj"), ("float32", 32, "llama_gqa2_llama3_rope")])
+def test_decode_runs_the_kernels_with_xla_paths_tokens(tiny, tmp_path, monkeypatch, dtype, rows, case):
+    """A one-row bf16 GPT-J decode (no spare row; streamed products, grouped attention over the
+    bf16 cache) and a 32-row float32 LLaMA one (register-blocked products; grouped attention, two
+    query heads per kv head) call the kernels and decode the same greedy tokens, with log p within
+    float32 rounding, as XLA's own products of the same weights."""
+    if case != "gptj":  # the tiny GPT-J's tokenizer beside a tiny model of this case
+        tiny.tokenizer.save_pretrained(tmp_path)
+        make_hf_model(tmp_path, case, vocab_size=len(tiny.tokenizer), bos_token_id=tiny.eos, eos_token_id=tiny.eos)
+    model = loading.load(hf=str(tiny.path if case == "gptj" else tmp_path), mp=1, dp=1, dtype=dtype)
     options = SamplingOptions(max_new_tokens=NEW, temperature=0.0, logprobs=1)
-    prompt = [[5, 6, 7, 8, 9]]
+    prompts = [[5 + r % 7, 6, 7 + r, 8, 9] for r in range(rows)]
     g = Generator(model.config, model.params, model.mesh)
     assert g.min_rows == 1
-    (ours,) = g.generate(prompt, options)
-    state = g.new_state(1, 32)
-    assert BF16 in g._decode.lower(g.params, state, np.int32(0), np.int32(4), 4, 32).as_text()
+    ours = g.generate(prompts, options)
+    state = g.new_state(rows, 32)
+    hlo = g._decode.lower(g.params, state, np.int32(0), np.int32(4), 4, 32).as_text()
+    product, grouped = kernels.KERNELS[jnp.dtype(dtype)], kernels.GROUPED[jnp.dtype(dtype)].target
+    assert re.search(rf'{product.target}.*blocked = {"true" if rows > product.streamed[1] else "false"}', hlo)
+    assert grouped in hlo
     monkeypatch.setattr(kernels, "applies", lambda x, w: False)  # every product back to XLA's
     monkeypatch.setattr(kernels, "grouped_applies", lambda x, w: False)
-    (xla,) = Generator(model.config, model.params, model.mesh).generate(prompt, options)
-    assert ours.tokens == xla.tokens
-    np.testing.assert_allclose(ours.logprobs, xla.logprobs, atol=1e-3)
+    xla = Generator(model.config, model.params, model.mesh).generate(prompts, options)
+    assert [s.tokens for s in ours] == [s.tokens for s in xla]
+    np.testing.assert_allclose([s.logprobs for s in ours], [s.logprobs for s in xla], atol=1e-3)
 
 
 def test_without_a_compiler_the_model_falls_back_to_xla_with_a_warning(monkeypatch, tmp_path, caplog):
@@ -149,17 +178,20 @@ ISA_CHECK = """
 import numpy as np, jax, jax.numpy as jnp
 from mesh_transformer import kernels
 rng = np.random.RandomState(0)
-for rows, k, o, dtype in [(1, 37, 70, jnp.bfloat16), (5, 64, 130, jnp.float32), (8, 19, 40, jnp.bfloat16)]:
+for rows, k, o, dtype, blocked in [(1, 37, 70, jnp.bfloat16, False), (5, 64, 130, jnp.float32, False),
+                                   (8, 19, 40, jnp.bfloat16, False), (13, 300, 90, jnp.float32, True),
+                                   (7, 20, 37, jnp.bfloat16, True)]:
     x = rng.standard_normal((rows, k)).astype(np.float32)
     w = jnp.asarray(rng.standard_normal((k, o)), dtype)
     wide = np.asarray(w.astype(jnp.float32), np.float64)
-    y = np.asarray(jax.jit(lambda x, w: kernels.rows_times_weight(x, w, 2))(x, w), np.float64)
+    y = np.asarray(jax.jit(lambda x, w: kernels.rows_times_weight(x, w, 2, blocked))(x, w), np.float64)
     assert (np.abs(y - x @ wide) / (np.abs(x) @ np.abs(wide))).max() < 1e-6, (rows, k, o)
-x = rng.standard_normal((2, 3, 4, 21)).astype(np.float32)
-w = jnp.asarray(rng.standard_normal((2, 3, 21, 50)), jnp.bfloat16)
-wide = np.asarray(w.astype(jnp.float32), np.float64)
-y = np.asarray(kernels.grouped_rows_times_weight(x, w), np.float64)
-assert (np.abs(y - x @ wide) / (np.abs(x) @ np.abs(wide))).max() < 1e-6
+for dtype in (jnp.bfloat16, jnp.float32):
+    x = rng.standard_normal((2, 3, 4, 21)).astype(np.float32)
+    w = jnp.asarray(rng.standard_normal((2, 3, 21, 50)), dtype)
+    wide = np.asarray(w.astype(jnp.float32), np.float64)
+    y = np.asarray(kernels.grouped_rows_times_weight(x, w), np.float64)
+    assert (np.abs(y - x @ wide) / (np.abs(x) @ np.abs(wide))).max() < 1e-6
 print("ok")
 """
 

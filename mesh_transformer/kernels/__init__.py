@@ -2,9 +2,10 @@
 
 All for decoding, in `rows_times_weight.cc` (which says why XLA:CPU's own are slower there):
 `rows_times_weight`, the product of a few float32 rows and a bfloat16 or float32 weight at the
-machine's memory bandwidth (`layers.product` calls it where `applies` says so);
-`grouped_rows_times_weight`, the same per (row, kv head) group, for attention over a bf16 KV cache
-(`grouped_applies`); `write_slots`, a KV cache update in place (`layers.write_slots`).
+machine's memory bandwidth, and of a serving batch's rows (32-64, float32) register-blocked
+(`layers.product` calls it where `applies` says so); `grouped_rows_times_weight`, the few-row
+product per (row, kv head) group, for attention over the KV cache (`grouped_applies`);
+`write_slots`, a KV cache update in place (`layers.write_slots`).
 
 The source is compiled with the system's C++ compiler (`$CXX`, else `c++`/`g++`/`clang++`) against
 the FFI headers jaxlib ships, once per source/jaxlib/compiler, into
@@ -25,7 +26,7 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -34,19 +35,49 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("rows_times_weight.cc")
-# weight dtype -> (FFI target, the library's handler symbol, the row counts it runs)
+
+
+class Kernel(NamedTuple):
+    """A weight dtype's product: its FFI target, the library's handler symbol, and the row counts
+    it runs streamed (weights read once at memory speed, threads splitting the weight's rows) and
+    register-blocked (threads taking panels of columns; None: XLA's products are faster)."""
+
+    target: str
+    symbol: str
+    streamed: tuple[int, int]
+    blocked: Optional[tuple[int, int]] = None
+
+    def runs(self, rows: int) -> bool:
+        return any(low <= rows <= high for low, high in filter(None, (self.streamed, self.blocked)))
+
+
 KERNELS = {
-    jnp.dtype(jnp.bfloat16): ("mesh_transformer_bf16_rows_times_weight", "MeshTransformerBf16RowsTimesWeight", (1, 8)),
-    jnp.dtype(jnp.float32): ("mesh_transformer_f32_rows_times_weight", "MeshTransformerF32RowsTimesWeight", (2, 8)),
+    jnp.dtype(jnp.bfloat16): Kernel("mesh_transformer_bf16_rows_times_weight", "MeshTransformerBf16RowsTimesWeight",
+                                    streamed=(1, 8)),
+    jnp.dtype(jnp.float32): Kernel("mesh_transformer_f32_rows_times_weight", "MeshTransformerF32RowsTimesWeight",
+                                   streamed=(2, 8), blocked=(32, 64)),
 }
 # Row counts, measured on the AVX-512 EPYC (16 chained [r, 1024] x [1024, 4096] products, weights
 # out of cache): bf16 1-8 rows in 3.4-6.7 ms against XLA's 7.3-8.5 (YNNPACK; 73 ms at one row),
 # float32 2-8 rows in 6.9-9.3 ms against 8.3-10.6; from 12 rows on XLA's are faster (the kernel
 # loads and stores its partial product once per row per pass). One float32 row stays XLA's
-# matrix-vector product, as fast as the kernel (6.5 vs 6.9 ms).
-# Attention over a bf16 KV cache: per group (row and kv head) a few query rows times the cache.
-GROUPED = ("mesh_transformer_bf16_grouped_rows_times_weight", "MeshTransformerBf16GroupedRowsTimesWeight")
-GROUPED_MAX_ROWS = 8
+# matrix-vector product, as fast as the kernel (6.5 vs 6.9 ms). Blocked, float32: 16 / 24 rows
+# 10.3 / 12.4 ms against XLA's 9.3 / 11.7 (weight-bound: XLA overlaps reading and computing
+# better), 32 / 64 rows 15.3 / 23.1 ms (280 / 372 GFLOP/s) against 22.8 / 32.6 (the decode
+# program's XLA:CPU matmuls; YNNPACK's 16.2 / 27.0), 128 rows 50.5 against YNNPACK's 45.9. bf16
+# none: YNNPACK multiplies bf16 pairs (AVX-512-BF16), 7.1 / 13.5 ms at 16 / 64 rows against the
+# kernel's float32 arithmetic, 10.0 / 24.3.
+# Attention over a KV cache: per group (row and kv head) a few query rows times its keys or values.
+# float32 from 2 rows (grouped-query attention's query heads per kv head): bench/decode.py's
+# LLaMA-shaped model (4 per kv head), 16 / 64 rows, 492-504 -> 550-576 and 914-925 -> 1079-1104
+# tok/s; with one query per kv head (GPT-J) XLA's products are as fast or faster (16 rows: 537-552
+# against 520-523).
+GROUPED = {
+    jnp.dtype(jnp.bfloat16): Kernel("mesh_transformer_bf16_grouped_rows_times_weight",
+                                    "MeshTransformerBf16GroupedRowsTimesWeight", streamed=(1, 8)),
+    jnp.dtype(jnp.float32): Kernel("mesh_transformer_f32_grouped_rows_times_weight",
+                                   "MeshTransformerF32GroupedRowsTimesWeight", streamed=(2, 8)),
+}
 WRITE_SLOTS = ("mesh_transformer_write_slots", "MeshTransformerWriteSlots")
 FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC")
 
@@ -111,7 +142,8 @@ def _load() -> bool:
             if enabled():
                 try:
                     library = ctypes.cdll.LoadLibrary(str(build()))
-                    for target, symbol in [kernel[:2] for kernel in KERNELS.values()] + [GROUPED, WRITE_SLOTS]:
+                    calls = [(k.target, k.symbol) for k in (*KERNELS.values(), *GROUPED.values())] + [WRITE_SLOTS]
+                    for target, symbol in calls:
                         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
                     _state["ok"] = True
                 except (OSError, RuntimeError, AttributeError, subprocess.SubprocessError) as error:
@@ -150,35 +182,41 @@ def applies(x, w) -> bool:
     kernel = KERNELS.get(jnp.dtype(w.dtype))
     if kernel is None or w.ndim != 2:
         return False
-    low, high = kernel[2]
-    return low <= math.prod(x.shape[:-1]) <= high and available()
+    return kernel.runs(math.prod(x.shape[:-1])) and available()
 
 
-def rows_times_weight(x, w, n_parts: Optional[int] = None):
+def rows_times_weight(x, w, n_parts: Optional[int] = None, blocked: Optional[bool] = None):
     """x [..., K] (any float dtype) times w [K, O] (bfloat16 or float32) -> float32 [..., O]: the
     float32 product of the (widened) weight, summed in another order than XLA's (~1e-7 relative).
-    `n_parts` threads (default `parts()`) take chunks of w's rows; their sums are added here."""
+    Streamed up to the kernel's `streamed` rows (`n_parts` threads, default `parts()`, take chunks
+    of w's rows; their sums are added here), register-blocked beyond (or as `blocked` says)."""
     batch, k = x.shape[:-1], x.shape[-1]
     rows = x.reshape(-1, k).astype(jnp.float32)
-    shape = (n_parts or parts(), rows.shape[0], w.shape[1])
-    partial = _call(KERNELS[jnp.dtype(w.dtype)][0], rows, shape, jnp.float32)(rows, w)
+    kernel = KERNELS[jnp.dtype(w.dtype)]
+    blocked = rows.shape[0] > kernel.streamed[1] if blocked is None else blocked
+    shape = (1 if blocked else n_parts or parts(), rows.shape[0], w.shape[1])
+    partial = _call(kernel.target, rows, shape, jnp.float32)(rows, w, blocked=blocked)
     return partial.sum(0).reshape(*batch, w.shape[1])
 
 
 def grouped_applies(x, w) -> bool:
-    """Whether `grouped_rows_times_weight(x, w)` will run: x [*G, M, K] with M <= GROUPED_MAX_ROWS,
-    w [*G, K, O] bfloat16 with the same leading group axes, on CPU, with the kernels built."""
-    return (jnp.dtype(w.dtype) == jnp.bfloat16 and x.ndim == w.ndim >= 3 and x.shape[:-2] == w.shape[:-2]
-            and x.shape[-1] == w.shape[-2] and x.shape[-2] <= GROUPED_MAX_ROWS and available())
+    """Whether `grouped_rows_times_weight(x, w)` will run: x [*G, M, K] with as many rows M as the
+    weight dtype's kernel takes (`GROUPED`), w [*G, K, O] bfloat16 or float32 with the same leading
+    group axes, on CPU, with the kernels built."""
+    kernel = GROUPED.get(jnp.dtype(w.dtype))
+    return (kernel is not None and x.ndim == w.ndim >= 3 and x.shape[:-2] == w.shape[:-2]
+            and x.shape[-1] == w.shape[-2] and kernel.runs(x.shape[-2]) and available())
 
 
 def grouped_rows_times_weight(x, w):
-    """x [*G, M, K] times w [*G, K, O] (bfloat16), group by group -> float32 [*G, M, O] (attention's
-    products over a bf16 KV cache, read in place; XLA:CPU converts it or hands each to YNNPACK)."""
+    """x [*G, M, K] times w [*G, K, O] (bfloat16 or float32), group by group -> float32 [*G, M, O]
+    (attention's products over a KV cache, read in place: XLA:CPU converts a bf16 cache or hands
+    each group to YNNPACK, and runs float32 groups of a few rows as many small matmuls)."""
     groups, (m, k), o = x.shape[:-2], x.shape[-2:], w.shape[-1]
     n = math.prod(groups)
     flat_x = x.reshape(n, m, k).astype(jnp.float32)
-    return _call(GROUPED[0], flat_x, (n, m, o), jnp.float32)(flat_x, w.reshape(n, k, o)).reshape(*groups, m, o)
+    call = _call(GROUPED[jnp.dtype(w.dtype)].target, flat_x, (n, m, o), jnp.float32)
+    return call(flat_x, w.reshape(n, k, o)).reshape(*groups, m, o)
 
 
 def write_slots(cache, new, index, axis: int):

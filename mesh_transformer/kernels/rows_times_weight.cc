@@ -1,7 +1,8 @@
 // XLA FFI custom calls for XLA:CPU's decode steps: x [B, K] (float32) times w [K, O] (bfloat16 or
-// float32) for few rows B, returned as P partial products [P, B, O] (float32) that the caller sums;
-// the same per group of a [G, M, K] x [G, K, O] product (attention over a bf16 KV cache); and a
-// KV cache's new slots written in place (WriteSlots, at the end).
+// float32) for few rows B, returned as P partial products [P, B, O] (float32) that the caller sums,
+// or for a serving batch's rows register-blocked into one product (`blocked`, P = 1: Blocked); the
+// same per group of a [G, M, K] x [G, K, O] product (attention over a bf16 KV cache); and a KV
+// cache's new slots written in place (WriteSlots, at the end).
 //
 // Why: decoding few rows reads every weight once per step, so the product should run at memory
 // speed. XLA:CPU's own matmul kernels take no bfloat16 operands (it converts the whole weight to
@@ -22,6 +23,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <utility>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -187,13 +189,171 @@ ffi::Future Failed(const char* message) {
   return future;
 }
 
+// Many rows (a serving batch): a register-blocked product. Each thread takes panels of w's columns
+// in turn; per block of kDepth weight rows (kept in cache while every row block reads them) a tile
+// of R rows x C vectors of columns sums its products in registers (R x C accumulators, C weight
+// vectors loaded and widened per weight row for R x C fused multiply-adds) and adds them to y.
+constexpr int64_t kBlockRows = 6;  // R at most: 6 x 4 AVX-512 accumulators (24 of 32 registers)
+constexpr int64_t kDepth = 256;    // weight rows per block: 64 KiB of a 64-column float32 panel
+
+template <typename W, int R, int C>
+__attribute__((target("avx512f"))) void TileAvx512(const float* x, int64_t x_stride, const W* w, int64_t w_stride,
+                                                   float* y, int64_t y_stride, int64_t depth, bool first) {
+  __m512 acc[R][C];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) acc[r][c] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(y + r * y_stride + 16 * c);
+  }
+  for (int64_t k = 0; k < depth; ++k) {
+    const W* wk = w + k * w_stride;
+    __m512 wv[C];
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) wv[c] = Load16(wk + 16 * c);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m512 xr = _mm512_set1_ps(x[r * x_stride + k]);
+#pragma GCC unroll 4
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(xr, wv[c], acc[r][c]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(y + r * y_stride + 16 * c, acc[r][c]);
+  }
+}
+
+template <typename W, int R, int C>
+__attribute__((target("avx2,fma"))) void TileAvx2(const float* x, int64_t x_stride, const W* w, int64_t w_stride,
+                                                  float* y, int64_t y_stride, int64_t depth, bool first) {
+  __m256 acc[R][C];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) acc[r][c] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(y + r * y_stride + 8 * c);
+  }
+  for (int64_t k = 0; k < depth; ++k) {
+    const W* wk = w + k * w_stride;
+    __m256 wv[C];
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) wv[c] = Load8(wk + 8 * c);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m256 xr = _mm256_set1_ps(x[r * x_stride + k]);
+#pragma GCC unroll 4
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm256_fmadd_ps(xr, wv[c], acc[r][c]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) _mm256_storeu_ps(y + r * y_stride + 8 * c, acc[r][c]);
+  }
+}
+
+// Columns [from, to) of the same tile, one at a time (the columns no vector covers, and the
+// portable path).
+template <typename W>
+void TileScalar(const float* x, int64_t x_stride, const W* w, int64_t w_stride, float* y, int64_t y_stride,
+                int64_t rows, int64_t from, int64_t to, int64_t depth, bool first) {
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t o = from; o < to; ++o) {
+      float sum = first ? 0.0f : y[r * y_stride + o];
+      for (int64_t k = 0; k < depth; ++k) sum += x[r * x_stride + k] * Scalar(w + k * w_stride + o);
+      y[r * y_stride + o] = sum;
+    }
+  }
+}
+
+using TileFn = void (*)(const float*, int64_t, const void*, int64_t, float*, int64_t, int64_t, bool);
+
+template <typename W, template <typename, int, int> class Tile, int R, int C>
+void TileErased(const float* x, int64_t x_stride, const void* w, int64_t w_stride, float* y, int64_t y_stride,
+                int64_t depth, bool first) {
+  Tile<W, R, C>::Run(x, x_stride, static_cast<const W*>(w), w_stride, y, y_stride, depth, first);
+}
+
+template <typename W, int R, int C>
+struct Avx512Tile {
+  static void Run(const float* x, int64_t xs, const W* w, int64_t ws, float* y, int64_t ys, int64_t d, bool f) {
+    TileAvx512<W, R, C>(x, xs, w, ws, y, ys, d, f);
+  }
+};
+template <typename W, int R, int C>
+struct Avx2Tile {
+  static void Run(const float* x, int64_t xs, const W* w, int64_t ws, float* y, int64_t ys, int64_t d, bool f) {
+    TileAvx2<W, R, C>(x, xs, w, ws, y, ys, d, f);
+  }
+};
+
+// The tile functions of one ISA, by [R - 1][C - 1].
+template <typename W, template <typename, int, int> class Tile, int... Cs>
+struct TileTable {
+  template <int R>
+  static void Fill(TileFn (&table)[kBlockRows][4]) {
+    ((table[R - 1][Cs - 1] = &TileErased<W, Tile, R, Cs>), ...);
+  }
+  template <int... Rs>
+  static void FillAll(TileFn (&table)[kBlockRows][4], std::integer_sequence<int, Rs...>) {
+    (Fill<Rs + 1>(table), ...);
+  }
+  TileFn fns[kBlockRows][4] = {};
+  TileTable() { FillAll(fns, std::make_integer_sequence<int, kBlockRows>{}); }
+};
+
+// Columns per panel (and per SIMD vector) of each path.
+int64_t Lanes(Isa isa) { return isa == Isa::kAvx512 ? 16 : isa == Isa::kAvx2 ? 8 : 1; }
+int64_t PanelWidth(Isa isa) { return isa == Isa::kAvx2 ? 16 : 64; }
+
+// y [B, O] = x [B, K] w [K, O] for the columns of panel p.
+template <typename W>
+void BlockedPanel(Isa isa, const float* x, const W* w, float* y, int64_t rows, int64_t k_size, int64_t o_size,
+                  int64_t p) {
+  static const TileTable<W, Avx512Tile, 1, 2, 3, 4> avx512;
+  static const TileTable<W, Avx2Tile, 1, 2> avx2;
+  const auto& tiles = isa == Isa::kAvx512 ? avx512.fns : avx2.fns;
+  const int64_t o0 = p * PanelWidth(isa), o1 = std::min(o_size, o0 + PanelWidth(isa));
+  const int64_t vectors = isa == Isa::kScalar ? 0 : (o1 - o0) / Lanes(isa);
+  for (int64_t k0 = 0; k0 < k_size; k0 += kDepth) {
+    const int64_t depth = std::min(kDepth, k_size - k0);
+    for (int64_t r0 = 0; r0 < rows; r0 += kBlockRows) {
+      const int64_t block = std::min(kBlockRows, rows - r0);
+      const float* xs = x + r0 * k_size + k0;
+      float* ys = y + r0 * o_size + o0;
+      const W* ws = w + k0 * o_size + o0;
+      if (vectors > 0) tiles[block - 1][vectors - 1](xs, k_size, ws, o_size, ys, o_size, depth, k0 == 0);
+      TileScalar(xs, k_size, ws, o_size, ys, o_size, block, vectors * Lanes(isa), o1 - o0, depth, k0 == 0);
+    }
+  }
+}
+
+template <typename W>
+ffi::Future Blocked(ffi::ThreadPool& pool, Isa isa, const float* x, const W* w, float* y, int64_t rows,
+                    int64_t k_size, int64_t o_size) {
+  struct Shared {
+    std::atomic<int64_t> next{0};
+  };
+  auto shared = std::make_shared<Shared>();
+  const int64_t n_panels = (o_size + PanelWidth(isa) - 1) / PanelWidth(isa);
+  const int64_t n_tasks = std::max<int64_t>(1, std::min<int64_t>(n_panels, pool.num_threads()));
+  return OnThreads(pool, n_tasks, [=](int64_t) {
+    for (int64_t p = shared->next.fetch_add(1); p < n_panels; p = shared->next.fetch_add(1)) {
+      BlockedPanel(isa, x, w, y, rows, k_size, o_size, p);
+    }
+  });
+}
+
 template <typename W>
 ffi::Future RowsTimesWeight(ffi::ThreadPool pool, const float* x, int64_t x_count, const W* w, int64_t k_size,
-                            int64_t o_size, float* out, int64_t n_parts, int64_t rows) {
+                            int64_t o_size, float* out, int64_t n_parts, int64_t rows, bool blocked) {
   static const Isa isa = Detect();
-  if (rows < 1 || rows > kMaxRows || x_count != rows * k_size) {
-    return Failed("rows x weight: x must be [B, K] with 1 <= B <= 64");
+  if (rows < 1 || x_count != rows * k_size) return Failed("rows x weight: x must be [B, K] with B >= 1");
+  if (blocked) {
+    if (n_parts != 1) return Failed("rows x weight: the blocked product has one part");
+    return Blocked(pool, isa, x, w, out, rows, k_size, o_size);
   }
+  if (rows > kMaxRows) return Failed("rows x weight: at most 64 rows streamed");
   // Chunks of w's rows go in order to whichever part's thread asks next; each part sums its chunks
   // into its own output, zeroed first (a part that gets none adds 0).
   struct Shared {
@@ -213,17 +373,17 @@ ffi::Future RowsTimesWeight(ffi::ThreadPool pool, const float* x, int64_t x_coun
 }
 
 ffi::Future Bf16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::BF16> w,
-                 ffi::ResultBuffer<ffi::F32> parts) {
+                 ffi::ResultBuffer<ffi::F32> parts, bool blocked) {
   const auto dims = parts->dimensions();
   return RowsTimesWeight(pool, x.typed_data(), x.element_count(), reinterpret_cast<const uint16_t*>(w.untyped_data()),
-                         w.dimensions()[0], w.dimensions()[1], parts->typed_data(), dims[0], dims[1]);
+                         w.dimensions()[0], w.dimensions()[1], parts->typed_data(), dims[0], dims[1], blocked);
 }
 
 ffi::Future F32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                ffi::ResultBuffer<ffi::F32> parts) {
+                ffi::ResultBuffer<ffi::F32> parts, bool blocked) {
   const auto dims = parts->dimensions();
   return RowsTimesWeight(pool, x.typed_data(), x.element_count(), w.typed_data(), w.dimensions()[0],
-                         w.dimensions()[1], parts->typed_data(), dims[0], dims[1]);
+                         w.dimensions()[1], parts->typed_data(), dims[0], dims[1], blocked);
 }
 
 // y [G, M, O] = x [G, M, K] times w [G, K, O], group by group (attention over a KV cache: one
@@ -254,6 +414,12 @@ ffi::Future Bf16Grouped(ffi::ThreadPool pool, F32x3 x, Bf16x3 w, ffi::Result<F32
   const auto x_dims = x.dimensions(), w_dims = w.dimensions();
   return GroupedRowsTimesWeight(pool, x.typed_data(), reinterpret_cast<const uint16_t*>(w.untyped_data()),
                                 y->typed_data(), x_dims[0], x_dims[1], w_dims[1], w_dims[2]);
+}
+
+ffi::Future F32Grouped(ffi::ThreadPool pool, F32x3 x, F32x3 w, ffi::Result<F32x3> y) {
+  const auto x_dims = x.dimensions(), w_dims = w.dimensions();
+  return GroupedRowsTimesWeight(pool, x.typed_data(), w.typed_data(), y->typed_data(), x_dims[0], x_dims[1],
+                                w_dims[1], w_dims[2]);
 }
 
 // cache [.., S, ..] with update [.., T, ..] written at slots index .. index+T-1 of `axis` (index
@@ -291,27 +457,37 @@ ffi::Error WriteSlots(ffi::AnyBuffer cache, ffi::AnyBuffer update, Index index,
 
 }  // namespace
 
-// Arguments: x [B, K] float32, w [K, O]; result: parts [P, B, O] float32.
+// Arguments: x [B, K] float32, w [K, O]; attribute blocked; result: parts [P, B, O] float32 (P = 1
+// when blocked).
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshTransformerBf16RowsTimesWeight, Bf16,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<bool>("blocked"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshTransformerF32RowsTimesWeight, F32,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<bool>("blocked"));
 
-// Arguments: x [G, M, K] float32, w [G, K, O] bfloat16; result: y [G, M, O] float32.
+// Arguments: x [G, M, K] float32, w [G, K, O] bfloat16 or float32; result: y [G, M, O] float32.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshTransformerBf16GroupedRowsTimesWeight, Bf16Grouped,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<F32x3>()
                                   .Arg<Bf16x3>()
+                                  .Ret<F32x3>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshTransformerF32GroupedRowsTimesWeight, F32Grouped,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<F32x3>()
+                                  .Arg<F32x3>()
                                   .Ret<F32x3>());
 
 // Arguments: cache, update (same dtype and rank), index (int32 scalar); attribute axis; the result

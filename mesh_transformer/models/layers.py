@@ -89,7 +89,7 @@ def _vary(x, axes: tuple):
 def _product(equation: str, a, b):
     if equation == "...k,ko->...o" and kernels.applies(a, b):  # decoding a few rows on CPU
         return kernels.rows_times_weight(a, b)
-    if equation in _PER_ROW_AND_KV_HEAD and kernels.grouped_applies(a, b):  # attention over a bf16 cache
+    if equation in _PER_ROW_AND_KV_HEAD and kernels.grouped_applies(a, b):  # attention over the KV cache
         return kernels.grouped_rows_times_weight(a, b)
     return jnp.einsum(equation, a, b, preferred_element_type=jnp.float32)
 

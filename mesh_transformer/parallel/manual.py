@@ -207,8 +207,14 @@ def psum_mp(x):
 
 
 def all_gather_mp(x, axis: int = -1):
-    """Concatenate the mp shards of `x` along `axis`; every shard gets the same whole array."""
-    return jax.lax.all_gather(x, MP, axis=axis, tiled=True, to="invarying") if _bound(MP) else x
+    """Concatenate the mp shards of `x` along `axis`; every shard gets the same whole array.
+    With one shard a sum over it (the same array): XLA:CPU runs a one-device all-gather as copies
+    of `x` (two of a serving batch's logits per decode step), a one-device all-reduce as nothing."""
+    if not _bound(MP):
+        return x
+    if _current().axis_sizes[MP] == 1:
+        return jax.lax.psum(x, MP)
+    return jax.lax.all_gather(x, MP, axis=axis, tiled=True, to="invarying")
 
 
 def pmax_mp(x):
