@@ -96,12 +96,17 @@ def test_dense_uses_the_kernel_where_it_is_faster_than_xla(dtype, streamed, bloc
     assert not any(k.target in hlo(1, w.astype(jnp.float16)) for k in kernels.KERNELS.values())
 
 
-def test_the_kernel_differentiates_like_the_einsum():
-    """`layers.product`'s backward stays the einsum's: a training step on a few bf16 rows works."""
-    x, w, _ = case(2, 40, 24)
-    x = jnp.asarray(x, jnp.bfloat16)
+@pytest.mark.parametrize("rows,dtype", [(2, jnp.bfloat16), (32, jnp.float32)])
+def test_a_differentiated_product_is_xlas_and_gives_the_einsums_gradients(rows, dtype):
+    """Training runs XLA's products forward as backward (the same summation on every mesh and batch
+    split); the same product not differentiated runs the kernel."""
+    x, w, _ = case(rows, 40, 24, dtype)
+    x = jnp.asarray(x, dtype)
     loss = lambda x, w: jnp.sum(jnp.sin(layers.product("...k,ko->...o", x, w)))  # noqa: E731
     einsum = lambda x, w: jnp.sum(jnp.sin(jnp.einsum("bk,ko->bo", x, w, preferred_element_type=jnp.float32)))  # noqa: E731
+    target = kernels.KERNELS[jnp.dtype(dtype)].target
+    assert target in jax.jit(loss).lower(x, w).as_text()
+    assert target not in jax.jit(jax.grad(loss, (0, 1))).lower(x, w).as_text()
     got, want = jax.grad(loss, (0, 1))(x, w), jax.grad(einsum, (0, 1))(x, w)
     for a, b in zip(got, want):
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-2, atol=1e-2)

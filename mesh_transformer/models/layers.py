@@ -87,7 +87,8 @@ def _vary(x, axes: tuple):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _product(equation: str, a, b):
-    if equation == "...k,ko->...o" and kernels.applies(a, b):  # decoding a few rows on CPU
+    """Not differentiated (decoding, evaluation): on CPU the `kernels` where they apply."""
+    if equation == "...k,ko->...o" and kernels.applies(a, b):  # decoding a few rows, or a serving batch
         return kernels.rows_times_weight(a, b)
     if equation in _PER_ROW_AND_KV_HEAD and kernels.grouped_applies(a, b):  # attention over the KV cache
         return kernels.grouped_rows_times_weight(a, b)
@@ -95,7 +96,10 @@ def _product(equation: str, a, b):
 
 
 def _product_forward(equation, a, b):
-    return _product(equation, a, b), (a, b)
+    """Differentiated (training): XLA's product, as the backward's, so a step sums in the same order
+    whatever rows each device holds (a microbatch of 32-64 tokens would take the blocked kernel on
+    one mesh and XLA's matmul on another)."""
+    return jnp.einsum(equation, a, b, preferred_element_type=jnp.float32), (a, b)
 
 
 def _product_backward(equation, saved, g):
