@@ -1,7 +1,7 @@
 // XLA FFI custom calls for XLA:CPU's decode steps: x [B, K] (float32) times w [K, O] (bfloat16 or
 // float32) for few rows B, returned as P partial products [P, B, O] (float32) that the caller sums,
 // or for a serving batch's rows register-blocked into one product (`blocked`, P = 1: Blocked); the
-// same per group of a [G, M, K] x [G, K, O] product (attention over a bf16 KV cache); and a KV
+// same per group of a [G, M, K] x [G, K, O] product (attention over the KV cache); and a KV
 // cache's new slots written in place (WriteSlots, at the end).
 //
 // Why: decoding few rows reads every weight once per step, so the product should run at memory
@@ -266,40 +266,29 @@ void TileScalar(const float* x, int64_t x_stride, const W* w, int64_t w_stride, 
   }
 }
 
+// Every ISA's tiles by [R - 1][C - 1], type-erased.
 using TileFn = void (*)(const float*, int64_t, const void*, int64_t, float*, int64_t, int64_t, bool);
 
-template <typename W, template <typename, int, int> class Tile, int R, int C>
-void TileErased(const float* x, int64_t x_stride, const void* w, int64_t w_stride, float* y, int64_t y_stride,
-                int64_t depth, bool first) {
-  Tile<W, R, C>::Run(x, x_stride, static_cast<const W*>(w), w_stride, y, y_stride, depth, first);
+template <typename W, int R, int C>
+void Avx512Tile(const float* x, int64_t xs, const void* w, int64_t ws, float* y, int64_t ys, int64_t d, bool f) {
+  TileAvx512<W, R, C>(x, xs, static_cast<const W*>(w), ws, y, ys, d, f);
+}
+template <typename W, int R, int C>
+void Avx2Tile(const float* x, int64_t xs, const void* w, int64_t ws, float* y, int64_t ys, int64_t d, bool f) {
+  TileAvx2<W, R, C>(x, xs, static_cast<const W*>(w), ws, y, ys, d, f);
 }
 
-template <typename W, int R, int C>
-struct Avx512Tile {
-  static void Run(const float* x, int64_t xs, const W* w, int64_t ws, float* y, int64_t ys, int64_t d, bool f) {
-    TileAvx512<W, R, C>(x, xs, w, ws, y, ys, d, f);
-  }
-};
-template <typename W, int R, int C>
-struct Avx2Tile {
-  static void Run(const float* x, int64_t xs, const W* w, int64_t ws, float* y, int64_t ys, int64_t d, bool f) {
-    TileAvx2<W, R, C>(x, xs, w, ws, y, ys, d, f);
-  }
-};
-
-// The tile functions of one ISA, by [R - 1][C - 1].
-template <typename W, template <typename, int, int> class Tile, int... Cs>
-struct TileTable {
-  template <int R>
-  static void Fill(TileFn (&table)[kBlockRows][4]) {
-    ((table[R - 1][Cs - 1] = &TileErased<W, Tile, R, Cs>), ...);
-  }
+template <typename W>
+struct Tiles {
+  TileFn avx512[kBlockRows][4] = {};  // C up to 4 vectors of 16
+  TileFn avx2[kBlockRows][2] = {};    // C up to 2 vectors of 8 (6 x 2 accumulators of 16 registers)
+  Tiles() { Fill(std::make_integer_sequence<int, kBlockRows>{}); }
   template <int... Rs>
-  static void FillAll(TileFn (&table)[kBlockRows][4], std::integer_sequence<int, Rs...>) {
-    (Fill<Rs + 1>(table), ...);
+  void Fill(std::integer_sequence<int, Rs...>) {
+    ((avx512[Rs][0] = &Avx512Tile<W, Rs + 1, 1>, avx512[Rs][1] = &Avx512Tile<W, Rs + 1, 2>,
+      avx512[Rs][2] = &Avx512Tile<W, Rs + 1, 3>, avx512[Rs][3] = &Avx512Tile<W, Rs + 1, 4>,
+      avx2[Rs][0] = &Avx2Tile<W, Rs + 1, 1>, avx2[Rs][1] = &Avx2Tile<W, Rs + 1, 2>), ...);
   }
-  TileFn fns[kBlockRows][4] = {};
-  TileTable() { FillAll(fns, std::make_integer_sequence<int, kBlockRows>{}); }
 };
 
 // Columns per panel (and per SIMD vector) of each path.
@@ -310,9 +299,7 @@ int64_t PanelWidth(Isa isa) { return isa == Isa::kAvx2 ? 16 : 64; }
 template <typename W>
 void BlockedPanel(Isa isa, const float* x, const W* w, float* y, int64_t rows, int64_t k_size, int64_t o_size,
                   int64_t p) {
-  static const TileTable<W, Avx512Tile, 1, 2, 3, 4> avx512;
-  static const TileTable<W, Avx2Tile, 1, 2> avx2;
-  const auto& tiles = isa == Isa::kAvx512 ? avx512.fns : avx2.fns;
+  static const Tiles<W> tiles;
   const int64_t o0 = p * PanelWidth(isa), o1 = std::min(o_size, o0 + PanelWidth(isa));
   const int64_t vectors = isa == Isa::kScalar ? 0 : (o1 - o0) / Lanes(isa);
   for (int64_t k0 = 0; k0 < k_size; k0 += kDepth) {
@@ -322,7 +309,11 @@ void BlockedPanel(Isa isa, const float* x, const W* w, float* y, int64_t rows, i
       const float* xs = x + r0 * k_size + k0;
       float* ys = y + r0 * o_size + o0;
       const W* ws = w + k0 * o_size + o0;
-      if (vectors > 0) tiles[block - 1][vectors - 1](xs, k_size, ws, o_size, ys, o_size, depth, k0 == 0);
+      if (vectors > 0) {
+        const TileFn tile = isa == Isa::kAvx512 ? tiles.avx512[block - 1][vectors - 1]
+                                                : tiles.avx2[block - 1][vectors - 1];
+        tile(xs, k_size, ws, o_size, ys, o_size, depth, k0 == 0);
+      }
       TileScalar(xs, k_size, ws, o_size, ys, o_size, block, vectors * Lanes(isa), o1 - o0, depth, k0 == 0);
     }
   }
