@@ -27,6 +27,7 @@ vocabulary, L layers, N heads, H head dim.
 """
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 import math
@@ -43,6 +44,7 @@ from mesh_transformer.generate.sampling import (EOS, LENGTH, MAX_STOPS, RUNNING,
                                                 RowOptions, SamplingOptions, choose, log_probs, stop_hit, _none,
                                                 penalize)
 from mesh_transformer.models.core import KVCache, SharedPrefix, unstacked_modules
+from mesh_transformer.models.layers import on_bits, update_slice
 
 if TYPE_CHECKING:
     from mesh_transformer.generate.batching import Sequence
@@ -187,13 +189,14 @@ def _roll_cache(cache: KVCache, shift) -> KVCache:
 
 
 def _move_slots(cache: KVCache, source, shift, size: int):
-    """Move slots source .. source+size-1 of every row by `shift` (both spans inside the cache):
+    """(One device's cache.) Move slots source .. source+size-1 of every row by `shift` (both spans inside the cache):
     the running rows' span, bucketed, instead of the whole cache (`_roll_cache`): 0.3 s instead of
     3-5 s for a 64-row, 2,048-slot cache of the 64M GPT-J when the span is 256 slots."""
     def move(x, axis):
-        return jax.lax.dynamic_update_slice_in_dim(x, jax.lax.dynamic_slice_in_dim(x, source, size, axis),
-                                                   source + shift, axis)
-    return cache.along_slots(move)._replace(start=cache.start + shift, index=cache.index + shift)
+        starts = [0] * x.ndim
+        starts[axis] = source + shift
+        return update_slice(x, jax.lax.dynamic_slice_in_dim(x, source, size, axis), starts)
+    return cache.along_slots(move, as_bits=False)._replace(start=cache.start + shift, index=cache.index + shift)
 
 
 def _write_rows(cache: KVCache, new: KVCache, row_ids, first_slot) -> KVCache:
@@ -218,8 +221,8 @@ def _write_rows(cache: KVCache, new: KVCache, row_ids, first_slot) -> KVCache:
             at[axis] = start
             return jax.lax.dynamic_update_slice(x, jax.lax.dynamic_slice_in_dim(rows, i, 1, 0), at)
         k, v = arrays
-        return (tuple(put(x, r, KVCache.K_SLOTS) for x, r in zip(k, new.k)),
-                tuple(put(x, r, KVCache.V_SLOTS) for x, r in zip(v, new.v)))
+        return (tuple(on_bits(functools.partial(put, axis=KVCache.K_SLOTS), x, r) for x, r in zip(k, new.k)),
+                tuple(on_bits(functools.partial(put, axis=KVCache.V_SLOTS), x, r) for x, r in zip(v, new.v)))
 
     k, v = jax.lax.fori_loop(0, jnp.sum(row_ids < batch), write_row, (cache.k, cache.v))
     return cache._replace(k=k, v=v)
@@ -286,7 +289,10 @@ class Generator:
                                compiler_options=DECODE_CPU_OPTIONS if on_cpu and float32 else None)
         self._retire = jax.jit(lambda s, m: s._replace(done=s.done | m), out_shardings=self.shardings,
                                donate_argnums=0)
-        self._move = jax.jit(lambda s, source, shift, size: s._replace(cache=_move_slots(s.cache, source, shift, size)),
+        move = lambda cache, source, shift, size: parallel.shard_map(  # noqa: E731 - in place on each device
+            lambda c, source, shift: _move_slots(c, source, shift, size), mesh, self.rules,
+            in_specs=(self.specs.cache, P(), P()), out_specs=self.specs.cache)(cache, source, shift)
+        self._move = jax.jit(lambda s, source, shift, size: s._replace(cache=move(s.cache, source, shift, size)),
                              static_argnums=3, donate_argnums=0, out_shardings=self.shardings)
         self._roll = jax.jit(lambda s, shift: s._replace(cache=_roll_cache(s.cache, shift)),
                              donate_argnums=0, out_shardings=self.shardings)
@@ -423,38 +429,49 @@ class Generator:
         With a prefix-cache `pool`, the rows also read its slots `shared_slots` [U] (gathered once
         per call into a `SharedPrefix`) at positions `shared_positions` [B, U] (-1: not read)."""
         rows = rows or state.last.shape[0]
+        batch = state.last.shape[0]
         shared = None if pool is None else _shared_prefix(pool, shared_slots, shared_positions[:rows])
         decode = parallel.shard_map(
-            lambda p, s, limit, *shared: self._decode_local(p, s, limit, steps, *shared), self.mesh, self.rules,
-            in_specs=(self.param_specs, self.specs, P()) + (() if shared is None else (shared_specs(len(shared.k)),)),
+            lambda p, s, first_slot, limit, *shared: self._decode_window(p, s, first_slot, limit, steps, window, rows,
+                                                                         *shared),
+            self.mesh, self.rules,
+            in_specs=(self.param_specs, self.specs, P(), P()) + (() if shared is None else (shared_specs(len(shared.k)),)),
             out_specs=(self.specs, Emitted(*([P(None, parallel.DP)] * 2), *([P(None, parallel.DP, None)] * 2))),
             inputs_last=self.inputs_last)
+        state, out = decode(params, state, first_slot, limit, *(() if shared is None else (shared,)))
+        pad = lambda x, fill: jnp.pad(x, [(0, 0), (0, batch - rows)] + [(0, 0)] * (x.ndim - 2),  # noqa: E731
+                                      constant_values=fill)
+        out = Emitted(pad(out.token, -1), pad(out.logprob, jnp.nan), pad(out.top_ids, 0), pad(out.top_logprobs, 0))
+        return state, jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), out)  # [B, K, ...]
+
+    def _decode_window(self, params, state: DecodeState, first_slot, limit, steps: int, window: int, rows: int,
+                       shared: Optional[SharedPrefix] = None):
+        """(One device's part of `_decode_steps`.) Decode rows 0 .. rows-1 of `state` in a copy of
+        their slots first_slot .. first_slot+window-1, then write the new slots back in place."""
         full = state.cache
+        rows = min(rows, full.start.shape[0])  # under dp, `rows` is the whole batch: each shard's rows
         view = full.along_slots(lambda x, axis: jax.lax.dynamic_slice_in_dim(x[:rows], first_slot, window, axis))
         view = view._replace(start=full.start[:rows] - first_slot, index=full.index - first_slot,
                              offset=full.offset[:rows])
         head = jax.tree.map(lambda x: x[:rows], state._replace(cache=None))
-        part, out = decode(params, head._replace(cache=view), limit, *(() if shared is None else (shared,)))
+        part, out = self._decode_local(params, head._replace(cache=view), limit, steps, shared)
         c = part.cache
-        batch = full.start.shape[0]
-        if rows == batch and window == full.slots:
+        if rows == full.start.shape[0] and window == full.slots:
             cache = c  # the view was the whole cache, updated in place
         else:  # the call wrote slots index .. index+steps-1 of the view: copy back those, not the window
             span = min(steps, window)
             written = jnp.clip(view.index, 0, window - span)
 
             def put_back(whole, p, axis):
-                new = jax.lax.dynamic_slice_in_dim(p, written, span, axis)
-                return jax.lax.dynamic_update_slice_in_dim(whole, new, first_slot + written, axis)
-            cache = full.along_slots(put_back, c)
+                starts = [0] * whole.ndim
+                starts[axis] = first_slot + written
+                return update_slice(whole, jax.lax.dynamic_slice_in_dim(p, written, span, axis), starts)
+            cache = full.along_slots(put_back, c, as_bits=False)  # update_slice: in place, any dtype
         cache = cache._replace(start=full.start.at[:rows].set(c.start + first_slot), index=c.index + first_slot,
                                offset=full.offset)
         state = jax.tree.map(lambda whole, p: whole.at[:rows].set(p), state._replace(cache=None),
                              part._replace(cache=None))
-        pad = lambda x, fill: jnp.pad(x, [(0, 0), (0, batch - rows)] + [(0, 0)] * (x.ndim - 2),  # noqa: E731
-                                      constant_values=fill)
-        out = Emitted(pad(out.token, -1), pad(out.logprob, jnp.nan), pad(out.top_ids, 0), pad(out.top_logprobs, 0))
-        return state._replace(cache=cache), jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), out)  # [B, K, ...]
+        return state._replace(cache=cache), out
 
     # ---- host API ---------------------------------------------------------------------------
 

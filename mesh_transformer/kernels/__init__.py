@@ -5,7 +5,7 @@ All for decoding, in `rows_times_weight.cc` (which says why XLA:CPU's own are sl
 machine's memory bandwidth, and of a serving batch's rows (32-64, float32) register-blocked
 (`layers.product` calls it where `applies` says so); `grouped_rows_times_weight`, the few-row
 product per (row, kv head) group, for attention over the KV cache (`grouped_applies`);
-`write_slots`, a KV cache update in place (`layers.write_slots`).
+`update_slice`, a KV cache's dynamic-update-slice in place (`layers.update_slice`).
 
 The source is compiled with the system's C++ compiler (`$CXX`, else `c++`/`g++`/`clang++`) against
 the FFI headers jaxlib ships, once per source/jaxlib/compiler, into
@@ -78,7 +78,7 @@ GROUPED = {
     jnp.dtype(jnp.float32): Kernel("mesh_transformer_f32_grouped_rows_times_weight",
                                    "MeshTransformerF32GroupedRowsTimesWeight", streamed=(2, 8)),
 }
-WRITE_SLOTS = ("mesh_transformer_write_slots", "MeshTransformerWriteSlots")
+UPDATE_SLICE = ("mesh_transformer_update_slice", "MeshTransformerUpdateSlice")
 FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC")
 
 _lock = threading.Lock()
@@ -142,7 +142,7 @@ def _load() -> bool:
             if enabled():
                 try:
                     library = ctypes.cdll.LoadLibrary(str(build()))
-                    calls = [(k.target, k.symbol) for k in (*KERNELS.values(), *GROUPED.values())] + [WRITE_SLOTS]
+                    calls = [(k.target, k.symbol) for k in (*KERNELS.values(), *GROUPED.values())] + [UPDATE_SLICE]
                     for target, symbol in calls:
                         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
                     _state["ok"] = True
@@ -219,11 +219,12 @@ def grouped_rows_times_weight(x, w):
     return call(flat_x, w.reshape(n, k, o)).reshape(*groups, m, o)
 
 
-def write_slots(cache, new, index, axis: int):
-    """`cache` with `new` written at `index` along `axis` (negative from the end, then clamped, as
-    `lax.dynamic_update_slice` does), in place: the result aliases the cache buffer, and only `new`
-    is copied (see `layers.write_slots` for what XLA:CPU's own update copied)."""
-    index = jnp.asarray(index, jnp.int32)
-    index = jnp.where(index < 0, index + cache.shape[axis], index)  # as lax's: negative counts from the end
-    call = _call(WRITE_SLOTS[0], cache, cache.shape, cache.dtype, input_output_aliases={0: 0})
-    return call(cache, new.astype(cache.dtype), index, axis=np.int64(axis))
+def update_slice(x, update, starts):
+    """`lax.dynamic_update_slice(x, update, starts)` (each start negative from the end, then
+    clamped, as lax's), in place: the result aliases x's buffer and only `update` is copied (see
+    `layers.update_slice` for what XLA:CPU's own update copied). On one device's arrays (inside
+    `shard_map`, or a one-device mesh): a custom call is not partitioned over a mesh."""
+    starts = jnp.stack([jnp.asarray(s, jnp.int32) for s in starts]) if len(starts) else jnp.zeros(0, jnp.int32)
+    starts = jnp.where(starts < 0, starts + jnp.asarray(x.shape, jnp.int32), starts)
+    call = _call(UPDATE_SLICE[0], x, x.shape, x.dtype, input_output_aliases={0: 0})
+    return call(x, update.astype(x.dtype), starts)

@@ -1,8 +1,8 @@
 // XLA FFI custom calls for XLA:CPU's decode steps: x [B, K] (float32) times w [K, O] (bfloat16 or
 // float32) for few rows B, returned as P partial products [P, B, O] (float32) that the caller sums,
 // or for a serving batch's rows register-blocked into one product (`blocked`, P = 1: Blocked); the
-// same per group of a [G, M, K] x [G, K, O] product (attention over the KV cache); and a KV
-// cache's new slots written in place (WriteSlots, at the end).
+// same per group of a [G, M, K] x [G, K, O] product (attention over the KV cache); and a slice of a
+// KV cache written in place (UpdateSlice, at the end).
 //
 // Why: decoding few rows reads every weight once per step, so the product should run at memory
 // speed. XLA:CPU's own matmul kernels take no bfloat16 operands (it converts the whole weight to
@@ -24,6 +24,7 @@
 #include <cstring>
 #include <memory>
 #include <utility>
+#include <vector>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -413,35 +414,41 @@ ffi::Future F32Grouped(ffi::ThreadPool pool, F32x3 x, F32x3 w, ffi::Result<F32x3
                                 w_dims[1], w_dims[2]);
 }
 
-// cache [.., S, ..] with update [.., T, ..] written at slots index .. index+T-1 of `axis` (index
-// clamped to [0, S-T], as XLA's dynamic-update-slice does), in place: the result aliases the cache.
-// XLA:CPU runs a 16-bit dynamic-update-slice over float32 copies of the whole array, or (on its
-// bits) as two fusions that each copy the cache; a decode step then copies every layer's cache.
-using Index = ffi::Buffer<ffi::S32, 0>;
+// x with `update` written at `starts` (one per axis, each clamped to [0, x's size - update's], as
+// XLA's dynamic-update-slice does), in place: the result aliases x. XLA:CPU runs a 16-bit
+// dynamic-update-slice over float32 copies of the whole array, or (on its bits) as fusions that
+// copy the whole array: a decode step then copied every layer's KV cache, and a bfloat16 serving
+// batch's decode call and each admitted row copied them again.
+using Starts = ffi::Buffer<ffi::S32, 1>;
 
-ffi::Error WriteSlots(ffi::AnyBuffer cache, ffi::AnyBuffer update, Index index,
-                      ffi::Result<ffi::AnyBuffer> out, int64_t axis) {
-  const auto dims = cache.dimensions(), new_dims = update.dimensions();
+ffi::Error UpdateSlice(ffi::AnyBuffer x, ffi::AnyBuffer update, Starts starts, ffi::Result<ffi::AnyBuffer> out) {
+  const auto dims = x.dimensions(), sizes = update.dimensions();
   const int64_t rank = static_cast<int64_t>(dims.size());
-  if (axis < 0 || axis >= rank || static_cast<int64_t>(new_dims.size()) != rank) {
-    return ffi::Error::InvalidArgument("write slots: update and cache ranks differ or axis out of range");
+  if (static_cast<int64_t>(sizes.size()) != rank || starts.element_count() != static_cast<size_t>(rank)) {
+    return ffi::Error::InvalidArgument("update slice: the update, the array and the starts differ in rank");
   }
-  int64_t outer = 1, inner = 1;
-  for (int64_t d = 0; d < rank; ++d) {
-    if (d != axis && dims[d] != new_dims[d]) return ffi::Error::InvalidArgument("write slots: shapes differ");
-    if (d < axis) outer *= dims[d];
-    if (d > axis) inner *= dims[d];
+  std::vector<int64_t> first(rank), stride(rank, 1);
+  for (int64_t d = rank - 1; d >= 0; --d) {
+    if (sizes[d] > dims[d]) return ffi::Error::InvalidArgument("update slice: the update is larger than the array");
+    first[d] = std::clamp<int64_t>(starts.typed_data()[d], 0, dims[d] - sizes[d]);
+    if (d + 1 < rank) stride[d] = stride[d + 1] * dims[d + 1];
   }
-  const int64_t slots = dims[axis], count = new_dims[axis];
-  if (count > slots) return ffi::Error::InvalidArgument("write slots: more new slots than the cache has");
-  const int64_t start = std::clamp<int64_t>(*index.typed_data(), 0, slots - count);
-  const size_t width = ffi::ByteWidth(cache.element_type());
+  // The update's trailing axes that span the array's whole axes, and the one before them, are
+  // copied as one contiguous run per index of the axes before it.
+  int64_t split = rank - 1;  // the first axis of the contiguous run
+  int64_t run = rank ? sizes[rank - 1] : 1;
+  while (split > 0 && sizes[split] == dims[split]) run *= sizes[--split];
+  const size_t width = ffi::ByteWidth(x.element_type());
   char* target = static_cast<char*>(out->untyped_data());
-  if (target != cache.untyped_data()) std::memcpy(target, cache.untyped_data(), cache.size_bytes());
+  if (target != x.untyped_data()) std::memcpy(target, x.untyped_data(), x.size_bytes());
   const char* source = static_cast<const char*>(update.untyped_data());
-  const size_t block = count * inner * width;
-  for (int64_t o = 0; o < outer; ++o) {
-    std::memcpy(target + (o * slots + start) * inner * width, source + o * block, block);
+  if (update.element_count() == 0) return ffi::Error::Success();
+  std::vector<int64_t> at(std::max<int64_t>(split, 0), 0);  // index over the axes before the run
+  for (size_t copied = 0; copied < update.element_count(); copied += run) {
+    int64_t offset = 0;
+    for (int64_t d = 0; d < rank; ++d) offset += (first[d] + (d < split ? at[d] : 0)) * stride[d];
+    std::memcpy(target + offset * width, source + copied * width, run * width);
+    for (int64_t d = split - 1; d >= 0 && ++at[d] == sizes[d]; --d) at[d] = 0;
   }
   return ffi::Error::Success();
 }
@@ -481,12 +488,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshTransformerF32GroupedRowsTimesWeight, F32Group
                                   .Arg<F32x3>()
                                   .Ret<F32x3>());
 
-// Arguments: cache, update (same dtype and rank), index (int32 scalar); attribute axis; the result
-// aliases the cache (`input_output_aliases={0: 0}`).
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshTransformerWriteSlots, WriteSlots,
+// Arguments: x, update (same dtype and rank), starts (int32 [rank]); the result aliases x
+// (`input_output_aliases={0: 0}`).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshTransformerUpdateSlice, UpdateSlice,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
-                                  .Arg<Index>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("axis"));
+                                  .Arg<Starts>()
+                                  .Ret<ffi::AnyBuffer>());

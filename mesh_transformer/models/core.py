@@ -27,7 +27,7 @@ import jax.numpy as jnp
 
 from mesh_transformer import parallel
 from mesh_transformer.config import ModelConfig
-from mesh_transformer.models.layers import WEIGHT_PRODUCT, Context, Embedding, LMHead, dense, norm, normal
+from mesh_transformer.models.layers import WEIGHT_PRODUCT, Context, Embedding, LMHead, dense, norm, normal, on_bits
 
 REMAT_POLICIES = {
     "full": None,  # save nothing, recompute the layer in the backward pass
@@ -80,11 +80,16 @@ class KVCache(NamedTuple):
         v = tuple(jnp.zeros((batch, heads, slots, config.head_dim), dtype) for _ in range(config.layers))
         return cls(k, v, jnp.broadcast_to(jnp.asarray(start, jnp.int32), (batch,)), jnp.zeros((), jnp.int32))
 
-    def along_slots(self, fn, *others: "KVCache") -> "KVCache":
+    def along_slots(self, fn, *others: "KVCache", as_bits: bool = True) -> "KVCache":
         """The cache with each layer's k and v replaced by fn(array, *the same array of `others`,
-        axis=its slot axis); start and index are kept."""
-        k = tuple(fn(*xs, axis=self.K_SLOTS) for xs in zip(self.k, *(o.k for o in others)))
-        v = tuple(fn(*xs, axis=self.V_SLOTS) for xs in zip(self.v, *(o.v for o in others)))
+        axis=its slot axis); start and index are kept. `fn` moves data (slices, updates, rolls,
+        gathers): a 16-bit cache runs it on its bits (`layers.on_bits`), unless `as_bits` is
+        False (`fn` is `layers.update_slice`, or takes care of 16-bit arrays itself)."""
+        def each(arrays, axis):
+            call = functools.partial(fn, axis=axis)
+            return tuple(on_bits(call, *xs) if as_bits else call(*xs) for xs in arrays)
+        k = each(zip(self.k, *(o.k for o in others)), self.K_SLOTS)
+        v = each(zip(self.v, *(o.v for o in others)), self.V_SLOTS)
         return self._replace(k=k, v=v)
 
 

@@ -507,29 +507,41 @@ def _all_rows_product(rows, shared):
 
 
 def write_slots(cache, new, index, axis: int):
-    """`new` written into `cache` at `index` along `axis`, in place.
+    """`new` written into `cache` at `index` along `axis`, in place (`update_slice`)."""
+    starts = [0] * cache.ndim
+    starts[axis] = index
+    return update_slice(cache, new, starts)
 
-    On CPU by `kernels.write_slots`, which moves only the new slots: XLA:CPU's dynamic-update-slice
+
+def update_slice(x, update, starts):
+    """`lax.dynamic_update_slice(x, update, starts)` of one device's arrays (a KV cache), in place.
+
+    On CPU by `kernels.update_slice`, which moves only the update: XLA:CPU's dynamic-update-slice
     was copied whole when its result had two consumers of different shapes (the next state, and a
     one-row attention's view without the row axis: XLA made two fusions of it, each from a copy of
     the cache — every layer's cache copied four times per decode step, half the one-row speed at a
-    1,000-token context), and a 16-bit one runs over float32 copies of the whole array. Elsewhere
-    (or without the kernels) XLA's, a 16-bit cache written as 16-bit integers (exact)."""
-    new = new.astype(cache.dtype)
+    1,000-token context), and a 16-bit one runs over float32 copies of the whole array, or on its
+    bits (`on_bits`) as a fusion that rewrites the whole array (a bfloat16 serving batch copied
+    each layer's keys once per decode call and per admitted row). Elsewhere (or without the
+    kernels) XLA's, a 16-bit array updated as 16-bit integers (exact)."""
     if kernels.available():
-        return kernels.write_slots(cache, new, index, axis)
-    update = lambda c, n: jax.lax.dynamic_update_slice_in_dim(c, n, index, axis)
-    return _on_bits(update, cache, new) if _is_16_bit_float(cache) else update(cache, new)
+        return kernels.update_slice(x, update, starts)
+    return on_bits(lambda a, b: jax.lax.dynamic_update_slice(a, b, starts), x, update)
 
 
 def _is_16_bit_float(x) -> bool:
     return jnp.dtype(x.dtype).itemsize == 2 and jnp.issubdtype(x.dtype, jnp.floating)
 
 
-def _on_bits(op, *arrays):
-    """`op` on 16-bit float arrays viewed as 16-bit integers (pure data movement is bit-exact), its
-    result viewed back: XLA:CPU runs some 16-bit float ops on float32 copies of whole operands."""
+def on_bits(op, *arrays):
+    """`op`, a pure data movement (slices, updates, gathers, rolls), on `arrays`: 16-bit floats
+    viewed as 16-bit integers and the result viewed back (bit-exact). XLA:CPU runs such ops on
+    16-bit floats over float32 copies of whole operands: a dynamic-update-slice of one row into a
+    bfloat16 KV cache converted and rewrote the whole cache. Every array takes the first's dtype."""
     dtype = arrays[0].dtype
+    arrays = [a.astype(dtype) for a in arrays]
+    if not _is_16_bit_float(arrays[0]):
+        return op(*arrays)
     bits = op(*(jax.lax.bitcast_convert_type(a, jnp.uint16) for a in arrays))
     return jax.lax.bitcast_convert_type(bits, dtype)
 
@@ -615,7 +627,7 @@ def take_rows(table, ids):
 
 @jax.custom_vjp
 def _take_as_integers(table, ids):
-    return _on_bits(lambda bits: jnp.take(bits, ids, axis=0), table)
+    return on_bits(lambda bits: jnp.take(bits, ids, axis=0), table)
 
 
 def _take_as_integers_fwd(table, ids):
