@@ -210,8 +210,7 @@ def test_the_narrower_instruction_set_paths_give_the_same_products(isa):
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
-@pytest.mark.parametrize("size,starts", [
+BLOCKS = [  # (size, starts) of a block of a [2, 3, 7, 6] array
     ((2, 3, 7, 2), (0, 0, 0, 4)),  # new slots of every row (a decode step's keys)
     ((2, 3, 2, 6), (0, 0, 9, 0)),  # past the end: clamped (values)
     ((2, 3, 2, 6), (0, 0, -3, 0)),  # negative: from the end
@@ -219,7 +218,11 @@ def test_the_narrower_instruction_set_paths_give_the_same_products(isa):
     ((1, 2, 7, 3), (1, 1, 0, 2)),  # a block inside every axis
     ((2, 3, 7, 6), (0, 0, 0, 0)),  # the whole array
     ((2, 0, 7, 6), (0, 0, 0, 0)),  # nothing
-])
+]
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("size,starts", BLOCKS)
 def test_update_slice_is_dynamic_update_slice(dtype, size, starts):
     """The same array as XLA's dynamic-update-slice (a start past the end or before 0 as lax takes
     it), also when the old array is still read afterwards (XLA then gives the call a copy to write)."""
@@ -230,6 +233,34 @@ def test_update_slice_is_dynamic_update_slice(dtype, size, starts):
     want = jax.lax.dynamic_update_slice(x, update, starts)
     assert ours.dtype == x.dtype and np.array_equal(np.asarray(ours, np.float32), np.asarray(want, np.float32))
     assert np.array_equal(np.asarray(old, np.float32), np.asarray(x, np.float32))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("size,starts", BLOCKS)
+def test_slice_is_dynamic_slice(dtype, size, starts):
+    x = jnp.asarray(np.random.RandomState(3).standard_normal((2, 3, 7, 6)), dtype)
+    ours = jax.jit(lambda x, s: kernels.slice(x, list(s), size))(x, np.int32(starts))
+    want = jax.lax.dynamic_slice(x, starts, size)
+    assert ours.dtype == x.dtype and ours.shape == size
+    assert np.array_equal(np.asarray(ours, np.float32), np.asarray(want, np.float32))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32], ids=["bf16", "f16", "f32"])
+def test_take_rows_is_take(dtype):
+    """Rows of a table (ids of any shape, the first and last rows included; past either end: the
+    nearest row), and `layers.take_rows`' gradient (XLA's gather, differentiated) unchanged."""
+    table = jnp.asarray(np.random.RandomState(4).standard_normal((11, 2, 5)), dtype)
+    ids = np.int32([[0, 10, 3], [3, -2, 14]])
+    ours = jax.jit(kernels.take_rows)(table, ids)
+    want = jnp.take(table, ids, axis=0, mode="clip")
+    assert ours.dtype == table.dtype and ours.shape == (2, 3, 2, 5)
+    assert np.array_equal(np.asarray(ours, np.float32), np.asarray(want, np.float32))
+    inside = np.int32([[0, 10, 3], [3, 3, 7]])
+    assert np.array_equal(np.asarray(jax.jit(layers.take_rows)(table, inside), np.float32),
+                          np.asarray(table[inside], np.float32))
+    grad = jax.grad(lambda t: jnp.sum(layers.take_rows(t, inside).astype(jnp.float32) ** 2))(table)
+    want_grad = jax.grad(lambda t: jnp.sum(jnp.take(t, inside, axis=0).astype(jnp.float32) ** 2))(table)
+    assert np.array_equal(np.asarray(grad, np.float32), np.asarray(want_grad, np.float32))
 
 
 def _buffer_making_lines(hlo: str):
@@ -253,18 +284,25 @@ def test_the_decode_loop_writes_each_cache_in_place_and_reads_it_where_it_is(tin
     it through bitcasts. With XLA's dynamic-update-slice, one row in float32 copied each cache four
     times a step, and bf16 made three cache-sized fusions (a 1,000-token context decoded at half
     the short-context speed); a call over a window of a bf16 batch's slots copied every layer's keys
-    putting the window back (a 16-row call in a 64-row batch: 605-635 tok/s instead of 1,545-1,659)."""
+    putting the window back (a 16-row call in a 64-row batch: 605-635 tok/s instead of 1,545-1,659).
+    Nor is the embedding table copied: a bf16 table's rows are taken by `kernels.take_rows` (XLA
+    gathered them from a copy of the table made once per call)."""
     model = loading.load(hf=str(tiny.path), mp=1, dp=1, dtype=dtype)
     g = Generator(model.config, model.params, model.mesh)
     slots = 200
     state = g.new_state(batch, slots)
-    size = state.cache.k[0].size
+    size, table = state.cache.k[0].size, g.params["gptj/embed"]["embeddings"].size
     assert size not in {x.size for x in jax.tree.leaves(g.params)}
     hlo = g._decode.lower(g.params, state, np.int32(0), np.int32(4), 4, window, rows).compile().as_text()
-    made = [(op, line.strip()) for line in _buffer_making_lines(hlo)
-            for dims, op in re.findall(r"= \w+\[([\d,]*)\]\{[^}]*\} ([\w-]+)\(", line)
-            if math.prod(int(d) for d in dims.split(",") if d) == size]
-    assert {op for op, _ in made} <= {"custom-call", "bitcast", "get-tuple-element", "parameter"}, \
-        [line[:160] for _, line in made]
-    writes = [line for op, line in made if op == "custom-call"]
+
+    def made(size):
+        return [(op, line.strip()) for line in _buffer_making_lines(hlo)
+                for dims, op in re.findall(r"= \w+\[([\d,]*)\]\{[^}]*\} ([\w-]+)\(", line)
+                if math.prod(int(d) for d in dims.split(",") if d) == size]
+    caches = made(size)
+    assert {op for op, _ in caches} <= {"custom-call", "bitcast", "get-tuple-element", "parameter"}, \
+        [line[:160] for _, line in caches]
+    writes = [line for op, line in caches if op == "custom-call"]
     assert writes and all(f'custom_call_target="{kernels.UPDATE_SLICE[0]}"' in line for line in writes)
+    assert {op for op, _ in made(table)} <= {"bitcast", "get-tuple-element", "parameter"}, \
+        [line[:160] for _, line in made(table)]

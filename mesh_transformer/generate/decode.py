@@ -44,7 +44,7 @@ from mesh_transformer.generate.sampling import (EOS, LENGTH, MAX_STOPS, RUNNING,
                                                 RowOptions, SamplingOptions, choose, log_probs, stop_hit, _none,
                                                 penalize)
 from mesh_transformer.models.core import KVCache, SharedPrefix, unstacked_modules
-from mesh_transformer.models.layers import on_bits, update_slice
+from mesh_transformer.models.layers import dynamic_slice, on_bits, update_slice
 
 if TYPE_CHECKING:
     from mesh_transformer.generate.batching import Sequence
@@ -197,6 +197,39 @@ def _move_slots(cache: KVCache, source, shift, size: int):
         starts[axis] = source + shift
         return update_slice(x, jax.lax.dynamic_slice_in_dim(x, source, size, axis), starts)
     return cache.along_slots(move, as_bits=False)._replace(start=cache.start + shift, index=cache.index + shift)
+
+
+def _window(cache: KVCache, rows: int, first_slot, window: int) -> KVCache:
+    """(One device's cache.) Rows 0 .. rows-1 of `cache`, slots first_slot .. first_slot+window-1
+    (a copy; the cache itself when that is all of it), relabelled so that the window starts at 0."""
+    def window_of(x, axis):
+        if (rows, window) == (x.shape[0], x.shape[axis]):
+            return x  # the whole cache (first_slot is 0), decoded in place
+        starts, sizes = [0] * x.ndim, [rows, *x.shape[1:]]
+        starts[axis], sizes[axis] = first_slot, window
+        return dynamic_slice(x, starts, sizes)
+    view = cache.along_slots(window_of, as_bits=False)  # dynamic_slice: any dtype
+    return view._replace(start=cache.start[:rows] - first_slot, index=cache.index - first_slot,
+                         offset=cache.offset[:rows])
+
+
+def _put_back(full: KVCache, decoded: KVCache, view_index, first_slot, steps: int) -> KVCache:
+    """(One device's cache.) `full` updated with what a decode call of `steps` steps wrote into its
+    `_window` (`decoded`, whose writes began at `view_index`): those slots only, in place."""
+    rows, window = decoded.start.shape[0], decoded.slots
+    if rows == full.start.shape[0] and window == full.slots:
+        cache = decoded  # the window was the whole cache, updated in place
+    else:
+        span = min(steps, window)
+        written = jnp.clip(view_index, 0, window - span)
+
+        def put_back(whole, part, axis):
+            starts = [0] * whole.ndim
+            starts[axis] = first_slot + written
+            return update_slice(whole, jax.lax.dynamic_slice_in_dim(part, written, span, axis), starts)
+        cache = full.along_slots(put_back, decoded, as_bits=False)  # update_slice: in place, any dtype
+    return cache._replace(start=full.start.at[:rows].set(decoded.start + first_slot),
+                          index=decoded.index + first_slot, offset=full.offset)
 
 
 def _write_rows(cache: KVCache, new: KVCache, row_ids, first_slot) -> KVCache:
@@ -450,25 +483,10 @@ class Generator:
         their slots first_slot .. first_slot+window-1, then write the new slots back in place."""
         full = state.cache
         rows = min(rows, full.start.shape[0])  # under dp, `rows` is the whole batch: each shard's rows
-        view = full.along_slots(lambda x, axis: jax.lax.dynamic_slice_in_dim(x[:rows], first_slot, window, axis))
-        view = view._replace(start=full.start[:rows] - first_slot, index=full.index - first_slot,
-                             offset=full.offset[:rows])
+        view = _window(full, rows, first_slot, window)
         head = jax.tree.map(lambda x: x[:rows], state._replace(cache=None))
         part, out = self._decode_local(params, head._replace(cache=view), limit, steps, shared)
-        c = part.cache
-        if rows == full.start.shape[0] and window == full.slots:
-            cache = c  # the view was the whole cache, updated in place
-        else:  # the call wrote slots index .. index+steps-1 of the view: copy back those, not the window
-            span = min(steps, window)
-            written = jnp.clip(view.index, 0, window - span)
-
-            def put_back(whole, p, axis):
-                starts = [0] * whole.ndim
-                starts[axis] = first_slot + written
-                return update_slice(whole, jax.lax.dynamic_slice_in_dim(p, written, span, axis), starts)
-            cache = full.along_slots(put_back, c, as_bits=False)  # update_slice: in place, any dtype
-        cache = cache._replace(start=full.start.at[:rows].set(c.start + first_slot), index=c.index + first_slot,
-                               offset=full.offset)
+        cache = _put_back(full, part.cache, view.index, first_slot, steps)
         state = jax.tree.map(lambda whole, p: whole.at[:rows].set(p), state._replace(cache=None),
                              part._replace(cache=None))
         return state._replace(cache=cache), out

@@ -5,7 +5,8 @@ All for decoding, in `rows_times_weight.cc` (which says why XLA:CPU's own are sl
 machine's memory bandwidth, and of a serving batch's rows (32-64, float32) register-blocked
 (`layers.product` calls it where `applies` says so); `grouped_rows_times_weight`, the few-row
 product per (row, kv head) group, for attention over the KV cache (`grouped_applies`);
-`update_slice`, a KV cache's dynamic-update-slice in place (`layers.update_slice`).
+`update_slice` (in place), `slice` and `take_rows`: a KV cache's slices and an embedding table's
+rows moved without XLA:CPU's copies of the whole array (`layers.update_slice`, `layers.take_rows`).
 
 The source is compiled with the system's C++ compiler (`$CXX`, else `c++`/`g++`/`clang++`) against
 the FFI headers jaxlib ships, once per source/jaxlib/compiler, into
@@ -79,6 +80,8 @@ GROUPED = {
                                    "MeshTransformerF32GroupedRowsTimesWeight", streamed=(2, 8)),
 }
 UPDATE_SLICE = ("mesh_transformer_update_slice", "MeshTransformerUpdateSlice")
+SLICE = ("mesh_transformer_slice", "MeshTransformerSlice")
+TAKE_ROWS = ("mesh_transformer_take_rows", "MeshTransformerTakeRows")
 FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC")
 
 _lock = threading.Lock()
@@ -142,7 +145,7 @@ def _load() -> bool:
             if enabled():
                 try:
                     library = ctypes.cdll.LoadLibrary(str(build()))
-                    calls = [(k.target, k.symbol) for k in (*KERNELS.values(), *GROUPED.values())] + [UPDATE_SLICE]
+                    calls = [(k.target, k.symbol) for k in (*KERNELS.values(), *GROUPED.values())] + [UPDATE_SLICE, SLICE, TAKE_ROWS]
                     for target, symbol in calls:
                         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
                     _state["ok"] = True
@@ -219,12 +222,30 @@ def grouped_rows_times_weight(x, w):
     return call(flat_x, w.reshape(n, k, o)).reshape(*groups, m, o)
 
 
-def update_slice(x, update, starts):
-    """`lax.dynamic_update_slice(x, update, starts)` (each start negative from the end, then
-    clamped, as lax's), in place: the result aliases x's buffer and only `update` is copied (see
-    `layers.update_slice` for what XLA:CPU's own update copied). On one device's arrays (inside
-    `shard_map`, or a one-device mesh): a custom call is not partitioned over a mesh."""
+def _starts(x, starts):
+    """int32 [rank] start indices, each negative one counted from the end (as lax's)."""
     starts = jnp.stack([jnp.asarray(s, jnp.int32) for s in starts]) if len(starts) else jnp.zeros(0, jnp.int32)
-    starts = jnp.where(starts < 0, starts + jnp.asarray(x.shape, jnp.int32), starts)
+    return jnp.where(starts < 0, starts + jnp.asarray(x.shape, jnp.int32), starts)
+
+
+def update_slice(x, update, starts):
+    """`lax.dynamic_update_slice(x, update, starts)` (starts clamped as lax's), in place: the result
+    aliases x's buffer and only `update` is copied (see `layers.update_slice` for what XLA:CPU's
+    own update copied). On one device's arrays (inside `shard_map`, or a one-device mesh): a custom
+    call is not partitioned over a mesh."""
     call = _call(UPDATE_SLICE[0], x, x.shape, x.dtype, input_output_aliases={0: 0})
-    return call(x, update.astype(x.dtype), starts)
+    return call(x, update.astype(x.dtype), _starts(x, starts))
+
+
+def slice(x, starts, sizes):  # noqa: A001 - the op's name
+    """`lax.dynamic_slice(x, starts, sizes)` (starts clamped as lax's), one memcpy per contiguous run.
+    On one device's arrays (see `update_slice`)."""
+    return _call(SLICE[0], x, tuple(sizes), x.dtype)(x, _starts(x, starts))
+
+
+def take_rows(table, ids):
+    """`table[ids]` (rows of axis 0, ids clamped to the table; any dtype), one memcpy per row, reading
+    the table where it is. On one device's arrays (see `update_slice`)."""
+    flat = jnp.asarray(ids, jnp.int32).reshape(-1)
+    rows = _call(TAKE_ROWS[0], table, (flat.shape[0], *table.shape[1:]), table.dtype)(table, flat)
+    return rows.reshape(*jnp.shape(ids), *table.shape[1:])

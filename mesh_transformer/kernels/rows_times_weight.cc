@@ -1,8 +1,8 @@
 // XLA FFI custom calls for XLA:CPU's decode steps: x [B, K] (float32) times w [K, O] (bfloat16 or
 // float32) for few rows B, returned as P partial products [P, B, O] (float32) that the caller sums,
 // or for a serving batch's rows register-blocked into one product (`blocked`, P = 1: Blocked); the
-// same per group of a [G, M, K] x [G, K, O] product (attention over the KV cache); and a slice of a
-// KV cache written in place (UpdateSlice, at the end).
+// same per group of a [G, M, K] x [G, K, O] product (attention over the KV cache); and moves of
+// KV-cache slices and embedding rows (UpdateSlice in place, Slice, TakeRows; at the end).
 //
 // Why: decoding few rows reads every weight once per step, so the product should run at memory
 // speed. XLA:CPU's own matmul kernels take no bfloat16 operands (it converts the whole weight to
@@ -414,41 +414,98 @@ ffi::Future F32Grouped(ffi::ThreadPool pool, F32x3 x, F32x3 w, ffi::Result<F32x3
                                 w_dims[1], w_dims[2]);
 }
 
-// x with `update` written at `starts` (one per axis, each clamped to [0, x's size - update's], as
-// XLA's dynamic-update-slice does), in place: the result aliases x. XLA:CPU runs a 16-bit
+// Data movement on a KV cache or an embedding table, which XLA:CPU runs badly there: a 16-bit
 // dynamic-update-slice over float32 copies of the whole array, or (on its bits) as fusions that
-// copy the whole array: a decode step then copied every layer's KV cache, and a bfloat16 serving
-// batch's decode call and each admitted row copied them again.
+// rewrite the whole array (a decode step then copied every layer's cache, a bfloat16 serving
+// batch's decode call and each admitted row copied them again); a 16-bit gather after a copy of
+// the whole table, hoisted out of the decode loop and made once per call; a window of a serving
+// batch's cache sliced element by element (1-3 GB/s).
 using Starts = ffi::Buffer<ffi::S32, 1>;
+using Ids = ffi::Buffer<ffi::S32, 1>;
 
+// Copies the block of `sizes` at `src_first` of a row-major array of `src_dims` to `dst_first` of
+// one of `dst_dims` (elements of `width` bytes): one memcpy per run of the trailing axes the block
+// spans whole, plus the axis before them.
+void CopyBlock(char* dst, const std::vector<int64_t>& dst_dims, const std::vector<int64_t>& dst_first,
+               const char* src, const std::vector<int64_t>& src_dims, const std::vector<int64_t>& src_first,
+               const std::vector<int64_t>& sizes, size_t width) {
+  const int64_t rank = static_cast<int64_t>(sizes.size());
+  int64_t count = 1;
+  for (int64_t size : sizes) count *= size;
+  if (count == 0) return;
+  std::vector<int64_t> dst_stride(rank, 1), src_stride(rank, 1);
+  for (int64_t d = rank - 2; d >= 0; --d) {
+    dst_stride[d] = dst_stride[d + 1] * dst_dims[d + 1];
+    src_stride[d] = src_stride[d + 1] * src_dims[d + 1];
+  }
+  int64_t split = rank - 1, run = rank ? sizes[rank - 1] : 1;  // the run: axes split .. rank-1
+  while (split > 0 && sizes[split] == dst_dims[split] && sizes[split] == src_dims[split]) run *= sizes[--split];
+  std::vector<int64_t> at(std::max<int64_t>(split, 0), 0);  // index over the axes before the run
+  for (int64_t copied = 0; copied < count; copied += run) {
+    int64_t to = 0, from = 0;
+    for (int64_t d = 0; d < rank; ++d) {
+      const int64_t i = d < split ? at[d] : 0;
+      to += (dst_first[d] + i) * dst_stride[d];
+      from += (src_first[d] + i) * src_stride[d];
+    }
+    std::memcpy(dst + to * width, src + from * width, run * width);
+    for (int64_t d = split - 1; d >= 0 && ++at[d] == sizes[d]; --d) at[d] = 0;
+  }
+}
+
+std::vector<int64_t> Dims(ffi::AnyBuffer::Dimensions dims) { return {dims.begin(), dims.end()}; }
+
+// Each start clamped so that `sizes` fit in `dims`, as XLA's dynamic slices do.
+std::vector<int64_t> Clamped(const Starts& starts, const std::vector<int64_t>& dims, const std::vector<int64_t>& sizes) {
+  std::vector<int64_t> first(dims.size());
+  for (size_t d = 0; d < dims.size(); ++d) first[d] = std::clamp<int64_t>(starts.typed_data()[d], 0, dims[d] - sizes[d]);
+  return first;
+}
+
+bool Fits(const std::vector<int64_t>& sizes, const std::vector<int64_t>& dims) {
+  if (sizes.size() != dims.size()) return false;
+  for (size_t d = 0; d < dims.size(); ++d) {
+    if (sizes[d] > dims[d]) return false;
+  }
+  return true;
+}
+
+// x with `update` written at `starts` (one per axis, clamped), in place: the result aliases x.
 ffi::Error UpdateSlice(ffi::AnyBuffer x, ffi::AnyBuffer update, Starts starts, ffi::Result<ffi::AnyBuffer> out) {
-  const auto dims = x.dimensions(), sizes = update.dimensions();
-  const int64_t rank = static_cast<int64_t>(dims.size());
-  if (static_cast<int64_t>(sizes.size()) != rank || starts.element_count() != static_cast<size_t>(rank)) {
-    return ffi::Error::InvalidArgument("update slice: the update, the array and the starts differ in rank");
+  const auto dims = Dims(x.dimensions()), sizes = Dims(update.dimensions());
+  if (!Fits(sizes, dims) || starts.element_count() != dims.size()) {
+    return ffi::Error::InvalidArgument("update slice: the update does not fit the array, or the starts' rank differs");
   }
-  std::vector<int64_t> first(rank), stride(rank, 1);
-  for (int64_t d = rank - 1; d >= 0; --d) {
-    if (sizes[d] > dims[d]) return ffi::Error::InvalidArgument("update slice: the update is larger than the array");
-    first[d] = std::clamp<int64_t>(starts.typed_data()[d], 0, dims[d] - sizes[d]);
-    if (d + 1 < rank) stride[d] = stride[d + 1] * dims[d + 1];
-  }
-  // The update's trailing axes that span the array's whole axes, and the one before them, are
-  // copied as one contiguous run per index of the axes before it.
-  int64_t split = rank - 1;  // the first axis of the contiguous run
-  int64_t run = rank ? sizes[rank - 1] : 1;
-  while (split > 0 && sizes[split] == dims[split]) run *= sizes[--split];
-  const size_t width = ffi::ByteWidth(x.element_type());
   char* target = static_cast<char*>(out->untyped_data());
   if (target != x.untyped_data()) std::memcpy(target, x.untyped_data(), x.size_bytes());
-  const char* source = static_cast<const char*>(update.untyped_data());
-  if (update.element_count() == 0) return ffi::Error::Success();
-  std::vector<int64_t> at(std::max<int64_t>(split, 0), 0);  // index over the axes before the run
-  for (size_t copied = 0; copied < update.element_count(); copied += run) {
-    int64_t offset = 0;
-    for (int64_t d = 0; d < rank; ++d) offset += (first[d] + (d < split ? at[d] : 0)) * stride[d];
-    std::memcpy(target + offset * width, source + copied * width, run * width);
-    for (int64_t d = split - 1; d >= 0 && ++at[d] == sizes[d]; --d) at[d] = 0;
+  CopyBlock(target, dims, Clamped(starts, dims, sizes), static_cast<const char*>(update.untyped_data()), sizes,
+            std::vector<int64_t>(sizes.size(), 0), sizes, ffi::ByteWidth(x.element_type()));
+  return ffi::Error::Success();
+}
+
+// The block of x at `starts` (clamped) the result's shape.
+ffi::Error Slice(ffi::AnyBuffer x, Starts starts, ffi::Result<ffi::AnyBuffer> out) {
+  const auto dims = Dims(x.dimensions()), sizes = Dims(out->dimensions());
+  if (!Fits(sizes, dims) || starts.element_count() != dims.size()) {
+    return ffi::Error::InvalidArgument("slice: the slice does not fit the array, or the starts' rank differs");
+  }
+  CopyBlock(static_cast<char*>(out->untyped_data()), sizes, std::vector<int64_t>(sizes.size(), 0),
+            static_cast<const char*>(x.untyped_data()), dims, Clamped(starts, dims, sizes), sizes,
+            ffi::ByteWidth(x.element_type()));
+  return ffi::Error::Success();
+}
+
+// Rows `ids` (clamped to the table) of a table [V, ...]: out [N, ...].
+ffi::Error TakeRows(ffi::AnyBuffer table, Ids ids, ffi::Result<ffi::AnyBuffer> out) {
+  const auto dims = table.dimensions();
+  if (dims.size() < 1 || dims[0] < 1 || out->element_count() != ids.element_count() * (table.element_count() / dims[0])) {
+    return ffi::Error::InvalidArgument("take rows: the result is not one table row per id");
+  }
+  const size_t row = table.size_bytes() / dims[0];
+  const char* source = static_cast<const char*>(table.untyped_data());
+  char* target = static_cast<char*>(out->untyped_data());
+  for (size_t i = 0; i < ids.element_count(); ++i) {
+    std::memcpy(target + i * row, source + std::clamp<int64_t>(ids.typed_data()[i], 0, dims[0] - 1) * row, row);
   }
   return ffi::Error::Success();
 }
@@ -495,4 +552,18 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshTransformerUpdateSlice, UpdateSlice,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<Starts>()
+                                  .Ret<ffi::AnyBuffer>());
+
+// Arguments: x, starts (int32 [rank]); result: the slice (x's dtype and rank).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshTransformerSlice, Slice,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<Starts>()
+                                  .Ret<ffi::AnyBuffer>());
+
+// Arguments: table [V, ...], ids (int32 [N]); result: [N, ...] (the table's dtype).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshTransformerTakeRows, TakeRows,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<Ids>()
                                   .Ret<ffi::AnyBuffer>());
