@@ -3,6 +3,7 @@
     python bench/decode.py                                   # random 200M-parameter GPT-J (8 x d_model 1024), CPU
     python bench/decode.py --family llama                    # the same size, LLaMA-shaped (bench/families.py)
     python bench/decode.py --hf ./gpt-j-6b --batches 1 16 --dtypes bfloat16 --new 128
+    python bench/decode.py --server-batch 64 2048 8 --batches 16 64 --no-hf   # as device_serve.py decodes
 
 Prints the machine's memory copy bandwidth (every core copying at once), and for batch 1 the
 memory-bandwidth bound on decode (every step reads every weight but the embedding table once: those
@@ -25,6 +26,7 @@ import os
 import sys
 import tempfile
 import time
+from typing import Optional
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -83,29 +85,37 @@ def make_random(path, family="gptj", layers=4, d_model=512, heads=8, vocab=50400
 MATVEC_ROWS = 1  # up to this batch, Generator(matvec=True): weights inputs-last (float32 only)
 
 
-def bench_ours(model, batch: int, prompt_len: int, new: int):
-    """Compile, then -> (a callable decoding once: decode tokens/s, details of the last call)."""
+def bench_ours(model, batch: int, prompt_len: int, new: int, server: Optional[tuple[int, int, int]] = None):
+    """Compile, then -> (a callable decoding once: decode tokens/s, details of the last call).
+
+    `server` (rows, slots, chunk): decode as device_serve.py does, the `batch` sequences in the
+    first rows of a batch of `rows` rows and `slots` cache slots, `chunk` steps per call (each call
+    reads and writes a window of the cache), instead of one call over a cache sized to them."""
+    import jax
+
     from mesh_transformer import kernels
     from mesh_transformer.generate import Batch, Generator, SamplingOptions
 
-    gen = Generator(model.config, model.params, model.mesh, matvec=batch <= MATVEC_ROWS)
+    gen = Generator(model.config, model.params, model.mesh, matvec=batch <= MATVEC_ROWS and server is None)
     rng = np.random.RandomState(0)
     options = SamplingOptions(max_new_tokens=new, temperature=0.0)
 
     def once():
         seqs = gen.sequences(rng.randint(0, 50000, (batch, prompt_len)).tolist(), options)
-        b = Batch.for_sequences(gen, seqs, chunk=None)
+        b = Batch(gen, *server) if server else Batch.for_sequences(gen, seqs, chunk=None)
+        jax.block_until_ready(b.state)
         t0 = time.perf_counter()
         b.admit(seqs)
         t1 = time.perf_counter()
-        b.step()  # the whole decode loop: one compiled call
+        while b.active():
+            b.step()  # without `server`, the whole decode loop: one compiled call
         t2 = time.perf_counter()
         assert all(len(s.tokens) == new for s in seqs)
         return t1 - t0, t2 - t1
 
     once()  # compile
     last = {"weights": "inputs-last" if gen.inputs_last else "inputs-first",
-            "kernels": kernels.available()}  # mesh_transformer.kernels: few-row products
+            "kernels": kernels.available(), "server_batch": server}  # mesh_transformer.kernels: few-row products
 
     def measure() -> float:
         last["prefill_s"], last["decode_s"] = once()
@@ -145,6 +155,9 @@ def main(argv=None):
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds of ours and transformers")
     parser.add_argument("--no-hf", action="store_true", help="skip transformers")
+    parser.add_argument("--server-batch", type=int, nargs=3, metavar=("ROWS", "SLOTS", "CHUNK"),
+                        help="ours decodes as device_serve.py does: in the first rows of a ROWS-row batch of "
+                             "SLOTS cache slots, CHUNK steps per call (--max-batch, the context, --chunk)")
     parser.add_argument("--out", help="also write the JSON object here")
     machine.add_args(parser)
     parser.add_argument("--mp", type=int, default=1,
@@ -176,7 +189,7 @@ def main(argv=None):
             model = loading.load(hf=path, mp=args.mp, dp=1, dtype=dtype)
             weight_bytes = bytes_read_per_step(model)
             for batch in args.batches:
-                ours, details = bench_ours(model, batch, args.prompt, args.new)
+                ours, details = bench_ours(model, batch, args.prompt, args.new, args.server_batch)
                 sides = {"ours": ours}
                 if not args.no_hf:
                     sides["hf"] = bench_hf(torch_model, batch, args.prompt, args.new, dtype)
@@ -213,6 +226,8 @@ def bytes_read_per_step(model) -> int:
 
 def format_row(row) -> str:
     kernel = ", kernels" if row["ours"].get("kernels") else ""
+    if row["ours"].get("server_batch"):
+        kernel += ", in a {}-row x {}-slot batch, {}-step calls".format(*row["ours"]["server_batch"])
     line = (f"{row['dtype']:>9} batch {row['batch']:>3} ({row['ours']['weights']:>12}{kernel}): "
             f"ours {machine.fmt(row['ours']['rounds'], 1):>20s} tok/s "
             f"(prefill {row['ours']['prefill_s'] * 1e3:.1f} ms)")

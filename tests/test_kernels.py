@@ -245,6 +245,19 @@ def test_slice_is_dynamic_slice(dtype, size, starts):
     assert np.array_equal(np.asarray(ours, np.float32), np.asarray(want, np.float32))
 
 
+def test_large_block_copies_split_over_threads_give_lax_arrays():
+    """Copies of a MiB or more are split over the pool's threads by runs (here 3 x 7 x 33 runs of
+    700 floats: an uneven split), a slice and an update alike."""
+    rng = np.random.RandomState(5)
+    x = jnp.asarray(rng.standard_normal((4, 7, 40, 1000)), jnp.float32)
+    starts, sizes = (1, 0, 5, 250), (3, 7, 33, 700)
+    update = jnp.asarray(rng.standard_normal(sizes), jnp.float32)
+    ours = jax.jit(lambda x: kernels.slice(x, starts, sizes))(x)
+    assert np.array_equal(np.asarray(ours), np.asarray(jax.lax.dynamic_slice(x, starts, sizes)))
+    ours = jax.jit(lambda x, u: kernels.update_slice(x, u, starts))(x, update)
+    assert np.array_equal(np.asarray(ours), np.asarray(jax.lax.dynamic_update_slice(x, update, starts)))
+
+
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32], ids=["bf16", "f16", "f32"])
 def test_take_rows_is_take(dtype):
     """Rows of a table (ids of any shape, the first and last rows included; past either end: the

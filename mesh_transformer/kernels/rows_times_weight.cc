@@ -423,34 +423,63 @@ ffi::Future F32Grouped(ffi::ThreadPool pool, F32x3 x, F32x3 w, ffi::Result<F32x3
 using Starts = ffi::Buffer<ffi::S32, 1>;
 using Ids = ffi::Buffer<ffi::S32, 1>;
 
-// Copies the block of `sizes` at `src_first` of a row-major array of `src_dims` to `dst_first` of
-// one of `dst_dims` (elements of `width` bytes): one memcpy per run of the trailing axes the block
-// spans whole, plus the axis before them.
-void CopyBlock(char* dst, const std::vector<int64_t>& dst_dims, const std::vector<int64_t>& dst_first,
-               const char* src, const std::vector<int64_t>& src_dims, const std::vector<int64_t>& src_first,
-               const std::vector<int64_t>& sizes, size_t width) {
-  const int64_t rank = static_cast<int64_t>(sizes.size());
-  int64_t count = 1;
-  for (int64_t size : sizes) count *= size;
-  if (count == 0) return;
-  std::vector<int64_t> dst_stride(rank, 1), src_stride(rank, 1);
-  for (int64_t d = rank - 2; d >= 0; --d) {
-    dst_stride[d] = dst_stride[d + 1] * dst_dims[d + 1];
-    src_stride[d] = src_stride[d + 1] * src_dims[d + 1];
-  }
-  int64_t split = rank - 1, run = rank ? sizes[rank - 1] : 1;  // the run: axes split .. rank-1
-  while (split > 0 && sizes[split] == dst_dims[split] && sizes[split] == src_dims[split]) run *= sizes[--split];
-  std::vector<int64_t> at(std::max<int64_t>(split, 0), 0);  // index over the axes before the run
-  for (int64_t copied = 0; copied < count; copied += run) {
-    int64_t to = 0, from = 0;
-    for (int64_t d = 0; d < rank; ++d) {
-      const int64_t i = d < split ? at[d] : 0;
-      to += (dst_first[d] + i) * dst_stride[d];
-      from += (src_first[d] + i) * src_stride[d];
+// The block of `sizes` at `src_first` of a row-major array of `src_dims`, to be copied to
+// `dst_first` of one of `dst_dims` (elements of `width` bytes), as runs: the trailing axes the
+// block spans whole, plus the axis before them, are one memcpy each.
+struct Block {
+  std::vector<int64_t> sizes, dst_first, src_first, dst_stride, src_stride;
+  int64_t split = 0, run = 1, runs = 0;  // the runs cover axes split .. rank-1
+  size_t width = 0;
+
+  Block(const std::vector<int64_t>& dst_dims, std::vector<int64_t> dst_first_, const std::vector<int64_t>& src_dims,
+        std::vector<int64_t> src_first_, std::vector<int64_t> sizes_, size_t width_)
+      : sizes(std::move(sizes_)), dst_first(std::move(dst_first_)), src_first(std::move(src_first_)), width(width_) {
+    const int64_t rank = static_cast<int64_t>(sizes.size());
+    dst_stride.assign(rank, 1);
+    src_stride.assign(rank, 1);
+    for (int64_t d = rank - 2; d >= 0; --d) {
+      dst_stride[d] = dst_stride[d + 1] * dst_dims[d + 1];
+      src_stride[d] = src_stride[d + 1] * src_dims[d + 1];
     }
-    std::memcpy(dst + to * width, src + from * width, run * width);
-    for (int64_t d = split - 1; d >= 0 && ++at[d] == sizes[d]; --d) at[d] = 0;
+    split = rank - 1;
+    run = rank ? sizes[rank - 1] : 1;
+    while (split > 0 && sizes[split] == dst_dims[split] && sizes[split] == src_dims[split]) run *= sizes[--split];
+    runs = run ? 1 : 0;
+    for (int64_t d = 0; d < split; ++d) runs *= sizes[d];
   }
+
+  size_t bytes() const { return static_cast<size_t>(runs * run) * width; }
+
+  // Copies runs first .. last-1.
+  void Copy(char* dst, const char* src, int64_t first, int64_t last) const {
+    const int64_t rank = static_cast<int64_t>(sizes.size());
+    std::vector<int64_t> at(std::max<int64_t>(split, 0), 0);  // run `first`'s index over axes 0 .. split-1
+    for (int64_t d = split - 1, r = first; d >= 0; --d) {
+      at[d] = r % sizes[d];
+      r /= sizes[d];
+    }
+    for (int64_t r = first; r < last; ++r) {
+      int64_t to = 0, from = 0;
+      for (int64_t d = 0; d < rank; ++d) {
+        const int64_t i = d < split ? at[d] : 0;
+        to += (dst_first[d] + i) * dst_stride[d];
+        from += (src_first[d] + i) * src_stride[d];
+      }
+      std::memcpy(dst + to * width, src + from * width, run * width);
+      for (int64_t d = split - 1; d >= 0 && ++at[d] == sizes[d]; --d) at[d] = 0;
+    }
+  }
+};
+
+constexpr size_t kBytesPerCopyTask = 1 << 20;  // smaller copies stay on the calling thread
+
+// The block copied on as many of the pool's threads as it has MiB (at least one).
+ffi::Future CopyOnThreads(ffi::ThreadPool& pool, const Block& block, char* dst, const char* src) {
+  const int64_t n_tasks = std::clamp<int64_t>(static_cast<int64_t>(block.bytes() / kBytesPerCopyTask), 1,
+                                              std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), block.runs)));
+  return OnThreads(pool, n_tasks, [block, dst, src, n_tasks](int64_t t) {
+    block.Copy(dst, src, block.runs * t / n_tasks, block.runs * (t + 1) / n_tasks);
+  });
 }
 
 std::vector<int64_t> Dims(ffi::AnyBuffer::Dimensions dims) { return {dims.begin(), dims.end()}; }
@@ -471,28 +500,28 @@ bool Fits(const std::vector<int64_t>& sizes, const std::vector<int64_t>& dims) {
 }
 
 // x with `update` written at `starts` (one per axis, clamped), in place: the result aliases x.
-ffi::Error UpdateSlice(ffi::AnyBuffer x, ffi::AnyBuffer update, Starts starts, ffi::Result<ffi::AnyBuffer> out) {
+ffi::Future UpdateSlice(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer update, Starts starts,
+                        ffi::Result<ffi::AnyBuffer> out) {
   const auto dims = Dims(x.dimensions()), sizes = Dims(update.dimensions());
   if (!Fits(sizes, dims) || starts.element_count() != dims.size()) {
-    return ffi::Error::InvalidArgument("update slice: the update does not fit the array, or the starts' rank differs");
+    return Failed("update slice: the update does not fit the array, or the starts' rank differs");
   }
   char* target = static_cast<char*>(out->untyped_data());
   if (target != x.untyped_data()) std::memcpy(target, x.untyped_data(), x.size_bytes());
-  CopyBlock(target, dims, Clamped(starts, dims, sizes), static_cast<const char*>(update.untyped_data()), sizes,
-            std::vector<int64_t>(sizes.size(), 0), sizes, ffi::ByteWidth(x.element_type()));
-  return ffi::Error::Success();
+  const Block block(dims, Clamped(starts, dims, sizes), sizes, std::vector<int64_t>(sizes.size(), 0), sizes,
+                    ffi::ByteWidth(x.element_type()));
+  return CopyOnThreads(pool, block, target, static_cast<const char*>(update.untyped_data()));
 }
 
 // The block of x at `starts` (clamped) the result's shape.
-ffi::Error Slice(ffi::AnyBuffer x, Starts starts, ffi::Result<ffi::AnyBuffer> out) {
+ffi::Future Slice(ffi::ThreadPool pool, ffi::AnyBuffer x, Starts starts, ffi::Result<ffi::AnyBuffer> out) {
   const auto dims = Dims(x.dimensions()), sizes = Dims(out->dimensions());
   if (!Fits(sizes, dims) || starts.element_count() != dims.size()) {
-    return ffi::Error::InvalidArgument("slice: the slice does not fit the array, or the starts' rank differs");
+    return Failed("slice: the slice does not fit the array, or the starts' rank differs");
   }
-  CopyBlock(static_cast<char*>(out->untyped_data()), sizes, std::vector<int64_t>(sizes.size(), 0),
-            static_cast<const char*>(x.untyped_data()), dims, Clamped(starts, dims, sizes), sizes,
-            ffi::ByteWidth(x.element_type()));
-  return ffi::Error::Success();
+  const Block block(sizes, std::vector<int64_t>(sizes.size(), 0), dims, Clamped(starts, dims, sizes), sizes,
+                    ffi::ByteWidth(x.element_type()));
+  return CopyOnThreads(pool, block, static_cast<char*>(out->untyped_data()), static_cast<const char*>(x.untyped_data()));
 }
 
 // Rows `ids` (clamped to the table) of a table [V, ...]: out [N, ...].
@@ -549,6 +578,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshTransformerF32GroupedRowsTimesWeight, F32Group
 // (`input_output_aliases={0: 0}`).
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshTransformerUpdateSlice, UpdateSlice,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<Starts>()
@@ -557,6 +587,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshTransformerUpdateSlice, UpdateSlice,
 // Arguments: x, starts (int32 [rank]); result: the slice (x's dtype and rank).
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshTransformerSlice, Slice,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<Starts>()
                                   .Ret<ffi::AnyBuffer>());
