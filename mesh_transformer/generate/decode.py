@@ -475,11 +475,11 @@ class Generator:
         rows = rows or state.last.shape[0]
         batch = state.last.shape[0]
         shared = None if pool is None else _shared_prefix(pool, shared_slots, shared_positions[:rows])
+        shared_spec = () if shared is None else (shared_specs(len(shared.k)),)
         decode = parallel.shard_map(
             lambda p, s, first_slot, limit, *shared: self._decode_window(p, s, first_slot, limit, steps, window, rows,
                                                                          *shared),
-            self.mesh, self.rules,
-            in_specs=(self.param_specs, self.specs, P(), P()) + (() if shared is None else (shared_specs(len(shared.k)),)),
+            self.mesh, self.rules, in_specs=(self.param_specs, self.specs, P(), P()) + shared_spec,
             out_specs=(self.specs, Emitted(*([P(None, parallel.DP)] * 2), *([P(None, parallel.DP, None)] * 2))),
             inputs_last=self.inputs_last)
         state, out = decode(params, state, first_slot, limit, *(() if shared is None else (shared,)))

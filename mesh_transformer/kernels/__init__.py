@@ -145,7 +145,8 @@ def _load() -> bool:
             if enabled():
                 try:
                     library = ctypes.cdll.LoadLibrary(str(build()))
-                    calls = [(k.target, k.symbol) for k in (*KERNELS.values(), *GROUPED.values())] + [UPDATE_SLICE, SLICE, TAKE_ROWS]
+                    calls = [(k.target, k.symbol) for k in (*KERNELS.values(), *GROUPED.values())]
+                    calls += [UPDATE_SLICE, SLICE, TAKE_ROWS]
                     for target, symbol in calls:
                         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
                     _state["ok"] = True

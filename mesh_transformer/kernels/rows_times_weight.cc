@@ -485,9 +485,12 @@ ffi::Future CopyOnThreads(ffi::ThreadPool& pool, const Block& block, char* dst, 
 std::vector<int64_t> Dims(ffi::AnyBuffer::Dimensions dims) { return {dims.begin(), dims.end()}; }
 
 // Each start clamped so that `sizes` fit in `dims`, as XLA's dynamic slices do.
-std::vector<int64_t> Clamped(const Starts& starts, const std::vector<int64_t>& dims, const std::vector<int64_t>& sizes) {
+std::vector<int64_t> Clamped(const Starts& starts, const std::vector<int64_t>& dims,
+                             const std::vector<int64_t>& sizes) {
   std::vector<int64_t> first(dims.size());
-  for (size_t d = 0; d < dims.size(); ++d) first[d] = std::clamp<int64_t>(starts.typed_data()[d], 0, dims[d] - sizes[d]);
+  for (size_t d = 0; d < dims.size(); ++d) {
+    first[d] = std::clamp<int64_t>(starts.typed_data()[d], 0, dims[d] - sizes[d]);
+  }
   return first;
 }
 
@@ -521,13 +524,16 @@ ffi::Future Slice(ffi::ThreadPool pool, ffi::AnyBuffer x, Starts starts, ffi::Re
   }
   const Block block(sizes, std::vector<int64_t>(sizes.size(), 0), dims, Clamped(starts, dims, sizes), sizes,
                     ffi::ByteWidth(x.element_type()));
-  return CopyOnThreads(pool, block, static_cast<char*>(out->untyped_data()), static_cast<const char*>(x.untyped_data()));
+  return CopyOnThreads(pool, block, static_cast<char*>(out->untyped_data()),
+                       static_cast<const char*>(x.untyped_data()));
 }
 
 // Rows `ids` (clamped to the table) of a table [V, ...]: out [N, ...].
 ffi::Error TakeRows(ffi::AnyBuffer table, Ids ids, ffi::Result<ffi::AnyBuffer> out) {
   const auto dims = table.dimensions();
-  if (dims.size() < 1 || dims[0] < 1 || out->element_count() != ids.element_count() * (table.element_count() / dims[0])) {
+  const bool one_row_per_id = dims.size() >= 1 && dims[0] >= 1 &&
+                              out->element_count() == ids.element_count() * (table.element_count() / dims[0]);
+  if (!one_row_per_id) {
     return ffi::Error::InvalidArgument("take rows: the result is not one table row per id");
   }
   const size_t row = table.size_bytes() / dims[0];
