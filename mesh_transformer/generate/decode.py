@@ -44,7 +44,7 @@ from mesh_transformer.generate.sampling import (EOS, LENGTH, MAX_STOPS, RUNNING,
                                                 RowOptions, SamplingOptions, choose, log_probs, stop_hit, _none,
                                                 penalize)
 from mesh_transformer.models.core import KVCache, SharedPrefix, unstacked_modules
-from mesh_transformer.models.layers import dynamic_slice, on_bits, update_slice
+from mesh_transformer.models.layers import dynamic_slice, update_slice
 
 if TYPE_CHECKING:
     from mesh_transformer.generate.batching import Sequence
@@ -189,8 +189,8 @@ def _roll_cache(cache: KVCache, shift) -> KVCache:
 
 
 def _move_slots(cache: KVCache, source, shift, size: int):
-    """(One device's cache.) Move slots source .. source+size-1 of every row by `shift` (both spans inside the cache):
-    the running rows' span, bucketed, instead of the whole cache (`_roll_cache`): 0.3 s instead of
+    """(One device's cache.) Move slots source .. source+size-1 of every row by `shift` (both spans
+    inside the cache): the running rows' span, bucketed, instead of the whole cache (`_roll_cache`): 0.3 s instead of
     3-5 s for a 64-row, 2,048-slot cache of the 64M GPT-J when the span is 256 slots."""
     def move(x, axis):
         starts = [0] * x.ndim
@@ -254,10 +254,7 @@ def _write_rows(cache: KVCache, new: KVCache, row_ids, first_slot, in_place: boo
         def put(x, rows, axis):
             at = [row_ids[i]] + [0] * (x.ndim - 1)
             at[axis] = start
-            row = jax.lax.dynamic_slice_in_dim(rows, i, 1, 0)
-            if in_place:
-                return update_slice(x, row, at)
-            return on_bits(lambda a, b: jax.lax.dynamic_update_slice(a, b, at), x, row)
+            return update_slice(x, jax.lax.dynamic_slice_in_dim(rows, i, 1, 0), at, kernel=in_place)
         k, v = arrays
         return (tuple(put(x, r, KVCache.K_SLOTS) for x, r in zip(k, new.k)),
                 tuple(put(x, r, KVCache.V_SLOTS) for x, r in zip(v, new.v)))
@@ -472,8 +469,8 @@ class Generator:
         matmuls, not B's (its logits alone are [B, V]). Rows >= `rows` must not be running.
         With a prefix-cache `pool`, the rows also read its slots `shared_slots` [U] (gathered once
         per call into a `SharedPrefix`) at positions `shared_positions` [B, U] (-1: not read)."""
-        rows = rows or state.last.shape[0]
         batch = state.last.shape[0]
+        rows = rows or batch
         shared = None if pool is None else _shared_prefix(pool, shared_slots, shared_positions[:rows])
         shared_spec = () if shared is None else (shared_specs(len(shared.k)),)
         decode = parallel.shard_map(

@@ -513,8 +513,9 @@ def write_slots(cache, new, index, axis: int):
     return update_slice(cache, new, starts)
 
 
-def update_slice(x, update, starts):
-    """`lax.dynamic_update_slice(x, update, starts)` of one device's arrays (a KV cache), in place.
+def update_slice(x, update, starts, kernel: bool = True):
+    """`lax.dynamic_update_slice(x, update, starts)` of one device's arrays (a KV cache), in place
+    (`kernel=False`: XLA's, for arrays that span a mesh outside `shard_map`).
 
     On CPU by `kernels.update_slice`, which moves only the update: XLA:CPU's dynamic-update-slice
     was copied whole when its result had two consumers of different shapes (the next state, and a
@@ -524,7 +525,7 @@ def update_slice(x, update, starts):
     bits (`on_bits`) as a fusion that rewrites the whole array (a bfloat16 serving batch copied
     each layer's keys once per decode call and per admitted row). Elsewhere (or without the
     kernels) XLA's, a 16-bit array updated as 16-bit integers (exact)."""
-    if kernels.available():
+    if kernel and kernels.available():
         return kernels.update_slice(x, update, starts)
     return on_bits(lambda a, b: jax.lax.dynamic_update_slice(a, b, starts), x, update)
 
