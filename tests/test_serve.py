@@ -110,6 +110,26 @@ def test_admit_tokens_bounds_each_prefill(gen, tiny):
         assert [s.tokens for s in seqs] == expected
 
 
+def test_first_tokens_are_handed_out_before_the_next_decode_call(gen, tiny):
+    """The engine wakes an admitted request's handler as soon as the prefill gives its first token,
+    not after the decode call that follows the admission (one step over every running row: 12 ms
+    of a 16-request burst's time to first token for the serving GPT-J, 25 ms at 64 rows)."""
+    engine = Engine(gen, None, max_batch=8, chunk=4)
+    calls, step = [], engine.batch.step  # at each decode call: (woken yet, tokens the request has)
+    engine.batch.step = lambda limit=None: (calls.append((request.updated.is_set(), len(seq.tokens))), step(limit))[1]
+    seq = engine.sequence(list(range(10, 20)), SamplingOptions(max_new_tokens=NEW, temperature=0.0), None)
+    request = engine.submit([seq])
+    engine.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not request.finished and time.monotonic() < deadline:
+            time.sleep(0.01)  # the event is never cleared: once set, it stays set
+    finally:
+        engine.stop()
+    assert calls[0] == (True, 1)
+    assert seq.tokens == tiny.hf_greedy(list(range(10, 20)))[0]
+
+
 @pytest.mark.parametrize("gather", [2.0, 0.0], ids=["gathered", "as_they_come"])
 def test_an_idle_engine_admits_a_burst_together(gen, tiny, monkeypatch, gather):
     """Requests that arrive one by one, each within the quiet time of the last, while nothing

@@ -241,6 +241,14 @@ def test_bfloat16_compute_is_in_the_program_and_close_to_float32(by_compute_dtyp
     assert abs(loss16 - loss32) < 2e-3
 
 
+def test_bfloat16_activation_runs_in_float32(by_compute_dtype):
+    """The MLP's activation (GPT-J's tanh-GELU) takes float32 and is rounded once: on bfloat16 XLA:CPU
+    rounds after each of its operations (`layers.MLP._in`)."""
+    *_, program16 = by_compute_dtype["bfloat16"]
+    tanh = re.findall(r"stablehlo\.tanh %\S+ : tensor<[\dx]*x(\w+)>", program16)
+    assert tanh and set(tanh) == {"f32"}, tanh
+
+
 def test_bfloat16_backward_matmuls_run_in_bfloat16(by_compute_dtype):
     """All but the head bias's gradient, a row of ones times the float32 logit gradients (a sum)."""
     *_, program16 = by_compute_dtype["bfloat16"]

@@ -428,17 +428,17 @@ class Generator:
             cache = _write_rows(cache, new, row_ids, index - new.slots)
         cache = cache._replace(start=cache.start.at[row_ids].set(index - lengths + offsets, mode="drop"),
                                offset=cache.offset.at[row_ids].set(offsets, mode="drop"))
-        set_rows = lambda x, new: x.at[row_ids].set(new, mode="drop")
+        # The new rows' state [n] is made and sampled alone, then written into the batch's rows: a
+        # first token costs n rows' sampling, not the batch's (a 64-row batch's [64, V] of it).
         valid = jnp.arange(w)[None, :] >= (w - lengths)[:, None]
-        prompt_seen = jnp.zeros((n, self.vocab), bool).at[jnp.arange(n)[:, None], tokens].max(valid)
-        state = DecodeState(
-            cache, jax.tree.map(set_rows, state.rows, rows), state.last, set_rows(state.done, False),
-            set_rows(state.n_generated, 0), set_rows(state.reason, RUNNING), set_rows(state.counts, 0),
-            set_rows(state.seen, prompt_seen), set_rows(state.recent, -2))
-        full = jnp.full((batch, self.vocab), -jnp.inf).at[row_ids].set(logits, mode="drop")
-        active = jnp.zeros(batch, bool).at[row_ids].set(True, mode="drop")
-        state, first = emit(state, full, active)
-        return state, pool, first
+        zeros = jnp.zeros(n, jnp.int32)
+        admitted = DecodeState(
+            None, rows, zeros, zeros.astype(bool), zeros, zeros + RUNNING, jnp.zeros((n, self.vocab), jnp.int32),
+            jnp.zeros((n, self.vocab), bool).at[jnp.arange(n)[:, None], tokens].max(valid),
+            jnp.full((n, STOP_TOKENS), -2, jnp.int32))
+        admitted, first = emit(admitted, logits, row_ids < batch)
+        state = jax.tree.map(lambda x, new: x.at[row_ids].set(new, mode="drop"), state._replace(cache=None), admitted)
+        return state._replace(cache=cache), pool, first
 
     def _decode_local(self, params, state: DecodeState, limit, steps: int, shared: Optional[SharedPrefix] = None):
         """Up to `limit` decode steps (`decode` keeps it <= `steps`, the emitted buffer's size),
@@ -563,7 +563,7 @@ class Generator:
             if prefix is not None and prefix.pool is None:
                 prefix.pool = pool
         first, done, reason = jax.device_get((first, state.done, state.reason))
-        return state, first, done, reason, reads
+        return state, _by_row(first, ids, batch), done, reason, reads
 
     def prefill_rows(self, prompts: int) -> int:
         """The rows an admission of `prompts` prompts computes (bucketed, a multiple of dp)."""
@@ -697,6 +697,16 @@ def _shared_prefix(pool: KVCache, slots, positions) -> SharedPrefix:
     take = lambda x, axis: jnp.take(x[0], slots, axis=axis - 1, mode="fill", fill_value=0)  # noqa: E731
     gathered = pool.along_slots(take)
     return SharedPrefix(gathered.k, gathered.v, positions)
+
+
+def _by_row(emitted: Emitted, row_ids: np.ndarray, batch: int) -> Emitted:
+    """Tokens emitted for rows `row_ids` [n] (ids >= batch: none) -> Emitted [batch] (-1: no token)."""
+    kept = row_ids < batch
+    def spread(x, fill):
+        out = np.full((batch,) + x.shape[1:], fill, x.dtype)
+        out[row_ids[kept]] = x[kept]
+        return out
+    return Emitted(spread(emitted.token, -1), *(spread(x, 0) for x in emitted[1:]))
 
 
 def round_up(n: int, multiple: int) -> int:

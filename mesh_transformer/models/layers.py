@@ -611,15 +611,21 @@ class MLP(hk.Module):
     def __call__(self, h) -> RowParallel:
         """h [B, T, D] -> RowParallel([B, T, D] partial over mp, fc_out bias [D] or None)."""
         s, dt = self.spec, h.dtype
+        act = ACTIVATIONS[s.activation]
         x = self._in("fc_in", h)
-        x = ACTIVATIONS[s.activation](self._in("gate", h)) * x if s.gated else ACTIVATIONS[s.activation](x)
+        x = act(self._in("gate", h)) * x if s.gated else act(x)
         w_out = parallel.weight("fc_out", (s.d_ff, s.d_model), ("mlp", "embed"), 1, normal(s.out_std), dt)
         bias = parallel.param("fc_out_bias", (s.d_model,), ("embed",), ZEROS, dt) if s.bias else None
         return RowParallel(dense("btf,fd->btd", x.astype(dt), w_out), bias)
 
     def _in(self, name: str, h):
+        """h [B, T, D] -> [B, T, F] float32 (the product rounded to h's dtype, then its bias added).
+
+        The activation then runs in float32 and is rounded once: run on a 16-bit array, XLA:CPU
+        rounds after each of its operations (bf16 GPT-J: a 16-prompt admission 150 -> 135 ms)."""
         s = self.spec
-        x = dense("btd,df->btf", h, parallel.weight(name, (s.d_model, s.d_ff), ("embed", "mlp"), 1, normal(s.init_std), h.dtype))
+        w = parallel.weight(name, (s.d_model, s.d_ff), ("embed", "mlp"), 1, normal(s.init_std), h.dtype)
+        x = dense("btd,df->btf", h, w).astype(jnp.float32)
         return x + parallel.param(f"{name}_bias", (s.d_ff,), ("mlp",), ZEROS, h.dtype) if s.bias else x
 
 

@@ -5,6 +5,7 @@ it admits waiting requests into free rows (they join requests already decoding) 
 tokens to their handlers. Requests come in bursts (clients answer each other, a finished request's
 client sends its next one), so the call right after requests joined or finished runs only
 `join_chunk` steps: the rest of a burst waits one short call, not a whole chunk, to be admitted.
+An admission's first tokens go to their handlers as soon as its prefill ends, before that call.
 An admission computes at most `admit_tokens` prompt positions (as vLLM bounds a step's batched
 tokens): a burst of 64 prompts joins 16 at a time, each group decoding while the next is prefilled,
 so its first requests see their first tokens after a quarter of the burst's prefill, and the
@@ -369,6 +370,8 @@ class Engine:
             self.metrics.admitted([len(s.prompt) for s, _ in group],
                                   (prefix.hits - hits) if prefix is not None else None)
             self._observe([s for s, _ in group])
+            for request in {id(r): r for _, r in group}.values():
+                request.notify()  # first tokens go out now, not after the decode call that follows
         if self.batch.active():
             in_batch = [self.batch.rows[r] for r in self.batch.active()]
             finished += self.batch.step(self.join_chunk if group or self._left else None)
