@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 from mesh_transformer import kernels, loading, parallel
 from mesh_transformer.generate import Batch, Generator, SamplingOptions
+from mesh_transformer.generate.prefix import PrefixCache
 from mesh_transformer.models import layers
 from tests.helpers import NEW, make_hf_model, mesh
 
@@ -258,6 +259,40 @@ def test_large_block_copies_split_over_threads_give_lax_arrays():
     assert np.array_equal(np.asarray(ours), np.asarray(jax.lax.dynamic_update_slice(x, update, starts)))
 
 
+PUT_SLOTS = [  # slots [4, 6] of an M = 40 axis: a run; dropped (M, past it, negative) and out of order;
+    np.int32([[8, 9, 10, 11, 12, 13], [39, 40, 2, 1, 0, -1],  # two runs; two positions at slot 10 and 11
+              [20, 21, 30, 31, 32, 45], [10, 11, 100, 40, 3, 4]]),
+]
+
+
+def _put_slots_reference(x, update, slots, axis):
+    """Position by position, row by row: a slot two positions take ends with the later one's."""
+    out = np.array(x, np.float32)
+    for i, row in enumerate(slots):
+        for p, slot in enumerate(row):
+            if 0 <= slot < x.shape[axis]:
+                out[(slice(None),) * axis + (slot,)] = np.take(np.asarray(update[i], np.float32), p, axis=axis - 1)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("shape,axis,update", [((1, 3, 5, 40), 3, (4, 3, 5, 6)), ((1, 3, 40, 5), 2, (4, 3, 6, 5)),
+                                               ((1, 16, 64, 4096), 3, (8, 16, 64, 200))],
+                         ids=["keys", "values", "split_over_threads"])
+def test_put_slots_writes_each_position_at_its_slot(dtype, shape, axis, update):
+    """A prefix pool's keys (slots last) and values (slots before the head axis) take an
+    admission's positions at their slots, in place; the old array stays readable when still used.
+    The last case writes 6.5 MB (float32), split over the pool's threads by the axes before the slots."""
+    rng = np.random.RandomState(6)
+    x = jnp.asarray(rng.standard_normal(shape), dtype)
+    u = jnp.asarray(rng.standard_normal(update), dtype)
+    slots = PUT_SLOTS[0] if update[0] == 4 else np.int32([np.arange(200) + 210 * i for i in range(8)])
+    ours, old = jax.jit(lambda x, u, s: (kernels.put_slots(x, u, s, axis), x * 1))(x, u, slots)
+    assert ours.dtype == x.dtype
+    assert np.array_equal(np.asarray(ours, np.float32), _put_slots_reference(x, u, slots, axis))
+    assert np.array_equal(np.asarray(old, np.float32), np.asarray(x, np.float32))
+
+
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32], ids=["bf16", "f16", "f32"])
 def test_take_rows_is_take(dtype):
     """Rows of a table (ids of any shape, the first and last rows included; past either end: the
@@ -322,22 +357,27 @@ def test_the_decode_loop_writes_each_cache_in_place_and_reads_it_where_it_is(tin
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_an_admission_writes_each_row_in_place(tiny, dtype, monkeypatch):
-    """A one-dp-shard admission writes each new row into the cache by `kernels.update_slice`: no
-    other array the size of a layer's cache is made (XLA:CPU wrote a bfloat16 row over float32
-    copies of the whole cache, 16 rows x 8 arrays of 134 MB for the serving GPT-J, then on the
-    cache's bits at 0.8 GB/s)."""
+def test_an_admission_writes_each_row_and_pool_slot_in_place(tiny, dtype, monkeypatch):
+    """A one-dp-shard admission writes each new row into the cache by `kernels.update_slice`, and
+    its prompts' blocks into the prefix cache's pool by `kernels.put_slots`: no other array the
+    size of a layer's cache or pool is made (XLA:CPU wrote a bfloat16 row over float32 copies of
+    the whole cache, 16 rows x 8 arrays of 134 MB for the serving GPT-J, then on the cache's bits
+    at 0.8 GB/s; it stored prompts in a bfloat16 pool on its bits, converting the whole pool there
+    and back)."""
     model = loading.load(hf=str(tiny.path), mp=1, dp=1, dtype=dtype)
     g = Generator(model.config, model.params, model.mesh)
     calls, admit = [], g._admit
     monkeypatch.setattr(g, "_admit", lambda *args: (calls.append(args), admit(*args))[1])
-    batch = Batch(g, 8, 200, chunk=4)
-    batch.admit(g.sequences([[5, 6, 7], [8, 9]], SamplingOptions(max_new_tokens=4, temperature=0.0)))
-    size = batch.state.cache.k[0].size
+    batch = Batch(g, 8, 200, chunk=4, prefix=PrefixCache(g, 368, 16))  # no other array is its size
+    prompts = [list(range(5, 25)), list(range(40, 67))]  # a full block each to store (context: 32)
+    batch.admit(g.sequences(prompts, SamplingOptions(max_new_tokens=4, temperature=0.0)))
+    assert [batch.prefix.cached_tokens(p[:17]) for p in prompts] == [16, 16]
     hlo = admit.lower(*calls[0]).compile().as_text()
-    caches = [(op, line.strip()) for line in _buffer_making_lines(hlo)
-              for dims, op in re.findall(r"= \w+\[([\d,]*)\]\{[^}]*\} ([\w-]+)\(", line)
-              if math.prod(int(d) for d in dims.split(",") if d) == size]
-    assert {op for op, _ in caches} <= {"custom-call", "bitcast", "get-tuple-element", "parameter"}, \
-        [line[:160] for _, line in caches]
-    assert any(f'custom_call_target="{kernels.UPDATE_SLICE[0]}"' in line for _, line in caches)
+    for size, target in ((batch.state.cache.k[0].size, kernels.UPDATE_SLICE[0]),
+                         (batch.prefix.pool.k[0].size, kernels.PUT_SLOTS[0])):
+        made = [(op, line.strip()) for line in _buffer_making_lines(hlo)
+                for dims, op in re.findall(r"= \w+\[([\d,]*)\]\{[^}]*\} ([\w-]+)\(", line)
+                if math.prod(int(d) for d in dims.split(",") if d) == size]
+        assert {op for op, _ in made} <= {"custom-call", "bitcast", "get-tuple-element", "parameter"}, \
+            [line[:160] for _, line in made]
+        assert any(f'custom_call_target="{target}"' in line for _, line in made)

@@ -5,8 +5,9 @@ All for decoding, in `rows_times_weight.cc` (which says why XLA:CPU's own are sl
 machine's memory bandwidth, and of a serving batch's rows (32-64, float32) register-blocked
 (`layers.product` calls it where `applies` says so); `grouped_rows_times_weight`, the few-row
 product per (row, kv head) group, for attention over the KV cache (`grouped_applies`);
-`update_slice` (in place), `slice` and `take_rows`: a KV cache's slices and an embedding table's
-rows moved without XLA:CPU's copies of the whole array (`layers.update_slice`, `layers.take_rows`).
+`update_slice` (in place), `slice`, `take_rows` and `put_slots` (in place): a KV cache's slices, an
+embedding table's rows and a prefix cache's slots moved without XLA:CPU's copies of the whole array
+(`layers.update_slice`, `layers.take_rows`, `generate.decode`'s admission).
 
 The source is compiled with the system's C++ compiler (`$CXX`, else `c++`/`g++`/`clang++`) against
 the FFI headers jaxlib ships, once per source/jaxlib/compiler, into
@@ -82,6 +83,7 @@ GROUPED = {
 UPDATE_SLICE = ("mesh_transformer_update_slice", "MeshTransformerUpdateSlice")
 SLICE = ("mesh_transformer_slice", "MeshTransformerSlice")
 TAKE_ROWS = ("mesh_transformer_take_rows", "MeshTransformerTakeRows")
+PUT_SLOTS = ("mesh_transformer_put_slots", "MeshTransformerPutSlots")
 FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC")
 
 _lock = threading.Lock()
@@ -146,7 +148,7 @@ def _load() -> bool:
                 try:
                     library = ctypes.cdll.LoadLibrary(str(build()))
                     calls = [(k.target, k.symbol) for k in (*KERNELS.values(), *GROUPED.values())]
-                    calls += [UPDATE_SLICE, SLICE, TAKE_ROWS]
+                    calls += [UPDATE_SLICE, SLICE, TAKE_ROWS, PUT_SLOTS]
                     for target, symbol in calls:
                         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
                     _state["ok"] = True
@@ -250,3 +252,13 @@ def take_rows(table, ids):
     flat = jnp.asarray(ids, jnp.int32).reshape(-1)
     rows = _call(TAKE_ROWS[0], table, (flat.shape[0], *table.shape[1:]), table.dtype)(table, flat)
     return rows.reshape(*jnp.shape(ids), *table.shape[1:])
+
+
+def put_slots(x, update, slots, axis: int):
+    """x with update's positions written at `slots` of its `axis`, in place (the result aliases x):
+    x [*A, M, *C] (M on `axis`, which is not the first), update [N, *A', W, *C] with A' as many
+    elements as A (x [1, K, M, H] takes [N, K, W, H]), slots int32 [N, W] (a slot outside 0 .. M-1:
+    not written; two positions at one slot: the later row's). One memcpy per run of consecutive
+    slots, on one device's arrays (see `update_slice`)."""
+    call = _call(PUT_SLOTS[0], x, x.shape, x.dtype, input_output_aliases={0: 0})
+    return call(x, update.astype(x.dtype), jnp.asarray(slots, jnp.int32), axis=axis)

@@ -2,7 +2,7 @@
 // float32) for few rows B, returned as P partial products [P, B, O] (float32) that the caller sums,
 // or for a serving batch's rows register-blocked into one product (`blocked`, P = 1: Blocked); the
 // same per group of a [G, M, K] x [G, K, O] product (attention over the KV cache); and moves of
-// KV-cache slices and embedding rows (UpdateSlice in place, Slice, TakeRows; at the end).
+// KV-cache slices and embedding rows (UpdateSlice in place, Slice, TakeRows, PutSlots; at the end).
 //
 // Why: decoding few rows reads every weight once per step, so the product should run at memory
 // speed. XLA:CPU's own matmul kernels take no bfloat16 operands (it converts the whole weight to
@@ -422,6 +422,7 @@ ffi::Future F32Grouped(ffi::ThreadPool pool, F32x3 x, F32x3 w, ffi::Result<F32x3
 // batch's cache sliced element by element (1-3 GB/s).
 using Starts = ffi::Buffer<ffi::S32, 1>;
 using Ids = ffi::Buffer<ffi::S32, 1>;
+using SlotIds = ffi::Buffer<ffi::S32, 2>;
 
 // The block of `sizes` at `src_first` of a row-major array of `src_dims`, to be copied to
 // `dst_first` of one of `dst_dims` (elements of `width` bytes), as runs: the trailing axes the
@@ -545,6 +546,59 @@ ffi::Error TakeRows(ffi::AnyBuffer table, Ids ids, ffi::Result<ffi::AnyBuffer> o
   return ffi::Error::Success();
 }
 
+// x [*A, M, *C] (M on axis `axis`) with update [N, *A', W, *C] (A' as many elements as A)
+// written at slots [N, W] of its M axis (a slot outside 0 .. M-1 is not written), in place: the
+// result aliases x. A row's consecutive slots taking consecutive positions are one run, one memcpy
+// per element of A (a prefix cache's pool storing an admission's prompts: on its bits XLA:CPU
+// copied the whole pool twice, 64 MB a layer, for 2,560 positions).
+ffi::Future PutSlots(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer update, SlotIds slots,
+                     ffi::Result<ffi::AnyBuffer> out, int64_t axis) {
+  const auto dims = Dims(x.dimensions()), u = Dims(update.dimensions()), s = Dims(slots.dimensions());
+  const auto product = [](const std::vector<int64_t>& d, int64_t from, int64_t to) {
+    int64_t p = 1;
+    for (int64_t i = from; i < to; ++i) p *= d[i];
+    return p;
+  };
+  const int64_t rank = static_cast<int64_t>(dims.size());
+  if (axis < 1 || axis >= rank || static_cast<int64_t>(u.size()) != rank || s[0] != u[0] || s[1] != u[axis] ||
+      product(u, 1, axis) != product(dims, 0, axis) || product(u, axis + 1, rank) != product(dims, axis + 1, rank) ||
+      x.element_type() != update.element_type()) {
+    return Failed("put slots: x must be [*A, M, *C], update [N, *A, W, *C] of x's dtype, slots [N, W]");
+  }
+  const int64_t a_size = product(dims, 0, axis), m = dims[axis], c = product(dims, axis + 1, rank), n = u[0],
+                w = u[axis];
+  char* target = static_cast<char*>(out->untyped_data());
+  if (target != x.untyped_data()) std::memcpy(target, x.untyped_data(), x.size_bytes());
+  struct Run { int64_t row, position, slot, length; };
+  auto runs = std::make_shared<std::vector<Run>>();
+  int64_t slots_written = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    for (int64_t p = 0; p < w; ++p) {
+      const int64_t slot = slots.typed_data()[i * w + p];
+      if (slot < 0 || slot >= m) continue;
+      ++slots_written;
+      Run* last = runs->empty() ? nullptr : &runs->back();
+      if (last && last->row == i && last->position + last->length == p && last->slot + last->length == slot) {
+        ++last->length;
+      } else {
+        runs->push_back({i, p, slot, 1});
+      }
+    }
+  }
+  const size_t width = ffi::ByteWidth(x.element_type()), bytes = slots_written * a_size * c * width;
+  const int64_t n_tasks = std::clamp<int64_t>(static_cast<int64_t>(bytes / kBytesPerCopyTask), 1,
+                                              std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), a_size)));
+  const char* source = static_cast<const char*>(update.untyped_data());
+  return OnThreads(pool, n_tasks, [=](int64_t t) {
+    for (int64_t a = a_size * t / n_tasks; a < a_size * (t + 1) / n_tasks; ++a) {
+      for (const Run& r : *runs) {
+        const int64_t to = (a * m + r.slot) * c, from = ((r.row * a_size + a) * w + r.position) * c;
+        std::memcpy(target + to * width, source + from * width, r.length * c * width);
+      }
+    }
+  });
+}
+
 }  // namespace
 
 // Arguments: x [B, K] float32, w [K, O]; attribute blocked; result: parts [P, B, O] float32 (P = 1
@@ -597,6 +651,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshTransformerSlice, Slice,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<Starts>()
                                   .Ret<ffi::AnyBuffer>());
+
+// Arguments: x [*A, M, *C], update [N, *A, W, *C] (x's dtype), slots (int32 [N, W]); attribute
+// axis (M's); the result aliases x.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshTransformerPutSlots, PutSlots,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<SlotIds>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("axis"));
 
 // Arguments: table [V, ...], ids (int32 [N]); result: [N, ...] (the table's dtype).
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshTransformerTakeRows, TakeRows,
