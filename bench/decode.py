@@ -85,24 +85,31 @@ def make_random(path, family="gptj", layers=4, d_model=512, heads=8, vocab=50400
 MATVEC_ROWS = 1  # up to this batch, Generator(matvec=True): weights inputs-last (float32 only)
 
 
-def bench_ours(model, batch: int, prompt_len: int, new: int, server: Optional[tuple[int, int, int]] = None):
-    """Compile, then -> (a callable decoding once: decode tokens/s, details of the last call).
+def bench_ours(model, batch: int, prompt_len: int, new: int, server: Optional[tuple[int, int, int]] = None,
+               prefix_cache: bool = False):
+    """Compile, then -> (a callable decoding once: decode tokens/s, details of the calls so far).
 
     `server` (rows, slots, chunk): decode as device_serve.py does, the `batch` sequences in the
     first rows of a batch of `rows` rows and `slots` cache slots, `chunk` steps per call (each call
-    reads and writes a window of the cache), instead of one call over a cache sized to them."""
+    reads and writes a window of the cache), instead of one call over a cache sized to them;
+    `prefix_cache`: with device_serve.py's default prefix cache (each admission stores its prompts'
+    full blocks there; the prompts are random, so none is found)."""
     import jax
 
     from mesh_transformer import kernels
     from mesh_transformer.generate import Batch, Generator, SamplingOptions
+    from mesh_transformer.generate.prefix import PrefixCache, default_tokens
 
     gen = Generator(model.config, model.params, model.mesh, matvec=batch <= MATVEC_ROWS and server is None)
     rng = np.random.RandomState(0)
     options = SamplingOptions(max_new_tokens=new, temperature=0.0)
+    prefix = PrefixCache(gen, default_tokens(gen.config, server[1])) if server and prefix_cache else None
 
     def once():
         seqs = gen.sequences(rng.randint(0, 50000, (batch, prompt_len)).tolist(), options)
-        b = Batch(gen, *server) if server else Batch.for_sequences(gen, seqs, chunk=None)
+        if prefix is not None:
+            prefix.clear()
+        b = Batch(gen, *server, prefix=prefix) if server else Batch.for_sequences(gen, seqs, chunk=None)
         jax.block_until_ready(b.state)
         t0 = time.perf_counter()
         b.admit(seqs)
@@ -114,13 +121,14 @@ def bench_ours(model, batch: int, prompt_len: int, new: int, server: Optional[tu
         return t1 - t0, t2 - t1
 
     once()  # compile
-    last = {"weights": "inputs-last" if gen.inputs_last else "inputs-first",
-            "kernels": kernels.available(), "server_batch": server}  # mesh_transformer.kernels: few-row products
+    details = {"weights": "inputs-last" if gen.inputs_last else "inputs-first", "kernels": kernels.available(),
+               "server_batch": server, "prefix_cache": prefix is not None, "prefill_ms": []}
 
     def measure() -> float:
-        last["prefill_s"], last["decode_s"] = once()
-        return batch * (new - 1) / last["decode_s"]
-    return measure, last
+        prefill_s, decode_s = once()
+        details["prefill_ms"].append(prefill_s * 1e3)
+        return batch * (new - 1) / decode_s
+    return measure, details
 
 
 def bench_hf(torch_model, batch: int, prompt_len: int, new: int, dtype: str):
@@ -158,6 +166,9 @@ def main(argv=None):
     parser.add_argument("--server-batch", type=int, nargs=3, metavar=("ROWS", "SLOTS", "CHUNK"),
                         help="ours decodes as device_serve.py does: in the first rows of a ROWS-row batch of "
                              "SLOTS cache slots, CHUNK steps per call (--max-batch, the context, --chunk)")
+    parser.add_argument("--prefix-cache", action="store_true",
+                        help="with --server-batch: the batch has device_serve.py's default prefix cache, where each "
+                             "admission stores its prompts")
     parser.add_argument("--out", help="also write the JSON object here")
     machine.add_args(parser)
     parser.add_argument("--mp", type=int, default=1,
@@ -189,7 +200,7 @@ def main(argv=None):
             model = loading.load(hf=path, mp=args.mp, dp=1, dtype=dtype)
             weight_bytes = bytes_read_per_step(model)
             for batch in args.batches:
-                ours, details = bench_ours(model, batch, args.prompt, args.new, args.server_batch)
+                ours, details = bench_ours(model, batch, args.prompt, args.new, args.server_batch, args.prefix_cache)
                 sides = {"ours": ours}
                 if not args.no_hf:
                     sides["hf"] = bench_hf(torch_model, batch, args.prompt, args.new, dtype)
@@ -228,9 +239,10 @@ def format_row(row) -> str:
     kernel = ", kernels" if row["ours"].get("kernels") else ""
     if row["ours"].get("server_batch"):
         kernel += ", in a {}-row x {}-slot batch, {}-step calls".format(*row["ours"]["server_batch"])
+        kernel += ", prefix cache" if row["ours"].get("prefix_cache") else ""
     line = (f"{row['dtype']:>9} batch {row['batch']:>3} ({row['ours']['weights']:>12}{kernel}): "
             f"ours {machine.fmt(row['ours']['rounds'], 1):>20s} tok/s "
-            f"(prefill {row['ours']['prefill_s'] * 1e3:.1f} ms)")
+            f"(prefill {np.median(row['ours']['prefill_ms']):.1f} ms, median)")
     if "hf" in row:
         line += (f" | transformers {machine.fmt(row['hf']['rounds'], 1):>20s} tok/s"
                  f" | x{row['ours']['decode_tok_s'] / row['hf']['decode_tok_s']:.2f} (medians)")
