@@ -322,6 +322,21 @@ def test_near_the_memory_map_limit_compiled_programs_are_dropped_first(tiny, gen
     assert set(g.shapes) == before and "warm-up stopped" in caplog.text
 
 
+def test_warmup_compiles_first_the_decode_windows_its_prompts_use(gen, monkeypatch):
+    """Warm-up stops near the process's limit of memory maps, so the decode windows that prompts of
+    the warmed lengths take (20 tokens + a 4-step call: 32 slots) are compiled before the smaller
+    ones (16: for shorter prompts), each for every row bucket."""
+    from mesh_transformer import host_memory
+    from mesh_transformer.serve import Engine
+    monkeypatch.setattr(host_memory, "memory_maps", lambda: (0, 65530))  # the suite's own maps kept out
+    windows, decode = [], gen.decode
+    monkeypatch.setattr(gen, "decode", lambda state, steps, first=0, window=None, rows=None, limit=None, **kw: (
+        windows.append((window, rows)), decode(state, steps, first, window, rows, limit, **kw))[1])
+    engine = Engine(gen, None, max_batch=2, chunk=4, prefix_cache_tokens=0)
+    engine.warmup((20,))
+    assert windows[-4:] == [(32, 1), (32, 2), (16, 1), (16, 2)]
+
+
 def test_decode_computes_only_the_rows_in_use(gen, monkeypatch):
     """3 requests in a 16-row batch decode 4 rows (bucketed), the same tokens a 4-row batch gives;
     batch-invariant, all 16 rows."""

@@ -178,11 +178,16 @@ class Engine:
         # Decode attends to a window of the cache bucketed to powers of two (16 .. slots) and computes
         # the rows up to the last running one, bucketed (1 .. max_batch); a long request would
         # otherwise compile each size on its way (seconds each, mid-request). Rows behind the shared
-        # prefix also read its pool slots (bucketed): those programs too. Smaller windows first:
-        # what does not fit under the process's limit of memory maps is left out (see `_room`).
+        # prefix also read its pool slots (bucketed): those programs too. What does not fit under
+        # the process's limit of memory maps is left out (see `_room`), so the windows the warmed
+        # prompts decode over come first, smallest first, and the smaller ones (shorter prompts)
+        # after them: at Debian's limit a float32 server warmed `--warmup 128 160` used to fill it
+        # with windows of 16-64 slots and compiled its 64-row, 256-slot decode mid-traffic.
         readings = [None] + self._warm_readings(prompt_tokens, shared_prefix, longest)
         rows = sorted({self.batch.row_bucket(r) for r in range(1, self.batch.size + 1)})
-        windows = sorted({min(bucket(1) << i, self.batch.slots) for i in range(self.batch.slots.bit_length())})
+        held = min(bucket(min(min(prompt_tokens), longest) + self.batch.chunk), self.batch.slots)
+        windows = sorted({min(bucket(1) << i, self.batch.slots) for i in range(self.batch.slots.bit_length())},
+                         key=lambda window: (window < held, window))
         for window in windows:
             for r in rows:
                 for reading in readings:
