@@ -622,7 +622,7 @@ class MLP(hk.Module):
         """h [B, T, D] -> [B, T, F] float32 (the product rounded to h's dtype, then its bias added).
 
         The activation then runs in float32 and is rounded once: run on a 16-bit array, XLA:CPU
-        rounds after each of its operations (bf16 GPT-J: a 16-prompt admission 150 -> 135 ms)."""
+        rounds after each of its operations (bf16 GPT-J: a 16-prompt admission 150 -> 125 ms)."""
         s = self.spec
         w = parallel.weight(name, (s.d_model, s.d_ff), ("embed", "mlp"), 1, normal(s.init_std), h.dtype)
         x = dense("btd,df->btf", h, w).astype(jnp.float32)
