@@ -269,12 +269,14 @@ def _store(pool: KVCache, new: KVCache, slots, in_place: bool = False) -> KVCach
     `in_place` (one device's arrays): by `kernels.put_slots`, one copy per run of consecutive slots —
     XLA:CPU scattered a 16-bit pool on its bits, and converted the whole pool there and back
     (a 16-row bfloat16 GPT-J admission: 200 ms, 133 without the prefix cache)."""
+    kernel = in_place and kernels.available()
+
     def store(x, computed, axis):  # x [1, .., M, ..] <- computed [n, .., W, ..]
-        if in_place and kernels.available():
+        if kernel:
             return kernels.put_slots(x, computed, slots, axis)
         where = (slice(None),) * (axis - 1) + (slots,)
         return x[0].at[where].set(jnp.moveaxis(computed, 0, axis - 1), mode="drop")[None]
-    return pool.along_slots(store, new, as_bits=not (in_place and kernels.available()))
+    return pool.along_slots(store, new, as_bits=not kernel)
 
 
 # --------------------------------------------------------------------------------------------
@@ -434,9 +436,9 @@ class Generator:
                 pool_specs = KVCache((POOL_SPEC,) * len(k), (POOL_SPEC,) * len(v), None, None)
                 pool = parallel.shard_map(functools.partial(_store, in_place=True), self.mesh, self.rules,
                                           in_specs=(pool_specs, kv, P()), out_specs=pool_specs)(pool, new, write)
-            write = parallel.shard_map(functools.partial(_write_rows, in_place=True), self.mesh, self.rules,
-                                       in_specs=(self.specs.cache, kv, P(), P()), out_specs=self.specs.cache)
-            cache = write(cache, new, row_ids, index - new.slots)
+            write_rows = parallel.shard_map(functools.partial(_write_rows, in_place=True), self.mesh, self.rules,
+                                            in_specs=(self.specs.cache, kv, P(), P()), out_specs=self.specs.cache)
+            cache = write_rows(cache, new, row_ids, index - new.slots)
         else:  # a prompt's row may live on another dp shard than the row (and pool replica) it goes to
             pool = None if pool is None else _store(pool, new, write)
             cache = _write_rows(cache, new, row_ids, index - new.slots)

@@ -474,10 +474,16 @@ struct Block {
 
 constexpr size_t kBytesPerCopyTask = 1 << 20;  // smaller copies stay on the calling thread
 
+// Threads for a copy of `bytes` in `parts` independent parts: one per MiB, at most the pool's
+// threads and the parts (at least one).
+int64_t CopyTasks(ffi::ThreadPool& pool, size_t bytes, int64_t parts) {
+  return std::clamp<int64_t>(static_cast<int64_t>(bytes / kBytesPerCopyTask), 1,
+                             std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), parts)));
+}
+
 // The block copied on as many of the pool's threads as it has MiB (at least one).
 ffi::Future CopyOnThreads(ffi::ThreadPool& pool, const Block& block, char* dst, const char* src) {
-  const int64_t n_tasks = std::clamp<int64_t>(static_cast<int64_t>(block.bytes() / kBytesPerCopyTask), 1,
-                                              std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), block.runs)));
+  const int64_t n_tasks = CopyTasks(pool, block.bytes(), block.runs);
   return OnThreads(pool, n_tasks, [block, dst, src, n_tasks](int64_t t) {
     block.Copy(dst, src, block.runs * t / n_tasks, block.runs * (t + 1) / n_tasks);
   });
@@ -586,8 +592,7 @@ ffi::Future PutSlots(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer upda
     }
   }
   const size_t width = ffi::ByteWidth(x.element_type()), bytes = slots_written * a_size * c * width;
-  const int64_t n_tasks = std::clamp<int64_t>(static_cast<int64_t>(bytes / kBytesPerCopyTask), 1,
-                                              std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), a_size)));
+  const int64_t n_tasks = CopyTasks(pool, bytes, a_size);
   const char* source = static_cast<const char*>(update.untyped_data());
   return OnThreads(pool, n_tasks, [=](int64_t t) {
     for (int64_t a = a_size * t / n_tasks; a < a_size * (t + 1) / n_tasks; ++a) {
