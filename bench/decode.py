@@ -86,14 +86,15 @@ MATVEC_ROWS = 1  # up to this batch, Generator(matvec=True): weights inputs-last
 
 
 def bench_ours(model, batch: int, prompt_len: int, new: int, server: Optional[tuple[int, int, int]] = None,
-               prefix_cache: bool = False):
+               prefix_cache: bool = False, sampling: Optional[dict] = None):
     """Compile, then -> (a callable decoding once: decode tokens/s, details of the calls so far).
 
     `server` (rows, slots, chunk): decode as device_serve.py does, the `batch` sequences in the
     first rows of a batch of `rows` rows and `slots` cache slots, `chunk` steps per call (each call
     reads and writes a window of the cache), instead of one call over a cache sized to them;
     `prefix_cache`: with device_serve.py's default prefix cache (each admission stores its prompts'
-    full blocks there; the prompts are random, so none is found)."""
+    full blocks there; the prompts are random, so none is found); `sampling`: SamplingOptions'
+    temperature, top_k, top_p (default greedy)."""
     import jax
 
     from mesh_transformer import kernels
@@ -102,7 +103,7 @@ def bench_ours(model, batch: int, prompt_len: int, new: int, server: Optional[tu
 
     gen = Generator(model.config, model.params, model.mesh, matvec=batch <= MATVEC_ROWS and server is None)
     rng = np.random.RandomState(0)
-    options = SamplingOptions(max_new_tokens=new, temperature=0.0)
+    options = SamplingOptions(max_new_tokens=new, **(sampling or {"temperature": 0.0}))
     prefix = PrefixCache(gen, default_tokens(gen.config, server[1])) if server and prefix_cache else None
 
     def once():
@@ -131,18 +132,21 @@ def bench_ours(model, batch: int, prompt_len: int, new: int, server: Optional[tu
     return measure, details
 
 
-def bench_hf(torch_model, batch: int, prompt_len: int, new: int, dtype: str):
-    """-> a callable timing transformers' decode once (generate(new) - generate(1)): decode tokens/s."""
+def bench_hf(torch_model, batch: int, prompt_len: int, new: int, dtype: str, sampling: Optional[dict] = None):
+    """-> a callable timing transformers' decode once (generate(new) - generate(1)): decode tokens/s.
+    `sampling` as bench_ours' (transformers' top_k 0 and top_p 1 filter nothing, as ours)."""
     import torch
 
     model = torch_model.to(getattr(torch, dtype))
     tokens = torch.randint(0, 50000, (batch, prompt_len), generator=torch.Generator().manual_seed(0))
+    sampled = sampling is not None and sampling.get("temperature", 1.0) > 0
+    how = {"do_sample": False} if not sampled else {"do_sample": True, "top_k": 0, "top_p": 1.0, **sampling}
 
     def run(n):
         t = time.perf_counter()
         with torch.no_grad():
-            out = model.generate(tokens, attention_mask=torch.ones_like(tokens), do_sample=False, use_cache=True,
-                                 max_new_tokens=n, min_new_tokens=n, pad_token_id=0)
+            out = model.generate(tokens, attention_mask=torch.ones_like(tokens), use_cache=True,
+                                 max_new_tokens=n, min_new_tokens=n, pad_token_id=0, **how)
         assert out.shape[1] == prompt_len + n
         return time.perf_counter() - t
 
@@ -169,6 +173,9 @@ def main(argv=None):
     parser.add_argument("--prefix-cache", action="store_true",
                         help="with --server-batch: the batch has device_serve.py's default prefix cache, where each "
                              "admission stores its prompts")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (both sides)")
+    parser.add_argument("--top-k", type=int, default=0, help="with --temperature: keep the k most likely (0: all)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="with --temperature: keep the nucleus of this mass")
     parser.add_argument("--out", help="also write the JSON object here")
     machine.add_args(parser)
     parser.add_argument("--mp", type=int, default=1,
@@ -196,17 +203,19 @@ def main(argv=None):
         torch_model = (AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval() if args.hf
                        else make_random(tmp, args.family, args.layers, args.d_model, args.heads))
         results = []
+        sampling = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p}
         for dtype in args.dtypes:
             model = loading.load(hf=path, mp=args.mp, dp=1, dtype=dtype)
             weight_bytes = bytes_read_per_step(model)
             for batch in args.batches:
-                ours, details = bench_ours(model, batch, args.prompt, args.new, args.server_batch, args.prefix_cache)
+                ours, details = bench_ours(model, batch, args.prompt, args.new, args.server_batch, args.prefix_cache,
+                                           sampling)
                 sides = {"ours": ours}
                 if not args.no_hf:
-                    sides["hf"] = bench_hf(torch_model, batch, args.prompt, args.new, dtype)
+                    sides["hf"] = bench_hf(torch_model, batch, args.prompt, args.new, dtype, sampling)
                 rates = machine.interleaved(sides, args.repeats)
                 bandwidths.append(copy_bandwidth())
-                row = {"dtype": dtype, "batch": batch, "weight_GB": weight_bytes / 1e9,
+                row = {"dtype": dtype, "batch": batch, "weight_GB": weight_bytes / 1e9, "sampling": sampling,
                        "ours": {**details, "decode_tok_s": rates["ours"]["median"], "rounds": rates["ours"]}}
                 if "hf" in rates:
                     row["hf"] = {"decode_tok_s": rates["hf"]["median"], "rounds": rates["hf"]}
@@ -240,6 +249,9 @@ def format_row(row) -> str:
     if row["ours"].get("server_batch"):
         kernel += ", in a {}-row x {}-slot batch, {}-step calls".format(*row["ours"]["server_batch"])
         kernel += ", prefix cache" if row["ours"].get("prefix_cache") else ""
+    sampling = row.get("sampling") or {}
+    if sampling.get("temperature"):
+        kernel += ", temperature {temperature}, top-k {top_k}, top-p {top_p}".format(**sampling)
     line = (f"{row['dtype']:>9} batch {row['batch']:>3} ({row['ours']['weights']:>12}{kernel}): "
             f"ours {machine.fmt(row['ours']['rounds'], 1):>20s} tok/s "
             f"(prefill {np.median(row['ours']['prefill_ms']):.1f} ms, median)")

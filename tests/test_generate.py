@@ -16,7 +16,7 @@ import scipy.stats
 import jax
 import jax.numpy as jnp
 
-from mesh_transformer import generate, loading
+from mesh_transformer import generate, kernels, loading
 from mesh_transformer.generate import sampling
 from mesh_transformer.generate.decode import fine_bucket, span_bucket
 from mesh_transformer.io import hf
@@ -185,8 +185,20 @@ def test_sampled_frequencies_match_the_truncated_softmax(logits, temperature, to
     assert np.max(np.abs(counts / n - p)) < 0.015
 
 
-def test_top_k_top_p_by_bisection_equals_a_full_sort():
-    """The bisection thresholds give exactly the sets sorting gives, ties (and -0.0 == 0.0) and -inf included."""
+@pytest.fixture(params=["kernel", "bisection"])
+def truncation(request, monkeypatch):
+    """`sampling.top_k_top_p` by each way it finds thresholds: the CPU kernel, and bisection in XLA
+    (where the kernels are not: accelerators, no compiler). -> a freshly jitted top_k_top_p (a new
+    function each time, so no trace of the other way is reused)."""
+    if request.param == "kernel" and not kernels.available():
+        pytest.skip("the CPU kernels are not built here (no C++ compiler)")
+    if request.param == "bisection":
+        monkeypatch.setattr(kernels, "available", lambda: False)
+    return jax.jit(lambda logits, top_k, top_p: sampling.top_k_top_p(logits, top_k, top_p))
+
+
+def test_top_k_top_p_equals_a_full_sort(truncation):
+    """The thresholds give exactly the sets sorting gives, ties (and -0.0 == 0.0) and -inf included."""
     rng = np.random.RandomState(0)
     n, vocab = 64, 40
     logits = (rng.randn(n, vocab) * rng.choice([0.3, 1.0, 4.0], (n, 1))).astype(np.float32)
@@ -194,10 +206,51 @@ def test_top_k_top_p_by_bisection_equals_a_full_sort():
     logits[8:16, ::3] = -np.inf
     top_k = rng.choice([0, 1, 3, 8, 9, 20, 40], n).astype(np.int32)
     top_p = rng.choice([0.1, 0.5, 0.9, 0.99, 1.0], n).astype(np.float32)
-    fast = np.asarray(jax.jit(sampling.top_k_top_p)(logits, top_k, top_p))
+    fast = np.asarray(truncation(logits, top_k, top_p))
     for row, k, p, got in zip(logits, top_k, top_p, fast):
         np.testing.assert_array_equal(np.isfinite(got), kept_by_sorting(row, int(k), float(p)),
                                       err_msg=f"top_k={k} top_p={p}")
+
+
+def test_top_k_top_p_keeps_what_transformers_keeps_over_a_gpt2_vocabulary(truncation):
+    """50,257 tokens per row, flat and peaked rows, ties: the tokens left finite are those
+    transformers' TopKLogitsWarper then TopPLogitsWarper leave (run in float64), and where its
+    top-p cuts through tokens of equal logits (by its sort's order), the rest of them too."""
+    import torch
+    from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
+
+    rng = np.random.RandomState(1)
+    n, vocab = 16, 50257
+    logits = (rng.randn(n, vocab) * np.array([0.5, 1.0, 3.0, 8.0] * 4)[:, None]).astype(np.float32)
+    logits[2] = np.round(logits[2] * 4) / 4  # many ties
+    logits[3, ::2] = -np.inf
+    top_k = np.array([0, 0, 0, 0, 1, 40, 1000, 50256, 0, 0, 0, 0, 40, 1000, 5, 0], np.int32)
+    top_p = np.array([0.9, 0.5, 0.95, 0.9, 1.0, 1.0, 1.0, 1.0, 0.1, 0.99, 0.7, 0.3, 0.9, 0.95, 0.5, 1.0], np.float32)
+    ours = np.isfinite(np.asarray(truncation(logits, top_k, top_p)))
+    for i in range(n):
+        row = torch.from_numpy(logits[i:i + 1].astype(np.float64))
+        if top_k[i]:
+            row = TopKLogitsWarper(int(top_k[i]))(None, row)
+        if top_p[i] < 1:
+            row = TopPLogitsWarper(float(top_p[i]))(None, row)
+        theirs = np.isfinite(row.numpy()[0])
+        extra = ours[i] & ~theirs
+        what = f"row {i} (top_k {top_k[i]}, top_p {top_p[i]}): kept {ours[i].sum()}, transformers {theirs.sum()}"
+        assert not np.any(theirs & ~ours[i]), what
+        assert np.all(logits[i][extra] == logits[i][theirs].min()), what
+        assert i == 2 or not extra.any(), what  # only the row with ties
+
+
+
+def test_on_cpu_the_thresholds_are_one_kernel_call_not_a_bisection_loop():
+    """The compiled truncation calls `kernels.truncation_floor` and loops over nothing (the XLA way
+    is two 32-step loops of masked sums over [B, V])."""
+    if not kernels.available():
+        pytest.skip("the CPU kernels are not built here (no C++ compiler)")
+    logits = jax.ShapeDtypeStruct((64, 50257), jnp.float32)
+    rows = jax.ShapeDtypeStruct((64,), jnp.int32), jax.ShapeDtypeStruct((64,), jnp.float32)
+    hlo = jax.jit(sampling.top_k_top_p).lower(logits, *rows).compile().as_text()
+    assert hlo.count(kernels.TRUNCATION_FLOOR[0]) == 1 and " while(" not in hlo
 
 
 def kept_by_sorting(row, top_k, top_p):

@@ -167,7 +167,7 @@ def test_a_source_that_does_not_compile_is_named_in_the_error(tmp_path):
     bad = tmp_path / "broken_kernel.cc"
     bad.write_text("this is not C++\n")
     with pytest.raises(RuntimeError, match="could not compile broken_kernel.cc"):
-        kernels.build(source=bad, out_dir=tmp_path / "out")
+        kernels.build(sources=[bad], out_dir=tmp_path / "out")
     assert not list((tmp_path / "out").glob("*.so"))  # nothing half-written left in the cache
 
 
@@ -175,9 +175,9 @@ def test_a_built_library_is_reused_and_a_new_source_rebuilt(tmp_path):
     first = kernels.build(out_dir=tmp_path)
     stamp = first.stat().st_mtime_ns
     assert kernels.build(out_dir=tmp_path) == first and first.stat().st_mtime_ns == stamp
-    changed = tmp_path / kernels.SOURCE.name
-    changed.write_text(kernels.SOURCE.read_text() + "\n// changed\n")
-    assert kernels.build(source=changed, out_dir=tmp_path) != first
+    changed = tmp_path / kernels.SOURCES[-1].name
+    changed.write_text(kernels.SOURCES[-1].read_text() + "\n// changed\n")
+    assert kernels.build(sources=[*kernels.SOURCES[:-1], changed], out_dir=tmp_path) != first
 
 
 ISA_CHECK = """

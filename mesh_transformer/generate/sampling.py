@@ -1,6 +1,6 @@
 """Sampling: per-request options and small pure functions over [B, V] float32 logits.
 
-Greedy, temperature, top-k and top-p (exact thresholds by bisection, no sort of the vocabulary),
+Greedy, temperature, top-k and top-p (exact thresholds, no sort of the vocabulary: a CPU kernel),
 HF's repetition and OpenAI's frequency/presence penalties, seeded per row so results do not depend
 on the batch, stop sequences checked on device, log-probabilities only when a row asks.
 """
@@ -12,6 +12,8 @@ from typing import Any, NamedTuple, Optional, Sequence as Seq
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from mesh_transformer import kernels
 
 MAX_STOPS = 4  # stop sequences per request checked on device (OpenAI allows 4)
 STOP_TOKENS = 8  # longest stop sequence (in tokens) checked on device; longer ones are checked as text
@@ -110,10 +112,18 @@ def penalize(logits, counts, seen, rows: RowOptions):
 def top_k_top_p(logits, top_k, top_p):
     """Keep each row's `top_k` largest logits (0 = all), then its nucleus of mass `top_p`; others -> -inf.
 
-    logits [B, V] float32, top_k [B] int, top_p [B] float. Exact, ties at the threshold kept (as in
-    HF), without sorting the vocabulary (170 ms for [16, 50400] on CPU): each threshold is found by
-    bisection over the 2^32 float32 values (`_order_key`), 32 masked sums over [B, V] (5 ms).
+    logits [B, V] float32, top_k [B] int, top_p [B] float. Exact, ties at the threshold kept (HF's
+    top-k keeps them too; its top-p those its sort puts first), without sorting the vocabulary (170 ms for [16, 50400] on CPU): each row's threshold is an
+    order key (`_order_key`) from `kernels.truncation_floor` on CPU, else by bisection.
     """
+    floor = kernels.truncation_floor if kernels.available() else _floor_by_bisection
+    return jnp.where(_order_key(logits) >= floor(logits, top_k, top_p)[:, None], logits, -jnp.inf)
+
+
+def _floor_by_bisection(logits, top_k, top_p):
+    """`kernels.truncation_floor`'s thresholds in XLA: each found by bisection over the 2^32 float32
+    values, 32 masked sums over [B, V] (a 64-row batch of a 50k vocabulary on 2 CPU cores: top-p
+    47 ms, top-k 26 ms, against the kernel's 5-7 including its exponentials)."""
     key = _order_key(logits)
     none = 0 * top_k + jnp.iinfo(jnp.int32).min  # no threshold, laid out like top_k (varying in shard_map)
     by_k = (top_k > 0) & (top_k < logits.shape[-1])
@@ -130,7 +140,7 @@ def top_k_top_p(logits, top_k, top_p):
         floor = _smallest(lambda t: jnp.sum(jnp.where(key > t[:, None], probs, 0), axis=-1) < top_p)
         return jnp.where(by_p, floor, none)
     p_floor = jax.lax.cond(jnp.any(by_p), nucleus_floor, lambda: none)
-    return jnp.where(key >= jnp.maximum(k_floor, p_floor)[:, None], logits, -jnp.inf)
+    return jnp.maximum(k_floor, p_floor)
 
 
 def _order_key(x):

@@ -7,12 +7,14 @@ machine's memory bandwidth, and of a serving batch's rows (32-64, float32) regis
 product per (row, kv head) group, for attention over the KV cache (`grouped_applies`);
 `update_slice` (in place), `slice`, `take_rows` and `put_slots` (in place): a KV cache's slices, an
 embedding table's rows and a prefix cache's slots moved without XLA:CPU's copies of the whole array
-(`layers.update_slice`, `layers.take_rows`, `generate.decode`'s admission).
+(`layers.update_slice`, `layers.take_rows`, `generate.decode`'s admission). In `sampling.cc`:
+`truncation_floor`, each row's top-k/top-p threshold without sorting or bisecting the vocabulary
+(`generate.sampling.top_k_top_p`).
 
-The source is compiled with the system's C++ compiler (`$CXX`, else `c++`/`g++`/`clang++`) against
-the FFI headers jaxlib ships, once per source/jaxlib/compiler, into
+The sources are compiled into one library with the system's C++ compiler (`$CXX`, else
+`c++`/`g++`/`clang++`) against the FFI headers jaxlib ships, once per source/jaxlib/compiler, into
 `$MESH_TRANSFORMER_KERNEL_CACHE` (default `~/.cache/mesh_transformer/kernels`, see `cache_dir`):
-about 2 seconds, and later processes load the cached library. Where there is no compiler or the build fails, a warning
+a few seconds, and later processes load the cached library. Where there is no compiler or the build fails, a warning
 says why and the model runs XLA's own products (slower, the same numbers up to summation order);
 `MESH_TRANSFORMER_KERNELS=0` turns the kernels off.
 """
@@ -36,7 +38,9 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("rows_times_weight.cc")
+FOLDER = Path(__file__).parent
+SOURCES = (FOLDER / "rows_times_weight.cc", FOLDER / "sampling.cc")  # one library
+HEADERS = (FOLDER / "threads.h",)
 
 
 class Kernel(NamedTuple):
@@ -84,6 +88,7 @@ UPDATE_SLICE = ("mesh_transformer_update_slice", "MeshTransformerUpdateSlice")
 SLICE = ("mesh_transformer_slice", "MeshTransformerSlice")
 TAKE_ROWS = ("mesh_transformer_take_rows", "MeshTransformerTakeRows")
 PUT_SLOTS = ("mesh_transformer_put_slots", "MeshTransformerPutSlots")
+TRUNCATION_FLOOR = ("mesh_transformer_truncation_floor", "MeshTransformerTruncationFloor")
 FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC")
 
 _lock = threading.Lock()
@@ -116,25 +121,29 @@ def cache_dir() -> Path:
     return Path(tempfile.gettempdir()) / f"mesh_transformer-kernels-{os.getuid()}"
 
 
-def build(source: Path = SOURCE, out_dir: Optional[Path] = None) -> Path:
-    """Compile `source` into a shared library (once: the file name hashes the source, jaxlib's
-    version, the compiler and flags) -> its path. Raises RuntimeError saying what failed."""
+def build(sources=SOURCES, out_dir: Optional[Path] = None) -> Path:
+    """Compile `sources` (they may include this folder's headers) into one shared library (once:
+    the file name hashes the sources and headers, jaxlib's version, the compiler and flags) -> its
+    path. Raises RuntimeError saying what failed."""
     cxx = compiler()
     if cxx is None:
         raise RuntimeError("no C++ compiler found ($CXX, c++, g++ or clang++)")
-    key = hashlib.sha256(b"\0".join([source.read_bytes(), jax.lib.__version__.encode(), cxx.encode(),
+    sources = [Path(s) for s in sources]
+    texts = [p.read_bytes() for p in (*sources, *HEADERS)]
+    key = hashlib.sha256(b"\0".join([*texts, jax.lib.__version__.encode(), cxx.encode(),
                                      " ".join(FLAGS).encode()])).hexdigest()[:16]
     out_dir = Path(out_dir or cache_dir())
-    library = out_dir / f"{source.stem}-{key}.so"
+    library = out_dir / f"mesh_transformer_kernels-{key}.so"
     if library.exists():
         return library
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out_dir) as scratch:  # built beside, then renamed: atomic
         built = Path(scratch) / library.name
-        result = subprocess.run([cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", str(source), "-o", str(built)],
-                                capture_output=True, text=True)
+        result = subprocess.run([cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", f"-I{FOLDER}", *map(str, sources),
+                                 "-o", str(built)], capture_output=True, text=True)
         if result.returncode != 0:
-            raise RuntimeError(f"{cxx} could not compile {source.name}:\n{result.stderr[-2000:]}")
+            names = ", ".join(p.name for p in sources)
+            raise RuntimeError(f"{cxx} could not compile {names}:\n{result.stderr[-2000:]}")
         os.replace(built, library)
     return library
 
@@ -148,7 +157,7 @@ def _load() -> bool:
                 try:
                     library = ctypes.cdll.LoadLibrary(str(build()))
                     calls = [(k.target, k.symbol) for k in (*KERNELS.values(), *GROUPED.values())]
-                    calls += [UPDATE_SLICE, SLICE, TAKE_ROWS, PUT_SLOTS]
+                    calls += [UPDATE_SLICE, SLICE, TAKE_ROWS, PUT_SLOTS, TRUNCATION_FLOOR]
                     for target, symbol in calls:
                         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
                     _state["ok"] = True
@@ -262,3 +271,16 @@ def put_slots(x, update, slots, axis: int):
     slots, on one device's arrays (see `update_slice`)."""
     call = _call(PUT_SLOTS[0], x, x.shape, x.dtype, input_output_aliases={0: 0})
     return call(x, update.astype(x.dtype), jnp.asarray(slots, jnp.int32), axis=axis)
+
+
+def truncation_floor(logits, top_k, top_p):
+    """Each row's threshold for top-k then top-p: logits [B, V] float32, top_k [B] int (0: no
+    limit), top_p [B] float (1: no limit) -> int32 [B], the order key (`sampling._order_key`) of the
+    smallest logit the row keeps (int32's minimum: all). Exactly `sampling.top_k_top_p`'s sets (ties
+    at the threshold kept), found per row by bucketing the vocabulary by probability and selecting
+    in the one bucket the threshold falls in (`sampling.cc`); probabilities are exp(logit - max) as
+    XLA computes them, their sums double. On one device's arrays (see `update_slice`)."""
+    logits = logits.astype(jnp.float32)
+    e = jnp.exp(logits - logits.max(axis=-1, keepdims=True))
+    call = _call(TRUNCATION_FLOOR[0], logits[:, 0], logits.shape[:1], jnp.int32)  # varies as a row of logits
+    return call(logits, e, jnp.asarray(top_k, jnp.int32), jnp.asarray(top_p, jnp.float32))

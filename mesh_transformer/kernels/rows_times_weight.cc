@@ -26,11 +26,15 @@
 #include <utility>
 #include <vector>
 
+#include "threads.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
+
+using mesh_transformer::Failed;
+using mesh_transformer::OnThreads;
 
 constexpr int64_t kRowsPerPass = 8;      // weight rows accumulated per pass over a tile (B loads
                                          // and stores of it per 8 weight vectors)
@@ -166,28 +170,6 @@ void Accumulate(Isa isa, const float* x, const W* w, float* out, int64_t rows, i
       Pass(isa, out + t0, o_size, w_rows, xs, x_stride, rows, n);
     }
   }
-}
-
-// `work` on n_tasks threads of the pool (this one and n_tasks - 1 scheduled), done when all return.
-template <typename F>
-ffi::Future OnThreads(ffi::ThreadPool& pool, int64_t n_tasks, F work) {
-  ffi::CountDownPromise done(n_tasks);
-  for (int64_t t = 1; t < n_tasks; ++t) {
-    pool.Schedule([=]() mutable {
-      work(t);
-      done.CountDown();
-    });
-  }
-  work(0);
-  done.CountDown();
-  return ffi::Future(done);
-}
-
-ffi::Future Failed(const char* message) {
-  ffi::Promise promise;
-  ffi::Future future(promise);
-  promise.SetError(ffi::Error::InvalidArgument(message));
-  return future;
 }
 
 // Many rows (a serving batch): a register-blocked product. Each thread takes panels of w's columns
