@@ -381,3 +381,16 @@ def test_an_admission_writes_each_row_and_pool_slot_in_place(tiny, dtype, monkey
         assert {op for op, _ in made} <= {"custom-call", "bitcast", "get-tuple-element", "parameter"}, \
             [line[:160] for _, line in made]
         assert any(f'custom_call_target="{target}"' in line for _, line in made)
+
+
+def test_the_package_data_ships_every_kernel_source_and_header():
+    """An installed (non-editable) package builds the kernels from the files pyproject.toml ships:
+    every source and header the build reads must match its package-data patterns."""
+    import fnmatch
+    import tomllib
+    from pathlib import Path
+
+    pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    patterns = pyproject["tool"]["setuptools"]["package-data"]["mesh_transformer.kernels"]
+    for path in (*kernels.SOURCES, *kernels.HEADERS):
+        assert any(fnmatch.fnmatch(path.name, p) for p in patterns), f"{path.name} is not in the package data"
