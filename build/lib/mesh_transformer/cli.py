@@ -1,0 +1,68 @@
+"""What the command-line tools share: one way to report a user's error, the run flags of
+`device_train.py` and `train.py`, and simulated CPU devices.
+
+    def main(argv=None) -> int:
+        args = parser.parse_args(argv)
+        with cli.user_errors() as status:
+            ...                     # any UserError -> "error: <message>" on stderr, exit code 2
+        return status.code
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import re
+import sys
+from dataclasses import dataclass
+
+from mesh_transformer.errors import UserError
+
+EXIT_USER_ERROR = 2
+
+
+@dataclass
+class Status:
+    code: int = 0
+
+
+@contextlib.contextmanager
+def user_errors(*also: type[BaseException]):
+    """Turn a UserError (or one of `also`, e.g. OSError for file tools) into one line and exit code 2."""
+    status = Status()
+    try:
+        yield status
+    except (UserError, *also) as e:
+        print(f"error: {e}", file=sys.stderr)
+        status.code = EXIT_USER_ERROR
+
+
+def simulate_cpu_devices(n: int) -> None:
+    """Ask XLA for n CPU devices (try a dp x mp layout on a laptop); only effective before jax is imported."""
+    os.environ.update(cpu_devices_env(n))
+
+
+def cpu_devices_env(n: int) -> dict:
+    """The environment variables that give a process started with them n simulated CPU devices."""
+    flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", os.environ.get("XLA_FLAGS", ""))
+    return {"XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count={n}".strip(), "JAX_PLATFORMS": "cpu"}
+
+
+def add_run_args(p: argparse.ArgumentParser) -> None:
+    """The flags of a training run that `device_train.py` and `train.py` both take."""
+    p.add_argument("--config", required=True, help="JSON config (original mesh-transformer-jax keys)")
+    source = p.add_mutually_exclusive_group()
+    source.add_argument("--tune-model-path", help="fine-tune from this checkpoint directory (fresh LR schedule)")
+    source.add_argument("--hf", help="fine-tune from this Hugging Face model directory (fresh LR schedule and optimizer)")
+    p.add_argument("--fresh-opt", action="store_true", help="with --tune-model-path: do not load optimizer state")
+    p.add_argument("--log-dir", help="metrics.jsonl + TensorBoard events (default logs/<name>)")
+    p.add_argument("--no-tensorboard", action="store_true")
+    p.add_argument("--stop-after", type=int, help="stop (with a checkpoint) after this many steps of this run")
+
+
+def run_options(args: argparse.Namespace):
+    """RunOptions from the flags `add_run_args` defined."""
+    from mesh_transformer.train.loop import RunOptions
+
+    return RunOptions(tune_model_path=args.tune_model_path, hf=args.hf, fresh_opt=args.fresh_opt,
+                      log_dir=args.log_dir, tensorboard=not args.no_tensorboard, stop_after=args.stop_after)

@@ -1,0 +1,711 @@
+"""Token datasets: building them from text (``create_finetune_dataset.py``) and loading batches.
+
+A dataset is a directory (local or gs://) holding
+
+    <name>.index.json          written last: a dataset without its index does not exist
+    <name>-00000.tokens.npy    uint16 (vocab <= 65536) or uint32, [n, seq+1]
+    <name>-00000.mask.npy      uint8 [n, seq], only when prompt/completion examples were given
+    <name>-00000.segments.npy  uint16 [n, seq+1], with the mask (version 2): which document or
+                               example of its row each token belongs to (0, 1, ... per row)
+    ...
+
+Row ``r`` of a tokens shard is one training sequence; ``mask[r, t]`` weights the loss of
+predicting ``tokens[r, t+1]`` (1 = train on it). The index lists every shard with its sequence
+count and sha256, plus seq, dtype, tokenizer and build statistics.
+
+Packing (as the original ``create_finetune_tfrecords.py``): documents are split on
+``<|endoftext|>``, tokenized, given an EOS each, concatenated and cut into seq+1-token rows; the
+remainder is carried into the next repack epoch and dropped at the end. A prompt/completion
+example (``{"in_text", "out_text"}``) is never split: it goes whole into the current row, or the
+row is closed with EOS padding (mask 0) and the example starts the next one. Its loss mask is 1 on
+the completion and its EOS only.
+
+Segments: version 2 stores each token's segment with prompt/completion data, so packed examples
+stay apart even where a prompt itself contains the EOS id. Datasets without stored segments (plain
+text, where every document ends at its only EOS, and version-1 datasets) get them from the EOS rule
+when read (`segment_ids`).
+"""
+from __future__ import annotations
+
+import bz2
+import contextlib
+import dataclasses
+import gzip
+import hashlib
+import io
+import json
+import lzma
+import os
+import queue
+import re
+import shutil
+import tempfile
+import threading
+from typing import Iterator, NamedTuple
+
+import numpy as np
+import zstandard
+
+from mesh_transformer.errors import UserError
+from mesh_transformer.io import storage
+
+FORMAT = "mesh-transformer-dataset"
+VERSION = 2  # 2: segments stored with prompt/completion data
+READABLE_VERSIONS = (1, 2)
+EOT = "<|endoftext|>"
+INDEX_SUFFIX = ".index.json"
+_DECOMPRESS = {".gz": gzip.open, ".xz": lzma.open, ".bz2": bz2.open, ".zst": None}  # each reads a file object
+_KINDS = {".txt": "txt", ".jsonl": "jsonl"}
+
+
+class DatasetError(UserError):
+    """Bad input or a broken dataset; the message names the file (and line)."""
+
+
+# ----------------------------------------------------------------------------- reading inputs
+
+class Text(NamedTuple):
+    text: str
+
+
+class Example(NamedTuple):
+    prompt: str
+    completion: str
+
+
+def _kind(path: str, explicit: bool) -> tuple[str | None, str | None]:
+    """(kind 'txt' | 'jsonl' | None, compression suffix | None) from the file name."""
+    name, compression = storage.basename(path).lower(), None
+    for suffix in _DECOMPRESS:
+        if name.endswith(suffix):
+            name, compression = name[: -len(suffix)], suffix
+    if name.endswith(".tar"):
+        raise DatasetError(f"{path}: tar archives are not supported; extract them first")
+    kind = next((k for ext, k in _KINDS.items() if name.endswith(ext)), None)
+    return (kind or ("txt" if explicit else None)), compression
+
+
+def find_inputs(path: str) -> list[str]:
+    """``path`` itself if it is a file, else every .txt/.jsonl (optionally .gz/.zst/.xz/.bz2) below it."""
+    if not storage.exists(path):
+        raise DatasetError(f"{path}: no such file or directory")
+    if not storage.isdir(path):
+        return [path]
+    files = [f for f in storage.list_files(path) if _kind(f, explicit=False)[0]]
+    if not files:
+        raise DatasetError(f"{path}: no input files (.txt, .jsonl, optionally compressed) found")
+    return files
+
+
+@contextlib.contextmanager
+def _open_text(path: str, compression: str | None) -> Iterator[io.TextIOBase]:
+    with contextlib.ExitStack() as stack:
+        raw = stack.enter_context(storage.open(path, "rb"))
+        if compression == ".zst":
+            raw = stack.enter_context(zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True))
+        elif compression:
+            raw = stack.enter_context(_DECOMPRESS[compression](raw))
+        yield io.TextIOWrapper(raw, encoding="utf-8")
+
+
+def _jsonl_records(f, path: str, key: str) -> Iterator[Text | Example]:
+    for lineno, line in enumerate(f, 1):
+        if not line.strip():
+            continue
+        where = f"{path} line {lineno}"
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DatasetError(f"{where}: invalid JSON ({e.msg}, column {e.colno})") from None
+        if not isinstance(obj, dict):
+            raise DatasetError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+        if key in obj:
+            fields = (key,)
+        elif "in_text" in obj and "out_text" in obj:
+            fields = ("in_text", "out_text")
+        else:
+            raise DatasetError(f"{where}: no {key!r} field and no 'in_text'/'out_text' pair "
+                               f"(keys: {sorted(obj)}); use --json-key to name the text field")
+        for field in fields:
+            if not isinstance(obj[field], str):
+                raise DatasetError(f"{where}: field {field!r} must be a string, got {type(obj[field]).__name__}")
+        yield Text(obj[key]) if len(fields) == 1 else Example(obj["in_text"], obj["out_text"])
+
+
+def read_records(path: str, json_key: str = "text") -> Iterator[Text | Example]:
+    """Records of one input file; a .txt file is one record (split on EOT later)."""
+    kind, compression = _kind(path, explicit=True)
+    try:
+        with _open_text(path, compression) as f:
+            if kind == "jsonl":
+                yield from _jsonl_records(f, path, json_key)
+            else:
+                yield Text(f.read())
+    except UnicodeDecodeError as e:
+        raise DatasetError(f"{path}: not valid UTF-8 ({e.reason} at byte {e.start} of a decoded block)") from None
+    except (OSError, EOFError, lzma.LZMAError, zstandard.ZstdError) as e:
+        raise DatasetError(f"{path}: cannot read: {e}") from None
+
+
+def wikitext_detokenize(s: str) -> str:
+    """Undo WikiText's tokenization (``" @-@ "`` etc.), as the original tool's flag did."""
+    for a, b in ((" @-@ ", "-"), (" @,@ ", ","), (" @.@ ", "."), (" : ", ": "), (" ; ", "; "),
+                 (" . ", ". "), (" ! ", "! "), (" ? ", "? "), (" , ", ", "), ("s '", "s'")):
+        s = s.replace(a, b)
+    for pattern, repl in ((r"\(\s*([^\)]*?)\s*\)", r"(\1)"), (r"\[\s*([^\]]*?)\s*\]", r"[\1]"),
+                          (r"{\s*([^}]*?)\s*}", r"{\1}"), (r"\"\s*([^\"]*?)\s*\"", r'"\1"'),
+                          (r"'\s*([^']*?)\s*'", r"'\1'")):
+        s = re.sub(pattern, repl, s)
+    for a, b in (("= = = =", "===="), ("= = =", "==="), ("= =", "=="), (" \N{DEGREE SIGN} ", "\N{DEGREE SIGN}"),
+                 (" \n", "\n"), ("\n ", "\n"), (" N ", " 1 "), (" 's", "'s")):
+        s = s.replace(a, b)
+    return s
+
+
+# ----------------------------------------------------------------------------- building
+
+@dataclasses.dataclass(frozen=True)
+class BuildConfig:
+    """Options of ``create_finetune_dataset.py`` (same names, underscores for dashes)."""
+    input_path: str
+    name: str
+    output_dir: str = "."
+    tokenizer: str = "gpt2"
+    seq: int = 2048
+    json_key: str = "text"
+    normalize_with_ftfy: bool = False
+    normalize_with_wikitext_detokenize: bool = False
+    treat_eot_as_text: bool = False
+    min_unique_tokens: int = 0
+    n_repack_epochs: int = 1
+    seed: int = 10
+    preserve_data_order: bool = False
+    sequences_per_shard: int = 16384
+    overwrite: bool = False
+    verbose: bool = False
+    progress: bool = False
+
+
+class _Packer:
+    """Cuts token pieces into rows of ``width`` tokens, each with a per-token loss mask and segment."""
+
+    def __init__(self, width: int, pad_id: int):
+        self.width, self.pad_id = width, pad_id
+        self.tokens = np.zeros(0, np.int64)
+        self.mask = np.zeros(0, np.uint8)
+        self.pieces = np.zeros(0, np.int64)  # which piece (document, example, padding) each token is of
+        self.padding = self.n_pieces = 0
+
+    def _emit(self):
+        n = len(self.tokens) // self.width * self.width
+        pieces = self.pieces[:n].reshape(-1, self.width)
+        segments = np.concatenate([np.zeros_like(pieces[:, :1]), np.cumsum(pieces[:, 1:] != pieces[:, :-1], axis=1)],
+                                  axis=1).astype(np.uint16)  # renumbered 0, 1, ... per row
+        rows = (self.tokens[:n].reshape(-1, self.width), self.mask[:n].reshape(-1, self.width), segments)
+        self.tokens, self.mask, self.pieces = self.tokens[n:], self.mask[n:], self.pieces[n:]
+        return rows
+
+    def _append(self, ids, mask):
+        self.tokens = np.concatenate([self.tokens, ids])
+        self.mask = np.concatenate([self.mask, mask])
+        self.pieces = np.concatenate([self.pieces, np.full(len(ids), self.n_pieces, np.int64)])
+        self.n_pieces += 1
+
+    def add(self, ids: np.ndarray, mask: np.ndarray, whole: bool):
+        """Append a piece; ``whole`` pieces never straddle two rows. Returns full rows [k, width]."""
+        if whole and len(self.tokens) + len(ids) > self.width:
+            self.close_row()
+        self._append(ids, mask)
+        return self._emit()
+
+    def close_row(self):
+        """Pad the current partial row with EOS (mask 0; one segment of its own)."""
+        pad = (-len(self.tokens)) % self.width
+        self.padding += pad
+        if pad:
+            self._append(np.full(pad, self.pad_id, np.int64), np.zeros(pad, np.uint8))
+
+
+class _Stats(dict):
+    def add(self, key, n=1):
+        self[key] = self.get(key, 0) + n
+
+
+def _pieces(records, tok, cfg: BuildConfig, stats: _Stats, batch_chars=1 << 20):
+    """(ids, token mask, whole) per document/example, tokenizing in batches for speed."""
+    import ftfy
+
+    def clean(s):
+        s = ftfy.fix_text(s, normalization="NFKC") if cfg.normalize_with_ftfy else s
+        return wikitext_detokenize(s) if cfg.normalize_with_wikitext_detokenize else s
+
+    def encode(texts):  # split_special_tokens: "<|endoftext|>" left in text stays text
+        return tok(texts, add_special_tokens=False, split_special_tokens=True,
+                   return_attention_mask=False)["input_ids"] if texts else []
+
+    def flush(batch):
+        docs = [s for s in batch if isinstance(s, str)]
+        examples = [e for e in batch if isinstance(e, Example)]
+        doc_ids = iter(encode(docs))
+        prompt_ids = iter(encode([e.prompt for e in examples]))
+        completion_ids = iter(encode([e.completion for e in examples]))
+        for item in batch:
+            if isinstance(item, str):
+                ids = next(doc_ids) + [tok.eos_token_id]
+                yield np.asarray(ids, np.int64), np.ones(len(ids), np.uint8), False
+            else:
+                p, c = next(prompt_ids), next(completion_ids) + [tok.eos_token_id]
+                if len(p) + len(c) > cfg.seq + 1:
+                    stats.add("examples_dropped_too_long")
+                    continue
+                mask = np.r_[np.zeros(len(p), np.uint8), np.ones(len(c), np.uint8)]
+                yield np.asarray(p + c, np.int64), mask, True
+
+    def items():  # documents (str) and examples, cleaned
+        for record in records:
+            if isinstance(record, Example):
+                stats.add("examples")
+                yield Example(clean(record.prompt), clean(record.completion))
+                continue
+            for doc in [record.text] if cfg.treat_eot_as_text else record.text.split(EOT):
+                if doc.strip():  # as the original, minus blank documents
+                    stats.add("documents")
+                    yield clean(doc)
+
+    batch, chars = [], 0
+    for item in items():
+        batch.append(item)
+        chars += len(item) if isinstance(item, str) else len(item.prompt) + len(item.completion)
+        if chars >= batch_chars:
+            yield from flush(batch)
+            batch, chars = [], 0
+    yield from flush(batch)
+
+
+def _progress(cfg: BuildConfig, **kw):
+    from tqdm import tqdm
+
+    return tqdm(disable=not cfg.progress, mininterval=1, smoothing=0.1, **kw)
+
+
+def _pack_all(cfg: BuildConfig, tok, files: list[str], raw_tokens, raw_mask, raw_segments, stats: _Stats):
+    """Pass 1: read, tokenize and pack every repack epoch into raw row files. -> rows per epoch."""
+    rng = np.random.default_rng([cfg.seed, 0])
+    packer = _Packer(cfg.seq + 1, tok.eos_token_id)
+    rows_per_epoch = []
+    bar = _progress(cfg, desc="tokenizing", unit="doc")
+
+    def write(toks, masks, segments) -> int:
+        toks.astype(_dtype(tok)).tofile(raw_tokens)
+        masks.tofile(raw_mask)
+        segments.tofile(raw_segments)
+        return len(toks)
+
+    for _ in range(cfg.n_repack_epochs):
+        order = sorted(files) if cfg.preserve_data_order else [files[i] for i in rng.permutation(len(files))]
+        rows = 0
+        for path in order:
+            for ids, mask, whole in _pieces(read_records(path, cfg.json_key), tok, cfg, stats):
+                rows += write(*packer.add(ids, mask, whole))
+                stats.add("tokens", len(ids))
+                bar.update(1)
+        rows_per_epoch.append(rows)
+    bar.close()
+    if stats.get("examples", 0) and len(packer.tokens):  # masked datasets keep their last row
+        packer.close_row()
+        rows_per_epoch[-1] += write(*packer._emit())
+    stats["trailing_tokens_dropped"] = len(packer.tokens)
+    stats["padding_tokens"] = packer.padding
+    return rows_per_epoch
+
+
+def _dtype(tok) -> np.dtype:
+    return np.dtype(np.uint16 if len(tok) <= 1 << 16 else np.uint32)
+
+
+def _unique_counts(rows: np.ndarray) -> np.ndarray:
+    s = np.sort(rows, axis=1)
+    return 1 + (np.diff(s, axis=1) != 0).sum(axis=1)
+
+
+def _final_order(cfg: BuildConfig, tok, tokens: np.ndarray, rows_per_epoch, stats) -> np.ndarray:
+    """Pass 2 plan: row ids to write, shuffled within each repack epoch, low-diversity rows dropped."""
+    rng = np.random.default_rng([cfg.seed, 1])
+    order, start = [], 0
+    for n in rows_per_epoch:
+        ids = np.arange(start, start + n)
+        if cfg.min_unique_tokens > 0 and n:
+            counts = np.concatenate([_unique_counts(tokens[i:min(i + 4096, start + n)])
+                                     for i in range(start, start + n, 4096)])
+            keep = counts >= cfg.min_unique_tokens
+            if cfg.verbose:
+                for i in ids[~keep]:
+                    print(f"excluding row with {counts[i - start]} unique tokens:\n"
+                          f"{tok.decode(tokens[i])!r}\n")
+            stats.add("sequences_below_min_unique", int((~keep).sum()))
+            ids = ids[keep]
+        start += n
+        order.append(ids if cfg.preserve_data_order else rng.permutation(ids))
+    return np.concatenate(order) if order else np.zeros(0, np.int64)
+
+
+class _HashingWriter:
+    """Forwards writes to ``f`` and keeps their sha256 (np.save streams through ``write``)."""
+
+    def __init__(self, f):
+        self.f, self.sha = f, hashlib.sha256()
+
+    def write(self, b):
+        self.sha.update(b)
+        return self.f.write(b)
+
+
+def _save_npy(path: str, array: np.ndarray) -> str:
+    """Atomically write ``array`` as .npy at ``path``; returns its sha256."""
+    with storage.atomic_writer(path) as f:
+        w = _HashingWriter(f)
+        np.lib.format.write_array(w, np.ascontiguousarray(array), allow_pickle=False)
+    return w.sha.hexdigest()
+
+
+def _write_shards(cfg, order, tokens, masks, segments, has_mask) -> list[dict]:
+    """Shards of rows ``order``; with ``has_mask`` (prompt/completion data) masks and segments too."""
+    shards = []
+    bar = _progress(cfg, desc="writing shards", unit="seq", total=len(order))
+    for i, start in enumerate(range(0, len(order), cfg.sequences_per_shard)):
+        ids = order[start:start + cfg.sequences_per_shard]
+        shard = {"tokens": f"{cfg.name}-{i:05d}.tokens.npy", "mask": None, "segments": None, "n_sequences": len(ids),
+                 "sha256": {}}
+        shard["sha256"]["tokens"] = _save_npy(storage.join(cfg.output_dir, shard["tokens"]), tokens[ids])
+        if has_mask:
+            shard["mask"] = f"{cfg.name}-{i:05d}.mask.npy"
+            shard["sha256"]["mask"] = _save_npy(storage.join(cfg.output_dir, shard["mask"]), masks[ids, 1:])
+            shard["segments"] = f"{cfg.name}-{i:05d}.segments.npy"
+            shard["sha256"]["segments"] = _save_npy(storage.join(cfg.output_dir, shard["segments"]), segments[ids])
+        shards.append(shard)
+        bar.update(len(ids))
+    bar.close()
+    return shards
+
+
+def index_path(output_dir: str, name: str) -> str:
+    return storage.join(output_dir, name + INDEX_SUFFIX)
+
+
+def build_dataset(cfg: BuildConfig) -> str:
+    """Tokenize and pack ``cfg.input_path`` into a dataset; returns the index path.
+
+    Everything that can fail on bad input happens before the output directory is touched:
+    pass 1 packs into a local temporary directory, pass 2 writes shards (each atomically) and
+    commits the index last.
+    """
+    from mesh_transformer.io.tokenizer import load_tokenizer
+
+    if cfg.seq < 1 or cfg.n_repack_epochs < 1 or cfg.sequences_per_shard < 1:
+        raise DatasetError("seq, n_repack_epochs and sequences_per_shard must be positive")
+    out_index = index_path(cfg.output_dir, cfg.name)
+    old = json.loads(storage.read_text(out_index)) if storage.exists(out_index) else None
+    if old and not cfg.overwrite:
+        raise DatasetError(f"{out_index} already exists (pass --overwrite to replace it)")
+    files = find_inputs(cfg.input_path)
+    try:
+        tok = load_tokenizer(cfg.tokenizer)
+    except ValueError as e:
+        raise DatasetError(str(e)) from None
+    width, dtype, stats = cfg.seq + 1, _dtype(tok), _Stats(files=len(files))
+    with tempfile.TemporaryDirectory(prefix="mesh-transformer-dataset-") as tmp:
+        raw_tokens, raw_mask, raw_segments = (os.path.join(tmp, f"{k}.raw") for k in ("tokens", "mask", "segments"))
+        with open(raw_tokens, "wb") as ft, open(raw_mask, "wb") as fm, open(raw_segments, "wb") as fs:
+            rows_per_epoch = _pack_all(cfg, tok, files, ft, fm, fs, stats)
+        if not stats.get("documents") and not stats.get("examples"):
+            raise DatasetError(f"{cfg.input_path}: empty input (no documents or examples found)")
+        n_rows = sum(rows_per_epoch)
+        if n_rows == 0:
+            raise DatasetError(f"{cfg.input_path}: only {stats.get('tokens', 0)} tokens, fewer than one "
+                               f"sequence of seq+1 = {width} tokens")
+        tokens = np.memmap(raw_tokens, dtype, "r", shape=(n_rows, width))
+        masks = np.memmap(raw_mask, np.uint8, "r", shape=(n_rows, width))
+        segments = np.memmap(raw_segments, np.uint16, "r", shape=(n_rows, width))
+        order = _final_order(cfg, tok, tokens, rows_per_epoch, stats)
+        if len(order) == 0:
+            raise DatasetError(f"{cfg.input_path}: every sequence has fewer than "
+                               f"--min-unique-tokens={cfg.min_unique_tokens} unique tokens")
+        storage.makedirs(cfg.output_dir)
+        if old:  # from here until the new index lands, no index points at half-replaced shards
+            storage.remove(out_index)
+        shards = _write_shards(cfg, order, tokens, masks, segments, bool(stats.get("examples")))
+        del tokens, masks, segments
+    index = {
+        "format": FORMAT, "version": VERSION, "name": cfg.name, "seq": cfg.seq, "dtype": dtype.name,
+        "tokenizer": cfg.tokenizer, "vocab_size": len(tok), "eos_id": tok.eos_token_id,
+        "n_sequences": int(len(order)), "n_tokens": int(len(order) * width),
+        "has_mask": bool(stats.get("examples")), "has_segments": bool(stats.get("examples")), "shards": shards, "stats": dict(stats),
+        "options": {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("verbose", "progress")},
+    }
+    storage.write_text(out_index, json.dumps(index, indent=1))
+    new_files = {s.get(k) for s in shards for k in ("tokens", "mask", "segments")}
+    for stale in ({s.get(k) for s in old["shards"] for k in ("tokens", "mask", "segments")} - new_files if old else ()):
+        if stale:
+            with contextlib.suppress(FileNotFoundError):
+                storage.remove(storage.join(cfg.output_dir, stale))
+    return out_index
+
+
+# ----------------------------------------------------------------------------- loading
+
+def default_cache_dir() -> str:
+    return os.environ.get("MESH_TRANSFORMER_CACHE",
+                          os.path.join(os.path.expanduser("~"), ".cache", "mesh_transformer", "datasets"))
+
+
+def _sha256(path: str) -> str:
+    sha = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            sha.update(block)
+    return sha.hexdigest()
+
+
+class Dataset:
+    """Memory-mapped view of a dataset's shards: ``read(ids)`` gathers sequences by global id."""
+
+    def __init__(self, index: dict, tokens: list[np.ndarray], masks: list[np.ndarray | None], path: str = "",
+                 segments: list[np.ndarray | None] | None = None):
+        self.index, self.path = index, path
+        self._tokens, self._masks = tokens, masks
+        self._segments = segments or [None] * len(tokens)
+        self._starts = np.cumsum([0] + [len(t) for t in tokens])
+        self.seq, self.n_sequences = index["seq"], int(self._starts[-1])
+        self.has_mask, self.eos_id = index["has_mask"], index["eos_id"]
+        self.has_segments = all(s is not None for s in self._segments)  # stored; else the EOS rule
+
+    def __len__(self) -> int:
+        return self.n_sequences
+
+    @classmethod
+    def from_arrays(cls, tokens: np.ndarray, mask: np.ndarray | None = None, eos_id: int = 50256,
+                    segments: np.ndarray | None = None) -> "Dataset":
+        """An in-memory dataset (tests, synthetic data): tokens [n, seq+1], mask [n, seq] or None,
+        segments [n, seq+1] or None (derived from EOS when read)."""
+        index = {"seq": tokens.shape[1] - 1, "has_mask": mask is not None, "eos_id": eos_id}
+        return cls(index, [tokens], [mask], segments=[segments])
+
+    @classmethod
+    def open(cls, path: str, cache_dir: str | None = None, verify: bool = False) -> "Dataset":
+        """Open an index (local or gs://). gs:// shards are downloaded once into ``cache_dir``
+        (default ``$MESH_TRANSFORMER_CACHE`` or ~/.cache/mesh_transformer/datasets), keyed by
+        their sha256 and checked on download; local shards are mapped in place
+        (``verify=True`` checks their sha256 too)."""
+        try:
+            index = json.loads(storage.read_text(path))
+        except (OSError, json.JSONDecodeError) as e:
+            raise DatasetError(f"{path}: cannot read dataset index: {e}") from None
+        if index.get("format") != FORMAT or index.get("version") not in READABLE_VERSIONS:
+            raise DatasetError(f"{path}: not a {FORMAT} index of version {' or '.join(map(str, READABLE_VERSIONS))} "
+                               f"(format={index.get('format')!r}, version={index.get('version')!r})")
+        base = storage.dirname(path)
+        arrays = {"tokens": [], "mask": [], "segments": []}
+        for shard in index["shards"]:
+            for kind in arrays:
+                if not shard.get(kind):
+                    arrays[kind].append(None)
+                    continue
+                local = _local_copy(storage.join(base, shard[kind]), shard["sha256"][kind], cache_dir, verify)
+                arr = np.load(local, mmap_mode="r")
+                want = (shard["n_sequences"], index["seq"] + (kind != "mask"))
+                if arr.shape != want:
+                    raise DatasetError(f"{local}: shape {arr.shape}, index {path} says {want}")
+                arrays[kind].append(arr)
+        return cls(index, arrays["tokens"], arrays["mask"], path, arrays["segments"])
+
+    def read(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Sequences ``ids`` (-1 = padding) -> tokens int32 [k, seq+1], mask float32 [k, seq]."""
+        ids = np.asarray(ids, np.int64)
+        tokens = np.full((len(ids), self.seq + 1), self.eos_id, np.int32)
+        mask = np.zeros((len(ids), self.seq), np.float32)
+        shard = np.searchsorted(self._starts, ids, side="right") - 1
+        for s in np.unique(shard[ids >= 0]):
+            sel = np.flatnonzero((shard == s) & (ids >= 0))
+            rows = ids[sel] - self._starts[s]
+            tokens[sel] = self._tokens[s][rows]
+            mask[sel] = 1.0 if self._masks[s] is None else self._masks[s][rows]
+        return tokens, mask
+
+    def read_segments(self, ids: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+        """uint16 [k, seq+1] segments of sequences ``ids`` (their ``tokens`` from `read`): the stored
+        ones, or for a dataset without them (plain text, version 1) the EOS rule (`segment_ids`)."""
+        if not self.has_segments:
+            return segment_ids(tokens, self.eos_id)
+        ids = np.asarray(ids, np.int64)
+        out = np.zeros((len(ids), self.seq + 1), np.uint16)  # padding rows (-1): one segment, mask 0
+        shard = np.searchsorted(self._starts, ids, side="right") - 1
+        for s in np.unique(shard[ids >= 0]):
+            sel = np.flatnonzero((shard == s) & (ids >= 0))
+            out[sel] = self._segments[s][ids[sel] - self._starts[s]]
+        return out
+
+
+def _local_copy(path: str, sha256: str, cache_dir: str | None, verify: bool) -> str:
+    if not storage.is_gcs(path):
+        if verify and _sha256(path) != sha256:
+            raise DatasetError(f"{path}: sha256 does not match the index")
+        return path
+    local = os.path.join(cache_dir or default_cache_dir(), sha256[:16] + "-" + storage.basename(path))
+    if not os.path.exists(local):  # a unique temp name per process, so concurrent downloads are safe
+        with storage.open(path, "rb") as src, storage.atomic_writer(local) as dst:
+            hashing = _HashingWriter(dst)
+            shutil.copyfileobj(src, hashing, 8 << 20)
+            if hashing.sha.hexdigest() != sha256:  # raising here discards the download
+                raise DatasetError(f"{path}: sha256 of the downloaded shard does not match the index")
+    return local
+
+
+def segment_ids(tokens: np.ndarray, eos_id: int) -> np.ndarray:
+    """uint16 [..., seq+1]: which document or example of its row each token belongs to.
+
+    Every document and every prompt/completion example ends with EOS, so a new segment starts after
+    each EOS (padding EOS tokens are one-token segments, all with mask 0). The rule for datasets that
+    do not store segments: plain text (a document holds no EOS but its last token) and version-1
+    datasets (where an example whose prompt contains the EOS id is split in two).
+    """
+    ends = (tokens == eos_id).astype(np.int64)
+    starts = np.concatenate([np.zeros_like(ends[..., :1]), ends[..., :-1]], axis=-1)
+    return (np.cumsum(starts, axis=-1) % 65536).astype(np.uint16)
+
+
+class Loader:
+    """Batches ``{"tokens": int32 [A, B_local, seq+1], "mask": float32 [A, B_local, seq]}``.
+
+    Sequences are read as one stream: epoch ``e`` is a permutation of all ids drawn from
+    ``(seed, e)`` (identity when ``shuffle=False``), epochs follow each other, and step ``k``
+    takes the next ``A * global_batch`` ids of the stream as ``[A, global_batch]``. A process reads
+    only its columns ``rows = (start, stop)`` of that (what its devices hold of the batch sharding;
+    processes that share a dp row read the same rows); without ``rows``, process ``p`` of ``n``
+    reads ``[p * B_local, (p+1) * B_local)`` with ``B_local = global_batch // n``. With ``repeat=False`` the stream is one epoch and the last
+    batch is padded with mask-0 rows. A background thread keeps ``prefetch`` batches ready.
+
+    ``state()`` is the position after the last batch handed out; ``Loader(..., state=s)``
+    continues exactly there (also with another process count or batch size).
+    """
+
+    def __init__(self, dataset: Dataset, global_batch: int, seed: int = 0, *, process_index: int = 0,
+                 process_count: int = 1, rows: tuple[int, int] | None = None, accumulation: int = 1,
+                 shuffle: bool = True, repeat: bool = True, state: dict | None = None, prefetch: int = 4,
+                 segments: bool = False):
+        if global_batch % process_count:
+            raise ValueError(f"global_batch={global_batch} is not divisible by process_count={process_count}")
+        if not 0 <= process_index < process_count:
+            raise ValueError(f"process_index={process_index} not in [0, {process_count})")
+        if len(dataset) == 0:
+            raise ValueError(f"{dataset.path}: dataset has no sequences")
+        self.dataset, self.seed, self.shuffle, self.repeat = dataset, seed, shuffle, repeat
+        self.segments = segments  # add "segments" [A, B_local, seq+1] (see `Dataset.read_segments`)
+        self.accumulation, self.global_batch = accumulation, global_batch
+        if rows is None:
+            rows = (process_index * global_batch // process_count, (process_index + 1) * global_batch // process_count)
+        if not 0 <= rows[0] < rows[1] <= global_batch:
+            raise ValueError(f"rows={rows} are not a slice of a batch of {global_batch}")
+        self.local_batch = rows[1] - rows[0]
+        self._columns = slice(*rows)
+        self._position = self._resume(state) if state else 0  # stream index of the next sequence
+        self._prefetch, self._queue, self._thread = prefetch, None, None
+        self._stop = threading.Event()
+        self._orders: dict[int, np.ndarray] = {}
+
+    def _resume(self, state: dict) -> int:
+        for key, value in (("seed", self.seed), ("n_sequences", len(self.dataset)), ("shuffle", self.shuffle)):
+            if state.get(key) != value:
+                raise ValueError(f"loader state has {key}={state.get(key)!r}, this loader has {value!r}")
+        return state["epoch"] * len(self.dataset) + state["position"]
+
+    def state(self) -> dict:
+        epoch, position = divmod(self._position, len(self.dataset))
+        return {"epoch": int(epoch), "position": int(position), "seed": self.seed,
+                "n_sequences": len(self.dataset), "shuffle": self.shuffle}
+
+    @property
+    def steps_per_epoch(self) -> float:
+        return len(self.dataset) / (self.accumulation * self.global_batch)
+
+    def _order(self, epoch: int) -> np.ndarray:
+        if epoch not in self._orders:
+            n = len(self.dataset)
+            self._orders = {e: o for e, o in self._orders.items() if e == epoch - 1}  # keep 2 at most
+            self._orders[epoch] = (np.random.default_rng([self.seed, epoch]).permutation(n)
+                                   if self.shuffle else np.arange(n))
+        return self._orders[epoch]
+
+    def _ids(self, start: int, count: int) -> np.ndarray:
+        """Sequence ids at stream positions [start, start+count); -1 past the end without repeat."""
+        n, out = len(self.dataset), []
+        while count:
+            epoch, offset = divmod(start, n)
+            if epoch and not self.repeat:
+                out.append(np.full(count, -1, np.int64))
+                break
+            take = min(count, n - offset)
+            out.append(self._order(epoch)[offset:offset + take])
+            start, count = start + take, count - take
+        return np.concatenate(out)
+
+    def batch_at(self, position: int) -> dict:
+        """The batch whose first sequence is at stream ``position`` (this process's slice)."""
+        per_step = self.accumulation * self.global_batch
+        ids = self._ids(position, per_step).reshape(self.accumulation, self.global_batch)[:, self._columns]
+        tokens, mask = self.dataset.read(ids.reshape(-1))
+        a, b = ids.shape
+        batch = {"tokens": tokens.reshape(a, b, -1), "mask": mask.reshape(a, b, -1)}
+        if self.segments:
+            batch["segments"] = self.dataset.read_segments(ids.reshape(-1), tokens).reshape(a, b, -1)
+        return batch
+
+    def _produce(self, position: int):
+        per_step = self.accumulation * self.global_batch
+        try:
+            while not self._stop.is_set():
+                if not self.repeat and position >= len(self.dataset):
+                    item = StopIteration()
+                else:
+                    item = (self.batch_at(position), position + per_step)
+                while not self._stop.is_set():
+                    try:
+                        self._queue.put(item, timeout=0.1)
+                        break
+                    except queue.Full:
+                        pass
+                if isinstance(item, StopIteration):
+                    return
+                position += per_step
+        except Exception as e:  # surfaces in the consumer's next()
+            self._queue.put(e)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict:
+        if self._thread is None:
+            self._queue = queue.Queue(maxsize=self._prefetch)
+            self._thread = threading.Thread(target=self._produce, args=(self._position,), daemon=True)
+            self._thread.start()
+        item = self._queue.get()
+        if isinstance(item, BaseException):
+            self._queue.put(item)  # stay exhausted / failed on further calls
+            raise item
+        batch, self._position = item
+        return batch
+
+    def close(self):
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        if hasattr(self, "_stop"):
+            self._stop.set()

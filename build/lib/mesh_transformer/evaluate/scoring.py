@@ -1,0 +1,200 @@
+"""Scoring prompts: one forward pass gives every position's log p(next token) and its most likely tokens.
+
+    scorer = Scorer.for_generator(gen)            # the weights a Generator (or server) already holds
+    scorer = Scorer.for_trainer(trainer, params)  # training's params, as they are (stacked, maybe ZeRO/LoRA);
+                                                  # scorer.use(newer_params) later, without recompiling
+    [s] = scorer.score([[50256, 464, 3290]], top=1)   # a prompt of L <= seq + 1 tokens
+    s.logprobs   # [L-1]: log p(token i+1 | tokens 0..i)
+    s.top_ids    # [L-1, top]: the most likely next tokens at each position (s.top_ids[:, 0] is greedy)
+    [s] = scorer.score([[50256, 464, 3290]], tail=[1])  # only the last position: s.logprobs is [1]
+
+The evaluator (`evaluate.lm`) and the server's `echo` (`serve.openai`) both score through here.
+Prompts are sorted by length and batched: rows are powers of two (`bucket`, as in generation),
+positions four sizes per power of two (`fine_bucket`), so a whole evaluation compiles a
+handful of programs and pads little; sequences are right-padded,
+and padded positions come after the real ones (causal attention), so padding never changes a
+score and is never returned. With `tail` (an evaluator's continuation lengths) the vocabulary
+head and the scores run on each prompt's last positions only (a bucketed K of them), not on all
+T: for a small model with a 50k vocabulary that head is most of the work.
+
+Vocab-parallel like the loss: each mp shard holds logits for V/mp tokens; the log-normaliser and a
+target's logit take [B, T]-sized reductions over 'mp', the top tokens a top-k per shard and one
+over the mp x top candidates. Full logits are never gathered.
+
+Shape letters: B rows, T positions, V/mp this shard's vocabulary, K top tokens.
+"""
+from __future__ import annotations
+
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence as Seq
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, PartitionSpec as P
+
+from mesh_transformer import parallel
+from mesh_transformer.generate.decode import bucket, fine_bucket, round_up
+from mesh_transformer.generate.sampling import TOP_LOGPROBS
+from mesh_transformer.models.core import KVCache
+from mesh_transformer.train import loss
+
+DEFAULT_BATCH_TOKENS = 8192  # rows x positions of one forward pass (activations scale with it)
+
+
+@dataclass
+class PromptScores:
+    """Scores of one prompt of L tokens (entry i is about token i+1)."""
+
+    logprobs: np.ndarray  # [L-1] float32: log p(token i+1 | tokens 0..i)
+    top_ids: np.ndarray  # [L-1, K] int32: the K most likely tokens after token i, most likely first
+    top_logprobs: np.ndarray  # [L-1, K] float32: their log p
+
+
+def token_scores(logits, targets, top: int):
+    """Inside shard_map: logits [B, T, V/mp] (this shard's vocabulary), targets [B, T] ->
+    (log p(target) [B, T], top ids [B, T, K], their log p [B, T, K]).
+
+    A target that is the most likely token gets exactly the top log p (same logit, same normaliser),
+    so callers may compare the two for equality, as OpenAI clients do."""
+    log_norm = loss.log_normalizer(logits)
+    logprob = loss.target_logits(logits, targets) - log_norm
+    local_vocab = logits.shape[-1]
+    if top == 1:  # the max, then the first id holding it: two plain reductions (XLA:CPU's argmax and
+        values = jnp.max(logits, axis=-1, keepdims=True)  # top_k, variadic reductions, are many times slower)
+        ids = jnp.min(jnp.where(logits == values, jnp.arange(local_vocab, dtype=jnp.int32), local_vocab),
+                      axis=-1, keepdims=True)
+    else:
+        values, ids = jax.lax.top_k(logits, top)
+    ids = ids.astype(jnp.int32) + (parallel.mp_index() * local_vocab).astype(jnp.int32)
+    values, ids = parallel.all_gather_mp(values), parallel.all_gather_mp(ids)  # [B, T, mp*K], shard order
+    best, where = jax.lax.top_k(values, top)  # ties: the lower shard, i.e. the lower token id
+    return logprob, jnp.take_along_axis(ids, where, axis=-1), best - log_norm[..., None]
+
+
+class Scorer:
+    """A compiled scoring pass over one set of parameters on one mesh.
+
+    `forward(params, tokens [b, T]) -> logits [b, T, V/mp]` runs inside shard_map with `rules`;
+    `param_specs` place `params`. Use `for_generator` or `for_trainer`."""
+
+    def __init__(self, forward: Callable, params: Any, param_specs: Any, mesh: Mesh, rules, seq: int,
+                 inputs_last: bool = False, batch_tokens: int = DEFAULT_BATCH_TOKENS,
+                 prepare: Callable = lambda params: params):
+        self.mesh, self.seq, self.batch_tokens, self._prepare = mesh, seq, batch_tokens, prepare
+        self.params = prepare(params)
+        self.dp = mesh.shape[parallel.DP]
+        row = P(parallel.DP, None)
+        top = P(parallel.DP, None, None)
+        # scores come back replicated: on many hosts every process reads all rows (they are small)
+        everywhere = jax.sharding.NamedSharding(mesh, P())
+        self._programs = {  # (params, tokens, targets at the scored positions, those positions)
+            k: jax.jit(parallel.shard_map(lambda p, t, y, w, k=k: token_scores(forward(p, t, w), y, k), mesh, rules,
+                                          in_specs=(param_specs, row, row, row), out_specs=(row, top, top),
+                                          inputs_last=inputs_last), out_shardings=everywhere)
+            for k in (1, TOP_LOGPROBS)}
+        self.shapes: set[tuple[int, int, int, int]] = set()  # (rows, positions, K, scored positions) compiled so far
+        self._lock = threading.Lock()  # one pass at a time (a server's handlers share one scorer)
+
+    @classmethod
+    def for_generator(cls, gen, batch_tokens: int = DEFAULT_BATCH_TOKENS) -> "Scorer":
+        """Score with the weights a `generate.Generator` holds (per layer, compute dtype, its layout):
+        no second copy. Tokens run through the KV-cache path of the model with an empty cache."""
+        config, mp = gen.config, gen.mp
+
+        def forward(params, tokens, positions):
+            empty = KVCache.zeros(config, tokens.shape[0], tokens.shape[1], 0, mp, local=True)
+            return gen.model.apply(params, tokens, empty, logit_positions=positions)[0]
+        return cls(forward, gen.params, gen.param_specs, gen.mesh, gen.rules, config.seq, gen.inputs_last,
+                   batch_tokens)
+
+    @classmethod
+    def for_trainer(cls, trainer, params, batch_tokens: int = DEFAULT_BATCH_TOKENS) -> "Scorer":
+        """Score with a training run's current `params` (float32 master weights, stacked layers, sharded
+        as training keeps them; with LoRA the adapters, joined to the trainer's frozen base)."""
+        from mesh_transformer import lora
+        return cls(lambda p, tokens, positions: trainer.model.apply(p, tokens, logit_positions=positions)[0], params, trainer.model.param_specs(trainer.rules),
+                   trainer.mesh, trainer.rules, trainer.config.model.seq, batch_tokens=batch_tokens,
+                   prepare=lambda p: lora.join(trainer.base, p))
+
+    def use(self, params) -> None:
+        """Score with `params` from now on (e.g. a training run's newer ones); the programs stay compiled."""
+        self.params = self._prepare(params)
+
+    # ---- host API ---------------------------------------------------------------------------
+
+    def score(self, prompts: Seq[Seq[int]], top: int = 1, rows: Optional[int] = None,
+              tail: Optional[Seq[int]] = None) -> list[PromptScores]:
+        """Scores of each prompt, in the order given. A prompt of L tokens (1 <= L <= seq + 1) runs
+        its first L-1 tokens through the model and scores its last L-1 (with `tail`, its last
+        tail[i] only: 1 <= tail[i] <= L-1; the returned arrays then have tail[i] entries).
+
+        `top` (1..5): how many most likely tokens to report per position. `rows`: at most this many
+        prompts per forward pass (default: as many as `batch_tokens` allows)."""
+        if not 1 <= top <= TOP_LOGPROBS:
+            raise ValueError(f"top must be in [1, {TOP_LOGPROBS}], got {top}")
+        for p in prompts:
+            if not 1 <= len(p) <= self.seq + 1:
+                raise ValueError(f"a prompt to score has {len(p)} tokens; it needs 1 to {self.seq + 1} "
+                                 f"(the context is {self.seq})")
+        if tail is not None:
+            if len(tail) != len(prompts):
+                raise ValueError(f"tail has {len(tail)} entries for {len(prompts)} prompts")
+            for p, n in zip(prompts, tail):
+                if not 1 <= n <= len(p) - 1:
+                    raise ValueError(f"tail {n} for a prompt of {len(p)} tokens: it must be 1 to {len(p) - 1}")
+        k = 1 if top == 1 else TOP_LOGPROBS
+        empty = PromptScores(np.zeros(0, np.float32), np.zeros((0, top), np.int32), np.zeros((0, top), np.float32))
+        out: list[PromptScores] = [empty] * len(prompts)
+        order = sorted((i for i in range(len(prompts)) if len(prompts[i]) > 1), key=lambda i: -len(prompts[i]))
+        start = 0
+        while start < len(order):
+            t = fine_bucket(len(prompts[order[start]]) - 1)
+            limit = max(1, min(rows or len(order), self.batch_tokens // t))
+            n = min(1 << (limit.bit_length() - 1), len(order) - start)  # full groups: a power of two
+            group = order[start:start + n]
+            scored = self._pass([prompts[i] for i in group], t, k, [tail[i] for i in group] if tail else None)
+            for i, (logprob, ids, values) in zip(group, scored):
+                out[i] = PromptScores(logprob, ids[:, :top], values[:, :top])
+            start += n
+        return out
+
+    def _pass(self, prompts: list[Seq[int]], t: int, k: int, tail: Optional[list[int]] = None) -> list[tuple]:
+        """One forward pass: each prompt's inputs (all but its last token) right-padded to `t`
+        positions, its targets (all but its first); rows bucketed. Logits at every position, or with
+        `tail` only at each row's last `s` input positions (s: the bucket of the longest tail; a
+        shorter row repeats position 0, never returned)."""
+        n = round_up(bucket(len(prompts), 1), self.dp)
+        tokens = np.zeros((n, t), np.int32)
+        targets = np.zeros((n, t), np.int32)
+        for i, p in enumerate(prompts):
+            tokens[i, :len(p) - 1] = p[:-1]
+            targets[i, :len(p) - 1] = p[1:]
+        if tail is None:
+            s = t
+            positions = np.broadcast_to(np.arange(t, dtype=np.int32), (n, t))
+            keep = [slice(0, len(p) - 1) for p in prompts]
+        else:
+            s = min(bucket(max(tail), 1), t)
+            ends = np.array([len(p) - 1 for p in prompts] + [s] * (n - len(prompts)))
+            positions = np.maximum(ends[:, None] - s + np.arange(s), 0).astype(np.int32)  # [n, s]
+            keep = [slice(s - m, s) for m in tail]
+        self.shapes.add((n, t, k, s))
+        with self._lock:
+            logprob, ids, top = jax.device_get(self._programs[k](
+                self.params, tokens, np.take_along_axis(targets, positions, axis=1), positions))
+        return [(logprob[i, r], ids[i, r], top[i, r]) for i, r in enumerate(keep)]
+
+
+
+_SCORERS: "weakref.WeakKeyDictionary[Any, Scorer]" = weakref.WeakKeyDictionary()
+
+
+def scorer_for(gen) -> Scorer:
+    """The one Scorer over a Generator's weights (made on first use and shared by every caller, so
+    its compiled programs are too)."""
+    if gen not in _SCORERS:
+        _SCORERS[gen] = Scorer.for_generator(gen)
+    return _SCORERS[gen]

@@ -1,0 +1,750 @@
+"""Decode: prefill prompts into a KV cache, then decode inside one compiled loop (`Generator`).
+
+    gen = Generator(config, params, mesh)
+    [out] = gen.generate([[15496, 995]], [SamplingOptions(max_new_tokens=32, temperature=0)])
+    out.tokens, out.logprobs, out.finish_reason
+
+A batch is a fixed set of rows sharing one `model.KVCache` (per layer k [B, N, H, S] and
+v [B, N, S, H]), a shared write index and a per-row first valid slot. Requests join a batch
+(`admit`: prefill, write the prompt's keys/values ending at the shared index, sample the first
+token) and leave it (EOS, stop sequence, length, or the host retiring them) independently, so a
+server can add requests while others decode (`Batch`, also what `generate` uses). Rows whose
+prompts start with prefix-cache blocks can read those from the cache's pool instead of their own
+slots (`SharedPrefix`, read once per step for all rows; see `admit` and `decode`).
+
+Sharding is training's: parameters by the MEGATRON table (split into per-layer arrays, see
+`models.core.unstack_layers`), the cache with heads over 'mp' and rows over 'dp', the model inside
+`parallel.shard_map`. Each step all-gathers the last position's [B, V/mp] logits over 'mp' and
+every mp shard samples the same token from the whole vocabulary.
+One row per sequence is cheap next to the weights each step reads, and it keeps sampling exact:
+top-p needs the sorted full distribution, which a vocab-parallel top-k only approximates.
+
+Compiles are bounded by buckets: batch rows, prompt length, cache slots and chunk length are
+powers of two (`bucket`), so a new prompt length rarely means a new program.
+
+Shape letters: B batch rows, T prompt tokens, S cache slots, K decode steps per call, V padded
+vocabulary, L layers, N heads, H head dim.
+"""
+from __future__ import annotations
+
+import functools
+import gc
+import logging
+import math
+from typing import TYPE_CHECKING, Any, Iterator, NamedTuple, Optional, Sequence as Seq
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, PartitionSpec as P
+
+from mesh_transformer import host_memory, kernels, models, parallel
+from mesh_transformer.config import ModelConfig
+from mesh_transformer.generate.sampling import (EOS, LENGTH, MAX_STOPS, RUNNING, STOP, STOP_TOKENS, TOP_LOGPROBS,
+                                                RowOptions, SamplingOptions, choose, log_probs, stop_hit, _none,
+                                                penalize)
+from mesh_transformer.models.core import KVCache, SharedPrefix, unstacked_modules
+from mesh_transformer.models.layers import dynamic_slice, update_slice
+
+if TYPE_CHECKING:
+    from mesh_transformer.generate.batching import Sequence
+    from mesh_transformer.generate.prefix import Plan, PrefixCache
+
+log = logging.getLogger(__name__)
+
+MIN_BUCKET = 16
+# XLA:CPU hands matmuls to YNNPACK by default. For the decode step's few-row float32 matmuls its
+# own kernels are faster (bench/decode.py on the AVX2 EPYC, 200M GPT-J: 16 rows 145 -> 201 tok/s,
+# one row 41 -> 43), while prefill's many-row matmuls are faster with YNNPACK (16 x 32 tokens:
+# 671 vs 884 ms), so only the float32 decode program leaves it out. 16-bit decode keeps YNNPACK:
+# XLA's own kernels take no bf16 operands, so without it every bf16 weight is converted to a
+# float32 copy, hoisted out of the decode loop and held for the call (2x the weights' bytes).
+DECODE_CPU_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
+# Decode batches in 16-bit dtypes have at least 2 rows where XLA runs their products: with one,
+# XLA:CPU turns each bf16 matmul into a conversion of the weights plus a float32 matvec (10x
+# slower). A spare row costs little: decode reads every weight once per step whatever the batch.
+# float32 keeps one row (XLA:CPU's matvec reads weights faster than its 2-row matmul), and so does
+# bfloat16 on CPU where `kernels` built its bf16 product (which reads one row's weights at memory speed).
+MIN_ROWS_16BIT = 2
+
+
+def bucket(n: int, minimum: int = MIN_BUCKET) -> int:
+    """The power of two >= max(n, minimum): the shapes programs are compiled for."""
+    return max(minimum, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
+
+
+def fine_bucket(n: int, per_octave: int = 4, grain: int = 8) -> int:
+    """`per_octave` sizes per power of two, multiples of `grain` (..., 32, 40, 48, 56, 64, 80, 96, ...):
+    the token lengths prompts are padded to (at most about 1/per_octave of a pass is padding, for a
+    few more compiled shapes than powers of two alone: a 133-token prompt runs as 160, not 256)."""
+    return round_up(max(n, 1), max(grain, bucket(n, 1) // (2 * per_octave)))
+
+
+def computed_and_read(lengths: Seq[int], cached: Seq[int]) -> tuple[int, list[int]]:
+    """An admission of prompts of these lengths, with `cached` of each in the prefix cache ->
+    (the tokens its prefill computes per row, the first tokens of each prompt it reads from the
+    pool instead; at most `cached`)."""
+    t = prefill_width(max(n - c for n, c in zip(lengths, cached)))
+    return t, [max(0, n - t) for n in lengths]
+
+
+def prefill_width(uncached: int) -> int:
+    """The tokens a prefill computes per row: the longest prompt part not read from the prefix
+    cache, bucketed (4 sizes per power of two)."""
+    return fine_bucket(uncached, grain=MIN_BUCKET)
+
+
+def span_bucket(n: int) -> int:
+    """The slot spans a cache move copies, and the write indices a batch moves to (`Batch.plan`):
+    4 sizes per power of two, so the 1,166 slots of a prompt behind a 1,000-token prefix move as
+    1,280 — as 2,048 they could not move at all in a 2,048-slot cache, and the whole cache rolled
+    (seconds at 64 rows, every request waiting)."""
+    return fine_bucket(n, grain=MIN_BUCKET)
+
+
+# --------------------------------------------------------------------------------------------
+# Decode state and the per-step update shared by prefill and decode
+# --------------------------------------------------------------------------------------------
+
+class DecodeState(NamedTuple):
+    """Everything on device for one batch of rows. Per-row arrays are [B]."""
+
+    cache: KVCache
+    rows: RowOptions
+    last: Any  # last sampled token: the next decode step's input
+    done: Any  # bool; free rows are done
+    n_generated: Any
+    reason: Any  # RUNNING / EOS / STOP / LENGTH
+    counts: Any  # [B, V] int32: each token's count in the output (frequency/presence penalties)
+    seen: Any  # [B, V] bool: in the prompt or output (repetition penalty)
+    recent: Any  # [B, STOP_TOKENS] last output tokens (stop sequences); -2 before any
+
+
+class Emitted(NamedTuple):
+    """Tokens produced by one step (leading [B]) or one decode call ([B, K]); token -1 = none."""
+
+    token: Any
+    logprob: Any  # log p(token) under the model (before penalties, temperature and truncation); NaN if no row asked
+    top_ids: Any  # [..., TOP_LOGPROBS]
+    top_logprobs: Any
+
+
+def emit(state: DecodeState, logits, active) -> tuple[DecodeState, Emitted]:
+    """Sample a token for each `active` row from its full-vocabulary logits [B, V]; update the row.
+
+    Work over [B, V] that no row asked for (penalties, top log-probs) is skipped (`lax.cond`).
+    """
+    rows = state.rows
+    penalized = (rows.repetition_penalty != 1) | (rows.frequency_penalty != 0) | (rows.presence_penalty != 0)
+    scores = jax.lax.cond(jnp.any(penalized), lambda: penalize(logits, state.counts, state.seen, rows), lambda: logits)
+    token = choose(scores, rows, state.n_generated)
+    b = jnp.arange(token.shape[0])
+    logprob, top_logprobs, top_ids = jax.lax.cond(
+        jnp.any(rows.top_logprobs >= 0), lambda: log_probs(logits, token, rows.top_logprobs),
+        lambda: _none(token))
+
+    n_generated = state.n_generated + active
+    recent = jnp.where(active[:, None], jnp.concatenate([state.recent[:, 1:], token[:, None]], 1), state.recent)
+    why = jnp.where(token == state.rows.eos, EOS,
+                    jnp.where(stop_hit(recent, state.rows.stops), STOP,
+                              jnp.where(n_generated >= state.rows.max_new, LENGTH, RUNNING)))
+    finished = active & (why != RUNNING)
+    state = state._replace(
+        last=jnp.where(active, token, state.last),
+        done=state.done | finished,
+        n_generated=n_generated,
+        reason=jnp.where(finished, why, state.reason),
+        counts=state.counts.at[b, token].add(active.astype(jnp.int32)),
+        seen=state.seen.at[b, token].max(active),
+        recent=recent)
+    out = Emitted(jnp.where(active, token, -1), logprob, top_ids, top_logprobs)
+    return state, out
+
+
+KV_SPEC = P(parallel.DP, parallel.MP, None, None)  # each layer's k and v: rows over dp, heads over mp
+POOL_SPEC = P(None, parallel.MP, None, None)  # the prefix cache's pool: one row, heads over mp
+SHARED_SPEC = P(parallel.MP, None, None)  # a SharedPrefix's k and v: heads over mp
+
+
+def shared_specs(layers: int) -> SharedPrefix:
+    """PartitionSpecs of a SharedPrefix: k and v heads over 'mp', positions' rows over 'dp'."""
+    return SharedPrefix((SHARED_SPEC,) * layers, (SHARED_SPEC,) * layers, P(parallel.DP, None))
+
+
+def state_specs(layers: int) -> DecodeState:
+    """PartitionSpecs: rows over 'dp'; the cache's heads over 'mp' as well."""
+    row, row2, kv = P(parallel.DP), P(parallel.DP, None), (KV_SPEC,) * layers
+    return DecodeState(
+        cache=KVCache(kv, kv, row, P(), row),
+        rows=RowOptions(*([row] * 9), P(parallel.DP, None, None), row),
+        last=row, done=row, n_generated=row, reason=row, counts=row2, seen=row2, recent=row2)
+
+
+def _roll_cache(cache: KVCache, shift) -> KVCache:
+    """Move every row's slots by `shift` (positions are slot - start, so they do not change): a
+    copy of the whole cache (seconds for a 64-row cache on a CPU), for `Generator.move` only when
+    the running rows' span cannot move in one piece."""
+    rolled = cache.along_slots(lambda x, axis: jnp.roll(x, shift, axis))
+    return rolled._replace(start=cache.start + shift, index=cache.index + shift)
+
+
+def _move_slots(cache: KVCache, source, shift, size: int):
+    """(One device's cache.) Move slots source .. source+size-1 of every row by `shift` (both spans
+    inside the cache): the running rows' span, bucketed, instead of the whole cache (`_roll_cache`): 0.3 s instead of
+    3-5 s for a 64-row, 2,048-slot cache of the 64M GPT-J when the span is 256 slots."""
+    def move(x, axis):
+        starts = [0] * x.ndim
+        starts[axis] = source + shift
+        return update_slice(x, jax.lax.dynamic_slice_in_dim(x, source, size, axis), starts)
+    return cache.along_slots(move, as_bits=False)._replace(start=cache.start + shift, index=cache.index + shift)
+
+
+def _window(cache: KVCache, rows: int, first_slot, window: int) -> KVCache:
+    """(One device's cache.) Rows 0 .. rows-1 of `cache`, slots first_slot .. first_slot+window-1
+    (a copy; the cache itself when that is all of it), relabelled so that the window starts at 0."""
+    def window_of(x, axis):
+        if (rows, window) == (x.shape[0], x.shape[axis]):
+            return x  # the whole cache (first_slot is 0), decoded in place
+        starts, sizes = [0] * x.ndim, [rows, *x.shape[1:]]
+        starts[axis], sizes[axis] = first_slot, window
+        return dynamic_slice(x, starts, sizes)
+    view = cache.along_slots(window_of, as_bits=False)  # dynamic_slice: any dtype
+    return view._replace(start=cache.start[:rows] - first_slot, index=cache.index - first_slot,
+                         offset=cache.offset[:rows])
+
+
+def _put_back(full: KVCache, decoded: KVCache, view_index, first_slot, steps: int) -> KVCache:
+    """(One device's cache.) `full` updated with what a decode call of `steps` steps wrote into its
+    `_window` (`decoded`, whose writes began at `view_index`): those slots only, in place."""
+    rows, window = decoded.start.shape[0], decoded.slots
+    if rows == full.start.shape[0] and window == full.slots:
+        cache = decoded  # the window was the whole cache, updated in place
+    else:
+        span = min(steps, window)
+        written = jnp.clip(view_index, 0, window - span)
+
+        def put_back(whole, part, axis):
+            starts = [0] * whole.ndim
+            starts[axis] = first_slot + written
+            return update_slice(whole, jax.lax.dynamic_slice_in_dim(part, written, span, axis), starts)
+        cache = full.along_slots(put_back, decoded, as_bits=False)  # update_slice: in place, any dtype
+    return cache._replace(start=full.start.at[:rows].set(decoded.start + first_slot),
+                          index=decoded.index + first_slot, offset=full.offset)
+
+
+def _write_rows(cache: KVCache, new: KVCache, row_ids, first_slot, in_place: bool = False) -> KVCache:
+    """Write the W slots of each row of `new` ([n, ..., W, ...] per layer) into row row_ids[i] of
+    `cache`, at slots first_slot .. first_slot+W-1. Rows `row_ids` >= the batch are skipped (they
+    come last). A negative `first_slot` is left padding before slot 0: those slots wrap round to
+    the end of the written span, slots W+first_slot .. W-1, which follow the row's last prompt
+    slot: the row writes each of them before it attends to it.
+
+    One contiguous copy per row and array (a loop of dynamic_update_slice), not a scatter of
+    every (row, slot) pair: XLA:CPU runs a scatter one element at a time (a third of a 16-row
+    admission behind a 1,000-token cached prefix went to it). `in_place` (one device's arrays, all
+    the rows in `cache` and `new`): by `layers.update_slice` — XLA:CPU wrote a bfloat16 row on its
+    bits at 0.8 GB/s (26 ms of a 16-row GPT-J admission's ~190).
+    """
+    start = jnp.maximum(first_slot, 0)
+    new = jax.lax.cond(first_slot < 0, lambda n: n.along_slots(lambda x, axis: jnp.roll(x, first_slot, axis)),
+                       lambda n: n, new)
+    batch = cache.v[0].shape[0]
+
+    def write_row(i, arrays):
+        def put(x, rows, axis):
+            at = [row_ids[i]] + [0] * (x.ndim - 1)
+            at[axis] = start
+            return update_slice(x, jax.lax.dynamic_slice_in_dim(rows, i, 1, 0), at, kernel=in_place)
+        k, v = arrays
+        return (tuple(put(x, r, KVCache.K_SLOTS) for x, r in zip(k, new.k)),
+                tuple(put(x, r, KVCache.V_SLOTS) for x, r in zip(v, new.v)))
+
+    k, v = jax.lax.fori_loop(0, jnp.sum(row_ids < batch), write_row, (cache.k, cache.v))
+    return cache._replace(k=k, v=v)
+
+
+def _store(pool: KVCache, new: KVCache, slots, in_place: bool = False) -> KVCache:
+    """The prefix cache's pool (one row of M slots per layer's k and v) with the positions of `new`
+    ([n, ..., W, ...] per layer) stored at pool slots `slots` [n, W] (M or more: not stored).
+    `in_place` (one device's arrays): by `kernels.put_slots`, one copy per run of consecutive slots —
+    XLA:CPU scattered a 16-bit pool on its bits, and converted the whole pool there and back
+    (a 16-row bfloat16 GPT-J admission: 200 ms, 133 without the prefix cache)."""
+    kernel = in_place and kernels.available()
+
+    def store(x, computed, axis):  # x [1, .., M, ..] <- computed [n, .., W, ..]
+        if kernel:
+            return kernels.put_slots(x, computed, slots, axis)
+        where = (slice(None),) * (axis - 1) + (slots,)
+        return x[0].at[where].set(jnp.moveaxis(computed, 0, axis - 1), mode="drop")[None]
+    return pool.along_slots(store, new, as_bits=not kernel)
+
+
+# --------------------------------------------------------------------------------------------
+# Generator: the compiled functions for one model on one mesh
+# --------------------------------------------------------------------------------------------
+
+class Generator:
+    """Compiled prefill/decode for `params` on `mesh`; token ids in, token ids out.
+
+    `params`: Haiku params as training keeps them (layers stacked; numpy or jax; vocabulary padded
+    for the mesh's mp). The generator keeps its own copy, cast to `config.compute_dtype`, split
+    into per-layer arrays and placed by the MEGATRON table, built one leaf at a time. With
+    `donate=True` each of the caller's jax arrays is deleted once converted, so the weights are held
+    once on the devices (peak: the caller's params plus the largest leaf); the caller must not use
+    them afterwards (`loading.LoadedModel.generator` does this).
+
+    `matvec`: store the weights inputs-last (their `ParamInfo.inputs` axes last), for decoding one row
+    at a time (`device_sample.py`): on CPU, batch-1 decode runs about 12% faster (matrix-vector
+    products read such weights faster), while matmuls of 2 rows or more read them many times
+    slower (a [2, 4096] x [4096, 8192] product: 30x). float32 only: 16-bit decode reads
+    weights inputs-first (the bf16 kernel of `kernels`, or XLA's matmuls of at least 2 rows).
+    """
+
+    def __init__(self, config: ModelConfig, params, mesh: Mesh, matvec: bool = False, donate: bool = False):
+        self.config, self.mesh = config, mesh
+        float32 = jnp.dtype(config.compute_dtype).itemsize >= 4
+        one_row = float32 or (jnp.dtype(config.compute_dtype) == jnp.bfloat16 and kernels.available())
+        self.min_rows = 1 if one_row else MIN_ROWS_16BIT
+        self.inputs_last = matvec and float32  # 16-bit products read weights inputs-first
+        self.mp, self.dp = mesh.shape[parallel.MP], mesh.shape[parallel.DP]
+        self.model = models.build(config, self.mp)
+        self.model.check_mesh(mesh.shape, zero=False)
+        self.vocab = config.padded_vocab(self.mp)
+        self.rules = self.model.rules(False, self.mp)
+        self.params = self._place(params, donate)
+        self.param_specs = jax.tree.map(lambda x: x.sharding.spec, self.params)
+        self.specs = state_specs(config.layers)
+        self.shapes: set[tuple] = set()  # programs compiled so far (see `_note`)
+        self.shardings = parallel.named(mesh, self.specs)
+        kv = (KV_SPEC,) * config.layers
+        prefill_specs = (self.param_specs, P(parallel.DP, None), P(parallel.DP))
+        self._prefill = parallel.shard_map(
+            self._prefill_local, mesh, self.rules, in_specs=prefill_specs,
+            out_specs=(P(parallel.DP, None), kv, kv), inputs_last=self.inputs_last)
+        self._prefill_after = parallel.shard_map(  # after cached keys/values (prefix caching)
+            self._prefill_local, mesh, self.rules, in_specs=prefill_specs + (kv, kv),
+            out_specs=(P(parallel.DP, None), kv, kv), inputs_last=self.inputs_last)
+        self._prefill_shared = parallel.shard_map(  # after a SharedPrefix of pool slots
+            lambda p, tokens, start, offset, shared: self._prefill_local(p, tokens, start, offset=offset, shared=shared),
+            mesh, self.rules, in_specs=prefill_specs + (P(parallel.DP), shared_specs(config.layers)),
+            out_specs=(P(parallel.DP, None), kv, kv), inputs_last=self.inputs_last)
+        self._new_state = jax.jit(self._empty, static_argnums=(0, 1), out_shardings=self.shardings)
+        self.pool_sharding = jax.sharding.NamedSharding(mesh, POOL_SPEC)
+        self._new_pool = jax.jit(lambda slots: KVCache.zeros(self.config, 1, slots, mp=self.mp)._replace(
+            start=None, index=None), static_argnums=0, out_shardings=self.pool_sharding)
+        self._admit = jax.jit(self._admit_rows, out_shardings=(self.shardings, self.pool_sharding, None),
+                              donate_argnums=(1, 2))
+        on_cpu = mesh.devices.flat[0].platform == "cpu"
+        self._decode = jax.jit(self._decode_steps, static_argnums=(4, 5, 6), donate_argnums=1,
+                               out_shardings=(self.shardings, None),
+                               compiler_options=DECODE_CPU_OPTIONS if on_cpu and float32 else None)
+        self._retire = jax.jit(lambda s, m: s._replace(done=s.done | m), out_shardings=self.shardings,
+                               donate_argnums=0)
+        move = lambda cache, source, shift, size: parallel.shard_map(  # noqa: E731 - in place on each device
+            lambda c, source, shift: _move_slots(c, source, shift, size), mesh, self.rules,
+            in_specs=(self.specs.cache, P(), P()), out_specs=self.specs.cache)(cache, source, shift)
+        self._move = jax.jit(lambda s, source, shift, size: s._replace(cache=move(s.cache, source, shift, size)),
+                             static_argnums=3, donate_argnums=0, out_shardings=self.shardings)
+        self._roll = jax.jit(lambda s, shift: s._replace(cache=_roll_cache(s.cache, shift)),
+                             donate_argnums=0, out_shardings=self.shardings)
+
+    def _place(self, params, donate: bool):
+        """Per-layer params in the compute dtype (weights inputs-last with `matvec`), on the mesh by
+        the Megatron table; with `donate`, each source array is deleted once converted."""
+        dtype, out = jnp.dtype(self.config.compute_dtype), {}
+        for module, leaves in params.items():
+            for name, x in leaves.items():
+                info, made = self.model.infos[module][name], []
+                for new, i in unstacked_modules(module, self.config.layers):
+                    made.append(self._convert(x if i is None else x[i], info, dtype))
+                    out.setdefault(new, {})[name] = made[-1]
+                if donate and isinstance(x, jax.Array) and not any(m is x for m in made):  # x may be kept as is
+                    x.delete()
+        return out
+
+    def _convert(self, x, info, dtype):
+        x = x if x.dtype == dtype else x.astype(dtype)  # numpy or jax
+        order, axes = parallel.stored_layout(info, x.ndim, self.inputs_last)
+        return jax.device_put(x.transpose(order), jax.sharding.NamedSharding(self.mesh, parallel.spec_for(axes, self.rules)))
+
+    # ---- device functions ---------------------------------------------------------------------
+
+    def _empty(self, batch: int, slots: int) -> DecodeState:
+        vocab = self.vocab
+        i32 = lambda fill=0: jnp.full((batch,), fill, jnp.int32)
+        rows = RowOptions(jnp.zeros(batch), i32(), jnp.ones(batch), jnp.ones(batch), jnp.zeros(batch),
+                          jnp.zeros(batch), jnp.zeros(batch, jnp.uint32), i32(1), i32(-1),
+                          jnp.full((batch, MAX_STOPS, STOP_TOKENS), -1, jnp.int32), i32(-1))
+        cache = KVCache.zeros(self.config, batch, slots, mp=self.mp)._replace(offset=i32())
+        return DecodeState(cache, rows, i32(),
+                           jnp.ones(batch, bool), i32(), i32(), jnp.zeros((batch, vocab), jnp.int32),
+                           jnp.zeros((batch, vocab), bool), jnp.full((batch, STOP_TOKENS), -2, jnp.int32))
+
+    def _prefill_local(self, params, tokens, start, cached_k=None, cached_v=None, offset=None, shared=None):
+        """tokens [n, T] left-padded -> (last logits [n, V], k, v: per layer [n, N, C+T, H] (k: H, C+T)).
+
+        cached_k/v: per layer [n, N, H, C] / [n, N, C, H], the keys and values of the C slots before
+        the tokens (prefix caching; none: C = 0). start [n]: each row's first valid slot of the C+T.
+        Or `shared` (a SharedPrefix, C = 0): the tokens before each row's T read once for all rows,
+        offset [n] of them (the position of each row's first valid slot).
+        """
+        n, t = tokens.shape
+        cache = KVCache.zeros(self.config, n, t, start, self.mp, local=True)._replace(offset=offset)
+        if cached_k is not None:
+            join = lambda cached, empty, axis: jnp.concatenate([cached, empty], axis)  # noqa: E731
+            cache = KVCache(cached_k, cached_v, None, None).along_slots(join, cache)
+            cache = cache._replace(start=start, index=jnp.int32(cached_v[0].shape[KVCache.V_SLOTS]))
+        logits, cache = self.model.apply(params, tokens, cache, last_only=True, shared=shared)
+        return parallel.all_gather_mp(logits[:, -1]), cache.k, cache.v
+
+    def _admit_rows(self, params, state: DecodeState, pool: Optional[KVCache], tokens, lengths, row_ids,
+                    rows: RowOptions, index, read, write, offsets, shared_slots=None, shared_positions=None):
+        """Prefill `tokens` [n, W] into rows `row_ids` [n] (n >= batch: dropped) ending at slot `index`.
+
+        Rows still running must already write at `index` (`move`): the cache is relabelled, not
+        copied, so the program updates it in place. Each new row's prompt fills slots
+        index-length .. index-1 and its first token is sampled.
+        Prefix caching (`pool` not None): read [n, C] are pool slots whose keys/values the first C
+        of the W slots take (M, the pool's size: none), so only the last W-C tokens are computed;
+        write [n, W] the pool slot each of the W slots' keys/values go to afterwards (M: none).
+        offsets [n]: the first tokens of each prompt that its row reads from the pool while it decodes
+        (a `SharedPrefix`) rather than from its own slots, which then start after them; with
+        shared_slots [U] and shared_positions [n, U] (see `decode`), the prefill reads them that
+        way too (once for all rows, not a gathered copy per row), and only the last W-C slots are
+        written to the rows.
+        """
+        n, w = tokens.shape
+        c = 0 if read is None else read.shape[1]
+        batch = state.last.shape[0]
+        shift = index - state.cache.index  # no row that is running sees it (see above)
+        cache = state.cache._replace(start=state.cache.start + shift, index=index)
+        if shared_slots is not None:
+            shared = _shared_prefix(pool, shared_slots, shared_positions)
+            logits, k, v = self._prefill_shared(params, tokens[:, c:], w - lengths + offsets - c, offsets, shared)
+            write = write[:, c:]
+        elif c:
+            gather = lambda x, axis: jnp.moveaxis(  # noqa: E731 - pool [1, .., M, ..] -> [n, .., C, ..]
+                jnp.take(x[0], read, axis=axis - 1, mode="fill", fill_value=0), axis - 1, 0)
+            cached = pool.along_slots(gather)
+            logits, k, v = self._prefill_after(params, tokens[:, c:], w - lengths, cached.k, cached.v)
+        else:
+            logits, k, v = self._prefill(params, tokens, w - lengths)
+        new = KVCache(k, v, None, None)
+        if self.dp == 1:  # every row on every device: each writes its heads' rows (and pool slots) in place
+            kv = KVCache(self.specs.cache.k, self.specs.cache.v, None, None)
+            if pool is not None:
+                pool_specs = KVCache((POOL_SPEC,) * len(k), (POOL_SPEC,) * len(v), None, None)
+                pool = parallel.shard_map(functools.partial(_store, in_place=True), self.mesh, self.rules,
+                                          in_specs=(pool_specs, kv, P()), out_specs=pool_specs)(pool, new, write)
+            write_rows = parallel.shard_map(functools.partial(_write_rows, in_place=True), self.mesh, self.rules,
+                                            in_specs=(self.specs.cache, kv, P(), P()), out_specs=self.specs.cache)
+            cache = write_rows(cache, new, row_ids, index - new.slots)
+        else:  # a prompt's row may live on another dp shard than the row (and pool replica) it goes to
+            pool = None if pool is None else _store(pool, new, write)
+            cache = _write_rows(cache, new, row_ids, index - new.slots)
+        cache = cache._replace(start=cache.start.at[row_ids].set(index - lengths + offsets, mode="drop"),
+                               offset=cache.offset.at[row_ids].set(offsets, mode="drop"))
+        # The new rows' state [n] is made and sampled alone, then written into the batch's rows: a
+        # first token costs n rows' sampling, not the batch's (a 64-row batch's [64, V] of it).
+        valid = jnp.arange(w)[None, :] >= (w - lengths)[:, None]
+        zeros = jnp.zeros(n, jnp.int32)
+        admitted = DecodeState(
+            None, rows, zeros, zeros.astype(bool), zeros, zeros + RUNNING, jnp.zeros((n, self.vocab), jnp.int32),
+            jnp.zeros((n, self.vocab), bool).at[jnp.arange(n)[:, None], tokens].max(valid),
+            jnp.full((n, STOP_TOKENS), -2, jnp.int32))
+        admitted, first = emit(admitted, logits, row_ids < batch)
+        state = jax.tree.map(lambda x, new: x.at[row_ids].set(new, mode="drop"), state._replace(cache=None), admitted)
+        return state._replace(cache=cache), pool, first
+
+    def _decode_local(self, params, state: DecodeState, limit, steps: int, shared: Optional[SharedPrefix] = None):
+        """Up to `limit` decode steps (`decode` keeps it <= `steps`, the emitted buffer's size),
+        stopping early once no row anywhere is running."""
+        batch = state.last.shape[0]
+        out = Emitted(jnp.full((steps, batch), -1, jnp.int32), jnp.zeros((steps, batch)),
+                      jnp.zeros((steps, batch, TOP_LOGPROBS), jnp.int32), jnp.zeros((steps, batch, TOP_LOGPROBS)))
+        out = jax.tree.map(lambda x: jax.lax.pcast(x, (parallel.DP,), to="varying"), out)
+
+        def running(carry):
+            i, s, _ = carry
+            return (i < limit) & (jax.lax.psum(jnp.sum(~s.done), parallel.DP) > 0)
+
+        def step(carry):
+            i, s, out = carry
+            logits, cache = self.model.apply(params, s.last[:, None], s.cache, shared=shared)
+            s, e = emit(s._replace(cache=cache), parallel.all_gather_mp(logits[:, -1]), ~s.done)
+            return i + 1, s, jax.tree.map(lambda o, x: o.at[i].set(x), out, e)
+
+        _, state, out = jax.lax.while_loop(running, step, (jnp.zeros((), jnp.int32), state, out))
+        return state, out
+
+    def _decode_steps(self, params, state: DecodeState, first_slot, limit, steps: int, window: int,
+                      rows: Optional[int] = None, pool: Optional[KVCache] = None, shared_slots=None,
+                      shared_positions=None):
+        """Decode rows 0 .. rows-1 (default: all) in slots first_slot .. first_slot+window-1 only:
+        attention reads `window` slots, not S, and a lone request in a big batch costs one row's
+        matmuls, not B's (its logits alone are [B, V]). Rows >= `rows` must not be running.
+        With a prefix-cache `pool`, the rows also read its slots `shared_slots` [U] (gathered once
+        per call into a `SharedPrefix`) at positions `shared_positions` [B, U] (-1: not read)."""
+        batch = state.last.shape[0]
+        rows = rows or batch
+        shared = None if pool is None else _shared_prefix(pool, shared_slots, shared_positions[:rows])
+        shared_spec = () if shared is None else (shared_specs(len(shared.k)),)
+        decode = parallel.shard_map(
+            lambda p, s, first_slot, limit, *shared: self._decode_window(p, s, first_slot, limit, steps, window, rows,
+                                                                         *shared),
+            self.mesh, self.rules, in_specs=(self.param_specs, self.specs, P(), P()) + shared_spec,
+            out_specs=(self.specs, Emitted(*([P(None, parallel.DP)] * 2), *([P(None, parallel.DP, None)] * 2))),
+            inputs_last=self.inputs_last)
+        state, out = decode(params, state, first_slot, limit, *(() if shared is None else (shared,)))
+        pad = lambda x, fill: jnp.pad(x, [(0, 0), (0, batch - rows)] + [(0, 0)] * (x.ndim - 2),  # noqa: E731
+                                      constant_values=fill)
+        out = Emitted(pad(out.token, -1), pad(out.logprob, jnp.nan), pad(out.top_ids, 0), pad(out.top_logprobs, 0))
+        return state, jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), out)  # [B, K, ...]
+
+    def _decode_window(self, params, state: DecodeState, first_slot, limit, steps: int, window: int, rows: int,
+                       shared: Optional[SharedPrefix] = None):
+        """(One device's part of `_decode_steps`.) Decode rows 0 .. rows-1 of `state` in a copy of
+        their slots first_slot .. first_slot+window-1, then write the new slots back in place."""
+        full = state.cache
+        rows = min(rows, full.start.shape[0])  # under dp, `rows` is the whole batch: each shard's rows
+        view = _window(full, rows, first_slot, window)
+        head = jax.tree.map(lambda x: x[:rows], state._replace(cache=None))
+        part, out = self._decode_local(params, head._replace(cache=view), limit, steps, shared)
+        cache = _put_back(full, part.cache, view.index, first_slot, steps)
+        state = jax.tree.map(lambda whole, p: whole.at[:rows].set(p), state._replace(cache=None),
+                             part._replace(cache=None))
+        return state._replace(cache=cache), out
+
+    # ---- host API ---------------------------------------------------------------------------
+
+    def new_state(self, batch: int, slots: int) -> DecodeState:
+        return self._new_state(batch, slots)
+
+    def new_pool(self, slots: int) -> KVCache:
+        """An empty prefix-cache pool of `slots` token slots (see `prefix.PrefixCache`)."""
+        return self._new_pool(slots)
+
+    def admit(self, state, prompts: Seq[Seq[int]], options: Seq[SamplingOptions], seeds: Seq[int],
+              row_ids: Seq[int], index: int, prefix: Optional["PrefixCache"] = None, share_limit: int = 0,
+              read_now: Seq[int] = ()):
+        """Prefill `prompts` into rows `row_ids`, ending at cache slot `index` (the batch's new write index).
+
+        With a `prefix` cache, prompt blocks found in it are read rather than computed and the
+        prompts' new full blocks are stored in it. The computed part of each prompt is its last T
+        tokens (T: the bucket of the longest part not found), the rest (C slots before them,
+        bucketed) is read; that keeps each row's slots contiguous whatever its own hit.
+        Sharing: when the pool slots the rows read, with those running rows read already (`read_now`),
+        number at most `share_limit`, the rows keep reading them from the pool while they decode
+        (see `decode`'s `shared`) instead of holding copies in their own slots.
+        Returns (state, first tokens Emitted [B], done [B], reason [B], the pool slots each prompt's
+        row reads while it decodes: its positions 0, 1, .. (none: empty)).
+        """
+        n = self.prefill_rows(len(prompts))
+        plan = prefix.plan(prompts) if prefix is not None else None
+        cached = plan.cached if plan else [0] * len(prompts)
+        t, reuse = computed_and_read([len(p) for p in prompts], cached)
+        c = bucket(max(reuse)) if max(reuse) else 0
+        w = c + t
+        tokens = np.zeros((n, w), np.int32)
+        lengths = np.ones(n, np.int32)
+        for i, p in enumerate(prompts):
+            tokens[i, w - len(p):] = p
+            lengths[i] = len(p)
+        batch = state.last.shape[0]
+        ids = np.full(n, batch, np.int32)
+        ids[: len(row_ids)] = row_ids
+        pad = [options[0]] * (n - len(options))
+        rows = RowOptions.stack(list(options) + pad, list(seeds) + [0] * len(pad))
+        read = write = pool = None
+        offsets = np.zeros(n, np.int32)
+        reads = [np.zeros(0, np.int32) for _ in prompts]
+        shared = ()
+        if prefix is not None:
+            read, write = prefix_slots(plan, prefix.block, prefix.tokens, [len(p) for p in prompts], reuse, n, c, w)
+            reading = [read[i, c - r:] for i, r in enumerate(reuse)]
+            if any(reuse) and len(set(read_now).union(*map(set, reading))) <= share_limit:
+                offsets[: len(reuse)], reads = reuse, reading
+                shared = shared_layout(reads + [np.zeros(0, np.int32)] * (n - len(reads)), prefix.tokens)
+            pool, prefix.pool = prefix.pool, None
+        self._note("prefill", rows=n, tokens=t, cached=c, batch=batch, slots=state.cache.slots,
+                   shared=len(shared[0]) if shared else 0)
+        try:
+            state, pool, first = self._admit(self.params, state, pool, tokens, lengths, ids, rows, np.int32(index),
+                                             read, write, offsets, *shared)
+        except BaseException:
+            if prefix is not None:
+                prefix.forget(plan)
+            raise
+        finally:
+            if prefix is not None and prefix.pool is None:
+                prefix.pool = pool
+        first, done, reason = jax.device_get((first, state.done, state.reason))
+        return state, _by_row(first, ids, batch), done, reason, reads
+
+    def prefill_rows(self, prompts: int) -> int:
+        """The rows an admission of `prompts` prompts computes (bucketed, a multiple of dp)."""
+        return round_up(bucket(prompts, 1), self.dp)
+
+    def decode(self, state, steps: int, first_slot: int = 0, window: Optional[int] = None,
+               rows: Optional[int] = None, limit: Optional[int] = None, shared=None):
+        """Up to `steps` decode steps -> (state, Emitted [B, steps], done [B], reason [B], write index).
+
+        `limit` (default `steps`) stops the call after that many steps with the same compiled
+        program: the engine takes short calls while requests are arriving (see `Batch.step`).
+
+        Attention reads only slots first_slot .. first_slot+window-1 (default: all): they must hold
+        every running row's tokens and the `steps` new ones. Only rows 0 .. rows-1 (default: all)
+        are computed: no row beyond them may be running (`Batch` fills the lowest free rows first).
+
+        `shared`: (a prefix cache's pool, slots [U], positions [B, U]): every row also attends to
+        the pool's slots `slots` (the pool's size: padding), slot u at position positions[b, u] of
+        row b (-1: row b does not read it), before the tokens of its own slots (see `admit`).
+        """
+        window = window or state.cache.slots
+        batch = state.last.shape[0]
+        rows = batch if rows is None or self.dp > 1 else max(rows, self.min_rows)  # dp: rows split evenly
+        self._note("decode", batch=batch, rows=rows, slots=state.cache.slots, steps=steps, window=window,
+                   shared=0 if shared is None else len(shared[1]))
+        limit = steps if limit is None else min(limit, steps)
+        state, out = self._decode(self.params, state, np.int32(first_slot), np.int32(limit), steps, window, rows,
+                                  *(shared or ()))
+        out, done, reason, index = jax.device_get((out, state.done, state.reason, state.cache.index))
+        return state, out, done, reason, int(index)
+
+    def _note(self, program: str, **shape) -> None:
+        """Log each new shape: a compile (seconds to minutes) happens on its first call. When the
+        process is near its limit of memory maps, drop every program compiled so far first
+        (`host_memory.memory_maps`: past the limit the compile would kill the process)."""
+        key = (program, *sorted(shape.items()))
+        if key not in self.shapes:
+            if not host_memory.room_for_programs():
+                self.drop_programs()
+            self.shapes.add(key)
+            log.info("compiling %s for %s", program, ", ".join(f"{k}={v}" for k, v in shape.items()))
+
+    def drop_programs(self) -> None:
+        """Free every compiled program of this generator; each compiles again on its next use
+        (seconds; loaded from the persistent compilation cache if one is set)."""
+        maps = host_memory.memory_maps()
+        for program in (self._decode, self._admit, self._move, self._roll, self._retire, self._new_state,
+                        self._new_pool):
+            program.clear_cache()
+        gc.collect()  # the executables, and with them their kernels' memory maps
+        log.warning("this process holds %s of its %s memory maps (vm.max_map_count), mostly compiled programs: "
+                    "dropped this model's %d; they compile again when used. For room to keep more: "
+                    "sudo sysctl -w vm.max_map_count=1048576", *(maps or ("?", "?")), len(self.shapes))
+        self.shapes.clear()
+
+    def move(self, state, first: int, index: int, new_index: int):
+        """Move the slots running rows use (first .. index-1) so that the write index becomes
+        `new_index`, copying that span (bucketed) rather than the whole cache; when the bucketed span
+        cannot move in one piece, the whole cache rolls. Call it before `admit` while rows run."""
+        slots = state.cache.slots
+        size = min(span_bucket(index - first), slots)
+        shift = new_index - index
+        source = min(max(index - size, 0), slots - size)
+        if shift == 0:
+            return state
+        if not 0 <= source + shift <= slots - size:
+            self._note("roll", slots=slots)
+            return self._roll(state, np.int32(shift))
+        self._note("move", size=size, slots=slots)
+        return self._move(state, np.int32(source), np.int32(shift), size)
+
+    def warm_moves(self, state):
+        """Compile `move` for every span bucket (each call moves nothing). The whole-cache roll is
+        left to its first use: it compiles in a fraction of a second, while running it here would
+        copy the whole cache (seconds, and twice the cache's memory at start-up)."""
+        size = span_bucket(1)
+        while size < state.cache.slots:
+            self._note("move", size=size, slots=state.cache.slots)
+            state = self._move(state, np.int32(0), np.int32(0), size)
+            size = span_bucket(size + 1)
+        return state
+
+    def retire(self, state, rows: Seq[int]):
+        mask = np.zeros(state.last.shape[0], bool)
+        mask[list(rows)] = True
+        return self._retire(state, mask)
+
+    def generate(self, prompts: Seq[Seq[int]], options: Seq[SamplingOptions] | SamplingOptions,
+                 tokenizer=None) -> list["Sequence"]:
+        """Continue every prompt (token ids); one compiled decode loop runs to the end of the batch."""
+        seqs = self.sequences(prompts, options, tokenizer)
+        for _ in self.stream(seqs, chunk=None):
+            pass
+        return seqs
+
+    def stream(self, seqs: Seq["Sequence"], chunk: Optional[int] = 16) -> Iterator[Seq["Sequence"]]:
+        """Run `seqs` in one batch, yielding them after the prefill and after every `chunk` decode
+        steps (None: a single decode call); read new text with `Sequence.pop_text`."""
+        from mesh_transformer.generate.batching import Batch
+        batch = Batch.for_sequences(self, seqs, chunk=chunk)
+        batch.admit(seqs)
+        yield seqs
+        while batch.active():
+            batch.step()
+            yield seqs
+
+    def sequences(self, prompts, options, tokenizer=None) -> list["Sequence"]:
+        if isinstance(options, SamplingOptions):
+            options = [options] * len(prompts)
+        if len(options) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(options)} SamplingOptions")
+        from mesh_transformer.generate.batching import Sequence
+        return [Sequence(p, o, self.config.seq, tokenizer) for p, o in zip(prompts, options)]
+
+
+def shared_layout(reads: Seq[np.ndarray], pool_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """The pool slots rows read (reads[b]: row b's, at its positions 0, 1, ..) -> (slots [U]: each
+    once, bucketed with `pool_size` = none; positions [B, U]: slot u's position in row b, -1 if
+    row b does not read it), `decode`'s and the admission's `shared`."""
+    used = np.unique(np.concatenate(list(reads) + [np.zeros(0, np.int32)])).astype(np.int32)
+    slots = np.full(bucket(len(used)), pool_size, np.int32)
+    slots[: len(used)] = used
+    positions = np.full((len(reads), len(slots)), -1, np.int32)
+    for b, row in enumerate(reads):
+        positions[b, np.searchsorted(used, row)] = np.arange(len(row))
+    return slots, positions
+
+
+def _shared_prefix(pool: KVCache, slots, positions) -> SharedPrefix:
+    """The pool's slots `slots` [U] (the pool's size: none, zeros) as a SharedPrefix read at `positions`."""
+    take = lambda x, axis: jnp.take(x[0], slots, axis=axis - 1, mode="fill", fill_value=0)  # noqa: E731
+    gathered = pool.along_slots(take)
+    return SharedPrefix(gathered.k, gathered.v, positions)
+
+
+def _by_row(emitted: Emitted, row_ids: np.ndarray, batch: int) -> Emitted:
+    """Tokens emitted for rows `row_ids` [n] (ids >= batch: none) -> Emitted [batch] (-1: no token)."""
+    kept = row_ids < batch
+    def spread(x, fill):
+        out = np.full((batch,) + x.shape[1:], fill, x.dtype)
+        out[row_ids[kept]] = x[kept]
+        return out
+    return Emitted(spread(emitted.token, -1), *(spread(x, 0) for x in emitted[1:]))
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def prefix_slots(plan: "Plan", block: int, size: int, lengths: Seq[int], reuse: Seq[int], n: int, c: int, w: int):
+    """The pool slots an admission reads and writes -> (read [n, c], write [n, w]); `size` (the pool's
+    slot count) where none.
+
+    Row i's prompt fills the last lengths[i] of the w slots (token j at slot w - length + j); its
+    first reuse[i] tokens are read (they end at slot c - 1), and the tokens of `plan.new[i]`'s blocks
+    are written from where the prefill left them.
+    """
+    read = np.full((n, c), size, np.int32)
+    write = np.full((n, w), size, np.int32)
+    for i, (length, r) in enumerate(zip(lengths, reuse)):
+        if r:
+            j = np.arange(r)
+            read[i, c - r:] = np.asarray(plan.found[i], np.int32)[j // block] * block + j % block
+        for number, slot in plan.new[i]:
+            first = w - length + number * block
+            write[i, first:first + block] = slot * block + np.arange(block)
+    return read, write
+

@@ -1,0 +1,294 @@
+"""Hugging Face checkpoints <-> our parameters, for every model family.
+
+Each family declares its HF table once (`models/<family>.py`, `hf_table`): which HF tensor is which
+of ours and the transform between the two layouts, both ways. Import reads safetensors tensor by
+tensor (or a pytorch_model.bin through torch's weights-only unpickler); export writes sharded
+safetensors plus `config.json`, converting one tensor at a time, so host memory holds at most one
+output shard besides the source parameters. The family comes from config.json's `model_type`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+
+from mesh_transformer import models
+from mesh_transformer.config import ConfigError, ModelConfig
+from mesh_transformer.io.tokenizer import TOKENIZER_FILES
+
+
+def config_from_hf(hf: dict, **overrides) -> ModelConfig:
+    """Our config from a HF `config.json` dict (the family from its `model_type`), then `overrides`
+    (e.g. a training config's `seq` or `compute_dtype`)."""
+    return dataclasses.replace(models.family_for_hf(hf.get("model_type")).config.from_hf_config(hf), **overrides)
+
+
+def config_to_hf(c: ModelConfig, torch_dtype: str = "float32") -> dict:
+    return {**c.to_hf_config(), "initializer_range": 0.02, "use_cache": True, "torch_dtype": torch_dtype}
+
+
+def _our_path(c: ModelConfig, module: str) -> str:
+    """Our module path of a table entry's module ("" = the family's root module)."""
+    return f"{c.family}/{module}" if module else c.family
+
+
+def _vocab_axes(c: ModelConfig) -> dict[tuple[str, str], list[int]]:
+    """{(module, leaf): positions of its 'vocab' axes} (stacked layout)."""
+    model = models.build(c)
+    out = {}
+    for module, leaves in model.infos.items():
+        for leaf, info in leaves.items():
+            ndim = model.abstract_params[module][leaf].ndim
+            axes = [i for i, a in enumerate(models.core.parallel.leaf_axes(info, ndim)) if a == "vocab"]
+            if axes:
+                out[(module, leaf)] = axes
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Import
+# --------------------------------------------------------------------------------------------
+
+def _tensor_reader(path: Path) -> Callable[[str], np.ndarray]:
+    """name -> float32 numpy array, reading only that tensor where the format allows."""
+    index = path / "model.safetensors.index.json"
+    single = path / "model.safetensors"
+    if index.exists() or single.exists():
+        from safetensors import safe_open
+        files = ({k: path / v for k, v in json.loads(index.read_text())["weight_map"].items()}
+                 if index.exists() else None)
+
+        def read(name):
+            file = files.get(name) if files is not None else single
+            if file is None:
+                raise KeyError(name)
+            with safe_open(file, framework="numpy") as f:
+                return np.asarray(f.get_tensor(name), dtype=np.float32)
+        return read
+    binary = path / "pytorch_model.bin"
+    if binary.exists():
+        try:
+            import torch
+        except ImportError:
+            raise ConfigError(f"{binary}: reading pytorch_model.bin needs torch installed (or convert to safetensors)") from None
+        state = torch.load(binary, map_location="cpu", weights_only=True)  # no arbitrary unpickling
+        return lambda name: state[name].to(torch.float32).numpy()
+    raise ConfigError(f"{path}: no model.safetensors, model.safetensors.index.json or pytorch_model.bin found")
+
+
+def load_hf(path: str | os.PathLike, mp: int = 1, **overrides) -> tuple[ModelConfig, dict]:
+    """Read a HF model directory -> (our config, params as numpy float32, vocab padded for `mp`)."""
+    path = Path(path)
+    config_file = path / "config.json"
+    if not config_file.exists():
+        raise ConfigError(f"{path}: no config.json (is this a HF model directory?)")
+    config = config_from_hf(json.loads(config_file.read_text()), **overrides)
+    read = _tensor_reader(path)
+
+    def get(name):
+        try:
+            return read(name)
+        except KeyError:
+            raise ConfigError(f"{path}: tensor {name!r} is missing from the checkpoint") from None
+
+    params: dict[str, dict[str, np.ndarray]] = {}
+    for entry in models.family(config.family).hf_table(config):
+        if entry.per_layer:
+            layers = [entry.transform.to_ours(get(entry.hf.format(i=i)), config) for i in range(config.layers)]
+            values = [np.stack(xs) for xs in zip(*layers)]
+        else:
+            values = entry.transform.to_ours(get(entry.hf), config)
+        for (module, leaf), value in zip(entry.ours, values):
+            params.setdefault(_our_path(config, module), {})[leaf] = value
+    return config, pad_vocab(params, config, config.padded_vocab(mp))
+
+
+def pad_vocab(params: dict, config: ModelConfig, padded: int) -> dict:
+    """Zero-pad (or trim) every 'vocab' axis of `params` to `padded` entries."""
+    out = {k: dict(v) for k, v in params.items()}
+    for (module, leaf), axes in _vocab_axes(config).items():
+        for axis in axes:
+            out[module][leaf] = _fit(out[module][leaf], axis, padded)
+    return out
+
+
+def _fit(x, axis: int, size: int):
+    if x.shape[axis] >= size:
+        return np.take(x, np.arange(size), axis=axis)
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, size - x.shape[axis])
+    return np.pad(x, pad)
+
+
+# --------------------------------------------------------------------------------------------
+# Export
+# --------------------------------------------------------------------------------------------
+
+_DTYPES = {"fp32": np.float32, "float32": np.float32, "fp16": np.float16, "float16": np.float16,
+           "bf16": "bfloat16", "bfloat16": "bfloat16"}
+
+
+def _hf_tensors(params, config: ModelConfig, dtype) -> Iterator[tuple[str, Callable[[], np.ndarray]]]:
+    """(HF name, thunk producing that tensor) in file order (globals before the first layer tensor,
+    then layer by layer, then the rest); each thunk reads one slice of `params`."""
+    vocab_axes = _vocab_axes(config)
+    table = models.family(config.family).hf_table(config)
+
+    def thunk(entry, i=None):
+        def make():
+            ours = []
+            for module, leaf in entry.ours:
+                x = params[_our_path(config, module)][leaf]
+                x = np.asarray(x[i] if i is not None else x, dtype=np.float32)
+                for axis in vocab_axes.get((_our_path(config, module), leaf), ()):
+                    x = _fit(x, axis - (i is not None), config.n_vocab)
+                ours.append(x)
+            return np.ascontiguousarray(entry.transform.to_hf(tuple(ours), config).astype(dtype))
+        return make
+
+    first_layer = next((k for k, e in enumerate(table) if e.per_layer), len(table))
+    for entry in table[:first_layer]:
+        if not entry.per_layer:
+            yield entry.hf, thunk(entry)
+    for i in range(config.layers):
+        for entry in table:
+            if entry.per_layer:
+                yield entry.hf.format(i=i), thunk(entry, i)
+    for entry in table[first_layer:]:
+        if not entry.per_layer:
+            yield entry.hf, thunk(entry)
+
+
+def save_hf(params, config: ModelConfig, path: str | os.PathLike, dtype: str = "fp32",
+            max_shard_bytes: int = 2 << 30) -> Path:
+    """Write `params` as a HF model directory (config.json + sharded safetensors + index).
+
+    `params` may hold numpy or (sharded) jax arrays; tensors are converted and written one shard
+    at a time, never all at once.
+    """
+    from safetensors.numpy import save_file
+    import ml_dtypes
+
+    if dtype not in _DTYPES:
+        raise ConfigError(f"dtype must be one of fp32, fp16, bf16; got {dtype!r}")
+    np_dtype = ml_dtypes.bfloat16 if _DTYPES[dtype] == "bfloat16" else _DTYPES[dtype]
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    torch_dtype = {np.float32: "float32", np.float16: "float16"}.get(np_dtype, "bfloat16")
+
+    shards: list[dict[str, np.ndarray]] = [{}]
+    files, weight_map, total = [], {}, 0
+
+    def flush():
+        name = f"model-{len(files) + 1:05d}.safetensors"
+        save_file(shards[-1], str(path / name), metadata={"format": "pt"})
+        files.append(name)
+        for key in shards[-1]:
+            weight_map[key] = name
+        shards[-1] = {}
+
+    shard_bytes = 0
+    for name, thunk in _hf_tensors(params, config, np_dtype):
+        tensor = thunk()
+        if shards[-1] and shard_bytes + tensor.nbytes > max_shard_bytes:
+            flush()
+            shard_bytes = 0
+        shards[-1][name] = tensor
+        shard_bytes += tensor.nbytes
+        total += tensor.nbytes
+    flush()
+    n = len(files)
+    renamed = {}
+    for i, old in enumerate(files):
+        new = "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+        os.replace(path / old, path / new)
+        renamed[old] = new
+    if n > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": {k: renamed[v] for k, v in weight_map.items()}}
+        (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    (path / "config.json").write_text(json.dumps(config_to_hf(config, torch_dtype), indent=2))
+    return path
+
+
+# --------------------------------------------------------------------------------------------
+# Whole-directory conversions (from_hf_weights.py / to_hf_weights.py)
+# --------------------------------------------------------------------------------------------
+
+
+
+def hf_to_checkpoint(hf_dir: str, ckpt_dir: str, train=None) -> int:
+    """Import a HF model directory as a params-only checkpoint (step 0) with its config and tokenizer.
+
+    `train`: the TrainConfig to record beside the model (defaults otherwise). Returns the parameter count.
+    """
+    import jax
+    from mesh_transformer.io import storage
+    from mesh_transformer.io.checkpoint import CheckpointManager
+    from mesh_transformer.config import Config, TrainConfig
+
+    model_config, params = load_hf(hf_dir)
+    config = Config(model_config, train or TrainConfig())
+    cpu = jax.devices("cpu")[0]
+    params = jax.tree.map(lambda x: jax.device_put(x, cpu), params)
+    with CheckpointManager(ckpt_dir, config=config, async_save=False) as ckpt:
+        ckpt.save(0, {"params": params}, extras={"imported_from": str(hf_dir)}, wait=True)
+    for name in TOKENIZER_FILES:
+        source = Path(hf_dir) / name
+        if source.exists():
+            storage.write_bytes(storage.join(ckpt_dir, name), source.read_bytes())
+    return model_config.n_params()
+
+
+def checkpoint_to_hf(ckpt_dir: str, out_dir: str, dtype: str = "fp16", step=None, max_shard_bytes: int = 2 << 30,
+                     peft: bool = False) -> Path:
+    """Export the params of a checkpoint (latest step by default) as a HF model directory.
+
+    Parameters are restored unsharded on the host CPU once, then written tensor by tensor. A LoRA
+    run's checkpoint exports merged (a plain HF model), or with `peft` as a PEFT adapter directory.
+    """
+    import jax
+    from jax.sharding import SingleDeviceSharding
+    from mesh_transformer.io.checkpoint import CheckpointError, CheckpointManager
+    from mesh_transformer.config import config_from_dict
+
+    ckpt = CheckpointManager(ckpt_dir, read_only=True)
+    saved = ckpt.saved_config(step)
+    if saved is None:
+        raise CheckpointError(f"{ckpt_dir}: the checkpoint holds no config; cannot tell the model's shape")
+    full = config_from_dict(saved)
+    config = full.model
+    if peft and full.train.lora is None:
+        raise ConfigError(f"{ckpt_dir}: --peft needs a LoRA run's checkpoint (its config has no 'lora' key)")
+    if full.train.lora is not None:
+        from mesh_transformer import lora
+        if peft:
+            spec, ref = lora.LoraConfig.from_dict(full.train.lora), ckpt.extras(step).get(lora.BASE_KEY) or {}
+            out = lora.save_peft(lora.restore_adapters(ckpt, full, step), config, spec, out_dir,
+                                 base=ref.get("hf") or ref.get("ckpt"))
+        else:
+            out = save_hf(lora.restore_merged(ckpt, full, 1, step), config, out_dir, dtype=dtype,
+                          max_shard_bytes=max_shard_bytes)
+        _copy_tokenizer(ckpt_dir, out)
+        return out
+    cpu = SingleDeviceSharding(jax.devices("cpu")[0])
+    # The vocabulary padding the checkpoint was saved with (it depends on the mp it trained with).
+    shapes = ckpt.saved_shapes(step)
+    abstract = {m: {n: jax.ShapeDtypeStruct(shapes.get(f"params.{m}.{n}", x.shape), x.dtype) for n, x in leaves.items()}
+                for m, leaves in models.build(config).abstract_params.items()}
+    params = ckpt.restore_params(step, abstract_params=abstract, target_shardings=jax.tree.map(lambda _: cpu, abstract),
+                                 check_config=False)
+    out = save_hf(params, config, out_dir, dtype=dtype, max_shard_bytes=max_shard_bytes)
+    _copy_tokenizer(ckpt_dir, out)
+    return out
+
+
+def _copy_tokenizer(ckpt_dir: str, out: Path) -> None:
+    from mesh_transformer.io import storage
+    for name in TOKENIZER_FILES:
+        source = storage.join(ckpt_dir, name)
+        if storage.exists(source):
+            (Path(out) / name).write_bytes(storage.read_bytes(source))

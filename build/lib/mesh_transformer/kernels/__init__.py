@@ -1,0 +1,286 @@
+"""CPU kernels XLA:CPU lacks, as XLA FFI custom calls compiled from source on first use.
+
+All for decoding, in `rows_times_weight.cc` (which says why XLA:CPU's own are slower there):
+`rows_times_weight`, the product of a few float32 rows and a bfloat16 or float32 weight at the
+machine's memory bandwidth, and of a serving batch's rows (32-64, float32) register-blocked
+(`layers.product` calls it where `applies` says so); `grouped_rows_times_weight`, the few-row
+product per (row, kv head) group, for attention over the KV cache (`grouped_applies`);
+`update_slice` (in place), `slice`, `take_rows` and `put_slots` (in place): a KV cache's slices, an
+embedding table's rows and a prefix cache's slots moved without XLA:CPU's copies of the whole array
+(`layers.update_slice`, `layers.take_rows`, `generate.decode`'s admission). In `sampling.cc`:
+`truncation_floor`, each row's top-k/top-p threshold without sorting or bisecting the vocabulary
+(`generate.sampling.top_k_top_p`).
+
+The sources are compiled into one library with the system's C++ compiler (`$CXX`, else
+`c++`/`g++`/`clang++`) against the FFI headers jaxlib ships, once per source/jaxlib/compiler, into
+`$MESH_TRANSFORMER_KERNEL_CACHE` (default `~/.cache/mesh_transformer/kernels`, see `cache_dir`):
+a few seconds, and later processes load the cached library. Where there is no compiler or the build fails, a warning
+says why and the model runs XLA's own products (slower, the same numbers up to summation order);
+`MESH_TRANSFORMER_KERNELS=0` turns the kernels off.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import math
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+from typing import NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+FOLDER = Path(__file__).parent
+SOURCES = (FOLDER / "rows_times_weight.cc", FOLDER / "sampling.cc")  # one library
+HEADERS = (FOLDER / "threads.h",)
+
+
+class Kernel(NamedTuple):
+    """A weight dtype's product: its FFI target, the library's handler symbol, and the row counts
+    it runs streamed (weights read once at memory speed, threads splitting the weight's rows) and
+    register-blocked (threads taking panels of columns; None: XLA's products are faster)."""
+
+    target: str
+    symbol: str
+    streamed: tuple[int, int]
+    blocked: Optional[tuple[int, int]] = None
+
+    def runs(self, rows: int) -> bool:
+        return any(low <= rows <= high for low, high in filter(None, (self.streamed, self.blocked)))
+
+
+KERNELS = {
+    jnp.dtype(jnp.bfloat16): Kernel("mesh_transformer_bf16_rows_times_weight", "MeshTransformerBf16RowsTimesWeight",
+                                    streamed=(1, 8)),
+    jnp.dtype(jnp.float32): Kernel("mesh_transformer_f32_rows_times_weight", "MeshTransformerF32RowsTimesWeight",
+                                   streamed=(2, 8), blocked=(32, 64)),
+}
+# Row counts, measured on the AVX-512 EPYC (16 chained [r, 1024] x [1024, 4096] products, weights
+# out of cache): bf16 1-8 rows in 3.4-6.7 ms against XLA's 7.3-8.5 (YNNPACK; 73 ms at one row),
+# float32 2-8 rows in 6.9-9.3 ms against 8.3-10.6; from 12 rows on XLA's are faster (the kernel
+# loads and stores its partial product once per row per pass). One float32 row stays XLA's
+# matrix-vector product, as fast as the kernel (6.5 vs 6.9 ms). Blocked, float32: 16 / 24 rows
+# 10.3 / 12.4 ms against XLA's 9.3 / 11.7 (weight-bound: XLA overlaps reading and computing
+# better), 32 / 64 rows 15.3 / 23.1 ms (280 / 372 GFLOP/s) against 22.8 / 32.6 (the decode
+# program's XLA:CPU matmuls; YNNPACK's 16.2 / 27.0), 128 rows 50.5 against YNNPACK's 45.9. bf16
+# none: YNNPACK multiplies bf16 pairs (AVX-512-BF16), 7.1 / 13.5 ms at 16 / 64 rows against the
+# kernel's float32 arithmetic, 10.0 / 24.3.
+# Attention over a KV cache: per group (row and kv head) a few query rows times its keys or values.
+# float32 from 2 rows (grouped-query attention's query heads per kv head): bench/decode.py's
+# LLaMA-shaped model (4 per kv head), 16 / 64 rows, 492-504 -> 550-576 and 914-925 -> 1079-1104
+# tok/s; with one query per kv head (GPT-J) XLA's products are as fast or faster (16 rows: 537-552
+# against 520-523).
+GROUPED = {
+    jnp.dtype(jnp.bfloat16): Kernel("mesh_transformer_bf16_grouped_rows_times_weight",
+                                    "MeshTransformerBf16GroupedRowsTimesWeight", streamed=(1, 8)),
+    jnp.dtype(jnp.float32): Kernel("mesh_transformer_f32_grouped_rows_times_weight",
+                                   "MeshTransformerF32GroupedRowsTimesWeight", streamed=(2, 8)),
+}
+UPDATE_SLICE = ("mesh_transformer_update_slice", "MeshTransformerUpdateSlice")
+SLICE = ("mesh_transformer_slice", "MeshTransformerSlice")
+TAKE_ROWS = ("mesh_transformer_take_rows", "MeshTransformerTakeRows")
+PUT_SLOTS = ("mesh_transformer_put_slots", "MeshTransformerPutSlots")
+TRUNCATION_FLOOR = ("mesh_transformer_truncation_floor", "MeshTransformerTruncationFloor")
+FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC")
+
+_lock = threading.Lock()
+_state: dict = {}
+
+
+def enabled() -> bool:
+    return os.environ.get("MESH_TRANSFORMER_KERNELS", "1") not in ("0", "false", "no", "")
+
+
+def compiler() -> Optional[str]:
+    for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def cache_dir() -> Path:
+    """$MESH_TRANSFORMER_KERNEL_CACHE, else ~/.cache/mesh_transformer/kernels, else (a home that
+    cannot be written) a directory of this user's under the system's temporary directory."""
+    if os.environ.get("MESH_TRANSFORMER_KERNEL_CACHE"):
+        return Path(os.environ["MESH_TRANSFORMER_KERNEL_CACHE"])
+    home = Path.home() / ".cache" / "mesh_transformer" / "kernels"
+    try:
+        home.mkdir(parents=True, exist_ok=True)
+        if os.access(home, os.W_OK):
+            return home
+    except OSError:
+        pass
+    return Path(tempfile.gettempdir()) / f"mesh_transformer-kernels-{os.getuid()}"
+
+
+def build(sources=SOURCES, out_dir: Optional[Path] = None) -> Path:
+    """Compile `sources` (they may include this folder's headers) into one shared library (once:
+    the file name hashes the sources and headers, jaxlib's version, the compiler and flags) -> its
+    path. Raises RuntimeError saying what failed."""
+    cxx = compiler()
+    if cxx is None:
+        raise RuntimeError("no C++ compiler found ($CXX, c++, g++ or clang++)")
+    sources = [Path(s) for s in sources]
+    texts = [p.read_bytes() for p in (*sources, *HEADERS)]
+    key = hashlib.sha256(b"\0".join([*texts, jax.lib.__version__.encode(), cxx.encode(),
+                                     " ".join(FLAGS).encode()])).hexdigest()[:16]
+    out_dir = Path(out_dir or cache_dir())
+    library = out_dir / f"mesh_transformer_kernels-{key}.so"
+    if library.exists():
+        return library
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out_dir) as scratch:  # built beside, then renamed: atomic
+        built = Path(scratch) / library.name
+        result = subprocess.run([cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", f"-I{FOLDER}", *map(str, sources),
+                                 "-o", str(built)], capture_output=True, text=True)
+        if result.returncode != 0:
+            names = ", ".join(p.name for p in sources)
+            raise RuntimeError(f"{cxx} could not compile {names}:\n{result.stderr[-2000:]}")
+        os.replace(built, library)
+    return library
+
+
+def _load() -> bool:
+    """Build and register the kernels once per process -> whether they are available."""
+    with _lock:
+        if "ok" not in _state:
+            _state["ok"] = False
+            if enabled():
+                try:
+                    library = ctypes.cdll.LoadLibrary(str(build()))
+                    calls = [(k.target, k.symbol) for k in (*KERNELS.values(), *GROUPED.values())]
+                    calls += [UPDATE_SLICE, SLICE, TAKE_ROWS, PUT_SLOTS, TRUNCATION_FLOOR]
+                    for target, symbol in calls:
+                        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
+                    _state["ok"] = True
+                except (OSError, RuntimeError, AttributeError, subprocess.SubprocessError) as error:
+                    log.warning("CPU kernels unavailable, using XLA's products: %s", error)
+        return _state["ok"]
+
+
+def available() -> bool:
+    """Whether the kernels run here: on CPU, enabled, built."""
+    return jax.default_backend() == "cpu" and _load()
+
+
+def _call(target: str, like, shape, dtype, **options):
+    """`jax.ffi.ffi_call(target, ...)` for one result of `shape`/`dtype` that varies over the mesh
+    axes `like` does (inside shard_map), after making sure the kernels are loaded."""
+    if not _load():
+        raise RuntimeError("the CPU kernels are not available here (see the warning logged when loading them)")
+    typed = jax.typeof(like)
+    result = jax.ShapeDtypeStruct(shape, dtype, sharding=typed.sharding,
+                                  manual_axis_type=getattr(typed, "manual_axis_type", None))
+    return jax.ffi.ffi_call(target, result, **options)
+
+
+MAX_PARTS = 8  # a few threads saturate a socket's memory bandwidth; each part is a [rows, O] float32 partial
+
+
+def parts() -> int:
+    """Threads one product splits its weight's rows over: the cores per local device, at most MAX_PARTS."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(MAX_PARTS, cores // max(1, jax.local_device_count("cpu"))))
+
+
+def applies(x, w) -> bool:
+    """Whether `rows_times_weight(x, w)` will run: x [..., K] of as many rows as the weight dtype's
+    kernel takes, w a [K, O] matrix, on CPU, with the kernels built."""
+    kernel = KERNELS.get(jnp.dtype(w.dtype))
+    if kernel is None or w.ndim != 2:
+        return False
+    return kernel.runs(math.prod(x.shape[:-1])) and available()
+
+
+def rows_times_weight(x, w, n_parts: Optional[int] = None, blocked: Optional[bool] = None):
+    """x [..., K] (any float dtype) times w [K, O] (bfloat16 or float32) -> float32 [..., O]: the
+    float32 product of the (widened) weight, summed in another order than XLA's (~1e-7 relative).
+    Streamed up to the kernel's `streamed` rows (`n_parts` threads, default `parts()`, take chunks
+    of w's rows; their sums are added here), register-blocked beyond (or as `blocked` says)."""
+    batch, k = x.shape[:-1], x.shape[-1]
+    rows = x.reshape(-1, k).astype(jnp.float32)
+    kernel = KERNELS[jnp.dtype(w.dtype)]
+    blocked = rows.shape[0] > kernel.streamed[1] if blocked is None else blocked
+    shape = (1 if blocked else n_parts or parts(), rows.shape[0], w.shape[1])
+    partial = _call(kernel.target, rows, shape, jnp.float32)(rows, w, blocked=blocked)
+    return partial.sum(0).reshape(*batch, w.shape[1])
+
+
+def grouped_applies(x, w) -> bool:
+    """Whether `grouped_rows_times_weight(x, w)` will run: x [*G, M, K] with as many rows M as the
+    weight dtype's kernel takes (`GROUPED`), w [*G, K, O] bfloat16 or float32 with the same leading
+    group axes, on CPU, with the kernels built."""
+    kernel = GROUPED.get(jnp.dtype(w.dtype))
+    return (kernel is not None and x.ndim == w.ndim >= 3 and x.shape[:-2] == w.shape[:-2]
+            and x.shape[-1] == w.shape[-2] and kernel.runs(x.shape[-2]) and available())
+
+
+def grouped_rows_times_weight(x, w):
+    """x [*G, M, K] times w [*G, K, O] (bfloat16 or float32), group by group -> float32 [*G, M, O]
+    (attention's products over a KV cache, read in place: XLA:CPU converts a bf16 cache or hands
+    each group to YNNPACK, and runs float32 groups of a few rows as many small matmuls)."""
+    groups, (m, k), o = x.shape[:-2], x.shape[-2:], w.shape[-1]
+    n = math.prod(groups)
+    flat_x = x.reshape(n, m, k).astype(jnp.float32)
+    call = _call(GROUPED[jnp.dtype(w.dtype)].target, flat_x, (n, m, o), jnp.float32)
+    return call(flat_x, w.reshape(n, k, o)).reshape(*groups, m, o)
+
+
+def _starts(x, starts):
+    """int32 [rank] start indices, each negative one counted from the end (as lax's)."""
+    starts = jnp.stack([jnp.asarray(s, jnp.int32) for s in starts]) if len(starts) else jnp.zeros(0, jnp.int32)
+    return jnp.where(starts < 0, starts + jnp.asarray(x.shape, jnp.int32), starts)
+
+
+def update_slice(x, update, starts):
+    """`lax.dynamic_update_slice(x, update, starts)` (starts clamped as lax's), in place: the result
+    aliases x's buffer and only `update` is copied (see `layers.update_slice` for what XLA:CPU's
+    own update copied). On one device's arrays (inside `shard_map`, or a one-device mesh): a custom
+    call is not partitioned over a mesh."""
+    call = _call(UPDATE_SLICE[0], x, x.shape, x.dtype, input_output_aliases={0: 0})
+    return call(x, update.astype(x.dtype), _starts(x, starts))
+
+
+def slice(x, starts, sizes):  # noqa: A001 - the op's name
+    """`lax.dynamic_slice(x, starts, sizes)` (starts clamped as lax's), one memcpy per contiguous run.
+    On one device's arrays (see `update_slice`)."""
+    return _call(SLICE[0], x, tuple(sizes), x.dtype)(x, _starts(x, starts))
+
+
+def take_rows(table, ids):
+    """`table[ids]` (rows of axis 0, ids clamped to the table; any dtype), one memcpy per row, reading
+    the table where it is. On one device's arrays (see `update_slice`)."""
+    flat = jnp.asarray(ids, jnp.int32).reshape(-1)
+    rows = _call(TAKE_ROWS[0], table, (flat.shape[0], *table.shape[1:]), table.dtype)(table, flat)
+    return rows.reshape(*jnp.shape(ids), *table.shape[1:])
+
+
+def put_slots(x, update, slots, axis: int):
+    """x with update's positions written at `slots` of its `axis`, in place (the result aliases x):
+    x [*A, M, *C] (M on `axis`, which is not the first), update [N, *A', W, *C] with A' as many
+    elements as A (x [1, K, M, H] takes [N, K, W, H]), slots int32 [N, W] (a slot outside 0 .. M-1:
+    not written; two positions at one slot: the later row's). One memcpy per run of consecutive
+    slots, on one device's arrays (see `update_slice`)."""
+    call = _call(PUT_SLOTS[0], x, x.shape, x.dtype, input_output_aliases={0: 0})
+    return call(x, update.astype(x.dtype), jnp.asarray(slots, jnp.int32), axis=axis)
+
+
+def truncation_floor(logits, top_k, top_p):
+    """Each row's threshold for top-k then top-p: logits [B, V] float32, top_k [B] int (0: no
+    limit), top_p [B] float (1: no limit) -> int32 [B], the order key (`sampling._order_key`) of the
+    smallest logit the row keeps (int32's minimum: all). Exactly `sampling.top_k_top_p`'s sets (ties
+    at the threshold kept), found per row by bucketing the vocabulary by probability and selecting
+    in the one bucket the threshold falls in (`sampling.cc`); probabilities are exp(logit - max) as
+    XLA computes them, their sums double. On one device's arrays (see `update_slice`)."""
+    logits = logits.astype(jnp.float32)
+    e = jnp.exp(logits - logits.max(axis=-1, keepdims=True))
+    call = _call(TRUNCATION_FLOOR[0], logits[:, 0], logits.shape[:1], jnp.int32)  # varies as a row of logits
+    return call(logits, e, jnp.asarray(top_k, jnp.int32), jnp.asarray(top_p, jnp.float32))

@@ -1,0 +1,658 @@
+// XLA FFI custom calls for XLA:CPU's decode steps: x [B, K] (float32) times w [K, O] (bfloat16 or
+// float32) for few rows B, returned as P partial products [P, B, O] (float32) that the caller sums,
+// or for a serving batch's rows register-blocked into one product (`blocked`, P = 1: Blocked); the
+// same per group of a [G, M, K] x [G, K, O] product (attention over the KV cache); and moves of
+// KV-cache slices and embedding rows (UpdateSlice in place, Slice, TakeRows, PutSlots; at the end).
+//
+// Why: decoding few rows reads every weight once per step, so the product should run at memory
+// speed. XLA:CPU's own matmul kernels take no bfloat16 operands (it converts the whole weight to
+// float32 first, and in a decode loop holds that copy for the call) and its YNNPACK path reads bf16
+// weights at a third to a half of the memory bandwidth at 1-8 rows; its float32 matmul of 2-8
+// rows reads weights at 60-80% of the bandwidth its one-row matrix-vector product reaches.
+//
+// How: P parts (threads of XLA's intra-op pool) take chunks of w's rows in turn and stream them
+// whole (contiguous memory the hardware prefetches, plus a software prefetch ahead), eight weight
+// rows per pass over a tile of the part's own partial product kept in cache. bf16 is widened to
+// float32 exactly (a 16-bit shift); products and sums are float32 fused multiply-adds, so the
+// result is a float32 matmul of the (widened) weight up to summation order.
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <utility>
+#include <vector>
+
+#include "threads.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+using mesh_transformer::Failed;
+using mesh_transformer::OnThreads;
+
+constexpr int64_t kRowsPerPass = 8;      // weight rows accumulated per pass over a tile (B loads
+                                         // and stores of it per 8 weight vectors)
+constexpr int64_t kTileFloats = 16384;   // one tile of a partial product, all B rows: 64 KiB
+constexpr int64_t kPrefetchAhead = 512;  // weights ahead in each row
+constexpr int64_t kChunksPerPart = 8;    // row chunks per part: a thread that starts late takes fewer
+constexpr int64_t kMaxRows = 64;         // B at most (callers use few)
+
+// Weight element access, scalar and vector, per stored type.
+inline float Scalar(const float* p) { return *p; }
+inline float Scalar(const uint16_t* p) {
+  const uint32_t wide = static_cast<uint32_t>(*p) << 16;
+  float f;
+  std::memcpy(&f, &wide, sizeof f);
+  return f;
+}
+
+__attribute__((target("avx512f"))) inline __m512 Load16(const float* p) { return _mm512_loadu_ps(p); }
+__attribute__((target("avx512f"))) inline __m512 Load16(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+__attribute__((target("avx2"))) inline __m256 Load8(const float* p) { return _mm256_loadu_ps(p); }
+__attribute__((target("avx2"))) inline __m256 Load8(const uint16_t* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+
+// One pass: acc[b][o] += sum_r x[b][r] * w_r[o] over the kRowsPerPass rows r, for o in [from, n).
+template <typename W>
+void PassScalar(float* acc, int64_t acc_stride, const W* const* w, const float* x, int64_t x_stride, int64_t rows,
+                int64_t from, int64_t n) {
+  for (int64_t b = 0; b < rows; ++b) {
+    const float* xb = x + b * x_stride;
+    float* yb = acc + b * acc_stride;
+    for (int64_t o = from; o < n; ++o) {
+      float sum = yb[o];
+      for (int64_t r = 0; r < kRowsPerPass; ++r) sum += xb[r] * Scalar(w[r] + o);
+      yb[o] = sum;
+    }
+  }
+}
+
+// The same for o in [0, a multiple of 16): returns where it stopped.
+template <typename W>
+__attribute__((target("avx512f"))) int64_t PassAvx512(float* acc, int64_t acc_stride, const W* const* w,
+                                                      const float* x, int64_t x_stride, int64_t rows, int64_t n) {
+  constexpr int64_t kLine = 64 / sizeof(W);  // one prefetch per cache line of each row
+  int64_t o = 0;
+  for (; o + 16 <= n; o += 16) {
+    if (o % kLine == 0) {
+      for (int64_t r = 0; r < kRowsPerPass; ++r) {
+        _mm_prefetch(reinterpret_cast<const char*>(w[r] + o + kPrefetchAhead), _MM_HINT_T0);
+      }
+    }
+    __m512 wv[kRowsPerPass];
+    for (int64_t r = 0; r < kRowsPerPass; ++r) wv[r] = Load16(w[r] + o);
+    for (int64_t b = 0; b < rows; ++b) {
+      const float* xb = x + b * x_stride;
+      float* yb = acc + b * acc_stride + o;
+      __m512 y = _mm512_loadu_ps(yb);
+      for (int64_t r = 0; r < kRowsPerPass; ++r) y = _mm512_fmadd_ps(_mm512_set1_ps(xb[r]), wv[r], y);
+      _mm512_storeu_ps(yb, y);
+    }
+  }
+  return o;
+}
+
+template <typename W>
+__attribute__((target("avx2,fma"))) int64_t PassAvx2(float* acc, int64_t acc_stride, const W* const* w,
+                                                     const float* x, int64_t x_stride, int64_t rows, int64_t n) {
+  constexpr int64_t kLine = 64 / sizeof(W);
+  int64_t o = 0;
+  for (; o + 8 <= n; o += 8) {
+    if (o % kLine == 0) {
+      for (int64_t r = 0; r < kRowsPerPass; ++r) {
+        _mm_prefetch(reinterpret_cast<const char*>(w[r] + o + kPrefetchAhead), _MM_HINT_T0);
+      }
+    }
+    __m256 wv[kRowsPerPass];
+    for (int64_t r = 0; r < kRowsPerPass; ++r) wv[r] = Load8(w[r] + o);
+    for (int64_t b = 0; b < rows; ++b) {
+      const float* xb = x + b * x_stride;
+      float* yb = acc + b * acc_stride + o;
+      __m256 y = _mm256_loadu_ps(yb);
+      for (int64_t r = 0; r < kRowsPerPass; ++r) y = _mm256_fmadd_ps(_mm256_set1_ps(xb[r]), wv[r], y);
+      _mm256_storeu_ps(yb, y);
+    }
+  }
+  return o;
+}
+
+enum class Isa { kScalar, kAvx2, kAvx512 };
+
+// The widest the CPU has, or narrower if $MESH_TRANSFORMER_KERNEL_ISA says so ("avx2", "scalar":
+// how the tests run every path on one machine).
+Isa Detect() {
+  const char* forced = std::getenv("MESH_TRANSFORMER_KERNEL_ISA");
+  if (forced != nullptr && std::strcmp(forced, "scalar") == 0) return Isa::kScalar;
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  if (forced != nullptr && std::strcmp(forced, "avx2") == 0) return avx2 ? Isa::kAvx2 : Isa::kScalar;
+  if (__builtin_cpu_supports("avx512f")) return Isa::kAvx512;
+  return avx2 ? Isa::kAvx2 : Isa::kScalar;
+}
+
+template <typename W>
+void Pass(Isa isa, float* acc, int64_t acc_stride, const W* const* w, const float* x, int64_t x_stride,
+          int64_t rows, int64_t n) {
+  int64_t done = 0;
+  if (isa == Isa::kAvx512) done = PassAvx512(acc, acc_stride, w, x, x_stride, rows, n);
+  if (isa == Isa::kAvx2) done = PassAvx2(acc, acc_stride, w, x, x_stride, rows, n);
+  PassScalar(acc, acc_stride, w, x, x_stride, rows, done, n);
+}
+
+// out [B, O] += x[:, k_begin:k_end] w[k_begin:k_end, :], one tile of columns at a time.
+template <typename W>
+void Accumulate(Isa isa, const float* x, const W* w, float* out, int64_t rows, int64_t k_size, int64_t o_size,
+                int64_t k_begin, int64_t k_end) {
+  const int64_t tile = std::max<int64_t>(64, kTileFloats / rows / 64 * 64);
+  for (int64_t t0 = 0; t0 < o_size; t0 += tile) {
+    const int64_t n = std::min(o_size, t0 + tile) - t0;
+    for (int64_t k = k_begin; k < k_end; k += kRowsPerPass) {
+      const int64_t here = std::min(kRowsPerPass, k_end - k);
+      const W* w_rows[kRowsPerPass];
+      float padded[kRowsPerPass * kMaxRows];  // a last pass of fewer rows: the others' x is 0
+      const float* xs = x + k;
+      int64_t x_stride = k_size;
+      for (int64_t r = 0; r < kRowsPerPass; ++r) w_rows[r] = w + (k + std::min(r, here - 1)) * o_size + t0;
+      if (here < kRowsPerPass) {
+        std::fill(padded, padded + kRowsPerPass * rows, 0.0f);
+        for (int64_t b = 0; b < rows; ++b) std::copy(x + b * k_size + k, x + b * k_size + k + here, padded + b * kRowsPerPass);
+        xs = padded;
+        x_stride = kRowsPerPass;
+      }
+      Pass(isa, out + t0, o_size, w_rows, xs, x_stride, rows, n);
+    }
+  }
+}
+
+// Many rows (a serving batch): a register-blocked product. Each thread takes panels of w's columns
+// in turn; per block of kDepth weight rows (kept in cache while every row block reads them) a tile
+// of R rows x C vectors of columns sums its products in registers (R x C accumulators, C weight
+// vectors loaded and widened per weight row for R x C fused multiply-adds) and adds them to y.
+constexpr int64_t kBlockRows = 6;  // R at most: 6 x 4 AVX-512 accumulators (24 of 32 registers)
+constexpr int64_t kDepth = 256;    // weight rows per block: 64 KiB of a 64-column float32 panel
+
+template <typename W, int R, int C>
+__attribute__((target("avx512f"))) void TileAvx512(const float* x, int64_t x_stride, const W* w, int64_t w_stride,
+                                                   float* y, int64_t y_stride, int64_t depth, bool first) {
+  __m512 acc[R][C];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) acc[r][c] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(y + r * y_stride + 16 * c);
+  }
+  for (int64_t k = 0; k < depth; ++k) {
+    const W* wk = w + k * w_stride;
+    __m512 wv[C];
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) wv[c] = Load16(wk + 16 * c);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m512 xr = _mm512_set1_ps(x[r * x_stride + k]);
+#pragma GCC unroll 4
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(xr, wv[c], acc[r][c]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(y + r * y_stride + 16 * c, acc[r][c]);
+  }
+}
+
+template <typename W, int R, int C>
+__attribute__((target("avx2,fma"))) void TileAvx2(const float* x, int64_t x_stride, const W* w, int64_t w_stride,
+                                                  float* y, int64_t y_stride, int64_t depth, bool first) {
+  __m256 acc[R][C];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) acc[r][c] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(y + r * y_stride + 8 * c);
+  }
+  for (int64_t k = 0; k < depth; ++k) {
+    const W* wk = w + k * w_stride;
+    __m256 wv[C];
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) wv[c] = Load8(wk + 8 * c);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m256 xr = _mm256_set1_ps(x[r * x_stride + k]);
+#pragma GCC unroll 4
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm256_fmadd_ps(xr, wv[c], acc[r][c]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) _mm256_storeu_ps(y + r * y_stride + 8 * c, acc[r][c]);
+  }
+}
+
+// Columns [from, to) of the same tile, one at a time (the columns no vector covers, and the
+// portable path).
+template <typename W>
+void TileScalar(const float* x, int64_t x_stride, const W* w, int64_t w_stride, float* y, int64_t y_stride,
+                int64_t rows, int64_t from, int64_t to, int64_t depth, bool first) {
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t o = from; o < to; ++o) {
+      float sum = first ? 0.0f : y[r * y_stride + o];
+      for (int64_t k = 0; k < depth; ++k) sum += x[r * x_stride + k] * Scalar(w + k * w_stride + o);
+      y[r * y_stride + o] = sum;
+    }
+  }
+}
+
+// Every ISA's tiles by [R - 1][C - 1], type-erased.
+using TileFn = void (*)(const float*, int64_t, const void*, int64_t, float*, int64_t, int64_t, bool);
+
+template <typename W, int R, int C>
+void Avx512Tile(const float* x, int64_t xs, const void* w, int64_t ws, float* y, int64_t ys, int64_t d, bool f) {
+  TileAvx512<W, R, C>(x, xs, static_cast<const W*>(w), ws, y, ys, d, f);
+}
+template <typename W, int R, int C>
+void Avx2Tile(const float* x, int64_t xs, const void* w, int64_t ws, float* y, int64_t ys, int64_t d, bool f) {
+  TileAvx2<W, R, C>(x, xs, static_cast<const W*>(w), ws, y, ys, d, f);
+}
+
+template <typename W>
+struct Tiles {
+  TileFn avx512[kBlockRows][4] = {};  // C up to 4 vectors of 16
+  TileFn avx2[kBlockRows][2] = {};    // C up to 2 vectors of 8 (6 x 2 accumulators of 16 registers)
+  Tiles() { Fill(std::make_integer_sequence<int, kBlockRows>{}); }
+  template <int... Rs>
+  void Fill(std::integer_sequence<int, Rs...>) {
+    ((avx512[Rs][0] = &Avx512Tile<W, Rs + 1, 1>, avx512[Rs][1] = &Avx512Tile<W, Rs + 1, 2>,
+      avx512[Rs][2] = &Avx512Tile<W, Rs + 1, 3>, avx512[Rs][3] = &Avx512Tile<W, Rs + 1, 4>,
+      avx2[Rs][0] = &Avx2Tile<W, Rs + 1, 1>, avx2[Rs][1] = &Avx2Tile<W, Rs + 1, 2>), ...);
+  }
+};
+
+// Columns per panel (and per SIMD vector) of each path.
+int64_t Lanes(Isa isa) { return isa == Isa::kAvx512 ? 16 : isa == Isa::kAvx2 ? 8 : 1; }
+int64_t PanelWidth(Isa isa) { return isa == Isa::kAvx2 ? 16 : 64; }
+
+// y [B, O] = x [B, K] w [K, O] for the columns of panel p.
+template <typename W>
+void BlockedPanel(Isa isa, const float* x, const W* w, float* y, int64_t rows, int64_t k_size, int64_t o_size,
+                  int64_t p) {
+  static const Tiles<W> tiles;
+  const int64_t o0 = p * PanelWidth(isa), o1 = std::min(o_size, o0 + PanelWidth(isa));
+  const int64_t vectors = isa == Isa::kScalar ? 0 : (o1 - o0) / Lanes(isa);
+  for (int64_t k0 = 0; k0 < k_size; k0 += kDepth) {
+    const int64_t depth = std::min(kDepth, k_size - k0);
+    for (int64_t r0 = 0; r0 < rows; r0 += kBlockRows) {
+      const int64_t block = std::min(kBlockRows, rows - r0);
+      const float* xs = x + r0 * k_size + k0;
+      float* ys = y + r0 * o_size + o0;
+      const W* ws = w + k0 * o_size + o0;
+      if (vectors > 0) {
+        const TileFn tile = isa == Isa::kAvx512 ? tiles.avx512[block - 1][vectors - 1]
+                                                : tiles.avx2[block - 1][vectors - 1];
+        tile(xs, k_size, ws, o_size, ys, o_size, depth, k0 == 0);
+      }
+      TileScalar(xs, k_size, ws, o_size, ys, o_size, block, vectors * Lanes(isa), o1 - o0, depth, k0 == 0);
+    }
+  }
+}
+
+template <typename W>
+ffi::Future Blocked(ffi::ThreadPool& pool, Isa isa, const float* x, const W* w, float* y, int64_t rows,
+                    int64_t k_size, int64_t o_size) {
+  struct Shared {
+    std::atomic<int64_t> next{0};
+  };
+  auto shared = std::make_shared<Shared>();
+  const int64_t n_panels = (o_size + PanelWidth(isa) - 1) / PanelWidth(isa);
+  const int64_t n_tasks = std::max<int64_t>(1, std::min<int64_t>(n_panels, pool.num_threads()));
+  return OnThreads(pool, n_tasks, [=](int64_t) {
+    for (int64_t p = shared->next.fetch_add(1); p < n_panels; p = shared->next.fetch_add(1)) {
+      BlockedPanel(isa, x, w, y, rows, k_size, o_size, p);
+    }
+  });
+}
+
+template <typename W>
+ffi::Future RowsTimesWeight(ffi::ThreadPool pool, const float* x, int64_t x_count, const W* w, int64_t k_size,
+                            int64_t o_size, float* out, int64_t n_parts, int64_t rows, bool blocked) {
+  static const Isa isa = Detect();
+  if (rows < 1 || x_count != rows * k_size) return Failed("rows x weight: x must be [B, K] with B >= 1");
+  if (blocked) {
+    if (n_parts != 1) return Failed("rows x weight: the blocked product has one part");
+    return Blocked(pool, isa, x, w, out, rows, k_size, o_size);
+  }
+  if (rows > kMaxRows) return Failed("rows x weight: at most 64 rows streamed");
+  // Chunks of w's rows go in order to whichever part's thread asks next; each part sums its chunks
+  // into its own output, zeroed first (a part that gets none adds 0).
+  struct Shared {
+    std::atomic<int64_t> next{0};
+  };
+  auto shared = std::make_shared<Shared>();
+  const int64_t chunk =
+      std::max<int64_t>(kRowsPerPass, k_size / (kChunksPerPart * n_parts) / kRowsPerPass * kRowsPerPass);
+  const int64_t n_chunks = (k_size + chunk - 1) / chunk;
+  return OnThreads(pool, n_parts, [=](int64_t p) {
+    float* own = out + p * rows * o_size;
+    std::fill(own, own + rows * o_size, 0.0f);
+    for (int64_t c = shared->next.fetch_add(1); c < n_chunks; c = shared->next.fetch_add(1)) {
+      Accumulate(isa, x, w, own, rows, k_size, o_size, c * chunk, std::min(k_size, (c + 1) * chunk));
+    }
+  });
+}
+
+ffi::Future Bf16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::BF16> w,
+                 ffi::ResultBuffer<ffi::F32> parts, bool blocked) {
+  const auto dims = parts->dimensions();
+  return RowsTimesWeight(pool, x.typed_data(), x.element_count(), reinterpret_cast<const uint16_t*>(w.untyped_data()),
+                         w.dimensions()[0], w.dimensions()[1], parts->typed_data(), dims[0], dims[1], blocked);
+}
+
+ffi::Future F32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                ffi::ResultBuffer<ffi::F32> parts, bool blocked) {
+  const auto dims = parts->dimensions();
+  return RowsTimesWeight(pool, x.typed_data(), x.element_count(), w.typed_data(), w.dimensions()[0],
+                         w.dimensions()[1], parts->typed_data(), dims[0], dims[1], blocked);
+}
+
+// y [G, M, O] = x [G, M, K] times w [G, K, O], group by group (attention over a KV cache: one
+// group per row and kv head): threads take whole groups in turn.
+template <typename W>
+ffi::Future GroupedRowsTimesWeight(ffi::ThreadPool pool, const float* x, const W* w, float* y, int64_t groups,
+                                   int64_t rows, int64_t k_size, int64_t o_size) {
+  static const Isa isa = Detect();
+  if (rows < 1 || rows > kMaxRows) return Failed("grouped rows x weight: at most 64 rows per group");
+  struct Shared {
+    std::atomic<int64_t> next{0};
+  };
+  auto shared = std::make_shared<Shared>();
+  const int64_t n_tasks = std::max<int64_t>(1, std::min<int64_t>(groups, pool.num_threads()));
+  return OnThreads(pool, n_tasks, [=](int64_t) {
+    for (int64_t g = shared->next.fetch_add(1); g < groups; g = shared->next.fetch_add(1)) {
+      float* out = y + g * rows * o_size;
+      std::fill(out, out + rows * o_size, 0.0f);
+      Accumulate(isa, x + g * rows * k_size, w + g * k_size * o_size, out, rows, k_size, o_size, 0, k_size);
+    }
+  });
+}
+
+using F32x3 = ffi::Buffer<ffi::F32, 3>;
+using Bf16x3 = ffi::Buffer<ffi::BF16, 3>;
+
+ffi::Future Bf16Grouped(ffi::ThreadPool pool, F32x3 x, Bf16x3 w, ffi::Result<F32x3> y) {
+  const auto x_dims = x.dimensions(), w_dims = w.dimensions();
+  return GroupedRowsTimesWeight(pool, x.typed_data(), reinterpret_cast<const uint16_t*>(w.untyped_data()),
+                                y->typed_data(), x_dims[0], x_dims[1], w_dims[1], w_dims[2]);
+}
+
+ffi::Future F32Grouped(ffi::ThreadPool pool, F32x3 x, F32x3 w, ffi::Result<F32x3> y) {
+  const auto x_dims = x.dimensions(), w_dims = w.dimensions();
+  return GroupedRowsTimesWeight(pool, x.typed_data(), w.typed_data(), y->typed_data(), x_dims[0], x_dims[1],
+                                w_dims[1], w_dims[2]);
+}
+
+// Data movement on a KV cache or an embedding table, which XLA:CPU runs badly there: a 16-bit
+// dynamic-update-slice over float32 copies of the whole array, or (on its bits) as fusions that
+// rewrite the whole array (a decode step then copied every layer's cache, a bfloat16 serving
+// batch's decode call and each admitted row copied them again); a 16-bit gather after a copy of
+// the whole table, hoisted out of the decode loop and made once per call; a window of a serving
+// batch's cache sliced element by element (1-3 GB/s).
+using Starts = ffi::Buffer<ffi::S32, 1>;
+using Ids = ffi::Buffer<ffi::S32, 1>;
+using SlotIds = ffi::Buffer<ffi::S32, 2>;
+
+// The block of `sizes` at `src_first` of a row-major array of `src_dims`, to be copied to
+// `dst_first` of one of `dst_dims` (elements of `width` bytes), as runs: the trailing axes the
+// block spans whole, plus the axis before them, are one memcpy each.
+struct Block {
+  std::vector<int64_t> sizes, dst_first, src_first, dst_stride, src_stride;
+  int64_t split = 0, run = 1, runs = 0;  // the runs cover axes split .. rank-1
+  size_t width = 0;
+
+  Block(const std::vector<int64_t>& dst_dims, std::vector<int64_t> dst_first_, const std::vector<int64_t>& src_dims,
+        std::vector<int64_t> src_first_, std::vector<int64_t> sizes_, size_t width_)
+      : sizes(std::move(sizes_)), dst_first(std::move(dst_first_)), src_first(std::move(src_first_)), width(width_) {
+    const int64_t rank = static_cast<int64_t>(sizes.size());
+    dst_stride.assign(rank, 1);
+    src_stride.assign(rank, 1);
+    for (int64_t d = rank - 2; d >= 0; --d) {
+      dst_stride[d] = dst_stride[d + 1] * dst_dims[d + 1];
+      src_stride[d] = src_stride[d + 1] * src_dims[d + 1];
+    }
+    split = rank - 1;
+    run = rank ? sizes[rank - 1] : 1;
+    while (split > 0 && sizes[split] == dst_dims[split] && sizes[split] == src_dims[split]) run *= sizes[--split];
+    runs = run ? 1 : 0;
+    for (int64_t d = 0; d < split; ++d) runs *= sizes[d];
+  }
+
+  size_t bytes() const { return static_cast<size_t>(runs * run) * width; }
+
+  // Copies runs first .. last-1.
+  void Copy(char* dst, const char* src, int64_t first, int64_t last) const {
+    const int64_t rank = static_cast<int64_t>(sizes.size());
+    std::vector<int64_t> at(std::max<int64_t>(split, 0), 0);  // run `first`'s index over axes 0 .. split-1
+    for (int64_t d = split - 1, r = first; d >= 0; --d) {
+      at[d] = r % sizes[d];
+      r /= sizes[d];
+    }
+    for (int64_t r = first; r < last; ++r) {
+      int64_t to = 0, from = 0;
+      for (int64_t d = 0; d < rank; ++d) {
+        const int64_t i = d < split ? at[d] : 0;
+        to += (dst_first[d] + i) * dst_stride[d];
+        from += (src_first[d] + i) * src_stride[d];
+      }
+      std::memcpy(dst + to * width, src + from * width, run * width);
+      for (int64_t d = split - 1; d >= 0 && ++at[d] == sizes[d]; --d) at[d] = 0;
+    }
+  }
+};
+
+constexpr size_t kBytesPerCopyTask = 1 << 20;  // smaller copies stay on the calling thread
+
+// Threads for a copy of `bytes` in `parts` independent parts: one per MiB, at most the pool's
+// threads and the parts (at least one).
+int64_t CopyTasks(ffi::ThreadPool& pool, size_t bytes, int64_t parts) {
+  return std::clamp<int64_t>(static_cast<int64_t>(bytes / kBytesPerCopyTask), 1,
+                             std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), parts)));
+}
+
+// The block copied on as many of the pool's threads as it has MiB (at least one).
+ffi::Future CopyOnThreads(ffi::ThreadPool& pool, const Block& block, char* dst, const char* src) {
+  const int64_t n_tasks = CopyTasks(pool, block.bytes(), block.runs);
+  return OnThreads(pool, n_tasks, [block, dst, src, n_tasks](int64_t t) {
+    block.Copy(dst, src, block.runs * t / n_tasks, block.runs * (t + 1) / n_tasks);
+  });
+}
+
+std::vector<int64_t> Dims(ffi::AnyBuffer::Dimensions dims) { return {dims.begin(), dims.end()}; }
+
+// Each start clamped so that `sizes` fit in `dims`, as XLA's dynamic slices do.
+std::vector<int64_t> Clamped(const Starts& starts, const std::vector<int64_t>& dims,
+                             const std::vector<int64_t>& sizes) {
+  std::vector<int64_t> first(dims.size());
+  for (size_t d = 0; d < dims.size(); ++d) {
+    first[d] = std::clamp<int64_t>(starts.typed_data()[d], 0, dims[d] - sizes[d]);
+  }
+  return first;
+}
+
+bool Fits(const std::vector<int64_t>& sizes, const std::vector<int64_t>& dims) {
+  if (sizes.size() != dims.size()) return false;
+  for (size_t d = 0; d < dims.size(); ++d) {
+    if (sizes[d] > dims[d]) return false;
+  }
+  return true;
+}
+
+// x with `update` written at `starts` (one per axis, clamped), in place: the result aliases x.
+ffi::Future UpdateSlice(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer update, Starts starts,
+                        ffi::Result<ffi::AnyBuffer> out) {
+  const auto dims = Dims(x.dimensions()), sizes = Dims(update.dimensions());
+  if (!Fits(sizes, dims) || starts.element_count() != dims.size()) {
+    return Failed("update slice: the update does not fit the array, or the starts' rank differs");
+  }
+  char* target = static_cast<char*>(out->untyped_data());
+  if (target != x.untyped_data()) std::memcpy(target, x.untyped_data(), x.size_bytes());
+  const Block block(dims, Clamped(starts, dims, sizes), sizes, std::vector<int64_t>(sizes.size(), 0), sizes,
+                    ffi::ByteWidth(x.element_type()));
+  return CopyOnThreads(pool, block, target, static_cast<const char*>(update.untyped_data()));
+}
+
+// The block of x at `starts` (clamped) the result's shape.
+ffi::Future Slice(ffi::ThreadPool pool, ffi::AnyBuffer x, Starts starts, ffi::Result<ffi::AnyBuffer> out) {
+  const auto dims = Dims(x.dimensions()), sizes = Dims(out->dimensions());
+  if (!Fits(sizes, dims) || starts.element_count() != dims.size()) {
+    return Failed("slice: the slice does not fit the array, or the starts' rank differs");
+  }
+  const Block block(sizes, std::vector<int64_t>(sizes.size(), 0), dims, Clamped(starts, dims, sizes), sizes,
+                    ffi::ByteWidth(x.element_type()));
+  return CopyOnThreads(pool, block, static_cast<char*>(out->untyped_data()),
+                       static_cast<const char*>(x.untyped_data()));
+}
+
+// Rows `ids` (clamped to the table) of a table [V, ...]: out [N, ...].
+ffi::Error TakeRows(ffi::AnyBuffer table, Ids ids, ffi::Result<ffi::AnyBuffer> out) {
+  const auto dims = table.dimensions();
+  const bool one_row_per_id = dims.size() >= 1 && dims[0] >= 1 &&
+                              out->element_count() == ids.element_count() * (table.element_count() / dims[0]);
+  if (!one_row_per_id) {
+    return ffi::Error::InvalidArgument("take rows: the result is not one table row per id");
+  }
+  const size_t row = table.size_bytes() / dims[0];
+  const char* source = static_cast<const char*>(table.untyped_data());
+  char* target = static_cast<char*>(out->untyped_data());
+  for (size_t i = 0; i < ids.element_count(); ++i) {
+    std::memcpy(target + i * row, source + std::clamp<int64_t>(ids.typed_data()[i], 0, dims[0] - 1) * row, row);
+  }
+  return ffi::Error::Success();
+}
+
+// x [*A, M, *C] (M on axis `axis`) with update [N, *A', W, *C] (A' as many elements as A)
+// written at slots [N, W] of its M axis (a slot outside 0 .. M-1 is not written), in place: the
+// result aliases x. A row's consecutive slots taking consecutive positions are one run, one memcpy
+// per element of A (a prefix cache's pool storing an admission's prompts: on its bits XLA:CPU
+// copied the whole pool twice, 64 MB a layer, for 2,560 positions).
+ffi::Future PutSlots(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer update, SlotIds slots,
+                     ffi::Result<ffi::AnyBuffer> out, int64_t axis) {
+  const auto dims = Dims(x.dimensions()), u = Dims(update.dimensions()), s = Dims(slots.dimensions());
+  const auto product = [](const std::vector<int64_t>& d, int64_t from, int64_t to) {
+    int64_t p = 1;
+    for (int64_t i = from; i < to; ++i) p *= d[i];
+    return p;
+  };
+  const int64_t rank = static_cast<int64_t>(dims.size());
+  if (axis < 1 || axis >= rank || static_cast<int64_t>(u.size()) != rank || s[0] != u[0] || s[1] != u[axis] ||
+      product(u, 1, axis) != product(dims, 0, axis) || product(u, axis + 1, rank) != product(dims, axis + 1, rank) ||
+      x.element_type() != update.element_type()) {
+    return Failed("put slots: x must be [*A, M, *C], update [N, *A, W, *C] of x's dtype, slots [N, W]");
+  }
+  const int64_t a_size = product(dims, 0, axis), m = dims[axis], c = product(dims, axis + 1, rank), n = u[0],
+                w = u[axis];
+  char* target = static_cast<char*>(out->untyped_data());
+  if (target != x.untyped_data()) std::memcpy(target, x.untyped_data(), x.size_bytes());
+  struct Run { int64_t row, position, slot, length; };
+  auto runs = std::make_shared<std::vector<Run>>();
+  int64_t slots_written = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    for (int64_t p = 0; p < w; ++p) {
+      const int64_t slot = slots.typed_data()[i * w + p];
+      if (slot < 0 || slot >= m) continue;
+      ++slots_written;
+      Run* last = runs->empty() ? nullptr : &runs->back();
+      if (last && last->row == i && last->position + last->length == p && last->slot + last->length == slot) {
+        ++last->length;
+      } else {
+        runs->push_back({i, p, slot, 1});
+      }
+    }
+  }
+  const size_t width = ffi::ByteWidth(x.element_type()), bytes = slots_written * a_size * c * width;
+  const int64_t n_tasks = CopyTasks(pool, bytes, a_size);
+  const char* source = static_cast<const char*>(update.untyped_data());
+  return OnThreads(pool, n_tasks, [=](int64_t t) {
+    for (int64_t a = a_size * t / n_tasks; a < a_size * (t + 1) / n_tasks; ++a) {
+      for (const Run& r : *runs) {
+        const int64_t to = (a * m + r.slot) * c, from = ((r.row * a_size + a) * w + r.position) * c;
+        std::memcpy(target + to * width, source + from * width, r.length * c * width);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// Arguments: x [B, K] float32, w [K, O]; attribute blocked; result: parts [P, B, O] float32 (P = 1
+// when blocked).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshTransformerBf16RowsTimesWeight, Bf16,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<bool>("blocked"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshTransformerF32RowsTimesWeight, F32,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<bool>("blocked"));
+
+// Arguments: x [G, M, K] float32, w [G, K, O] bfloat16 or float32; result: y [G, M, O] float32.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshTransformerBf16GroupedRowsTimesWeight, Bf16Grouped,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<F32x3>()
+                                  .Arg<Bf16x3>()
+                                  .Ret<F32x3>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshTransformerF32GroupedRowsTimesWeight, F32Grouped,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<F32x3>()
+                                  .Arg<F32x3>()
+                                  .Ret<F32x3>());
+
+// Arguments: x, update (same dtype and rank), starts (int32 [rank]); the result aliases x
+// (`input_output_aliases={0: 0}`).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshTransformerUpdateSlice, UpdateSlice,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<Starts>()
+                                  .Ret<ffi::AnyBuffer>());
+
+// Arguments: x, starts (int32 [rank]); result: the slice (x's dtype and rank).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshTransformerSlice, Slice,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<Starts>()
+                                  .Ret<ffi::AnyBuffer>());
+
+// Arguments: x [*A, M, *C], update [N, *A, W, *C] (x's dtype), slots (int32 [N, W]); attribute
+// axis (M's); the result aliases x.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshTransformerPutSlots, PutSlots,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<SlotIds>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("axis"));
+
+// Arguments: table [V, ...], ids (int32 [N]); result: [N, ...] (the table's dtype).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshTransformerTakeRows, TakeRows,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<Ids>()
+                                  .Ret<ffi::AnyBuffer>());

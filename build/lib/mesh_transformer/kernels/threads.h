@@ -1,0 +1,34 @@
+// What every kernel of this folder shares: work split over XLA's intra-op thread pool, and an
+// error returned as a future.
+#pragma once
+
+#include <cstdint>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace mesh_transformer {
+
+// `work(t)` for t in 0 .. n_tasks-1 on n_tasks threads of the pool (this one and n_tasks - 1
+// scheduled), done when all return.
+template <typename F>
+xla::ffi::Future OnThreads(xla::ffi::ThreadPool& pool, int64_t n_tasks, F work) {
+  xla::ffi::CountDownPromise done(n_tasks);
+  for (int64_t t = 1; t < n_tasks; ++t) {
+    pool.Schedule([=]() mutable {
+      work(t);
+      done.CountDown();
+    });
+  }
+  work(0);
+  done.CountDown();
+  return xla::ffi::Future(done);
+}
+
+inline xla::ffi::Future Failed(const char* message) {
+  xla::ffi::Promise promise;
+  xla::ffi::Future future(promise);
+  promise.SetError(xla::ffi::Error::InvalidArgument(message));
+  return future;
+}
+
+}  // namespace mesh_transformer

@@ -1,0 +1,324 @@
+"""The transformer every family shares: embed -> L x block -> final norm -> head, and its KV cache.
+
+    x = embed(tokens) [+ learned positions]          (StemSpec: tied or not, OPT's projections)
+    for each layer:  x, kv = family.block(config, x, ctx, kv)
+    logits = head(norm_f(x))
+
+A family (one file in this folder) gives its config class, its `block` and its HF table; this
+file does the rest the same way for all of them. For training, layers are stacked and scanned
+(`hk.layer_stack`), so compile time does not grow with depth; with a KV cache (generation) they run
+unrolled over per-layer parameters and caches (`unstack_layers`), because a scan slices each
+layer's weights and cache out of the stack, and XLA:CPU copies such slices every decode step.
+
+`Model` wraps the Haiku-transformed network with what the rest of the library needs from it:
+abstract parameters, their `ParamInfo` (logical axes, recorded where each parameter is made), the
+parameter count and FLOPs.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Callable, NamedTuple, Optional
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+
+from mesh_transformer import parallel
+from mesh_transformer.config import ModelConfig
+from mesh_transformer.models.layers import WEIGHT_PRODUCT, Context, Embedding, LMHead, dense, norm, normal, on_bits
+
+REMAT_POLICIES = {
+    "full": None,  # save nothing, recompute the layer in the backward pass
+    # save the weight matmuls (dense() names them), recompute attention's batched einsums
+    "dots": jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+        jax.checkpoint_policies.save_only_these_names(WEIGHT_PRODUCT)),
+}
+STACKED = "layers"  # module of the scanned layers: parameters "<family>/layers/..." with a leading [L] axis
+
+
+class StemSpec(NamedTuple):
+    """How tokens become the residual stream and the stream becomes logits (per family)."""
+
+    final_norm: Optional[str] = "layernorm"  # "layernorm", "rmsnorm" or None
+    tied: bool = False  # the head is the embedding table
+    head_bias: bool = False
+    position_offset: int = 0  # learned positions (pe == "fixed"): rows kept before position 0 (OPT: 2)
+    embed_proj: Optional[int] = None  # OPT: the table is this wide, projected in and out of d_model
+
+
+class KVCache(NamedTuple):
+    """Keys and values for decoding; sharded like activations (kv heads over mp).
+
+    k: one [B, K, H, S] array per layer (a tuple of L), v: one [B, K, S, H] per layer, updated in
+    place as layers run. These are the layouts attention's two matmuls (q.k^T, then weights.v)
+    read, so no step transposes the cache. K is the kv heads (`ModelConfig.cache_heads`). Row b's
+    tokens live in slots start[b] .. index-1 (prompts are left-padded to a shared length); the next
+    tokens are written at slot `index`. `offset` [B] (decoding; None: 0): the tokens before a row's
+    first slot that it reads from a `SharedPrefix` instead, so its slot `start` holds position offset.
+    """
+
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
+    start: jax.Array  # [B] int32
+    index: jax.Array  # [] int32
+    offset: Optional[jax.Array] = None  # [B] int32
+
+    K_SLOTS, V_SLOTS = 3, 2  # the slot axis of each k and v array
+
+    @property
+    def slots(self) -> int:
+        return self.v[0].shape[self.V_SLOTS]
+
+    @classmethod
+    def zeros(cls, config: ModelConfig, batch: int, slots: int, start=0, mp: int = 1, local: bool = False):
+        """An empty cache for `mp` shards: global shapes, or (`local`) one shard's."""
+        heads, dtype = config.cache_heads(mp) // (mp if local else 1), jnp.dtype(config.compute_dtype)
+        k = tuple(jnp.zeros((batch, heads, config.head_dim, slots), dtype) for _ in range(config.layers))
+        v = tuple(jnp.zeros((batch, heads, slots, config.head_dim), dtype) for _ in range(config.layers))
+        return cls(k, v, jnp.broadcast_to(jnp.asarray(start, jnp.int32), (batch,)), jnp.zeros((), jnp.int32))
+
+    def along_slots(self, fn, *others: "KVCache", as_bits: bool = True) -> "KVCache":
+        """The cache with each layer's k and v replaced by fn(array, *the same array of `others`,
+        axis=its slot axis); start and index are kept. `fn` moves data (slices, updates, rolls,
+        gathers): a 16-bit cache runs it on its bits (`layers.on_bits`), unless `as_bits` is
+        False (`fn` is `layers.update_slice`, or takes care of 16-bit arrays itself)."""
+        def each(arrays, axis):
+            call = functools.partial(fn, axis=axis)
+            return tuple(on_bits(call, *xs) if as_bits else call(*xs) for xs in arrays)
+        k = each(zip(self.k, *(o.k for o in others)), self.K_SLOTS)
+        v = each(zip(self.v, *(o.v for o in others)), self.V_SLOTS)
+        return self._replace(k=k, v=v)
+
+
+class SharedPrefix(NamedTuple):
+    """Keys and values several decoding rows share (a prefix-cache block chain), read once per step
+    for all of them instead of once per row from copies in each row's own slots.
+
+    k: one [K, H, U] array per layer, v: one [K, U, H]; positions [B, U] int32: the position each
+    of the U slots holds in row b's sequence, -1 where row b does not read it (the attention mask).
+    """
+
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
+    positions: jax.Array
+
+
+class Transformer(hk.Module):
+    def __init__(self, config: ModelConfig, block: Callable, padded_vocab: int):
+        super().__init__(name=config.family)
+        self.config, self.block, self.padded_vocab = config, block, padded_vocab
+
+    def __call__(self, tokens, cache: Optional[KVCache] = None, last_only: bool = False, segments=None,
+                 key_keep=None, logit_positions=None, shared: Optional[SharedPrefix] = None):
+        """tokens [B, T] (int) -> (logits [B, T, V/mp] float32, this shard's vocabulary slice; new cache).
+
+        Without a cache the T tokens are positions 0..T-1 under a causal mask (training). With a
+        cache they go into slots cache.index .. index+T-1 and attend to every earlier valid slot.
+        `last_only` computes logits for the last position only ([B, 1, V/mp]; prefill);
+        `logit_positions` [B, K] (int) for those positions only ([B, K, V/mp]; scoring the end of a
+        prompt: the vocabulary head is most of a small model's work). `shared` (with a cache):
+        keys and values before each row's own slots that rows share (see `SharedPrefix`).
+        Training only: `segments` [B, T] (int) keeps packed examples apart (a token attends to its
+        own segment, positions restart at each); `key_keep` [B, T] (bool) drops the keys it marks
+        False from every query's view (forgetful causal masking).
+        """
+        c, stem = self.config, self.config.stem()
+        ctx = _context(tokens.shape, cache, segments, key_keep, shared)._replace(attention=c.attention_impl)
+        dtype = jnp.dtype(c.compute_dtype)
+        embedding = Embedding(self.padded_vocab, stem.embed_proj or c.d_model,
+                              width_axis="embed_proj" if stem.embed_proj else "embed")
+        x = embedding(tokens, dtype)
+        if stem.embed_proj:
+            x = dense("btp,pd->btd", x, parallel.weight("project_in", (stem.embed_proj, c.d_model),
+                                                         ("embed_proj", "embed"), 1, normal(0.02), dtype))
+        if c.pe == "fixed":
+            x = x + embedding.positions(ctx.positions, c.seq, c.d_model, dtype, stem.position_offset)
+
+        if cache is None:
+            block = lambda x: self.block(c, x, ctx)[0]  # noqa: E731
+            if c.remat != "none":
+                block = hk.remat(block, policy=REMAT_POLICIES[c.remat])
+            x = hk.layer_stack(c.layers, name=STACKED)(block)(x)
+        else:
+            new_k, new_v = [], []
+            for i in range(c.layers):
+                with hk.name_scope(unstacked(i)):
+                    layer = (cache.k[i], cache.v[i]) + ((shared.k[i], shared.v[i]) if shared else ())
+                    x, (k, v) = self.block(c, x, ctx, layer)
+                new_k.append(k)
+                new_v.append(v)
+            cache = cache._replace(k=tuple(new_k), v=tuple(new_v), index=cache.index + tokens.shape[1])
+        if stem.final_norm:
+            x = norm(stem.final_norm, c.d_model, c.layer_norm_eps, "ln_f")(x)
+        x = x[:, -1:] if last_only else x
+        if logit_positions is not None:
+            x = jnp.take_along_axis(x, logit_positions[..., None], axis=1)
+        if stem.embed_proj:
+            x = dense("btd,dp->btp", x, parallel.weight("project_out", (c.d_model, stem.embed_proj),
+                                                         ("embed", "embed_proj"), 1, normal(0.02), x.dtype))
+        logits = embedding.attend(x, c.n_vocab) if stem.tied else LMHead(
+            c.d_model, self.padded_vocab, c.n_vocab, stem.head_bias)(x)
+        return logits, cache
+
+
+def _context(shape, cache: Optional[KVCache], segments=None, key_keep=None,
+             shared: Optional[SharedPrefix] = None) -> Context:
+    """Positions, mask [B, 1, 1, T, S] and key positions for `shape` = (B, T) new tokens.
+
+    segments [B, T]: positions count from each segment's first token and attention stays inside a
+    segment, so a packed row computes what its examples would one by one. key_keep [B, T]: keys
+    that no query may attend to where False.
+    """
+    batch, t = shape
+    if cache is None:
+        mask = jnp.tril(jnp.ones((t, t), dtype=bool))[None]  # [1, T, S]
+        if segments is None:
+            positions = jnp.broadcast_to(jnp.arange(t), shape)
+        else:
+            positions = segment_positions(segments)
+            mask = mask & (segments[:, :, None] == segments[:, None, :])
+        if key_keep is not None:
+            mask = mask & key_keep[:, None, :]
+        return Context(positions, mask[:, None, None], positions, causal=segments is None and key_keep is None)
+    slots = cache.index + jnp.arange(t)  # [T]
+    offset = 0 if cache.offset is None else cache.offset[:, None]
+    positions = jnp.maximum(slots[None, :] - cache.start[:, None], 0) + offset
+    keys = jnp.arange(cache.slots)  # [S]
+    mask = (keys[None, None, :] <= slots[None, :, None]) & (keys[None, None, :] >= cache.start[:, None, None])
+    return Context(positions, mask[:, None, None], keys[None, :] - cache.start[:, None] + offset, cache.index,
+                   shared_positions=None if shared is None else shared.positions)
+
+
+def segment_positions(segments):
+    """segments [B, T] -> [B, T] int32: each token's position inside its segment (0 at its first token)."""
+    t = jnp.arange(segments.shape[1])
+    first = jnp.concatenate([jnp.ones_like(segments[:, :1], bool), segments[:, 1:] != segments[:, :-1]], axis=1)
+    return (t - jax.lax.cummax(jnp.where(first, t, 0), axis=1)).astype(jnp.int32)
+
+
+def unstacked(i: int) -> str:
+    """Name scope of layer i when layers run unrolled (parameters "<family>/layer_{i}/...")."""
+    return f"layer_{i}"
+
+
+def unstacked_modules(module: str, layers: int) -> list[tuple[str, Optional[int]]]:
+    """[(per-layer module name, layer index)] for a stacked module, [(module, None)] for others."""
+    root, _, rest = module.partition(f"/{STACKED}/")
+    return [(f"{root}/{unstacked(i)}/{rest}", i) for i in range(layers)] if rest else [(module, None)]
+
+
+def unstack_layers(params, layers: int, convert=lambda path, x: x):
+    """Scanned parameters -> the per-layer ones the unrolled (KV-cache) model reads.
+
+    "gptj/layers/attn" [L, ...] becomes "gptj/layer_0/attn" ... "gptj/layer_{L-1}/attn"; other
+    modules are kept. `convert((stacked module, leaf), array)` makes each output leaf (e.g. casts
+    and places it), one at a time.
+    """
+    return {new: {name: convert((module, name), x if i is None else x[i]) for name, x in leaves.items()}
+            for module, leaves in params.items() for new, i in unstacked_modules(module, layers)}
+
+
+# --------------------------------------------------------------------------------------------
+# Model: the transformed network and what is derived from its parameters' declarations
+# --------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Model:
+    """A family's network for `config`, vocabulary padded for `mp` shards.
+
+    init(rng, tokens) -> params (layers stacked); apply(params, tokens, cache=None, last_only=False)
+    -> (logits, cache); with a cache, `params` are per-layer (`unstack_layers`).
+    """
+
+    config: ModelConfig
+    mp: int
+    transformed: hk.Transformed
+    lora: Optional[parallel.LoRAPlan] = None  # adapters on the weights it targets (their leaves end _lora_a/_lora_b)
+
+    def init(self, rng, tokens=None):
+        tokens = jnp.zeros((1, min(8, self.config.seq)), jnp.int32) if tokens is None else tokens
+        return self.transformed.init(rng, tokens)
+
+    def apply(self, params, tokens, cache: Optional[KVCache] = None, last_only: bool = False, *,
+              segments=None, key_keep=None, logit_positions=None, shared: Optional[SharedPrefix] = None, rng=None):
+        """`rng`: only LoRA dropout draws from it (None: no dropout)."""
+        return self.transformed.apply(params, rng, tokens, cache, last_only, segments, key_keep, logit_positions,
+                                      shared)
+
+    @functools.cached_property
+    def _declared(self):
+        with parallel.recording() as record:
+            params = jax.eval_shape(self.init, jax.random.key(0))
+        return params, parallel.infos_for(params, record, STACKED)
+
+    @property
+    def abstract_params(self):
+        """ShapeDtypeStructs of the (stacked, float32) parameters; nothing is allocated."""
+        return self._declared[0]
+
+    @property
+    def infos(self):
+        """`parallel.ParamInfo` of every parameter (same tree as `abstract_params`)."""
+        return self._declared[1]
+
+    def infos_like(self, params):
+        """The ParamInfo tree matching `params`: stacked ones, or the per-layer ones generation reads."""
+        if set(params) == set(self.infos):
+            return self.infos
+        return {new: dict(leaves) for module, leaves in self.infos.items()
+                for new, _ in unstacked_modules(module, self.config.layers)}
+
+    def param_specs(self, rules, params=None, inputs_last: bool = False):
+        """PartitionSpecs of `params` (default: the stacked abstract ones) under `rules`."""
+        params = self.abstract_params if params is None else params
+        return parallel.param_specs(params, self.infos_like(params), rules, inputs_last)
+
+    def rules(self, zero: bool, mp: int):
+        """The partition table for this model on `mp` shards (kv heads replicated when they do not split)."""
+        return parallel.rules_for(zero, self.config.kv_split(mp))
+
+    def check_mesh(self, mesh_shape, zero: bool) -> None:
+        """ConfigError naming the key when this model does not split over a {'dp': .., 'mp': ..} mesh."""
+        c, mp = self.config, mesh_shape[parallel.MP]
+        if not c.kv_split(mp) and mp % c.kv_heads:
+            from mesh_transformer.config import ConfigError
+            raise ConfigError(f"config key 'n_kv_heads': {c.kv_heads} kv heads neither split over nor divide "
+                              f"cores_per_replica (mp) = {mp}")
+        parallel.check_divisibility(self.abstract_params, self.infos, dict(mesh_shape), self.rules(zero, mp))
+
+    def n_params(self) -> int:
+        """Unique parameters, unpadded vocabulary (what HF counts)."""
+        return sum(self._unpadded_size(x, info) for x, info in _pairs(self.abstract_params, self.infos))
+
+    def flops_per_token(self) -> int:
+        """Training FLOPs per token: 6 x matmul parameters (a tied head counts as one) + attention
+        scores and mixing, 2 x 2 x seq x N x H per layer forward, x 3 for training (PaLM appendix B)."""
+        c = self.config
+        matmuls = sum(self._unpadded_size(x, info) for x, info in _pairs(self.abstract_params, self.infos)
+                      if info.inputs)
+        if c.stem().tied:
+            matmuls += c.n_vocab * (c.stem().embed_proj or c.d_model)
+        attention = c.layers * 2 * 2 * c.seq * c.n_heads * c.head_dim
+        return 6 * matmuls + 3 * attention
+
+    def _unpadded_size(self, x, info) -> int:
+        axes = parallel.leaf_axes(info, x.ndim)
+        return math.prod(self.config.n_vocab if a == "vocab" else n for a, n in zip(axes, x.shape))
+
+
+def _pairs(params, infos):
+    return [(x, infos[m][n]) for m, leaves in params.items() for n, x in leaves.items()]
+
+
+def build(config: ModelConfig, block: Callable, mp: int = 1, lora: Optional[parallel.LoRAPlan] = None) -> Model:
+    padded = config.padded_vocab(mp)
+    def forward(tokens, cache=None, last_only=False, segments=None, key_keep=None, logit_positions=None,
+                shared=None):
+        with parallel.lora_plan(lora):
+            return Transformer(config, block, padded)(tokens, cache, last_only, segments, key_keep, logit_positions,
+                                                      shared)
+    transformed = hk.transform(forward)
+    return Model(config, mp, transformed, lora)

@@ -1,0 +1,94 @@
+"""How a family's parameters are named and laid out in Hugging Face checkpoints: one table per family.
+
+Each `HFParam` says which HF tensor holds which of our leaves and how to convert, in both
+directions, declared once: `to_ours(hf_array, config) -> tuple of our arrays` and its exact inverse
+`to_hf(tuple of our arrays, config) -> hf_array`. One HF tensor may hold several of ours (GPT-2's
+fused `c_attn`, GPT-NeoX's per-head interleaved `query_key_value`). Names with `{i}` are per layer
+and map to our stacked modules (`layers/...`, leading [L] axis). Vocabulary padding is not the
+table's business: `io/hf.py` pads and crops every axis declared "vocab".
+
+Our layouts: q/k/v [D, N, H], out_proj [N, H, D], other weights [in, out], q/k/v biases [N, H].
+torch's nn.Linear stores [out, in]; GPT-2's Conv1D stores [in, out].
+"""
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import numpy as np
+
+
+class Transform(NamedTuple):
+    to_ours: Callable  # (hf array, config) -> tuple of arrays
+    to_hf: Callable  # (tuple of arrays, config) -> hf array
+
+
+class HFParam(NamedTuple):
+    hf: str  # e.g. "transformer.h.{i}.attn.q_proj.weight"
+    ours: tuple[tuple[str, str], ...]  # ((module under the family root, leaf), ...), e.g. (("layers/attn", "q_proj"),)
+    transform: Transform
+
+    @property
+    def per_layer(self) -> bool:
+        return "{i}" in self.hf
+
+
+def one(fn_ours, fn_hf) -> Transform:
+    """A transform between one HF tensor and one of ours."""
+    return Transform(lambda x, c: (fn_ours(x, c),), lambda xs, c: fn_hf(xs[0], c))
+
+
+SAME = one(lambda x, c: x, lambda x, c: x)
+LINEAR = one(lambda x, c: x.T, lambda x, c: x.T)  # torch [out, in] <-> [in, out]
+
+
+def heads_out(kv: bool = False, transposed: bool = True) -> Transform:
+    """q/k/v: torch [N*H, D] (or Conv1D [D, N*H] with transposed=False) <-> [D, N, H]."""
+    def to_ours(x, c):
+        x = x.T if transposed else x
+        return x.reshape(c.d_model, _heads(c, kv), c.head_dim)
+
+    def to_hf(x, c):
+        x = x.reshape(c.d_model, -1)
+        return x.T if transposed else x
+    return one(to_ours, to_hf)
+
+
+def heads_in(transposed: bool = True) -> Transform:
+    """out_proj: torch [D, N*H] (or Conv1D [N*H, D] with transposed=False) <-> [N, H, D]."""
+    def to_ours(x, c):
+        x = x.T if transposed else x
+        return x.reshape(c.n_heads, c.head_dim, c.d_model)
+
+    def to_hf(x, c):
+        x = x.reshape(-1, c.d_model)
+        return x.T if transposed else x
+    return one(to_ours, to_hf)
+
+
+def head_bias(kv: bool = False) -> Transform:
+    """q/k/v bias: [N*H] <-> [N, H]."""
+    return one(lambda x, c: x.reshape(_heads(c, kv), c.head_dim), lambda x, c: x.reshape(-1))
+
+
+def fused_qkv(per_head: bool, transposed: bool) -> Transform:
+    """One HF q|k|v tensor <-> our q, k, v (weights [D, N, H] or, 1-d, biases [N, H]).
+
+    per_head=False: [q; k; v] blocks of N*H outputs each (GPT-2's Conv1D c_attn, [D, 3*N*H]).
+    per_head=True: outputs ordered (head, q|k|v, H) (GPT-NeoX's query_key_value, [3*N*H, D]).
+    """
+    def to_ours(x, c):
+        n, h = c.n_heads, c.head_dim
+        x = x.T if transposed and x.ndim == 2 else x  # [D, 3NH] or [3NH]
+        lead = x.shape[:-1]
+        parts = x.reshape(*lead, n, 3, h) if per_head else x.reshape(*lead, 3, n, h)
+        return tuple(parts[..., :, j, :] if per_head else parts[..., j, :, :] for j in range(3))
+
+    def to_hf(xs, c):
+        stacked = np.stack(xs, axis=-2 if per_head else -3)  # [..., N, 3, H] or [..., 3, N, H]
+        flat = stacked.reshape(*stacked.shape[:-3], -1)
+        return flat.T if transposed and flat.ndim == 2 else flat
+    return Transform(to_ours, to_hf)
+
+
+def _heads(c, kv: bool) -> int:
+    return c.kv_heads if kv else c.n_heads

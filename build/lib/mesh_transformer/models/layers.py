@@ -1,0 +1,722 @@
+"""The layers every family is built from: matmul, norms, rotary and ALiBi positions, attention, MLPs,
+vocab-parallel embedding and head.
+
+Nothing here names a device: each parameter is made by `parallel.param` / `parallel.weight` with
+its logical axes, and comes back as the shard this device computes with. Row-parallel layers
+return a `RowParallel` (partial sum over 'mp', bias), so a block adds its biases once, after the
+one reduction it does (`reduce_mp`).
+
+Shape letters: B batch, T time (new tokens), S cache slots (keys), D d_model, N query heads,
+K key/value heads, G query heads per kv head, H head dim, F d_ff, V (local) vocabulary.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple, Optional
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from mesh_transformer import kernels, parallel
+
+
+def normal(std: float) -> hk.initializers.Initializer:
+    return hk.initializers.RandomNormal(stddev=std)
+
+
+ZEROS, ONES = hk.initializers.Constant(0.0), hk.initializers.Constant(1.0)
+
+
+def dense(equation: str, x, w, dtype=None):
+    """x [..., *inputs] times a weight [*inputs, *outputs] -> [..., *outputs]: one 2-d matmul
+    accumulating in float32, the result in `dtype` (default x's).
+
+    `equation` names the axes ("btd,dnh->btnh") and is checked: x's last axes are the weight's
+    first ones. The weight may be a `parallel.InputsLast` one (decoding), stored [*outputs, *inputs].
+    Why 2-d: with several contracted axes XLA may transpose the weight on every call. Why a float32
+    result: with bfloat16 operands XLA:CPU runs the matmul natively only when asked for one.
+    """
+    lhs, rest = equation.split(",")
+    w_axes, out = rest.split("->")
+    n_in = len(set(lhs) & set(w_axes))
+    if lhs[len(lhs) - n_in:] != w_axes[:n_in] or out != lhs[:len(lhs) - n_in] + w_axes[n_in:]:
+        raise ValueError(f"dense({equation!r}): expected x [..., *inputs] and a weight [*inputs, *outputs]")
+    batch = x.shape[:x.ndim - n_in]
+    x = x.reshape(*batch, -1)
+    if isinstance(w, parallel.LoRAWeight):
+        return _lora_dense(x, w, n_in, batch, dtype or x.dtype)
+    if isinstance(w, parallel.InputsLast):
+        outputs = w.array.shape[:-n_in]
+        y = product("...k,ok->...o", x, w.array.reshape(math.prod(outputs), -1))
+    else:
+        outputs = w.shape[n_in:]
+        y = product("...k,ko->...o", x, w.reshape(-1, math.prod(outputs)))
+    # named so remat="dots" keeps it: a custom_vjp call is no dot_general to jax.checkpoint_policies
+    return checkpoint_name(y.reshape(*batch, *outputs).astype(dtype or x.dtype), WEIGHT_PRODUCT)
+
+
+WEIGHT_PRODUCT = "weight_product"  # the checkpoint_name of every dense() output
+
+
+def product(equation: str, a, b):
+    """`jnp.einsum(equation, a, b)` accumulated and returned in float32, whose gradient matmuls take
+    their operands in the forward's dtypes: with bfloat16 operands all three matmuls run natively
+    (bf16 x bf16), as in torch's autocast, instead of in float32 on the float32 cotangent.
+
+    Every index of `equation` appears in two of its three terms (no index summed inside one operand).
+    Inside shard_map both operands first vary over the same mesh axes (what the einsum does
+    implicitly), so the transposes of those casts add the reductions autodiff owes (a column-parallel
+    input's gradient over 'mp', a weight's over 'dp')."""
+    axes = tuple(sorted(_varying(a) | _varying(b)))
+    return _product(equation, _vary(a, axes), _vary(b, axes))
+
+
+def _varying(x) -> frozenset:
+    """The mesh axes a value varies over inside shard_map (empty outside)."""
+    manual = getattr(jax.typeof(x), "manual_axis_type", None)
+    return manual.varying if manual is not None else frozenset()
+
+
+def _vary(x, axes: tuple):
+    missing = tuple(a for a in axes if a not in _varying(x))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _product(equation: str, a, b):
+    """Not differentiated (decoding, evaluation): on CPU the `kernels` where they apply."""
+    if equation == "...k,ko->...o" and kernels.applies(a, b):  # decoding a few rows, or a serving batch
+        return kernels.rows_times_weight(a, b)
+    if equation in _PER_ROW_AND_KV_HEAD and kernels.grouped_applies(a, b):  # attention over the KV cache
+        return kernels.grouped_rows_times_weight(a, b)
+    return jnp.einsum(equation, a, b, preferred_element_type=jnp.float32)
+
+
+def _product_forward(equation, a, b):
+    """Differentiated (training): XLA's product, as the backward's, so a step sums in the same order
+    whatever rows each device holds (a microbatch of 32-64 tokens would take the blocked kernel on
+    one mesh and XLA's matmul on another)."""
+    return jnp.einsum(equation, a, b, preferred_element_type=jnp.float32), (a, b)
+
+
+def _product_backward(equation, saved, g):
+    a, b = saved
+    terms, out = equation.split("->")
+    in_a, in_b = terms.split(",")
+    g = g.astype(jnp.promote_types(a.dtype, b.dtype))
+    da = jnp.einsum(f"{out},{in_b}->{in_a}", g, b, preferred_element_type=jnp.float32)
+    db = jnp.einsum(f"{in_a},{out}->{in_b}", a, g, preferred_element_type=jnp.float32)
+    return da.astype(a.dtype), db.astype(b.dtype)
+
+
+_product.defvjp(_product_forward, _product_backward)
+
+
+def add_bias(x, b):
+    """x [..., N] + b [N], whose gradient for b is a matmul (ones [1, rows] x g) instead of a sum over
+    rows: XLA:CPU 0.10 runs that sum over a vocabulary head's [tokens, 50k] logit gradients as slowly
+    as the head's matmul (490 ms where the matmul form takes 6, `bench/profile_train.py`)."""
+    axes = tuple(sorted(_varying(x) | _varying(b)))
+    return _add_bias(_vary(x, axes), _vary(b, axes))
+
+
+@jax.custom_vjp
+def _add_bias(x, b):
+    return x + b
+
+
+def _add_bias_forward(x, b):
+    return x + b, jnp.zeros((0,), b.dtype)  # only b's dtype is needed
+
+
+def _add_bias_backward(saved, g):
+    rows = g.reshape(-1, g.shape[-1])
+    db = jnp.dot(jnp.ones((1, rows.shape[0]), rows.dtype), rows, preferred_element_type=jnp.float32)
+    return g, db[0].astype(saved.dtype)
+
+
+_add_bias.defvjp(_add_bias_forward, _add_bias_backward)
+
+
+def _lora_dense(x, w: "parallel.LoRAWeight", n_in: int, batch, dtype):
+    """x [..., K] -> x W + scale * (dropout(x) A) B, W [*inputs, *outputs], A [*inputs, r], B [r, *outputs]
+    (LoRA, Hu et al. 2021; PEFT's order of operations). The low-rank path costs 2 r (K + outputs) per row."""
+    outputs = w.base.shape[n_in:]
+    y = jnp.einsum("...k,ko->...o", x, w.base.reshape(-1, math.prod(outputs)), preferred_element_type=jnp.float32)
+    xa = x
+    key = hk.maybe_next_rng_key() if w.dropout > 0 else None
+    if key is not None:  # training: one mask per data-parallel shard (the data differs), the same over mp
+        key = jax.random.fold_in(key, parallel.dp_index())
+        keep = jax.random.bernoulli(key, 1.0 - w.dropout, x.shape)
+        xa = jnp.where(keep, x / (1.0 - w.dropout), 0).astype(x.dtype)
+    low = jnp.einsum("...k,kr->...r", xa, w.a.reshape(-1, w.a.shape[-1]), preferred_element_type=jnp.float32)
+    low = jnp.einsum("...r,ro->...o", low.astype(x.dtype), w.b.reshape(w.b.shape[0], -1),
+                     preferred_element_type=jnp.float32)
+    return (y + w.scale * low).reshape(*batch, *outputs).astype(dtype)
+
+
+class RowParallel(NamedTuple):
+    """A row-parallel layer's output: this shard's partial sum [B, T, D] and the bias to add once (or None)."""
+
+    partial: jax.Array
+    bias: Optional[jax.Array] = None
+
+
+def reduce_mp(*outputs: RowParallel):
+    """Sum row-parallel outputs over the mp shards with one all-reduce, then add their biases once."""
+    total = parallel.psum_mp(sum(o.partial for o in outputs))
+    for o in outputs:
+        if o.bias is not None:
+            total = total + o.bias
+    return total
+
+
+# --------------------------------------------------------------------------------------------
+# Norms
+# --------------------------------------------------------------------------------------------
+
+class LayerNorm(hk.Module):
+    """LayerNorm over D, in float32 (Ba et al. 2016)."""
+
+    def __init__(self, d: int, eps: float, name: str):
+        super().__init__(name=name)
+        self.d, self.eps = d, eps
+
+    def __call__(self, x):  # [B, T, D] -> [B, T, D]
+        dtype, x = x.dtype, x.astype(jnp.float32)
+        scale = parallel.param("scale", (self.d,), ("embed",), ONES)
+        offset = parallel.param("offset", (self.d,), ("embed",), ZEROS)
+        mean = jnp.mean(x, -1, keepdims=True)
+        var = jnp.mean(jnp.square(x - mean), -1, keepdims=True)
+        return ((x - mean) * jax.lax.rsqrt(var + self.eps) * scale + offset).astype(dtype)
+
+
+class RMSNorm(hk.Module):
+    """RMSNorm over D, in float32 (Zhang & Sennrich 2019): x / rms(x) * scale."""
+
+    def __init__(self, d: int, eps: float, name: str):
+        super().__init__(name=name)
+        self.d, self.eps = d, eps
+
+    def __call__(self, x):  # [B, T, D] -> [B, T, D]
+        dtype, x = x.dtype, x.astype(jnp.float32)
+        scale = parallel.param("scale", (self.d,), ("embed",), ONES)
+        x = x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + self.eps)
+        return (x * scale).astype(dtype)
+
+
+def norm(kind: str, d: int, eps: float, name: str) -> hk.Module:
+    return {"layernorm": LayerNorm, "rmsnorm": RMSNorm}[kind](d, eps, name)
+
+
+# --------------------------------------------------------------------------------------------
+# Positions: rotary (interleaved or rotate-half pairing, partial, scaled) and ALiBi
+# --------------------------------------------------------------------------------------------
+
+class Rotary(NamedTuple):
+    """Rotary position embedding (Su et al. 2021) on the first `dims` features of each head.
+
+    pairing "interleaved": features (2i, 2i+1) rotate together (GPT-J, mesh-transformer-jax);
+    "half": features (i, i + dims/2) (GPT-NeoX, LLaMA). `scaling`: HF's rope_scaling dict
+    ({"rope_type": "linear" | "llama3", ...}) or None.
+    """
+
+    dims: int
+    pairing: str = "interleaved"
+    theta: float = 10000.0
+    scaling: Optional[tuple] = None  # sorted (key, value) pairs of HF's rope_scaling dict
+
+    def inv_freq(self):
+        """[dims/2] float32 angular frequencies, after any scaling."""
+        inv_freq = 1.0 / (self.theta ** (jnp.arange(0, self.dims, 2, dtype=jnp.float32) / self.dims))
+        scaling = dict(self.scaling or ())
+        kind = scaling.get("rope_type", scaling.get("type"))
+        if kind == "linear":
+            return inv_freq / scaling["factor"]
+        if kind == "llama3":
+            return _llama3_inv_freq(inv_freq, scaling)
+        return inv_freq
+
+    def __call__(self, x, positions):
+        """x [B, T, N, H], positions [B, T] (int) -> x with its first `dims` features rotated."""
+        angles = positions.astype(jnp.float32)[..., None] * self.inv_freq()  # [B, T, R/2]
+        if self.pairing == "interleaved":
+            sin = jnp.repeat(jnp.sin(angles), 2, axis=-1)[:, :, None, :]  # [B, T, 1, R]
+            cos = jnp.repeat(jnp.cos(angles), 2, axis=-1)[:, :, None, :]
+        else:
+            sin = jnp.tile(jnp.sin(angles), 2)[:, :, None, :]
+            cos = jnp.tile(jnp.cos(angles), 2)[:, :, None, :]
+        x_rot, x_pass = x[..., :self.dims].astype(jnp.float32), x[..., self.dims:]
+        x_rot = x_rot * cos + _rotated(x_rot, self.pairing) * sin
+        return jnp.concatenate([x_rot.astype(x.dtype), x_pass], axis=-1)
+
+
+def _rotated(x, pairing: str):
+    """The 90-degree rotation of each feature pair: (a, b) -> (-b, a)."""
+    if pairing == "interleaved":
+        pairs = x.reshape(*x.shape[:-1], x.shape[-1] // 2, 2)
+        return jnp.stack([-pairs[..., 1], pairs[..., 0]], axis=-1).reshape(x.shape)
+    first, second = jnp.split(x, 2, axis=-1)
+    return jnp.concatenate([-second, first], axis=-1)
+
+
+def _llama3_inv_freq(inv_freq, s: dict):
+    """Llama 3.1's frequency-dependent scaling: long wavelengths / factor, short ones kept, a smooth
+    blend between (HF `_compute_llama3_parameters`)."""
+    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    context = s["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = jnp.where(wavelen > context / low, inv_freq / factor, inv_freq)
+    smooth = (context / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= context / high) & (wavelen <= context / low)
+    return jnp.where(medium, blended, scaled)
+
+
+def alibi_slopes(n_heads: int):
+    """ALiBi's per-head slopes (Press et al. 2022): a geometric sequence, interleaved for n not a power of 2."""
+    def powers(n):
+        start = 2.0 ** (-(2.0 ** -(math.log2(n) - 3)))
+        return [start ** (i + 1) for i in range(n)]
+    if math.log2(n_heads).is_integer():
+        return jnp.asarray(powers(n_heads), jnp.float32)
+    closest = 2 ** math.floor(math.log2(n_heads))
+    return jnp.asarray(powers(closest) + powers(2 * closest)[0::2][: n_heads - closest], jnp.float32)
+
+
+# --------------------------------------------------------------------------------------------
+# Attention
+# --------------------------------------------------------------------------------------------
+
+class AttentionSpec(NamedTuple):
+    """What a family's attention is: sizes, positions, biases."""
+
+    d_model: int
+    n_heads: int
+    kv_heads: int
+    head_dim: int
+    rotary: Optional[Rotary] = None
+    alibi: bool = False
+    qkv_bias: bool = False
+    out_bias: bool = False
+    init_std: float = 0.02
+    out_std: float = 0.02
+
+
+class Context(NamedTuple):
+    """What every layer of one forward pass shares.
+
+    positions [B, T] of the new tokens; mask [B, 1, 1, T, S] (True = may attend);
+    key_positions [B, S] (ALiBi); slot_index: the cache slot the T new tokens go to (None: no cache);
+    causal: the mask is exactly the causal one (no segments, no dropped keys); attention: the
+    config's implementation ("xla" or "cudnn"); shared_positions [B, U]: each row's positions of
+    the shared prefix's U slots, -1 where it does not read one (decoding with a `SharedPrefix`).
+    """
+
+    positions: jax.Array
+    mask: jax.Array
+    key_positions: jax.Array
+    slot_index: Optional[jax.Array] = None
+    causal: bool = False
+    attention: str = "xla"
+    shared_positions: Optional[jax.Array] = None
+
+
+class Attention(hk.Module):
+    """Causal multi-head attention with grouped-query keys/values.
+
+    Column-parallel q/k/v (query heads and, when they split, kv heads over 'mp'), row-parallel
+    out_proj. When kv heads do not split over mp (fewer than mp), every shard holds all of
+    k_proj/v_proj and computes only the kv head its query heads share (see parallel/rules.py).
+    """
+
+    def __init__(self, spec: AttentionSpec, name: str = "attn"):
+        super().__init__(name=name)
+        self.spec = spec
+
+    def __call__(self, h, ctx: Context, cache=None):
+        """h [B, T, D], cache (k [B, K, H, S], v [B, K, S, H]) or None; it may be followed by a
+        shared prefix's keys and values (k [K, H, U], v [K, U, H]) that every row reads where
+        `ctx.shared_positions` says.
+
+        Returns (RowParallel out [B, T, D], updated (k, v) or None).
+        """
+        s = self.spec
+        d, n, kv, hd, dt = s.d_model, s.n_heads, s.kv_heads, s.head_dim, h.dtype
+        q = self._project(h, "q", (d, n, hd), ("embed", "heads", "head_dim"))
+        k = self._project(h, "k", (d, kv, hd), ("embed", "kv_heads", "head_dim"), kv_group=n // kv, n_local=q.shape[2])
+        v = self._project(h, "v", (d, kv, hd), ("embed", "kv_heads", "head_dim"), kv_group=n // kv, n_local=q.shape[2])
+        if s.rotary is not None:
+            q, k = s.rotary(q, ctx.positions), s.rotary(k, ctx.positions)
+        if cache is None and ctx.attention == "cudnn" and not s.alibi:
+            out = _fused_attention(q, k, v, ctx)
+        else:
+            k, v = jnp.transpose(k, (0, 2, 3, 1)), jnp.swapaxes(v, 1, 2)  # [B, K, H, T], [B, K, T, H] as cached
+            shared = None
+            if cache is not None:
+                cache_k, cache_v, *shared = cache
+                k = write_slots(cache_k, k, ctx.slot_index, 3)
+                v = write_slots(cache_v, v, ctx.slot_index, 2)
+                cache = (k, v)
+            out = self._attend(q, k, v, ctx, shared or None)  # [B, T, N, H]
+        w_out = parallel.weight("out_proj", (n, hd, d), ("heads", "head_dim", "embed"), 2, normal(s.out_std), dt)
+        bias = parallel.param("out_bias", (d,), ("embed",), ZEROS, dt) if s.out_bias else None
+        return RowParallel(dense("btnh,nhd->btd", out, w_out), bias), cache
+
+    def _project(self, h, which: str, shape, axes, kv_group: int = 1, n_local: Optional[int] = None):
+        """h [B, T, D] -> [B, T, heads here, H] (q, k or v); for replicated kv heads, only this shard's one."""
+        w = parallel.weight(f"{which}_proj", shape, axes, 1, normal(self.spec.init_std), h.dtype)
+        b = parallel.param(f"{which}_bias", shape[1:], axes[1:], ZEROS, h.dtype) if self.spec.qkv_bias else None
+        heads_here = (w.array.shape[0] if isinstance(w, parallel.InputsLast)
+                      else w.base.shape[1] if isinstance(w, parallel.LoRAWeight) else w.shape[1])
+        if n_local is not None and heads_here * kv_group > n_local:  # kv heads replicated over mp
+            head = (parallel.mp_index() * n_local) // kv_group
+            w = _one_head(w, head)
+            b = None if b is None else jax.lax.dynamic_slice_in_dim(b, head, 1, axis=0)
+        x = dense("btd,dnh->btnh", h, w)
+        return x if b is None else x + b
+
+    def _attend(self, q, k, v, ctx: Context, shared=None):
+        """q [B, T, N, H], k [B, K, H, S], v [B, K, S, H] -> [B, T, N, H] (softmax in float32).
+
+        shared (k [K, H, U], v [K, U, H]) or None: slots every row may read (`ctx.shared_positions`),
+        one softmax over them and the row's own S slots.
+
+        A prefill's many queries run on a CPU in blocks of one row and a few of its positions
+        (`query_block`), one after the other, so a block's scores stay in the cache between the
+        passes the softmax makes over them (16 rows of 128 tokens behind a 1,024-slot prefix: 20 ms
+        a layer in blocks, 91 ms in one piece, whose 75 MB of scores went through memory about ten
+        times). One token per row (decode) is one block of every row, so the shared slots are read
+        once for all of them. Training keeps one block: measured in blocks, its steps were no
+        faster (bench/train_throughput.py's shapes; seq 1,024: +8% for LLaMA, seq 2,048: -3% for GPT-J).
+        """
+        b, t, n, hd = q.shape
+        kv, s = k.shape[1], k.shape[3]
+        g = n // kv
+        q = q.reshape(b, t, kv, g, hd).transpose(0, 2, 3, 1, 4).astype(k.dtype)  # [B, K, G, T, H]
+        shared_k, shared_v = shared if shared is not None else (None, None)
+        keys = s + (0 if shared is None else shared_k.shape[-1])
+        block = query_block(b, t, n * keys) if ctx.slot_index is not None else None
+        attend = functools.partial(self._attend_block, shared_k=shared_k, shared_v=shared_v)
+        if block is None:
+            out = attend(q, k, v, ctx.mask, ctx.positions, ctx.key_positions, ctx.shared_positions)
+        else:
+            out = self._attend_in_blocks(attend, q, k, v, ctx, block)
+        return out.transpose(0, 3, 1, 2, 4).reshape(b, t, n, hd).astype(q.dtype)
+
+    @staticmethod
+    def _attend_in_blocks(attend, q, k, v, ctx: Context, block: int):
+        """`attend` (`_attend_block`) over one row and `block` of its query positions at a time, in
+        turn: q [B, K, G, T, H] -> [B, K, G, T, H] (the last block of each row padded)."""
+        b, kv, g, t, hd = q.shape
+        blocks = -(-t // block)
+        padded = blocks * block
+        pad = lambda x, axis: jnp.pad(x, [(0, padded - t if a == axis else 0) for a in range(x.ndim)])  # noqa: E731
+        split = lambda x, axis: jnp.moveaxis(  # noqa: E731 - [.., T, ..] -> [T / block, .., block, ..]
+            x.reshape(x.shape[:axis] + (blocks, block) + x.shape[axis + 1:]), axis, 0)
+
+        def row(xs):
+            q, k, v, mask, positions, key_positions, shared_positions = jax.tree.map(lambda x: x[None], xs)
+
+            def one_block(xs):
+                q, mask, positions = xs
+                return attend(q, k, v, mask, positions, key_positions, shared_positions)
+            out = jax.lax.map(one_block, (split(q, 3), split(mask, 3), split(positions, 1)))  # [blocks, 1, K, G, ..]
+            return jnp.moveaxis(out[:, 0], 0, 2).reshape(kv, g, padded, hd)
+
+        mask = jnp.broadcast_to(ctx.mask, (b,) + ctx.mask.shape[1:])
+        rows = (pad(q, 3), k, v, pad(mask, 3), pad(ctx.positions, 1), ctx.key_positions, ctx.shared_positions)
+        return jax.lax.map(row, rows)[:, :, :, :t]
+
+    def _attend_block(self, q, k, v, mask, positions, key_positions, shared_positions, shared_k, shared_v):
+        """q [b, K, G, T, H] of b rows (mask [b, 1, 1, T, S], positions [b, T], key_positions [b, S],
+        shared_positions [b, U] or None) -> [b, K, G, T, H] float32.
+
+        With a shared prefix the softmax runs over its scores and the row's own without joining them:
+        one maximum, then each part's exponentials times its values, divided by the sum of both.
+        """
+        b, kv, g, t, hd = q.shape
+        # A kv head's g query heads and t positions are one row dimension of both matmuls (g x t rows
+        # per kv head): XLA:CPU ran them 17x slower with g and t as separate dimensions (g = 4, t = 1).
+        q = q.reshape(b, kv, g * t, hd)
+        scale = lambda scores: scores.reshape(b, kv, g, t, -1) / jnp.sqrt(jnp.float32(hd))  # noqa: E731
+        own = scale(_rows_product("bkmh,bkhs->bkms", q, k))
+        if self.spec.alibi:
+            own = own + self._alibi(kv, g, key_positions, positions)
+        own = jnp.where(mask, own, NEG)
+        rows = lambda weights: weights.astype(v.dtype).reshape(b, kv, g * t, -1)  # noqa: E731
+        if shared_k is None:
+            out = _rows_product("bkms,bksh->bkmh", rows(jax.nn.softmax(own, axis=-1)), v)
+            return out.reshape(b, kv, g, t, hd)
+        shared = scale(_all_rows_product(q, shared_k))
+        if self.spec.alibi:
+            shared = shared + self._alibi(kv, g, shared_positions, positions)
+        shared = jnp.where((shared_positions >= 0)[:, None, None, None, :], shared, NEG)
+        top = jax.lax.stop_gradient(jnp.maximum(own.max(-1, keepdims=True), shared.max(-1, keepdims=True)))
+        own, shared = jnp.exp(own - top), jnp.exp(shared - top)
+        out = _rows_product("bkms,bksh->bkmh", rows(own), v) + _all_rows_product(rows(shared), shared_v)
+        return out.reshape(b, kv, g, t, hd) / (own.sum(-1, keepdims=True) + shared.sum(-1, keepdims=True))
+
+    def _alibi(self, kv: int, group: int, key_positions, positions):
+        """[B, K, G, T, S] bias: -slope * distance from each query (positions [B, T]) back to each key
+        (key_positions [B, S])."""
+        n_local = kv * group
+        slopes = jnp.take(alibi_slopes(self.spec.n_heads), parallel.mp_index() * n_local + jnp.arange(n_local))
+        distance = key_positions[:, None, :] - positions[:, :, None]  # [B, T, S], <= 0 where attended
+        return slopes.reshape(1, kv, group, 1, 1) * distance[:, None, None].astype(jnp.float32)
+
+
+NEG = float(jnp.finfo(jnp.float32).min)  # the score of a key a query may not attend to
+SCORES_PER_BLOCK = 1 << 20  # float32 attention scores one block computes at most (4 MiB: a CPU's L2/L3)
+
+
+def query_block(rows: int, queries: int, scores_per_query: int) -> Optional[int]:
+    """Query positions per block of `Attention._attend` (each block is one row's), or None for one
+    block of everything: on accelerators (their fused kernels want it whole), for one query per row
+    (decode), and when all the scores fit one block anyway."""
+    if jax.default_backend() != "cpu" or queries == 1 or rows * queries * scores_per_query <= SCORES_PER_BLOCK:
+        return None
+    blocks = -(-queries // max(8, SCORES_PER_BLOCK // scores_per_query))
+    return -(-queries // blocks)  # blocks of equal size: the last one is padded least
+
+
+_PER_ROW_AND_KV_HEAD = ("bkmh,bkhs->bkms", "bkms,bksh->bkmh")  # `_rows_product`'s: [B, K] groups
+
+
+def _rows_product(equation: str, rows, other):
+    """`product(equation, rows, other)` for rows [B, K, M, X] (M: a kv head's query rows). A single
+    16-bit row (one token, no grouping) is doubled and the copy's result dropped: XLA:CPU hands a
+    matmul of 2+ rows to YNNPACK, which reads the 16-bit cache in place, but runs a one-row one on
+    a float32 copy of the layer's cache, made every decode step (with `write_slots`: GPT-J in bf16
+    at 16 rows, bench/decode.py's model, 6-29% faster). On CPU with `kernels` built, a bf16 cache
+    is read by the grouped kernel instead (`_product`), which needs no spare row."""
+    if rows.shape[2] > 1 or not _is_16_bit_float(rows) or kernels.grouped_applies(rows, other):
+        return product(equation, rows, other)
+    return product(equation, jnp.concatenate([rows, rows], axis=2), other)[:, :, :1]
+
+
+def _all_rows_product(rows, shared):
+    """rows [B, K, M, X] . shared [K, X, Y] -> [B, K, M, Y]: one matmul of B x M rows per kv head,
+    so the shared operand (which has no row axis) is read once for all rows."""
+    b, kv, m, _ = rows.shape
+    out = product("knx,kxy->kny", jnp.swapaxes(rows, 0, 1).reshape(kv, b * m, -1), shared)
+    return jnp.swapaxes(out.reshape(kv, b, m, -1), 0, 1)
+
+
+def write_slots(cache, new, index, axis: int):
+    """`new` written into `cache` at `index` along `axis`, in place (`update_slice`)."""
+    starts = [0] * cache.ndim
+    starts[axis] = index
+    return update_slice(cache, new, starts)
+
+
+def update_slice(x, update, starts, kernel: bool = True):
+    """`lax.dynamic_update_slice(x, update, starts)` of one device's arrays (a KV cache), in place
+    (`kernel=False`: XLA's, for arrays that span a mesh outside `shard_map`).
+
+    On CPU by `kernels.update_slice`, which moves only the update: XLA:CPU's dynamic-update-slice
+    was copied whole when its result had two consumers of different shapes (the next state, and a
+    one-row attention's view without the row axis: XLA made two fusions of it, each from a copy of
+    the cache — every layer's cache copied four times per decode step, half the one-row speed at a
+    1,000-token context), and a 16-bit one runs over float32 copies of the whole array, or on its
+    bits (`on_bits`) as a fusion that rewrites the whole array (a bfloat16 serving batch copied
+    each layer's keys once per decode call and per admitted row). Elsewhere (or without the
+    kernels) XLA's, a 16-bit array updated as 16-bit integers (exact)."""
+    if kernel and kernels.available():
+        return kernels.update_slice(x, update, starts)
+    return on_bits(lambda a, b: jax.lax.dynamic_update_slice(a, b, starts), x, update)
+
+
+def dynamic_slice(x, starts, sizes):
+    """`lax.dynamic_slice(x, starts, sizes)` of one device's array (a window of a KV cache). On CPU
+    by `kernels.slice`, one memcpy per contiguous run: XLA:CPU sliced a serving batch's window
+    element by element (16 of 64 rows, 256 of 2,048 slots: 5-6 ms of a 64-row decode call's
+    ~70). Elsewhere XLA's, 16-bit arrays on their bits."""
+    if kernels.available():
+        return kernels.slice(x, starts, sizes)
+    return on_bits(lambda a: jax.lax.dynamic_slice(a, starts, sizes), x)
+
+
+def _is_16_bit_float(x) -> bool:
+    return jnp.dtype(x.dtype).itemsize == 2 and jnp.issubdtype(x.dtype, jnp.floating)
+
+
+def on_bits(op, *arrays):
+    """`op`, a pure data movement (slices, updates, gathers, rolls), on `arrays`: 16-bit floats
+    viewed as 16-bit integers and the result viewed back (bit-exact). XLA:CPU runs such ops on
+    16-bit floats over float32 copies of whole operands: a dynamic-update-slice of one row into a
+    bfloat16 KV cache converted and rewrote the whole cache. Every array takes the first's dtype."""
+    dtype = arrays[0].dtype
+    arrays = [a.astype(dtype) for a in arrays]
+    if not _is_16_bit_float(arrays[0]):
+        return op(*arrays)
+    bits = op(*(jax.lax.bitcast_convert_type(a, jnp.uint16) for a in arrays))
+    return jax.lax.bitcast_convert_type(bits, dtype)
+
+
+def _fused_attention(q, k, v, ctx: Context):
+    """q [B, T, N, H], k and v [B, T, K, H] -> [B, T, N, H] with `jax.nn.dot_product_attention`:
+    cuDNN's flash attention on NVIDIA GPUs in 16-bit (the [T, S] scores never reach memory; a plain
+    causal mask skips the blocks above the diagonal), XLA's implementation elsewhere. Used for
+    training (no cache, no ALiBi); decoding keeps the einsum path, which reads the cache in place."""
+    on_gpu = jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16)
+    k, v = k.astype(q.dtype), v.astype(q.dtype)
+    mask = None if ctx.causal else ctx.mask[:, 0]  # [B, 1, T, S]
+    return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=ctx.causal,
+                                        implementation="cudnn" if on_gpu else "xla")
+
+
+def _one_head(w, head):
+    """The weight [D, K, H] (or inputs-last [K, H, D]) of kv head `head` alone: [D, 1, H]."""
+    if isinstance(w, parallel.InputsLast):
+        return parallel.InputsLast(jax.lax.dynamic_slice_in_dim(w.array, head, 1, axis=0), w.inputs)
+    if isinstance(w, parallel.LoRAWeight):  # B [r, K, H]: its kv head too
+        return w._replace(base=_one_head(w.base, head), b=jax.lax.dynamic_slice_in_dim(w.b, head, 1, axis=1))
+    return jax.lax.dynamic_slice_in_dim(w, head, 1, axis=1)
+
+
+# --------------------------------------------------------------------------------------------
+# MLPs
+# --------------------------------------------------------------------------------------------
+
+ACTIVATIONS = {
+    "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),  # tanh approximation (GPT-2, GPT-J)
+    "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+    "gelu": lambda x: jax.nn.gelu(x, approximate=False),  # erf (GPT-NeoX / Pythia)
+    "relu": jax.nn.relu,  # OPT
+    "silu": jax.nn.silu,  # SwiGLU's gate (LLaMA)
+}
+
+
+class MLPSpec(NamedTuple):
+    d_model: int
+    d_ff: int
+    activation: str = "gelu_new"
+    gated: bool = False  # SwiGLU: fc_out(act(gate(h)) * fc_in(h))
+    bias: bool = True
+    init_std: float = 0.02
+    out_std: float = 0.02
+
+
+class MLP(hk.Module):
+    """fc_in -> activation -> fc_out (or gated, SwiGLU); F is split over 'mp' (column- then row-parallel)."""
+
+    def __init__(self, spec: MLPSpec, name: str = "mlp"):
+        super().__init__(name=name)
+        self.spec = spec
+
+    def __call__(self, h) -> RowParallel:
+        """h [B, T, D] -> RowParallel([B, T, D] partial over mp, fc_out bias [D] or None)."""
+        s, dt = self.spec, h.dtype
+        act = ACTIVATIONS[s.activation]
+        x = self._in("fc_in", h)
+        x = act(self._in("gate", h)) * x if s.gated else act(x)
+        w_out = parallel.weight("fc_out", (s.d_ff, s.d_model), ("mlp", "embed"), 1, normal(s.out_std), dt)
+        bias = parallel.param("fc_out_bias", (s.d_model,), ("embed",), ZEROS, dt) if s.bias else None
+        return RowParallel(dense("btf,fd->btd", x.astype(dt), w_out), bias)
+
+    def _in(self, name: str, h):
+        """h [B, T, D] -> [B, T, F] float32 (the product rounded to h's dtype, then its bias added).
+
+        The activation then runs in float32 and is rounded once: run on a 16-bit array, XLA:CPU
+        rounds after each of its operations (bf16 GPT-J: a 16-prompt admission 150 -> 125 ms)."""
+        s = self.spec
+        w = parallel.weight(name, (s.d_model, s.d_ff), ("embed", "mlp"), 1, normal(s.init_std), h.dtype)
+        x = dense("btd,df->btf", h, w).astype(jnp.float32)
+        return x + parallel.param(f"{name}_bias", (s.d_ff,), ("mlp",), ZEROS, h.dtype) if s.bias else x
+
+
+# --------------------------------------------------------------------------------------------
+# Embedding and head (vocab-parallel)
+# --------------------------------------------------------------------------------------------
+
+def take_rows(table, ids):
+    """`table[ids]` (rows of axis 0, ids inside the table). XLA:CPU runs a bf16 gather on a float32
+    copy of its whole operand, which inside a decode loop is hoisted and held for the call (a 50k x
+    4k embedding table: an extra 800 MB), and gathers 16-bit integers from a 16-bit copy of it,
+    made once per decode call (a 50k x 512 bfloat16 table: 13 ms of a 16-row call's ~90). A 16-bit
+    table's rows are copied by `kernels.take_rows` on CPU (not differentiated), elsewhere gathered
+    as 16-bit integers."""
+    if _is_16_bit_float(table):
+        return _take_16_bit(table, ids)
+    return jnp.take(table, ids, axis=0)
+
+
+def _take_16_bit_differentiable(table, ids):
+    return on_bits(lambda bits: jnp.take(bits, ids, axis=0), table)
+
+
+@jax.custom_vjp
+def _take_16_bit(table, ids):  # not differentiated (decoding, evaluation)
+    return kernels.take_rows(table, ids) if kernels.available() else _take_16_bit_differentiable(table, ids)
+
+
+def _take_16_bit_fwd(table, ids):
+    return _take_16_bit_differentiable(table, ids), (table, ids)
+
+
+def _take_16_bit_bwd(residuals, g):  # jnp.take's gradient: g scattered-added into the table's rows
+    table, ids = residuals
+    _, pullback = jax.vjp(lambda t: jnp.take(t, ids, axis=0), table)
+    return pullback(g)[0], None
+
+
+_take_16_bit.defvjp(_take_16_bit_fwd, _take_16_bit_bwd)
+
+
+class Embedding(hk.Module):
+    """Vocab-parallel token embedding (each mp shard holds V/mp rows) and, tied, the output projection."""
+
+    def __init__(self, padded_vocab: int, width: int, init_std: float = 0.02, width_axis: str = "embed",
+                 name: str = "embed"):
+        """`width_axis`: "embed" (d_model wide) or "embed_proj" (OPT's narrower word_embed_proj_dim)."""
+        super().__init__(name=name)
+        self.padded_vocab, self.width, self.init_std, self.width_axis = padded_vocab, width, init_std, width_axis
+
+    def _table(self, dtype):
+        return parallel.param("embeddings", (self.padded_vocab, self.width), ("vocab", self.width_axis),
+                              normal(self.init_std), dtype, decay=True)
+
+    def __call__(self, tokens, dtype):  # [B, T] -> [B, T, width]
+        table = self._table(dtype)
+        local_vocab = table.shape[0]
+        local_ids = tokens - parallel.mp_index() * local_vocab
+        here = (local_ids >= 0) & (local_ids < local_vocab)
+        x = take_rows(table, jnp.clip(local_ids, 0, local_vocab - 1))
+        return parallel.psum_mp(jnp.where(here[..., None], x, 0))
+
+    def positions(self, positions, seq: int, d: int, dtype, offset: int = 0, init_std: float = 0.01):
+        """Learned absolute position embeddings [B, T, D] (GPT-2; OPT keeps `offset` = 2 rows before position 0)."""
+        table = parallel.param("pos_embeddings", (seq + offset, d), ("seq", "embed"), normal(init_std), dtype, decay=True)
+        return take_rows(table, positions + offset)
+
+    def attend(self, x, n_vocab: int):
+        """Tied output projection: x [B, T, width] -> local logits [B, T, V/mp] (float32), padding -inf."""
+        table = self._table(x.dtype)
+        return product("btd,vd->btv", x, table) + vocab_padding(table.shape[0], n_vocab)
+
+
+def vocab_padding(local_vocab: int, n_vocab: int):
+    """[V/mp] float32: 0 for real vocabulary entries of this shard, -inf for padding."""
+    vocab_ids = parallel.mp_index() * local_vocab + jnp.arange(local_vocab)
+    return jnp.where(vocab_ids < n_vocab, 0.0, -jnp.inf).astype(jnp.float32)
+
+
+class LMHead(hk.Module):
+    """Untied vocab-parallel output projection (with an optional bias); padded vocabulary entries get -inf."""
+
+    def __init__(self, d: int, padded_vocab: int, n_vocab: int, bias: bool, name: str = "head"):
+        super().__init__(name=name)
+        self.d, self.padded_vocab, self.n_vocab, self.bias = d, padded_vocab, n_vocab, bias
+
+    def __call__(self, x):  # [B, T, D] -> local logits [B, T, V/mp] (float32)
+        w = parallel.weight("lm_head", (self.d, self.padded_vocab), ("embed", "vocab"), 1, normal(0.02), x.dtype)
+        logits = dense("btd,dv->btv", x, w, jnp.float32)
+        local_vocab = logits.shape[-1]
+        if self.bias:  # padding folded into the bias: cheaper than masking [B, T, V] logits
+            b = parallel.param("lm_head_bias", (self.padded_vocab,), ("vocab",), ZEROS)
+            return add_bias(logits, jnp.where(jnp.isfinite(vocab_padding(local_vocab, self.n_vocab)), b, -jnp.inf))
+        return logits + vocab_padding(local_vocab, self.n_vocab)

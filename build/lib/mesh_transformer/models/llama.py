@@ -1,0 +1,135 @@
+"""LLaMA (Touvron et al. 2023) and the models that share its shape — Llama 2/3, Mistral (without a
+sliding window shorter than the context), Qwen2, TinyLlama: numerically `transformers.LlamaForCausalLM`.
+
+    x = x + Attn(RMSNorm1(x));  x = x + SwiGLU(RMSNorm2(x))      # two all-reduces per layer
+
+Grouped-query attention (`n_kv_heads` kv heads shared by n_heads / n_kv_heads query heads),
+rotate-half rotary with `rope_theta` and HF's `rope_scaling` kinds "linear" and "llama3", optional
+q/k/v bias (Qwen2) and o_proj bias, tied or untied embeddings.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from mesh_transformer.config import ConfigError, ModelConfig, require
+from mesh_transformer.models import hf_layout as hl
+from mesh_transformer.models.core import StemSpec
+from mesh_transformer.models.layers import MLP, Attention, AttentionSpec, MLPSpec, Rotary, norm, reduce_mp
+
+ROPE_SCALINGS = {"linear": ("factor",),
+                 "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+
+
+@dataclass(frozen=True)
+class LlamaConfig(ModelConfig):
+    family: str = "llama"
+    n_kv_heads: Optional[int] = None  # default n_heads (no grouping)
+    rope_theta: float = 10000.0
+    rope_scaling: Optional[dict] = None  # HF's: {"rope_type": "linear" | "llama3", "factor": ..., ...}
+    qkv_bias: bool = False
+    out_bias: bool = False
+    mlp_bias: bool = False
+    tie_embeddings: bool = False
+    layer_norm_eps: float = 1e-6  # RMSNorm's epsilon
+
+    PE_CHOICES = ("rotary", "alibi", "none")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads if self.n_kv_heads is not None else self.n_heads
+
+    def validate(self) -> None:
+        super().validate()
+        require(self.kv_heads > 0 and self.n_heads % self.kv_heads == 0, "n_kv_heads",
+                f"{self.kv_heads} must be positive and divide n_heads={self.n_heads}")
+        require(self.head_dim % 2 == 0, "d_head", f"rotary needs an even head size, got {self.head_dim}")
+        if self.rope_scaling is not None:
+            kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
+            require(kind in ROPE_SCALINGS, "rope_scaling", f"rope_type must be one of {tuple(ROPE_SCALINGS)}, got {kind!r}")
+            missing = [k for k in ROPE_SCALINGS[kind] if k not in self.rope_scaling]
+            require(not missing, "rope_scaling", f"{kind!r} needs {missing}")
+
+    def attention(self) -> AttentionSpec:
+        scaling = tuple(sorted(self.rope_scaling.items())) if self.rope_scaling else None
+        rotary = Rotary(self.head_dim, "half", self.rope_theta, scaling) if self.pe == "rotary" else None
+        return AttentionSpec(self.d_model, self.n_heads, self.kv_heads, self.head_dim, rotary, alibi=self.pe == "alibi",
+                             qkv_bias=self.qkv_bias, out_bias=self.out_bias)
+
+    def mlp(self) -> MLPSpec:
+        return MLPSpec(self.d_model, self.ff_dim, "silu", gated=True, bias=self.mlp_bias)
+
+    def stem(self) -> StemSpec:
+        return StemSpec(final_norm="rmsnorm", tied=self.tie_embeddings)
+
+    @classmethod
+    def from_hf_config(cls, hf: dict) -> "LlamaConfig":
+        act = hf.get("hidden_act", "silu")
+        if act != "silu":
+            raise ConfigError(f"config.json: hidden_act {act!r} is not supported (LLaMA uses 'silu')")
+        rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+        theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
+        rope.pop("partial_rotary_factor", None)
+        scaling = None if rope.get("rope_type", rope.get("type", "default")) == "default" else rope
+        seq = hf.get("max_position_embeddings", 2048)
+        window = hf.get("sliding_window") if hf.get("use_sliding_window", True) else None
+        qwen2 = hf.get("model_type") == "qwen2"
+        return cls(layers=hf["num_hidden_layers"], d_model=hf["hidden_size"], n_heads=hf["num_attention_heads"],
+                   n_kv_heads=hf.get("num_key_value_heads"), d_head=hf.get("head_dim"), n_vocab=hf["vocab_size"],
+                   # attention over at most `sliding_window` tokens is full attention: the context stops there
+                   seq=min(seq, window) if window else seq, d_ff=hf["intermediate_size"], rope_theta=theta,
+                   rope_scaling=scaling, qkv_bias=qwen2 or hf.get("attention_bias", False),
+                   out_bias=not qwen2 and hf.get("attention_bias", False), mlp_bias=hf.get("mlp_bias", False),
+                   tie_embeddings=hf.get("tie_word_embeddings", False), layer_norm_eps=hf.get("rms_norm_eps", 1e-6))
+
+    def to_hf_config(self) -> dict:
+        """LlamaForCausalLM, or Qwen2ForCausalLM for q/k/v biases without an o_proj bias."""
+        qwen2 = self.qkv_bias and not self.out_bias
+        qwen2_shape = not self.mlp_bias and self.head_dim * self.n_heads == self.d_model
+        if self.pe != "rotary" or (self.out_bias and not self.qkv_bias) or (qwen2 and not qwen2_shape):
+            raise ConfigError("only pe='rotary' LLaMA models with q/k/v biases wherever o_proj has one (and Qwen2-style "
+                              "models without MLP biases, with n_heads * d_head == d_model) export to HF")
+        out = {"architectures": ["Qwen2ForCausalLM" if qwen2 else "LlamaForCausalLM"],
+               "model_type": "qwen2" if qwen2 else "llama", "hidden_size": self.d_model,
+               "num_attention_heads": self.n_heads, "num_key_value_heads": self.kv_heads,
+               "num_hidden_layers": self.layers, "intermediate_size": self.ff_dim, "vocab_size": self.n_vocab,
+               "max_position_embeddings": self.seq, "rope_theta": self.rope_theta, "rope_scaling": self.rope_scaling,
+               "hidden_act": "silu", "rms_norm_eps": self.layer_norm_eps, "tie_word_embeddings": self.tie_embeddings}
+        if qwen2:
+            return {**out, "use_sliding_window": False}
+        return {**out, "head_dim": self.head_dim, "attention_bias": self.qkv_bias, "mlp_bias": self.mlp_bias}
+
+
+def block(c: LlamaConfig, x, ctx, cache=None):
+    """Pre-norm, sequential: x + Attn(RMSNorm(x)), then + SwiGLU(RMSNorm(x))."""
+    attn, cache = Attention(c.attention())(norm("rmsnorm", c.d_model, c.layer_norm_eps, "ln_1")(x), ctx, cache)
+    x = x + reduce_mp(attn)
+    return x + reduce_mp(MLP(c.mlp())(norm("rmsnorm", c.d_model, c.layer_norm_eps, "ln_2")(x))), cache
+
+
+def hf_table(c: LlamaConfig) -> list[hl.HFParam]:
+    layer = "model.layers.{i}."
+    table = [
+        hl.HFParam("model.embed_tokens.weight", (("embed", "embeddings"),), hl.SAME),
+        hl.HFParam(layer + "input_layernorm.weight", (("layers/ln_1", "scale"),), hl.SAME),
+        hl.HFParam(layer + "self_attn.q_proj.weight", (("layers/attn", "q_proj"),), hl.heads_out()),
+        hl.HFParam(layer + "self_attn.k_proj.weight", (("layers/attn", "k_proj"),), hl.heads_out(kv=True)),
+        hl.HFParam(layer + "self_attn.v_proj.weight", (("layers/attn", "v_proj"),), hl.heads_out(kv=True)),
+        hl.HFParam(layer + "self_attn.o_proj.weight", (("layers/attn", "out_proj"),), hl.heads_in()),
+        hl.HFParam(layer + "post_attention_layernorm.weight", (("layers/ln_2", "scale"),), hl.SAME),
+        hl.HFParam(layer + "mlp.gate_proj.weight", (("layers/mlp", "gate"),), hl.LINEAR),
+        hl.HFParam(layer + "mlp.up_proj.weight", (("layers/mlp", "fc_in"),), hl.LINEAR),
+        hl.HFParam(layer + "mlp.down_proj.weight", (("layers/mlp", "fc_out"),), hl.LINEAR),
+        hl.HFParam("model.norm.weight", (("ln_f", "scale"),), hl.SAME),
+    ]
+    if c.qkv_bias:
+        table += [hl.HFParam(layer + f"self_attn.{p}_proj.bias", (("layers/attn", f"{p}_bias"),), hl.head_bias(kv=p != "q"))
+                  for p in "qkv"]
+    if c.out_bias:
+        table.append(hl.HFParam(layer + "self_attn.o_proj.bias", (("layers/attn", "out_bias"),), hl.SAME))
+    if c.mlp_bias:
+        table += [hl.HFParam(layer + f"mlp.{hf}.bias", (("layers/mlp", ours),), hl.SAME)
+                  for hf, ours in (("gate_proj", "gate_bias"), ("up_proj", "fc_in_bias"), ("down_proj", "fc_out_bias"))]
+    if not c.tie_embeddings:
+        table.append(hl.HFParam("lm_head.weight", (("head", "lm_head"),), hl.LINEAR))
+    return table

@@ -1,0 +1,241 @@
+"""Inside `jax.shard_map`: parameters as local shards, and the few collectives the model writes.
+
+The model runs inside `shard_map` (xmap's successor), so each device sees its local shards and the
+only collectives are the ones written here: a psum over 'mp' of each row-parallel result,
+vocab-parallel reductions in the embedding and loss, and under ZeRO an all-gather over 'dp' of each
+parameter where it is used (inside the layer scan, so one layer at a time). Outside `shard_map` the
+same model code runs unsharded: every helper below is then the identity.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+from dataclasses import dataclass
+from typing import Callable, Mapping, NamedTuple, Optional
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from mesh_transformer.parallel.mesh import DP, MP
+from mesh_transformer.parallel.rules import ParamInfo, Rules, stored_layout
+
+
+@dataclass(frozen=True)
+class _Manual:
+    axis_sizes: Mapping[str, int]
+    rules: Rules
+    inputs_last: bool = False  # weights stored inputs-last (see `InputsLast`)
+
+
+_state = threading.local()
+
+
+def _current() -> Optional[_Manual]:
+    return getattr(_state, "manual", None)
+
+
+@contextlib.contextmanager
+def manual_axes(mesh: Mesh, rules: Rules, inputs_last: bool = False):
+    """Mark code as running inside shard_map over `mesh`, with parameters laid out by `rules`
+    (and weights stored inputs-last if `inputs_last`)."""
+    previous = _current()
+    _state.manual = _Manual(dict(mesh.shape), dict(rules), inputs_last)
+    try:
+        yield
+    finally:
+        _state.manual = previous
+
+
+def shard_map(fn: Callable, mesh: Mesh, rules: Rules, in_specs, out_specs, inputs_last: bool = False) -> Callable:
+    """`jax.shard_map` whose body knows its mesh (so `param`, `psum_mp`, ... act on shards)."""
+    def body(*args):
+        with manual_axes(mesh, rules, inputs_last):
+            return fn(*args)
+    return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=True)
+
+
+# --------------------------------------------------------------------------------------------
+# Parameters: declared with their logical axes, recorded by path while a model is initialised
+# --------------------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def recording():
+    """Collect {"module path/leaf name": ParamInfo} of every parameter created inside.
+
+    Inside a layer stack Haiku names modules relative to the stack ("attn" for "gptj/layers/attn");
+    `infos_for` resolves that.
+    """
+    previous = getattr(_state, "record", None)
+    _state.record = record = {}
+    try:
+        yield record
+    finally:
+        _state.record = previous
+
+
+def infos_for(params, record: Mapping[str, ParamInfo], stacked: str):
+    """The ParamInfo tree matching a Haiku params dict, from a `recording()` record.
+
+    `stacked` is the layer stack's module name: "gptj/layers/attn" was recorded as "attn".
+    """
+    def info(module: str, name: str) -> ParamInfo:
+        for key in (f"{module}/{name}", f"{module.partition(f'/{stacked}/')[2]}/{name}"):
+            if key in record:
+                return record[key]
+        raise KeyError(f"parameter {module}/{name} was not declared with parallel.param/weight")
+    return {module: {name: info(module, name) for name in leaves} for module, leaves in params.items()}
+
+
+class LoRAPlan(NamedTuple):
+    """Which matmul weights get low-rank adapters while a LoRA model runs (see `mesh_transformer.lora`).
+
+    targets: {(module name, leaf)}, the module being the last part of its Haiku path ("attn", "mlp",
+    "head", or the family's root for OPT's projections); scale = alpha / rank.
+    """
+
+    targets: frozenset
+    rank: int
+    scale: float
+    dropout: float = 0.0
+
+
+class LoRAWeight(NamedTuple):
+    """A frozen weight [*inputs, *outputs] with its adapter: W + scale * A @ B, with A [*inputs, r] and
+    B [r, *outputs] sharded like W's input and output axes (the rank axis is never split).
+    `layers.dense` computes x W + scale * (dropout(x) A) B, never the merged weight."""
+
+    base: jax.Array
+    a: jax.Array
+    b: jax.Array
+    scale: float
+    dropout: float = 0.0
+
+
+@contextlib.contextmanager
+def lora_plan(plan: Optional[LoRAPlan]):
+    """While active, `weight` adds adapters to the weights `plan` targets (None: no adapters)."""
+    previous = getattr(_state, "lora", None)
+    _state.lora = plan
+    try:
+        yield
+    finally:
+        _state.lora = previous
+
+
+LORA_A, LORA_B = "_lora_a", "_lora_b"  # leaf-name suffixes of the two factors
+
+
+def is_adapter(leaf: str) -> bool:
+    return leaf.endswith(LORA_A) or leaf.endswith(LORA_B)
+
+
+class InputsLast(NamedTuple):
+    """A weight as stored with its `inputs` leading logical axes moved last; `layers.dense` reads it."""
+
+    array: jax.Array
+    inputs: int
+
+
+def param(name: str, shape: tuple[int, ...], axes: tuple[str, ...], init, cast_to=None, *, decay: bool = False):
+    """A float32 Haiku parameter of global `shape` with logical `axes`, as the local shard this
+    device computes with. Biases, norms (decay=False) and embedding tables (decay=True).
+
+    Axes mapped to 'mp' stay split (Megatron); axes mapped to 'dp' (ZeRO) are stored split and
+    all-gathered here, where they are used. `cast_to` (the compute dtype) is applied first, so the
+    gather moves half-width values and only the layer in flight exists in compute precision.
+    """
+    return _declare(name, shape, ParamInfo(tuple(axes), 0, decay), init, cast_to)
+
+
+def weight(name: str, shape: tuple[int, ...], axes: tuple[str, ...], inputs: int, init, cast_to=None):
+    """A matmul weight [*input axes, *output axes] (`inputs` leading axes are contracted): decays,
+    and may be stored inputs-last for decoding, in which case it comes back as `InputsLast`.
+    Under a `lora_plan` that targets it, it comes back as a `LoRAWeight`."""
+    w = _declare(name, shape, ParamInfo(tuple(axes), inputs, True), init, cast_to)
+    plan = getattr(_state, "lora", None)
+    if plan is None or (hk.experimental.current_name().split("/")[-1], name) not in plan.targets:
+        return w
+    r, fan_in = plan.rank, math.prod(shape[:inputs])
+    # PEFT's init: A ~ kaiming_uniform(a=sqrt(5)) = U(+-1/sqrt(fan_in)), B = 0 (the adapter starts as a no-op).
+    a = _declare(name + LORA_A, (*shape[:inputs], r), ParamInfo((*axes[:inputs], "lora_rank"), inputs, True),
+                 hk.initializers.RandomUniform(-1 / math.sqrt(fan_in), 1 / math.sqrt(fan_in)), cast_to)
+    b = _declare(name + LORA_B, (r, *shape[inputs:]), ParamInfo(("lora_rank", *axes[inputs:]), 1, True),
+                 hk.initializers.Constant(0.0), cast_to)
+    return LoRAWeight(w, a, b, plan.scale, plan.dropout)
+
+
+def _declare(name: str, shape, info: ParamInfo, init, cast_to):
+    if len(shape) != len(info.axes):
+        raise ValueError(f"parameter {name!r}: shape {shape} but logical axes {info.axes}")
+    record = getattr(_state, "record", None)
+    if record is not None:
+        record[f"{hk.experimental.current_name()}/{name}"] = info
+    manual = _current()
+    if manual is None:
+        value = hk.get_parameter(name, shape, jnp.float32, init=init)
+        return value if cast_to is None else value.astype(cast_to)
+    inputs_last = manual.inputs_last and info.inputs > 0
+    order, axes = stored_layout(info, len(shape), inputs_last)
+    shape = tuple(shape[i] for i in order)
+    mesh_axes = [manual.rules.get(a) for a in axes]
+    stored = tuple(size // (manual.axis_sizes[m] if m else 1) for size, m in zip(shape, mesh_axes))
+    value = hk.get_parameter(name, stored, jnp.float32, init=init)
+    if cast_to is not None:
+        value = value.astype(cast_to)
+    for dim, mesh_axis in enumerate(mesh_axes):
+        if mesh_axis == DP and manual.axis_sizes[DP] > 1:
+            value = jax.lax.all_gather(value, DP, axis=dim, tiled=True)
+    return InputsLast(value, info.inputs) if inputs_last else value
+
+
+# --------------------------------------------------------------------------------------------
+# Collectives (identities outside shard_map)
+# --------------------------------------------------------------------------------------------
+
+def _bound(axis: str) -> bool:
+    # Size-1 axes count too: shard_map tracks values as varying over them, and XLA drops the op.
+    manual = _current()
+    return manual is not None and axis in manual.axis_sizes
+
+
+def psum_mp(x):
+    """Sum the partial results of row-parallel layers over the model-parallel shards."""
+    return jax.lax.psum(x, MP) if _bound(MP) else x
+
+
+def all_gather_mp(x, axis: int = -1):
+    """Concatenate the mp shards of `x` along `axis`; every shard gets the same whole array.
+    With one shard a sum over it (the same array): XLA:CPU runs a one-device all-gather as copies
+    of `x` (two of a serving batch's logits per decode step), a one-device all-reduce as nothing."""
+    if not _bound(MP):
+        return x
+    if _current().axis_sizes[MP] == 1:
+        return jax.lax.psum(x, MP)
+    return jax.lax.all_gather(x, MP, axis=axis, tiled=True, to="invarying")
+
+
+def pmax_mp(x):
+    return jax.lax.pmax(x, MP) if _bound(MP) else x
+
+
+def mp_index():
+    """This device's position along 'mp' (0 outside shard_map)."""
+    return jax.lax.axis_index(MP) if _bound(MP) else 0
+
+
+def mp_size() -> int:
+    """The number of model-parallel shards (1 outside shard_map)."""
+    manual = _current()
+    return manual.axis_sizes.get(MP, 1) if manual is not None else 1
+
+
+def dp_index():
+    """This device's position along 'dp' (0 outside shard_map)."""
+    return jax.lax.axis_index(DP) if _bound(DP) else 0
+
+
+def psum_dp(x):
+    return jax.lax.psum(x, DP) if _bound(DP) else x

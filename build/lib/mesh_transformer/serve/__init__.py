@@ -1,0 +1,19 @@
+"""HTTP serving: an engine thread that batches requests onto the device, and a FastAPI app.
+
+    engine = Engine(Generator(config, params, mesh), tokenizer, max_batch=16).start()
+    app = create_app(engine, model_name="gpt-j-6b")
+    run(app, engine, port=5000, drain_timeout=30)          # uvicorn; SIGTERM drains, then returns
+
+Files: `engine` (dynamic batching on the device), `openai` (OpenAI's shapes: /v1/completions,
+the original /complete, errors, streaming), `chat` (/v1/chat/completions and chat templates),
+`metrics` (Prometheus), `app` (routes, API key and size limits, graceful shutdown), `page.html`
+(the playground at GET /).
+"""
+from mesh_transformer.serve.app import API_KEY_ENV, create_app, run
+from mesh_transformer.serve.chat import PLAIN_TEMPLATE, ChatTemplate
+from mesh_transformer.serve.engine import DEFAULT_GATHER, Draining, Engine, QueueFull, Request
+from mesh_transformer.serve.metrics import Metrics
+from mesh_transformer.serve.openai import ApiError
+
+__all__ = ["API_KEY_ENV", "ApiError", "ChatTemplate", "DEFAULT_GATHER", "Draining", "Engine", "Metrics",
+           "PLAIN_TEMPLATE", "QueueFull", "Request", "create_app", "run"]

@@ -1,0 +1,195 @@
+"""The FastAPI app over a started `Engine`, and `run`: uvicorn with a graceful shutdown.
+
+Routes: `GET /` (the playground page), `POST /complete`, `POST /v1/completions`,
+`POST /v1/chat/completions`, `GET /v1/models`, `GET /health`, `GET /metrics` (Prometheus).
+"""
+from __future__ import annotations
+
+import html
+import json
+import logging
+import os
+import pathlib
+import secrets
+import signal
+import threading
+import time
+from typing import Optional
+
+from fastapi import Request as HttpRequest
+
+from mesh_transformer.serve import chat as chat_api
+from mesh_transformer.serve import openai as oa
+from mesh_transformer.serve.engine import Engine
+from mesh_transformer.serve.metrics import CONTENT_TYPE
+
+log = logging.getLogger("mesh_transformer.serve")
+
+API_KEY_ENV = "MESH_TRANSFORMER_API_KEY"
+PAGE = pathlib.Path(__file__).with_name("page.html")
+OPEN_PATHS = ("/", "/health", "/metrics")  # answered without the API key (no model output, no secrets)
+ENDPOINTS = ("/", "/complete", "/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+
+
+def create_app(engine: Engine, model_name: str = "mesh-transformer", api_key: Optional[str] = None,
+               timeout: float = 300.0, max_request_bytes: int = 1 << 20, max_prompts: int = 64,
+               chat_template: Optional[str] = None):
+    """The app over a started `engine`. `api_key` (or $MESH_TRANSFORMER_API_KEY) protects all but
+    `OPEN_PATHS`; `chat_template`: Jinja source overriding the tokenizer's (see `chat`)."""
+    from fastapi import FastAPI
+    from fastapi.responses import HTMLResponse, JSONResponse, Response
+
+    api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
+    app = FastAPI(title="mesh-transformer", version="0.1.0", docs_url=None, redoc_url=None)
+    app.add_middleware(_Guard, limit=max_request_bytes, api_key=api_key, metrics=engine.metrics)
+    settings = oa.Settings(engine, model_name, timeout, max_prompts, chat_api.ChatTemplate(engine.tokenizer, chat_template))
+    created = int(time.time())
+    page = PAGE.read_text(encoding="utf-8").replace("{{MODEL}}", html.escape(model_name)).encode()
+
+    @app.exception_handler(oa.ApiError)
+    async def _api_error(_, e: oa.ApiError):
+        return JSONResponse(e.body(), e.status)
+
+    @app.exception_handler(404)
+    async def _not_found(http, _):
+        return JSONResponse(oa.ApiError(404, f"no such endpoint: {http.method} {http.url.path}",
+                                        "not_found_error").body(), 404)
+
+    @app.get("/", include_in_schema=False)
+    async def playground():
+        return HTMLResponse(page, headers={"Cache-Control": "no-cache"})
+
+    @app.get("/health")
+    async def health():
+        stats = engine.stats()
+        return JSONResponse({"status": "draining" if stats["draining"] else "ok", **stats},
+                            503 if stats["draining"] else 200)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(engine.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
+                                            "owned_by": "mesh-transformer", "max_model_len": engine.context}]}
+
+    @app.post("/complete")
+    async def complete(http: HttpRequest):
+        return await oa.complete(settings, http)
+
+    @app.post("/v1/completions")
+    async def completions(http: HttpRequest):
+        return await oa.completions(settings, http)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(http: HttpRequest):
+        return await chat_api.chat_completions(settings, http)
+
+    return app
+
+
+class _Guard:
+    """ASGI middleware: counts answers by status, refuses new work while draining (503), checks the
+    API key (all paths but OPEN_PATHS), then a body-size limit (413) before parsing.
+
+    Plain ASGI rather than BaseHTTPMiddleware, which does not pass streamed responses through cleanly.
+    """
+
+    def __init__(self, app, limit: int, api_key: Optional[str], metrics):
+        self.app, self.limit, self.api_key, self.metrics = app, limit, api_key, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope.get("path", "")
+        endpoint = path if path in ENDPOINTS else "other"
+
+        async def counted(message):
+            if message["type"] == "http.response.start":
+                self.metrics.answered(endpoint, message["status"])
+            await send(message)
+
+        headers = dict(scope.get("headers") or [])
+        if self.api_key and path not in OPEN_PATHS:
+            given = headers.get(b"authorization", b"").decode("latin-1")
+            given = given[7:] if given.lower().startswith("bearer ") else headers.get(b"x-api-key", b"").decode("latin-1")
+            if not secrets.compare_digest(given.encode(), self.api_key.encode()):
+                return await _send_error(counted, 401, "missing or wrong API key (Authorization: Bearer KEY)",
+                                         "authentication_error")
+        length = headers.get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.limit:
+            return await self._refuse(counted)
+        body, more = b"", True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+            if len(body) > self.limit:
+                return await self._refuse(counted)
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, counted)
+
+    async def _refuse(self, send):
+        await _send_error(send, 413, f"request body larger than {self.limit} bytes")
+
+
+async def _send_error(send, status: int, message: str, kind: str = "invalid_request_error") -> None:
+    payload = json.dumps({"error": {"message": message, "type": kind, "param": None, "code": None}}).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]})
+    await send({"type": "http.response.body", "body": payload})
+
+
+# --------------------------------------------------------------------------------------------
+# Running it: uvicorn, and a drain on SIGTERM
+# --------------------------------------------------------------------------------------------
+
+def run(app, engine: Engine, host: str = "127.0.0.1", port: int = 5000, drain_timeout: float = 30.0,
+        sock=None) -> None:
+    """Serve `app` until SIGTERM or SIGINT, then shut down gracefully: new requests get 503 while the
+    queued and running ones finish, for at most `drain_timeout` seconds (then they are ended with
+    an error saying the server is shutting down); then the server closes and this returns. A second
+    signal skips the wait."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        draining = None
+
+        def handle_exit(self, sig, frame):
+            if self.draining is not None:  # the second signal: end what runs and stop now
+                engine.abort("shutdown")
+                self.should_exit = True
+                return
+            log.info("%s: draining (no new requests; up to %g s for %d queued and %d running sequences)",
+                     signal.Signals(sig).name, drain_timeout, engine.stats()["queued"], engine.stats()["active"])
+            self.draining = threading.Thread(target=self._drain, name="drain", daemon=True)
+            self.draining.start()
+
+        def _drain(self):
+            engine.drain()
+            deadline = time.monotonic() + drain_timeout
+            while not engine.idle and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if not engine.idle:
+                log.warning("drain timeout (%g s): ending %s unfinished sequences", drain_timeout,
+                            engine.stats()["queued"] + engine.stats()["active"])
+                engine.abort("shutdown")
+                end = time.monotonic() + 5
+                while not engine.idle and time.monotonic() < end:
+                    time.sleep(0.01)
+            time.sleep(0.1)  # let handlers send their last bytes
+            self.should_exit = True
+
+    config = uvicorn.Config(app, host=host, port=port, timeout_graceful_shutdown=5, log_level="info")
+    Server(config).run(sockets=[sock] if sock is not None else None)

@@ -1,0 +1,205 @@
+"""`POST /v1/chat/completions`: OpenAI's chat API over the completion engine.
+
+`messages` become one prompt through a chat template (Jinja, as Hugging Face tokenizers carry in
+`chat_template`): `--chat-template FILE` if given, else the tokenizer's own, else `PLAIN_TEMPLATE`,
+which renders
+
+    System: You are terse.
+
+    User: Hi!
+
+    Assistant:
+
+(each message as "Role: content" and a blank line, then "Assistant:" for the model to continue;
+a `developer` message counts as `system`). The rendered text is tokenized without adding special
+tokens (a template writes the ones it wants). No stop strings are implied: pass `stop` (e.g.
+["\\n\\nUser:"]) to end a base model's turn.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Optional, Union
+
+from fastapi import Request as HttpRequest
+from pydantic import Field
+
+from mesh_transformer.generate import Sequence
+from mesh_transformer.serve import openai as oa
+from mesh_transformer.serve.engine import Engine
+
+PLAIN_TEMPLATE = ("{% for message in messages %}{{ message['role'] | capitalize }}: {{ message['content'] }}\n\n"
+                  "{% endfor %}{% if add_generation_prompt %}Assistant:{% endif %}")
+ROLES = ("system", "developer", "user", "assistant")
+
+
+class ContentPart(oa._Strict):
+    type: str
+    text: Optional[str] = None
+
+
+class ChatMessage(oa._Strict):
+    role: str
+    content: Optional[Union[str, list[ContentPart]]] = None
+    name: Optional[str] = None
+
+
+class ChatRequest(oa._Strict):
+    """OpenAI's /v1/chat/completions body (plus top_k and repetition_penalty, as vLLM takes them)."""
+
+    model: Optional[str] = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: Optional[int] = None
+    max_completion_tokens: Optional[int] = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    n: int = Field(1, ge=1, le=16)
+    seed: Optional[int] = None
+    stop: Optional[Union[str, list[str]]] = None
+    logprobs: bool = False
+    top_logprobs: Optional[int] = Field(None, ge=0, le=5)
+    stream: bool = False
+    stream_options: Optional[oa.StreamOptions] = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    ignore_eos: bool = False
+    tools: Optional[list] = None
+    response_format: Optional[dict] = None
+    user: Optional[str] = None
+
+
+class ChatTemplate:
+    """Renders `messages` to the prompt text. `template`: Jinja source (default: the tokenizer's, else plain)."""
+
+    def __init__(self, tokenizer, template: Optional[str] = None):
+        own = getattr(tokenizer, "chat_template", None)
+        self.tokenizer = tokenizer
+        self.source = "file" if template else "tokenizer" if isinstance(own, str) and own else "plain"
+        self.template = template or (own if self.source == "tokenizer" else PLAIN_TEMPLATE)
+
+    @classmethod
+    def from_file(cls, tokenizer, path: Optional[str]) -> "ChatTemplate":
+        if path is None:
+            return cls(tokenizer)
+        with open(path, encoding="utf-8") as f:
+            return cls(tokenizer, f.read())
+
+    def render(self, messages: list[dict]) -> str:
+        """The prompt text (ending where the assistant's reply starts); ValueError if the template refuses."""
+        try:
+            return self.tokenizer.apply_chat_template(messages, chat_template=self.template, tokenize=False,
+                                                      add_generation_prompt=True)
+        except Exception as e:  # noqa: BLE001 - jinja errors and templates' raise_exception(...)
+            raise ValueError(f"the chat template cannot render these messages ({type(e).__name__}: {e})") from None
+
+
+def _messages(body: ChatRequest) -> list[dict]:
+    """The messages as the template sees them: roles checked, content as one string."""
+    out = []
+    for i, m in enumerate(body.messages):
+        if m.role not in ROLES:
+            raise oa.ApiError(400, f"messages[{i}].role: must be one of {', '.join(ROLES)}, got {m.role!r}",
+                              param=f"messages[{i}].role")
+        content = m.content or ""
+        if isinstance(content, list):
+            for j, part in enumerate(content):
+                if part.type != "text" or part.text is None:
+                    raise oa.ApiError(400, f"messages[{i}].content[{j}]: only text parts are supported, got "
+                                           f"type {part.type!r}", param=f"messages[{i}].content[{j}].type")
+            content = "".join(part.text for part in content)
+        oa.check_text(content, f"messages[{i}].content")
+        message = {"role": "system" if m.role == "developer" else m.role, "content": content}
+        if m.name is not None:
+            message["name"] = oa.check_text(m.name, f"messages[{i}].name")
+        out.append(message)
+    return out
+
+
+def prompt_ids(s: oa.Settings, body: ChatRequest) -> list[int]:
+    try:
+        text = s.chat.render(_messages(body))
+    except ValueError as e:
+        raise oa.ApiError(400, f"messages: {e}", param="messages") from None
+    ids = oa.encode(s.engine, text, "messages", add_special_tokens=False)
+    if not ids:
+        raise oa.ApiError(400, "messages: the rendered prompt is empty", param="messages")
+    return ids
+
+
+async def chat_completions(s: oa.Settings, http: HttpRequest):
+    body = oa.parse(await http.body(), ChatRequest)
+    for name, bad in (("tools", bool(body.tools)),
+                      ("response_format", (body.response_format or {}).get("type", "text") != "text"),
+                      ("top_logprobs", body.top_logprobs is not None and not body.logprobs)):
+        if bad:
+            why = "requires logprobs: true" if name == "top_logprobs" else "is not supported"
+            raise oa.ApiError(400, f"{name} {why}", param=name)
+    engine = s.engine
+    ids = prompt_ids(s, body)
+    given = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    max_tokens = given if given is not None else engine.context - len(ids)
+    if len(ids) + max(max_tokens, 1) > engine.context:
+        raise oa.ApiError(400, f"messages: the prompt is {len(ids)} tokens; with {field} {max_tokens} it does not fit "
+                               f"the model's context of {engine.context} tokens", param="messages")
+    try:
+        opts = oa.options(engine, max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
+                          top_k=body.top_k, frequency_penalty=body.frequency_penalty,
+                          presence_penalty=body.presence_penalty, repetition_penalty=body.repetition_penalty,
+                          stop=oa.stop_list(body.stop),
+                          logprobs=(body.top_logprobs or 0) if body.logprobs else None, ignore_eos=body.ignore_eos)
+    except oa.ApiError as e:
+        if e.param == "max_tokens":
+            e.param, e.message = field, e.message.replace("max_tokens", field)
+        raise
+    seqs = oa.sequences(s, [ids], opts, body.n, body.seed)
+    head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+            "model": body.model or s.model_name}
+    if body.stream:
+        request = oa.submit(engine, seqs)
+        return oa.streaming_response(_events(engine, request, head, body.n, body.stream_options))
+    await oa.wait(engine, seqs, s.timeout)
+    choices = [{"index": i, "message": {"role": "assistant", "content": seq.text},
+                "logprobs": _logprobs(engine, seq, 0, seq.kept_tokens()), "finish_reason": seq.finish_reason}
+               for i, seq in enumerate(seqs)]
+    return {**head, "choices": choices, "usage": oa.usage(seqs, body.n)}
+
+
+def _logprobs(engine: Engine, seq: Sequence, lo: int, hi: int) -> Optional[dict]:
+    """OpenAI's chat logprobs ({"content": [{token, logprob, bytes, top_logprobs}]}) of output tokens lo..hi."""
+    if seq.options.logprobs is None:
+        return None
+
+    def entry(t: int, lp: float) -> dict:
+        text = engine.tokenizer.decode([t])
+        return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+    return {"content": [{**entry(t, lp), "top_logprobs": [entry(a, alp) for a, alp in alts]}
+                        for t, lp, alts in zip(seq.tokens[lo:hi], seq.logprobs[lo:hi], seq.top_logprobs[lo:hi])]}
+
+
+async def _events(engine: Engine, request, head: dict, n: int, stream_options: Optional[oa.StreamOptions]):
+    """Server-sent `chat.completion.chunk` events: the role first, then content as it is generated,
+    the finish reason with the last piece, then (with include_usage) the usage, then [DONE]."""
+    so = stream_options or oa.StreamOptions()
+    head = {**head, "object": "chat.completion.chunk"}
+
+    def chunk(choices: list, **extra) -> bytes:
+        if so.continuous_usage_stats:
+            extra["usage"] = oa.usage(request.seqs, n)
+        return oa.event({**head, "choices": choices, **extra})
+
+    yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                 for i in range(len(request.seqs))])
+    try:
+        async for d in oa.deltas(request):
+            lp = _logprobs(engine, request.seqs[d.index], d.lo, d.hi) if d.hi > d.lo else None
+            delta = {"content": d.text} if d.text else {}
+            yield chunk([{"index": d.index, "delta": delta, "logprobs": lp, "finish_reason": d.finish_reason}])
+    except oa.StreamFailed as e:
+        yield oa.error_event(e)
+        return
+    if so.include_usage:
+        yield oa.event({**head, "choices": [], "usage": oa.usage(request.seqs, n)})
+    yield b"data: [DONE]\n\n"

@@ -1,0 +1,373 @@
+"""Training on the devices of one host (or, with jax.distributed, of every host): `device_train.py`.
+
+    run = TrainRun(config, RunOptions(...))   # mesh, sharded step, checkpoints, data, logging
+    run.train()                               # resume or start, loop to total_steps, save
+
+Start-up picks the first that applies:
+  1. `model_dir` holds a complete checkpoint  -> resume it (params, optimizer, step, data position);
+  2. `--tune-model-path CKPT` or `--hf DIR`   -> fine-tune from those weights with a fresh LR
+     schedule (step 0); the optimizer state comes along from our checkpoints and from full
+     mesh-transformer-jax v1 ones (Adam moments) unless `--fresh-opt`;
+  3. otherwise                                -> random initialisation.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import os
+import signal
+import time
+from dataclasses import dataclass
+from typing import Iterable, Mapping, Optional
+
+import jax
+import numpy as np
+
+from mesh_transformer import lora, parallel
+from mesh_transformer.io.checkpoint import CheckpointManager, checkpoint_dir
+from mesh_transformer.config import Config, ConfigError
+from mesh_transformer.errors import UserError
+from mesh_transformer.data import Dataset, Loader
+from mesh_transformer.train.metrics import MetricsLogger
+from mesh_transformer.train.step import Trainer, TrainState
+
+KEEP_LAST = 2  # newest checkpoints kept besides every keep_every-th step
+
+
+class TrainingError(UserError, RuntimeError):
+    """Training cannot go on (non-finite loss, missing data, ...); the last good checkpoint is intact."""
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    tune_model_path: Optional[str] = None  # our checkpoint dir to fine-tune from
+    hf: Optional[str] = None  # HF model dir to fine-tune from (its family must match the config)
+    fresh_opt: bool = False  # with tune_model_path: start with a new optimizer state
+    log_dir: Optional[str] = None  # metrics.jsonl + TensorBoard; default logs/<name>
+    tensorboard: bool = True
+    stop_after: Optional[int] = None  # stop (and checkpoint) after this many steps of this process
+
+
+def build_mesh(config: Config):
+    return parallel.mesh_for(config.train)
+
+
+def require_keys(config: Config, *keys: str) -> None:
+    for key in keys:
+        if not getattr(config.train, key):
+            raise ConfigError(f"config key {key!r} must be set to train")
+
+
+def open_datasets(config: Config) -> tuple[Dataset, dict[str, Dataset]]:
+    """(train_set, {name: val_set}) of a config, each checked to hold sequences of at least `seq` tokens."""
+    t = config.train
+    train = Dataset.open(t.train_set)
+    val = {name: Dataset.open(path) for name, path in t.val_set.items()}
+    for path, ds in [(t.train_set, train), *zip(t.val_set.values(), val.values())]:
+        if ds.seq < config.model.seq:
+            raise ConfigError(f"config key 'seq': {config.model.seq} is longer than the sequences of "
+                              f"{path} ({ds.seq} tokens)")
+    return train, val
+
+
+def train_loader(config: Config, dataset: Dataset, global_batch: int, state: Optional[dict] = None,
+                 rows: Optional[tuple[int, int]] = None) -> Loader:
+    """The training stream: shuffled by `seed`, `gradient_accumulation_steps` microbatches a step;
+    `rows`: this process's rows of each batch (default: all)."""
+    t = config.train
+    return Loader(dataset, global_batch, t.seed, accumulation=t.gradient_accumulation_steps, rows=rows,
+                  state=state or None, segments=uses_segments(config, dataset))
+
+
+def uses_segments(config: Config, dataset: Dataset) -> bool:
+    """Packed prompt/completion examples always stay apart; plain-text documents with `document_masking`."""
+    return bool(dataset.has_mask or config.train.document_masking)
+
+
+def val_loader(dataset: Dataset, global_batch: int, rows: Optional[tuple[int, int]] = None,
+               segments: bool = False) -> Loader:
+    """A validation pass: the set in order, once, the last batch padded with mask-0 rows."""
+    return Loader(dataset, global_batch, shuffle=False, repeat=False, rows=rows, segments=segments)
+
+
+def due(step: int, every: int) -> bool:
+    """Whether a `*_every` schedule (0 = never) fires at `step`."""
+    return bool(every) and step % every == 0
+
+
+def tokens_per_step(config: Config, global_batch: int) -> int:
+    return config.train.gradient_accumulation_steps * global_batch * config.model.seq
+
+
+def train_values(metrics: dict, step: int, seconds: float, config: Config, global_batch: int) -> dict:
+    """What is logged for a step: the step's metrics plus rates and totals."""
+    tokens = tokens_per_step(config, global_batch)
+    return {**metrics, "steps_per_sec": 1.0 / seconds, "tokens_per_sec": tokens / seconds,
+            "sequences_processed": step * tokens // config.model.seq, "tokens_processed": step * tokens}
+
+
+def keep_tokenizer(directory: str, spec: str) -> None:
+    """Save the training data's tokenizer beside the checkpoints, where sampling and serving look."""
+    import tempfile
+
+    from mesh_transformer.io import storage
+    from mesh_transformer.io.tokenizer import TOKENIZER_FILES, load_tokenizer
+
+    if jax.process_index() != 0 or storage.exists(storage.join(directory, "tokenizer.json")):
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        load_tokenizer(spec).save_pretrained(tmp)
+        for name in TOKENIZER_FILES:
+            if os.path.exists(os.path.join(tmp, name)):
+                with open(os.path.join(tmp, name), "rb") as f:
+                    storage.write_bytes(storage.join(directory, name), f.read())
+
+
+class TrainHost:
+    """The part of a run that every host holds: mesh, compiled step, checkpoints, start-up, saving.
+
+    `TrainRun` (device_train.py) feeds it batches from this process's loader; a Ray worker
+    (`cluster.py`, train.py) feeds it the slices its driver sends. Both run exactly this code.
+    Batches are this process's rows of the global batch (`batch_rows`), as host arrays.
+    """
+
+    def __init__(self, config: Config, options: RunOptions = RunOptions()):
+        require_keys(config, "model_dir")
+        t = config.train
+        self.config, self.options = config, options
+        self.trainer = Trainer(config, build_mesh(config))
+        self.ckpt = CheckpointManager(checkpoint_dir(t), keep_last=KEEP_LAST, keep_every=t.keep_every, config=config)
+        self.tokens_per_step = tokens_per_step(config, self.trainer.global_batch)
+        self._saved_step: Optional[int] = None
+        self.evaluator = None  # eval_harness_tasks (mesh_transformer.evaluate.training), checked now
+        if t.eval_harness_tasks and t.eval_period:
+            from mesh_transformer.evaluate.training import TrainingEvaluator
+            self.evaluator = TrainingEvaluator(config, self.trainer)
+        self._base_ref: Optional[dict] = None  # LoRA: where the frozen base came from
+        self._base_print: Optional[int] = None
+
+    def start_state(self) -> tuple[TrainState, dict]:
+        """(state, loader state) to continue from; see the module docstring for the order.
+
+        With LoRA the state holds the adapters; the frozen base is read from where the run's
+        checkpoints say it came from (`lora.BASE_KEY` in their extras) and checked against the
+        fingerprint recorded with it."""
+        tr, o = self.trainer, self.options
+        if self.ckpt.latest_step() is not None:
+            state, extras = self.ckpt.restore(abstract_state=tr.abstract_state, target_shardings=tr.state_shardings)
+            self._saved_step = int(state.step)
+            if tr.lora is not None:
+                self._load_base(extras.get(lora.BASE_KEY), extras.get(lora.FINGERPRINT_KEY))
+            return state, extras.get("train_loader") or {}
+        if o.hf:
+            from mesh_transformer.io import hf
+            hf_config, params = hf.load_hf(o.hf, mp=tr.mp)
+            _check_same_architecture(hf_config, self.config, o.hf)
+            self._base_ref = lora.base_reference(hf=o.hf)
+            return tr.state_from_params(params), {}
+        if o.tune_model_path:
+            from mesh_transformer.io import mtj_v1
+            v1_dir = mtj_v1.find(o.tune_model_path)
+            if v1_dir is not None:  # the original's format: a full one carries its Adam moments over
+                if tr.lora is not None:
+                    raise ConfigError(f"{o.tune_model_path}: LoRA on a mesh-transformer-jax v1 checkpoint: "
+                                      "convert it first (to_hf_weights.py, then --hf)")
+                v1 = mtj_v1.V1Checkpoint(v1_dir, self.config.model)
+                return mtj_v1.train_state(v1, tr, moments=v1.full and not o.fresh_opt), {}
+            source = CheckpointManager(o.tune_model_path, read_only=True)
+            if tr.lora is not None:
+                step = source.latest_step()
+                self._load_base(lora.base_reference(ckpt=o.tune_model_path, step=step))
+                return tr.state_from_params(tr.base), {}
+            if o.fresh_opt or not source.holds_optimizer_state():  # from_hf_weights.py writes params only
+                params = source.restore_params(abstract_params=tr.abstract_state.params,
+                                               target_shardings=tr.state_shardings.params, check_config=False)
+                return tr.state_from_params(params), {}
+            state, _ = source.restore(abstract_state=tr.abstract_state, target_shardings=tr.state_shardings,
+                                      check_config=False)
+            return state._replace(step=jax.device_put(np.int32(0), tr.state_shardings.step)), {}
+        if tr.lora is not None:  # LoRA on a random base: reproducible from the seed
+            self._base_ref = lora.base_reference(seed=self.config.train.seed)
+            tr.base = tr.init_base(self.config.train.seed)
+        return tr.init_state(self.config.train.seed), {}
+
+    def _load_base(self, ref: Optional[dict], expected: Optional[int] = None) -> None:
+        """Read the LoRA base `ref` names onto the mesh (compute dtype); ConfigError if it changed."""
+        tr = self.trainer
+        full = self.trainer.model.param_specs(self.trainer.rules)
+        shardings = parallel.named(tr.mesh, tr.split(full)[1])
+        tr.set_base(lora.base_params(ref, self.config.model, tr.mp, shardings=shardings))
+        self._base_ref = ref
+        if expected is not None and lora.fingerprint(tr.base) != expected:
+            raise ConfigError(f"the LoRA base {ref} is not the one this run was trained on (its weights changed)")
+
+    def batch_rows(self) -> tuple[int, int]:
+        """[start, stop) of the global batch's rows (axis 1 of [A, B, T+1]) that this process feeds.
+
+        Rows follow the dp axis; a process whose devices span several dp rows feeds all of them,
+        and processes that share a dp row (mp wider than one host) feed the same rows.
+        """
+        tr = self.trainer
+        shape = (1, tr.global_batch, 1)
+        index = tr.batch_sharding.addressable_devices_indices_map(shape).values()
+        starts = [i[1].start or 0 for i in index]
+        stops = [tr.global_batch if i[1].stop is None else i[1].stop for i in index]
+        return min(starts), max(stops)
+
+    def compile(self, state: TrainState) -> None:
+        """Compile the step (and the validation pass) now: the first real call then costs no more than any
+        other, so a cluster driver can hold it to the ordinary step timeout."""
+        tr, t, seq = self.trainer, self.config.train, self.config.model.seq
+
+        def batch(accumulation: int) -> dict:
+            shape = (accumulation, tr.global_batch)
+            return {"tokens": jax.ShapeDtypeStruct((*shape, seq + 1), np.int32, sharding=tr.batch_sharding),
+                    "mask": jax.ShapeDtypeStruct((*shape, seq), np.float32, sharding=tr.batch_sharding)}
+
+        tr.step.lower(state, batch(t.gradient_accumulation_steps)).compile()  # jit keeps it for the real calls
+        if t.val_every and t.val_set:
+            tr.eval_sums.lower(state.params, batch(1)).compile()
+
+    def device_batch(self, batch: dict) -> dict:
+        """Crop a loader batch to the model's sequence length and place it on the mesh."""
+        seq = self.config.model.seq
+        out = {"tokens": batch["tokens"][..., : seq + 1], "mask": batch["mask"][..., :seq]}
+        if "segments" in batch:
+            out["segments"] = batch["segments"][..., : seq + 1].astype(np.int32)
+        return self.trainer.shard_batch(out)
+
+    def step(self, state: TrainState, batch: dict) -> tuple[TrainState, dict]:
+        """One optimizer step on this process's rows of a batch -> (new state, logged metrics).
+
+        Raises TrainingError (without saving) when the loss is not finite.
+        """
+        state, metrics = self.trainer.step(state, self.device_batch(batch))
+        loss = float(metrics["loss"])  # waits for the step
+        if not math.isfinite(loss):
+            self.ckpt.wait()  # a save already started holds a good (finite-loss) state: let it land
+            raise TrainingError(f"loss is {loss} at step {int(state.step)}; stopping without saving "
+                                f"(last good checkpoint: step {self.ckpt.latest_step()})")
+        return state, {"train/loss": loss, "grad_norm": float(metrics["grad_norm"]),
+                       "learning_rate": float(metrics["lr"])}
+
+    def val_losses(self, params, batches: Mapping[str, Iterable[dict]]) -> dict:
+        """val/loss_<name> over the first val_batches batches (all when 0) of each stream, in order."""
+        limit = self.config.train.val_batches or None
+        out = {}
+        for name, stream in batches.items():
+            nll = count = 0.0
+            for batch in itertools.islice(stream, limit):
+                batch_nll, batch_count = self.trainer.eval_sums(params, self.device_batch(batch))
+                nll, count = nll + float(batch_nll), count + float(batch_count)
+            out[f"val/loss_{name}"] = nll / max(count, 1.0)
+        return out
+
+    def eval_metrics(self, params, tokenizer: str) -> dict:
+        """eval/<task>/<metric> of eval_harness_tasks on `params` ({} when none are configured);
+        `tokenizer`: the training data's (a spec `io.tokenizer.load_tokenizer` reads)."""
+        return self.evaluator(params, tokenizer) if self.evaluator is not None else {}
+
+    def save(self, state: TrainState, loader_state: dict) -> None:
+        """Start an (async) checkpoint of `state` unless its step is saved already (e.g. a Ctrl-C
+        right after a scheduled save); every process calls it with the same arguments."""
+        step = int(state.step)
+        if step != self._saved_step:
+            extras = {"train_loader": loader_state}
+            if self.trainer.lora is not None:  # the base by reference (README: "Fine-tune with LoRA")
+                if self._base_print is None:
+                    self._base_print = lora.fingerprint(self.trainer.base)
+                extras.update({lora.BASE_KEY: self._base_ref, lora.FINGERPRINT_KEY: self._base_print})
+            self.ckpt.save(step, state, extras=extras)
+            self._saved_step = step
+
+
+class TrainRun:
+    """A whole run in this process (and its jax.distributed peers, if any): data, loop, logging."""
+
+    def __init__(self, config: Config, options: RunOptions = RunOptions()):
+        require_keys(config, "train_set", "model_dir")
+        self.config, self.options = config, options
+        self.host = TrainHost(config, options)
+        self.trainer, self.ckpt, self.tokens_per_step = self.host.trainer, self.host.ckpt, self.host.tokens_per_step
+        self.dataset, self.val_sets = open_datasets(config)
+        self.tokenizer = self.dataset.index.get("tokenizer") or "gpt2"  # the data's, saved with checkpoints
+        self._interrupted = False
+
+    # ---- start-up -----------------------------------------------------------------------------
+
+    def start_state(self) -> tuple[TrainState, dict]:
+        return self.host.start_state()
+
+    def loader(self, state: dict) -> Loader:
+        return train_loader(self.config, self.dataset, self.trainer.global_batch, state, rows=self.host.batch_rows())
+
+    # ---- the loop -----------------------------------------------------------------------------
+
+    def train(self) -> TrainState:
+        t = self.config.train
+        state, loader_state = self.start_state()
+        step = int(state.step)
+        keep_tokenizer(self.ckpt.directory, self.tokenizer)
+        logger = MetricsLogger(self.options.log_dir or f"logs/{t.name}", t.name, t.wandb_project,
+                               self.config.to_json_dict(), tensorboard=self.options.tensorboard)
+        logger.message(f"{t.name}: step {step} of {t.total_steps}, mesh dp={self.trainer.dp} x mp={self.trainer.mp}, "
+                       f"{self.config.model.n_params():,} parameters, checkpoints in {self.ckpt.directory}")
+        previous = signal.signal(signal.SIGINT, self._on_interrupt)
+        loader = self.loader(loader_state)
+        steps_run = 0
+        try:
+            while step < t.total_steps and not self._interrupted:
+                started = time.perf_counter()
+                state, metrics = self.host.step(state, next(loader))
+                step, steps_run = step + 1, steps_run + 1
+                values = train_values(metrics, step, time.perf_counter() - started, self.config,
+                                      self.trainer.global_batch)
+                if due(step, t.val_every):
+                    values.update(self.validate(state.params))
+                if due(step, t.eval_period):
+                    values.update(self.host.eval_metrics(state.params, self.tokenizer))
+                logger.log(step, values)
+                logger.progress(step, t.total_steps, values)
+                finished = step >= t.total_steps or (self.options.stop_after and steps_run >= self.options.stop_after)
+                if due(step, t.ckpt_every) or finished:
+                    self.save(state, loader)
+                if finished:
+                    break
+            if self._interrupted:
+                logger.message(f"interrupted: saving step {step}")
+                self.save(state, loader)
+        finally:
+            signal.signal(signal.SIGINT, previous)
+            loader.close()
+            self.ckpt.wait()
+            logger.close()
+        return state
+
+    def device_batch(self, batch: dict) -> dict:
+        return self.host.device_batch(batch)
+
+    def validate(self, params) -> dict:
+        """val/loss_<name> over the first val_batches batches of each val_set, in order."""
+        loaders = {name: val_loader(dataset, self.trainer.global_batch, rows=self.host.batch_rows(),
+                                    segments=uses_segments(self.config, dataset))
+                   for name, dataset in self.val_sets.items()}
+        try:
+            return self.host.val_losses(params, loaders)
+        finally:
+            for loader in loaders.values():
+                loader.close()
+
+    def save(self, state: TrainState, loader: Loader) -> None:
+        self.host.save(state, loader.state())
+
+    def _on_interrupt(self, signum, frame):
+        if self._interrupted:  # a second Ctrl-C: give up at once
+            raise KeyboardInterrupt
+        self._interrupted = True
+
+
+def _check_same_architecture(found, config: Config, source: str) -> None:
+    ours, theirs = config.model.architecture(), found.architecture()
+    for key in sorted(set(ours) | set(theirs)):
+        if ours.get(key) != theirs.get(key):
+            raise ConfigError(f"{source}: {key} is {theirs.get(key)!r} but the config says {ours.get(key)!r}")

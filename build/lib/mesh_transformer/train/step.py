@@ -1,0 +1,290 @@
+"""The sharded training step: loss, gradient accumulation, AdamW, schedule — one jitted function.
+
+    state = Trainer(config, mesh).init_state(seed)
+    state, metrics = trainer.step(state, {"tokens": int32 [A, B, T+1], "mask": [A, B, T] (optional)})
+
+A = gradient_accumulation_steps microbatches of B = per_replica_batch x dp sequences, scanned
+inside the step. Master parameters and optimizer state are float32 (sharded by the Megatron
+table, or by the ZeRO table when `zero` is set); the forward/backward pass runs in compute_dtype.
+The loss is token-weighted over all microbatches, so k microbatches equal one k-times-larger
+batch exactly.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from mesh_transformer.train import loss as losses
+from mesh_transformer import lora, models, parallel
+from mesh_transformer.config import Config, TrainConfig
+
+def fcm_keep(key, shape, min_ratio: float, max_ratio: float, segments=None):
+    """Forgetful causal masking (Liu et al. 2022, arXiv 2210.13432; EasyLM's): [B, T] bool, False for
+    keys no query may attend to. Each row draws a ratio in [min_ratio, max_ratio] and drops each key
+    with that probability; a row's (or segment's) first token is always kept, so every query sees one."""
+    ratio_key, drop_key = jax.random.split(key)
+    ratio = jax.random.uniform(ratio_key, (shape[0], 1), minval=min_ratio, maxval=max_ratio)
+    keep = jax.random.uniform(drop_key, shape) >= ratio
+    first = jnp.zeros(shape, bool).at[:, 0].set(True)
+    if segments is not None:
+        first = first | jnp.concatenate([jnp.zeros_like(first[:, :1]), segments[:, 1:] != segments[:, :-1]], axis=1)
+    return keep | first
+
+
+class TrainState(NamedTuple):
+    step: jax.Array  # int32 scalar; drives the learning-rate schedule
+    params: Any  # float32 Haiku params: all of them, or with LoRA only the adapters
+    opt_state: Any
+
+
+def learning_rate(train: TrainConfig):
+    """The original schedule: linear warmup to lr, then cosine to end_lr over anneal_steps."""
+    def schedule(step):
+        step = jnp.asarray(step, jnp.float32)
+        warm = jnp.minimum(step, train.warmup_steps) / max(train.warmup_steps, 1)
+        if train.warmup_steps == 0:
+            warm = jnp.ones_like(step)
+        progress = jnp.clip(step - train.warmup_steps, 0, train.anneal_steps) / train.anneal_steps
+        return warm * train.lr - (train.lr - train.end_lr) * (1 - jnp.cos(jnp.pi * progress)) / 2
+    return schedule
+
+
+def optimizer(train: TrainConfig, decay_mask) -> optax.GradientTransformation:
+    """clip -> Adam -> decoupled weight decay on matrices (`decay_mask`: params tree of bools, from
+    what each parameter declares: weights and embedding tables, not biases or norms); the step
+    applies -lr(step). `bf16_optimizer`: both Adam moments are stored in bfloat16 (half the
+    optimizer memory; the update itself is computed in float32)."""
+    return optax.chain(
+        optax.clip_by_global_norm(train.clip_norm),
+        scale_by_adam(train.b1, train.b2, train.eps, jnp.bfloat16 if train.bf16_optimizer else jnp.float32),
+        optax.add_decayed_weights(train.weight_decay, mask=decay_mask),
+    )
+
+
+def scale_by_adam(b1: float, b2: float, eps: float, moments_dtype) -> optax.GradientTransformation:
+    """optax.scale_by_adam with both moments stored in `moments_dtype` (optax casts only the first);
+    the update is computed in float32. With float32 it is optax's own."""
+    if jnp.dtype(moments_dtype) == jnp.float32:
+        return optax.scale_by_adam(b1=b1, b2=b2, eps=eps)
+
+    def init(params):
+        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, moments_dtype), params)
+        return optax.ScaleByAdamState(jnp.zeros((), jnp.int32), zeros, zeros)
+
+    def update(grads, state, params=None):
+        count = optax.safe_increment(state.count)
+        mu = jax.tree.map(lambda m, g: b1 * m.astype(jnp.float32) + (1 - b1) * g, state.mu, grads)
+        nu = jax.tree.map(lambda v, g: b2 * v.astype(jnp.float32) + (1 - b2) * g * g, state.nu, grads)
+        c1, c2 = 1 - b1 ** count.astype(jnp.float32), 1 - b2 ** count.astype(jnp.float32)
+        updates = jax.tree.map(lambda m, v: (m / c1) / (jnp.sqrt(v / c2) + eps), mu, nu)
+        cast = lambda t: jax.tree.map(lambda x: x.astype(moments_dtype), t)  # noqa: E731
+        return updates, optax.ScaleByAdamState(count, cast(mu), cast(nu))
+    return optax.GradientTransformation(init, update)
+
+
+class _WithBase:
+    """A jitted function of (..., base) called without its last argument: the trainer's frozen base."""
+
+    def __init__(self, fn, trainer: "Trainer"):
+        self.fn, self.trainer = fn, trainer
+
+    def __call__(self, *args):
+        return self.fn(*args, self.trainer.base)
+
+    def lower(self, *args):
+        return self.fn.lower(*args, self.trainer.base)
+
+
+@dataclass
+class Trainer:
+    """Builds and holds the compiled, sharded step for one config on one mesh."""
+
+    config: Config
+    mesh: Mesh
+
+    def __post_init__(self):
+        m, t = self.config.model, self.config.train
+        self.mp, self.dp = self.mesh.shape[parallel.MP], self.mesh.shape[parallel.DP]
+        self.lora = lora.LoraConfig.from_dict(t.lora) if t.lora is not None else None
+        self.model = models.build(m, self.mp, lora.plan(m, self.lora))
+        self.model.check_mesh(self.mesh.shape, t.zero)
+        self.rules = self.model.rules(t.zero, self.mp)
+        # With LoRA the state holds the adapters only; the frozen base lives apart (`self.base`), in
+        # the compute dtype, with no gradient and no optimizer state. Without LoRA `base` is {}.
+        trainable_infos, _ = self.split(self.model.infos)
+        self.optimizer = optimizer(t, parallel.decay_mask(trainable_infos))
+        self.schedule = learning_rate(t)
+        self.abstract_state = jax.eval_shape(self._init, jax.random.key(0))
+        full_specs = self.model.param_specs(self.rules)
+        self.param_specs, self.base_specs = self.split(full_specs)
+        compute = jnp.dtype(m.compute_dtype)
+        self.abstract_base = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, compute),
+                                          self.split(self.model.abstract_params)[1])
+        self.base_shardings = parallel.named(self.mesh, self.base_specs)
+        self.base = {}
+        opt_specs = optax.tree_map_params(self.optimizer, lambda _, spec: spec, self.abstract_state.opt_state,
+                                          self.param_specs, transform_non_params=lambda _: P(),
+                                          is_leaf=lambda x: isinstance(x, P))
+        self.state_specs = TrainState(P(), self.param_specs, opt_specs)
+        self.state_shardings = parallel.named(self.mesh, self.state_specs)
+        self.batch_sharding = NamedSharding(self.mesh, P(None, parallel.DP, None))
+        row = P(parallel.DP, None)
+        self._sharded_loss = parallel.shard_map(
+            self._local_loss, self.mesh, self.rules,
+            in_specs=(full_specs, row, row, row, row, P()), out_specs=(P(), P(), P()))
+        self.init_state = jax.jit(self._init, out_shardings=self.state_shardings)
+        self.init_base = jax.jit(self._init_base, out_shardings=self.base_shardings)
+        bs = self.base_shardings
+        self.step = _WithBase(jax.jit(self._step, in_shardings=(self.state_shardings, self.batch_sharding, bs),
+                                      out_shardings=(self.state_shardings, None), donate_argnums=0), self)
+        self._sharded_logits = parallel.shard_map(
+            lambda p, tokens: self.model.apply(p, tokens)[0], self.mesh, self.rules,
+            in_specs=(full_specs, row), out_specs=P(parallel.DP, None, parallel.MP))
+        self.logits = _WithBase(jax.jit(self._logits, in_shardings=(self.state_shardings.params,
+                                                                     NamedSharding(self.mesh, row), bs)), self)
+        self.eval_sums = _WithBase(jax.jit(self._eval_sums, in_shardings=(self.state_shardings.params,
+                                                                          self.batch_sharding, bs)), self)
+        self.loss_and_grads = _WithBase(jax.jit(self._loss_and_grads, in_shardings=(
+            self.state_shardings.params, self.batch_sharding, bs), out_shardings=(None, self.state_shardings.params)), self)
+
+    def split(self, tree):
+        """A params-shaped tree -> (trainable part, frozen part); without LoRA (tree, {})."""
+        return lora.split(tree, self.lora is not None)
+
+    # ---- pieces -------------------------------------------------------------------------------
+
+    @property
+    def global_batch(self) -> int:
+        return self.config.train.per_replica_batch * self.dp
+
+    def _init(self, rng) -> TrainState:
+        if isinstance(rng, int):
+            rng = jax.random.key(rng)
+        params, _ = self.split(self.model.init(rng))
+        return TrainState(jnp.zeros((), jnp.int32), params, self.optimizer.init(params))
+
+    def _init_base(self, rng):
+        """A random frozen base (LoRA on a randomly initialised model: tests, benchmarks)."""
+        if isinstance(rng, int):
+            rng = jax.random.key(rng)
+        return jax.tree.map(lambda x, a: x.astype(a.dtype), self.split(self.model.init(rng))[1], self.abstract_base)
+
+    def set_base(self, params) -> None:
+        """Hold `params`' frozen part (numpy or jax, any dtype) as the base: compute dtype, sharded."""
+        _, frozen = self.split(params) if any(parallel.is_adapter(n) for v in params.values() for n in v) else ({}, params)
+        frozen = {m: {n: frozen[m][n] for n in leaves} for m, leaves in self.abstract_base.items()}
+        self.base = jax.device_put(jax.tree.map(lambda x, a: np.asarray(x).astype(a.dtype) if isinstance(x, np.ndarray)
+                                                else x.astype(a.dtype), frozen, self.abstract_base),
+                                   self.base_shardings)
+
+    def state_from_params(self, params) -> TrainState:
+        """A fresh train state (step 0, new optimizer state) around given float32 params. With LoRA,
+        `params` are the base's (they become `self.base`) and the adapters start fresh (A random, B 0)
+        from the config's seed."""
+        if self.lora is not None:
+            self.set_base(params)
+            state = self.init_state(self.config.train.seed)
+            return state
+        params = jax.device_put(jax.tree.map(lambda x: x.astype(jnp.float32), params), self.state_shardings.params)
+        opt_state = jax.jit(self.optimizer.init, out_shardings=self.state_shardings.opt_state)(params)
+        return TrainState(jax.device_put(jnp.zeros((), jnp.int32), self.state_shardings.step), params, opt_state)
+
+    def _local_loss(self, params, tokens, mask, segments, key_keep, rng):
+        """Per-device: tokens [b, T+1], mask [b, T], segments [b, T+1] or None, key_keep [b, T] or None
+        -> global (objective sum, nll sum, token count). A target in another segment than the token
+        before it is not trained (it would not be predicted with the examples one by one)."""
+        inputs = segments[:, :-1] if segments is not None else None
+        if segments is not None:
+            mask = mask * (segments[:, 1:] == inputs)
+        logits, _ = self.model.apply(params, tokens[:, :-1], segments=inputs, key_keep=key_keep, rng=rng)
+        sums = losses.cross_entropy_sums(logits, tokens[:, 1:], mask, self.config.train.z_loss)
+        return tuple(parallel.psum_dp(s) for s in sums)
+
+    def _microbatch_grads(self, params, base, micro):
+        def objective(p):
+            total, nll, count = self._sharded_loss(lora.join(base, p), *micro)
+            return total, (nll, count)
+        (_, (nll, count)), grads = jax.value_and_grad(objective, has_aux=True)(params)
+        return grads, nll, count
+
+    def _microbatches(self, batch, step):
+        """The step's inputs per microbatch: (tokens, mask, segments, key_keep, rng), each with a leading [A]
+        axis (None where unused). Randomness (FCM, LoRA dropout) is seeded by (seed, step): a resumed
+        run draws exactly what the uninterrupted one did."""
+        t = self.config.train
+        tokens = batch["tokens"]
+        mask = batch.get("mask")
+        mask = jnp.ones(tokens[..., 1:].shape, jnp.float32) if mask is None else mask
+        segments = batch.get("segments")
+        a = tokens.shape[0]
+        keys = jax.random.split(jax.random.fold_in(jax.random.key(t.seed), step), a)
+        key_keep = None
+        if t.fcm_max_ratio > 0:
+            key_keep = jax.vmap(lambda k, s: fcm_keep(k, tokens.shape[1:2] + (tokens.shape[2] - 1,), t.fcm_min_ratio,
+                                                       t.fcm_max_ratio, s))(keys, None if segments is None else segments[..., :-1])
+        rng = keys if self.lora is not None and self.lora.dropout > 0 else None
+        if rng is not None:
+            rng = jax.vmap(lambda k: jax.random.fold_in(k, 1))(rng)
+        return tokens, mask, segments, key_keep, rng
+
+    def _accumulate(self, params, batch, base, step):
+        """Sum gradients over the A microbatches; return token-mean grads and mean nll."""
+        def body(carry, micro):
+            grads, nll, count = self._microbatch_grads(params, base, micro)
+            carry = jax.tree.map(jnp.add, carry, (grads, nll, count))
+            return carry, None
+
+        zeros = (jax.tree.map(jnp.zeros_like, params), jnp.zeros(()), jnp.zeros(()))
+        (grads, nll, count), _ = jax.lax.scan(body, zeros, self._microbatches(batch, step))
+        count = jnp.maximum(count, 1.0)
+        return jax.tree.map(lambda g: g / count, grads), nll / count
+
+    def _loss_and_grads(self, params, batch, base):
+        grads, loss = self._accumulate(params, batch, base, 0)
+        return loss, grads
+
+    def _logits(self, params, tokens, base):
+        """tokens [B, T] -> logits [B, T, n_vocab] float32 (padding dropped), sharded over dp and mp."""
+        return self._sharded_logits(lora.join(base, params), tokens)[..., : self.config.model.n_vocab]
+
+    def _eval_sums(self, params, batch, base):
+        """(nll sum, token count) of a batch shaped like a training batch ([A, B, T+1]); no update,
+        no FCM, no dropout."""
+        tokens = batch["tokens"].reshape(-1, batch["tokens"].shape[-1])
+        mask = batch.get("mask")
+        mask = jnp.ones(tokens[:, 1:].shape, jnp.float32) if mask is None else mask.reshape(tokens[:, 1:].shape)
+        segments = batch.get("segments")
+        segments = None if segments is None else segments.reshape(tokens.shape)
+        _, nll, count = self._sharded_loss(lora.join(base, params), tokens, mask, segments, None, None)
+        return nll, count
+
+    def eval_loss(self, params, batch) -> float:
+        """Mean token negative log-likelihood of one batch."""
+        nll, count = self.eval_sums(params, batch)
+        return float(nll) / max(float(count), 1.0)
+
+    def _step(self, state: TrainState, batch, base):
+        grads, loss = self._accumulate(state.params, batch, base, state.step)
+        updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
+        lr = self.schedule(state.step)
+        params = jax.tree.map(lambda p, u: p - lr * u, state.params, updates)
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": lr}
+        return TrainState(state.step + 1, params, opt_state), metrics
+
+    # ---- helpers for callers ------------------------------------------------------------------
+
+    def shard_batch(self, batch: dict) -> dict:
+        """Host arrays [A, B_local, ...] (this process's slice of the batch) -> global sharded arrays."""
+        return {k: jax.make_array_from_process_local_data(self.batch_sharding, np.asarray(v))
+                for k, v in batch.items()}
+
+    def abstract_batch(self) -> dict:
+        t = self.config.train
+        shape = (t.gradient_accumulation_steps, self.global_batch, self.config.model.seq + 1)
+        return {"tokens": jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self.batch_sharding)}
