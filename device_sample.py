@@ -19,6 +19,8 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--temperature", "--temp", type=float, default=0.75, help="0 = greedy")
     g.add_argument("--top-p", type=float, default=0.9)
     g.add_argument("--top-k", type=int, default=0, help="0 = no limit")
+    g.add_argument("--min-p", type=float, default=0.0,
+                   help="drop tokens less likely than this x the most likely one (0 = none)")
     g.add_argument("--repetition-penalty", type=float, default=1.0)
     g.add_argument("--frequency-penalty", type=float, default=0.0)
     g.add_argument("--presence-penalty", type=float, default=0.0)
@@ -31,6 +33,7 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
 def options_from_args(args, tokenizer) -> SamplingOptions:
     return SamplingOptions(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+        min_p=args.min_p,
         repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
         presence_penalty=args.presence_penalty, seed=args.seed, stop=tuple(args.stop),
         eos_token_id=None if args.no_eos else getattr(tokenizer, "eos_token_id", None))

@@ -94,7 +94,7 @@ def bench_ours(model, batch: int, prompt_len: int, new: int, server: Optional[tu
     reads and writes a window of the cache), instead of one call over a cache sized to them;
     `prefix_cache`: with device_serve.py's default prefix cache (each admission stores its prompts'
     full blocks there; the prompts are random, so none is found); `sampling`: SamplingOptions'
-    temperature, top_k, top_p (default greedy)."""
+    temperature, top_k, top_p, min_p (default greedy)."""
     import jax
 
     from mesh_transformer import kernels
@@ -134,13 +134,14 @@ def bench_ours(model, batch: int, prompt_len: int, new: int, server: Optional[tu
 
 def bench_hf(torch_model, batch: int, prompt_len: int, new: int, dtype: str, sampling: Optional[dict] = None):
     """-> a callable timing transformers' decode once (generate(new) - generate(1)): decode tokens/s.
-    `sampling` as bench_ours' (transformers' top_k 0 and top_p 1 filter nothing, as ours)."""
+    `sampling` as bench_ours' (transformers' top_k 0 and top_p 1 filter nothing, as ours; min_p None)."""
     import torch
 
     model = torch_model.to(getattr(torch, dtype))
     tokens = torch.randint(0, 50000, (batch, prompt_len), generator=torch.Generator().manual_seed(0))
     sampled = sampling is not None and sampling.get("temperature", 1.0) > 0
-    how = {"do_sample": False} if not sampled else {"do_sample": True, "top_k": 0, "top_p": 1.0, **sampling}
+    how = ({"do_sample": False} if not sampled else
+           {"do_sample": True, **sampling, "min_p": sampling.get("min_p") or None})
 
     def run(n):
         t = time.perf_counter()
@@ -176,6 +177,8 @@ def main(argv=None):
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (both sides)")
     parser.add_argument("--top-k", type=int, default=0, help="with --temperature: keep the k most likely (0: all)")
     parser.add_argument("--top-p", type=float, default=1.0, help="with --temperature: keep the nucleus of this mass")
+    parser.add_argument("--min-p", type=float, default=0.0,
+                        help="with --temperature: drop tokens less likely than this x the most likely (0: none)")
     parser.add_argument("--out", help="also write the JSON object here")
     machine.add_args(parser)
     parser.add_argument("--mp", type=int, default=1,
@@ -203,7 +206,7 @@ def main(argv=None):
         torch_model = (AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval() if args.hf
                        else make_random(tmp, args.family, args.layers, args.d_model, args.heads))
         results = []
-        sampling = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p}
+        sampling = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "min_p": args.min_p}
         for dtype in args.dtypes:
             model = loading.load(hf=path, mp=args.mp, dp=1, dtype=dtype)
             weight_bytes = bytes_read_per_step(model)
@@ -251,7 +254,8 @@ def format_row(row) -> str:
         kernel += ", prefix cache" if row["ours"].get("prefix_cache") else ""
     sampling = row.get("sampling") or {}
     if sampling.get("temperature"):
-        kernel += ", temperature {temperature}, top-k {top_k}, top-p {top_p}".format(**sampling)
+        shown = {"min_p": 0.0, **sampling}  # results written before --min-p have none
+        kernel += ", temperature {temperature}, top-k {top_k}, top-p {top_p}, min-p {min_p}".format(**shown)
     line = (f"{row['dtype']:>9} batch {row['batch']:>3} ({row['ours']['weights']:>12}{kernel}): "
             f"ours {machine.fmt(row['ours']['rounds'], 1):>20s} tok/s "
             f"(prefill {np.median(row['ours']['prefill_ms']):.1f} ms, median)")

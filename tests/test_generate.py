@@ -148,7 +148,7 @@ def test_top_k_and_top_p_restrict_every_token_to_the_allowed_set(tiny, gen):
             assert token in allowed, f"step {step}: token {token} outside {allowed.tolist()}"
 
 
-def expected_distribution(logits, temperature, top_k, top_p):
+def expected_distribution(logits, temperature, top_k, top_p, min_p=0.0):
     z = np.asarray(logits, np.float64) / temperature
     order = np.argsort(-z)
     keep = np.zeros(len(z), bool)
@@ -158,7 +158,7 @@ def expected_distribution(logits, temperature, top_k, top_p):
     mass_before = np.cumsum(p[order]) - p[order]
     nucleus = np.zeros(len(z), bool)
     nucleus[order[mass_before < top_p]] = True
-    p = np.where(nucleus, p, 0)
+    p = np.where(nucleus & (p >= min_p * p.max()), p, 0)
     return p / p.sum()
 
 
@@ -167,18 +167,19 @@ BLOCKS = np.full(384, -np.inf, np.float32)  # 3 blocks of 128: exercises the two
 BLOCKS[[3, 100, 127, 128, 200, 300, 301, 383]] = [1.0, 0.2, 1.4, 2.0, -0.5, 0.6, 1.1, 0.0]
 
 
-@pytest.mark.parametrize("logits,temperature,top_k,top_p", [
-    (SMALL, 1.0, 0, 1.0), (SMALL, 0.7, 5, 1.0), (SMALL, 1.3, 0, 0.8), (SMALL, 0.9, 6, 0.7),
-    (BLOCKS, 1.0, 0, 1.0), (BLOCKS, 0.8, 4, 0.9)], ids=["plain", "top_k", "top_p", "both", "blocks", "blocks_both"])
-def test_sampled_frequencies_match_the_truncated_softmax(logits, temperature, top_k, top_p):
+@pytest.mark.parametrize("logits,temperature,top_k,top_p,min_p", [
+    (SMALL, 1.0, 0, 1.0, 0.0), (SMALL, 0.7, 5, 1.0, 0.0), (SMALL, 1.3, 0, 0.8, 0.0), (SMALL, 0.9, 6, 0.7, 0.0),
+    (SMALL, 1.2, 0, 1.0, 0.3), (BLOCKS, 1.0, 0, 1.0, 0.0), (BLOCKS, 0.8, 4, 0.9, 0.0)],
+    ids=["plain", "top_k", "top_p", "both", "min_p", "blocks", "blocks_both"])
+def test_sampled_frequencies_match_the_truncated_softmax(logits, temperature, top_k, top_p, min_p):
     """20,000 draws (one per row, each its own seed) against the exact distribution: chi-square."""
     n = 20_000
-    options = [SamplingOptions(temperature=temperature, top_k=top_k, top_p=top_p)] * n
+    options = [SamplingOptions(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)] * n
     rows = RowOptions.stack(options, seeds=np.arange(n))
     tokens = np.asarray(jax.jit(sampling.choose)(jnp.tile(logits, (n, 1)), rows, jnp.zeros(n, jnp.int32)))
     counts = np.bincount(tokens, minlength=len(logits))
-    p = expected_distribution(logits, temperature, top_k, top_p)
-    assert np.all(counts[p == 0] == 0), "sampled a token outside the top-k / nucleus"
+    p = expected_distribution(logits, temperature, top_k, top_p, min_p)
+    assert np.all(counts[p == 0] == 0), "sampled a token outside the top-k / nucleus / min-p set"
     support = p > 0
     expected = n * p[support] / p[support].sum()
     assert scipy.stats.chisquare(counts[support], expected).pvalue > 1e-3
@@ -194,7 +195,7 @@ def truncation(request, monkeypatch):
         pytest.skip("the CPU kernels are not built here (no C++ compiler)")
     if request.param == "bisection":
         monkeypatch.setattr(kernels, "available", lambda: False)
-    return jax.jit(lambda logits, top_k, top_p: sampling.top_k_top_p(logits, top_k, top_p))
+    return jax.jit(lambda logits, top_k, top_p, min_p: sampling.top_k_top_p(logits, top_k, top_p, min_p))
 
 
 def test_top_k_top_p_equals_a_full_sort(truncation):
@@ -206,18 +207,19 @@ def test_top_k_top_p_equals_a_full_sort(truncation):
     logits[8:16, ::3] = -np.inf
     top_k = rng.choice([0, 1, 3, 8, 9, 20, 40], n).astype(np.int32)
     top_p = rng.choice([0.1, 0.5, 0.9, 0.99, 1.0], n).astype(np.float32)
-    fast = np.asarray(truncation(logits, top_k, top_p))
+    fast = np.asarray(truncation(logits, top_k, top_p, np.zeros(n, np.float32)))
     for row, k, p, got in zip(logits, top_k, top_p, fast):
         np.testing.assert_array_equal(np.isfinite(got), kept_by_sorting(row, int(k), float(p)),
                                       err_msg=f"top_k={k} top_p={p}")
 
 
-def test_top_k_top_p_keeps_what_transformers_keeps_over_a_gpt2_vocabulary(truncation):
+def test_top_k_top_p_min_p_keep_what_transformers_keeps_over_a_gpt2_vocabulary(truncation):
     """50,257 tokens per row, flat and peaked rows, ties: the tokens left finite are those
-    transformers' TopKLogitsWarper then TopPLogitsWarper leave (run in float64), and where its
-    top-p cuts through tokens of equal logits (by its sort's order), the rest of them too."""
+    transformers' TopKLogitsWarper, TopPLogitsWarper and MinPLogitsWarper leave (in that order, as
+    its `generate` applies them; run in float64), and where its top-p cuts through tokens of equal
+    logits (by its sort's order), the rest of them too."""
     import torch
-    from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
+    from transformers.generation.logits_process import MinPLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
     rng = np.random.RandomState(1)
     n, vocab = 16, 50257
@@ -226,16 +228,20 @@ def test_top_k_top_p_keeps_what_transformers_keeps_over_a_gpt2_vocabulary(trunca
     logits[3, ::2] = -np.inf
     top_k = np.array([0, 0, 0, 0, 1, 40, 1000, 50256, 0, 0, 0, 0, 40, 1000, 5, 0], np.int32)
     top_p = np.array([0.9, 0.5, 0.95, 0.9, 1.0, 1.0, 1.0, 1.0, 0.1, 0.99, 0.7, 0.3, 0.9, 0.95, 0.5, 1.0], np.float32)
-    ours = np.isfinite(np.asarray(truncation(logits, top_k, top_p)))
+    min_p = np.array([0, 0, 0, 0, 0, 0.1, 0, 0, 0.05, 0, 0.1, 0, 0.2, 0, 0, 0.3], np.float32)
+    ours = np.isfinite(np.asarray(truncation(logits, top_k, top_p, min_p)))
     for i in range(n):
         row = torch.from_numpy(logits[i:i + 1].astype(np.float64))
         if top_k[i]:
             row = TopKLogitsWarper(int(top_k[i]))(None, row)
         if top_p[i] < 1:
             row = TopPLogitsWarper(float(top_p[i]))(None, row)
+        if min_p[i] > 0:
+            row = MinPLogitsWarper(float(min_p[i]))(None, row)
         theirs = np.isfinite(row.numpy()[0])
         extra = ours[i] & ~theirs
-        what = f"row {i} (top_k {top_k[i]}, top_p {top_p[i]}): kept {ours[i].sum()}, transformers {theirs.sum()}"
+        what = (f"row {i} (top_k {top_k[i]}, top_p {top_p[i]}, min_p {min_p[i]}): kept {ours[i].sum()}, "
+                f"transformers {theirs.sum()}")
         assert not np.any(theirs & ~ours[i]), what
         assert np.all(logits[i][extra] == logits[i][theirs].min()), what
         assert i == 2 or not extra.any(), what  # only the row with ties
@@ -249,7 +255,7 @@ def test_on_cpu_the_thresholds_are_one_kernel_call_not_a_bisection_loop():
         pytest.skip("the CPU kernels are not built here (no C++ compiler)")
     logits = jax.ShapeDtypeStruct((64, 50257), jnp.float32)
     rows = jax.ShapeDtypeStruct((64,), jnp.int32), jax.ShapeDtypeStruct((64,), jnp.float32)
-    hlo = jax.jit(sampling.top_k_top_p).lower(logits, *rows).compile().as_text()
+    hlo = jax.jit(sampling.top_k_top_p).lower(logits, *rows, rows[1]).compile().as_text()
     assert hlo.count(kernels.TRUNCATION_FLOOR[0]) == 1 and " while(" not in hlo
 
 

@@ -215,6 +215,7 @@ BAD = [
     ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, "temperature"),
     ("/v1/completions", {"prompt": "hi", "temperature": -1}, "temperature"),
     ("/v1/completions", {"prompt": "hi", "top_p": 2}, "top_p"),
+    ("/v1/completions", {"prompt": "hi", "min_p": 1.5}, "min_p must be in [0, 1]"),
     ("/v1/completions", {"prompt": "hi", "n": 0}, "n"),
     ("/v1/completions", {"prompt": "hi", "logprobs": 10}, "logprobs"),
     ("/v1/completions", {"prompt": "hi", "stop": ["a", "b", "c", "d", "e", "f", "g", "h", "i"]}, "stop"),

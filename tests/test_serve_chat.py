@@ -123,6 +123,7 @@ BAD = [
     ({"messages": HI, "max_completion_tokens": 0}, "max_completion_tokens", "at least 1"),
     ({"messages": HI, "temperature": -1}, "temperature", "temperature"),
     ({"messages": HI, "top_p": 0}, "top_p", "top_p"),
+    ({"messages": HI, "min_p": -0.1}, "min_p", "min_p must be in [0, 1]"),
     ({"messages": HI, "n": 17}, "n", "n"),
     ({"messages": HI, "top_logprobs": 2}, "top_logprobs", "requires logprobs: true"),
     ({"messages": HI, "logprobs": True, "top_logprobs": 6}, "top_logprobs", "top_logprobs"),

@@ -64,18 +64,20 @@ SETTINGS = [  # the last key of each changes the library's output for these prom
     {"temperature": 0.3},
     {"temperature": 1.5, "top_p": 0.5},
     {"temperature": 1.5, "top_k": 3},
+    {"temperature": 1.5, "min_p": 0.3},
     {"temperature": 0.3, "frequency_penalty": 2.0},  # at 0.3 rows repeat tokens, so penalties bite
     {"temperature": 0.3, "presence_penalty": 2.0},
     {"temperature": 0.3, "repetition_penalty": 1.8},
 ]
 PROMPTS = ["How vexingly", "def main", "The lazy dog", "0123"]
+EXTENSIONS = ("top_k", "min_p", "repetition_penalty")  # vLLM's fields the openai client sends in extra_body
 
 
 @pytest.mark.parametrize("setting", SETTINGS, ids=lambda s: "-".join(f"{k}={v}" for k, v in s.items()))
 def test_sampling_options_over_v1_completions_equal_the_librarys(client, gen, tiny, setting):
     r = client.completions.create(model="tiny", prompt=PROMPTS, max_tokens=16, seed=5,
-                                  extra_body={k: v for k, v in setting.items() if k in ("top_k", "repetition_penalty")},
-                                  **{k: v for k, v in setting.items() if k not in ("top_k", "repetition_penalty")})
+                                  extra_body={k: v for k, v in setting.items() if k in EXTENSIONS},
+                                  **{k: v for k, v in setting.items() if k not in EXTENSIONS})
     ours = library(gen, tiny, PROMPTS, [SamplingOptions(max_new_tokens=16, seed=5, **setting)] * len(PROMPTS))
     assert [c.text for c in r.choices] == [s.text for s in ours]
     # The last key matters: without it (same seed) the library's text is different.

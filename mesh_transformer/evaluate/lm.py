@@ -148,7 +148,8 @@ class MeshLM(TemplateLM):
         # stop strings end rows early on the device (at most MAX_STOPS); the text is cut at every one after
         stops = tuple(s for s in until if s)[:MAX_STOPS]
         return SamplingOptions(max_new_tokens=max_new, temperature=temperature, top_p=float(kwargs.get("top_p", 1.0)),
-                               top_k=int(kwargs.get("top_k", 0) or 0), stop=stops, eos_token_id=self.eot_token_id,
+                               top_k=int(kwargs.get("top_k", 0) or 0), min_p=float(kwargs.get("min_p", 0.0) or 0.0),
+                               stop=stops, eos_token_id=self.eot_token_id,
                                seed=int(kwargs.get("seed", 1234)))
 
     def _generate(self, prompts: list[list[int]], options: SamplingOptions) -> list[str]:

@@ -176,7 +176,7 @@ def state_specs(layers: int) -> DecodeState:
     row, row2, kv = P(parallel.DP), P(parallel.DP, None), (KV_SPEC,) * layers
     return DecodeState(
         cache=KVCache(kv, kv, row, P(), row),
-        rows=RowOptions(*([row] * 9), P(parallel.DP, None, None), row),
+        rows=RowOptions(**{**dict.fromkeys(RowOptions._fields, row), "stops": P(parallel.DP, None, None)}),
         last=row, done=row, n_generated=row, reason=row, counts=row2, seen=row2, recent=row2)
 
 
@@ -372,9 +372,11 @@ class Generator:
     def _empty(self, batch: int, slots: int) -> DecodeState:
         vocab = self.vocab
         i32 = lambda fill=0: jnp.full((batch,), fill, jnp.int32)
-        rows = RowOptions(jnp.zeros(batch), i32(), jnp.ones(batch), jnp.ones(batch), jnp.zeros(batch),
-                          jnp.zeros(batch), jnp.zeros(batch, jnp.uint32), i32(1), i32(-1),
-                          jnp.full((batch, MAX_STOPS, STOP_TOKENS), -1, jnp.int32), i32(-1))
+        rows = RowOptions(temperature=jnp.zeros(batch), top_k=i32(), top_p=jnp.ones(batch), min_p=jnp.zeros(batch),
+                          repetition_penalty=jnp.ones(batch), frequency_penalty=jnp.zeros(batch),
+                          presence_penalty=jnp.zeros(batch), seed=jnp.zeros(batch, jnp.uint32), max_new=i32(1),
+                          eos=i32(-1), stops=jnp.full((batch, MAX_STOPS, STOP_TOKENS), -1, jnp.int32),
+                          top_logprobs=i32(-1))
         cache = KVCache.zeros(self.config, batch, slots, mp=self.mp)._replace(offset=i32())
         return DecodeState(cache, rows, i32(),
                            jnp.ones(batch, bool), i32(), i32(), jnp.zeros((batch, vocab), jnp.int32),

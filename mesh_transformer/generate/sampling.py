@@ -1,6 +1,6 @@
 """Sampling: per-request options and small pure functions over [B, V] float32 logits.
 
-Greedy, temperature, top-k and top-p (exact thresholds, no sort of the vocabulary: a CPU kernel),
+Greedy, temperature, top-k, top-p and min-p (exact thresholds, no sort of the vocabulary: a CPU kernel),
 HF's repetition and OpenAI's frequency/presence penalties, seeded per row so results do not depend
 on the batch, stop sequences checked on device, log-probabilities only when a row asks.
 """
@@ -35,6 +35,7 @@ class SamplingOptions:
     temperature: float = 1.0  # 0 = greedy
     top_k: int = 0  # 0 = no limit
     top_p: float = 1.0  # nucleus: smallest set of tokens with this much probability
+    min_p: float = 0.0  # drop tokens less likely than min_p x the most likely one (0 = none)
     repetition_penalty: float = 1.0  # CTRL/HF: seen tokens (prompt + output) get logit/p if > 0, logit*p if < 0
     frequency_penalty: float = 0.0  # OpenAI: logit -= count in output * this
     presence_penalty: float = 0.0  # OpenAI: logit -= this if in output
@@ -54,6 +55,7 @@ class SamplingOptions:
         need(0 <= self.temperature < float("inf"), "temperature", "must be >= 0")
         need(isinstance(self.top_k, int) and self.top_k >= 0, "top_k", "must be an integer >= 0")
         need(0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
+        need(0 <= self.min_p <= 1, "min_p", "must be in [0, 1]")
         need(self.repetition_penalty > 0, "repetition_penalty", "must be > 0")
         need(-2 <= self.frequency_penalty <= 2, "frequency_penalty", "must be in [-2, 2]")
         need(-2 <= self.presence_penalty <= 2, "presence_penalty", "must be in [-2, 2]")
@@ -70,6 +72,7 @@ class RowOptions(NamedTuple):
     temperature: Any
     top_k: Any
     top_p: Any
+    min_p: Any
     repetition_penalty: Any
     frequency_penalty: Any
     presence_penalty: Any
@@ -90,9 +93,9 @@ class RowOptions(NamedTuple):
         def col(name, dtype):
             return np.array([getattr(o, name) for o in options], dtype)
         return cls(col("temperature", np.float32), col("top_k", np.int32), col("top_p", np.float32),
-                   col("repetition_penalty", np.float32), col("frequency_penalty", np.float32),
-                   col("presence_penalty", np.float32), np.array(seeds, np.uint32),
-                   col("max_new_tokens", np.int32),
+                   col("min_p", np.float32), col("repetition_penalty", np.float32),
+                   col("frequency_penalty", np.float32), col("presence_penalty", np.float32),
+                   np.array(seeds, np.uint32), col("max_new_tokens", np.int32),
                    np.array([-1 if o.eos_token_id is None else o.eos_token_id for o in options], np.int32), stops,
                    np.array([-1 if o.logprobs is None else o.logprobs for o in options], np.int32))
 
@@ -109,15 +112,21 @@ def penalize(logits, counts, seen, rows: RowOptions):
     return logits - counts * rows.frequency_penalty[:, None] - (counts > 0) * rows.presence_penalty[:, None]
 
 
-def top_k_top_p(logits, top_k, top_p):
-    """Keep each row's `top_k` largest logits (0 = all), then its nucleus of mass `top_p`; others -> -inf.
+def top_k_top_p(logits, top_k, top_p, min_p=None):
+    """Keep each row's `top_k` largest logits (0 = all), then its nucleus of mass `top_p`, then those
+    at least `min_p` times as likely as its most likely (0 or None = all); others -> -inf.
 
-    logits [B, V] float32, top_k [B] int, top_p [B] float. Exact, ties at the threshold kept (HF's
-    top-k keeps them too; its top-p those its sort puts first), without sorting the vocabulary (170 ms for [16, 50400] on CPU): each row's threshold is an
-    order key (`_order_key`) from `kernels.truncation_floor` on CPU, else by bisection.
+    logits [B, V] float32, top_k [B] int, top_p and min_p [B] float. Exact, ties at the threshold
+    kept (HF's top-k keeps them too; its top-p those its sort puts first), without sorting the
+    vocabulary (170 ms for [16, 50400] on CPU): each row's top-k/top-p threshold is an order key
+    (`_order_key`) from `kernels.truncation_floor` on CPU, else by bisection. min_p (as HF's and
+    vLLM's) is one more threshold, the row's largest logit + log(min_p): the most likely token is
+    always kept, so the three filters keep the smallest of their sets in any order.
     """
-    floor = kernels.truncation_floor if kernels.available() else _floor_by_bisection
-    return jnp.where(_order_key(logits) >= floor(logits, top_k, top_p)[:, None], logits, -jnp.inf)
+    floor = (kernels.truncation_floor if kernels.available() else _floor_by_bisection)(logits, top_k, top_p)
+    if min_p is not None:
+        floor = jnp.maximum(floor, _order_key(logits.max(axis=-1) + jnp.log(min_p)))
+    return jnp.where(_order_key(logits) >= floor[:, None], logits, -jnp.inf)
 
 
 def _floor_by_bisection(logits, top_k, top_p):
@@ -187,8 +196,9 @@ def choose(logits, rows: RowOptions, n_generated):
 
     def sample():
         scaled = logits / jnp.where(sampling, rows.temperature, 1.0)[:, None]
-        truncating = jnp.any(sampling & ((rows.top_k > 0) | (rows.top_p < 1)))
-        filtered = jax.lax.cond(truncating, lambda: top_k_top_p(scaled, rows.top_k, rows.top_p), lambda: scaled)
+        truncating = jnp.any(sampling & ((rows.top_k > 0) | (rows.top_p < 1) | (rows.min_p > 0)))
+        filtered = jax.lax.cond(truncating, lambda: top_k_top_p(scaled, rows.top_k, rows.top_p, rows.min_p),
+                                lambda: scaled)
         drawn = categorical(row_keys(rows.seed, n_generated), filtered)
         return jnp.where(sampling, drawn.astype(jnp.int32), greedy)
 

@@ -45,7 +45,7 @@ class ChatMessage(oa._Strict):
 
 
 class ChatRequest(oa._Strict):
-    """OpenAI's /v1/chat/completions body (plus top_k and repetition_penalty, as vLLM takes them)."""
+    """OpenAI's /v1/chat/completions body (plus top_k, min_p, repetition_penalty and ignore_eos, as vLLM takes them)."""
 
     model: Optional[str] = None
     messages: list[ChatMessage] = Field(min_length=1)
@@ -54,6 +54,7 @@ class ChatRequest(oa._Strict):
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    min_p: float = 0.0
     n: int = Field(1, ge=1, le=16)
     seed: Optional[int] = None
     stop: Optional[Union[str, list[str]]] = None
@@ -145,11 +146,8 @@ async def chat_completions(s: oa.Settings, http: HttpRequest):
         raise oa.ApiError(400, f"messages: the prompt is {len(ids)} tokens; with {field} {max_tokens} it does not fit "
                                f"the model's context of {engine.context} tokens", param="messages")
     try:
-        opts = oa.options(engine, max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
-                          top_k=body.top_k, frequency_penalty=body.frequency_penalty,
-                          presence_penalty=body.presence_penalty, repetition_penalty=body.repetition_penalty,
-                          stop=oa.stop_list(body.stop),
-                          logprobs=(body.top_logprobs or 0) if body.logprobs else None, ignore_eos=body.ignore_eos)
+        opts = oa.body_options(engine, body, max_tokens, oa.stop_list(body.stop),
+                               (body.top_logprobs or 0) if body.logprobs else None)
     except oa.ApiError as e:
         if e.param == "max_tokens":
             e.param, e.message = field, e.message.replace("max_tokens", field)

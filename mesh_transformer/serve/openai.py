@@ -70,7 +70,7 @@ class CompleteRequest(_Strict):
 
 
 class CompletionRequest(_Strict):
-    """OpenAI's /v1/completions body (plus top_k and repetition_penalty)."""
+    """OpenAI's /v1/completions body (plus vLLM's top_k, min_p, repetition_penalty and ignore_eos)."""
 
     model: Optional[str] = None
     prompt: Union[str, list[str], list[int], list[list[int]]]
@@ -78,6 +78,7 @@ class CompletionRequest(_Strict):
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # extension (vLLM's name)
+    min_p: float = 0.0  # extension (vLLM's name)
     n: int = Field(1, ge=1, le=16)
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
@@ -156,6 +157,16 @@ def stop_list(stop, field: str = "stop") -> tuple[str, ...]:
     for i, s in enumerate(stops):
         check_text(s, field if isinstance(stop, str) else f"{field}[{i}]")
     return tuple(stops)
+
+
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty",
+                   "repetition_penalty", "ignore_eos")  # what /v1/completions and /v1/chat/completions share
+
+
+def body_options(engine: Engine, body, max_tokens: int, stop, logprobs) -> SamplingOptions:
+    """`options` from an OpenAI body's SAMPLING_FIELDS, plus what the endpoint derives itself."""
+    shared = {name: getattr(body, name) for name in SAMPLING_FIELDS}
+    return options(engine, max_tokens=max_tokens, stop=stop, logprobs=logprobs, **shared)
 
 
 def options(engine: Engine, ignore_eos: bool = False, **given) -> SamplingOptions:
@@ -341,10 +352,7 @@ async def completions(s: Settings, http: HttpRequest):
     if body.echo:
         return await _echo_completions(s, body, ids)
     max_tokens = body.max_tokens if body.max_tokens is not None else room(s.engine, ids)
-    opts = options(s.engine, max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
-                   top_k=body.top_k, frequency_penalty=body.frequency_penalty,
-                   presence_penalty=body.presence_penalty, repetition_penalty=body.repetition_penalty,
-                   stop=stop_list(body.stop), logprobs=body.logprobs, ignore_eos=body.ignore_eos)
+    opts = body_options(s.engine, body, max_tokens, stop_list(body.stop), body.logprobs)
     seqs = sequences(s, ids, opts, body.n, body.seed)
     head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
             "model": body.model or s.model_name}
@@ -423,10 +431,7 @@ async def _echo_completions(s: Settings, body: CompletionRequest, ids: list[list
     texts = _prompt_texts(engine, body.prompt, ids)
     seqs: list[Optional[Sequence]] = [None] * (len(ids) * body.n)
     if max_tokens > 0:
-        opts = options(engine, max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
-                       top_k=body.top_k, frequency_penalty=body.frequency_penalty,
-                       presence_penalty=body.presence_penalty, repetition_penalty=body.repetition_penalty,
-                       stop=stop_list(body.stop), logprobs=body.logprobs, ignore_eos=body.ignore_eos)
+        opts = body_options(engine, body, max_tokens, stop_list(body.stop), body.logprobs)
         seqs = sequences(s, ids, opts, body.n, body.seed)
         submit_and_wait = wait(engine, seqs, s.timeout)
     else:
