@@ -86,7 +86,7 @@ MATVEC_ROWS = 1  # up to this batch, Generator(matvec=True): weights inputs-last
 
 
 def bench_ours(model, batch: int, prompt_len: int, new: int, server: Optional[tuple[int, int, int]] = None,
-               prefix_cache: bool = False, sampling: Optional[dict] = None):
+               prefix_cache: bool = False, sampling: Optional[dict] = None, quantize: Optional[str] = None):
     """Compile, then -> (a callable decoding once: decode tokens/s, details of the calls so far).
 
     `server` (rows, slots, chunk): decode as device_serve.py does, the `batch` sequences in the
@@ -94,14 +94,15 @@ def bench_ours(model, batch: int, prompt_len: int, new: int, server: Optional[tu
     reads and writes a window of the cache), instead of one call over a cache sized to them;
     `prefix_cache`: with device_serve.py's default prefix cache (each admission stores its prompts'
     full blocks there; the prompts are random, so none is found); `sampling`: SamplingOptions'
-    temperature, top_k, top_p, min_p (default greedy)."""
+    temperature, top_k, top_p, min_p (default greedy); `quantize`: Generator(quantize=...)."""
     import jax
 
     from mesh_transformer import kernels
     from mesh_transformer.generate import Batch, Generator, SamplingOptions
     from mesh_transformer.generate.prefix import PrefixCache, default_tokens
 
-    gen = Generator(model.config, model.params, model.mesh, matvec=batch <= MATVEC_ROWS and server is None)
+    gen = Generator(model.config, model.params, model.mesh, matvec=batch <= MATVEC_ROWS and server is None,
+                    quantize=quantize)
     rng = np.random.RandomState(0)
     options = SamplingOptions(max_new_tokens=new, **(sampling or {"temperature": 0.0}))
     prefix = PrefixCache(gen, default_tokens(gen.config, server[1])) if server and prefix_cache else None
@@ -123,6 +124,7 @@ def bench_ours(model, batch: int, prompt_len: int, new: int, server: Optional[tu
 
     once()  # compile
     details = {"weights": "inputs-last" if gen.inputs_last else "inputs-first", "kernels": kernels.available(),
+               "quantize": quantize, "weight_bytes": bytes_read_per_step(gen.params, model.config),
                "server_batch": server, "prefix_cache": prefix is not None, "prefill_ms": []}
 
     def measure() -> float:
@@ -130,6 +132,23 @@ def bench_ours(model, batch: int, prompt_len: int, new: int, server: Optional[tu
         details["prefill_ms"].append(prefill_s * 1e3)
         return batch * (new - 1) / decode_s
     return measure, details
+
+
+def quantization_agreement(model, quantize: str, prompts: int = 64, prompt_len: int = 32, new: int = 16) -> dict:
+    """How close `quantize`d decoding stays to the unquantized model in the same compute dtype:
+    greedy continuations of the same random prompts, the share of first tokens and of whole
+    `new`-token continuations that agree, and the mean |difference| of the first token's log p
+    where they agree (the model's `generate`, each side its own Generator)."""
+    from mesh_transformer.generate import Generator, SamplingOptions
+    tokens = np.random.RandomState(1).randint(0, 50000, (prompts, prompt_len)).tolist()
+    options = SamplingOptions(max_new_tokens=new, temperature=0.0, logprobs=0)
+    outs = [Generator(model.config, model.params, model.mesh, quantize=q).generate(tokens, options)
+            for q in (None, quantize)]
+    same_first = [a.tokens[0] == b.tokens[0] for a, b in zip(*outs)]
+    gaps = [abs(a.logprobs[0] - b.logprobs[0]) for (a, b), same in zip(zip(*outs), same_first) if same]
+    return {"first_token_agreement": float(np.mean(same_first)),
+            "continuation_agreement": float(np.mean([a.tokens == b.tokens for a, b in zip(*outs)])),
+            "mean_abs_first_logprob_diff": float(np.mean(gaps)) if gaps else None}
 
 
 def bench_hf(torch_model, batch: int, prompt_len: int, new: int, dtype: str, sampling: Optional[dict] = None):
@@ -179,6 +198,8 @@ def main(argv=None):
     parser.add_argument("--top-p", type=float, default=1.0, help="with --temperature: keep the nucleus of this mass")
     parser.add_argument("--min-p", type=float, default=0.0,
                         help="with --temperature: drop tokens less likely than this x the most likely (0: none)")
+    parser.add_argument("--quantize", choices=("int8",),
+                        help="ours decodes with int8 weights (Generator(quantize=...)); transformers keeps --dtypes'")
     parser.add_argument("--out", help="also write the JSON object here")
     machine.add_args(parser)
     parser.add_argument("--mp", type=int, default=1,
@@ -209,10 +230,17 @@ def main(argv=None):
         sampling = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "min_p": args.min_p}
         for dtype in args.dtypes:
             model = loading.load(hf=path, mp=args.mp, dp=1, dtype=dtype)
-            weight_bytes = bytes_read_per_step(model)
+            if args.quantize:
+                agreement = quantization_agreement(model, args.quantize)
+                results.append({"dtype": dtype, "quantize": args.quantize, "agreement": agreement})
+                log(f"{dtype:>9} {args.quantize} against {dtype} weights, 64 greedy prompts: first tokens "
+                    f"{agreement['first_token_agreement']:.0%} equal, 16-token continuations "
+                    f"{agreement['continuation_agreement']:.0%}, first-token log p within "
+                    f"{agreement['mean_abs_first_logprob_diff']:.4f} (mean |diff|)", flush=True)
             for batch in args.batches:
                 ours, details = bench_ours(model, batch, args.prompt, args.new, args.server_batch, args.prefix_cache,
-                                           sampling)
+                                           sampling, args.quantize)
+                weight_bytes = details["weight_bytes"]
                 sides = {"ours": ours}
                 if not args.no_hf:
                     sides["hf"] = bench_hf(torch_model, batch, args.prompt, args.new, dtype, sampling)
@@ -237,18 +265,19 @@ def main(argv=None):
         machine.report(description, report, True)
 
 
-def bytes_read_per_step(model) -> int:
-    """Every weight is read once per decode step, except an untied embedding table (one row per
-    sequence); a tied one is the head's weight too."""
+def bytes_read_per_step(params, config) -> int:
+    """Every weight is read once per decode step (a quantized one: its int8 values and scales),
+    except an untied embedding table (one row per sequence); a tied one is the head's weight too."""
     from mesh_transformer import parallel
-    family = model.config.model.family if hasattr(model.config, "model") else model.config.family
-    untied_embed = f"{family}/head" in model.params
-    embed = parallel.bytes_of(model.params[f"{family}/embed"]) if untied_embed else 0
-    return parallel.bytes_of(model.params) - embed
+    family = config.model.family if hasattr(config, "model") else config.family
+    untied_embed = any(module.startswith(f"{family}/head") for module in params)
+    embed = parallel.bytes_of(params[f"{family}/embed"]) if untied_embed else 0
+    return parallel.bytes_of(params) - embed
 
 
 def format_row(row) -> str:
     kernel = ", kernels" if row["ours"].get("kernels") else ""
+    kernel += ", int8 weights" if row["ours"].get("quantize") == "int8" else ""
     if row["ours"].get("server_batch"):
         kernel += ", in a {}-row x {}-slot batch, {}-step calls".format(*row["ours"]["server_batch"])
         kernel += ", prefix cache" if row["ours"].get("prefix_cache") else ""

@@ -36,13 +36,14 @@ class LoadedModel:
     tokenizer: Any  # a Hugging Face tokenizer: encode / decode / eos_token_id
     mesh: Mesh
     name: str  # for logs and /v1/models: the directory's base name
+    quantize: Optional[str] = None  # the generator's weights: None (the compute dtype) or "int8"
 
     def generator(self, matvec: bool = False):
         """A `generate.Generator` that takes over the weights: they stay on the devices once, in the
-        compute dtype and the generator's layout (`params` is None afterwards)."""
+        compute dtype (or `quantize`d) and the generator's layout (`params` is None afterwards)."""
         from mesh_transformer.generate import Generator
         params, self.params = self.params, None
-        return Generator(self.config, params, self.mesh, matvec=matvec, donate=True)
+        return Generator(self.config, params, self.mesh, matvec=matvec, donate=True, quantize=self.quantize)
 
 
 COMPILE_CACHE_ENV = "MESH_TRANSFORMER_COMPILE_CACHE"
@@ -63,6 +64,9 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--dp", type=int, help="data-parallel replicas (default: all remaining devices)")
     group.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                        help="compute dtype (default: the config's, bfloat16)")
+    group.add_argument("--quantize", choices=("int8",),
+                       help="weight-only quantization of the matmul weights for sampling, serving and evaluation: "
+                            "int8 values with a float32 scale per output (a byte a weight; default: none)")
     group.add_argument("--lora-adapter", metavar="DIR",
                        help="a PEFT LoRA adapter (adapter_config.json + adapter_model.safetensors) to merge "
                             "into the weights at load")
@@ -85,14 +89,23 @@ def use_compile_cache(directory: Optional[str]) -> None:
 def from_args(args: argparse.Namespace) -> LoadedModel:
     use_compile_cache(getattr(args, "compile_cache", None))
     return load(ckpt=args.ckpt, hf=args.hf, config=args.config, tokenizer=args.tokenizer,
-                mp=args.mp, dp=args.dp, dtype=args.dtype, lora_adapter=getattr(args, "lora_adapter", None))
+                mp=args.mp, dp=args.dp, dtype=args.dtype, lora_adapter=getattr(args, "lora_adapter", None),
+                quantize=getattr(args, "quantize", None))
 
 
 def load(ckpt: Optional[str] = None, hf: Optional[str] = None, config: Optional[str] = None,
          tokenizer: Optional[str] = None, mp: Optional[int] = None, dp: Optional[int] = None,
-         dtype: Optional[str] = None, lora_adapter: Optional[str] = None) -> LoadedModel:
+         dtype: Optional[str] = None, lora_adapter: Optional[str] = None,
+         quantize: Optional[str] = None) -> LoadedModel:
     """Exactly one of `ckpt` / `hf`; see the module docstring. LoRA adapters (a LoRA run's checkpoint,
-    or a PEFT `lora_adapter`) are merged into the weights here, so decoding costs nothing extra."""
+    or a PEFT `lora_adapter`) are merged into the weights here, so decoding costs nothing extra;
+    `quantize` ("int8") is what `LoadedModel.generator` makes of them."""
+    loaded = _load(ckpt, hf, config, tokenizer, mp, dp, dtype, lora_adapter)
+    loaded.quantize = quantize
+    return loaded
+
+
+def _load(ckpt, hf, config, tokenizer, mp, dp, dtype, lora_adapter) -> LoadedModel:
     if (ckpt is None) == (hf is None):
         raise ConfigError("give exactly one of --ckpt (a training checkpoint) or --hf (a Hugging Face directory)")
     if ckpt is not None:

@@ -33,14 +33,14 @@ BF16 = kernels.KERNELS[jnp.dtype(jnp.bfloat16)].target
 def case(rows, k, o, dtype=jnp.bfloat16, seed=0):
     rng = np.random.RandomState(seed)
     x = rng.standard_normal((rows, k)).astype(np.float32)
-    w = jnp.asarray(rng.standard_normal((k, o)), dtype)
+    w = jnp.asarray(rng.randint(-127, 128, (k, o)) if dtype == jnp.int8 else rng.standard_normal((k, o)), dtype)
     exact = x.astype(np.float64) @ np.asarray(w.astype(jnp.float32), np.float64)
     return x, w, exact
 
 
 # K: a multiple of the 8 weight rows per pass, 5 past one, fewer rows than parts; O: under one
 # 16-wide vector, not a multiple of 16, more than one tile of the partial product (16,384 floats).
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32, jnp.int8], ids=["bf16", "f32", "i8"])
 @pytest.mark.parametrize("rows,k,o,n_parts", [(1, 64, 48, 1), (1, 37, 70, 2), (2, 130, 1000, 3), (3, 5, 9, 4),
                                               (4, 64, 16400, 2), (8, 3, 33, 2), (7, 21, 40, 1)])
 def test_rows_times_weight_is_the_float32_product(rows, k, o, n_parts, dtype):
@@ -52,7 +52,7 @@ def test_rows_times_weight_is_the_float32_product(rows, k, o, n_parts, dtype):
 # Register-blocked: rows in blocks of 6 (1 row; 9 = 6 + 3; 13 = 6 + 6 + 1; 70, past the streamed
 # kernel's 64), weight rows in blocks of 256 (300 = 256 + 44), columns in panels of 4 16-wide
 # vectors (5: none, one at a time; 100 = 64 + 2 vectors + 4; 144 = 2 panels + 1 vector).
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32, jnp.int8], ids=["bf16", "f32", "i8"])
 @pytest.mark.parametrize("rows,k,o", [(1, 40, 5), (9, 300, 100), (13, 600, 64), (32, 256, 144), (70, 37, 200)])
 def test_blocked_rows_times_weight_is_the_float32_product(rows, k, o, dtype):
     x, w, exact = case(rows, k, o, dtype)
@@ -186,9 +186,10 @@ from mesh_transformer import kernels
 rng = np.random.RandomState(0)
 for rows, k, o, dtype, blocked in [(1, 37, 70, jnp.bfloat16, False), (5, 64, 130, jnp.float32, False),
                                    (8, 19, 40, jnp.bfloat16, False), (13, 300, 90, jnp.float32, True),
-                                   (7, 20, 37, jnp.bfloat16, True)]:
+                                   (7, 20, 37, jnp.bfloat16, True), (3, 40, 70, jnp.int8, False),
+                                   (11, 70, 90, jnp.int8, True)]:
     x = rng.standard_normal((rows, k)).astype(np.float32)
-    w = jnp.asarray(rng.standard_normal((k, o)), dtype)
+    w = jnp.asarray(rng.randint(-127, 128, (k, o)) if dtype == jnp.int8 else rng.standard_normal((k, o)), dtype)
     wide = np.asarray(w.astype(jnp.float32), np.float64)
     y = np.asarray(jax.jit(lambda x, w: kernels.rows_times_weight(x, w, 2, blocked))(x, w), np.float64)
     assert (np.abs(y - x @ wide) / (np.abs(x) @ np.abs(wide))).max() < 1e-6, (rows, k, o)

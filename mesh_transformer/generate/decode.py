@@ -298,14 +298,24 @@ class Generator:
     products read such weights faster), while matmuls of 2 rows or more read them many times
     slower (a [2, 4096] x [4096, 8192] product: 30x). float32 only: 16-bit decode reads
     weights inputs-first (the bf16 kernel of `kernels`, or XLA's matmuls of at least 2 rows).
+
+    `quantize="int8"`: weight-only quantization of every matmul weight (attention, MLP, head; not
+    the embedding table): int8 values with a float32 scale per output column (the largest |w| of
+    the column / 127, round to nearest), so decoding reads a byte a weight; activations, norms, the
+    KV cache and the arithmetic stay in `config.compute_dtype` / float32. `matvec` is then ignored.
     """
 
-    def __init__(self, config: ModelConfig, params, mesh: Mesh, matvec: bool = False, donate: bool = False):
-        self.config, self.mesh = config, mesh
+    QUANTIZE = ("int8",)
+
+    def __init__(self, config: ModelConfig, params, mesh: Mesh, matvec: bool = False, donate: bool = False,
+                 quantize: Optional[str] = None):
+        if quantize not in (None, *self.QUANTIZE):
+            raise ValueError(f"quantize must be one of {self.QUANTIZE} or None, got {quantize!r}")
+        self.config, self.mesh, self.quantize = config, mesh, quantize
         float32 = jnp.dtype(config.compute_dtype).itemsize >= 4
         one_row = float32 or (jnp.dtype(config.compute_dtype) == jnp.bfloat16 and kernels.available())
         self.min_rows = 1 if one_row else MIN_ROWS_16BIT
-        self.inputs_last = matvec and float32  # 16-bit products read weights inputs-first
+        self.inputs_last = matvec and float32 and quantize is None  # 16-bit and int8 products read inputs-first
         self.mp, self.dp = mesh.shape[parallel.MP], mesh.shape[parallel.DP]
         self.model = models.build(config, self.mp)
         self.model.check_mesh(mesh.shape, zero=False)
@@ -356,7 +366,12 @@ class Generator:
             for name, x in leaves.items():
                 info, made = self.model.infos[module][name], []
                 for new, i in unstacked_modules(module, self.config.layers):
-                    made.append(self._convert(x if i is None else x[i], info, dtype))
+                    leaf = x if i is None else x[i]
+                    if self.quantize and info.inputs > 0:  # a matmul weight
+                        values, scale = self._quantized(leaf, info)
+                        out.setdefault(new, {}).update({name: values, name + parallel.SCALE: scale})
+                        continue
+                    made.append(self._convert(leaf, info, dtype))
                     out.setdefault(new, {})[name] = made[-1]
                 if donate and isinstance(x, jax.Array) and not any(m is x for m in made):  # x may be kept as is
                     x.delete()
@@ -366,6 +381,18 @@ class Generator:
         x = x if x.dtype == dtype else x.astype(dtype)  # numpy or jax
         order, axes = parallel.stored_layout(info, x.ndim, self.inputs_last)
         return jax.device_put(x.transpose(order), jax.sharding.NamedSharding(self.mesh, parallel.spec_for(axes, self.rules)))
+
+    def _quantized(self, x, info):
+        """A weight [*inputs, *outputs] -> (int8 values, float32 scale [*outputs]), placed as the weight
+        and its output axes are. Symmetric per output column: scale = max |w| / 127."""
+        w = jnp.asarray(x, jnp.float32)
+        absmax = jnp.max(jnp.abs(w), axis=tuple(range(info.inputs)))
+        scale = jnp.where(absmax > 0, absmax / 127.0, 1.0)
+        values = jnp.clip(jnp.round(w / scale), -127, 127).astype(jnp.int8)
+        axes = parallel.stored_layout(info, w.ndim, False)[1]
+        place = lambda a, axes: jax.device_put(  # noqa: E731
+            a, jax.sharding.NamedSharding(self.mesh, parallel.spec_for(axes, self.rules)))
+        return place(values, axes), place(scale, axes[info.inputs:])
 
     # ---- device functions ---------------------------------------------------------------------
 

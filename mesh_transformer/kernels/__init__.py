@@ -62,6 +62,10 @@ KERNELS = {
                                     streamed=(1, 8)),
     jnp.dtype(jnp.float32): Kernel("mesh_transformer_f32_rows_times_weight", "MeshTransformerF32RowsTimesWeight",
                                    streamed=(2, 8), blocked=(32, 64)),
+    # int8 weights (`Generator(quantize="int8")`): every row count a decode step has, since XLA's
+    # product would first convert the whole weight; more rows (a prefill) convert it once instead.
+    jnp.dtype(jnp.int8): Kernel("mesh_transformer_i8_rows_times_weight", "MeshTransformerI8RowsTimesWeight",
+                                streamed=(1, 8), blocked=(9, 64)),
 }
 # Row counts, measured on the AVX-512 EPYC (16 chained [r, 1024] x [1024, 4096] products, weights
 # out of cache): bf16 1-8 rows in 3.4-6.7 ms against XLA's 7.3-8.5 (YNNPACK; 73 ms at one row),
@@ -201,8 +205,8 @@ def applies(x, w) -> bool:
 
 
 def rows_times_weight(x, w, n_parts: Optional[int] = None, blocked: Optional[bool] = None):
-    """x [..., K] (any float dtype) times w [K, O] (bfloat16 or float32) -> float32 [..., O]: the
-    float32 product of the (widened) weight, summed in another order than XLA's (~1e-7 relative).
+    """x [..., K] (any float dtype) times w [K, O] (bfloat16, float32 or int8) -> float32 [..., O]:
+    the float32 product of the (widened) weight, summed in another order than XLA's (~1e-7 relative).
     Streamed up to the kernel's `streamed` rows (`n_parts` threads, default `parts()`, take chunks
     of w's rows; their sums are added here), register-blocked beyond (or as `blocked` says)."""
     batch, k = x.shape[:-1], x.shape[-1]

@@ -52,11 +52,19 @@ inline float Scalar(const uint16_t* p) {
   return f;
 }
 
+inline float Scalar(const int8_t* p) { return static_cast<float>(*p); }
+
 __attribute__((target("avx512f"))) inline __m512 Load16(const float* p) { return _mm512_loadu_ps(p); }
+__attribute__((target("avx512f"))) inline __m512 Load16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+}
 __attribute__((target("avx512f"))) inline __m512 Load16(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
 }
 __attribute__((target("avx2"))) inline __m256 Load8(const float* p) { return _mm256_loadu_ps(p); }
+__attribute__((target("avx2"))) inline __m256 Load8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+}
 __attribute__((target("avx2"))) inline __m256 Load8(const uint16_t* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
 }
@@ -353,6 +361,15 @@ ffi::Future Bf16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi:
                          w.dimensions()[0], w.dimensions()[1], parts->typed_data(), dims[0], dims[1], blocked);
 }
 
+// int8 weights (weight-only quantization): the product of the integer values, which the caller
+// scales per output column.
+ffi::Future I8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w,
+               ffi::ResultBuffer<ffi::F32> parts, bool blocked) {
+  const auto dims = parts->dimensions();
+  return RowsTimesWeight(pool, x.typed_data(), x.element_count(), w.typed_data(), w.dimensions()[0],
+                         w.dimensions()[1], parts->typed_data(), dims[0], dims[1], blocked);
+}
+
 ffi::Future F32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                 ffi::ResultBuffer<ffi::F32> parts, bool blocked) {
   const auto dims = parts->dimensions();
@@ -588,8 +605,8 @@ ffi::Future PutSlots(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer upda
 
 }  // namespace
 
-// Arguments: x [B, K] float32, w [K, O]; attribute blocked; result: parts [P, B, O] float32 (P = 1
-// when blocked).
+// Arguments: x [B, K] float32, w [K, O] (bfloat16, float32 or int8); attribute blocked; result:
+// parts [P, B, O] float32 (P = 1 when blocked).
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshTransformerBf16RowsTimesWeight, Bf16,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
@@ -603,6 +620,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshTransformerF32RowsTimesWeight, F32,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<bool>("blocked"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshTransformerI8RowsTimesWeight, I8,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<bool>("blocked"));
 

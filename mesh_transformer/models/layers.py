@@ -51,6 +51,12 @@ def dense(equation: str, x, w, dtype=None):
     if isinstance(w, parallel.InputsLast):
         outputs = w.array.shape[:-n_in]
         y = product("...k,ok->...o", x, w.array.reshape(math.prod(outputs), -1))
+    elif isinstance(w, parallel.Quantized):
+        outputs = w.values.shape[n_in:]
+        values = w.values.reshape(-1, math.prod(outputs))
+        if not kernels.applies(x, values):  # a prefill's many rows: the weight converted once per call
+            values = values.astype(x.dtype)
+        y = product("...k,ko->...o", x, values) * w.scale.reshape(-1)
     else:
         outputs = w.shape[n_in:]
         y = product("...k,ko->...o", x, w.reshape(-1, math.prod(outputs)))
@@ -371,7 +377,8 @@ class Attention(hk.Module):
         w = parallel.weight(f"{which}_proj", shape, axes, 1, normal(self.spec.init_std), h.dtype)
         b = parallel.param(f"{which}_bias", shape[1:], axes[1:], ZEROS, h.dtype) if self.spec.qkv_bias else None
         heads_here = (w.array.shape[0] if isinstance(w, parallel.InputsLast)
-                      else w.base.shape[1] if isinstance(w, parallel.LoRAWeight) else w.shape[1])
+                      else w.base.shape[1] if isinstance(w, parallel.LoRAWeight)
+                      else w.values.shape[1] if isinstance(w, parallel.Quantized) else w.shape[1])
         if n_local is not None and heads_here * kv_group > n_local:  # kv heads replicated over mp
             head = (parallel.mp_index() * n_local) // kv_group
             w = _one_head(w, head)
@@ -575,6 +582,8 @@ def _one_head(w, head):
         return parallel.InputsLast(jax.lax.dynamic_slice_in_dim(w.array, head, 1, axis=0), w.inputs)
     if isinstance(w, parallel.LoRAWeight):  # B [r, K, H]: its kv head too
         return w._replace(base=_one_head(w.base, head), b=jax.lax.dynamic_slice_in_dim(w.b, head, 1, axis=1))
+    if isinstance(w, parallel.Quantized):  # scale [K, H]
+        return parallel.Quantized(_one_head(w.values, head), jax.lax.dynamic_slice_in_dim(w.scale, head, 1, axis=0))
     return jax.lax.dynamic_slice_in_dim(w, head, 1, axis=1)
 
 

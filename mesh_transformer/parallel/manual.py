@@ -139,6 +139,18 @@ class InputsLast(NamedTuple):
     inputs: int
 
 
+class Quantized(NamedTuple):
+    """A matmul weight quantized for decoding (`Generator(quantize="int8")`): int8 values [*inputs,
+    *outputs] and a float32 scale per output [*outputs], W = values * scale; `layers.dense` reads it.
+    Stored as two leaves, the weight's name holding the values and `name + SCALE` the scale."""
+
+    values: jax.Array
+    scale: jax.Array
+
+
+SCALE = "_scale"  # leaf-name suffix of a quantized weight's scale
+
+
 def param(name: str, shape: tuple[int, ...], axes: tuple[str, ...], init, cast_to=None, *, decay: bool = False):
     """A float32 Haiku parameter of global `shape` with logical `axes`, as the local shard this
     device computes with. Biases, norms (decay=False) and embedding tables (decay=True).
@@ -183,6 +195,9 @@ def _declare(name: str, shape, info: ParamInfo, init, cast_to):
     mesh_axes = [manual.rules.get(a) for a in axes]
     stored = tuple(size // (manual.axis_sizes[m] if m else 1) for size, m in zip(shape, mesh_axes))
     value = hk.get_parameter(name, stored, jnp.float32, init=init)
+    if value.dtype == jnp.int8:  # a quantized weight (inputs-first, never gathered: the Generator's)
+        scale = hk.get_parameter(name + SCALE, stored[info.inputs:], jnp.float32, init=hk.initializers.Constant(1.0))
+        return Quantized(value, scale)
     if cast_to is not None:
         value = value.astype(cast_to)
     for dim, mesh_axis in enumerate(mesh_axes):
