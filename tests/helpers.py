@@ -155,6 +155,29 @@ def make_hf_model(path, case: str, seed: int = 0, **overrides):
     return model
 
 
+def rounded_like_int8(torch_model):
+    """A copy of `torch_model` whose Linear/Conv1D weights are what int8 weight-only quantization keeps
+    (per output feature: scale = max |w| / 127, round to nearest, clip to +-127, times the scale), the
+    embedding (and a head tied to it) left as it is: transformers' computation on the weights
+    `Generator(quantize="int8")` decodes with."""
+    import copy
+
+    import torch
+    from transformers.pytorch_utils import Conv1D
+
+    rounded = copy.deepcopy(torch_model)
+    embedding = rounded.get_input_embeddings().weight
+    with torch.no_grad():
+        for module in rounded.modules():
+            if not isinstance(module, (torch.nn.Linear, Conv1D)) or module.weight is embedding:
+                continue
+            inputs = 1 if isinstance(module, torch.nn.Linear) else 0  # Linear [out, in], Conv1D [in, out]
+            absmax = module.weight.abs().amax(dim=inputs, keepdim=True)
+            scale = torch.where(absmax > 0, absmax / 127.0, torch.ones_like(absmax))
+            module.weight.copy_(torch.clamp(torch.round(module.weight / scale), -127, 127) * scale)
+    return rounded
+
+
 def hf_greedy(model, prompt: list[int], new: int) -> list[int]:
     """transformers' greedy `generate` continuation of one prompt (no EOS stop)."""
     import torch

@@ -23,7 +23,7 @@ from mesh_transformer.generate import Generator, SamplingOptions
 from mesh_transformer.io import hf
 from mesh_transformer.train.step import Trainer
 from tests.helpers import (FAMILY_CASES, PARITY_TOL, config_for, hf_greedy, hf_logits, make_hf_model,
-                           max_abs_diff, mesh, parity_error, random_tokens)
+                           max_abs_diff, mesh, parity_error, random_tokens, rounded_like_int8)
 
 TOL = PARITY_TOL
 FAMILY_OF = {"gptj": "gptj", "gpt_neox": "gpt_neox", "gpt_neox_sequential": "gpt_neox", "qwen2": "llama",
@@ -81,29 +81,6 @@ def test_greedy_generation_matches_hf(case):
         assert out.tokens == hf_greedy(torch_model, prompt, 8)
 
 
-def _rounded_like_int8(torch_model):
-    """A copy of `torch_model` whose Linear/Conv1D weights are what int8 weight-only quantization keeps
-    (per output feature: scale = max |w| / 127, round to nearest, clip to +-127, times the scale), the
-    embedding (and a head tied to it) left as it is: transformers' computation on the weights
-    `Generator(quantize="int8")` decodes with."""
-    import copy
-
-    import torch
-    from transformers.pytorch_utils import Conv1D
-
-    rounded = copy.deepcopy(torch_model)
-    embedding = rounded.get_input_embeddings().weight
-    with torch.no_grad():
-        for module in rounded.modules():
-            if not isinstance(module, (torch.nn.Linear, Conv1D)) or module.weight is embedding:
-                continue
-            inputs = 1 if isinstance(module, torch.nn.Linear) else 0  # Linear [out, in], Conv1D [in, out]
-            absmax = module.weight.abs().amax(dim=inputs, keepdim=True)
-            scale = torch.where(absmax > 0, absmax / 127.0, torch.ones_like(absmax))
-            module.weight.copy_(torch.clamp(torch.round(module.weight / scale), -127, 127) * scale)
-    return rounded
-
-
 def test_int8_weights_generate_as_transformers_does_on_the_same_rounded_weights(case):
     """Generator(quantize="int8") on dp1 x mp2 (one kv head replicated over mp in the MQA case):
     greedy tokens equal transformers' `generate` on the weights rounded the same way, and every
@@ -114,7 +91,7 @@ def test_int8_weights_generate_as_transformers_does_on_the_same_rounded_weights(
     # 3 prompts padded to 40 positions: a prefill of more rows than the int8 kernel takes (XLA's
     # product of the converted weight), then decode steps of 3 rows (the kernel)
     prompts = [random_tokens((1, n), config.n_vocab, seed=n)[0].tolist() for n in (3, 7, 40)]
-    rounded = _rounded_like_int8(torch_model)
+    rounded = rounded_like_int8(torch_model)
     for prompt, out in zip(prompts, gen.generate(prompts, SamplingOptions(max_new_tokens=8, temperature=0))):
         assert out.tokens == hf_greedy(rounded, prompt, 8), name
     scales = [(m, n[:-len(parallel.SCALE)]) for m, leaves in gen.params.items() for n in leaves

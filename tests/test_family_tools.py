@@ -19,7 +19,7 @@ import pytest
 
 from mesh_transformer.io import hf
 from mesh_transformer.io.tokenizer import load_tokenizer
-from tests.helpers import hf_greedy, hf_logits, make_hf_model, random_tokens
+from tests.helpers import hf_greedy, hf_logits, make_hf_model, random_tokens, rounded_like_int8
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GPT2_VOCAB = dict(vocab_size=50257)  # the bundled corpus is GPT-2 BPE
@@ -70,6 +70,9 @@ def test_llama_import_sample_export(llama, tmp_path):
     again = run(*sample, env={"JAX_DEBUG_LOG_MODULES": "jax._src.compiler"}, with_stderr=True)
     assert again.startswith(expected) and "Persistent compilation cache hit" in again
     assert "PERSISTENT COMPILATION CACHE MISS" not in again
+    # --quantize int8: transformers' greedy text on the weights rounded as the int8 ones are
+    quantized = run(*sample[:-2], "--quantize", "int8")
+    assert quantized.startswith(tok.decode(hf_greedy(rounded_like_int8(torch_model), tok.encode("Once upon a"), 6)))
     run("to_hf_weights.py", "--input-ckpt", str(tmp_path / "ckpt"), "--output-path", str(tmp_path / "hf"), "--dtype", "fp32")
     from transformers import AutoModelForCausalLM
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
