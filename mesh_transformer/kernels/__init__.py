@@ -1,8 +1,8 @@
 """CPU kernels XLA:CPU lacks, as XLA FFI custom calls compiled from source on first use.
 
 All for decoding, in `rows_times_weight.cc` (which says why XLA:CPU's own are slower there):
-`rows_times_weight`, the product of a few float32 rows and a bfloat16 or float32 weight at the
-machine's memory bandwidth, and of a serving batch's rows (32-64, float32) register-blocked
+`rows_times_weight`, the product of a few float32 rows and a bfloat16, float32 or int8 weight at
+the machine's memory bandwidth, and of a serving batch's rows (32-64, float32) register-blocked
 (`layers.product` calls it where `applies` says so); `grouped_rows_times_weight`, the few-row
 product per (row, kv head) group, for attention over the KV cache (`grouped_applies`);
 `update_slice` (in place), `slice`, `take_rows` and `put_slots` (in place): a KV cache's slices, an
