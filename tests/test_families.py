@@ -99,6 +99,21 @@ def test_int8_weights_generate_as_transformers_does_on_the_same_rounded_weights(
     assert scales and all(gen.params[m][n].dtype == np.int8 for m, n in scales)
 
 
+def test_int8_weights_score_as_transformers_does_on_the_same_rounded_weights(tmp_path):
+    """Evaluation (`Scorer.for_generator`, what eval_harness.py --quantize int8 runs) reads the
+    quantized weights too: log p of every next token equals transformers' log-softmax on the
+    rounded weights (MQA LLaMA with a tied head, kv head replicated over mp=2)."""
+    import torch
+    from mesh_transformer.evaluate.scoring import Scorer
+    torch_model = make_hf_model(tmp_path, "llama_mqa_tied_bias_linear_rope")
+    config, params = hf.load_hf(tmp_path, compute_dtype="float32")
+    prompt = random_tokens((1, 20), config.n_vocab, seed=3)[0].tolist()
+    scores = Scorer.for_generator(Generator(config, params, mesh(1, 2), quantize="int8")).score([prompt])[0]
+    logits = torch.tensor(hf_logits(rounded_like_int8(torch_model), np.array([prompt]))[0], dtype=torch.float64)
+    expected = torch.log_softmax(logits, -1).numpy()[np.arange(19), prompt[1:]]
+    np.testing.assert_allclose(np.asarray(scores.logprobs)[-19:], expected, atol=1e-5)
+
+
 def test_fused_attention_matches_hf(case):
     """attention_impl="cudnn" (jax.nn.dot_product_attention: cuDNN flash attention on a GPU, XLA's own
     implementation on this CPU) is held to the same HF parity as the einsum path."""
