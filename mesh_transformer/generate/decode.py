@@ -380,7 +380,11 @@ class Generator:
     def _convert(self, x, info, dtype):
         x = x if x.dtype == dtype else x.astype(dtype)  # numpy or jax
         order, axes = parallel.stored_layout(info, x.ndim, self.inputs_last)
-        return jax.device_put(x.transpose(order), jax.sharding.NamedSharding(self.mesh, parallel.spec_for(axes, self.rules)))
+        return self._put(x.transpose(order), axes)
+
+    def _put(self, x, axes):
+        """x on the mesh, its logical `axes` placed by the Megatron table."""
+        return jax.device_put(x, jax.sharding.NamedSharding(self.mesh, parallel.spec_for(axes, self.rules)))
 
     def _quantized(self, x, info):
         """A weight [*inputs, *outputs] -> (int8 values, float32 scale [*outputs]), placed as the weight
@@ -390,9 +394,7 @@ class Generator:
         scale = jnp.where(absmax > 0, absmax / 127.0, 1.0)
         values = jnp.clip(jnp.round(w / scale), -127, 127).astype(jnp.int8)
         axes = parallel.stored_layout(info, w.ndim, False)[1]
-        place = lambda a, axes: jax.device_put(  # noqa: E731
-            a, jax.sharding.NamedSharding(self.mesh, parallel.spec_for(axes, self.rules)))
-        return place(values, axes), place(scale, axes[info.inputs:])
+        return self._put(values, axes), self._put(scale, axes[info.inputs:])
 
     # ---- device functions ---------------------------------------------------------------------
 

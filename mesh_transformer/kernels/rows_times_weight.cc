@@ -361,17 +361,11 @@ ffi::Future Bf16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi:
                          w.dimensions()[0], w.dimensions()[1], parts->typed_data(), dims[0], dims[1], blocked);
 }
 
-// int8 weights (weight-only quantization): the product of the integer values, which the caller
-// scales per output column.
-ffi::Future I8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w,
-               ffi::ResultBuffer<ffi::F32> parts, bool blocked) {
-  const auto dims = parts->dimensions();
-  return RowsTimesWeight(pool, x.typed_data(), x.element_count(), w.typed_data(), w.dimensions()[0],
-                         w.dimensions()[1], parts->typed_data(), dims[0], dims[1], blocked);
-}
-
-ffi::Future F32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                ffi::ResultBuffer<ffi::F32> parts, bool blocked) {
+// float32 and int8 weights (int8: weight-only quantization, the product of the integer values,
+// which the caller scales per output column).
+template <ffi::DataType T>
+ffi::Future Typed(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<T> w, ffi::ResultBuffer<ffi::F32> parts,
+                  bool blocked) {
   const auto dims = parts->dimensions();
   return RowsTimesWeight(pool, x.typed_data(), x.element_count(), w.typed_data(), w.dimensions()[0],
                          w.dimensions()[1], parts->typed_data(), dims[0], dims[1], blocked);
@@ -615,7 +609,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshTransformerBf16RowsTimesWeight, Bf16,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<bool>("blocked"));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshTransformerF32RowsTimesWeight, F32,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshTransformerF32RowsTimesWeight, Typed<ffi::F32>,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
@@ -623,7 +617,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshTransformerF32RowsTimesWeight, F32,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<bool>("blocked"));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshTransformerI8RowsTimesWeight, I8,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshTransformerI8RowsTimesWeight, Typed<ffi::S8>,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
