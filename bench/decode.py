@@ -86,15 +86,19 @@ MATVEC_ROWS = 1  # up to this batch, Generator(matvec=True): weights inputs-last
 
 
 def bench_ours(model, batch: int, prompt_len: int, new: int, server: Optional[tuple[int, int, int]] = None,
-               prefix_cache: bool = False, sampling: Optional[dict] = None, quantize: Optional[str] = None):
+               prefix_cache: bool = False, sampling: Optional[dict] = None, quantize: Optional[str] = None,
+               shared_prefix: int = 0):
     """Compile, then -> (a callable decoding once: decode tokens/s, details of the calls so far).
 
     `server` (rows, slots, chunk): decode as device_serve.py does, the `batch` sequences in the
     first rows of a batch of `rows` rows and `slots` cache slots, `chunk` steps per call (each call
     reads and writes a window of the cache), instead of one call over a cache sized to them;
     `prefix_cache`: with device_serve.py's default prefix cache (each admission stores its prompts'
-    full blocks there; the prompts are random, so none is found); `sampling`: SamplingOptions'
-    temperature, top_k, top_p, min_p (default greedy); `quantize`: Generator(quantize=...)."""
+    full blocks there; the prompts are random, so none is found); `shared_prefix` (with it): every
+    prompt starts with the same this many tokens, cached by one request decoded before each timed
+    admission, as a server holds a system prompt (the admission reads them from the pool);
+    `sampling`: SamplingOptions' temperature, top_k, top_p, min_p (default greedy); `quantize`:
+    Generator(quantize=...)."""
     import jax
 
     from mesh_transformer import kernels
@@ -106,12 +110,18 @@ def bench_ours(model, batch: int, prompt_len: int, new: int, server: Optional[tu
     rng = np.random.RandomState(0)
     options = SamplingOptions(max_new_tokens=new, **(sampling or {"temperature": 0.0}))
     prefix = PrefixCache(gen, default_tokens(gen.config, server[1])) if server and prefix_cache else None
+    shared = rng.randint(0, 50000, shared_prefix if prefix is not None else 0).tolist()
+    prompts = lambda n: [shared + p for p in rng.randint(0, 50000, (n, prompt_len)).tolist()]  # noqa: E731
 
     def once():
-        seqs = gen.sequences(rng.randint(0, 50000, (batch, prompt_len)).tolist(), options)
+        seqs = gen.sequences(prompts(batch), options)
         if prefix is not None:
             prefix.clear()
         b = Batch(gen, *server, prefix=prefix) if server else Batch.for_sequences(gen, seqs, chunk=None)
+        if shared:  # the shared prefix cached by an earlier request, as in a server
+            b.admit(gen.sequences(prompts(1), options))
+            while b.active():
+                b.step()
         jax.block_until_ready(b.state)
         t0 = time.perf_counter()
         b.admit(seqs)
@@ -125,7 +135,8 @@ def bench_ours(model, batch: int, prompt_len: int, new: int, server: Optional[tu
     once()  # compile
     details = {"weights": "inputs-last" if gen.inputs_last else "inputs-first", "kernels": kernels.available(),
                "quantize": quantize, "weight_bytes": bytes_read_per_step(gen.params, model.config),
-               "server_batch": server, "prefix_cache": prefix is not None, "prefill_ms": []}
+               "server_batch": server, "prefix_cache": prefix is not None, "shared_prefix": len(shared),
+               "prefill_ms": []}
 
     def measure() -> float:
         prefill_s, decode_s = once()
@@ -193,6 +204,9 @@ def main(argv=None):
     parser.add_argument("--prefix-cache", action="store_true",
                         help="with --server-batch: the batch has device_serve.py's default prefix cache, where each "
                              "admission stores its prompts")
+    parser.add_argument("--shared-prefix", type=int, default=0,
+                        help="with --prefix-cache: every prompt starts with the same this many tokens, cached "
+                             "before each timed admission (the prefill reads them from the pool)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (both sides)")
     parser.add_argument("--top-k", type=int, default=0, help="with --temperature: keep the k most likely (0: all)")
     parser.add_argument("--top-p", type=float, default=1.0, help="with --temperature: keep the nucleus of this mass")
@@ -205,6 +219,8 @@ def main(argv=None):
     parser.add_argument("--mp", type=int, default=1,
                         help="split the model over this many (simulated CPU) devices")
     args = parser.parse_args(argv)
+    if args.shared_prefix and not (args.server_batch and args.prefix_cache):
+        parser.error("--shared-prefix needs --server-batch and --prefix-cache (the prefix is read from the cache)")
     from mesh_transformer import host_memory
     host_memory.keep_freed_memory()  # as device_sample.py does; the in-process transformers side gets it too
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={args.mp}"
@@ -239,7 +255,7 @@ def main(argv=None):
                     f"{agreement['mean_abs_first_logprob_diff']:.4f} (mean |diff|)", flush=True)
             for batch in args.batches:
                 ours, details = bench_ours(model, batch, args.prompt, args.new, args.server_batch, args.prefix_cache,
-                                           sampling, args.quantize)
+                                           sampling, args.quantize, args.shared_prefix)
                 weight_bytes = details["weight_bytes"]
                 sides = {"ours": ours}
                 if not args.no_hf:
@@ -281,6 +297,7 @@ def format_row(row) -> str:
     if row["ours"].get("server_batch"):
         kernel += ", in a {}-row x {}-slot batch, {}-step calls".format(*row["ours"]["server_batch"])
         kernel += ", prefix cache" if row["ours"].get("prefix_cache") else ""
+        kernel += f" behind a cached {row['ours']['shared_prefix']}-token prefix" if row["ours"].get("shared_prefix") else ""
     sampling = row.get("sampling") or {}
     if sampling.get("temperature"):
         shown = {"min_p": 0.0, **sampling}  # results written before --min-p have none

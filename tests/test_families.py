@@ -352,9 +352,10 @@ def test_alibi_generation_equals_the_full_forward_pass():
 
 
 @pytest.mark.parametrize("family", ["gptj", "llama", "llama_alibi"])
-def test_prefill_in_query_blocks_equals_one_block(family, monkeypatch):
-    """A prefill's attention in blocks of one row and a few positions (as on a CPU for big prompts;
-    here forced with a tiny budget: 13 positions in 2 blocks of 7, the last padded) gives the
+def test_prefill_in_query_blocks_and_in_the_cpu_kernel_equals_one_block(family, monkeypatch):
+    """A prefill's attention in blocks of one row and a few positions (XLA's path on a CPU without
+    the kernels; here forced with a tiny budget: 13 positions in 2 blocks of 7, the last padded),
+    and as the fused CPU kernel (`kernels.attention`, where it applies: not ALiBi), gives the
     logits and keys/values of one block, with left-padded rows, a shared prefix two rows read
     different parts of, grouped-query heads (llama) and ALiBi's distances."""
     from mesh_transformer.models import layers
@@ -371,16 +372,26 @@ def test_prefill_in_query_blocks_equals_one_block(family, monkeypatch):
     cache = KVCache.zeros(config, b, t, start=np.array([0, 3]))._replace(offset=np.array([u, 5], np.int32))
     tokens = random_tokens((b, t), config.n_vocab, seed=5)
 
-    def prefill(budget):
+    fused_on_cpu, kernel_used = layers.Attention._fused_on_cpu, []
+
+    def prefill(budget, kernel=False):
+        def fused(*args):  # XLA's path, or the kernel where it applies (noted per layer)
+            if kernel:
+                kernel_used.append(fused_on_cpu(*args))
+            return kernel and kernel_used[-1]
         monkeypatch.setattr(layers, "SCORES_PER_BLOCK", budget)
+        monkeypatch.setattr(layers.Attention, "_fused_on_cpu", fused)
         logits, new = jax.jit(lambda p: model.apply(p, tokens, cache, shared=shared))(params)
         return jax.device_get((logits[..., :config.n_vocab], new.k, new.v))
 
     assert layers.query_block(b, t, config.n_heads * (t + u)) is None  # these shapes fit one block ...
     monkeypatch.setattr(layers, "SCORES_PER_BLOCK", 16)
     assert layers.query_block(b, t, config.n_heads * (t + u)) == 7  # ... unless the budget is tiny
-    whole, blocked = prefill(1 << 40), prefill(16)
-    assert max_abs_diff(whole, blocked) < 1e-5 * max(float(np.max(np.abs(whole[0]))), 1.0)
+    whole, blocked, fused = prefill(1 << 40), prefill(16), prefill(1 << 40, kernel=True)
+    scale = max(float(np.max(np.abs(whole[0]))), 1.0)
+    assert max_abs_diff(whole, blocked) < 1e-5 * scale
+    assert max_abs_diff(whole, fused) < 1e-5 * scale
+    assert kernel_used and all(kernel_used) == (getattr(config, "pe", None) != "alibi" and kernels.available())
 
 
 def test_loss_and_grads_match_hf_autograd(case, tmp_path):

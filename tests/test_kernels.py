@@ -180,6 +180,65 @@ def test_a_built_library_is_reused_and_a_new_source_rebuilt(tmp_path):
     assert kernels.build(sources=[*kernels.SOURCES[:-1], changed], out_dir=tmp_path) != first
 
 
+def attention_case(b, kv, g, t, hd, s, u, seed=0):
+    """Random q [B, K, G*T, H], a prompt's own keys/values [B, K, H, S] / [B, K, S, H] under a causal,
+    left-padded mask [B, T, S] (row 0's first two positions see no key), and u shared slots (some
+    not read, none by the last row), as `kernels.attention` takes them."""
+    rng = np.random.RandomState(seed)
+    q = rng.standard_normal((b, kv, g * t, hd)).astype(np.float32) * 2
+    k, v = rng.standard_normal((b, kv, hd, s)).astype(np.float32), rng.standard_normal((b, kv, s, hd)).astype(np.float32)
+    slot, position = np.arange(s), np.arange(t) + s - t
+    mask = (slot[None, None] <= position[None, :, None]) & (slot[None, None] >= rng.randint(0, 4, b)[:, None, None])
+    mask[0, :2] = False
+    shared = None
+    if u:
+        used = np.where(rng.rand(b, u) < 0.8, np.arange(u), -1).astype(np.int32)
+        used[-1] = -1
+        shared = (rng.standard_normal((kv, hd, u)).astype(np.float32), rng.standard_normal((kv, u, hd)).astype(np.float32),
+                  used)
+    return q, k, v, mask, shared
+
+
+def softmax_attention(q, k, v, mask, shared=None):
+    """The float64 oracle: one softmax over the shared slots' and the row's own scores, a masked score
+    float32's lowest (so a query that sees no key weighs every key the same, as XLA's softmax)."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    b, kv, m, hd = q.shape
+    neg = float(np.finfo(np.float32).min)
+    scores = np.where(mask[:, None, np.arange(m) % mask.shape[1]], np.einsum("bkmh,bkhs->bkms", q, k) / np.sqrt(hd), neg)
+    values = v
+    if shared is not None:
+        shared_k, shared_v, used = (np.asarray(x, np.float64) for x in shared)
+        theirs = np.einsum("bkmh,khu->bkmu", q, shared_k) / np.sqrt(hd)
+        scores = np.concatenate([np.where((used >= 0)[:, None, None], theirs, neg), scores], -1)
+        values = np.concatenate([np.broadcast_to(shared_v, (b,) + shared_v.shape), v], 2)
+    weights = np.exp(scores - scores.max(-1, keepdims=True))
+    return np.einsum("bkms,bksh->bkmh", weights / weights.sum(-1, keepdims=True), values)
+
+
+# (B, K, G, T, H, S, U): grouped queries with no shared slots, one query head per kv head behind
+# more shared slots than a key tile (256), a head size no vector width divides, more query rows
+# than a task's (48) and shared slots that are not a multiple of the tile.
+ATTENTION_CASES = [(2, 2, 4, 37, 64, 50, 0), (3, 2, 1, 130, 64, 130, 300), (1, 1, 3, 5, 24, 7, 3),
+                   (2, 3, 2, 70, 80, 100, 65)]
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("shape", ATTENTION_CASES)
+def test_attention_is_one_softmax_over_the_shared_and_own_keys(dtype, shape):
+    """`kernels.attention` (the fused CPU attention of a prefill) against float64 softmax attention
+    on the same (rounded) inputs, with queries that see no key at all."""
+    q, k, v, mask, shared = attention_case(*shape)
+    rounded = lambda x: jnp.asarray(x, dtype)  # noqa: E731
+    args = [rounded(q), rounded(k), rounded(v), mask] + ([rounded(shared[0]), rounded(shared[1]), shared[2]] if shared else [])
+    out = np.asarray(jax.jit(kernels.attention)(*args))
+    wide = lambda x: np.asarray(jnp.asarray(x, dtype).astype(jnp.float32))  # noqa: E731
+    want = softmax_attention(wide(q), wide(k), wide(v), mask,
+                             shared and (wide(shared[0]), wide(shared[1]), shared[2]))
+    assert out.shape == q.shape and out.dtype == np.float32
+    assert np.abs(out - want).max() < 1e-5
+
+
 ISA_CHECK = """
 import numpy as np, jax, jax.numpy as jnp
 from mesh_transformer import kernels
@@ -199,6 +258,11 @@ for dtype in (jnp.bfloat16, jnp.float32):
     wide = np.asarray(w.astype(jnp.float32), np.float64)
     y = np.asarray(kernels.grouped_rows_times_weight(x, w), np.float64)
     assert (np.abs(y - x @ wide) / (np.abs(x) @ np.abs(wide))).max() < 1e-6
+from tests.test_kernels import ATTENTION_CASES, attention_case, softmax_attention
+for shape in ATTENTION_CASES:
+    q, k, v, mask, shared = attention_case(*shape)
+    out = kernels.attention(q, k, v, mask, *(shared or ()))
+    assert np.abs(np.asarray(out) - softmax_attention(q, k, v, mask, shared)).max() < 1e-5, shape
 print("ok")
 """
 
@@ -371,17 +435,43 @@ def test_an_admission_writes_each_row_and_pool_slot_in_place(tiny, dtype, monkey
     monkeypatch.setattr(g, "_admit", lambda *args: (calls.append(args), admit(*args))[1])
     batch = Batch(g, 8, 200, chunk=4, prefix=PrefixCache(g, 368, 16))  # no other array is its size
     prompts = [list(range(5, 25)), list(range(40, 67))]  # a full block each to store (context: 32)
-    batch.admit(g.sequences(prompts, SamplingOptions(max_new_tokens=4, temperature=0.0)))
+    options = SamplingOptions(max_new_tokens=4, temperature=0.0)
+    batch.admit(g.sequences(prompts, options))
     assert [batch.prefix.cached_tokens(p[:17]) for p in prompts] == [16, 16]
+    # Then prompts behind those blocks: their prefill reads the pool (a shared prefix) before the
+    # admission stores their own blocks there in place (XLA copied the pool twice for that).
+    batch.admit(g.sequences([p[:16] + list(range(90, 102)) for p in prompts], options))
+    assert len(calls) == 2 and len(calls[1]) == len(calls[0]) + 2  # the second took the shared slots to read
+    for call in calls:
+        hlo = admit.lower(*call).compile().as_text()
+        for size, target in ((batch.state.cache.k[0].size, kernels.UPDATE_SLICE[0]),
+                             (batch.prefix.pool.k[0].size, kernels.PUT_SLOTS[0])):
+            made = [(op, line.strip()) for line in _buffer_making_lines(hlo)
+                    for dims, op in re.findall(r"= \w+\[([\d,]*)\]\{[^}]*\} ([\w-]+)\(", line)
+                    if math.prod(int(d) for d in dims.split(",") if d) == size]
+            assert {op for op, _ in made} <= {"custom-call", "bitcast", "get-tuple-element", "parameter"}, \
+                [line[:160] for _, line in made]
+            assert any(f'custom_call_target="{target}"' in line for _, line in made)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_prefill_attends_by_one_kernel_call_per_layer(tiny, dtype):
+    """A prefill's attention is `kernels.attention`, once per layer, and its prompts' greedy
+    tokens are XLA's path's (`Attention._attend_block`, the kernels off for attention alone)."""
+    model = loading.load(hf=str(tiny.path), mp=1, dp=1, dtype=dtype)
+    g = Generator(model.config, model.params, model.mesh)
+    target = kernels.ATTENTION[jnp.dtype(dtype)][0]
+    prompts = [list(range(3, 30)), list(range(40, 52))]
+    calls, admit = [], g._admit
+    g._admit = lambda *args: (calls.append(args), admit(*args))[1]
+    options = SamplingOptions(max_new_tokens=NEW, temperature=0.0)
+    ours = [s.tokens for s in g.generate(prompts, options)]
     hlo = admit.lower(*calls[0]).compile().as_text()
-    for size, target in ((batch.state.cache.k[0].size, kernels.UPDATE_SLICE[0]),
-                         (batch.prefix.pool.k[0].size, kernels.PUT_SLOTS[0])):
-        made = [(op, line.strip()) for line in _buffer_making_lines(hlo)
-                for dims, op in re.findall(r"= \w+\[([\d,]*)\]\{[^}]*\} ([\w-]+)\(", line)
-                if math.prod(int(d) for d in dims.split(",") if d) == size]
-        assert {op for op, _ in made} <= {"custom-call", "bitcast", "get-tuple-element", "parameter"}, \
-            [line[:160] for _, line in made]
-        assert any(f'custom_call_target="{target}"' in line for _, line in made)
+    assert hlo.count(f'custom_call_target="{target}"') == model.config.layers
+    xla = Generator(model.config, model.params, model.mesh)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(layers.Attention, "_fused_on_cpu", lambda *args: False)
+        assert [s.tokens for s in xla.generate(prompts, options)] == ours
 
 
 def test_the_package_data_ships_every_kernel_source_and_header():

@@ -263,17 +263,18 @@ def _write_rows(cache: KVCache, new: KVCache, row_ids, first_slot, in_place: boo
     return cache._replace(k=k, v=v)
 
 
-def _store(pool: KVCache, new: KVCache, slots, in_place: bool = False) -> KVCache:
+def _store(pool: KVCache, new: KVCache, slots, in_place: bool = False, after: tuple = ()) -> KVCache:
     """The prefix cache's pool (one row of M slots per layer's k and v) with the positions of `new`
     ([n, ..., W, ...] per layer) stored at pool slots `slots` [n, W] (M or more: not stored).
     `in_place` (one device's arrays): by `kernels.put_slots`, one copy per run of consecutive slots —
     XLA:CPU scattered a 16-bit pool on its bits, and converted the whole pool there and back
-    (a 16-row bfloat16 GPT-J admission: 200 ms, 133 without the prefix cache)."""
+    (a 16-row bfloat16 GPT-J admission: 200 ms, 133 without the prefix cache) — after the arrays
+    `after` are computed."""
     kernel = in_place and kernels.available()
 
     def store(x, computed, axis):  # x [1, .., M, ..] <- computed [n, .., W, ..]
         if kernel:
-            return kernels.put_slots(x, computed, slots, axis)
+            return kernels.put_slots(x, computed, slots, axis, after)
         where = (slice(None),) * (axis - 1) + (slots,)
         return x[0].at[where].set(jnp.moveaxis(computed, 0, axis - 1), mode="drop")[None]
     return pool.along_slots(store, new, as_bits=not kernel)
@@ -465,8 +466,13 @@ class Generator:
             kv = KVCache(self.specs.cache.k, self.specs.cache.v, None, None)
             if pool is not None:
                 pool_specs = KVCache((POOL_SPEC,) * len(k), (POOL_SPEC,) * len(v), None, None)
-                pool = parallel.shard_map(functools.partial(_store, in_place=True), self.mesh, self.rules,
-                                          in_specs=(pool_specs, kv, P()), out_specs=pool_specs)(pool, new, write)
+                # The store waits for the logits, which need every read of the pool above: XLA orders
+                # ops by data only, a layer's new blocks do not depend on its read, and it copied
+                # the whole pool twice to keep that read safe from the store in place (1 GB an
+                # admission behind the serving benchmark's shared prefix).
+                store = lambda pool, new, write, logits: _store(pool, new, write, in_place=True, after=(logits,))  # noqa: E731
+                pool = parallel.shard_map(store, self.mesh, self.rules, in_specs=(pool_specs, kv, P(), P()),
+                                          out_specs=pool_specs)(pool, new, write, logits)
             write_rows = parallel.shard_map(functools.partial(_write_rows, in_place=True), self.mesh, self.rules,
                                             in_specs=(self.specs.cache, kv, P(), P()), out_specs=self.specs.cache)
             cache = write_rows(cache, new, row_ids, index - new.slots)

@@ -9,7 +9,9 @@ product per (row, kv head) group, for attention over the KV cache (`grouped_appl
 embedding table's rows and a prefix cache's slots moved without XLA:CPU's copies of the whole array
 (`layers.update_slice`, `layers.take_rows`, `generate.decode`'s admission). In `sampling.cc`:
 `truncation_floor`, each row's top-k/top-p threshold without sorting or bisecting the vocabulary
-(`generate.sampling.top_k_top_p`).
+(`generate.sampling.top_k_top_p`). In `attention.cc`: `attention`, a prefill's attention over its
+own keys and a shared prefix's with the softmax fused in, tile by tile (`layers.Attention._attend`).
+The register-blocked product tiles they share are `tiles.h`'s.
 
 The sources are compiled into one library with the system's C++ compiler (`$CXX`, else
 `c++`/`g++`/`clang++`) against the FFI headers jaxlib ships, once per source/jaxlib/compiler, into
@@ -39,8 +41,8 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 FOLDER = Path(__file__).parent
-SOURCES = (FOLDER / "rows_times_weight.cc", FOLDER / "sampling.cc")  # one library
-HEADERS = (FOLDER / "threads.h",)
+SOURCES = (FOLDER / "rows_times_weight.cc", FOLDER / "sampling.cc", FOLDER / "attention.cc")  # one library
+HEADERS = (FOLDER / "threads.h", FOLDER / "tiles.h")
 
 
 class Kernel(NamedTuple):
@@ -93,6 +95,8 @@ SLICE = ("mesh_transformer_slice", "MeshTransformerSlice")
 TAKE_ROWS = ("mesh_transformer_take_rows", "MeshTransformerTakeRows")
 PUT_SLOTS = ("mesh_transformer_put_slots", "MeshTransformerPutSlots")
 TRUNCATION_FLOOR = ("mesh_transformer_truncation_floor", "MeshTransformerTruncationFloor")
+ATTENTION = {jnp.dtype(jnp.float32): ("mesh_transformer_f32_attention", "MeshTransformerF32Attention"),
+             jnp.dtype(jnp.bfloat16): ("mesh_transformer_bf16_attention", "MeshTransformerBf16Attention")}
 FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC")
 
 _lock = threading.Lock()
@@ -161,7 +165,7 @@ def _load() -> bool:
                 try:
                     library = ctypes.cdll.LoadLibrary(str(build()))
                     calls = [(k.target, k.symbol) for k in (*KERNELS.values(), *GROUPED.values())]
-                    calls += [UPDATE_SLICE, SLICE, TAKE_ROWS, PUT_SLOTS, TRUNCATION_FLOOR]
+                    calls += [UPDATE_SLICE, SLICE, TAKE_ROWS, PUT_SLOTS, TRUNCATION_FLOOR, *ATTENTION.values()]
                     for target, symbol in calls:
                         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
                     _state["ok"] = True
@@ -267,14 +271,16 @@ def take_rows(table, ids):
     return rows.reshape(*jnp.shape(ids), *table.shape[1:])
 
 
-def put_slots(x, update, slots, axis: int):
+def put_slots(x, update, slots, axis: int, after: tuple = ()):
     """x with update's positions written at `slots` of its `axis`, in place (the result aliases x):
     x [*A, M, *C] (M on `axis`, which is not the first), update [N, *A', W, *C] with A' as many
     elements as A (x [1, K, M, H] takes [N, K, W, H]), slots int32 [N, W] (a slot outside 0 .. M-1:
     not written; two positions at one slot: the later row's). One memcpy per run of consecutive
-    slots, on one device's arrays (see `update_slice`)."""
+    slots, on one device's arrays (see `update_slice`). `after`: arrays the call waits for, not read
+    (XLA orders operations by their data only: a read of x that must come first and that `update`
+    does not depend on makes XLA copy x whole, unless something the call takes depends on it)."""
     call = _call(PUT_SLOTS[0], x, x.shape, x.dtype, input_output_aliases={0: 0})
-    return call(x, update.astype(x.dtype), jnp.asarray(slots, jnp.int32), axis=axis)
+    return call(x, update.astype(x.dtype), jnp.asarray(slots, jnp.int32), *after, axis=axis)
 
 
 def truncation_floor(logits, top_k, top_p):
@@ -288,3 +294,27 @@ def truncation_floor(logits, top_k, top_p):
     e = jnp.exp(logits - logits.max(axis=-1, keepdims=True))
     call = _call(TRUNCATION_FLOOR[0], logits[:, 0], logits.shape[:1], jnp.int32)  # varies as a row of logits
     return call(logits, e, jnp.asarray(top_k, jnp.int32), jnp.asarray(top_p, jnp.float32))
+
+
+def attention_applies(k) -> bool:
+    """Whether `attention(q, k, ...)` will run: k (the cache) float32 or bfloat16, on CPU, with the kernels built."""
+    return jnp.dtype(k.dtype) in ATTENTION and available()
+
+
+def attention(q, k, v, mask, shared_k=None, shared_v=None, shared_positions=None):
+    """Softmax attention in float32, fused (`attention.cc`): q [B, K, M, H] (M = G x T: each kv
+    head's G query heads at T positions, heads major), k [B, K, H, S] and v [B, K, S, H] (a KV cache,
+    float32 or bfloat16; q is rounded to its dtype), mask [B, T, S] (True: may attend); and keys
+    every row may read besides its own, shared_k [K, H, U] and shared_v [K, U, H] at
+    shared_positions [B, U] (-1: not read), one softmax over both -> float32 [B, K, M, H]. Scores
+    are q.k / sqrt(H); a masked one counts as NEG, as `layers.Attention._attend_block`'s. On one
+    device's arrays (see `update_slice`)."""
+    b, kv, m, hd = q.shape
+    if shared_k is None:
+        shared_k = jnp.zeros((kv, hd, 0), k.dtype)
+        shared_v = jnp.zeros((kv, 0, hd), k.dtype)
+        shared_positions = jnp.zeros((b, 0), jnp.int32)
+    target = ATTENTION[jnp.dtype(k.dtype)][0]
+    call = _call(target, q, q.shape, jnp.float32)
+    return call(q.astype(k.dtype), k, v.astype(k.dtype), jnp.asarray(mask, bool), shared_k.astype(k.dtype),
+                shared_v.astype(k.dtype), jnp.asarray(shared_positions, jnp.int32))

@@ -392,7 +392,8 @@ class Attention(hk.Module):
         shared (k [K, H, U], v [K, U, H]) or None: slots every row may read (`ctx.shared_positions`),
         one softmax over them and the row's own S slots.
 
-        A prefill's many queries run on a CPU in blocks of one row and a few of its positions
+        A prefill's many queries run on a CPU as one fused kernel (`_fused_on_cpu`); without the
+        kernels, in blocks of one row and a few of its positions
         (`query_block`), one after the other, so a block's scores stay in the cache between the
         passes the softmax makes over them (16 rows of 128 tokens behind a 1,024-slot prefix: 20 ms
         a layer in blocks, 91 ms in one piece, whose 75 MB of scores went through memory about ten
@@ -405,14 +406,28 @@ class Attention(hk.Module):
         g = n // kv
         q = q.reshape(b, t, kv, g, hd).transpose(0, 2, 3, 1, 4).astype(k.dtype)  # [B, K, G, T, H]
         shared_k, shared_v = shared if shared is not None else (None, None)
-        keys = s + (0 if shared is None else shared_k.shape[-1])
-        block = query_block(b, t, n * keys) if ctx.slot_index is not None else None
-        attend = functools.partial(self._attend_block, shared_k=shared_k, shared_v=shared_v)
-        if block is None:
-            out = attend(q, k, v, ctx.mask, ctx.positions, ctx.key_positions, ctx.shared_positions)
+        if self._fused_on_cpu(q, k, ctx):
+            mask = jnp.broadcast_to(ctx.mask, (b,) + ctx.mask.shape[1:]).reshape(b, t, s)
+            out = kernels.attention(q.reshape(b, kv, g * t, hd), k, v, mask, shared_k, shared_v,
+                                    ctx.shared_positions).reshape(b, kv, g, t, hd)
         else:
-            out = self._attend_in_blocks(attend, q, k, v, ctx, block)
+            keys = s + (0 if shared is None else shared_k.shape[-1])
+            block = query_block(b, t, n * keys) if ctx.slot_index is not None else None
+            attend = functools.partial(self._attend_block, shared_k=shared_k, shared_v=shared_v)
+            if block is None:
+                out = attend(q, k, v, ctx.mask, ctx.positions, ctx.key_positions, ctx.shared_positions)
+            else:
+                out = self._attend_in_blocks(attend, q, k, v, ctx, block)
         return out.transpose(0, 3, 1, 2, 4).reshape(b, t, n, hd).astype(q.dtype)
+
+    def _fused_on_cpu(self, q, k, ctx: Context) -> bool:
+        """Whether `_attend` runs as one CPU kernel (`kernels.attention`, the softmax fused in): a
+        prefill's many queries over a KV cache. Not training (it is differentiated), not ALiBi (the
+        kernel lacks it), not a decode step (one query per kv head for GPT-J: 13-19% slower than
+        XLA's products there). An admission of 16 prompts behind a cached 1,000-token prefix
+        (bench/decode.py --shared-prefix, GPT-J 4 x 512, fp32): 722 -> 580 ms."""
+        return (ctx.slot_index is not None and q.shape[3] > 1 and not self.spec.alibi
+                and kernels.attention_applies(k))
 
     @staticmethod
     def _attend_in_blocks(attend, q, k, v, ctx: Context, block: int):

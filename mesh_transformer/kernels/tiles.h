@@ -1,0 +1,181 @@
+// The register-blocked product tiles the kernels share, per instruction set: y [R, C] (+)= x [R, D]
+// w [D, C] for a few rows R and a panel of columns C, the weight stored as float32, bfloat16 (its
+// bits, uint16_t: widened exactly by a 16-bit shift) or int8 (the integer values), the products
+// and sums float32 fused multiply-adds. `Product` covers any rows and columns with them.
+#pragma once
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <utility>
+
+namespace mesh_transformer {
+
+// Weight element access, scalar and vector, per stored type.
+inline float Scalar(const float* p) { return *p; }
+inline float Scalar(const uint16_t* p) {
+  const uint32_t wide = static_cast<uint32_t>(*p) << 16;
+  float f;
+  std::memcpy(&f, &wide, sizeof f);
+  return f;
+}
+
+inline float Scalar(const int8_t* p) { return static_cast<float>(*p); }
+
+__attribute__((target("avx512f"))) inline __m512 Load16(const float* p) { return _mm512_loadu_ps(p); }
+__attribute__((target("avx512f"))) inline __m512 Load16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+}
+__attribute__((target("avx512f"))) inline __m512 Load16(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+__attribute__((target("avx2"))) inline __m256 Load8(const float* p) { return _mm256_loadu_ps(p); }
+__attribute__((target("avx2"))) inline __m256 Load8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+}
+__attribute__((target("avx2"))) inline __m256 Load8(const uint16_t* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+
+enum class Isa { kScalar, kAvx2, kAvx512 };
+
+// The widest the CPU has, or narrower if $MESH_TRANSFORMER_KERNEL_ISA says so ("avx2", "scalar":
+// how the tests run every path on one machine).
+inline Isa Detect() {
+  const char* forced = std::getenv("MESH_TRANSFORMER_KERNEL_ISA");
+  if (forced != nullptr && std::strcmp(forced, "scalar") == 0) return Isa::kScalar;
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  if (forced != nullptr && std::strcmp(forced, "avx2") == 0) return avx2 ? Isa::kAvx2 : Isa::kScalar;
+  if (__builtin_cpu_supports("avx512f")) return Isa::kAvx512;
+  return avx2 ? Isa::kAvx2 : Isa::kScalar;
+}
+
+constexpr int64_t kBlockRows = 6;  // R at most: 6 x 4 AVX-512 accumulators (24 of 32 registers)
+
+template <typename W, int R, int C>
+__attribute__((target("avx512f"))) void TileAvx512(const float* x, int64_t x_stride, const W* w, int64_t w_stride,
+                                                   float* y, int64_t y_stride, int64_t depth, bool first) {
+  __m512 acc[R][C];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) acc[r][c] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(y + r * y_stride + 16 * c);
+  }
+  for (int64_t k = 0; k < depth; ++k) {
+    const W* wk = w + k * w_stride;
+    __m512 wv[C];
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) wv[c] = Load16(wk + 16 * c);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m512 xr = _mm512_set1_ps(x[r * x_stride + k]);
+#pragma GCC unroll 4
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_fmadd_ps(xr, wv[c], acc[r][c]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(y + r * y_stride + 16 * c, acc[r][c]);
+  }
+}
+
+template <typename W, int R, int C>
+__attribute__((target("avx2,fma"))) void TileAvx2(const float* x, int64_t x_stride, const W* w, int64_t w_stride,
+                                                  float* y, int64_t y_stride, int64_t depth, bool first) {
+  __m256 acc[R][C];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) acc[r][c] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(y + r * y_stride + 8 * c);
+  }
+  for (int64_t k = 0; k < depth; ++k) {
+    const W* wk = w + k * w_stride;
+    __m256 wv[C];
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) wv[c] = Load8(wk + 8 * c);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m256 xr = _mm256_set1_ps(x[r * x_stride + k]);
+#pragma GCC unroll 4
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm256_fmadd_ps(xr, wv[c], acc[r][c]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 4
+    for (int c = 0; c < C; ++c) _mm256_storeu_ps(y + r * y_stride + 8 * c, acc[r][c]);
+  }
+}
+
+// Columns [from, to) of the same tile, one at a time (the columns no vector covers, and the
+// portable path).
+template <typename W>
+void TileScalar(const float* x, int64_t x_stride, const W* w, int64_t w_stride, float* y, int64_t y_stride,
+                int64_t rows, int64_t from, int64_t to, int64_t depth, bool first) {
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t o = from; o < to; ++o) {
+      float sum = first ? 0.0f : y[r * y_stride + o];
+      for (int64_t k = 0; k < depth; ++k) sum += x[r * x_stride + k] * Scalar(w + k * w_stride + o);
+      y[r * y_stride + o] = sum;
+    }
+  }
+}
+
+// Every ISA's tiles by [R - 1][C - 1], type-erased.
+using TileFn = void (*)(const float*, int64_t, const void*, int64_t, float*, int64_t, int64_t, bool);
+
+template <typename W, int R, int C>
+void Avx512Tile(const float* x, int64_t xs, const void* w, int64_t ws, float* y, int64_t ys, int64_t d, bool f) {
+  TileAvx512<W, R, C>(x, xs, static_cast<const W*>(w), ws, y, ys, d, f);
+}
+template <typename W, int R, int C>
+void Avx2Tile(const float* x, int64_t xs, const void* w, int64_t ws, float* y, int64_t ys, int64_t d, bool f) {
+  TileAvx2<W, R, C>(x, xs, static_cast<const W*>(w), ws, y, ys, d, f);
+}
+
+template <typename W>
+struct Tiles {
+  TileFn avx512[kBlockRows][4] = {};  // C up to 4 vectors of 16
+  TileFn avx2[kBlockRows][2] = {};    // C up to 2 vectors of 8 (6 x 2 accumulators of 16 registers)
+  Tiles() { Fill(std::make_integer_sequence<int, kBlockRows>{}); }
+  template <int... Rs>
+  void Fill(std::integer_sequence<int, Rs...>) {
+    ((avx512[Rs][0] = &Avx512Tile<W, Rs + 1, 1>, avx512[Rs][1] = &Avx512Tile<W, Rs + 1, 2>,
+      avx512[Rs][2] = &Avx512Tile<W, Rs + 1, 3>, avx512[Rs][3] = &Avx512Tile<W, Rs + 1, 4>,
+      avx2[Rs][0] = &Avx2Tile<W, Rs + 1, 1>, avx2[Rs][1] = &Avx2Tile<W, Rs + 1, 2>), ...);
+  }
+};
+
+// Columns per panel (and per SIMD vector) of each path.
+inline int64_t Lanes(Isa isa) { return isa == Isa::kAvx512 ? 16 : isa == Isa::kAvx2 ? 8 : 1; }
+inline int64_t PanelWidth(Isa isa) { return isa == Isa::kAvx2 ? 16 : 64; }
+
+// y [rows, cols] (+)= x [rows, depth] w [depth, cols] (`first`: y is overwritten), every operand
+// row-major with its own row stride: tiles of kBlockRows rows by a panel of PanelWidth columns,
+// the columns no vector covers one at a time.
+template <typename W>
+void Product(Isa isa, const float* x, int64_t x_stride, const W* w, int64_t w_stride, float* y, int64_t y_stride,
+             int64_t rows, int64_t cols, int64_t depth, bool first) {
+  static const Tiles<W> tiles;
+  for (int64_t o0 = 0; o0 < cols; o0 += PanelWidth(isa)) {
+    const int64_t width = std::min(PanelWidth(isa), cols - o0);
+    const int64_t vectors = isa == Isa::kScalar ? 0 : width / Lanes(isa);
+    for (int64_t r0 = 0; r0 < rows; r0 += kBlockRows) {
+      const int64_t block = std::min(kBlockRows, rows - r0);
+      const float* xs = x + r0 * x_stride;
+      float* ys = y + r0 * y_stride + o0;
+      if (vectors > 0) {
+        const TileFn tile = isa == Isa::kAvx512 ? tiles.avx512[block - 1][vectors - 1]
+                                                : tiles.avx2[block - 1][vectors - 1];
+        tile(xs, x_stride, w + o0, w_stride, ys, y_stride, depth, first);
+      }
+      TileScalar(xs, x_stride, w + o0, w_stride, ys, y_stride, block, vectors * Lanes(isa), width, depth, first);
+    }
+  }
+}
+
+}  // namespace mesh_transformer
