@@ -27,22 +27,43 @@ FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "am
 PACKAGES = ("jax", "jaxlib", "torch", "transformers")
 
 
+# (vendor, family, first model, last model) -> core generation. A VM often names its CPU only "AMD
+# EPYC": two such machines of this project's kind ran the same matmul at 173 and 492 GFLOP/s, and the
+# family/model numbers are what tells them apart (Zen 4 runs AVX-512 on 256-bit halves, Zen 5 not).
+GENERATIONS = (
+    ("AuthenticAMD", 23, 0x30, 0x3F, "Zen 2"), ("AuthenticAMD", 25, 0x00, 0x0F, "Zen 3"),
+    ("AuthenticAMD", 25, 0x10, 0x1F, "Zen 4"), ("AuthenticAMD", 25, 0x20, 0x5F, "Zen 3"),
+    ("AuthenticAMD", 25, 0x60, 0xAF, "Zen 4"), ("AuthenticAMD", 26, 0x00, 0xFF, "Zen 5"),
+    ("GenuineIntel", 6, 0x55, 0x55, "Skylake/Cascade Lake"), ("GenuineIntel", 6, 0x6A, 0x6C, "Ice Lake"),
+    ("GenuineIntel", 6, 0x8F, 0x8F, "Sapphire Rapids"), ("GenuineIntel", 6, 0xCF, 0xCF, "Emerald Rapids"),
+    ("GenuineIntel", 6, 0xAD, 0xAE, "Granite Rapids"),
+)
+
+
+def generation(vendor: str, family: int, model: int) -> str:
+    """The core generation of a (vendor, family, model) triple from /proc/cpuinfo, or '' if not known here."""
+    return next((name for v, f, lo, hi, name in GENERATIONS if (v, f) == (vendor, family) and lo <= model <= hi), "")
+
+
 def cpu() -> dict:
-    """{"model", "flags" (those of FLAGS it has), "cores" (usable by this process), "memory_gib", "l2"/"l3"}."""
+    """{"model", "vendor", "family", "model_number", "generation", "flags" (those of FLAGS it has), "cores"
+    (usable by this process), "memory_gib", "l2"/"l3"}."""
     info: dict = {"model": platform.processor() or platform.machine(), "flags": []}
+    fields = {"model name": "model", "vendor_id": "vendor", "cpu family": "family", "model": "model_number"}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 key, _, value = line.partition(":")
                 key = key.strip()
-                if key == "model name":
-                    info["model"] = value.strip()
+                if key in fields:
+                    info[fields[key]] = int(value) if key in ("cpu family", "model") else value.strip()
                 elif key == "flags":
                     have = set(value.split())
                     info["flags"] = [flag for flag in FLAGS if flag in have]
                     break
-    except OSError:
+    except (OSError, ValueError):
         pass
+    info["generation"] = generation(info.get("vendor", ""), info.get("family", -1), info.get("model_number", -1))
     info["cores"] = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     info["memory_gib"] = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
     info.update(_caches())
@@ -84,12 +105,13 @@ def load_average() -> list[float]:
 
 
 def kind(info: Mapping) -> str:
-    """A short name for the README's rows: '2-core AMD EPYC 7B13 (AVX2)', '... (AVX-512, AVX-512-BF16, AMX)'."""
+    """A short name for the README's rows: '2-core AMD EPYC 7B13 (Zen 3; AVX2)', '... (AVX-512, AVX-512-BF16, AMX)'."""
     flags = info["flags"]
     isa = ["AMX"] if "amx_tile" in flags else []
     isa = (["AVX-512"] + (["AVX-512-BF16"] if "avx512_bf16" in flags else []) + isa) if "avx512f" in flags else \
         (["AVX2"] if "avx2" in flags else [])
-    return f"{info['cores']}-core {info['model']} ({', '.join(isa) or 'no AVX2'})"
+    generation = f"{info['generation']}; " if info.get("generation") else ""
+    return f"{info['cores']}-core {info['model']} ({generation}{', '.join(isa) or 'no AVX2'})"
 
 
 def describe(extra_packages: tuple[str, ...] = ()) -> dict:
@@ -105,7 +127,8 @@ def header(description: Mapping) -> str:
     versions = ", ".join(f"{k} {v}" for k, v in s["versions"].items() if v)
     caches = ", ".join(f"{k.upper()} {m[k]}" for k in ("l2", "l3") if k in m)
     loads = " -> ".join(" ".join(f"{x:.2f}" for x in v) for v in description["load_average"].values())
-    return (f"machine: {m['model']}; {m['cores']} cores; {m['memory_gib']} GiB; flags: {' '.join(m['flags']) or '-'}"
+    cpuid = (f" ({m['generation'] or 'family'} {m['family']}/{m['model_number']})" if "family" in m else "")
+    return (f"machine: {m['model']}{cpuid}; {m['cores']} cores; {m['memory_gib']} GiB; flags: {' '.join(m['flags']) or '-'}"
             f"{'; ' + caches if caches else ''}\n"
             f"software: {versions}; XLA_FLAGS={s['XLA_FLAGS']!r}\n"
             f"load average (1/5/15 min): {loads}")
