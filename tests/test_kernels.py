@@ -59,6 +59,20 @@ def test_blocked_rows_times_weight_is_the_float32_product(rows, k, o, dtype):
     assert_float32_product(jax.jit(lambda x, w: kernels.rows_times_weight(x, w, blocked=True))(x, w), x, w, exact)
 
 
+# bf16 rows times a bf16 weight (pair dot products where the CPU has AVX-512-BF16, else float32
+# tiles of the widened rows): rows in blocks of 6 (1; 5; 13 = 6 + 6 + 1; 70), K odd inside one
+# block of 256 weight rows and past one (the last pair's second row zero), columns in panels of
+# 64: under one 32-column pair chunk (20: the float32 tiles alone), one chunk and a vector (48),
+# a panel, a chunk and 4 (100), and 2 panels (128).
+@pytest.mark.parametrize("rows,k,o", [(1, 64, 20), (5, 37, 48), (13, 301, 100), (6, 513, 128), (70, 256, 64)])
+def test_bf16_rows_times_a_bf16_weight_is_the_float32_product(rows, k, o):
+    x, w, _ = case(rows, k, o)
+    x = jnp.asarray(x, jnp.bfloat16)
+    wide = np.asarray(x.astype(jnp.float32))
+    exact = wide.astype(np.float64) @ np.asarray(w.astype(jnp.float32), np.float64)
+    assert_float32_product(jax.jit(kernels.bf16_rows_times_weight)(x, w), wide, w, exact)
+
+
 def assert_float32_product(y, x, w, exact):
     assert y.dtype == jnp.float32 and y.shape == exact.shape
     scale = np.abs(x).astype(np.float64) @ np.abs(np.asarray(w.astype(jnp.float32), np.float64))
@@ -80,21 +94,28 @@ def test_grouped_rows_times_weight_is_each_groups_product(groups, m, k, o, dtype
     assert y.shape == exact.shape and (np.abs(np.asarray(y, np.float64) - exact) / scale).max() < 1e-6
 
 
-@pytest.mark.parametrize("dtype,streamed,blocked", [(jnp.bfloat16, [1, 2, 8], []), (jnp.float32, [2, 8], [32, 64])],
-                         ids=["bf16", "f32"])
-def test_dense_uses_the_kernel_where_it_is_faster_than_xla(dtype, streamed, blocked):
-    """bf16 1-8 rows, streamed (from 9 rows YNNPACK's bf16 pair products are faster); float32 2-8
-    rows streamed (one row is XLA's matrix-vector product, as fast), 9-31 XLA's, 32-64 blocked (a
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
+def test_dense_uses_the_kernel_where_it_is_faster_than_xla(dtype):
+    """bf16 1-8 rows streamed, or where the CPU has AVX-512-BF16 1-4 streamed and 5-64 as pair
+    products (without it, from 9 rows YNNPACK's bf16 products are faster); float32 2-8 rows
+    streamed (one row is XLA's matrix-vector product, as fast), 9-31 XLA's, 32-64 blocked (a
     serving batch's decode step), more XLA's (prefill, YNNPACK); float16 never."""
+    if dtype == jnp.float32:
+        streamed, blocked, pairs = [2, 4, 5, 8], [32, 64], []
+    elif kernels.bf16_pairs():
+        streamed, blocked, pairs = [1, 2, 4], [], [5, 8, 9, 16, 31, 32, 64]
+    else:
+        streamed, blocked, pairs = [1, 2, 4, 5, 8], [], []
     x, w, _ = case(80, 32, 24, dtype)
     target = kernels.KERNELS[jnp.dtype(dtype)].target
     hlo = lambda rows, w: jax.jit(lambda x, w: layers.dense("btk,ko->bto", x, w)).lower(  # noqa: E731
         jnp.asarray(x[:rows, None], dtype), w).as_text()
-    runs = {rows: re.search(rf'{target}.*blocked = (true|false)', hlo(rows, w))
-            for rows in [1, 2, 8, 9, 16, 31, 32, 64, 65, 80]}
+    texts = {rows: hlo(rows, w) for rows in [1, 2, 4, 5, 8, 9, 16, 31, 32, 64, 65, 80]}
+    runs = {rows: re.search(rf'{target}.*blocked = (true|false)', text) for rows, text in texts.items()}
     assert [rows for rows, found in runs.items() if found and found[1] == "false"] == streamed
     assert [rows for rows, found in runs.items() if found and found[1] == "true"] == blocked
-    assert not any(k.target in hlo(1, w.astype(jnp.float16)) for k in kernels.KERNELS.values())
+    assert [rows for rows, text in texts.items() if kernels.BF16_ROWS.target in text] == pairs
+    assert not any(k.target in hlo(1, w.astype(jnp.float16)) for k in (*kernels.KERNELS.values(), kernels.BF16_ROWS))
 
 
 @pytest.mark.parametrize("rows,dtype", [(2, jnp.bfloat16), (32, jnp.float32)])
@@ -126,12 +147,14 @@ def test_the_kernel_runs_on_each_shard_of_a_column_parallel_weight():
     np.testing.assert_allclose(np.asarray(f(x, w)), exact, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("dtype,rows,case", [("bfloat16", 1, "gptj"), ("float32", 32, "llama_gqa2_llama3_rope")])
+@pytest.mark.parametrize("dtype,rows,case", [("bfloat16", 1, "gptj"), ("bfloat16", 16, "gptj"),
+                                             ("float32", 32, "llama_gqa2_llama3_rope")])
 def test_decode_runs_the_kernels_with_xla_paths_tokens(tiny, tmp_path, monkeypatch, dtype, rows, case):
     """A one-row bf16 GPT-J decode (no spare row; streamed products, grouped attention over the
-    bf16 cache) and a 32-row float32 LLaMA one (register-blocked products; grouped attention, two
-    query heads per kv head) call the kernels and decode the same greedy tokens, with log p within
-    float32 rounding, as XLA's own products of the same weights."""
+    bf16 cache), a 16-row one (bf16 pair products where the CPU has them) and a 32-row float32
+    LLaMA one (register-blocked products; grouped attention, two query heads per kv head) call the
+    kernels and decode the same greedy tokens, with log p within float32 rounding, as XLA's own
+    products of the same weights."""
     if case != "gptj":  # the tiny GPT-J's tokenizer beside a tiny model of this case
         tiny.tokenizer.save_pretrained(tmp_path)
         make_hf_model(tmp_path, case, vocab_size=len(tiny.tokenizer), bos_token_id=tiny.eos, eos_token_id=tiny.eos)
@@ -144,7 +167,10 @@ def test_decode_runs_the_kernels_with_xla_paths_tokens(tiny, tmp_path, monkeypat
     state = g.new_state(rows, 32)
     hlo = g._decode.lower(g.params, state, np.int32(0), np.int32(4), 4, 32).as_text()
     product, grouped = kernels.KERNELS[jnp.dtype(dtype)], kernels.GROUPED[jnp.dtype(dtype)].target
-    assert re.search(rf'{product.target}.*blocked = {"true" if rows > product.streamed[1] else "false"}', hlo)
+    if kernels.pairs_apply(jnp.zeros((rows, 8), dtype), jnp.zeros((8, 8), dtype)):
+        assert kernels.BF16_ROWS.target in hlo and product.target not in hlo
+    elif product.runs(rows):
+        assert re.search(rf'{product.target}.*blocked = {"true" if rows > product.streamed[1] else "false"}', hlo)
     assert grouped in hlo
     monkeypatch.setattr(kernels, "applies", lambda x, w: False)  # every product back to XLA's
     monkeypatch.setattr(kernels, "grouped_applies", lambda x, w: False)
@@ -252,6 +278,13 @@ for rows, k, o, dtype, blocked in [(1, 37, 70, jnp.bfloat16, False), (5, 64, 130
     wide = np.asarray(w.astype(jnp.float32), np.float64)
     y = np.asarray(jax.jit(lambda x, w: kernels.rows_times_weight(x, w, 2, blocked))(x, w), np.float64)
     assert (np.abs(y - x @ wide) / (np.abs(x) @ np.abs(wide))).max() < 1e-6, (rows, k, o)
+assert not kernels.bf16_pairs()  # a forced instruction set has no pair products: float32 tiles
+for rows, k, o in [(13, 301, 100), (5, 37, 48)]:
+    x = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((k, o)), jnp.bfloat16)
+    wx, wide = (np.asarray(a.astype(jnp.float32), np.float64) for a in (x, w))
+    y = np.asarray(kernels.bf16_rows_times_weight(x, w), np.float64)
+    assert (np.abs(y - wx @ wide) / (np.abs(wx) @ np.abs(wide))).max() < 1e-6, (rows, k, o)
 for dtype in (jnp.bfloat16, jnp.float32):
     x = rng.standard_normal((2, 3, 4, 21)).astype(np.float32)
     w = jnp.asarray(rng.standard_normal((2, 3, 21, 50)), dtype)
@@ -267,10 +300,10 @@ print("ok")
 """
 
 
-@pytest.mark.parametrize("isa", ["avx2", "scalar"])
+@pytest.mark.parametrize("isa", ["avx512", "avx2", "scalar"])
 def test_the_narrower_instruction_set_paths_give_the_same_products(isa):
-    """The AVX2 path (the AVX2 EPYC's) and the portable one, forced on this CPU in a fresh process
-    (the kernel picks its path once per process)."""
+    """AVX-512 without bf16 pair products, the AVX2 path (the AVX2 EPYC's) and the portable one,
+    forced on this CPU in a fresh process (the kernel picks its path once per process)."""
     env = {**os.environ, "MESH_TRANSFORMER_KERNEL_ISA": isa}
     done = subprocess.run([sys.executable, "-c", ISA_CHECK], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]

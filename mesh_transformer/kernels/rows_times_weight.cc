@@ -1,7 +1,8 @@
 // XLA FFI custom calls for XLA:CPU's decode steps: x [B, K] (float32) times w [K, O] (bfloat16 or
 // float32) for few rows B, returned as P partial products [P, B, O] (float32) that the caller sums,
-// or for a serving batch's rows register-blocked into one product (`blocked`, P = 1: Blocked); the
-// same per group of a [G, M, K] x [G, K, O] product (attention over the KV cache); and moves of
+// or for a serving batch's rows register-blocked into one product (`blocked`, P = 1: Blocked);
+// bf16 rows times a bf16 weight register-blocked as pair dot products (BlockedBf16); the same per
+// group of a [G, M, K] x [G, K, O] product (attention over the KV cache); and moves of
 // KV-cache slices and embedding rows (UpdateSlice in place, Slice, TakeRows, PutSlots; at the end).
 //
 // Why: decoding few rows reads every weight once per step, so the product should run at memory
@@ -14,7 +15,9 @@
 // whole (contiguous memory the hardware prefetches, plus a software prefetch ahead), eight weight
 // rows per pass over a tile of the part's own partial product kept in cache. bf16 is widened to
 // float32 exactly (a 16-bit shift); products and sums are float32 fused multiply-adds, so the
-// result is a float32 matmul of the (widened) weight up to summation order.
+// result is a float32 matmul of the (widened) weight up to summation order. With bf16 rows (a
+// bfloat16 model's) and AVX-512-BF16, 5-64 rows are compute-bound on the FMAs and run as pair dot
+// products instead, two exact multiply-adds per float32 lane and instruction (tiles.h).
 #include <immintrin.h>
 
 #include <algorithm>
@@ -202,6 +205,54 @@ ffi::Future RowsTimesWeight(ffi::ThreadPool pool, const float* x, int64_t x_coun
       Accumulate(isa, x, w, own, rows, k_size, o_size, c * chunk, std::min(k_size, (c + 1) * chunk));
     }
   });
+}
+
+// bf16 rows times a bf16 weight, register-blocked as `Blocked`: with pair dot products
+// (`PairProduct`) where the CPU has them, else float32 tiles on the widened rows. x is copied once
+// per call, into rows of even length (a zero after an odd K) and widened.
+ffi::Future BlockedBf16(ffi::ThreadPool& pool, Isa isa, bool pairs, const uint16_t* x, const uint16_t* w, float* y,
+                        int64_t rows, int64_t k_size, int64_t o_size) {
+  struct Shared {
+    std::atomic<int64_t> next{0};
+    std::vector<uint16_t> pairs;
+    std::vector<float> wide;
+  };
+  auto shared = std::make_shared<Shared>();
+  const int64_t stride = k_size + k_size % 2;
+  shared->pairs.assign(rows * stride, 0);
+  shared->wide.resize(rows * k_size);
+  for (int64_t b = 0; b < rows; ++b) {
+    std::copy(x + b * k_size, x + (b + 1) * k_size, shared->pairs.data() + b * stride);
+    for (int64_t k = 0; k < k_size; ++k) shared->wide[b * k_size + k] = Scalar(x + b * k_size + k);
+  }
+  const int64_t panel = pairs ? 64 : PanelWidth(isa);
+  const int64_t n_panels = (o_size + panel - 1) / panel;
+  const int64_t n_tasks = std::max<int64_t>(1, std::min<int64_t>(n_panels, pool.num_threads()));
+  return OnThreads(pool, n_tasks, [=](int64_t) {
+    for (int64_t p = shared->next.fetch_add(1); p < n_panels; p = shared->next.fetch_add(1)) {
+      const int64_t o0 = p * panel, width = std::min(o_size, o0 + panel) - o0;
+      for (int64_t k0 = 0; k0 < k_size; k0 += kDepth) {
+        const int64_t depth = std::min(kDepth, k_size - k0);
+        const uint16_t* wk = w + k0 * o_size + o0;
+        if (pairs) {
+          PairProduct(shared->pairs.data() + k0, stride, shared->wide.data() + k0, k_size, wk, o_size, y + o0, o_size,
+                      rows, width, depth, k0 == 0);
+        } else {
+          Product(isa, shared->wide.data() + k0, k_size, wk, o_size, y + o0, o_size, rows, width, depth, k0 == 0);
+        }
+      }
+    }
+  });
+}
+
+ffi::Future Bf16Rows(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w,
+                     ffi::ResultBuffer<ffi::F32> y) {
+  static const Isa isa = Detect();
+  static const bool pairs = DetectBf16Pairs();
+  const int64_t rows = y->dimensions()[0], k_size = w.dimensions()[0], o_size = w.dimensions()[1];
+  if (rows < 1 || x.element_count() != rows * k_size) return Failed("bf16 rows x weight: x must be [B, K], B >= 1");
+  return BlockedBf16(pool, isa, pairs, reinterpret_cast<const uint16_t*>(x.untyped_data()),
+                     reinterpret_cast<const uint16_t*>(w.untyped_data()), y->typed_data(), rows, k_size, o_size);
 }
 
 ffi::Future Bf16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::BF16> w,
@@ -475,6 +526,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshTransformerI8RowsTimesWeight, Typed<ffi::S8>,
                                   .Arg<ffi::Buffer<ffi::S8>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<bool>("blocked"));
+
+// Arguments: x [B, K] bfloat16, w [K, O] bfloat16; result: y [B, O] float32.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshTransformerBf16RowsTimesBf16Weight, Bf16Rows,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+// Whether `MeshTransformerBf16RowsTimesBf16Weight` runs pair products here (else float32 tiles).
+extern "C" int MeshTransformerBf16Pairs() { return mesh_transformer::DetectBf16Pairs() ? 1 : 0; }
 
 // Arguments: x [G, M, K] float32, w [G, K, O] bfloat16 or float32; result: y [G, M, O] float32.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshTransformerBf16GroupedRowsTimesWeight, Bf16Grouped,
