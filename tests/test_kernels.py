@@ -60,17 +60,22 @@ def test_blocked_rows_times_weight_is_the_float32_product(rows, k, o, dtype):
 
 
 # bf16 rows times a bf16 weight (pair dot products where the CPU has AVX-512-BF16, else float32
-# tiles of the widened rows): rows in blocks of 6 (1; 5; 13 = 6 + 6 + 1; 70), K odd inside one
-# block of 256 weight rows and past one (the last pair's second row zero), columns in panels of
-# 64: under one 32-column pair chunk (20: the float32 tiles alone), one chunk and a vector (48),
-# a panel, a chunk and 4 (100), and 2 panels (128).
-@pytest.mark.parametrize("rows,k,o", [(1, 64, 20), (5, 37, 48), (13, 301, 100), (6, 513, 128), (70, 256, 64)])
-def test_bf16_rows_times_a_bf16_weight_is_the_float32_product(rows, k, o):
+# tiles of the widened rows). Blocked: rows in blocks of 6 (1; 5; 13 = 6 + 6 + 1; 70), K odd
+# inside one block of 256 weight rows and past one (the last pair's second row zero), columns in
+# panels of 64: under one 32-column pair chunk (20: the float32 tiles alone), one chunk and a
+# vector (48), a panel, a chunk and 4 (100), and 2 panels (128). Streamed: passes of 8 weight rows
+# (37, 301: a last pass of fewer), columns after the last 32 (20, 48, 100), more than one tile of
+# the partial product (16,400).
+@pytest.mark.parametrize("rows,k,o,blocked", [
+    *[(*shape, True) for shape in [(1, 64, 20), (5, 37, 48), (13, 301, 100), (6, 513, 128), (70, 256, 64)]],
+    *[(*shape, False) for shape in [(1, 64, 20), (5, 37, 48), (13, 301, 100), (1, 40, 16400)]]])
+def test_bf16_rows_times_a_bf16_weight_is_the_float32_product(rows, k, o, blocked):
     x, w, _ = case(rows, k, o)
     x = jnp.asarray(x, jnp.bfloat16)
     wide = np.asarray(x.astype(jnp.float32))
     exact = wide.astype(np.float64) @ np.asarray(w.astype(jnp.float32), np.float64)
-    assert_float32_product(jax.jit(kernels.bf16_rows_times_weight)(x, w), wide, w, exact)
+    y = jax.jit(lambda x, w: kernels.bf16_rows_times_weight(x, w, n_parts=3, blocked=blocked))(x, w)
+    assert_float32_product(y, wide, w, exact)
 
 
 def assert_float32_product(y, x, w, exact):
@@ -96,14 +101,14 @@ def test_grouped_rows_times_weight_is_each_groups_product(groups, m, k, o, dtype
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
 def test_dense_uses_the_kernel_where_it_is_faster_than_xla(dtype):
-    """bf16 1-8 rows streamed, or where the CPU has AVX-512-BF16 1-4 streamed and 5-64 as pair
-    products (without it, from 9 rows YNNPACK's bf16 products are faster); float32 2-8 rows
+    """bf16 1-8 rows streamed, or where the CPU has AVX-512-BF16 1-64 rows as pair products
+    (without it, from 9 rows YNNPACK's bf16 products are faster); float32 2-8 rows
     streamed (one row is XLA's matrix-vector product, as fast), 9-31 XLA's, 32-64 blocked (a
     serving batch's decode step), more XLA's (prefill, YNNPACK); float16 never."""
     if dtype == jnp.float32:
         streamed, blocked, pairs = [2, 4, 5, 8], [32, 64], []
     elif kernels.bf16_pairs():
-        streamed, blocked, pairs = [1, 2, 4], [], [5, 8, 9, 16, 31, 32, 64]
+        streamed, blocked, pairs = [], [], [1, 2, 4, 5, 8, 9, 16, 31, 32, 64]
     else:
         streamed, blocked, pairs = [1, 2, 4, 5, 8], [], []
     x, w, _ = case(80, 32, 24, dtype)
@@ -126,7 +131,7 @@ def test_a_differentiated_product_is_xlas_and_gives_the_einsums_gradients(rows, 
     x = jnp.asarray(x, dtype)
     loss = lambda x, w: jnp.sum(jnp.sin(layers.product("...k,ko->...o", x, w)))  # noqa: E731
     einsum = lambda x, w: jnp.sum(jnp.sin(jnp.einsum("bk,ko->bo", x, w, preferred_element_type=jnp.float32)))  # noqa: E731
-    target = kernels.KERNELS[jnp.dtype(dtype)].target
+    target = (kernels.BF16_ROWS if kernels.pairs_apply(x, w) else kernels.KERNELS[jnp.dtype(dtype)]).target
     assert target in jax.jit(loss).lower(x, w).as_text()
     assert target not in jax.jit(jax.grad(loss, (0, 1))).lower(x, w).as_text()
     got, want = jax.grad(loss, (0, 1))(x, w), jax.grad(einsum, (0, 1))(x, w)
@@ -279,11 +284,11 @@ for rows, k, o, dtype, blocked in [(1, 37, 70, jnp.bfloat16, False), (5, 64, 130
     y = np.asarray(jax.jit(lambda x, w: kernels.rows_times_weight(x, w, 2, blocked))(x, w), np.float64)
     assert (np.abs(y - x @ wide) / (np.abs(x) @ np.abs(wide))).max() < 1e-6, (rows, k, o)
 assert not kernels.bf16_pairs()  # a forced instruction set has no pair products: float32 tiles
-for rows, k, o in [(13, 301, 100), (5, 37, 48)]:
+for rows, k, o, blocked in [(13, 301, 100, True), (5, 37, 48, None), (2, 37, 48, False)]:
     x = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
     w = jnp.asarray(rng.standard_normal((k, o)), jnp.bfloat16)
     wx, wide = (np.asarray(a.astype(jnp.float32), np.float64) for a in (x, w))
-    y = np.asarray(kernels.bf16_rows_times_weight(x, w), np.float64)
+    y = np.asarray(kernels.bf16_rows_times_weight(x, w, blocked=blocked), np.float64)
     assert (np.abs(y - wx @ wide) / (np.abs(wx) @ np.abs(wide))).max() < 1e-6, (rows, k, o)
 for dtype in (jnp.bfloat16, jnp.float32):
     x = rng.standard_normal((2, 3, 4, 21)).astype(np.float32)

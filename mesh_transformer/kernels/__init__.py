@@ -3,7 +3,7 @@
 All for decoding, in `rows_times_weight.cc` (which says why XLA:CPU's own are slower there):
 `rows_times_weight`, the product of a few float32 rows and a bfloat16, float32 or int8 weight at
 the machine's memory bandwidth, and of a serving batch's rows (32-64, float32) register-blocked
-(`layers.product` calls it where `applies` says so), and `bf16_rows_times_weight`, 5-64 bf16 rows
+(`layers.product` calls it where `applies` says so), and `bf16_rows_times_weight`, 1-64 bf16 rows
 times a bf16 weight as AVX-512-BF16 pair dot products where the CPU has them; `grouped_rows_times_weight`, the few-row
 product per (row, kv head) group, for attention over the KV cache (`grouped_applies`);
 `update_slice` (in place), `slice`, `take_rows` and `put_slots` (in place): a KV cache's slices, an
@@ -91,15 +91,17 @@ GROUPED = {
     jnp.dtype(jnp.float32): Kernel("mesh_transformer_f32_grouped_rows_times_weight",
                                    "MeshTransformerF32GroupedRowsTimesWeight", streamed=(2, 8)),
 }
-# bf16 rows times a bf16 weight (a bfloat16 model's decode step), register-blocked, as pair dot
-# products (AVX-512-BF16's vdpbf16ps: two multiply-adds per float32 lane and instruction) where
-# the CPU has them (`bf16_pairs`; only there is it used: elsewhere YNNPACK's bf16 products are
-# faster). On the Zen 4 EPYC (16 chained [r, 1024] x [1024, 4096] products, weights out of cache)
-# 5 / 8 / 16 / 32 rows in 8.1 / 9.8-10.6 / 12.2-13.4 / 18.1-20.2 ms against YNNPACK's 11.9 /
-# 12.6-13.3 / 15.2-15.6 / 21.5-22.4 and the streamed kernel's 9.4 / 15-19 / 47 / 100; 64 rows
-# even (31-34 ms both); 2-4 rows the streamed kernel's 5.4-7.0 against 8.1-8.2.
+# bf16 rows times a bf16 weight (a bfloat16 model's decode step) as pair dot products
+# (AVX-512-BF16's vdpbf16ps: two multiply-adds per float32 lane and instruction), streamed as the
+# kernels above for 1-4 rows and register-blocked for 5-64, where the CPU has them (`bf16_pairs`;
+# only there is it used: elsewhere the float32-row kernel and YNNPACK's bf16 products are faster).
+# On the Zen 4 EPYC (16 chained [r, 1024] x [1024, 4096] products, weights out of cache): 1 / 2 /
+# 4 rows streamed in 4.8 / 5.0 / 5.5 ms against the float32-row kernel's 5.4 / 6.2 / 6.2 (it is
+# near compute-bound there: widening bf16 and an FMA per weight); 5 / 8 / 16 / 32 rows blocked in
+# 8.1 / 9.8-10.6 / 12.2-13.4 / 18.1-20.2 ms against YNNPACK's 11.9 / 12.6-13.3 / 15.2-15.6 /
+# 21.5-22.4 and the float32-row kernel's 9.4 / 15-19 / 47 / 100; 64 rows even (31-34 ms both).
 BF16_ROWS = Kernel("mesh_transformer_bf16_rows_times_bf16_weight", "MeshTransformerBf16RowsTimesBf16Weight",
-                   streamed=None, blocked=(5, 64))
+                   streamed=(1, 4), blocked=(5, 64))
 UPDATE_SLICE = ("mesh_transformer_update_slice", "MeshTransformerUpdateSlice")
 SLICE = ("mesh_transformer_slice", "MeshTransformerSlice")
 TAKE_ROWS = ("mesh_transformer_take_rows", "MeshTransformerTakeRows")
@@ -252,14 +254,20 @@ def rows_times_weight(x, w, n_parts: Optional[int] = None, blocked: Optional[boo
     return partial.sum(0).reshape(*batch, w.shape[1])
 
 
-def bf16_rows_times_weight(x, w):
+def bf16_rows_times_weight(x, w, n_parts: Optional[int] = None, blocked: Optional[bool] = None):
     """x [..., K] times w [K, O], both bfloat16 -> float32 [..., O]: the exact products of the
-    bf16 values summed in float32 (`BF16_ROWS`; on a CPU without AVX-512-BF16 float32 tiles of the
-    widened rows, the same numbers up to summation order)."""
+    bf16 values summed in float32 (`BF16_ROWS`). Streamed up to its `streamed` rows (`n_parts`
+    threads, default `parts()`, take chunks of w's rows; their sums are added here), register-
+    blocked beyond, or as `blocked` says; on a CPU without AVX-512-BF16 always blocked, as float32
+    tiles of the widened rows (the same numbers up to summation order)."""
     batch, k = x.shape[:-1], x.shape[-1]
     rows = x.reshape(-1, k)
-    y = _call(BF16_ROWS.target, rows, (rows.shape[0], w.shape[1]), jnp.float32)(rows, w)
-    return y.reshape(*batch, w.shape[1])
+    if blocked is None:
+        blocked = rows.shape[0] > BF16_ROWS.streamed[1]
+    blocked = blocked or not bf16_pairs()
+    shape = (1 if blocked else n_parts or parts(), rows.shape[0], w.shape[1])
+    partial = _call(BF16_ROWS.target, rows, shape, jnp.float32)(rows, w, blocked=blocked)
+    return partial.sum(0).reshape(*batch, w.shape[1])
 
 
 def grouped_applies(x, w) -> bool:

@@ -1,7 +1,7 @@
 // XLA FFI custom calls for XLA:CPU's decode steps: x [B, K] (float32) times w [K, O] (bfloat16 or
 // float32) for few rows B, returned as P partial products [P, B, O] (float32) that the caller sums,
 // or for a serving batch's rows register-blocked into one product (`blocked`, P = 1: Blocked);
-// bf16 rows times a bf16 weight register-blocked as pair dot products (BlockedBf16); the same per
+// bf16 rows times a bf16 weight as pair dot products (Bf16Rows); the same per
 // group of a [G, M, K] x [G, K, O] product (attention over the KV cache); and moves of
 // KV-cache slices and embedding rows (UpdateSlice in place, Slice, TakeRows, PutSlots; at the end).
 //
@@ -16,8 +16,9 @@
 // rows per pass over a tile of the part's own partial product kept in cache. bf16 is widened to
 // float32 exactly (a 16-bit shift); products and sums are float32 fused multiply-adds, so the
 // result is a float32 matmul of the (widened) weight up to summation order. With bf16 rows (a
-// bfloat16 model's) and AVX-512-BF16, 5-64 rows are compute-bound on the FMAs and run as pair dot
-// products instead, two exact multiply-adds per float32 lane and instruction (tiles.h).
+// bfloat16 model's) and AVX-512-BF16, the products run as pair dot products instead, two exact
+// multiply-adds per float32 lane and instruction and no widening (Bf16Rows: streamed for a few
+// rows, which on a Zen 4 were near compute-bound at one row; register-blocked beyond, tiles.h).
 #include <immintrin.h>
 
 #include <algorithm>
@@ -49,15 +50,15 @@ constexpr int64_t kChunksPerPart = 8;    // row chunks per part: a thread that s
 constexpr int64_t kMaxRows = 64;         // B at most (callers use few)
 
 // One pass: acc[b][o] += sum_r x[b][r] * w_r[o] over the kRowsPerPass rows r, for o in [from, n).
-template <typename W>
-void PassScalar(float* acc, int64_t acc_stride, const W* const* w, const float* x, int64_t x_stride, int64_t rows,
+template <typename W, typename X>
+void PassScalar(float* acc, int64_t acc_stride, const W* const* w, const X* x, int64_t x_stride, int64_t rows,
                 int64_t from, int64_t n) {
   for (int64_t b = 0; b < rows; ++b) {
-    const float* xb = x + b * x_stride;
+    const X* xb = x + b * x_stride;
     float* yb = acc + b * acc_stride;
     for (int64_t o = from; o < n; ++o) {
       float sum = yb[o];
-      for (int64_t r = 0; r < kRowsPerPass; ++r) sum += xb[r] * Scalar(w[r] + o);
+      for (int64_t r = 0; r < kRowsPerPass; ++r) sum += Scalar(xb + r) * Scalar(w[r] + o);
       yb[o] = sum;
     }
   }
@@ -121,27 +122,95 @@ void Pass(Isa isa, float* acc, int64_t acc_stride, const W* const* w, const floa
   PassScalar(acc, acc_stride, w, x, x_stride, rows, done, n);
 }
 
-// out [B, O] += x[:, k_begin:k_end] w[k_begin:k_end, :], one tile of columns at a time.
-template <typename W>
-void Accumulate(Isa isa, const float* x, const W* w, float* out, int64_t rows, int64_t k_size, int64_t o_size,
-                int64_t k_begin, int64_t k_end) {
+// out [B, O] += x[:, k_begin:k_end] w[k_begin:k_end, :], one tile of columns at a time:
+// `pass(acc, acc_stride, w_rows, x, x_stride, rows, n)` per kRowsPerPass weight rows.
+template <typename W, typename X, typename PassFn>
+void Accumulate(const X* x, const W* w, float* out, int64_t rows, int64_t k_size, int64_t o_size, int64_t k_begin,
+                int64_t k_end, PassFn pass) {
   const int64_t tile = std::max<int64_t>(64, kTileFloats / rows / 64 * 64);
   for (int64_t t0 = 0; t0 < o_size; t0 += tile) {
     const int64_t n = std::min(o_size, t0 + tile) - t0;
     for (int64_t k = k_begin; k < k_end; k += kRowsPerPass) {
       const int64_t here = std::min(kRowsPerPass, k_end - k);
       const W* w_rows[kRowsPerPass];
-      float padded[kRowsPerPass * kMaxRows];  // a last pass of fewer rows: the others' x is 0
-      const float* xs = x + k;
+      X padded[kRowsPerPass * kMaxRows];  // a last pass of fewer rows: the others' x is 0
+      const X* xs = x + k;
       int64_t x_stride = k_size;
       for (int64_t r = 0; r < kRowsPerPass; ++r) w_rows[r] = w + (k + std::min(r, here - 1)) * o_size + t0;
       if (here < kRowsPerPass) {
-        std::fill(padded, padded + kRowsPerPass * rows, 0.0f);
+        std::fill(padded, padded + kRowsPerPass * rows, X{0});
         for (int64_t b = 0; b < rows; ++b) std::copy(x + b * k_size + k, x + b * k_size + k + here, padded + b * kRowsPerPass);
         xs = padded;
         x_stride = kRowsPerPass;
       }
-      Pass(isa, out + t0, o_size, w_rows, xs, x_stride, rows, n);
+      pass(out + t0, o_size, w_rows, xs, x_stride, rows, n);
+    }
+  }
+}
+
+// The same with float32 x and this ISA's passes.
+template <typename W>
+void Accumulate(Isa isa, const float* x, const W* w, float* out, int64_t rows, int64_t k_size, int64_t o_size,
+                int64_t k_begin, int64_t k_end) {
+  Accumulate(x, w, out, rows, k_size, o_size, k_begin, k_end,
+             [isa](float* acc, int64_t acc_stride, const W* const* w_rows, const float* xs, int64_t x_stride,
+                   int64_t n_rows, int64_t n) { Pass(isa, acc, acc_stride, w_rows, xs, x_stride, n_rows, n); });
+}
+
+// bf16 rows and weight as pair dot products (AVX-512-BF16): the same pass over the 8 weight rows
+// as 4 pairs, 32 columns at a time, whose sums the tile keeps in pair order (tiles.h's TilePairs:
+// per 32 columns the low then the high half); the columns after the last 32 one at a time, in
+// column order. Returns where the pairs stopped.
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) int64_t PassPairs(float* acc, int64_t acc_stride,
+                                                                        const uint16_t* const* w, const uint16_t* x,
+                                                                        int64_t x_stride, int64_t rows, int64_t n) {
+  int64_t o = 0;
+  for (; o + 32 <= n; o += 32) {
+    for (int64_t r = 0; r < kRowsPerPass; ++r) {
+      _mm_prefetch(reinterpret_cast<const char*>(w[r] + o + kPrefetchAhead), _MM_HINT_T0);
+    }
+    __m512i lo[kRowsPerPass / 2], hi[kRowsPerPass / 2];
+    for (int64_t q = 0; q < kRowsPerPass / 2; ++q) {
+      const __m512i a = _mm512_loadu_si512(w[2 * q] + o), b = _mm512_loadu_si512(w[2 * q + 1] + o);
+      lo[q] = _mm512_unpacklo_epi16(a, b);
+      hi[q] = _mm512_unpackhi_epi16(a, b);
+    }
+    for (int64_t b = 0; b < rows; ++b) {
+      const uint16_t* xb = x + b * x_stride;
+      float* yb = acc + b * acc_stride + o;
+      __m512 ylo = _mm512_loadu_ps(yb), yhi = _mm512_loadu_ps(yb + 16);
+      for (int64_t q = 0; q < kRowsPerPass / 2; ++q) {
+        int32_t pair;
+        std::memcpy(&pair, xb + 2 * q, sizeof pair);
+        const __m512bh xq = (__m512bh)_mm512_set1_epi32(pair);
+        ylo = _mm512_dpbf16_ps(ylo, xq, (__m512bh)lo[q]);
+        yhi = _mm512_dpbf16_ps(yhi, xq, (__m512bh)hi[q]);
+      }
+      _mm512_storeu_ps(yb, ylo);
+      _mm512_storeu_ps(yb + 16, yhi);
+    }
+  }
+  return o;
+}
+
+// The same with bf16 x (k_begin even) as PassPairs, the sums of each full 32 columns left in pair
+// order (`InColumnOrder` puts them back).
+void AccumulatePairs(const uint16_t* x, const uint16_t* w, float* out, int64_t rows, int64_t k_size, int64_t o_size,
+                     int64_t k_begin, int64_t k_end) {
+  Accumulate(x, w, out, rows, k_size, o_size, k_begin, k_end,
+             [](float* acc, int64_t acc_stride, const uint16_t* const* w_rows, const uint16_t* xs, int64_t x_stride,
+                int64_t n_rows, int64_t n) {
+               const int64_t done = PassPairs(acc, acc_stride, w_rows, xs, x_stride, n_rows, n);
+               PassScalar(acc, acc_stride, w_rows, xs, x_stride, n_rows, done, n);
+             });
+}
+
+// Each full 32 columns of y [B, O] from pair order back to column order.
+__attribute__((target("avx512f"))) void InColumnOrder(float* y, int64_t rows, int64_t o_size) {
+  for (int64_t b = 0; b < rows; ++b) {
+    for (int64_t o = 0; o + 32 <= o_size; o += 32) {
+      float* yo = y + b * o_size + o;
+      ToColumnOrder(_mm512_loadu_ps(yo), _mm512_loadu_ps(yo + 16), yo);
     }
   }
 }
@@ -179,18 +248,13 @@ ffi::Future Blocked(ffi::ThreadPool& pool, Isa isa, const float* x, const W* w, 
   });
 }
 
-template <typename W>
-ffi::Future RowsTimesWeight(ffi::ThreadPool pool, const float* x, int64_t x_count, const W* w, int64_t k_size,
-                            int64_t o_size, float* out, int64_t n_parts, int64_t rows, bool blocked) {
-  static const Isa isa = Detect();
-  if (rows < 1 || x_count != rows * k_size) return Failed("rows x weight: x must be [B, K] with B >= 1");
-  if (blocked) {
-    if (n_parts != 1) return Failed("rows x weight: the blocked product has one part");
-    return Blocked(pool, isa, x, w, out, rows, k_size, o_size);
-  }
-  if (rows > kMaxRows) return Failed("rows x weight: at most 64 rows streamed");
-  // Chunks of w's rows go in order to whichever part's thread asks next; each part sums its chunks
-  // into its own output, zeroed first (a part that gets none adds 0).
+// Streamed: chunks of w's K rows (each a multiple of kRowsPerPass but the last) go in order to
+// whichever of the n_parts threads asks next; each part sums its chunks into its own [rows, O]
+// output of out [P, rows, O], zeroed first (a part that gets none adds 0), by `accumulate(own,
+// k_begin, k_end)`, then calls `finish(own)`.
+template <typename AccumulateFn, typename FinishFn = void (*)(float*)>
+ffi::Future Streamed(ffi::ThreadPool& pool, int64_t n_parts, int64_t rows, int64_t k_size, int64_t o_size, float* out,
+                     AccumulateFn accumulate, FinishFn finish = [](float*) {}) {
   struct Shared {
     std::atomic<int64_t> next{0};
   };
@@ -202,8 +266,24 @@ ffi::Future RowsTimesWeight(ffi::ThreadPool pool, const float* x, int64_t x_coun
     float* own = out + p * rows * o_size;
     std::fill(own, own + rows * o_size, 0.0f);
     for (int64_t c = shared->next.fetch_add(1); c < n_chunks; c = shared->next.fetch_add(1)) {
-      Accumulate(isa, x, w, own, rows, k_size, o_size, c * chunk, std::min(k_size, (c + 1) * chunk));
+      accumulate(own, c * chunk, std::min(k_size, (c + 1) * chunk));
     }
+    finish(own);
+  });
+}
+
+template <typename W>
+ffi::Future RowsTimesWeight(ffi::ThreadPool pool, const float* x, int64_t x_count, const W* w, int64_t k_size,
+                            int64_t o_size, float* out, int64_t n_parts, int64_t rows, bool blocked) {
+  static const Isa isa = Detect();
+  if (rows < 1 || x_count != rows * k_size) return Failed("rows x weight: x must be [B, K] with B >= 1");
+  if (blocked) {
+    if (n_parts != 1) return Failed("rows x weight: the blocked product has one part");
+    return Blocked(pool, isa, x, w, out, rows, k_size, o_size);
+  }
+  if (rows > kMaxRows) return Failed("rows x weight: at most 64 rows streamed");
+  return Streamed(pool, n_parts, rows, k_size, o_size, out, [=](float* own, int64_t k_begin, int64_t k_end) {
+    Accumulate(isa, x, w, own, rows, k_size, o_size, k_begin, k_end);
   });
 }
 
@@ -245,14 +325,28 @@ ffi::Future BlockedBf16(ffi::ThreadPool& pool, Isa isa, bool pairs, const uint16
   });
 }
 
+// Arguments as Bf16's with x bf16: streamed (pair products only; P parts) or blocked (P = 1; pair
+// products where the CPU has them, else float32 tiles of the widened rows).
 ffi::Future Bf16Rows(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x, ffi::Buffer<ffi::BF16> w,
-                     ffi::ResultBuffer<ffi::F32> y) {
+                     ffi::ResultBuffer<ffi::F32> parts, bool blocked) {
   static const Isa isa = Detect();
   static const bool pairs = DetectBf16Pairs();
-  const int64_t rows = y->dimensions()[0], k_size = w.dimensions()[0], o_size = w.dimensions()[1];
+  const auto dims = parts->dimensions();
+  const int64_t n_parts = dims[0], rows = dims[1], k_size = w.dimensions()[0], o_size = w.dimensions()[1];
   if (rows < 1 || x.element_count() != rows * k_size) return Failed("bf16 rows x weight: x must be [B, K], B >= 1");
-  return BlockedBf16(pool, isa, pairs, reinterpret_cast<const uint16_t*>(x.untyped_data()),
-                     reinterpret_cast<const uint16_t*>(w.untyped_data()), y->typed_data(), rows, k_size, o_size);
+  const auto* xs = reinterpret_cast<const uint16_t*>(x.untyped_data());
+  const auto* ws = reinterpret_cast<const uint16_t*>(w.untyped_data());
+  if (blocked) {
+    if (n_parts != 1) return Failed("bf16 rows x weight: the blocked product has one part");
+    return BlockedBf16(pool, isa, pairs, xs, ws, parts->typed_data(), rows, k_size, o_size);
+  }
+  if (!pairs) return Failed("bf16 rows x weight: streamed pair products need AVX-512-BF16");
+  if (rows > kMaxRows) return Failed("bf16 rows x weight: at most 64 rows streamed");
+  // Streamed with pair products, each part's sums put back in column order when it is done.
+  return Streamed(
+      pool, n_parts, rows, k_size, o_size, parts->typed_data(),
+      [=](float* own, int64_t k_begin, int64_t k_end) { AccumulatePairs(xs, ws, own, rows, k_size, o_size, k_begin, k_end); },
+      [=](float* own) { InColumnOrder(own, rows, o_size); });
 }
 
 ffi::Future Bf16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::BF16> w,
@@ -527,13 +621,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshTransformerI8RowsTimesWeight, Typed<ffi::S8>,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<bool>("blocked"));
 
-// Arguments: x [B, K] bfloat16, w [K, O] bfloat16; result: y [B, O] float32.
+// Arguments: x [B, K] bfloat16, w [K, O] bfloat16; attribute blocked; result: parts [P, B, O]
+// float32 (P = 1 when blocked).
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshTransformerBf16RowsTimesBf16Weight, Bf16Rows,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<bool>("blocked"));
 
 // Whether `MeshTransformerBf16RowsTimesBf16Weight` runs pair products here (else float32 tiles).
 extern "C" int MeshTransformerBf16Pairs() { return mesh_transformer::DetectBf16Pairs() ? 1 : 0; }
