@@ -29,6 +29,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
+import machine  # noqa: E402
 import serve_load  # noqa: E402  (the peer servers)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -104,6 +105,7 @@ def main(argv=None):
     p.add_argument("--peer", action="append", default=[], choices=["vllm"],
                    help="also vLLM's CPU build through lm-eval local-completions")
     args = p.parse_args(argv)
+    print(machine.header(machine.describe(("lm_eval",))), flush=True)
 
     from mesh_transformer import cli
     cli.simulate_cpu_devices(args.devices)

@@ -45,6 +45,7 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import machine  # noqa: E402
 VLLM_PYTHON = os.path.join(ROOT, "bench", ".venv-vllm", "bin", "python")
 OURS_ARGS = "--max-batch 64 --chunk 8 --warmup 128 160 --warmup-prefix 1024"
 
@@ -308,6 +309,7 @@ def main(argv=None):
     from mesh_transformer.io.tokenizer import load_tokenizer
     tokenizer = load_tokenizer("gpt2")
     results: list[dict] = []
+    print(machine.header(machine.describe()), flush=True)
     print(f"load: {args.requests} streamed requests per row, {args.prompt_tokens}-token prompts (+ shared prefix), "
           f"{args.max_tokens} new tokens, temperature {args.temperature}, {args.dtype}; "
           f"{os.cpu_count()} CPU cores, load average {os.getloadavg()[0]:.1f} at start", flush=True)

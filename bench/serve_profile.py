@@ -29,6 +29,7 @@ import time
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import machine  # noqa: E402
 
 
 def median_time(fn, repeats: int) -> float:
@@ -50,6 +51,7 @@ def main(argv=None):
     parser.add_argument("--slots", type=int, default=None, help="cache slots per row (default: the context, 2048)")
     parser.add_argument("--shared-prefix", type=int, default=1000)
     args = parser.parse_args(argv)
+    print(machine.header(machine.describe()), flush=True)
 
     import httpx
     import uvicorn
