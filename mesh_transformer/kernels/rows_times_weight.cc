@@ -289,7 +289,7 @@ ffi::Future RowsTimesWeight(ffi::ThreadPool pool, const float* x, int64_t x_coun
 
 // bf16 rows times a bf16 weight, register-blocked as `Blocked`: with pair dot products
 // (`PairProduct`) where the CPU has them, else float32 tiles on the widened rows. x is copied once
-// per call, into rows of even length (a zero after an odd K) and widened.
+// per call, widened, and for the pairs into rows of even length (a zero after an odd K).
 ffi::Future BlockedBf16(ffi::ThreadPool& pool, Isa isa, bool pairs, const uint16_t* x, const uint16_t* w, float* y,
                         int64_t rows, int64_t k_size, int64_t o_size) {
   struct Shared {
@@ -299,13 +299,13 @@ ffi::Future BlockedBf16(ffi::ThreadPool& pool, Isa isa, bool pairs, const uint16
   };
   auto shared = std::make_shared<Shared>();
   const int64_t stride = k_size + k_size % 2;
-  shared->pairs.assign(rows * stride, 0);
+  if (pairs) shared->pairs.assign(rows * stride, 0);
   shared->wide.resize(rows * k_size);
   for (int64_t b = 0; b < rows; ++b) {
-    std::copy(x + b * k_size, x + (b + 1) * k_size, shared->pairs.data() + b * stride);
+    if (pairs) std::copy(x + b * k_size, x + (b + 1) * k_size, shared->pairs.data() + b * stride);
     for (int64_t k = 0; k < k_size; ++k) shared->wide[b * k_size + k] = Scalar(x + b * k_size + k);
   }
-  const int64_t panel = pairs ? 64 : PanelWidth(isa);
+  const int64_t panel = pairs ? kPairPanel : PanelWidth(isa);
   const int64_t n_panels = (o_size + panel - 1) / panel;
   const int64_t n_tasks = std::max<int64_t>(1, std::min<int64_t>(n_panels, pool.num_threads()));
   return OnThreads(pool, n_tasks, [=](int64_t) {

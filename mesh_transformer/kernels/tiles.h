@@ -260,6 +260,8 @@ struct PairTiles {
   }
 };
 
+constexpr int64_t kPairPanel = 64;  // columns per panel of the pair tiles: 2 chunks of 32
+
 // y [rows, cols] (+)= x [rows, depth] w [depth, cols] with pair tiles where 32 columns fit, the
 // columns after them by `Product`'s float32 tiles: x both as bf16 pairs (`pairs`, even row
 // stride) and widened (`wide`, the same values).
@@ -267,9 +269,8 @@ inline void PairProduct(const uint16_t* pairs, int64_t pairs_stride, const float
                         const uint16_t* w, int64_t w_stride, float* y, int64_t y_stride, int64_t rows, int64_t cols,
                         int64_t depth, bool first) {
   static const PairTiles table;
-  constexpr int64_t kPanel = 64;
-  for (int64_t o0 = 0; o0 < cols; o0 += kPanel) {
-    const int64_t width = std::min(kPanel, cols - o0), chunks = width / 32;
+  for (int64_t o0 = 0; o0 < cols; o0 += kPairPanel) {
+    const int64_t width = std::min(kPairPanel, cols - o0), chunks = width / 32;
     for (int64_t r0 = 0; r0 < rows; r0 += kBlockRows) {
       const int64_t block = std::min(kBlockRows, rows - r0);
       float* ys = y + r0 * y_stride + o0;
