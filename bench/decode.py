@@ -82,7 +82,7 @@ def make_random(path, family="gptj", layers=4, d_model=512, heads=8, vocab=50400
     return model
 
 
-MATVEC_ROWS = 1  # up to this batch, Generator(matvec=True): weights inputs-last (float32 only)
+MATVEC_ROWS = 4  # up to this batch, Generator(matvec=True): weights inputs-last (kernels.rows_dot_weight)
 
 
 def bench_ours(model, batch: int, prompt_len: int, new: int, server: Optional[tuple[int, int, int]] = None,

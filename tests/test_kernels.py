@@ -78,6 +78,22 @@ def test_bf16_rows_times_a_bf16_weight_is_the_float32_product(rows, k, o, blocke
     assert_float32_product(y, wide, w, exact)
 
 
+# Inputs-last weights [O, K], 1-4 rows: K under one vector step (5), odd with a masked last step
+# (37, 301), whole steps (64); O under one block of 4 runs (1, 3), runs of uneven length (70: 18 +
+# 18 + 18 + 16), more than one chunk of 256 weight rows (300 = 256 + 44, 1000).
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("rows,k,o", [(1, 64, 1), (2, 5, 3), (3, 37, 70), (4, 301, 300), (1, 1024, 1000)])
+def test_rows_dot_weight_is_the_float32_product(rows, k, o, dtype):
+    if not kernels.dot_kernel(dtype):
+        pytest.skip(f"no inputs-last {jnp.dtype(dtype).name} kernel on this CPU (AVX-512 / AVX-512-BF16)")
+    x, w, _ = case(rows, k, o, dtype)
+    x, w = jnp.asarray(x, dtype), w.T
+    wide = np.asarray(x.astype(jnp.float32))
+    exact = wide.astype(np.float64) @ np.asarray(w.T.astype(jnp.float32), np.float64)
+    y = jax.jit(kernels.rows_dot_weight)(x, w)
+    assert_float32_product(y, wide, w.T, exact)
+
+
 def assert_float32_product(y, x, w, exact):
     assert y.dtype == jnp.float32 and y.shape == exact.shape
     scale = np.abs(x).astype(np.float64) @ np.abs(np.asarray(w.astype(jnp.float32), np.float64))
@@ -123,6 +139,27 @@ def test_dense_uses_the_kernel_where_it_is_faster_than_xla(dtype):
     assert not any(k.target in hlo(1, w.astype(jnp.float16)) for k in (*kernels.KERNELS.values(), kernels.BF16_ROWS))
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
+def test_inputs_last_weights_and_a_tied_head_use_the_dot_kernel_for_1_to_4_rows(dtype):
+    """Weights stored inputs-last (`parallel.InputsLast`, Generator(matvec=True)) and a tied
+    embedding table ("btd,vd->btv") multiply 1-4 rows through `rows_dot_weight` where it runs here;
+    more rows, or a float16 table, stay XLA's."""
+    x, w, exact = case(6, 40, 24, dtype)
+    x, table = jnp.asarray(x, dtype), w.T
+    target = kernels.DOT[jnp.dtype(dtype)].target
+    dense = lambda x, w: layers.dense("btk,ko->bto", x, parallel.InputsLast(w, 1), jnp.float32)  # noqa: E731
+    head = lambda x, w: layers.product("btd,vd->btv", x, w)  # noqa: E731
+    want = [1, 2, 3, 4] if kernels.dot_kernel(dtype) else []
+    for f in (dense, head):
+        lowered = {rows: jax.jit(f).lower(x[:rows, None], table).as_text() for rows in range(1, 7)}
+        assert [rows for rows, text in lowered.items() if target in text] == want
+        y = np.asarray(jax.jit(f)(x[:4, None], table), np.float64)[:, 0]
+        scale = np.abs(np.asarray(x[:4].astype(jnp.float32), np.float64)) @ np.abs(np.asarray(w.astype(jnp.float32), np.float64))
+        exact = np.asarray(x[:4].astype(jnp.float32), np.float64) @ np.asarray(w.astype(jnp.float32), np.float64)
+        assert (np.abs(y - exact) / scale).max() < 1e-6
+    assert target not in jax.jit(head).lower(x[:1, None].astype(jnp.float16), table.astype(jnp.float16)).as_text()
+
+
 @pytest.mark.parametrize("rows,dtype", [(2, jnp.bfloat16), (32, jnp.float32)])
 def test_a_differentiated_product_is_xlas_and_gives_the_einsums_gradients(rows, dtype):
     """Training runs XLA's products forward as backward (the same summation on every mesh and batch
@@ -152,33 +189,39 @@ def test_the_kernel_runs_on_each_shard_of_a_column_parallel_weight():
     np.testing.assert_allclose(np.asarray(f(x, w)), exact, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("dtype,rows,case", [("bfloat16", 1, "gptj"), ("bfloat16", 16, "gptj"),
-                                             ("float32", 32, "llama_gqa2_llama3_rope")])
-def test_decode_runs_the_kernels_with_xla_paths_tokens(tiny, tmp_path, monkeypatch, dtype, rows, case):
+@pytest.mark.parametrize("dtype,rows,case,matvec", [("bfloat16", 1, "gptj", False), ("bfloat16", 16, "gptj", False),
+                                                    ("float32", 32, "llama_gqa2_llama3_rope", False),
+                                                    ("bfloat16", 1, "gptj", True), ("float32", 3, "gpt2", True)])
+def test_decode_runs_the_kernels_with_xla_paths_tokens(tiny, tmp_path, monkeypatch, dtype, rows, case, matvec):
     """A one-row bf16 GPT-J decode (no spare row; streamed products, grouped attention over the
-    bf16 cache), a 16-row one (bf16 pair products where the CPU has them) and a 32-row float32
-    LLaMA one (register-blocked products; grouped attention, two query heads per kv head) call the
-    kernels and decode the same greedy tokens, with log p within float32 rounding, as XLA's own
-    products of the same weights."""
+    bf16 cache), a 16-row one (bf16 pair products where the CPU has them), a 32-row float32
+    LLaMA one (register-blocked products; grouped attention, two query heads per kv head), and
+    with weights stored inputs-last (`matvec`) a one-row bf16 GPT-J and a 3-row float32 GPT-2 one
+    (its tied head too: dot products where the CPU has them) call the kernels and decode the same
+    greedy tokens, with log p within float32 rounding, as XLA's own products of the same weights."""
     if case != "gptj":  # the tiny GPT-J's tokenizer beside a tiny model of this case
         tiny.tokenizer.save_pretrained(tmp_path)
         make_hf_model(tmp_path, case, vocab_size=len(tiny.tokenizer), bos_token_id=tiny.eos, eos_token_id=tiny.eos)
     model = loading.load(hf=str(tiny.path if case == "gptj" else tmp_path), mp=1, dp=1, dtype=dtype)
     options = SamplingOptions(max_new_tokens=NEW, temperature=0.0, logprobs=1)
     prompts = [[5 + r % 7, 6, 7 + r, 8, 9] for r in range(rows)]
-    g = Generator(model.config, model.params, model.mesh)
+    g = Generator(model.config, model.params, model.mesh, matvec=matvec)
     assert g.min_rows == 1
+    assert g.inputs_last == (matvec and (dtype == "float32" or kernels.dot_kernel(dtype)))
     ours = g.generate(prompts, options)
     state = g.new_state(rows, 32)
     hlo = g._decode.lower(g.params, state, np.int32(0), np.int32(4), 4, 32).as_text()
     product, grouped = kernels.KERNELS[jnp.dtype(dtype)], kernels.GROUPED[jnp.dtype(dtype)].target
-    if kernels.pairs_apply(jnp.zeros((rows, 8), dtype), jnp.zeros((8, 8), dtype)):
+    if g.inputs_last:
+        assert (kernels.DOT[jnp.dtype(dtype)].target in hlo) == kernels.dot_kernel(dtype)
+    elif kernels.pairs_apply(jnp.zeros((rows, 8), dtype), jnp.zeros((8, 8), dtype)):
         assert kernels.BF16_ROWS.target in hlo and product.target not in hlo
     elif product.runs(rows):
         assert re.search(rf'{product.target}.*blocked = {"true" if rows > product.streamed[1] else "false"}', hlo)
-    assert grouped in hlo
+    assert (grouped in hlo) == (dtype == "bfloat16" or "gqa" in case)  # float32 groups of one query row: XLA's
     monkeypatch.setattr(kernels, "applies", lambda x, w: False)  # every product back to XLA's
     monkeypatch.setattr(kernels, "grouped_applies", lambda x, w: False)
+    monkeypatch.setattr(kernels, "dot_applies", lambda x, w: False)
     xla = Generator(model.config, model.params, model.mesh).generate(prompts, options)
     assert [s.tokens for s in ours] == [s.tokens for s in xla]
     np.testing.assert_allclose([s.logprobs for s in ours], [s.logprobs for s in xla], atol=1e-3)
@@ -284,6 +327,7 @@ for rows, k, o, dtype, blocked in [(1, 37, 70, jnp.bfloat16, False), (5, 64, 130
     y = np.asarray(jax.jit(lambda x, w: kernels.rows_times_weight(x, w, 2, blocked))(x, w), np.float64)
     assert (np.abs(y - x @ wide) / (np.abs(x) @ np.abs(wide))).max() < 1e-6, (rows, k, o)
 assert not kernels.bf16_pairs()  # a forced instruction set has no pair products: float32 tiles
+assert not kernels.dot_kernel(jnp.float32) and not kernels.dot_kernel(jnp.bfloat16)  # nor inputs-last dot products
 for rows, k, o, blocked in [(13, 301, 100, True), (5, 37, 48, None), (2, 37, 48, False)]:
     x = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
     w = jnp.asarray(rng.standard_normal((k, o)), jnp.bfloat16)

@@ -294,11 +294,14 @@ class Generator:
     once on the devices (peak: the caller's params plus the largest leaf); the caller must not use
     them afterwards (`loading.LoadedModel.generator` does this).
 
-    `matvec`: store the weights inputs-last (their `ParamInfo.inputs` axes last), for decoding one row
-    at a time (`device_sample.py`): on CPU, batch-1 decode runs about 12% faster (matrix-vector
-    products read such weights faster), while matmuls of 2 rows or more read them many times
-    slower (a [2, 4096] x [4096, 8192] product: 30x). float32 only: 16-bit decode reads
-    weights inputs-first (the bf16 kernel of `kernels`, or XLA's matmuls of at least 2 rows).
+    `matvec`: store the weights inputs-last (their `ParamInfo.inputs` axes last, as torch stores
+    them), for decoding one row at a time (`device_sample.py`): each output is then the dot product
+    of two contiguous rows, which `kernels.rows_dot_weight` computes for 1-4 rows at memory speed
+    (float32 with AVX-512, bf16 with AVX-512-BF16; batch-1 bf16 decode 1.3x the inputs-first
+    kernel's on a Zen 4), and XLA's matrix-vector product for one float32 row elsewhere (about
+    12% faster than inputs-first). Without those kernels XLA's matmuls of 2 rows or more read such
+    weights many times slower (a [2, 4096] x [4096, 8192] product: 30x), and bf16 ones 10-20x at
+    any row count: float32, or bfloat16 where `kernels.dot_kernel` runs, else weights stay inputs-first.
 
     `quantize="int8"`: weight-only quantization of every matmul weight (attention, MLP, head; not
     the embedding table): int8 values with a float32 scale per output column (the largest |w| of
@@ -316,7 +319,9 @@ class Generator:
         float32 = jnp.dtype(config.compute_dtype).itemsize >= 4
         one_row = float32 or (jnp.dtype(config.compute_dtype) == jnp.bfloat16 and kernels.available())
         self.min_rows = 1 if one_row else MIN_ROWS_16BIT
-        self.inputs_last = matvec and float32 and quantize is None  # 16-bit and int8 products read inputs-first
+        # inputs-last where a few rows multiply faster so: float32 (XLA's matrix-vector product, or the
+        # kernels' dot products), bf16 with the kernels' pair dot products; int8 reads inputs-first
+        self.inputs_last = matvec and quantize is None and (float32 or kernels.dot_kernel(config.compute_dtype))
         self.mp, self.dp = mesh.shape[parallel.MP], mesh.shape[parallel.DP]
         self.model = models.build(config, self.mp)
         self.model.check_mesh(mesh.shape, zero=False)

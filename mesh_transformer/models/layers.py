@@ -65,6 +65,7 @@ def dense(equation: str, x, w, dtype=None):
 
 
 WEIGHT_PRODUCT = "weight_product"  # the checkpoint_name of every dense() output
+_ROWS_DOT_WEIGHT = ("...k,ok->...o", "btd,vd->btv")  # rows times an inputs-last weight or a tied embedding table
 
 
 def product(equation: str, a, b):
@@ -96,6 +97,8 @@ def _product(equation: str, a, b):
     """Not differentiated (decoding, evaluation): on CPU the `kernels` where they apply."""
     if equation == "...k,ko->...o" and kernels.applies(a, b):  # decoding a few rows, or a serving batch
         return kernels.rows_times_weight(a, b)
+    if equation in _ROWS_DOT_WEIGHT and kernels.dot_applies(a, b):  # a few rows, inputs-last (or tied head)
+        return kernels.rows_dot_weight(a, b)
     if equation in _PER_ROW_AND_KV_HEAD and kernels.grouped_applies(a, b):  # attention over the KV cache
         return kernels.grouped_rows_times_weight(a, b)
     return jnp.einsum(equation, a, b, preferred_element_type=jnp.float32)
