@@ -450,11 +450,15 @@ ffi::Future RowsDotWeight(ffi::ThreadPool& pool, const typename Dot::T* x, const
     std::atomic<int64_t> next{0};
   };
   auto shared = std::make_shared<Shared>();
-  const int64_t n_chunks = (o_size + kDotChunkRows - 1) / kDotChunkRows;
-  const int64_t n_tasks = std::max<int64_t>(1, std::min<int64_t>(n_chunks, pool.num_threads()));
+  // chunks of at most kDotChunkRows, at least one per thread (a [256, K] key projection: two of 128)
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t per_thread = (o_size + threads - 1) / threads;
+  const int64_t chunk = std::max<int64_t>(kDotBlock, std::min(kDotChunkRows, (per_thread + kDotBlock - 1) / kDotBlock * kDotBlock));
+  const int64_t n_chunks = (o_size + chunk - 1) / chunk;
+  const int64_t n_tasks = std::min(n_chunks, threads);
   return OnThreads(pool, n_tasks, [=](int64_t) {
     for (int64_t c = shared->next.fetch_add(1); c < n_chunks; c = shared->next.fetch_add(1)) {
-      dot(x, w, y, k_size, o_size, c * kDotChunkRows, std::min(o_size, (c + 1) * kDotChunkRows));
+      dot(x, w, y, k_size, o_size, c * chunk, std::min(o_size, (c + 1) * chunk));
     }
   });
 }
