@@ -123,27 +123,27 @@ void Pass(Isa isa, float* acc, int64_t acc_stride, const W* const* w, const floa
 }
 
 // out [B, O] += x[:, k_begin:k_end] w[k_begin:k_end, :], one tile of columns at a time:
-// `pass(acc, acc_stride, w_rows, x, x_stride, rows, n)` per kRowsPerPass weight rows.
+// `pass(acc, acc_stride, w_rows, x, x_stride, rows, n)` per kRowsPerPass weight rows. The rows are
+// read as kRowsPerPass runs of consecutive rows at once, one row of each run per pass, so each of
+// the pass's streams continues where it stopped (8 adjacent rows per pass are streams that end and
+// restart every row; see `RowsDotWeight` for what long streams are worth); x's values for the
+// pass's rows are gathered (0 where a run has no row left).
 template <typename W, typename X, typename PassFn>
 void Accumulate(const X* x, const W* w, float* out, int64_t rows, int64_t k_size, int64_t o_size, int64_t k_begin,
                 int64_t k_end, PassFn pass) {
   const int64_t tile = std::max<int64_t>(64, kTileFloats / rows / 64 * 64);
+  const int64_t run = (k_end - k_begin + kRowsPerPass - 1) / kRowsPerPass;
   for (int64_t t0 = 0; t0 < o_size; t0 += tile) {
     const int64_t n = std::min(o_size, t0 + tile) - t0;
-    for (int64_t k = k_begin; k < k_end; k += kRowsPerPass) {
-      const int64_t here = std::min(kRowsPerPass, k_end - k);
+    for (int64_t i = 0; i < run; ++i) {
       const W* w_rows[kRowsPerPass];
-      X padded[kRowsPerPass * kMaxRows];  // a last pass of fewer rows: the others' x is 0
-      const X* xs = x + k;
-      int64_t x_stride = k_size;
-      for (int64_t r = 0; r < kRowsPerPass; ++r) w_rows[r] = w + (k + std::min(r, here - 1)) * o_size + t0;
-      if (here < kRowsPerPass) {
-        std::fill(padded, padded + kRowsPerPass * rows, X{0});
-        for (int64_t b = 0; b < rows; ++b) std::copy(x + b * k_size + k, x + b * k_size + k + here, padded + b * kRowsPerPass);
-        xs = padded;
-        x_stride = kRowsPerPass;
+      X gathered[kRowsPerPass * kMaxRows];
+      for (int64_t r = 0; r < kRowsPerPass; ++r) {
+        const int64_t k = k_begin + r * run + i;
+        w_rows[r] = w + std::min(k, k_end - 1) * o_size + t0;
+        for (int64_t b = 0; b < rows; ++b) gathered[b * kRowsPerPass + r] = k < k_end ? x[b * k_size + k] : X{0};
       }
-      pass(out + t0, o_size, w_rows, xs, x_stride, rows, n);
+      pass(out + t0, o_size, w_rows, gathered, kRowsPerPass, rows, n);
     }
   }
 }
