@@ -78,11 +78,13 @@ def test_bf16_rows_times_a_bf16_weight_is_the_float32_product(rows, k, o, blocke
     assert_float32_product(y, wide, w, exact)
 
 
-# Inputs-last weights [O, K], 1-4 rows: K under one vector step (5), odd with a masked last step
-# (37, 301), whole steps (64); O under one block of 4 runs (1, 3), runs of uneven length (70: 18 +
-# 18 + 18 + 16), more than one chunk of 256 weight rows (300 = 256 + 44, 1000).
+# Inputs-last weights [O, K], 1-64 rows (groups of 4 and the 1-3 left: 5, 16, 63): K under one
+# vector step (5), odd with a masked last step (37, 301), whole steps (64); O under one block of 4
+# runs (1, 3), runs of uneven length (70: 18 + 18 + 18 + 16), more than one chunk of 256 weight rows
+# (300 = 256 + 44, 1000).
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
-@pytest.mark.parametrize("rows,k,o", [(1, 64, 1), (2, 5, 3), (3, 37, 70), (4, 301, 300), (1, 1024, 1000)])
+@pytest.mark.parametrize("rows,k,o", [(1, 64, 1), (2, 5, 3), (3, 37, 70), (4, 301, 300), (1, 1024, 1000),
+                                      (5, 37, 70), (16, 64, 300), (63, 301, 33)])
 def test_rows_dot_weight_is_the_float32_product(rows, k, o, dtype):
     if not kernels.dot_kernel(dtype):
         pytest.skip(f"no inputs-last {jnp.dtype(dtype).name} kernel on this CPU (AVX-512 / AVX-512-BF16)")
@@ -140,18 +142,18 @@ def test_dense_uses_the_kernel_where_it_is_faster_than_xla(dtype):
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
-def test_inputs_last_weights_and_a_tied_head_use_the_dot_kernel_for_1_to_4_rows(dtype):
+def test_inputs_last_weights_and_a_tied_head_use_the_dot_kernel_for_1_to_64_rows(dtype):
     """Weights stored inputs-last (`parallel.InputsLast`, Generator(matvec=True)) and a tied
-    embedding table ("btd,vd->btv") multiply 1-4 rows through `rows_dot_weight` where it runs here;
-    more rows, or a float16 table, stay XLA's."""
-    x, w, exact = case(6, 40, 24, dtype)
+    embedding table ("btd,vd->btv") multiply 1-64 rows through `rows_dot_weight` where it runs here;
+    more rows (a prefill), or a float16 table, stay XLA's."""
+    x, w, exact = case(66, 40, 24, dtype)
     x, table = jnp.asarray(x, dtype), w.T
     target = kernels.DOT[jnp.dtype(dtype)].target
     dense = lambda x, w: layers.dense("btk,ko->bto", x, parallel.InputsLast(w, 1), jnp.float32)  # noqa: E731
     head = lambda x, w: layers.product("btd,vd->btv", x, w)  # noqa: E731
-    want = [1, 2, 3, 4] if kernels.dot_kernel(dtype) else []
+    want = [1, 2, 4, 5, 16, 64] if kernels.dot_kernel(dtype) else []
     for f in (dense, head):
-        lowered = {rows: jax.jit(f).lower(x[:rows, None], table).as_text() for rows in range(1, 7)}
+        lowered = {rows: jax.jit(f).lower(x[:rows, None], table).as_text() for rows in (1, 2, 4, 5, 16, 64, 65)}
         assert [rows for rows, text in lowered.items() if target in text] == want
         y = np.asarray(jax.jit(f)(x[:4, None], table), np.float64)[:, 0]
         scale = np.abs(np.asarray(x[:4].astype(jnp.float32), np.float64)) @ np.abs(np.asarray(w.astype(jnp.float32), np.float64))

@@ -5,7 +5,7 @@ All for decoding, in `rows_times_weight.cc` (which says why XLA:CPU's own are sl
 the machine's memory bandwidth, and of a serving batch's rows (32-64, float32) register-blocked
 (`layers.product` calls it where `applies` says so), and `bf16_rows_times_weight`, 1-64 bf16 rows
 times a bf16 weight as AVX-512-BF16 pair dot products where the CPU has them; `rows_dot_weight`,
-1-4 rows times an inputs-last weight [O, K] (float32, or bf16 as pair products: `dot_applies`);
+1-64 rows times an inputs-last weight [O, K] (float32, or bf16 as pair products: `dot_applies`);
 `grouped_rows_times_weight`, the few-row
 product per (row, kv head) group, for attention over the KV cache (`grouped_applies`);
 `update_slice` (in place), `slice`, `take_rows` and `put_slots` (in place): a KV cache's slices, an
@@ -105,16 +105,20 @@ GROUPED = {
 BF16_ROWS = Kernel("mesh_transformer_bf16_rows_times_bf16_weight", "MeshTransformerBf16RowsTimesBf16Weight",
                    streamed=(1, 4), blocked=(5, 64))
 # Inputs-last weights (`Generator(matvec=True)`; a tied embedding table as the head): x [B, K] times
-# w [O, K], 1-4 rows, each output a dot product of contiguous rows read as 4 long streams, where the
+# w [O, K], 1-64 rows, each output a dot product of contiguous rows read as 4 long streams, where the
 # CPU has AVX-512 (float32) and AVX-512-BF16 (bf16 pair products; `dot_applies`). On the Zen 4 EPYC
 # (16 chained [r, 1024] x [4096, 1024] products, weights out of cache): bf16 1 / 2 / 4 rows in
 # 3.6-4.0 / 3.7 / 4.2 ms (34-37 GB/s) against the inputs-first pair kernel's 5.0-5.1 / 5.5 / 6.0 and
-# XLA's 93 at one row; float32 8.1 / 8.0 / 9.8 ms against XLA's 8.5 / 16.2 / 18.4 on the same
-# weights and the inputs-first kernel's 10.6 / 11.1 / 11.2.
+# XLA's 93 at one row; 8 / 16 / 32 / 64 rows 6.4 / 9.0 / 15.6 / 26.7 against the blocked pair
+# kernel's 11.0 / 13.7 / 20.3 / 36.0. float32 1 / 2 / 4 rows 8.1 / 8.0 / 9.8 ms against XLA's 8.5 /
+# 16.2 / 18.4 on the same weights and the inputs-first kernel's 10.6 / 11.1 / 11.2; 8 / 16 / 32 rows
+# 13.5 / 17.2 / 27.9 against XLA's inputs-first 21.8 / 22.7 / 38.0. A tied head ([50304, 1024], 4
+# chained) at 4-64 rows: float32 34-143 ms against YNNPACK's 54-188 and, in the float32 decode
+# program (no YNNPACK), XLA's 330-944; bf16 13-79 against YNNPACK's 35-97.
 DOT = {jnp.dtype(jnp.float32): Kernel("mesh_transformer_f32_rows_dot_f32_weight", "MeshTransformerF32RowsDotF32Weight",
-                                      streamed=(1, 4)),
+                                      streamed=(1, 64)),
        jnp.dtype(jnp.bfloat16): Kernel("mesh_transformer_bf16_rows_dot_bf16_weight",
-                                       "MeshTransformerBf16RowsDotBf16Weight", streamed=(1, 4))}
+                                       "MeshTransformerBf16RowsDotBf16Weight", streamed=(1, 64))}
 DOT_BITS = {jnp.dtype(jnp.float32): 1, jnp.dtype(jnp.bfloat16): 2}  # of MeshTransformerDotKernels()
 UPDATE_SLICE = ("mesh_transformer_update_slice", "MeshTransformerUpdateSlice")
 SLICE = ("mesh_transformer_slice", "MeshTransformerSlice")
@@ -293,7 +297,7 @@ def dot_kernel(dtype) -> bool:
 
 
 def dot_applies(x, w) -> bool:
-    """Whether `rows_dot_weight(x, w)` will run: x [..., K] of 1-4 rows and w [O, K] (inputs-last) of
+    """Whether `rows_dot_weight(x, w)` will run: x [..., K] of 1-64 rows and w [O, K] (inputs-last) of
     one dtype whose kernel runs here (`dot_kernel`)."""
     return (jnp.dtype(x.dtype) == jnp.dtype(w.dtype) and w.ndim == 2 and x.shape[-1] == w.shape[1]
             and jnp.dtype(w.dtype) in DOT and DOT[jnp.dtype(w.dtype)].runs(math.prod(x.shape[:-1]))

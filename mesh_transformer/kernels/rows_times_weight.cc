@@ -376,7 +376,8 @@ ffi::Future Typed(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<T> 
 // accumulators, each reduced to a sum at the end of the row. No partial products to load and
 // store, and nothing to unpack: a bf16 weight row's consecutive pairs are the pairs vdpbf16ps takes.
 constexpr int64_t kDotBlock = 4;        // rows per block, one from each run
-constexpr int64_t kDotMaxRows = 4;      // B at most
+constexpr int64_t kDotGroup = 4;        // rows of x per pass over a block
+constexpr int64_t kDotMaxRows = 64;     // B at most
 constexpr int64_t kDotChunkRows = 256;  // weight rows per chunk a thread takes: 4 runs of 64
 
 // Vector steps per element type: float32 multiply-adds, or bf16 pair dot products.
@@ -403,14 +404,42 @@ struct PairsDot {
   }
 };
 
-// y[:, o_begin:o_end] for B rows of x: the range as kDotBlock runs of consecutive weight rows, one
-// row of each per block; a masked last step zeroes what lies past K. (One target for both element
-// types: float32 code has nothing the compiler could turn into bf16 instructions, so the float32
-// kernel needs only AVX-512F and BW, `DotKernels`.)
+#define MESH_TRANSFORMER_DOT_TARGET __attribute__((target("avx512f,avx512bw,avx512bf16")))
+
+// y[b][o[j]] for B rows of x (row stride k_size) and the block's kDotBlock weight rows wr[j] (o[j] at
+// o_end or past: not stored); a masked last step zeroes what lies past K.
 template <typename Dot, int B>
-__attribute__((target("avx512f,avx512bw,avx512bf16"))) void DotRows(const typename Dot::T* x, const typename Dot::T* w,
-                                                                    float* y, int64_t k_size, int64_t o_size,
-                                                                    int64_t o_begin, int64_t o_end) {
+MESH_TRANSFORMER_DOT_TARGET __attribute__((always_inline)) inline void DotBlock(
+    const typename Dot::T* x, int64_t k_size, const typename Dot::T* const* wr, float* y, int64_t o_size,
+    const int64_t* o, int64_t o_end) {
+  __m512 acc[B][kDotBlock];
+  for (int b = 0; b < B; ++b) {
+    for (int64_t j = 0; j < kDotBlock; ++j) acc[b][j] = _mm512_setzero_ps();
+  }
+  for (int64_t k = 0; k < k_size; k += Dot::kStep) {
+    const int64_t n = k_size - k;
+    __m512i wv[kDotBlock];
+    for (int64_t j = 0; j < kDotBlock; ++j) wv[j] = Dot::Load(wr[j] + k, n);
+    for (int b = 0; b < B; ++b) {
+      const __m512i xv = Dot::Load(x + b * k_size + k, n);
+      for (int64_t j = 0; j < kDotBlock; ++j) acc[b][j] = Dot::Madd(acc[b][j], xv, wv[j]);
+    }
+  }
+  for (int b = 0; b < B; ++b) {
+    for (int64_t j = 0; j < kDotBlock; ++j) {
+      if (o[j] < o_end) y[b * o_size + o[j]] = _mm512_reduce_add_ps(acc[b][j]);
+    }
+  }
+}
+
+// y[:, o_begin:o_end] for every row of x: the range as kDotBlock runs of consecutive weight rows,
+// one row of each per block, multiplied by x's rows kDotGroup at a time (after the first group the
+// block's weight rows are in cache). (One target for both element types: float32 code has
+// nothing the compiler could turn into bf16 instructions, so the float32 kernel needs only
+// AVX-512F and BW, `DotKernels`.)
+template <typename Dot>
+MESH_TRANSFORMER_DOT_TARGET void DotRows(const typename Dot::T* x, const typename Dot::T* w, float* y, int64_t rows,
+                                         int64_t k_size, int64_t o_size, int64_t o_begin, int64_t o_end) {
   const int64_t run = (o_end - o_begin + kDotBlock - 1) / kDotBlock;
   for (int64_t i = 0; i < run; ++i) {
     int64_t o[kDotBlock];
@@ -419,33 +448,21 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void DotRows(const typena
       o[j] = o_begin + j * run + i;
       wr[j] = w + std::min(o[j], o_end - 1) * k_size;
     }
-    __m512 acc[B][kDotBlock];
-    for (int b = 0; b < B; ++b) {
-      for (int64_t j = 0; j < kDotBlock; ++j) acc[b][j] = _mm512_setzero_ps();
+    int64_t b = 0;
+    for (; b + kDotGroup <= rows; b += kDotGroup) {
+      DotBlock<Dot, kDotGroup>(x + b * k_size, k_size, wr, y + b * o_size, o_size, o, o_end);
     }
-    for (int64_t k = 0; k < k_size; k += Dot::kStep) {
-      const int64_t n = k_size - k;
-      __m512i wv[kDotBlock];
-      for (int64_t j = 0; j < kDotBlock; ++j) wv[j] = Dot::Load(wr[j] + k, n);
-      for (int b = 0; b < B; ++b) {
-        const __m512i xv = Dot::Load(x + b * k_size + k, n);
-        for (int64_t j = 0; j < kDotBlock; ++j) acc[b][j] = Dot::Madd(acc[b][j], xv, wv[j]);
-      }
-    }
-    for (int b = 0; b < B; ++b) {
-      for (int64_t j = 0; j < kDotBlock; ++j) {
-        if (o[j] < o_end) y[b * o_size + o[j]] = _mm512_reduce_add_ps(acc[b][j]);
-      }
-    }
+    const typename Dot::T* xb = x + b * k_size;
+    float* yb = y + b * o_size;
+    if (rows - b == 1) DotBlock<Dot, 1>(xb, k_size, wr, yb, o_size, o, o_end);
+    if (rows - b == 2) DotBlock<Dot, 2>(xb, k_size, wr, yb, o_size, o, o_end);
+    if (rows - b == 3) DotBlock<Dot, 3>(xb, k_size, wr, yb, o_size, o, o_end);
   }
 }
 
 template <typename Dot>
 ffi::Future RowsDotWeight(ffi::ThreadPool& pool, const typename Dot::T* x, const typename Dot::T* w, float* y,
                           int64_t rows, int64_t k_size, int64_t o_size) {
-  using Fn = void (*)(const typename Dot::T*, const typename Dot::T*, float*, int64_t, int64_t, int64_t, int64_t);
-  static constexpr Fn kByRows[kDotMaxRows] = {DotRows<Dot, 1>, DotRows<Dot, 2>, DotRows<Dot, 3>, DotRows<Dot, 4>};
-  const Fn dot = kByRows[rows - 1];
   struct Shared {
     std::atomic<int64_t> next{0};
   };
@@ -458,7 +475,7 @@ ffi::Future RowsDotWeight(ffi::ThreadPool& pool, const typename Dot::T* x, const
   const int64_t n_tasks = std::min(n_chunks, threads);
   return OnThreads(pool, n_tasks, [=](int64_t) {
     for (int64_t c = shared->next.fetch_add(1); c < n_chunks; c = shared->next.fetch_add(1)) {
-      dot(x, w, y, k_size, o_size, c * chunk, std::min(o_size, (c + 1) * chunk));
+      DotRows<Dot>(x, w, y, rows, k_size, o_size, c * chunk, std::min(o_size, (c + 1) * chunk));
     }
   });
 }
@@ -468,7 +485,7 @@ template <typename Dot, ffi::DataType T>
 ffi::Future DotTyped(ffi::ThreadPool pool, ffi::Buffer<T> x, ffi::Buffer<T> w, ffi::ResultBuffer<ffi::F32> y) {
   const int64_t rows = y->dimensions()[0], o_size = w.dimensions()[0], k_size = w.dimensions()[1];
   if (rows < 1 || rows > kDotMaxRows || x.element_count() != rows * k_size || y->dimensions()[1] != o_size) {
-    return Failed("rows . weight: x must be [B, K] with 1 <= B <= 4, w [O, K], y [B, O]");
+    return Failed("rows . weight: x must be [B, K] with 1 <= B <= 64, w [O, K], y [B, O]");
   }
   return RowsDotWeight<Dot>(pool, reinterpret_cast<const typename Dot::T*>(x.untyped_data()),
                             reinterpret_cast<const typename Dot::T*>(w.untyped_data()), y->typed_data(), rows, k_size,
