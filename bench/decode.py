@@ -82,7 +82,7 @@ def make_random(path, family="gptj", layers=4, d_model=512, heads=8, vocab=50400
     return model
 
 
-MATVEC_ROWS = 4  # up to this batch, Generator(matvec=True): weights inputs-last (kernels.rows_dot_weight)
+MATVEC_ROWS = 1  # up to this batch Generator(matvec=True), as device_sample.py; beyond, the default layout
 
 
 def bench_ours(model, batch: int, prompt_len: int, new: int, server: Optional[tuple[int, int, int]] = None,
@@ -105,8 +105,8 @@ def bench_ours(model, batch: int, prompt_len: int, new: int, server: Optional[tu
     from mesh_transformer.generate import Batch, Generator, SamplingOptions
     from mesh_transformer.generate.prefix import PrefixCache, default_tokens
 
-    gen = Generator(model.config, model.params, model.mesh, matvec=batch <= MATVEC_ROWS and server is None,
-                    quantize=quantize)
+    matvec = True if batch <= MATVEC_ROWS and server is None else None
+    gen = Generator(model.config, model.params, model.mesh, matvec=matvec, quantize=quantize)
     rng = np.random.RandomState(0)
     options = SamplingOptions(max_new_tokens=new, **(sampling or {"temperature": 0.0}))
     prefix = PrefixCache(gen, default_tokens(gen.config, server[1])) if server and prefix_cache else None

@@ -38,7 +38,7 @@ class LoadedModel:
     name: str  # for logs and /v1/models: the directory's base name
     quantize: Optional[str] = None  # the generator's weights: None (the compute dtype) or "int8"
 
-    def generator(self, matvec: bool = False):
+    def generator(self, matvec: Optional[bool] = None):
         """A `generate.Generator` that takes over the weights: they stay on the devices once, in the
         compute dtype (or `quantize`d) and the generator's layout (`params` is None afterwards)."""
         from mesh_transformer.generate import Generator

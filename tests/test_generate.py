@@ -65,10 +65,15 @@ def test_greedy_matches_hf_generate(tiny, gen):
     assert_matches_hf(tiny, gen.generate(PROMPTS, greedy(logprobs=0)), PROMPTS)
 
 
-def test_greedy_matches_hf_generate_on_dp2_mp4(tiny):
+@pytest.mark.parametrize("matvec", [False, None], ids=["inputs_first", "default"])
+def test_greedy_matches_hf_generate_on_dp2_mp4(tiny, matvec):
+    """Weights inputs-first (Megatron's [in, heads, head] split over heads), and in the default
+    layout: inputs-last ([heads, head, in]) where the kernels' dot products run, else inputs-first."""
     config, params = hf.load_hf(tiny.path, mp=4, compute_dtype="float32")
-    sharded = Generator(config, params, mesh(2, 4))
-    assert sharded.params["gptj/layer_1/attn"]["q_proj"].sharding.spec == jax.sharding.PartitionSpec(None, "mp", None)
+    sharded = Generator(config, params, mesh(2, 4), matvec=matvec)
+    assert sharded.inputs_last == (matvec is None and kernels.dot_kernel(jnp.float32))
+    spec = ("mp", None, None) if sharded.inputs_last else (None, "mp", None)
+    assert sharded.params["gptj/layer_1/attn"]["q_proj"].sharding.spec == jax.sharding.PartitionSpec(*spec)
     assert_matches_hf(tiny, sharded.generate(PROMPTS, greedy(logprobs=0)), PROMPTS)
 
 
@@ -531,12 +536,21 @@ def test_16_bit_inference_tracks_float32(tiny, fp32_greedy, dtype, bound):
     assert 0 < np.abs(lp16 - lp32).max() < bound
 
 
-def test_decode_leaves_its_matmuls_to_xla_on_cpu(gen):
-    """The float32 decode program is compiled without XLA:CPU's YNNPACK dot fusion (slower for a decode
-    step's few rows: `decode.DECODE_CPU_OPTIONS`); the same function compiled with the defaults
-    would use it. 16 rows: up to 8 the weight products are the few-row kernel's (`kernels`)."""
+@pytest.mark.parametrize("matvec", [False, None], ids=["inputs_first", "default"])
+def test_decode_leaves_its_matmuls_to_xla_on_cpu(tiny, matvec):
+    """The float32 decode program over inputs-first weights is compiled without XLA:CPU's YNNPACK dot
+    fusion (slower for a decode step's few rows: `decode.DECODE_CPU_OPTIONS`); the same function
+    compiled with the defaults would use it. 16 rows: up to 8 the weight products are the few-row
+    kernel's (`kernels`). Over inputs-last weights (the default where `kernels.dot_kernel` runs) the
+    weight products are the dot kernel's and the program keeps the defaults (XLA's own product of
+    more rows with such weights is many times slower than YNNPACK's)."""
+    model = loading.load(hf=str(tiny.path), mp=1, dp=1, dtype="float32")
+    gen = Generator(model.config, model.params, model.mesh, matvec=matvec)
     args = (gen.params, gen.new_state(16, 32), np.int32(0), np.int32(4), 4, 32)
     ours = gen._decode.lower(*args).compile().as_text()
+    if gen.inputs_last:
+        assert kernels.DOT[jnp.dtype(jnp.float32)].target in ours and "ynn_fusion" in ours  # the defaults kept
+        return
     default = jax.jit(gen._decode_steps, static_argnums=(4, 5, 6)).lower(*args).compile().as_text()
     assert "ynn_fusion" in default
     assert "ynn_fusion" not in ours and re.search(r"\bdot\(", ours)

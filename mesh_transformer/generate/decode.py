@@ -56,7 +56,10 @@ MIN_BUCKET = 16
 # XLA:CPU hands matmuls to YNNPACK by default. For the decode step's few-row float32 matmuls its
 # own kernels are faster (bench/decode.py on the AVX2 EPYC, 200M GPT-J: 16 rows 145 -> 201 tok/s,
 # one row 41 -> 43), while prefill's many-row matmuls are faster with YNNPACK (16 x 32 tokens:
-# 671 vs 884 ms), so only the float32 decode program leaves it out. 16-bit decode keeps YNNPACK:
+# 671 vs 884 ms), so only the float32 decode program with inputs-first weights leaves it out (with
+# inputs-last ones the kernels' dot products take 1-64 rows, and XLA's own product of more rows
+# with such weights is many times slower than YNNPACK's: 4 rows of a tied head 944 against 54 ms;
+# on the Zen 4 batch 16 / 64 decode measured the same either way). 16-bit decode keeps YNNPACK:
 # XLA's own kernels take no bf16 operands, so without it every bf16 weight is converted to a
 # float32 copy, hoisted out of the decode loop and held for the call (2x the weights' bytes).
 DECODE_CPU_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
@@ -294,24 +297,26 @@ class Generator:
     once on the devices (peak: the caller's params plus the largest leaf); the caller must not use
     them afterwards (`loading.LoadedModel.generator` does this).
 
-    `matvec`: store the weights inputs-last (their `ParamInfo.inputs` axes last, as torch stores
-    them), for decoding one row at a time (`device_sample.py`): each output is then the dot product
-    of two contiguous rows, which `kernels.rows_dot_weight` computes for 1-4 rows at memory speed
-    (float32 with AVX-512, bf16 with AVX-512-BF16; batch-1 bf16 decode 1.3x the inputs-first
-    kernel's on a Zen 4), and XLA's matrix-vector product for one float32 row elsewhere (about
-    12% faster than inputs-first). Without those kernels XLA's matmuls of 2 rows or more read such
-    weights many times slower (a [2, 4096] x [4096, 8192] product: 30x), and bf16 ones 10-20x at
-    any row count: float32, or bfloat16 where `kernels.dot_kernel` runs, else weights stay inputs-first.
+    `matvec`: the weights' layout. Inputs-last (their `ParamInfo.inputs` axes last, as torch stores
+    them) makes each output the dot product of two contiguous rows, which `kernels.rows_dot_weight`
+    computes for 1-64 rows (a decode step's, a serving batch's) faster than any product of
+    inputs-first weights: float32 with AVX-512, bf16 with AVX-512-BF16 (on a Zen 4, 1.3-1.7x the
+    inputs-first kernels' products; bf16 batch-1 decode +45-70%). None (the default): inputs-last
+    wherever those kernels run for the compute dtype, inputs-first elsewhere. True: inputs-last
+    also for float32 without them (XLA's matrix-vector product: about 12% faster at batch 1, while
+    its matmuls of 2 rows or more read such weights many times slower, a [2, 4096] x [4096, 8192]
+    product 30x; `device_sample.py`, one row at a time). bf16 stays inputs-first without the
+    kernels (XLA's bf16 products of such weights: 10-20x slower). False: inputs-first.
 
     `quantize="int8"`: weight-only quantization of every matmul weight (attention, MLP, head; not
     the embedding table): int8 values with a float32 scale per output column (the largest |w| of
     the column / 127, round to nearest), so decoding reads a byte a weight; activations, norms, the
-    KV cache and the arithmetic stay in `config.compute_dtype` / float32. `matvec` is then ignored.
+    KV cache and the arithmetic stay in `config.compute_dtype` / float32; weights inputs-first.
     """
 
     QUANTIZE = ("int8",)
 
-    def __init__(self, config: ModelConfig, params, mesh: Mesh, matvec: bool = False, donate: bool = False,
+    def __init__(self, config: ModelConfig, params, mesh: Mesh, matvec: Optional[bool] = None, donate: bool = False,
                  quantize: Optional[str] = None):
         if quantize not in (None, *self.QUANTIZE):
             raise ValueError(f"quantize must be one of {self.QUANTIZE} or None, got {quantize!r}")
@@ -319,9 +324,9 @@ class Generator:
         float32 = jnp.dtype(config.compute_dtype).itemsize >= 4
         one_row = float32 or (jnp.dtype(config.compute_dtype) == jnp.bfloat16 and kernels.available())
         self.min_rows = 1 if one_row else MIN_ROWS_16BIT
-        # inputs-last where a few rows multiply faster so: float32 (XLA's matrix-vector product, or the
-        # kernels' dot products), bf16 with the kernels' pair dot products; int8 reads inputs-first
-        self.inputs_last = matvec and quantize is None and (float32 or kernels.dot_kernel(config.compute_dtype))
+        on_cpu = mesh.devices.flat[0].platform == "cpu"
+        dot = on_cpu and kernels.dot_kernel(config.compute_dtype)
+        self.inputs_last = quantize is None and (dot if matvec is None else bool(matvec) and (float32 or dot))
         self.mp, self.dp = mesh.shape[parallel.MP], mesh.shape[parallel.DP]
         self.model = models.build(config, self.mp)
         self.model.check_mesh(mesh.shape, zero=False)
@@ -350,10 +355,9 @@ class Generator:
             start=None, index=None), static_argnums=0, out_shardings=self.pool_sharding)
         self._admit = jax.jit(self._admit_rows, out_shardings=(self.shardings, self.pool_sharding, None),
                               donate_argnums=(1, 2))
-        on_cpu = mesh.devices.flat[0].platform == "cpu"
         self._decode = jax.jit(self._decode_steps, static_argnums=(4, 5, 6), donate_argnums=1,
                                out_shardings=(self.shardings, None),
-                               compiler_options=DECODE_CPU_OPTIONS if on_cpu and float32 else None)
+                               compiler_options=DECODE_CPU_OPTIONS if on_cpu and float32 and not self.inputs_last else None)
         self._retire = jax.jit(lambda s, m: s._replace(done=s.done | m), out_shardings=self.shardings,
                                donate_argnums=0)
         move = lambda cache, source, shift, size: parallel.shard_map(  # noqa: E731 - in place on each device
