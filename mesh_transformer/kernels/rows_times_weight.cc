@@ -1,7 +1,8 @@
 // XLA FFI custom calls for XLA:CPU's decode steps: x [B, K] (float32) times w [K, O] (bfloat16 or
 // float32) for few rows B, returned as P partial products [P, B, O] (float32) that the caller sums,
 // or for a serving batch's rows register-blocked into one product (`blocked`, P = 1: Blocked);
-// bf16 rows times a bf16 weight as pair dot products (Bf16Rows); the same per
+// bf16 rows times a bf16 weight as pair dot products (Bf16Rows); 1-64 rows times an inputs-last
+// weight [O, K] as dot products (RowsDotWeight, float32 or bf16 pairs); the same per
 // group of a [G, M, K] x [G, K, O] product (attention over the KV cache); and moves of
 // KV-cache slices and embedding rows (UpdateSlice in place, Slice, TakeRows, PutSlots; at the end).
 //
@@ -13,7 +14,8 @@
 //
 // How: P parts (threads of XLA's intra-op pool) take chunks of w's rows in turn and stream them
 // whole (contiguous memory the hardware prefetches, plus a software prefetch ahead), eight weight
-// rows per pass over a tile of the part's own partial product kept in cache. bf16 is widened to
+// rows per pass over a tile of the part's own partial product kept in cache, one from each of eight
+// runs of consecutive rows (long streams). bf16 is widened to
 // float32 exactly (a 16-bit shift); products and sums are float32 fused multiply-adds, so the
 // result is a float32 matmul of the (widened) weight up to summation order. With bf16 rows (a
 // bfloat16 model's) and AVX-512-BF16, the products run as pair dot products instead, two exact
