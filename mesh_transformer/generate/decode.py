@@ -301,7 +301,7 @@ class Generator:
     them) makes each output the dot product of two contiguous rows, which `kernels.rows_dot_weight`
     computes for 1-64 rows (a decode step's, a serving batch's) faster than any product of
     inputs-first weights: float32 with AVX-512, bf16 with AVX-512-BF16 (on a Zen 4, 1.3-1.7x the
-    inputs-first kernels' products; bf16 batch-1 decode +45-70%). None (the default): inputs-last
+    inputs-first kernels' products; bf16 batch-1 decode +42-70%). None (the default): inputs-last
     wherever those kernels run for the compute dtype, inputs-first elsewhere. True: inputs-last
     also for float32 without them (XLA's matrix-vector product: about 12% faster at batch 1, while
     its matmuls of 2 rows or more read such weights many times slower, a [2, 4096] x [4096, 8192]

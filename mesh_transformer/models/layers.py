@@ -97,7 +97,7 @@ def _product(equation: str, a, b):
     """Not differentiated (decoding, evaluation): on CPU the `kernels` where they apply."""
     if equation == "...k,ko->...o" and kernels.applies(a, b):  # decoding a few rows, or a serving batch
         return kernels.rows_times_weight(a, b)
-    if equation in _ROWS_DOT_WEIGHT and kernels.dot_applies(a, b):  # a few rows, inputs-last (or tied head)
+    if equation in _ROWS_DOT_WEIGHT and kernels.dot_applies(a, b):  # 1-64 rows, inputs-last (or a tied head)
         return kernels.rows_dot_weight(a, b)
     if equation in _PER_ROW_AND_KV_HEAD and kernels.grouped_applies(a, b):  # attention over the KV cache
         return kernels.grouped_rows_times_weight(a, b)
