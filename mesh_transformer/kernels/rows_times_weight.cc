@@ -195,7 +195,7 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) int64_t PassPairs(float* 
   return o;
 }
 
-// The same with bf16 x (k_begin even) as PassPairs, the sums of each full 32 columns left in pair
+// The same with bf16 x as PassPairs, the sums of each full 32 columns left in pair
 // order (`InColumnOrder` puts them back).
 void AccumulatePairs(const uint16_t* x, const uint16_t* w, float* out, int64_t rows, int64_t k_size, int64_t o_size,
                      int64_t k_begin, int64_t k_end) {
@@ -237,17 +237,8 @@ void BlockedPanel(Isa isa, const float* x, const W* w, float* y, int64_t rows, i
 template <typename W>
 ffi::Future Blocked(ffi::ThreadPool& pool, Isa isa, const float* x, const W* w, float* y, int64_t rows,
                     int64_t k_size, int64_t o_size) {
-  struct Shared {
-    std::atomic<int64_t> next{0};
-  };
-  auto shared = std::make_shared<Shared>();
   const int64_t n_panels = (o_size + PanelWidth(isa) - 1) / PanelWidth(isa);
-  const int64_t n_tasks = std::max<int64_t>(1, std::min<int64_t>(n_panels, pool.num_threads()));
-  return OnThreads(pool, n_tasks, [=](int64_t) {
-    for (int64_t p = shared->next.fetch_add(1); p < n_panels; p = shared->next.fetch_add(1)) {
-      BlockedPanel(isa, x, w, y, rows, k_size, o_size, p);
-    }
-  });
+  return InTurn(pool, n_panels, [=](int64_t p) { BlockedPanel(isa, x, w, y, rows, k_size, o_size, p); });
 }
 
 // Streamed: chunks of w's K rows (each a multiple of kRowsPerPass but the last) go in order to
@@ -294,12 +285,11 @@ ffi::Future RowsTimesWeight(ffi::ThreadPool pool, const float* x, int64_t x_coun
 // per call, widened, and for the pairs into rows of even length (a zero after an odd K).
 ffi::Future BlockedBf16(ffi::ThreadPool& pool, Isa isa, bool pairs, const uint16_t* x, const uint16_t* w, float* y,
                         int64_t rows, int64_t k_size, int64_t o_size) {
-  struct Shared {
-    std::atomic<int64_t> next{0};
+  struct Rows {
     std::vector<uint16_t> pairs;
     std::vector<float> wide;
   };
-  auto shared = std::make_shared<Shared>();
+  auto shared = std::make_shared<Rows>();
   const int64_t stride = k_size + k_size % 2;
   if (pairs) shared->pairs.assign(rows * stride, 0);
   shared->wide.resize(rows * k_size);
@@ -309,19 +299,16 @@ ffi::Future BlockedBf16(ffi::ThreadPool& pool, Isa isa, bool pairs, const uint16
   }
   const int64_t panel = pairs ? kPairPanel : PanelWidth(isa);
   const int64_t n_panels = (o_size + panel - 1) / panel;
-  const int64_t n_tasks = std::max<int64_t>(1, std::min<int64_t>(n_panels, pool.num_threads()));
-  return OnThreads(pool, n_tasks, [=](int64_t) {
-    for (int64_t p = shared->next.fetch_add(1); p < n_panels; p = shared->next.fetch_add(1)) {
-      const int64_t o0 = p * panel, width = std::min(o_size, o0 + panel) - o0;
-      for (int64_t k0 = 0; k0 < k_size; k0 += kDepth) {
-        const int64_t depth = std::min(kDepth, k_size - k0);
-        const uint16_t* wk = w + k0 * o_size + o0;
-        if (pairs) {
-          PairProduct(shared->pairs.data() + k0, stride, shared->wide.data() + k0, k_size, wk, o_size, y + o0, o_size,
-                      rows, width, depth, k0 == 0);
-        } else {
-          Product(isa, shared->wide.data() + k0, k_size, wk, o_size, y + o0, o_size, rows, width, depth, k0 == 0);
-        }
+  return InTurn(pool, n_panels, [=](int64_t p) {
+    const int64_t o0 = p * panel, width = std::min(o_size, o0 + panel) - o0;
+    for (int64_t k0 = 0; k0 < k_size; k0 += kDepth) {
+      const int64_t depth = std::min(kDepth, k_size - k0);
+      const uint16_t* wk = w + k0 * o_size + o0;
+      if (pairs) {
+        PairProduct(shared->pairs.data() + k0, stride, shared->wide.data() + k0, k_size, wk, o_size, y + o0, o_size,
+                    rows, width, depth, k0 == 0);
+      } else {
+        Product(isa, shared->wide.data() + k0, k_size, wk, o_size, y + o0, o_size, rows, width, depth, k0 == 0);
       }
     }
   });
@@ -456,29 +443,24 @@ MESH_TRANSFORMER_DOT_TARGET void DotRows(const typename Dot::T* x, const typenam
     }
     const typename Dot::T* xb = x + b * k_size;
     float* yb = y + b * o_size;
-    if (rows - b == 1) DotBlock<Dot, 1>(xb, k_size, wr, yb, o_size, o, o_end);
-    if (rows - b == 2) DotBlock<Dot, 2>(xb, k_size, wr, yb, o_size, o, o_end);
-    if (rows - b == 3) DotBlock<Dot, 3>(xb, k_size, wr, yb, o_size, o, o_end);
+    switch (rows - b) {  // the 1-3 rows left
+      case 1: DotBlock<Dot, 1>(xb, k_size, wr, yb, o_size, o, o_end); break;
+      case 2: DotBlock<Dot, 2>(xb, k_size, wr, yb, o_size, o, o_end); break;
+      case 3: DotBlock<Dot, 3>(xb, k_size, wr, yb, o_size, o, o_end); break;
+    }
   }
 }
 
 template <typename Dot>
 ffi::Future RowsDotWeight(ffi::ThreadPool& pool, const typename Dot::T* x, const typename Dot::T* w, float* y,
                           int64_t rows, int64_t k_size, int64_t o_size) {
-  struct Shared {
-    std::atomic<int64_t> next{0};
-  };
-  auto shared = std::make_shared<Shared>();
   // chunks of at most kDotChunkRows, at least one per thread (a [256, K] key projection: two of 128)
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   const int64_t per_thread = (o_size + threads - 1) / threads;
-  const int64_t chunk = std::max<int64_t>(kDotBlock, std::min(kDotChunkRows, (per_thread + kDotBlock - 1) / kDotBlock * kDotBlock));
+  const int64_t chunk = std::clamp((per_thread + kDotBlock - 1) / kDotBlock * kDotBlock, kDotBlock, kDotChunkRows);
   const int64_t n_chunks = (o_size + chunk - 1) / chunk;
-  const int64_t n_tasks = std::min(n_chunks, threads);
-  return OnThreads(pool, n_tasks, [=](int64_t) {
-    for (int64_t c = shared->next.fetch_add(1); c < n_chunks; c = shared->next.fetch_add(1)) {
-      DotRows<Dot>(x, w, y, rows, k_size, o_size, c * chunk, std::min(o_size, (c + 1) * chunk));
-    }
+  return InTurn(pool, n_chunks, [=](int64_t c) {
+    DotRows<Dot>(x, w, y, rows, k_size, o_size, c * chunk, std::min(o_size, (c + 1) * chunk));
   });
 }
 
@@ -501,17 +483,10 @@ ffi::Future GroupedRowsTimesWeight(ffi::ThreadPool pool, const float* x, const W
                                    int64_t rows, int64_t k_size, int64_t o_size) {
   static const Isa isa = Detect();
   if (rows < 1 || rows > kMaxRows) return Failed("grouped rows x weight: at most 64 rows per group");
-  struct Shared {
-    std::atomic<int64_t> next{0};
-  };
-  auto shared = std::make_shared<Shared>();
-  const int64_t n_tasks = std::max<int64_t>(1, std::min<int64_t>(groups, pool.num_threads()));
-  return OnThreads(pool, n_tasks, [=](int64_t) {
-    for (int64_t g = shared->next.fetch_add(1); g < groups; g = shared->next.fetch_add(1)) {
-      float* out = y + g * rows * o_size;
-      std::fill(out, out + rows * o_size, 0.0f);
-      Accumulate(isa, x + g * rows * k_size, w + g * k_size * o_size, out, rows, k_size, o_size, 0, k_size);
-    }
+  return InTurn(pool, groups, [=](int64_t g) {
+    float* out = y + g * rows * o_size;
+    std::fill(out, out + rows * o_size, 0.0f);
+    Accumulate(isa, x + g * rows * k_size, w + g * k_size * o_size, out, rows, k_size, o_size, 0, k_size);
   });
 }
 

@@ -2,7 +2,10 @@
 // error returned as a future.
 #pragma once
 
+#include <algorithm>
+#include <atomic>
 #include <cstdint>
+#include <memory>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -22,6 +25,17 @@ xla::ffi::Future OnThreads(xla::ffi::ThreadPool& pool, int64_t n_tasks, F work) 
   work(0);
   done.CountDown();
   return xla::ffi::Future(done);
+}
+
+// `work(item)` for item in 0 .. n_items-1, taken in turn by up to the pool's threads (one that
+// starts late takes fewer), done when all are.
+template <typename F>
+xla::ffi::Future InTurn(xla::ffi::ThreadPool& pool, int64_t n_items, F work) {
+  auto next = std::make_shared<std::atomic<int64_t>>(0);
+  const int64_t n_tasks = std::max<int64_t>(1, std::min<int64_t>(n_items, pool.num_threads()));
+  return OnThreads(pool, n_tasks, [=](int64_t) {
+    for (int64_t item = next->fetch_add(1); item < n_items; item = next->fetch_add(1)) work(item);
+  });
 }
 
 inline xla::ffi::Future Failed(const char* message) {
