@@ -1,7 +1,7 @@
 """Training MFU and decode bandwidth on an accelerator (GPU/TPU): what a CPU cannot show.
 
     python bench/accelerator.py train --preset llama-1b gptj-1.3b [--batch 8] [--remat dots] [--attention cudnn xla]
-    python bench/accelerator.py decode --preset gptj-1.3b llama-1b [--new 128]
+    python bench/accelerator.py decode --preset gptj-1.3b llama-1b [--new 128] [--fuse on off]
     python bench/accelerator.py peak                      # measured bf16 matmul rate and memory bandwidth
 
 Training runs the library's own sharded step (`train.step.Trainer`: bf16 compute, float32 master
@@ -22,6 +22,7 @@ import json
 import os
 import sys
 import time
+from typing import Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -125,42 +126,88 @@ def bench_train(preset: str, batch: int, remat: str, attention: str, steps: int,
     return row
 
 
-def bench_decode(preset: str, batches: list[int], prompt: int, new: int, peak: dict) -> list[dict]:
+def bench_decode(preset: str, batches: list[int], prompt: int, new: int, peak: dict, fuses=(True,),
+                 profile: Optional[str] = None, repeats: int = 3) -> list[dict]:
+    """Rows of decode timings, one per (batch, fuse): every layout's Generator is built first from
+    the same weights, then their runs alternate (min of `repeats` each), so an A/B sees the same
+    device state."""
     import jax
     from mesh_transformer import parallel
     from mesh_transformer.generate import Batch, Generator, SamplingOptions
     from mesh_transformer.train.step import Trainer
     config = model_config(preset, remat="none")
     m = config.model
-    params = Trainer(config, parallel.make_mesh(1, 1, jax.devices()[:1])).init_state(0).params
-    gen = Generator(m, params, parallel.make_mesh(1, 1, jax.devices()[:1]), donate=True)
+    mesh = parallel.make_mesh(1, 1, jax.devices()[:1])
+    params = Trainer(config, mesh).init_state(0).params
+    gens = {fuse: Generator(m, params, mesh, donate=i == len(fuses) - 1, fuse=fuse) for i, fuse in enumerate(fuses)}
     del params
     family_embed = f"{m.family}/embed"
-    weight_bytes = parallel.bytes_of(gen.params) - sum(
-        parallel.bytes_of(v) for k, v in gen.params.items() if k == family_embed and not _tied(m))
+    some = next(iter(gens.values()))
+    weight_bytes = parallel.bytes_of(some.params) - sum(
+        parallel.bytes_of(v) for k, v in some.params.items() if k == family_embed and not _tied(m))
     rows = []
     rng = np.random.RandomState(0)
     options = SamplingOptions(max_new_tokens=new, temperature=0.0)
     for batch in batches:
-        def once():
+        def once(gen, trace_dir=None):
             seqs = gen.sequences(rng.randint(0, m.n_vocab, (batch, prompt)).tolist(), options)
             b = Batch.for_sequences(gen, seqs, chunk=None)
             b.admit(seqs)
             jax.effects_barrier()
+            if trace_dir:
+                jax.profiler.start_trace(trace_dir)
             t0 = time.perf_counter()
             b.step()
-            return time.perf_counter() - t0
-        once()
-        decode_s = min(once() for _ in range(3))
-        step_s = decode_s / (new - 1)
-        # the cache read by an average step: keys and values of every layer up to the middle of the run
-        kv_bytes = 2 * m.layers * batch * m.kv_heads * m.head_dim * (prompt + new / 2) * 2
-        read = weight_bytes + kv_bytes
-        rows.append({"preset": preset, "batch": batch, "prompt": prompt, "new": new, "weight_GB": weight_bytes / 1e9,
-                     "kv_GB": kv_bytes / 1e9, "step_ms": 1e3 * step_s, "tokens_per_s": batch / step_s,
-                     "bandwidth_share": read / step_s / peak["copy_bytes_per_s"],
-                     "read_bytes_per_s": read / step_s})
+            took = time.perf_counter() - t0
+            if trace_dir:
+                jax.profiler.stop_trace()
+            return took
+        times = {fuse: [] for fuse in fuses}
+        for gen in gens.values():
+            once(gen)
+        for _ in range(repeats):
+            for fuse, gen in gens.items():
+                times[fuse].append(once(gen))
+        for fuse, gen in gens.items():
+            step_s = min(times[fuse]) / (new - 1)
+            kernels = None
+            if profile:  # one more run under the profiler: the device's time per kernel name, per step
+                trace_dir = os.path.join(profile, f"{preset}_b{batch}_{'fused' if fuse else 'apart'}")
+                once(gen, trace_dir)
+                kernels = kernel_summary(trace_dir, new - 1)
+            # the cache read by an average step: keys and values of every layer up to the middle of the run
+            kv_bytes = 2 * m.layers * batch * m.kv_heads * m.head_dim * (prompt + new / 2) * 2
+            read = weight_bytes + kv_bytes
+            rows.append({"preset": preset, "fused": fuse, "batch": batch, "prompt": prompt, "new": new,
+                         "weight_GB": weight_bytes / 1e9, "kv_GB": kv_bytes / 1e9, "step_ms": 1e3 * step_s,
+                         "step_ms_all": [1e3 * t / (new - 1) for t in times[fuse]], "tokens_per_s": batch / step_s,
+                         "bandwidth_share": read / step_s / peak["copy_bytes_per_s"],
+                         "read_bytes_per_s": read / step_s, **({"kernels": kernels} if kernels else {})})
     return rows
+
+
+def kernel_summary(trace_dir: str, steps: int, top: int = 25) -> dict:
+    """The device's time in a profiler trace (`jax.profiler`'s *.trace.json.gz) by kernel name, per
+    decode step: {"device_us_per_step", "kernels_per_step", "top": [[name, calls/step, us/step]]}.
+    Device events are those of a process named for a GPU/TPU (on a CPU, XLA's op threads)."""
+    import glob
+    import gzip
+    path, = glob.glob(os.path.join(trace_dir, "plugins", "profile", "*", "*.trace.json.gz"))
+    with gzip.open(path) as f:
+        events = json.load(f)["traceEvents"]
+    names = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    device = {pid for pid, name in names.items() if "GPU" in name or "TPU" in name} or set(names)
+    by_name: dict = {}
+    what: dict = {}  # an event's args per name (the HLO op it runs, on a GPU)
+    for e in events:
+        if e.get("ph") == "X" and e.get("pid") in device and "dur" in e:
+            calls, us = by_name.get(e["name"], (0, 0.0))
+            by_name[e["name"]] = (calls + 1, us + float(e["dur"]))
+            what.setdefault(e["name"], json.dumps(e.get("args", {}))[:400])
+    ranked = sorted(by_name.items(), key=lambda kv: -kv[1][1])
+    return {"device_us_per_step": sum(us for _, us in by_name.values()) / steps,
+            "kernels_per_step": sum(c for c, _ in by_name.values()) / steps,
+            "top": [[name[:120], calls / steps, us / steps, what[name]] for name, (calls, us) in ranked[:top]]}
 
 
 def _tied(m) -> bool:
@@ -179,6 +226,11 @@ def main(argv=None):
     p.add_argument("--decode-batches", type=int, nargs="+", default=[1, 16])
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--new", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3, help="decode: timed runs of each layout, alternating")
+    p.add_argument("--profile", metavar="DIR", help="decode: one more run of each batch under jax.profiler, traces "
+                   "here; prints the device's time per kernel name per step")
+    p.add_argument("--fuse", nargs="+", default=["on"], choices=["on", "off"],
+                   help="decode with q/k/v (and gate/up) fused into one weight (Generator(fuse=...)); both: an A/B")
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=JSON", help="override config keys of every preset")
     p.add_argument("--json", help="also write the results here")
     args = p.parse_args(argv)
@@ -206,7 +258,8 @@ def main(argv=None):
                         print(json.dumps(row), flush=True)
     if args.what in ("decode", "all"):
         for preset in args.preset:
-            for row in bench_decode(preset, args.decode_batches, args.prompt, args.new, peak):
+            for row in bench_decode(preset, args.decode_batches, args.prompt, args.new, peak,
+                                    [f == "on" for f in args.fuse], args.profile, args.repeats):
                 results["decode"].append(row)
                 print(json.dumps(row), flush=True)
     if args.json:

@@ -87,7 +87,7 @@ MATVEC_ROWS = 1  # up to this batch Generator(matvec=True), as device_sample.py;
 
 def bench_ours(model, batch: int, prompt_len: int, new: int, server: Optional[tuple[int, int, int]] = None,
                prefix_cache: bool = False, sampling: Optional[dict] = None, quantize: Optional[str] = None,
-               shared_prefix: int = 0):
+               shared_prefix: int = 0, fuse: bool = True):
     """Compile, then -> (a callable decoding once: decode tokens/s, details of the calls so far).
 
     `server` (rows, slots, chunk): decode as device_serve.py does, the `batch` sequences in the
@@ -98,7 +98,7 @@ def bench_ours(model, batch: int, prompt_len: int, new: int, server: Optional[tu
     prompt starts with the same this many tokens, cached by one request decoded before each timed
     admission, as a server holds a system prompt (the admission reads them from the pool);
     `sampling`: SamplingOptions' temperature, top_k, top_p, min_p (default greedy); `quantize`:
-    Generator(quantize=...)."""
+    Generator(quantize=...); `fuse`: Generator(fuse=...)."""
     import jax
 
     from mesh_transformer import kernels
@@ -106,7 +106,7 @@ def bench_ours(model, batch: int, prompt_len: int, new: int, server: Optional[tu
     from mesh_transformer.generate.prefix import PrefixCache, default_tokens
 
     matvec = True if batch <= MATVEC_ROWS and server is None else None
-    gen = Generator(model.config, model.params, model.mesh, matvec=matvec, quantize=quantize)
+    gen = Generator(model.config, model.params, model.mesh, matvec=matvec, quantize=quantize, fuse=fuse)
     rng = np.random.RandomState(0)
     options = SamplingOptions(max_new_tokens=new, **(sampling or {"temperature": 0.0}))
     prefix = PrefixCache(gen, default_tokens(gen.config, server[1])) if server and prefix_cache else None
@@ -133,7 +133,8 @@ def bench_ours(model, batch: int, prompt_len: int, new: int, server: Optional[tu
         return t1 - t0, t2 - t1
 
     once()  # compile
-    details = {"weights": "inputs-last" if gen.inputs_last else "inputs-first", "kernels": kernels.available(),
+    details = {"weights": "inputs-last" if gen.inputs_last else "inputs-first", "fused": gen.layout.fused,
+               "kernels": kernels.available(),
                "quantize": quantize, "weight_bytes": bytes_read_per_step(gen.params, model.config),
                "server_batch": server, "prefix_cache": prefix is not None, "shared_prefix": len(shared),
                "prefill_ms": []}
@@ -214,6 +215,8 @@ def main(argv=None):
                         help="with --temperature: drop tokens less likely than this x the most likely (0: none)")
     parser.add_argument("--quantize", choices=("int8",),
                         help="ours decodes with int8 weights (Generator(quantize=...)); transformers keeps --dtypes'")
+    parser.add_argument("--fuse", choices=("on", "off"), default="on",
+                        help="ours stores each layer's q/k/v (and gate/up) as one weight (Generator(fuse=...))")
     parser.add_argument("--out", help="also write the JSON object here")
     machine.add_args(parser)
     parser.add_argument("--mp", type=int, default=1,
@@ -255,7 +258,7 @@ def main(argv=None):
                     f"{agreement['mean_abs_first_logprob_diff']:.4f} (mean |diff|)", flush=True)
             for batch in args.batches:
                 ours, details = bench_ours(model, batch, args.prompt, args.new, args.server_batch, args.prefix_cache,
-                                           sampling, args.quantize, args.shared_prefix)
+                                           sampling, args.quantize, args.shared_prefix, args.fuse == "on")
                 weight_bytes = details["weight_bytes"]
                 sides = {"ours": ours}
                 if not args.no_hf:

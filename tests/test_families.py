@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from mesh_transformer import kernels, models
+from mesh_transformer import kernels, models, parallel
 from mesh_transformer.config import ConfigError, config_from_dict
 from mesh_transformer.generate import Generator, SamplingOptions
 from mesh_transformer.io import hf
@@ -81,11 +81,30 @@ def test_greedy_generation_matches_hf(case):
         assert out.tokens == hf_greedy(torch_model, prompt, 8)
 
 
+def test_decoding_fuses_qkv_and_gate_up_where_their_heads_split_alike(case):
+    """The decode layout on dp1 x mp2: q/k/v stored as one `qkv_proj` (with its `qkv_bias`), SwiGLU's
+    gate and up as one `gate_fc_in`, each shard holding its part of each (kv heads replicated over
+    mp, as the MQA case's one head is, stay apart); greedy tokens equal transformers' either way."""
+    from mesh_transformer.models.layers import FUSED
+    name, _, torch_model, config, params = case
+    fused, apart = (Generator(config, params, mesh(1, 2), fuse=fuse) for fuse in (True, False))
+    leaves = {n for module in apart.params.values() for n in module}
+    expected = {group for group, parts in FUSED.items() if set(parts) <= leaves
+                and (group[0] != "q" or config.kv_split(2))}
+    stored = {n for module in fused.params.values() for n in module}
+    assert stored == (leaves - {p for group in expected for p in FUSED[group]}) | expected, name
+    assert ("qkv_proj" in stored) == config.kv_split(2) and ("gate_fc_in" in stored) == ("gate" in leaves)
+    assert parallel.bytes_of(fused.params) == parallel.bytes_of(apart.params)
+    prompts = [random_tokens((1, n), config.n_vocab, seed=n)[0].tolist() for n in (3, 7)]
+    for gen in (fused, apart):
+        outs = gen.generate(prompts, SamplingOptions(max_new_tokens=8, temperature=0))
+        assert [o.tokens for o in outs] == [hf_greedy(torch_model, p, 8) for p in prompts], name
+
+
 def test_int8_weights_generate_as_transformers_does_on_the_same_rounded_weights(case):
     """Generator(quantize="int8") on dp1 x mp2 (one kv head replicated over mp in the MQA case):
     greedy tokens equal transformers' `generate` on the weights rounded the same way, and every
     matmul weight is held as one byte per value (plus a float32 scale per output)."""
-    from mesh_transformer import parallel
     name, _, torch_model, config, params = case
     gen = Generator(config, params, mesh(1, 2), quantize="int8")
     # 3 prompts padded to 40 positions: a prefill of more rows than the int8 kernel takes (XLA's

@@ -81,7 +81,7 @@ class Scorer:
     `param_specs` place `params`. Use `for_generator` or `for_trainer`."""
 
     def __init__(self, forward: Callable, params: Any, param_specs: Any, mesh: Mesh, rules, seq: int,
-                 inputs_last: bool = False, batch_tokens: int = DEFAULT_BATCH_TOKENS,
+                 layout: parallel.Layout = parallel.Layout(), batch_tokens: int = DEFAULT_BATCH_TOKENS,
                  prepare: Callable = lambda params: params):
         self.mesh, self.seq, self.batch_tokens, self._prepare = mesh, seq, batch_tokens, prepare
         self.params = prepare(params)
@@ -93,7 +93,7 @@ class Scorer:
         self._programs = {  # (params, tokens, targets at the scored positions, those positions)
             k: jax.jit(parallel.shard_map(lambda p, t, y, w, k=k: token_scores(forward(p, t, w), y, k), mesh, rules,
                                           in_specs=(param_specs, row, row, row), out_specs=(row, top, top),
-                                          inputs_last=inputs_last), out_shardings=everywhere)
+                                          layout=layout), out_shardings=everywhere)
             for k in (1, TOP_LOGPROBS)}
         self.shapes: set[tuple[int, int, int, int]] = set()  # (rows, positions, K, scored positions) compiled so far
         self._lock = threading.Lock()  # one pass at a time (a server's handlers share one scorer)
@@ -107,7 +107,7 @@ class Scorer:
         def forward(params, tokens, positions):
             empty = KVCache.zeros(config, tokens.shape[0], tokens.shape[1], 0, mp, local=True)
             return gen.model.apply(params, tokens, empty, logit_positions=positions)[0]
-        return cls(forward, gen.params, gen.param_specs, gen.mesh, gen.rules, config.seq, gen.inputs_last,
+        return cls(forward, gen.params, gen.param_specs, gen.mesh, gen.rules, config.seq, gen.layout,
                    batch_tokens)
 
     @classmethod

@@ -44,7 +44,7 @@ from mesh_transformer.generate.sampling import (EOS, LENGTH, MAX_STOPS, RUNNING,
                                                 RowOptions, SamplingOptions, choose, log_probs, stop_hit, _none,
                                                 penalize)
 from mesh_transformer.models.core import KVCache, SharedPrefix, unstacked_modules
-from mesh_transformer.models.layers import dynamic_slice, update_slice
+from mesh_transformer.models.layers import FUSED, dynamic_slice, update_slice
 
 if TYPE_CHECKING:
     from mesh_transformer.generate.batching import Sequence
@@ -312,12 +312,17 @@ class Generator:
     the embedding table): int8 values with a float32 scale per output column (the largest |w| of
     the column / 127, round to nearest), so decoding reads a byte a weight; activations, norms, the
     KV cache and the arithmetic stay in `config.compute_dtype` / float32; weights inputs-first.
+
+    `fuse` (default True): each layer's q/k/v projections stored as one weight, and SwiGLU's gate
+    and up as one (`models.layers.FUSED`; where their heads split alike over mp: not GQA's kv heads
+    replicated over more shards than they number), so a step makes one product for each group.
+    The decode layout only: training and checkpoints keep the leaves apart.
     """
 
     QUANTIZE = ("int8",)
 
     def __init__(self, config: ModelConfig, params, mesh: Mesh, matvec: Optional[bool] = None, donate: bool = False,
-                 quantize: Optional[str] = None):
+                 quantize: Optional[str] = None, fuse: bool = True):
         if quantize not in (None, *self.QUANTIZE):
             raise ValueError(f"quantize must be one of {self.QUANTIZE} or None, got {quantize!r}")
         self.config, self.mesh, self.quantize = config, mesh, quantize
@@ -326,7 +331,8 @@ class Generator:
         self.min_rows = 1 if one_row else MIN_ROWS_16BIT
         on_cpu = mesh.devices.flat[0].platform == "cpu"
         dot = on_cpu and kernels.dot_kernel(config.compute_dtype)
-        self.inputs_last = quantize is None and (dot if matvec is None else bool(matvec) and (float32 or dot))
+        inputs_last = quantize is None and (dot if matvec is None else bool(matvec) and (float32 or dot))
+        self.layout = parallel.Layout(inputs_last, fuse)
         self.mp, self.dp = mesh.shape[parallel.MP], mesh.shape[parallel.DP]
         self.model = models.build(config, self.mp)
         self.model.check_mesh(mesh.shape, zero=False)
@@ -341,14 +347,14 @@ class Generator:
         prefill_specs = (self.param_specs, P(parallel.DP, None), P(parallel.DP))
         self._prefill = parallel.shard_map(
             self._prefill_local, mesh, self.rules, in_specs=prefill_specs,
-            out_specs=(P(parallel.DP, None), kv, kv), inputs_last=self.inputs_last)
+            out_specs=(P(parallel.DP, None), kv, kv), layout=self.layout)
         self._prefill_after = parallel.shard_map(  # after cached keys/values (prefix caching)
             self._prefill_local, mesh, self.rules, in_specs=prefill_specs + (kv, kv),
-            out_specs=(P(parallel.DP, None), kv, kv), inputs_last=self.inputs_last)
+            out_specs=(P(parallel.DP, None), kv, kv), layout=self.layout)
         self._prefill_shared = parallel.shard_map(  # after a SharedPrefix of pool slots
             lambda p, tokens, start, offset, shared: self._prefill_local(p, tokens, start, offset=offset, shared=shared),
             mesh, self.rules, in_specs=prefill_specs + (P(parallel.DP), shared_specs(config.layers)),
-            out_specs=(P(parallel.DP, None), kv, kv), inputs_last=self.inputs_last)
+            out_specs=(P(parallel.DP, None), kv, kv), layout=self.layout)
         self._new_state = jax.jit(self._empty, static_argnums=(0, 1), out_shardings=self.shardings)
         self.pool_sharding = jax.sharding.NamedSharding(mesh, POOL_SPEC)
         self._new_pool = jax.jit(lambda slots: KVCache.zeros(self.config, 1, slots, mp=self.mp)._replace(
@@ -357,7 +363,7 @@ class Generator:
                               donate_argnums=(1, 2))
         self._decode = jax.jit(self._decode_steps, static_argnums=(4, 5, 6), donate_argnums=1,
                                out_shardings=(self.shardings, None),
-                               compiler_options=DECODE_CPU_OPTIONS if on_cpu and float32 and not self.inputs_last else None)
+                               compiler_options=DECODE_CPU_OPTIONS if on_cpu and float32 and not inputs_last else None)
         self._retire = jax.jit(lambda s, m: s._replace(done=s.done | m), out_shardings=self.shardings,
                                donate_argnums=0)
         move = lambda cache, source, shift, size: parallel.shard_map(  # noqa: E731 - in place on each device
@@ -368,24 +374,53 @@ class Generator:
         self._roll = jax.jit(lambda s, shift: s._replace(cache=_roll_cache(s.cache, shift)),
                              donate_argnums=0, out_shardings=self.shardings)
 
+    @property
+    def inputs_last(self) -> bool:
+        return self.layout.inputs_last
+
     def _place(self, params, donate: bool):
-        """Per-layer params in the compute dtype (weights inputs-last with `matvec`), on the mesh by
-        the Megatron table; with `donate`, each source array is deleted once converted."""
+        """Per-layer params in the compute dtype and the decode layout (`self.layout`: inputs-last,
+        fused), on the mesh by the Megatron table; with `donate`, each source array is deleted once
+        converted (a fused group's once the group is)."""
         dtype, out = jnp.dtype(self.config.compute_dtype), {}
         for module, leaves in params.items():
-            for name, x in leaves.items():
-                info, made = self.model.infos[module][name], []
+            infos = self.model.infos[module]
+            for name, parts in self._groups(leaves, infos):
+                info, made = infos[parts[0]], []
                 for new, i in unstacked_modules(module, self.config.layers):
-                    leaf = x if i is None else x[i]
+                    leaf = self._fused([leaves[p] if i is None else leaves[p][i] for p in parts], info)
                     if self.quantize and info.inputs > 0:  # a matmul weight
                         values, scale = self._quantized(leaf, info)
                         out.setdefault(new, {}).update({name: values, name + parallel.SCALE: scale})
                         continue
                     made.append(self._convert(leaf, info, dtype))
                     out.setdefault(new, {})[name] = made[-1]
-                if donate and isinstance(x, jax.Array) and not any(m is x for m in made):  # x may be kept as is
-                    x.delete()
+                for x in (leaves[p] for p in parts):
+                    if donate and isinstance(x, jax.Array) and not any(m is x for m in made):  # x may be kept as is
+                        x.delete()
         return out
+
+    def _groups(self, leaves, infos) -> list[tuple[str, tuple[str, ...]]]:
+        """[(stored leaf, the leaves it holds)]: one each, or with `layout.fused` the `FUSED` groups
+        whose leaves this module has and whose output axes split alike."""
+        groups = []
+        if self.layout.fused:
+            groups = [(name, parts) for name, parts in FUSED.items() if all(p in leaves for p in parts)
+                      and parallel.split_alike([infos[p].axes[infos[p].inputs] for p in parts], self.rules)]
+        taken = {p for _, parts in groups for p in parts}
+        return groups + [(name, (name,)) for name in leaves if name not in taken]
+
+    def _fused(self, xs: list, info):
+        """Leaves -> one, concatenated along their first output axis shard by shard (each mp
+        shard's part of every leaf, in turn); a single leaf as it is."""
+        if len(xs) == 1:
+            return xs[0]
+        axis = xs[0].ndim - len(info.axes) + info.inputs
+        mesh_axis = self.rules.get(info.axes[info.inputs])
+        shards = self.mesh.shape[mesh_axis] if mesh_axis else 1
+        xp = np if all(isinstance(x, np.ndarray) for x in xs) else jnp
+        pieces = [xp.split(x, shards, axis=axis) for x in xs]
+        return xp.concatenate([piece[s] for s in range(shards) for piece in pieces], axis=axis)
 
     def _convert(self, x, info, dtype):
         x = x if x.dtype == dtype else x.astype(dtype)  # numpy or jax
@@ -540,7 +575,7 @@ class Generator:
                                                                          *shared),
             self.mesh, self.rules, in_specs=(self.param_specs, self.specs, P(), P()) + shared_spec,
             out_specs=(self.specs, Emitted(*([P(None, parallel.DP)] * 2), *([P(None, parallel.DP, None)] * 2))),
-            inputs_last=self.inputs_last)
+            layout=self.layout)
         state, out = decode(params, state, first_slot, limit, *(() if shared is None else (shared,)))
         pad = lambda x, fill: jnp.pad(x, [(0, 0), (0, batch - rows)] + [(0, 0)] * (x.ndim - 2),  # noqa: E731
                                       constant_values=fill)

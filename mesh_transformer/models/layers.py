@@ -300,6 +300,14 @@ def alibi_slopes(n_heads: int):
 # Attention
 # --------------------------------------------------------------------------------------------
 
+# The leaves decoding stores as one (`parallel.Layout.fused`: `generate.Generator` builds them),
+# concatenated along their first output axis shard by shard, so each mp shard holds its q, k, v
+# (gate, up) parts one after the other: a decode step makes one product where training makes
+# several — on a CPU one kernel call instead of three (XLA:GPU merges such sibling products itself).
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "qkv_bias": ("q_bias", "k_bias", "v_bias"),
+         "gate_fc_in": ("gate", "fc_in"), "gate_fc_in_bias": ("gate_bias", "fc_in_bias")}
+
+
 class AttentionSpec(NamedTuple):
     """What a family's attention is: sizes, positions, biases."""
 
@@ -355,9 +363,16 @@ class Attention(hk.Module):
         """
         s = self.spec
         d, n, kv, hd, dt = s.d_model, s.n_heads, s.kv_heads, s.head_dim, h.dtype
-        q = self._project(h, "q", (d, n, hd), ("embed", "heads", "head_dim"))
-        k = self._project(h, "k", (d, kv, hd), ("embed", "kv_heads", "head_dim"), kv_group=n // kv, n_local=q.shape[2])
-        v = self._project(h, "v", (d, kv, hd), ("embed", "kv_heads", "head_dim"), kv_group=n // kv, n_local=q.shape[2])
+        if parallel.fused(("heads", "kv_heads")):  # decoding: one product, then split (`FUSED`)
+            qkv = self._project(h, "qkv", (d, n + 2 * kv, hd), ("embed", "heads", "head_dim"))
+            nq, nk = (qkv.shape[2] * heads // (n + 2 * kv) for heads in (n, kv))  # this shard's
+            q, k, v = jnp.split(qkv, [nq, nq + nk], axis=2)
+        else:
+            q = self._project(h, "q", (d, n, hd), ("embed", "heads", "head_dim"))
+            k = self._project(h, "k", (d, kv, hd), ("embed", "kv_heads", "head_dim"), kv_group=n // kv,
+                              n_local=q.shape[2])
+            v = self._project(h, "v", (d, kv, hd), ("embed", "kv_heads", "head_dim"), kv_group=n // kv,
+                              n_local=q.shape[2])
         if s.rotary is not None:
             q, k = s.rotary(q, ctx.positions), s.rotary(k, ctx.positions)
         if cache is None and ctx.attention == "cudnn" and not s.alibi:
@@ -376,7 +391,8 @@ class Attention(hk.Module):
         return RowParallel(dense("btnh,nhd->btd", out, w_out), bias), cache
 
     def _project(self, h, which: str, shape, axes, kv_group: int = 1, n_local: Optional[int] = None):
-        """h [B, T, D] -> [B, T, heads here, H] (q, k or v); for replicated kv heads, only this shard's one."""
+        """h [B, T, D] -> [B, T, heads here, H] (q, k, v, or the three fused); for replicated kv heads,
+        only this shard's one."""
         w = parallel.weight(f"{which}_proj", shape, axes, 1, normal(self.spec.init_std), h.dtype)
         b = parallel.param(f"{which}_bias", shape[1:], axes[1:], ZEROS, h.dtype) if self.spec.qkv_bias else None
         heads_here = (w.array.shape[0] if isinstance(w, parallel.InputsLast)
@@ -639,21 +655,27 @@ class MLP(hk.Module):
         """h [B, T, D] -> RowParallel([B, T, D] partial over mp, fc_out bias [D] or None)."""
         s, dt = self.spec, h.dtype
         act = ACTIVATIONS[s.activation]
-        x = self._in("fc_in", h)
-        x = act(self._in("gate", h)) * x if s.gated else act(x)
+        if s.gated and parallel.fused(("mlp",)):  # decoding: gate and up as one product (`FUSED`)
+            gate, x = jnp.split(self._in("gate_fc_in", h, 2 * s.d_ff), 2, axis=-1)
+            x = act(gate) * x
+        else:
+            x = self._in("fc_in", h)
+            x = act(self._in("gate", h)) * x if s.gated else act(x)
         w_out = parallel.weight("fc_out", (s.d_ff, s.d_model), ("mlp", "embed"), 1, normal(s.out_std), dt)
         bias = parallel.param("fc_out_bias", (s.d_model,), ("embed",), ZEROS, dt) if s.bias else None
         return RowParallel(dense("btf,fd->btd", x.astype(dt), w_out), bias)
 
-    def _in(self, name: str, h):
-        """h [B, T, D] -> [B, T, F] float32 (the product rounded to h's dtype, then its bias added).
+    def _in(self, name: str, h, width: Optional[int] = None):
+        """h [B, T, D] -> [B, T, F] float32 (the product rounded to h's dtype, then its bias added);
+        `width` F: d_ff, or twice it for gate and up fused.
 
         The activation then runs in float32 and is rounded once: run on a 16-bit array, XLA:CPU
         rounds after each of its operations (bf16 GPT-J: a 16-prompt admission 150 -> 125 ms)."""
         s = self.spec
-        w = parallel.weight(name, (s.d_model, s.d_ff), ("embed", "mlp"), 1, normal(s.init_std), h.dtype)
+        f = width or s.d_ff
+        w = parallel.weight(name, (s.d_model, f), ("embed", "mlp"), 1, normal(s.init_std), h.dtype)
         x = dense("btd,df->btf", h, w).astype(jnp.float32)
-        return x + parallel.param(f"{name}_bias", (s.d_ff,), ("mlp",), ZEROS, h.dtype) if s.bias else x
+        return x + parallel.param(f"{name}_bias", (f,), ("mlp",), ZEROS, h.dtype) if s.bias else x
 
 
 # --------------------------------------------------------------------------------------------

@@ -20,14 +20,14 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from mesh_transformer.parallel.mesh import DP, MP
-from mesh_transformer.parallel.rules import ParamInfo, Rules, stored_layout
+from mesh_transformer.parallel.rules import Layout, ParamInfo, Rules, split_alike, stored_layout
 
 
 @dataclass(frozen=True)
 class _Manual:
     axis_sizes: Mapping[str, int]
     rules: Rules
-    inputs_last: bool = False  # weights stored inputs-last (see `InputsLast`)
+    layout: Layout = Layout()  # how the weights are stored (decoding's may differ from training's)
 
 
 _state = threading.local()
@@ -38,21 +38,22 @@ def _current() -> Optional[_Manual]:
 
 
 @contextlib.contextmanager
-def manual_axes(mesh: Mesh, rules: Rules, inputs_last: bool = False):
-    """Mark code as running inside shard_map over `mesh`, with parameters laid out by `rules`
-    (and weights stored inputs-last if `inputs_last`)."""
+def manual_axes(mesh: Mesh, rules: Rules, layout: Layout = Layout()):
+    """Mark code as running inside shard_map over `mesh`, with parameters placed by `rules` and
+    stored as `layout` says."""
     previous = _current()
-    _state.manual = _Manual(dict(mesh.shape), dict(rules), inputs_last)
+    _state.manual = _Manual(dict(mesh.shape), dict(rules), layout)
     try:
         yield
     finally:
         _state.manual = previous
 
 
-def shard_map(fn: Callable, mesh: Mesh, rules: Rules, in_specs, out_specs, inputs_last: bool = False) -> Callable:
-    """`jax.shard_map` whose body knows its mesh (so `param`, `psum_mp`, ... act on shards)."""
+def shard_map(fn: Callable, mesh: Mesh, rules: Rules, in_specs, out_specs, layout: Layout = Layout()) -> Callable:
+    """`jax.shard_map` whose body knows its mesh (so `param`, `psum_mp`, ... act on shards) and how
+    its weights are stored."""
     def body(*args):
-        with manual_axes(mesh, rules, inputs_last):
+        with manual_axes(mesh, rules, layout):
             return fn(*args)
     return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=True)
 
@@ -189,7 +190,7 @@ def _declare(name: str, shape, info: ParamInfo, init, cast_to):
     if manual is None:
         value = hk.get_parameter(name, shape, jnp.float32, init=init)
         return value if cast_to is None else value.astype(cast_to)
-    inputs_last = manual.inputs_last and info.inputs > 0
+    inputs_last = manual.layout.inputs_last and info.inputs > 0
     order, axes = stored_layout(info, len(shape), inputs_last)
     shape = tuple(shape[i] for i in order)
     mesh_axes = [manual.rules.get(a) for a in axes]
@@ -204,6 +205,13 @@ def _declare(name: str, shape, info: ParamInfo, init, cast_to):
         if mesh_axis == DP and manual.axis_sizes[DP] > 1:
             value = jax.lax.all_gather(value, DP, axis=dim, tiled=True)
     return InputsLast(value, info.inputs) if inputs_last else value
+
+
+def fused(output_axes) -> bool:
+    """Whether the weights whose first output axes are `output_axes` are stored as one here (the
+    decode layout's `fused`; see `Layout`): the model then asks for the fused leaf."""
+    manual = _current()
+    return manual is not None and manual.layout.fused and split_alike(output_axes, manual.rules)
 
 
 # --------------------------------------------------------------------------------------------

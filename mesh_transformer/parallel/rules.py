@@ -76,6 +76,24 @@ def stored_layout(info: ParamInfo, ndim: int, inputs_last: bool) -> tuple[tuple[
     return order, tuple(axes[i] for i in order)
 
 
+class Layout(NamedTuple):
+    """How the weights a model reads are stored. Training: as declared (the default). Decoding
+    (`generate.Generator`) may store them `inputs_last` (each output a dot product of contiguous
+    rows) and `fused`: the weights one input feeds stored as one, concatenated along their first
+    output axis, so a layer makes one product where training makes several (q/k/v; SwiGLU's gate
+    and up). Which leaves fuse is `models.layers.FUSED`; where they can, `split_alike`."""
+
+    inputs_last: bool = False
+    fused: bool = False
+
+
+def split_alike(output_axes, rules: Rules) -> bool:
+    """Whether leaves whose first output axes are `output_axes` can be stored fused: those axes
+    split over the same mesh axis (or none), so each shard holds its own part of every leaf
+    (GQA's replicated kv heads beside split query heads cannot)."""
+    return len({rules.get(a) for a in output_axes}) == 1
+
+
 def spec_for(axes, rules: Rules) -> P:
     return P(*(rules.get(a) if a else None for a in axes))
 
