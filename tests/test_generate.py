@@ -68,12 +68,13 @@ def test_greedy_matches_hf_generate(tiny, gen):
 @pytest.mark.parametrize("matvec", [False, None], ids=["inputs_first", "default"])
 def test_greedy_matches_hf_generate_on_dp2_mp4(tiny, matvec):
     """Weights inputs-first (Megatron's [in, heads, head] split over heads), and in the default
-    layout: inputs-last ([heads, head, in]) where the kernels' dot products run, else inputs-first."""
+    layout: inputs-last ([heads, head, in]) where the kernels' dot products run, else inputs-first;
+    q/k/v as one weight ([in, 3 x heads, head], each shard's q, k and v heads in turn) either way."""
     config, params = hf.load_hf(tiny.path, mp=4, compute_dtype="float32")
     sharded = Generator(config, params, mesh(2, 4), matvec=matvec)
     assert sharded.inputs_last == (matvec is None and kernels.dot_kernel(jnp.float32))
     spec = ("mp", None, None) if sharded.inputs_last else (None, "mp", None)
-    assert sharded.params["gptj/layer_1/attn"]["q_proj"].sharding.spec == jax.sharding.PartitionSpec(*spec)
+    assert sharded.params["gptj/layer_1/attn"]["qkv_proj"].sharding.spec == jax.sharding.PartitionSpec(*spec)
     assert_matches_hf(tiny, sharded.generate(PROMPTS, greedy(logprobs=0)), PROMPTS)
 
 
