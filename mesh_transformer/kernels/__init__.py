@@ -114,7 +114,10 @@ BF16_ROWS = Kernel("mesh_transformer_bf16_rows_times_bf16_weight", "MeshTransfor
 # 16.2 / 18.4 on the same weights and the inputs-first kernel's 10.6 / 11.1 / 11.2; 8 / 16 / 32 rows
 # 13.5 / 17.2 / 27.9 against XLA's inputs-first 21.8 / 22.7 / 38.0. A tied head ([50304, 1024], 4
 # chained) at 4-64 rows: float32 34-143 ms against YNNPACK's 54-188 and, in the float32 decode
-# program (no YNNPACK), XLA's 330-944; bf16 13-79 against YNNPACK's 35-97.
+# program (no YNNPACK), XLA's 330-944; bf16 13-79 against YNNPACK's 35-97. With the next block's
+# rows fetched during a block's second pass (8 rows or more; session 38, a slower day, the two
+# builds in alternating processes): bf16 8 / 16 rows 6.4 / 8.4 ms against 7.2 / 10.2, float32
+# 16 / 32 rows 16.2 / 25.6 against 18.9 / 28.2.
 DOT = {jnp.dtype(jnp.float32): Kernel("mesh_transformer_f32_rows_dot_f32_weight", "MeshTransformerF32RowsDotF32Weight",
                                       streamed=(1, 64)),
        jnp.dtype(jnp.bfloat16): Kernel("mesh_transformer_bf16_rows_dot_bf16_weight",

@@ -364,6 +364,9 @@ ffi::Future Typed(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<T> 
 // is read once per 16 (float32) or 32 (bf16) elements and multiplied into kDotBlock x B
 // accumulators, each reduced to a sum at the end of the row. No partial products to load and
 // store, and nothing to unpack: a bf16 weight row's consecutive pairs are the pairs vdpbf16ps takes.
+// With 8 rows of x or more a block takes several passes, the first waiting on memory, the others
+// computing from cache; the second fetches the next block's rows into L2 meanwhile, so memory and
+// arithmetic overlap (Zen 4, LLaMA-shaped decode: bf16 batch 8 / 16 +21% / +19%, fp32 +9% / +17%).
 constexpr int64_t kDotBlock = 4;        // rows per block, one from each run
 constexpr int64_t kDotGroup = 4;        // rows of x per pass over a block
 constexpr int64_t kDotMaxRows = 64;     // B at most
@@ -396,17 +399,21 @@ struct PairsDot {
 #define MESH_TRANSFORMER_DOT_TARGET __attribute__((target("avx512f,avx512bw,avx512bf16")))
 
 // y[b][o[j]] for B rows of x (row stride k_size) and the block's kDotBlock weight rows wr[j] (o[j] at
-// o_end or past: not stored); a masked last step zeroes what lies past K.
-template <typename Dot, int B>
+// o_end or past: not stored); a masked last step zeroes what lies past K. With kPrefetch, the next
+// block's rows `next[j]` are fetched into L2 alongside, a cache line of each per step.
+template <typename Dot, int B, bool kPrefetch = false>
 MESH_TRANSFORMER_DOT_TARGET __attribute__((always_inline)) inline void DotBlock(
     const typename Dot::T* x, int64_t k_size, const typename Dot::T* const* wr, float* y, int64_t o_size,
-    const int64_t* o, int64_t o_end) {
+    const int64_t* o, int64_t o_end, const typename Dot::T* const* next = nullptr) {
   __m512 acc[B][kDotBlock];
   for (int b = 0; b < B; ++b) {
     for (int64_t j = 0; j < kDotBlock; ++j) acc[b][j] = _mm512_setzero_ps();
   }
   for (int64_t k = 0; k < k_size; k += Dot::kStep) {
     const int64_t n = k_size - k;
+    if constexpr (kPrefetch) {
+      for (int64_t j = 0; j < kDotBlock; ++j) _mm_prefetch(reinterpret_cast<const char*>(next[j] + k), _MM_HINT_T1);
+    }
     __m512i wv[kDotBlock];
     for (int64_t j = 0; j < kDotBlock; ++j) wv[j] = Dot::Load(wr[j] + k, n);
     for (int b = 0; b < B; ++b) {
@@ -430,16 +437,25 @@ template <typename Dot>
 MESH_TRANSFORMER_DOT_TARGET void DotRows(const typename Dot::T* x, const typename Dot::T* w, float* y, int64_t rows,
                                          int64_t k_size, int64_t o_size, int64_t o_begin, int64_t o_end) {
   const int64_t run = (o_end - o_begin + kDotBlock - 1) / kDotBlock;
+  // With several groups of x's rows, the first pass over a block waits on memory and the others
+  // compute from cache: the second pass fetches the next block's rows, so its first pass need not.
+  const int64_t prefetching_pass = rows >= 2 * kDotGroup ? 1 : -1;
   for (int64_t i = 0; i < run; ++i) {
     int64_t o[kDotBlock];
     const typename Dot::T* wr[kDotBlock];
+    const typename Dot::T* next[kDotBlock];
     for (int64_t j = 0; j < kDotBlock; ++j) {
       o[j] = o_begin + j * run + i;
       wr[j] = w + std::min(o[j], o_end - 1) * k_size;
+      next[j] = w + std::min(o[j] + 1, o_end - 1) * k_size;
     }
     int64_t b = 0;
-    for (; b + kDotGroup <= rows; b += kDotGroup) {
-      DotBlock<Dot, kDotGroup>(x + b * k_size, k_size, wr, y + b * o_size, o_size, o, o_end);
+    for (int64_t pass = 0; b + kDotGroup <= rows; b += kDotGroup, ++pass) {
+      if (pass == prefetching_pass && i + 1 < run) {
+        DotBlock<Dot, kDotGroup, true>(x + b * k_size, k_size, wr, y + b * o_size, o_size, o, o_end, next);
+      } else {
+        DotBlock<Dot, kDotGroup>(x + b * k_size, k_size, wr, y + b * o_size, o_size, o, o_end);
+      }
     }
     const typename Dot::T* xb = x + b * k_size;
     float* yb = y + b * o_size;
