@@ -294,8 +294,8 @@ class Generator:
     for the mesh's mp). The generator keeps its own copy, cast to `config.compute_dtype`, split
     into per-layer arrays and placed by the MEGATRON table, built one leaf at a time. With
     `donate=True` each of the caller's jax arrays is deleted once converted, so the weights are held
-    once on the devices (peak: the caller's params plus the largest leaf); the caller must not use
-    them afterwards (`loading.LoadedModel.generator` does this).
+    once on the devices (peak: the caller's params plus the largest leaf or fused group, q/k/v); the
+    caller must not use them afterwards (`loading.LoadedModel.generator` does this).
 
     `matvec`: the weights' layout. Inputs-last (their `ParamInfo.inputs` axes last, as torch stores
     them) makes each output the dot product of two contiguous rows, which `kernels.rows_dot_weight`
