@@ -365,7 +365,7 @@ class Attention(hk.Module):
         d, n, kv, hd, dt = s.d_model, s.n_heads, s.kv_heads, s.head_dim, h.dtype
         if parallel.fused(("heads", "kv_heads")):  # decoding: one product, then split (`FUSED`)
             qkv = self._project(h, "qkv", (d, n + 2 * kv, hd), ("embed", "heads", "head_dim"))
-            nq, nk = (qkv.shape[2] * heads // (n + 2 * kv) for heads in (n, kv))  # this shard's
+            nq, nk = n // parallel.mp_size(), kv // parallel.mp_size()  # this shard's (both split over mp)
             q, k, v = jnp.split(qkv, [nq, nq + nk], axis=2)
         else:
             q = self._project(h, "q", (d, n, hd), ("embed", "heads", "head_dim"))
