@@ -14,9 +14,12 @@ run a model call it first (device_train.py, device_sample.py, device_serve.py, e
 train.py's host workers); the converters, which stream one tensor at a time to disk, do not (with
 freed blocks kept, an export's peak grew from 2.0x to 3.1x the parameters: blocks of many sizes
 fragment the heap). Set MESH_TRANSFORMER_MALLOC=system to leave malloc as it was. Anything but
-glibc (macOS, musl) is left alone. mallopt takes an int, so a block of 2 GiB or more is still
-mmapped and faulted afresh on each call: keep programs' temporaries below that (the serving
-admission once copied a 64-row KV cache, 2.1 GB, and spent a quarter of its time in page faults).
+glibc (macOS, musl) is left alone. mallopt takes an int, which glibc reads as a size_t: -1 is the
+largest size, so no block is ever mmapped and the heap top is never trimmed, whatever its size.
+(Until session 39 the thresholds were 2**31 - 1: a block of 2 GiB or more was mmapped afresh on
+each call, and the heap top was trimmed whenever 2 GiB of it was free — a 1-device training step
+of bench/train_throughput.py, whose ~1 GB temporaries free into a 2.8 GB top, faulted 0.5-1 GB
+of fresh pages in on every other step.)
 
 Compiled programs hold memory maps: XLA:CPU jit-compiles each kernel of a program on its own, with
 a mapping for its code, its constants and its data (about 500 maps for a decode program, whatever
@@ -38,7 +41,7 @@ log = logging.getLogger(__name__)
 ENV = "MESH_TRANSFORMER_MALLOC"
 # mallopt(3) parameters (glibc's malloc.h)
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_ARENA_MAX = -1, -3, -8
-LARGEST = 2**31 - 1  # mallopt takes an int: thresholds this high are never reached by one block
+NEVER = -1  # mallopt's int read as glibc's size_t: SIZE_MAX, a threshold no block or heap top reaches
 
 
 def keep_freed_memory() -> bool:
@@ -53,7 +56,7 @@ def keep_freed_memory() -> bool:
     if not hasattr(libc, "gnu_get_libc_version"):
         return False  # musl has a mallopt that ignores these
     done = all(mallopt(param, value) == 1 for param, value in (
-        (M_ARENA_MAX, 1), (M_MMAP_THRESHOLD, LARGEST), (M_TRIM_THRESHOLD, LARGEST)))
+        (M_ARENA_MAX, 1), (M_MMAP_THRESHOLD, NEVER), (M_TRIM_THRESHOLD, NEVER)))
     if not done:
         log.warning("glibc refused a mallopt setting; XLA:CPU buffers may page-fault on every call")
     return done

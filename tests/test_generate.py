@@ -473,7 +473,7 @@ def test_admission_writes_the_cache_in_place(gen, monkeypatch):
     """The compiled admission holds no second copy of the batch's cache: it relabels the cache
     (running rows moved first, `move`) and writes the new rows in place. A 64-row cache (2.1 GB)
     copied at every admission cost a behind-a-prefix admission of 16 prompts a quarter of its time
-    on a CPU (3.4 GB of temporaries: over 2 GiB, glibc mmaps them, page-faulted afresh each call)."""
+    on a CPU (3.4 GB of temporaries, which glibc then mmapped and page-faulted afresh each call)."""
     calls, admit = [], gen._admit
     monkeypatch.setattr(gen, "_admit", lambda *args: (calls.append(args), admit(*args))[1])
     batch = generate.Batch(gen, 16, 512, chunk=4)
