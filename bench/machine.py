@@ -139,19 +139,39 @@ def summary(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "runs": list(values)}
 
 
-def interleaved(sides: Mapping[str, Callable[[], float]], rounds: int, progress: bool = False) -> dict:
+def interleaved(sides: Mapping[str, Callable[[], float]], rounds: int, progress: bool = False,
+                faults: bool = False) -> dict:
     """Call each side once per round, in turn, `rounds` rounds -> {side: summary of its values}.
 
     Each callable measures once and returns a number (a rate, or seconds); warm-up and compilation
-    belong before the first round."""
+    belong before the first round. `faults`: the sides run in this process, so also record the
+    fresh memory each measurement touched (minor page faults x page size, MB per round:
+    "faulted_mb"), which the kernel zero-fills on the way — a cost that belongs to the allocator,
+    not to the computation (mesh_transformer/host_memory.py)."""
     values: dict[str, list[float]] = {name: [] for name in sides}
+    faulted: dict[str, list[float]] = {name: [] for name in sides}
     for r in range(rounds):
         for name, measure in sides.items():
+            before = minor_faults()
             values[name].append(measure())
+            faulted[name].append((minor_faults() - before) * PAGE / 2**20)
             if progress:
-                print(f"  round {r + 1}/{rounds} {name:32s} {values[name][-1]:12.2f}   (load {load_average()[0]:.2f})",
+                touched = f", faulted {faulted[name][-1]:.0f} MB" if faults else ""
+                print(f"  round {r + 1}/{rounds} {name:32s} {values[name][-1]:12.2f}   (load {load_average()[0]:.2f}{touched})",
                       file=sys.stderr, flush=True)
-    return {name: summary(v) for name, v in values.items()}
+    return {name: {**summary(v), **({"faulted_mb": faulted[name]} if faults else {})} for name, v in values.items()}
+
+
+PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def minor_faults() -> int:
+    """This process's minor page faults so far (0 where unknown)."""
+    try:
+        import resource
+        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    except (ImportError, OSError):
+        return 0
 
 
 def fmt(s: Mapping, digits: int = 0) -> str:

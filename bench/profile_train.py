@@ -3,7 +3,7 @@
     .venv/bin/python bench/profile_train.py [--mp 1] [--steps 3] [--top 25] [--json]
                                             [--layers 4 --d-model 512 --vocab 50257 --seq 256 --batch 4]
 
-Builds bench/train_throughput.py's model and step, runs 2 warm-up steps, traces `--steps` more
+Builds bench/train_throughput.py's model and step, runs `--warmup` steps (8), traces `--steps` more
 with `jax.profiler.trace`, and adds up the time of every XLA:CPU operation (thunk) over the trace.
 Each row names the operation, its HLO kind (dot, loop/input fusion, copy, ...), its output shape and
 the JAX code it came from (the op_name metadata), so the non-matmul time is easy to attribute: the
@@ -33,6 +33,8 @@ def parse_args():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mp", type=int, default=1)
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=8,
+                   help="untraced steps first: the heap grows to its peak over the first few (host_memory)")
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--trace-dir", help="keep the trace here (default: a temporary directory)")
     args, rest = p.parse_known_args()
@@ -72,6 +74,8 @@ def trace_events(directory: str) -> collections.Counter:
 
 def main():
     args = parse_args()
+    from mesh_transformer import host_memory
+    host_memory.keep_freed_memory()  # as device_train.py and bench/train_throughput.py do
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={args.mp}"
     description = machine.describe()
     import jax
@@ -83,17 +87,18 @@ def main():
     state = trainer.init_state(0)
     compiled = trainer.step.lower(state, batch).compile()
     ops = hlo_ops(compiled.as_text())
-    for _ in range(2):
+    for _ in range(args.warmup):
         state, metrics = trainer.step(state, batch)
-    jax.block_until_ready(metrics)
+        jax.block_until_ready(metrics)
     with tempfile.TemporaryDirectory() as tmp:
         tmp = args.trace_dir or tmp
         with jax.profiler.trace(tmp):
-            t0 = time.perf_counter()
+            faults, t0 = machine.minor_faults(), time.perf_counter()
             for _ in range(args.steps):
                 state, metrics = trainer.step(state, batch)
             jax.block_until_ready(metrics)
             step_s = (time.perf_counter() - t0) / args.steps
+            faulted_mb = (machine.minor_faults() - faults) * machine.PAGE / 2**20 / args.steps
         totals = trace_events(tmp)
     rows = []
     for (line, name), ns in totals.items():
@@ -105,12 +110,12 @@ def main():
     by_kind: collections.Counter = collections.Counter()
     for r in rows:
         by_kind[r["kind"].split(":")[0] if not r["kind"].startswith("fusion") else r["kind"]] += r["ms_per_step"]
-    results = {"config": vars(args), "step_ms": 1e3 * step_s, "ops_ms_total": sum(r["ms_per_step"] for r in rows),
+    results = {"config": vars(args), "step_ms": 1e3 * step_s, "faulted_mb_per_step": faulted_mb, "ops_ms_total": sum(r["ms_per_step"] for r in rows),
                "by_kind_ms": dict(by_kind.most_common()), "top": rows[: args.top]}
 
     def text():
-        print(f"step {1e3 * step_s:.0f} ms (mp={args.mp}, {args.steps} traced steps); XLA ops sum to "
-              f"{results['ops_ms_total']:.0f} ms per step")
+        print(f"step {1e3 * step_s:.0f} ms (mp={args.mp}, {args.steps} traced steps after {args.warmup}; fresh memory "
+              f"touched {faulted_mb:.0f} MB a step); XLA ops sum to {results['ops_ms_total']:.0f} ms per step")
         print("by kind: " + ", ".join(f"{k} {v:.0f} ms" for k, v in by_kind.most_common(8)))
         for r in rows[: args.top]:
             print(f"{r['ms_per_step']:8.1f} ms  {r['kind']:18s} {r['op']:28s} {r['shape']:28s} {r['source'][-70:]}")

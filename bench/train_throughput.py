@@ -5,14 +5,16 @@
                                                [--steps 4 --rounds 3] [--json]
 
 Both train the same config (fp32, AdamW, same batch) in the same process; the transformers model is
-built from ours through the library's HF export mapping (each family's shape: bench/families.py). Ours runs twice: on one
-CPU device, and on one simulated device per core with the model split over them (mp = cores),
-which is how this library uses a multi-core CPU (XLA runs each device's element-wise work on its
-own thread). After compiling and 2 warm-up steps each, the three sides run `--steps` timed steps
-in turn, `--rounds` times (ours, ours mp, torch, ours, ...), and each reports the median and
-min-max of its rounds. Reports tokens/s, model FLOP utilisation (MFU = tokens/s x training FLOPs
-per token / peak matmul FLOP/s) and the peak matmul rate measured with both frameworks (MFU uses
-the higher), after the machine, software and load (bench/machine.py).
+built from ours through the library's HF export mapping (each family's shape:
+bench/families.py). Ours runs twice: on one CPU device, and on one simulated device per core with
+the model split over them (mp = cores), which is how this library uses a multi-core CPU. After
+compiling and 2 warm-up steps each (up to 10 while a step still faults fresh memory in), the three
+sides run `--steps` timed steps in turn, `--rounds` times (ours, ours mp, torch, ours, ...), and
+each reports the median and min-max of its rounds. Reports tokens/s, model FLOP utilisation (MFU =
+tokens/s x training FLOPs per token / peak matmul FLOP/s), the peak matmul rate measured with both
+frameworks (MFU uses the higher) and the fresh memory each round touched (page faults, which the
+kernel zero-fills: a cost of the allocator, not of the step; mesh_transformer/host_memory.py),
+after the machine, software and load (bench/machine.py).
 """
 from __future__ import annotations
 
@@ -62,10 +64,15 @@ def peak_matmul_flops(n=2048, repeats=10) -> dict:
     return {"jax": jax_rate, "torch": torch_rate, "peak": max(jax_rate, torch_rate)}
 
 
-def timed_steps(step, steps: int, warmup: int = 2):
-    """Run `warmup` steps now; return a callable that times `steps` more and returns seconds per step."""
-    for _ in range(warmup):
+def timed_steps(step, steps: int, warmup: int = 2, settle: int = 10):
+    """Run `warmup` steps now, and more (up to `settle` in all) while a step still touches fresh
+    memory (the heap grows to its peak over the first steps: mesh_transformer/host_memory.py);
+    return a callable that times `steps` more and returns seconds per step."""
+    for done in range(settle):
+        faults = machine.minor_faults()
         step()
+        if done + 1 >= warmup and (machine.minor_faults() - faults) * machine.PAGE < 16 << 20:
+            break
 
     def measure() -> float:
         t0 = time.perf_counter()
@@ -136,7 +143,7 @@ def main():
     ours, config = bench_ours(args, tokens)
     sides = {"mesh-transformer, 1 device": ours, f"mesh-transformer, mp={mp}": bench_ours(args, tokens, mp=mp)[0],
              "transformers (torch)": bench_torch(args, tokens, config)}
-    seconds = machine.interleaved(sides, args.rounds, progress=not args.json)
+    seconds = machine.interleaved(sides, args.rounds, progress=not args.json, faults=True)
     tokens_per_step = args.batch * args.seq
     flops = config.model.flops_per_token()
     rows = {}
@@ -153,11 +160,12 @@ def main():
               f"({config.model.kv_heads} key/value), d_ff {config.model.ff_dim}, {config.model.n_params() / 1e6:.1f}M parameters")
         print(f"peak matmul: {peak['peak'] / 1e9:.1f} GFLOP/s (jax {peak['jax'] / 1e9:.1f}, torch {peak['torch'] / 1e9:.1f}); "
               f"{args.rounds} rounds x {args.steps} steps, interleaved")
-        print(f"{'':28s} {'step s':>8s} {'tokens/s median (min-max)':>26s} {'MFU':>6s} {'MFU vs torch peak':>18s} {'vs torch':>9s}")
+        print(f"{'':28s} {'step s':>8s} {'tokens/s median (min-max)':>26s} {'MFU':>6s} {'MFU vs torch peak':>18s} {'vs torch':>9s}  faulted MB per round")
         for name, r in rows.items():
             t = r["tokens_per_s"]
             print(f"{name:28s} {r['step_s']['median']:8.3f} {machine.fmt(t):>26s} {100 * r['mfu']:5.1f}% "
-                  f"{100 * t['median'] * flops / peak['torch']:17.1f}% {t['median'] / torch_rate:8.2f}x")
+                  f"{100 * t['median'] * flops / peak['torch']:17.1f}% {t['median'] / torch_rate:8.2f}x  "
+                  + " / ".join(f"{mb:.0f}" for mb in r["step_s"]["faulted_mb"]))
     machine.report(description, results, args.json, text)
 
 

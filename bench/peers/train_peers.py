@@ -78,6 +78,8 @@ def timed(step, steps: int) -> list[float]:
 def worker_ours(args, family: str) -> dict:
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=1"
     sys.path.insert(0, ROOT)
+    from mesh_transformer import host_memory
+    host_memory.keep_freed_memory()  # as device_train.py does (each kind runs in its own process)
     import jax
     import numpy as np
     import train_throughput
