@@ -17,9 +17,10 @@ fragment the heap). Set MESH_TRANSFORMER_MALLOC=system to leave malloc as it was
 glibc (macOS, musl) is left alone. mallopt takes an int, which glibc reads as a size_t: -1 is the
 largest size, so no block is ever mmapped and the heap top is never trimmed, whatever its size.
 (Until session 39 the thresholds were 2**31 - 1: a block of 2 GiB or more was mmapped afresh on
-each call, and the heap top was trimmed whenever 2 GiB of it was free — a 1-device training step
-of bench/train_throughput.py, whose ~1 GB temporaries free into a 2.8 GB top, faulted 0.5-1 GB
-of fresh pages in on every other step.)
+each call, and the heap top was trimmed whenever 2 GiB of it was free — strace of a 1-device
+training step of bench/train_throughput.py, whose ~1 GB temporaries free into a 2.8 GB top: the
+heap cut by 2.8 GB and grown back, its pages faulted in afresh. The heap still grows to its peak
+over the first steps, by fragmentation; docs/speed.md, session 39.)
 
 Compiled programs hold memory maps: XLA:CPU jit-compiles each kernel of a program on its own, with
 a mapping for its code, its constants and its data (about 500 maps for a decode program, whatever

@@ -60,9 +60,8 @@ def test_big_blocks_are_reused_not_faulted_in_on_every_call():
 def test_gigabyte_temporaries_are_kept_past_two_gib(sizes_mb):
     """Past mallopt's int range too: one block of 2.25 GiB (glibc would mmap it afresh on each call
     with a threshold of 2**31 - 1) and three 1 GiB blocks freed into a 3 GiB heap top (which a trim
-    threshold of 2**31 - 1 hands back to the OS at every free: a 1-device training step of
-    bench/train_throughput.py faulted 0.5-1 GB in on every other step that way) are faulted in on the
-    first call only."""
+    threshold of 2**31 - 1 hands back to the OS at every free, as it did to a 1-device training step
+    of bench/train_throughput.py) are faulted in on the first call only."""
     total = sum(sizes_mb)
     kept = run(sizes_mb, calls=2)
     assert kept["kept"] and kept["fault_mb"][0] > total * 0.9 and kept["fault_mb"][1] < 1, kept
