@@ -10,17 +10,20 @@ be shared). `describe()` collects that; `header()` prints it; `report()` prints 
 
 `interleaved()` runs every side of a comparison in turn, round after round (ours, peer, ours,
 peer, ...), so a change of load in the middle hits both alike, and summarises each side as
-median and min-max over the rounds.
+median and min-max over the rounds. A side can run in this process (a callable) or in a process of
+its own (`Apart`): its own heap and malloc setting, as for a user who runs only that program.
 """
 from __future__ import annotations
 
 import argparse
 import importlib.metadata
 import json
+import multiprocessing
 import os
 import platform
 import statistics
 import sys
+import traceback
 from typing import Callable, Mapping
 
 FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
@@ -144,23 +147,79 @@ def interleaved(sides: Mapping[str, Callable[[], float]], rounds: int, progress:
     """Call each side once per round, in turn, `rounds` rounds -> {side: summary of its values}.
 
     Each callable measures once and returns a number (a rate, or seconds); warm-up and compilation
-    belong before the first round. `faults`: the sides run in this process, so also record the
-    fresh memory each measurement touched (minor page faults x page size, MB per round:
-    "faulted_mb"), which the kernel zero-fills on the way — a cost that belongs to the allocator,
-    not to the computation (mesh_transformer/host_memory.py)."""
+    belong before the first round. `faults`: also report the fresh memory each measurement touched
+    in the process it ran in (minor page faults x page size, MB per round: "faulted_mb"; an `Apart`
+    side counts its own process's), which the kernel zero-fills on the way — a cost that belongs to
+    the allocator, not to the computation (mesh_transformer/host_memory.py)."""
     values: dict[str, list[float]] = {name: [] for name in sides}
     faulted: dict[str, list[float]] = {name: [] for name in sides}
     for r in range(rounds):
         for name, measure in sides.items():
-            before = minor_faults()
+            count = getattr(measure, "minor_faults", minor_faults)
+            before = count()
             values[name].append(measure())
-            faulted[name].append((minor_faults() - before) * PAGE / 2**20)
+            faulted[name].append((count() - before) * PAGE / 2**20)
             if progress:
                 touched = f", faulted {faulted[name][-1]:.0f} MB" if faults else ""
                 print(f"  round {r + 1}/{rounds} {name:32s} {values[name][-1]:12.2f}   (load {load_average()[0]:.2f}{touched})",
                       file=sys.stderr, flush=True)
     return {name: {**summary(v), **({"faulted_mb": faulted[name]} if faults else {})} for name, v in values.items()}
 
+
+
+class Apart:
+    """A side of `interleaved` that runs in a process of its own, started here and kept for every
+    round: its own heap, its own malloc setting and XLA_FLAGS, as for a user who runs only that
+    program. `build(*args)` (a module-level function) runs there after `env` is set and returns the
+    side's measure callable (compile and warm up inside it); calling this object measures once
+    there. Starting waits until the side is built, so sides are built one after another."""
+
+    def __init__(self, name: str, build: Callable, *args, env: Mapping[str, str] | None = None):
+        context = multiprocessing.get_context("spawn")  # a fresh interpreter: no jax, torch or heap of ours
+        self.name, self._faults = name, 0
+        self._conn, child = context.Pipe()
+        self._process = context.Process(target=_serve_side, args=(child, dict(env or {}), build, args), daemon=True)
+        self._process.start()
+        child.close()
+        self._faults = self._receive()
+
+    def __call__(self) -> float:
+        self._conn.send("measure")
+        value, self._faults = self._receive()
+        return value
+
+    def minor_faults(self) -> int:
+        """The side's process's minor page faults as of its last measurement."""
+        return self._faults
+
+    def close(self) -> None:
+        if self._process.is_alive():
+            self._conn.send(None)
+        self._process.join(timeout=60)
+
+    def _receive(self):
+        try:
+            kind, payload = self._conn.recv()
+        except EOFError:
+            self._process.join(timeout=10)
+            raise RuntimeError(f"benchmark side {self.name!r}: its process died (exit code {self._process.exitcode}; "
+                               "out of memory?)") from None
+        if kind == "error":
+            raise RuntimeError(f"benchmark side {self.name!r} failed in its process:\n{payload}")
+        return payload
+
+
+def _serve_side(conn, env: dict, build: Callable, args: tuple) -> None:
+    """`Apart`'s process: build the side, then measure whenever asked, until told to stop (None)."""
+    os.environ.update(env)
+    try:
+        measure = build(*args)
+        conn.send(("ready", minor_faults()))
+        while conn.recv() is not None:
+            value = measure()
+            conn.send(("value", (value, minor_faults())))
+    except BaseException:  # noqa: BLE001 - reported to the parent, which raises it with the side's name
+        conn.send(("error", traceback.format_exc()))
 
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 

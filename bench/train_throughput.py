@@ -4,17 +4,21 @@
                                                [--layers 4 --d-model 512 --seq 256 --batch 4]
                                                [--steps 4 --rounds 3] [--json]
 
-Both train the same config (fp32, AdamW, same batch) in the same process; the transformers model is
-built from ours through the library's HF export mapping (each family's shape:
-bench/families.py). Ours runs twice: on one CPU device, and on one simulated device per core with
-the model split over them (mp = cores), which is how this library uses a multi-core CPU. After
-compiling and 2 warm-up steps each (up to 10 while a step still faults fresh memory in), the three
-sides run `--steps` timed steps in turn, `--rounds` times (ours, ours mp, torch, ours, ...), and
-each reports the median and min-max of its rounds. Reports tokens/s, model FLOP utilisation (MFU =
-tokens/s x training FLOPs per token / peak matmul FLOP/s), the peak matmul rate measured with both
-frameworks (MFU uses the higher) and the fresh memory each round touched (page faults, which the
-kernel zero-fills: a cost of the allocator, not of the step; mesh_transformer/host_memory.py),
-after the machine, software and load (bench/machine.py).
+Both train the same config (fp32, AdamW, same batch); the transformers model is built from ours
+through the library's HF export mapping (each family's shape: bench/families.py). Ours runs twice: on
+one CPU device, and on one simulated device per core with the model split over them (mp = cores),
+which is how this library uses a multi-core CPU. Each of the three sides runs in a process of its
+own, as a user runs one of them: ours under the library's malloc setting (device_train.py's,
+mesh_transformer/host_memory.py) with as many devices as it uses, torch with a thread per core twice:
+under the same malloc setting (the reference: the same allocator on both sides, so the ratio
+compares the computation) and under glibc's default, as `python train.py` with torch runs out of the
+box. After compiling and 2 warm-up steps each (more, up to 24, until 3 steps in a row
+fault no fresh memory in), the sides run `--steps` timed steps in turn, `--rounds` times (ours, ours mp, torch,
+ours, ...), and each reports the median and min-max of its rounds. Reports tokens/s, model FLOP
+utilisation (MFU = tokens/s x training FLOPs per token / peak matmul FLOP/s), the peak matmul rate
+measured with both frameworks (MFU uses the higher) and the fresh memory each round touched (page
+faults, which the kernel zero-fills: a cost of the allocator, not of the step), after the machine,
+software and load (bench/machine.py).
 """
 from __future__ import annotations
 
@@ -64,14 +68,17 @@ def peak_matmul_flops(n=2048, repeats=10) -> dict:
     return {"jax": jax_rate, "torch": torch_rate, "peak": max(jax_rate, torch_rate)}
 
 
-def timed_steps(step, steps: int, warmup: int = 2, settle: int = 10):
-    """Run `warmup` steps now, and more (up to `settle` in all) while a step still touches fresh
-    memory (the heap grows to its peak over the first steps: mesh_transformer/host_memory.py);
-    return a callable that times `steps` more and returns seconds per step."""
+def timed_steps(step, steps: int, warmup: int = 2, quiet: int = 3, settle: int = 24):
+    """Run `warmup` steps now, and more (up to `settle` in all) until `quiet` steps in a row touch no
+    fresh memory (the heap grows to its peak over the first steps, by fragmentation, now and then
+    after several quiet ones: mesh_transformer/host_memory.py); return a callable that times `steps`
+    more and returns seconds per step."""
+    in_a_row = 0
     for done in range(settle):
         faults = machine.minor_faults()
         step()
-        if done + 1 >= warmup and (machine.minor_faults() - faults) * machine.PAGE < 16 << 20:
+        in_a_row = in_a_row + 1 if (machine.minor_faults() - faults) * machine.PAGE < 16 << 20 else 0
+        if done + 1 >= warmup and in_a_row >= quiet:
             break
 
     def measure() -> float:
@@ -82,41 +89,58 @@ def timed_steps(step, steps: int, warmup: int = 2, settle: int = 10):
     return measure
 
 
-def make_trainer(args, mp: int = 1, dp: int = 1, **overrides):
-    """Our Trainer for the benchmark's config on dp x mp CPU devices (`overrides`: more config keys)."""
-    import jax
-    from mesh_transformer import parallel
+def make_config(args, mp: int = 1, dp: int = 1, **overrides):
+    """Our Config for the benchmark's model on dp x mp devices (`overrides`: more config keys)."""
     from mesh_transformer.config import config_from_dict
-    from mesh_transformer.train.step import Trainer
     keys = dict(layers=args.layers, d_model=args.d_model, n_heads=args.heads, n_vocab=args.vocab, seq=args.seq,
                 compute_dtype="float32", remat="none", per_replica_batch=args.batch // dp, cores_per_replica=mp,
                 lr=1e-4, warmup_steps=0, anneal_steps=1000, total_steps=1000, weight_decay=0.1, clip_norm=1.0)
     family = overrides.pop("family", getattr(args, "family", "gptj"))
     keys.update(family=family, **families.family_keys(family, args.d_model, args.heads))
-    config = config_from_dict({**keys, **overrides})
-    return Trainer(config, parallel.make_mesh(mp, dp, jax.devices()[: dp * mp]))
+    return config_from_dict({**keys, **overrides})
 
 
-def bench_ours(args, tokens, dp=1, mp=1):
-    """-> (a callable timing `args.steps` steps: seconds per step, the config)."""
+def make_trainer(args, mp: int = 1, dp: int = 1, **overrides):
+    """Our Trainer for the benchmark's config on dp x mp CPU devices (`overrides`: more config keys)."""
     import jax
-    trainer = make_trainer(args, mp, dp)
+    from mesh_transformer import parallel
+    from mesh_transformer.train.step import Trainer
+    return Trainer(make_config(args, mp, dp, **overrides), parallel.make_mesh(mp, dp, jax.devices()[: dp * mp]))
+
+
+def batch_tokens(args) -> np.ndarray:
+    """The batch every side trains on: [batch, seq + 1] token ids."""
+    return np.random.RandomState(0).randint(0, args.vocab, (args.batch, args.seq + 1)).astype(np.int32)
+
+
+def bench_ours(args, mp: int = 1):
+    """In this side's process: our training step on `mp` devices under the library's malloc setting,
+    as device_train.py runs it -> a callable timing `args.steps` steps: seconds per step."""
+    from mesh_transformer import host_memory
+    host_memory.keep_freed_memory()
+    import jax
+    trainer = make_trainer(args, mp)
     box = {"state": trainer.init_state(0)}
-    batch = trainer.shard_batch({"tokens": tokens[None]})
+    batch = trainer.shard_batch({"tokens": batch_tokens(args)[None]})
 
     def step():
         box["state"], metrics = trainer.step(box["state"], batch)
         jax.block_until_ready(metrics)
-    return timed_steps(step, args.steps), trainer.config
+    return timed_steps(step, args.steps)
 
 
-def bench_torch(args, tokens, config):
-    """-> a callable timing `args.steps` steps of the transformers twin of `config` + torch AdamW:
-    seconds per step."""
+def bench_torch(args, threads: int, keep_freed: bool = True):
+    """In this side's process: the transformers twin of our config + torch AdamW on `threads`
+    threads, under the library's malloc setting (`keep_freed`) or glibc's default -> a callable
+    timing `args.steps` steps: seconds per step."""
+    if keep_freed:
+        from mesh_transformer import host_memory
+        host_memory.keep_freed_memory()
     import torch
-    model = families.hf_model(config.model).train()
+    torch.set_num_threads(threads)
+    model = families.hf_model(make_config(args).model).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
-    inputs = torch.tensor(tokens, dtype=torch.long)
+    inputs = torch.tensor(batch_tokens(args), dtype=torch.long)
 
     def step():
         loss = model(inputs[:, :-1], labels=inputs[:, :-1]).loss
@@ -127,31 +151,40 @@ def bench_torch(args, tokens, config):
     return timed_steps(step, args.steps)
 
 
+TORCH = "transformers (torch)"  # the reference side: torch under the same malloc setting as ours
+
+
+def devices_flag(n: int) -> dict:
+    """The environment a side's process needs for `n` CPU devices."""
+    flags = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split() if "host_platform_device_count" not in f)
+    return {"XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count={n}".strip()}
+
+
 def main():
     args = parse_args()
-    from mesh_transformer import host_memory
-    host_memory.keep_freed_memory()  # as device_train.py does; the in-process torch side gets it too (README)
     cores = os.cpu_count() or 1
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={cores}"
     description = machine.describe()
-    import torch
-    torch.set_num_threads(cores)
-    tokens = np.random.RandomState(0).randint(0, args.vocab, (args.batch, args.seq + 1)).astype(np.int32)
     peak = peak_matmul_flops()
     kv_heads = families.family_keys(args.family, args.d_model, args.heads).get("n_kv_heads", args.heads)
     mp = cores if args.heads % cores == 0 and kv_heads % cores == 0 else 1
-    ours, config = bench_ours(args, tokens)
-    sides = {"mesh-transformer, 1 device": ours, f"mesh-transformer, mp={mp}": bench_ours(args, tokens, mp=mp)[0],
-             "transformers (torch)": bench_torch(args, tokens, config)}
-    seconds = machine.interleaved(sides, args.rounds, progress=not args.json, faults=True)
+    config = make_config(args)
+    sides = {"mesh-transformer, 1 device": machine.Apart("ours, 1 device", bench_ours, args, 1, env=devices_flag(1)),
+             f"mesh-transformer, mp={mp}": machine.Apart(f"ours, mp={mp}", bench_ours, args, mp, env=devices_flag(mp)),
+             TORCH: machine.Apart("torch", bench_torch, args, cores),
+             "transformers, glibc malloc": machine.Apart("torch, glibc's malloc", bench_torch, args, cores, False)}
+    try:
+        seconds = machine.interleaved(sides, args.rounds, progress=not args.json, faults=True)
+    finally:
+        for side in sides.values():
+            side.close()
     tokens_per_step = args.batch * args.seq
     flops = config.model.flops_per_token()
     rows = {}
     for name, s in seconds.items():
         rate = machine.summary([tokens_per_step / x for x in s["runs"]])
         rows[name] = {"step_s": s, "tokens_per_s": rate, "mfu": rate["median"] * flops / peak["peak"]}
-    torch_rate = rows["transformers (torch)"]["tokens_per_s"]["median"]
-    speedups = {name: r["tokens_per_s"]["median"] / torch_rate for name, r in rows.items() if "torch" not in name}
+    torch_rate = rows[TORCH]["tokens_per_s"]["median"]
+    speedups = {name: r["tokens_per_s"]["median"] / torch_rate for name, r in rows.items() if name != TORCH}
     results = {"config": vars(args), "flops_per_token": flops, "peak_matmul_flops": peak, "sides": rows,
                "speedup_vs_torch": speedups}
 
@@ -159,7 +192,8 @@ def main():
         print(f"{args.family}: {args.layers} layers, d_model {args.d_model}, {args.heads} heads "
               f"({config.model.kv_heads} key/value), d_ff {config.model.ff_dim}, {config.model.n_params() / 1e6:.1f}M parameters")
         print(f"peak matmul: {peak['peak'] / 1e9:.1f} GFLOP/s (jax {peak['jax'] / 1e9:.1f}, torch {peak['torch'] / 1e9:.1f}); "
-              f"{args.rounds} rounds x {args.steps} steps, interleaved")
+              f"{args.rounds} rounds x {args.steps} steps, interleaved; each side in its own process "
+              "(malloc: the library's setting, but the last row's glibc default)")
         print(f"{'':28s} {'step s':>8s} {'tokens/s median (min-max)':>26s} {'MFU':>6s} {'MFU vs torch peak':>18s} {'vs torch':>9s}  faulted MB per round")
         for name, r in rows.items():
             t = r["tokens_per_s"]

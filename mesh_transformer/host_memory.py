@@ -8,19 +8,20 @@ AVX2 EPYC: a 16-row decode call over a 1,024-slot window took 283 MB of page fau
 which 111 ms were not compute; with freed memory kept, no faults and 57 ms (README, "Speed").
 
 `keep_freed_memory` makes glibc keep what is freed: one arena for every thread (the main heap grows
-as far as needed), no mmap for large blocks, no trimming of the heap top. The process keeps its peak
-host memory instead of returning it, as GPU and TPU allocators do with device memory. The tools that
-run a model call it first (device_train.py, device_sample.py, device_serve.py, eval_harness.py,
-train.py's host workers); the converters, which stream one tensor at a time to disk, do not (with
-freed blocks kept, an export's peak grew from 2.0x to 3.1x the parameters: blocks of many sizes
-fragment the heap). Set MESH_TRANSFORMER_MALLOC=system to leave malloc as it was. Anything but
-glibc (macOS, musl) is left alone. mallopt takes an int, which glibc reads as a size_t: -1 is the
-largest size, so no block is ever mmapped and the heap top is never trimmed, whatever its size.
-(Until session 39 the thresholds were 2**31 - 1: a block of 2 GiB or more was mmapped afresh on
-each call, and the heap top was trimmed whenever 2 GiB of it was free — strace of a 1-device
-training step of bench/train_throughput.py, whose ~1 GB temporaries free into a 2.8 GB top: the
-heap cut by 2.8 GB and grown back, its pages faulted in afresh. The heap still grows to its peak
-over the first steps, by fragmentation; docs/speed.md, session 39.)
+as far as needed), no mmap for any block (M_MMAP_MAX 0; older glibc refuses an mmap threshold above
+32 MiB — 2.33's malloc.c, for one — so a threshold cannot say "never" everywhere), no trimming of
+the heap top. The process keeps its peak host memory instead of returning it, as GPU and TPU
+allocators do with device memory. The tools that run a model call it first (device_train.py,
+device_sample.py, device_serve.py, eval_harness.py, train.py's host workers); the converters, which
+stream one tensor at a time to disk, do not (with freed blocks kept, an export's peak grew from 2.0x
+to 3.1x the parameters: blocks of many sizes fragment the heap). Set MESH_TRANSFORMER_MALLOC=system
+to leave malloc as it was. Anything but glibc (macOS, musl) is left alone. mallopt takes an int,
+which glibc reads as a size_t: a trim threshold of -1 is the largest size, so the heap top is never
+trimmed, whatever its size. (Until session 39 the thresholds were 2**31 - 1: a block of 2 GiB or
+more was mmapped afresh on each call, and the heap top was trimmed whenever 2 GiB of it was free —
+strace of a 1-device training step of bench/train_throughput.py, whose ~1 GB temporaries free into a
+2.8 GB top: the heap cut by 2.8 GB and grown back, its pages faulted in afresh. The heap still grows
+to its peak over the first steps, by fragmentation; docs/speed.md, session 39.)
 
 Compiled programs hold memory maps: XLA:CPU jit-compiles each kernel of a program on its own, with
 a mapping for its code, its constants and its data (about 500 maps for a decode program, whatever
@@ -41,8 +42,10 @@ log = logging.getLogger(__name__)
 
 ENV = "MESH_TRANSFORMER_MALLOC"
 # mallopt(3) parameters (glibc's malloc.h)
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_ARENA_MAX = -1, -3, -8
-NEVER = -1  # mallopt's int read as glibc's size_t: SIZE_MAX, a threshold no block or heap top reaches
+M_TRIM_THRESHOLD, M_MMAP_MAX, M_ARENA_MAX = -1, -4, -8
+NEVER = -1  # mallopt's int read as glibc's size_t: SIZE_MAX, a threshold no heap top reaches
+SETTINGS = ((M_ARENA_MAX, 1, "one arena for every thread"), (M_MMAP_MAX, 0, "no mmap for big blocks"),
+            (M_TRIM_THRESHOLD, NEVER, "no trimming of the heap top"))
 
 
 def keep_freed_memory() -> bool:
@@ -56,11 +59,10 @@ def keep_freed_memory() -> bool:
         return False
     if not hasattr(libc, "gnu_get_libc_version"):
         return False  # musl has a mallopt that ignores these
-    done = all(mallopt(param, value) == 1 for param, value in (
-        (M_ARENA_MAX, 1), (M_MMAP_THRESHOLD, NEVER), (M_TRIM_THRESHOLD, NEVER)))
-    if not done:
-        log.warning("glibc refused a mallopt setting; XLA:CPU buffers may page-fault on every call")
-    return done
+    refused = [what for param, value, what in SETTINGS if mallopt(param, value) != 1]  # each one tried
+    if refused:
+        log.warning("glibc refused %s; XLA:CPU buffers may page-fault on every call", ", ".join(refused))
+    return not refused
 
 
 MAPS_PER_PROGRAM = 1000  # a new compiled program's maps, with margin (a decode program: about 500)
