@@ -166,7 +166,6 @@ def interleaved(sides: Mapping[str, Callable[[], float]], rounds: int, progress:
     return {name: {**summary(v), **({"faulted_mb": faulted[name]} if faults else {})} for name, v in values.items()}
 
 
-
 class Apart:
     """A side of `interleaved` that runs in a process of its own, started here and kept for every
     round: its own heap, its own malloc setting and XLA_FLAGS, as for a user who runs only that
@@ -220,6 +219,7 @@ def _serve_side(conn, env: dict, build: Callable, args: tuple) -> None:
             conn.send(("value", (value, minor_faults())))
     except BaseException:  # noqa: BLE001 - reported to the parent, which raises it with the side's name
         conn.send(("error", traceback.format_exc()))
+
 
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 

@@ -5,20 +5,20 @@
                                                [--steps 4 --rounds 3] [--json]
 
 Both train the same config (fp32, AdamW, same batch); the transformers model is built from ours
-through the library's HF export mapping (each family's shape: bench/families.py). Ours runs twice: on
-one CPU device, and on one simulated device per core with the model split over them (mp = cores),
-which is how this library uses a multi-core CPU. Each of the three sides runs in a process of its
-own, as a user runs one of them: ours under the library's malloc setting (device_train.py's,
-mesh_transformer/host_memory.py) with as many devices as it uses, torch with a thread per core twice:
-under the same malloc setting (the reference: the same allocator on both sides, so the ratio
-compares the computation) and under glibc's default, as `python train.py` with torch runs out of the
-box. After compiling and 2 warm-up steps each (more, up to 24, until 3 steps in a row
-fault no fresh memory in), the sides run `--steps` timed steps in turn, `--rounds` times (ours, ours mp, torch,
-ours, ...), and each reports the median and min-max of its rounds. Reports tokens/s, model FLOP
-utilisation (MFU = tokens/s x training FLOPs per token / peak matmul FLOP/s), the peak matmul rate
-measured with both frameworks (MFU uses the higher) and the fresh memory each round touched (page
-faults, which the kernel zero-fills: a cost of the allocator, not of the step), after the machine,
-software and load (bench/machine.py).
+through the library's HF export mapping (each family's shape: bench/families.py). Ours runs twice:
+on one CPU device, and on one simulated device per core with the model split over them (mp = cores),
+which is how this library uses a multi-core CPU. Each side runs in a process of its own, as a user
+runs one of them: ours under the library's malloc setting (device_train.py's,
+mesh_transformer/host_memory.py) with as many devices as it uses, and torch with a thread per core,
+twice: under the same malloc setting (the reference: the same allocator on both sides, so the ratio
+compares the computation) and under glibc's default, as a script using transformers runs out of the
+box. After compiling and 2 warm-up steps each (more, up to 24, until 3 steps in a row fault no fresh
+memory in), the sides run `--steps` timed steps in turn, `--rounds` times (ours, ours mp, torch,
+torch with glibc's malloc, ours, ...), and each reports the median and min-max of its rounds.
+Reports tokens/s, model FLOP utilisation (MFU = tokens/s x training FLOPs per token / peak matmul
+FLOP/s), the peak matmul rate measured with both frameworks (MFU uses the higher) and the fresh
+memory each round touched (page faults, which the kernel zero-fills: a cost of the allocator, not of
+the step), after the machine, software and load (bench/machine.py).
 """
 from __future__ import annotations
 
