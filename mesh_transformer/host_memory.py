@@ -21,7 +21,9 @@ trimmed, whatever its size. (Until session 39 the thresholds were 2**31 - 1: a b
 more was mmapped afresh on each call, and the heap top was trimmed whenever 2 GiB of it was free —
 strace of a 1-device training step of bench/train_throughput.py, whose ~1 GB temporaries free into a
 2.8 GB top: the heap cut by 2.8 GB and grown back, its pages faulted in afresh. The heap still grows
-to its peak over the first steps, by fragmentation; docs/speed.md, session 39.)
+to its peak over the first steps, by fragmentation: a growth step is one call's temporaries, which
+XLA:CPU mallocs as one block, landing past a freed block that smaller allocations have split;
+docs/speed.md, sessions 39 and 40.)
 
 Compiled programs hold memory maps: XLA:CPU jit-compiles each kernel of a program on its own, with
 a mapping for its code, its constants and its data (about 500 maps for a decode program, whatever
