@@ -175,7 +175,7 @@ class Apart:
 
     def __init__(self, name: str, build: Callable, *args, env: Mapping[str, str] | None = None):
         context = multiprocessing.get_context("spawn")  # a fresh interpreter: no jax, torch or heap of ours
-        self.name, self._faults = name, 0
+        self.name = name
         self._conn, child = context.Pipe()
         self._process = context.Process(target=_serve_side, args=(child, dict(env or {}), build, args), daemon=True)
         self._process.start()
