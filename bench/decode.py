@@ -5,9 +5,9 @@
     python bench/decode.py --hf ./gpt-j-6b --batches 1 16 --dtypes bfloat16 --new 128
     python bench/decode.py --server-batch 64 2048 8 --batches 16 64 --no-hf   # as device_serve.py decodes
 
-Prints the machine's memory copy bandwidth (every core copying at once), and for batch 1 the
-memory-bandwidth bound on decode (every step reads every weight but the embedding table once: those
-bytes / bandwidth) with our share of it. The bandwidth is measured before and after every
+Prints the machine's memory bandwidth (every core at once, copying and reading), and for batch 1
+the memory-bandwidth bound on decode (every step reads every weight but the embedding table once:
+those bytes / the higher bandwidth) with our share of it. The bandwidth is measured before and after every
 configuration and the highest value is used (a shared machine's bandwidth varies from minute to
 minute; the highest gives the strictest bound). Decode time excludes the prompt: ours is timed
 around the compiled decode loop alone (after a warm-up run that compiles it); transformers' is
@@ -39,13 +39,17 @@ import families  # noqa: E402
 import machine  # noqa: E402
 
 
-def copy_bandwidth(mbytes: int = 512, repeats: int = 5) -> float:
-    """GB/s of a large numpy copy on every core at once (one thread per core, each copying its
-    slice; numpy releases the GIL), counting bytes read + written, best of `repeats`.
+def memory_bandwidth(mbytes: int = 512, repeats: int = 5) -> dict:
+    """GB/s of large passes over memory on every core at once, best of `repeats`: "copy" is numpy
+    copies on a thread per core, each over its slice (numpy releases the GIL), counting bytes read +
+    written; "read" is torch's sum of the same array on its threads, one per core (numpy's float64
+    sum held the GIL here: 24 GB/s on one thread and on two). Decode only reads its weights, and
+    which of the two runs faster differs from day to day on these VMs (session 37: read 39, copy 45
+    GB/s; session 40: read 27-44, copy 27-40), so the bound takes the higher.
 
     Every core, because decode reads its weights with all of XLA's threads: on the AVX-512 EPYC a
     single thread's copy ran at 40 GB/s and two threads' at 70, and the one-thread figure made
-    decode look 150% of its bound. Both arrays are anonymous memory maps, as malloc gives large
+    decode look 150% of its bound. The arrays are anonymous memory maps, as malloc gives large
     blocks by default: with the library's malloc setting (`host_memory`, which this script applies)
     numpy's arrays would come from the heap, where the same copy runs at a third of the speed on
     the AVX2 EPYC (9.4 vs 30 GB/s, 4 KiB pages), and the bound would understate the machine."""
@@ -56,13 +60,20 @@ def copy_bandwidth(mbytes: int = 512, repeats: int = 5) -> float:
     dst[:] = 0.0
     step = len(src) // threads
     parts = [slice(i * step, (i + 1) * step) for i in range(threads)]
-    best = float("inf")
+    import torch
+    whole = torch.from_numpy(src)
+    passes = {"copy": (lambda pool: list(pool.map(lambda part: np.copyto(dst[part], src[part]), parts)), 2),
+              "read": (lambda pool: whole.sum(), 1)}
+    rates = {}
     with concurrent.futures.ThreadPoolExecutor(threads) as pool:
-        for _ in range(repeats):
-            t = time.perf_counter()
-            list(pool.map(lambda part: np.copyto(dst[part], src[part]), parts))
-            best = min(best, time.perf_counter() - t)
-    return 2 * src.nbytes / best / 1e9
+        for kind, (one_pass, times_read) in passes.items():
+            best = float("inf")
+            for _ in range(repeats):
+                t = time.perf_counter()
+                one_pass(pool)
+                best = min(best, time.perf_counter() - t)
+            rates[kind] = times_read * src.nbytes / best / 1e9
+    return rates
 
 
 GPT2_EOS = 50256  # <|endoftext|>: the random models use the GPT-2 tokenizer
@@ -237,10 +248,11 @@ def main(argv=None):
 
     from mesh_transformer import loading, parallel
 
-    bandwidths = [copy_bandwidth()]
+    first = memory_bandwidth()
+    bandwidths = [max(first.values())]
     log = (lambda *a, **k: None) if args.json else print
     log(f"devices: {jax.devices()}  torch threads: {torch.get_num_threads()}")
-    log(f"memory copy bandwidth (read + write, every core): {bandwidths[0]:.1f} GB/s")
+    log(f"memory bandwidth, every core: copy (read + write) {first['copy']:.1f} GB/s, read {first['read']:.1f} GB/s")
     with tempfile.TemporaryDirectory() as tmp:
         path = args.hf or tmp
         torch_model = (AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval() if args.hf
@@ -264,7 +276,7 @@ def main(argv=None):
                 if not args.no_hf:
                     sides["hf"] = bench_hf(torch_model, batch, args.prompt, args.new, dtype, sampling)
                 rates = machine.interleaved(sides, args.repeats)
-                bandwidths.append(copy_bandwidth())
+                bandwidths.append(max(memory_bandwidth().values()))
                 row = {"dtype": dtype, "batch": batch, "weight_GB": weight_bytes / 1e9, "sampling": sampling,
                        "ours": {**details, "decode_tok_s": rates["ours"]["median"], "rounds": rates["ours"]}}
                 if "hf" in rates:
