@@ -220,7 +220,7 @@ def test_decode_runs_the_kernels_with_xla_paths_tokens(tiny, tmp_path, monkeypat
         assert kernels.BF16_ROWS.target in hlo and product.target not in hlo
     elif product.runs(rows):
         assert re.search(rf'{product.target}.*blocked = {"true" if rows > product.streamed[1] else "false"}', hlo)
-    assert (grouped in hlo) == (dtype == "bfloat16" or "gqa" in case)  # float32 groups of one query row: XLA's
+    assert grouped in hlo  # attention over the cache: every group's few query rows
     monkeypatch.setattr(kernels, "applies", lambda x, w: False)  # every product back to XLA's
     monkeypatch.setattr(kernels, "grouped_applies", lambda x, w: False)
     monkeypatch.setattr(kernels, "dot_applies", lambda x, w: False)

@@ -83,15 +83,17 @@ KERNELS = {
 # none: YNNPACK multiplies bf16 pairs (AVX-512-BF16), 7.1 / 13.5 ms at 16 / 64 rows against the
 # kernel's float32 arithmetic, 10.0 / 24.3.
 # Attention over a KV cache: per group (row and kv head) a few query rows times its keys or values.
-# float32 from 2 rows (grouped-query attention's query heads per kv head): bench/decode.py's
-# LLaMA-shaped model (4 per kv head), 16 / 64 rows, 492-504 -> 550-576 and 914-925 -> 1079-1104
-# tok/s; with one query per kv head (GPT-J) XLA's products are as fast or faster (16 rows: 537-552
-# against 520-523).
+# float32 from 1 row: bench/decode.py's LLaMA-shaped model (grouped-query attention, 4 query heads
+# per kv head), 16 / 64 rows, 492-504 -> 550-576 and 914-925 -> 1079-1104 tok/s. With one query
+# per kv head (GPT-J), 8 x d_model 1024, Zen 4, 5 interleaved rounds (session 41): batch 1 / 4 / 16
+# 44.2-45.6 -> 45.4-46.8, 132.7 -> 139.1, 270-287 -> 297-300 tok/s (medians): XLA's batched dot
+# of [heads, 1, d] x [heads, d, slots] ran ~50 us per call at one row, 16 calls a step; in a
+# 16-row x 1024-slot serving batch the same (328 / 321).
 GROUPED = {
     jnp.dtype(jnp.bfloat16): Kernel("mesh_transformer_bf16_grouped_rows_times_weight",
                                     "MeshTransformerBf16GroupedRowsTimesWeight", streamed=(1, 8)),
     jnp.dtype(jnp.float32): Kernel("mesh_transformer_f32_grouped_rows_times_weight",
-                                   "MeshTransformerF32GroupedRowsTimesWeight", streamed=(2, 8)),
+                                   "MeshTransformerF32GroupedRowsTimesWeight", streamed=(1, 8)),
 }
 # bf16 rows times a bf16 weight (a bfloat16 model's decode step) as pair dot products
 # (AVX-512-BF16's vdpbf16ps: two multiply-adds per float32 lane and instruction), streamed as the
