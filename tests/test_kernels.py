@@ -362,6 +362,7 @@ def test_the_narrower_instruction_set_paths_give_the_same_products(isa):
 
 BLOCKS = [  # (size, starts) of a block of a [2, 3, 7, 6] array
     ((2, 3, 7, 2), (0, 0, 0, 4)),  # new slots of every row (a decode step's keys)
+    ((2, 3, 7, 1), (0, 0, 0, 5)),  # one token's keys, slots last: runs of one element
     ((2, 3, 2, 6), (0, 0, 9, 0)),  # past the end: clamped (values)
     ((2, 3, 2, 6), (0, 0, -3, 0)),  # negative: from the end
     ((1, 3, 5, 6), (1, 0, 2, 0)),  # one row (an admitted prompt)
@@ -397,7 +398,7 @@ def test_slice_is_dynamic_slice(dtype, size, starts):
 
 def test_large_block_copies_split_over_threads_give_lax_arrays():
     """Copies of a MiB or more are split over the pool's threads by runs (here 3 x 7 x 33 runs of
-    700 floats: an uneven split), a slice and an update alike."""
+    700 floats: an uneven split), a slice and an update alike; and runs of one float."""
     rng = np.random.RandomState(5)
     x = jnp.asarray(rng.standard_normal((4, 7, 40, 1000)), jnp.float32)
     starts, sizes = (1, 0, 5, 250), (3, 7, 33, 700)
@@ -406,6 +407,11 @@ def test_large_block_copies_split_over_threads_give_lax_arrays():
     assert np.array_equal(np.asarray(ours), np.asarray(jax.lax.dynamic_slice(x, starts, sizes)))
     ours = jax.jit(lambda x, u: kernels.update_slice(x, u, starts))(x, update)
     assert np.array_equal(np.asarray(ours), np.asarray(jax.lax.dynamic_update_slice(x, update, starts)))
+    # one token into keys stored slots last: 2 MiB of 4-byte runs, split over the threads mid-axis
+    keys = jnp.asarray(rng.standard_normal((128, 16, 256, 3)), jnp.float32)
+    token = jnp.asarray(rng.standard_normal((128, 16, 256, 1)), jnp.float32)
+    ours = jax.jit(lambda x, u: kernels.update_slice(x, u, (0, 0, 0, 2)))(keys, token)
+    assert np.array_equal(np.asarray(ours), np.asarray(jax.lax.dynamic_update_slice(keys, token, (0, 0, 0, 2))))
 
 
 PUT_SLOTS = [  # slots [4, 6] of an M = 40 axis: a run; dropped (M, past it, negative) and out of order;

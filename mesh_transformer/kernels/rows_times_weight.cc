@@ -558,23 +558,46 @@ struct Block {
 
   size_t bytes() const { return static_cast<size_t>(runs * run) * width; }
 
-  // Copies runs first .. last-1.
+  // Copies runs first .. last-1. Each run's offsets are stepped from the previous run's, and a run
+  // of 2, 4 or 8 bytes (one token written into a cache whose slots are the last axis: keys stored
+  // [B, kv heads, head dim, slots]) is one fixed-size move: recomputing every offset over all axes
+  // and a memcpy call of a variable size cost 8-11 ns a run, 185 us for a 16-row float32 token.
   void Copy(char* dst, const char* src, int64_t first, int64_t last) const {
-    const int64_t rank = static_cast<int64_t>(sizes.size());
     std::vector<int64_t> at(std::max<int64_t>(split, 0), 0);  // run `first`'s index over axes 0 .. split-1
     for (int64_t d = split - 1, r = first; d >= 0; --d) {
       at[d] = r % sizes[d];
       r /= sizes[d];
     }
-    for (int64_t r = first; r < last; ++r) {
-      int64_t to = 0, from = 0;
-      for (int64_t d = 0; d < rank; ++d) {
-        const int64_t i = d < split ? at[d] : 0;
-        to += (dst_first[d] + i) * dst_stride[d];
-        from += (src_first[d] + i) * src_stride[d];
+    int64_t to = 0, from = 0;
+    for (int64_t d = 0; d < static_cast<int64_t>(sizes.size()); ++d) {
+      const int64_t i = d < split ? at[d] : 0;
+      to += (dst_first[d] + i) * dst_stride[d];
+      from += (src_first[d] + i) * src_stride[d];
+    }
+    switch (static_cast<size_t>(run) * width) {
+      case 2: return CopyRuns<2>(dst, src, to, from, at, last - first);
+      case 4: return CopyRuns<4>(dst, src, to, from, at, last - first);
+      case 8: return CopyRuns<8>(dst, src, to, from, at, last - first);
+      default: return CopyRuns<0>(dst, src, to, from, at, last - first);
+    }
+  }
+
+ private:
+  // `n` runs from the one at element offsets `to` / `from` (index `at` over axes 0 .. split-1);
+  // kBytes: each run's size when fixed, 0 for run x width.
+  template <size_t kBytes>
+  void CopyRuns(char* dst, const char* src, int64_t to, int64_t from, std::vector<int64_t>& at, int64_t n) const {
+    const size_t bytes = kBytes ? kBytes : static_cast<size_t>(run) * width;
+    for (int64_t r = 0; r < n; ++r) {
+      std::memcpy(dst + to * static_cast<int64_t>(width), src + from * static_cast<int64_t>(width), bytes);
+      for (int64_t d = split - 1; d >= 0; --d) {  // the next run: the last of axes 0 .. split-1 fastest
+        to += dst_stride[d];
+        from += src_stride[d];
+        if (++at[d] < sizes[d]) break;
+        at[d] = 0;
+        to -= sizes[d] * dst_stride[d];
+        from -= sizes[d] * src_stride[d];
       }
-      std::memcpy(dst + to * width, src + from * width, run * width);
-      for (int64_t d = split - 1; d >= 0 && ++at[d] == sizes[d]; --d) at[d] = 0;
     }
   }
 };
