@@ -558,8 +558,8 @@ def test_decode_leaves_its_matmuls_to_xla_on_cpu(tiny, matvec):
 
 
 def test_one_shard_decode_copies_no_logits_to_gather_them(gen):
-    """With mp = 1 the logits' gather over the model-parallel shards is a one-device all-reduce,
-    which XLA:CPU runs as nothing: its one-device all-gather wanted the logits column-major, so every
+    """With mp = 1 the logits' gather over the model-parallel shards is a one-device all-reduce
+    (none at all on a one-device mesh): XLA:CPU's one-device all-gather wanted the logits column-major, so every
     step copied them into that layout and gathered them (a 64-row serving batch of the LLaMA-shaped
     benchmark model: 1.3 of 25 ms, and 1.3 more in the copies after it)."""
     assert gen.mp == 1

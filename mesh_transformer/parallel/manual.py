@@ -55,7 +55,7 @@ def shard_map(fn: Callable, mesh: Mesh, rules: Rules, in_specs, out_specs, layou
     def body(*args):
         with manual_axes(mesh, rules, layout):
             return fn(*args)
-    return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=True)
+    return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=mesh.size > 1)
 
 
 # --------------------------------------------------------------------------------------------
@@ -219,9 +219,12 @@ def fused(output_axes) -> bool:
 # --------------------------------------------------------------------------------------------
 
 def _bound(axis: str) -> bool:
-    # Size-1 axes count too: shard_map tracks values as varying over them, and XLA drops the op.
+    """Whether a collective over `axis` is written: inside shard_map over more than one device.
+    Size-1 axes of a larger mesh count too (shard_map tracks values as varying over them). A
+    one-device mesh runs unchecked (`shard_map`) and writes none: XLA:CPU keeps a one-device
+    all-reduce as a copy of its operand."""
     manual = _current()
-    return manual is not None and axis in manual.axis_sizes
+    return manual is not None and axis in manual.axis_sizes and math.prod(manual.axis_sizes.values()) > 1
 
 
 def psum_mp(x):
@@ -232,7 +235,7 @@ def psum_mp(x):
 def all_gather_mp(x, axis: int = -1):
     """Concatenate the mp shards of `x` along `axis`; every shard gets the same whole array.
     With one shard a sum over it (the same array): XLA:CPU runs a one-device all-gather as copies
-    of `x` (two of a serving batch's logits per decode step), a one-device all-reduce as nothing."""
+    of `x` (two of a serving batch's logits per decode step), a one-device all-reduce as one."""
     if not _bound(MP):
         return x
     if _current().axis_sizes[MP] == 1:
