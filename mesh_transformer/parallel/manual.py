@@ -55,7 +55,8 @@ def shard_map(fn: Callable, mesh: Mesh, rules: Rules, in_specs, out_specs, layou
     def body(*args):
         with manual_axes(mesh, rules, layout):
             return fn(*args)
-    return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=mesh.size > 1)
+    return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                         check_vma=_writes_collectives(mesh.shape))
 
 
 # --------------------------------------------------------------------------------------------
@@ -218,13 +219,18 @@ def fused(output_axes) -> bool:
 # Collectives (identities outside shard_map)
 # --------------------------------------------------------------------------------------------
 
+def _writes_collectives(axis_sizes: Mapping[str, int]) -> bool:
+    """Whether the model writes collectives on a mesh of these axes: over more than one device,
+    size-1 axes included (shard_map tracks values as varying over them and checks it). A one-device
+    mesh runs unchecked and writes none: XLA:CPU keeps a one-device all-reduce as a copy of its
+    operand."""
+    return math.prod(axis_sizes.values()) > 1
+
+
 def _bound(axis: str) -> bool:
-    """Whether a collective over `axis` is written: inside shard_map over more than one device.
-    Size-1 axes of a larger mesh count too (shard_map tracks values as varying over them). A
-    one-device mesh runs unchecked (`shard_map`) and writes none: XLA:CPU keeps a one-device
-    all-reduce as a copy of its operand."""
+    """Whether a collective over `axis` is written here (inside shard_map, `_writes_collectives`)."""
     manual = _current()
-    return manual is not None and axis in manual.axis_sizes and math.prod(manual.axis_sizes.values()) > 1
+    return manual is not None and axis in manual.axis_sizes and _writes_collectives(manual.axis_sizes)
 
 
 def psum_mp(x):
