@@ -51,7 +51,8 @@ def gcs_bucket():
            "http_proxy": "http://127.0.0.1:9", "https_proxy": "http://127.0.0.1:9",
            "NO_PROXY": "127.0.0.1,localhost,::1", "no_proxy": "127.0.0.1,localhost,::1"}
     saved = {k: os.environ.get(k) for k in env}
-    server = subprocess.Popen([sys.executable, "-m", "gcp_storage_emulator", "start", "--host", "127.0.0.1",
+    emulator = os.path.join(os.path.dirname(__file__), "gcs_emulator.py")  # sends GCS's generation headers
+    server = subprocess.Popen([sys.executable, emulator, "start", "--host", "127.0.0.1",
                                "--port", str(port), "--in-memory", "--default-bucket", bucket, "-q"],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:

@@ -44,3 +44,19 @@ def test_gcs_round_trip(gcs_bucket):
         f"{gcs_bucket}/ckpt/big.bin", f"{gcs_bucket}/ckpt/meta.json"]
     storage.remove(path)
     assert not storage.exists(path)
+
+
+def test_tensorstore_reads_the_generation_its_ocdbt_writes_are_conditioned_on(gcs_bucket):
+    """GCS reads report the generation the write made, and OCDBT conditions its manifest updates on it:
+    the emulator sends `x-goog-generation` as GCS does (tests/gcs_emulator.py), else tensorstore reads
+    generation 0 and a fresh handle's update fails "Malformed StorageGeneration" (as orbax's checkpoint
+    saves did when they re-read their manifest)."""
+    import tensorstore as ts
+    bucket = ts.KvStore.open({"driver": "gcs", "bucket": gcs_bucket.removeprefix("gs://")}).result()
+    written = bucket.write("generations/object", b"x").result()
+    assert bucket.read("generations/object").result().stamp.generation == written.generation
+    database = {"driver": "ocdbt", "base": f"{gcs_bucket}/ocdbt/"}
+    ts.KvStore.open(database, context=ts.Context()).result().write("first", b"1").result()
+    second = ts.KvStore.open(database, context=ts.Context()).result()  # its own cache: reads the manifest
+    second.write("second", b"2").result()
+    assert [second.read(k).result().value for k in ("first", "second")] == [b"1", b"2"]
