@@ -25,7 +25,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import families  # noqa: E402
 import machine  # noqa: E402
-from profile_train import hlo_ops, trace_events  # noqa: E402
+from profile_train import hlo_ops, xla_events  # noqa: E402
 
 DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s8": 1, "u8": 1, "s32": 4, "u32": 4, "pred": 1, "f64": 8, "s64": 8}
 OPERAND = re.compile(r"\b(f32|bf16|f16|s8|u8|s32|u32|pred|f64|s64)\[([\d,]*)\]")
@@ -121,15 +121,14 @@ def main(argv=None):
     with tempfile.TemporaryDirectory() as tmp:
         with jax.profiler.trace(tmp):
             traced_ms = 1e3 * decode_once() / steps
-        totals, counts = trace_events(tmp), _event_counts(tmp)
+        per_op: collections.Counter = collections.Counter()
+        calls_of: collections.Counter = collections.Counter()
+        for _, name, ns in xla_events(tmp):  # an operation runs on whichever worker thread is free
+            per_op[name] += ns
+            calls_of[name] += 1
     text_hlo = decode_fn.lower(*calls[-1]).compile().as_text()
     ops = hlo_ops(text_hlo)
     kernels = custom_calls(text_hlo, ops)
-    per_op: collections.Counter = collections.Counter()
-    calls_of: collections.Counter = collections.Counter()
-    for (line, name), ns in totals.items():  # an operation runs on whichever worker thread is free
-        per_op[name] += ns
-        calls_of[name] += counts[(line, name)]
     rows = []
     for name, ns in per_op.items():
         if name not in ops:
@@ -161,20 +160,6 @@ def main(argv=None):
             print(f"{r['us_per_step']:8.1f} us {r['calls_per_step']:4.1f}x {read} {r['kind'][:34]:34s} "
                   f"{r['shape'][:22]:22s} {r['source'][-50:]}")
     machine.report(description, results, args.json, text)
-
-
-def _event_counts(directory: str) -> collections.Counter:
-    """How many times each event name ran on the host's XLA lines of the trace in `directory`."""
-    import glob
-
-    from jax.profiler import ProfileData
-    path = sorted(glob.glob(os.path.join(directory, "**", "*.xplane.pb"), recursive=True))[-1]
-    counts: collections.Counter = collections.Counter()
-    for plane in ProfileData.from_file(path).planes:
-        for line in plane.lines:
-            for event in line.events:
-                counts[(line.name, event.name)] += 1
-    return counts
 
 
 if __name__ == "__main__":

@@ -60,15 +60,21 @@ def hlo_ops(text: str) -> dict:
     return ops
 
 
-def trace_events(directory: str) -> collections.Counter:
-    """Total duration (ns) of each event name on the host's XLA lines of the trace in `directory`."""
+def xla_events(directory: str):
+    """(line name, event name, duration in ns) of every event on the host's XLA lines of the trace in `directory`."""
     from jax.profiler import ProfileData
     path = sorted(glob.glob(os.path.join(directory, "**", "*.xplane.pb"), recursive=True))[-1]
-    totals: collections.Counter = collections.Counter()
     for plane in ProfileData.from_file(path).planes:
         for line in plane.lines:
             for event in line.events:
-                totals[(line.name, event.name)] += event.duration_ns
+                yield line.name, event.name, event.duration_ns
+
+
+def trace_events(directory: str) -> collections.Counter:
+    """Total duration (ns) of each event name on the host's XLA lines of the trace in `directory`."""
+    totals: collections.Counter = collections.Counter()
+    for line, name, ns in xla_events(directory):
+        totals[(line, name)] += ns
     return totals
 
 
