@@ -185,8 +185,10 @@ def test_attention_matmuls_have_one_row_dimension(case, monkeypatch):
     """Every matmul of a decode step is [batch..] x rows x columns: a kv head's query heads and
     positions are one row dimension (with them apart, [4 heads] x [1 position], XLA:CPU ran a GQA
     model's attention scores 17x slower). XLA's products (on CPU with the kernels built, a GQA
-    model's are the grouped kernel's, which takes them so: tests/test_kernels.py)."""
+    model's are the fused attention kernel's or the grouped kernel's, which take them so:
+    tests/test_kernels.py)."""
     monkeypatch.setattr(kernels, "grouped_applies", lambda x, w: False)
+    monkeypatch.setattr(models.layers.Attention, "_fused_on_cpu", lambda *args: False)
     _, _, _, config, params = case
     gen = Generator(config, params, mesh(1, 1))
     text = gen._decode.lower(gen.params, gen.new_state(2, 32), np.int32(0), np.int32(1), 1, 32).as_text()

@@ -130,6 +130,7 @@ SLICE = ("mesh_transformer_slice", "MeshTransformerSlice")
 TAKE_ROWS = ("mesh_transformer_take_rows", "MeshTransformerTakeRows")
 PUT_SLOTS = ("mesh_transformer_put_slots", "MeshTransformerPutSlots")
 TRUNCATION_FLOOR = ("mesh_transformer_truncation_floor", "MeshTransformerTruncationFloor")
+ATTENTION_FEW_ROWS = 16  # query rows of a row and kv head (G x T) that take attention.cc's decode path
 ATTENTION = {jnp.dtype(jnp.float32): ("mesh_transformer_f32_attention", "MeshTransformerF32Attention"),
              jnp.dtype(jnp.bfloat16): ("mesh_transformer_bf16_attention", "MeshTransformerBf16Attention")}
 FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC")

@@ -11,6 +11,12 @@
 // same session already gone): 722 ms with XLA's attention, 580 with this kernel, 336 without
 // the prefix.
 //
+// Decoding (one position per row: a task holds only its kv head's few query heads, at most
+// kFewRows) takes a path of its own, `AttendFew`: the scores of every slot a query may see in one
+// piece, keys and values read where they lie in the cache, and the slots no query of the task
+// sees (a cache's unwritten tail, a row's left padding) not read at all. One call a layer then
+// replaces XLA's two products over the whole cache and the softmax's passes between them.
+//
 // How: a task is one row, one kv head and kQueryRows of its query rows (a kv head's query heads
 // times positions); threads take tasks in turn. Per tile of kKeys keys: the scores [rows, keys]
 // (the shared tiles' register-blocked product, tiles.h), the mask (a tile no query of the task may
@@ -25,9 +31,11 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <memory>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "threads.h"
@@ -44,6 +52,7 @@ using namespace mesh_transformer;  // tiles.h
 
 constexpr int64_t kQueryRows = 48;  // query rows per task: 8 tiles of kBlockRows
 constexpr int64_t kKeys = 256;       // keys per step of the running softmax
+constexpr int64_t kFewRows = 16;     // query rows a task takes the decode path (`AttendFew`) with, at most
 constexpr float kNeg = std::numeric_limits<float>::lowest();  // the library's NEG (a masked score)
 constexpr float kExpLow = -87.33654f;                         // exp(x) below float32's smallest normal: 0
 constexpr float kExpHigh = 88.37626f;
@@ -222,6 +231,20 @@ void PackKeys(const W* k, int64_t slots, int64_t j0, int64_t n, int64_t head_dim
   }
 }
 
+// o [H] = the mean of every slot's value of both parts (what XLA's softmax gives a query whose
+// every score is masked).
+template <typename W>
+void MeanOfValues(const Keys<W>* parts, int n_parts, int64_t head_dim, float* o) {
+  int64_t count = 0;
+  std::fill(o, o + head_dim, 0.0f);
+  for (int p = 0; p < n_parts; ++p) {
+    for (int64_t j = 0; j < parts[p].n; ++j, ++count) {
+      for (int64_t h = 0; h < head_dim; ++h) o[h] += Scalar(parts[p].v + j * head_dim + h);
+    }
+  }
+  for (int64_t h = 0; h < head_dim; ++h) o[h] = count ? o[h] / count : 0.0f;
+}
+
 // out [rows, H] = softmax(q k / sqrt(H)) v over both parts' keys, for the query rows r0 .. r0+rows-1
 // of one row and kv head (q [rows, H], in the cache's type).
 template <typename W>
@@ -266,18 +289,156 @@ void AttendTask(Isa isa, const W* q, float* out, int64_t r0, int64_t rows, int64
   for (int64_t r = 0; r < rows; ++r) {
     float* o = out + r * head_dim;
     if (s.max[r] == kNeg || s.sum[r] == 0.0f) {  // no key visible: every key weighs the same, as XLA's softmax
-      int64_t count = 0;
-      std::fill(o, o + head_dim, 0.0f);
-      for (int p = 0; p < n_parts; ++p) {
-        for (int64_t j = 0; j < parts[p].n; ++j, ++count) {
-          for (int64_t h = 0; h < head_dim; ++h) o[h] += Scalar(parts[p].v + j * head_dim + h);
-        }
-      }
-      for (int64_t h = 0; h < head_dim; ++h) o[h] = count ? o[h] / count : 0.0f;
+      MeanOfValues(parts, n_parts, head_dim, o);
       continue;
     }
     const float inverse = 1.0f / s.sum[r];
     for (int64_t h = 0; h < head_dim; ++h) o[h] = s.out[r * head_dim + h] * inverse;
+  }
+}
+
+// x rounded to the cache's type W (bfloat16: to nearest, ties to even), as a float.
+template <typename W>
+float AsStored(float x) {
+  if constexpr (std::is_same_v<W, float>) {
+    return x;
+  } else {
+    uint32_t bits;
+    std::memcpy(&bits, &x, sizeof bits);
+    bits = (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
+    std::memcpy(&x, &bits, sizeof bits);
+    return x;
+  }
+}
+
+constexpr int64_t kScoreFloats = 4096;  // scores per block of the decode path (16 KiB), 256 slots at least
+
+// y[r, 0 .. n) += a[r] x[0 .. n) for r < rows (y's rows y_stride apart): each vector of x loaded
+// once for all the rows.
+template <typename W>
+__attribute__((target("avx512f"))) void AxpyRowsAvx512(const float* a, int64_t rows, const W* x, int64_t n, float* y,
+                                                       int64_t y_stride) {
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) {
+    const __m512 xv = Load16(x + j);
+    for (int64_t r = 0; r < rows; ++r) {
+      float* yr = y + r * y_stride + j;
+      _mm512_storeu_ps(yr, _mm512_fmadd_ps(_mm512_set1_ps(a[r]), xv, _mm512_loadu_ps(yr)));
+    }
+  }
+  for (; j < n; ++j) {
+    for (int64_t r = 0; r < rows; ++r) y[r * y_stride + j] += a[r] * Scalar(x + j);
+  }
+}
+
+template <typename W>
+__attribute__((target("avx2,fma"))) void AxpyRowsAvx2(const float* a, int64_t rows, const W* x, int64_t n, float* y,
+                                                      int64_t y_stride) {
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const __m256 xv = Load8(x + j);
+    for (int64_t r = 0; r < rows; ++r) {
+      float* yr = y + r * y_stride + j;
+      _mm256_storeu_ps(yr, _mm256_fmadd_ps(_mm256_set1_ps(a[r]), xv, _mm256_loadu_ps(yr)));
+    }
+  }
+  for (; j < n; ++j) {
+    for (int64_t r = 0; r < rows; ++r) y[r * y_stride + j] += a[r] * Scalar(x + j);
+  }
+}
+
+template <typename W>
+void AxpyRows(Isa isa, const float* a, int64_t rows, const W* x, int64_t n, float* y, int64_t y_stride) {
+  if (isa == Isa::kAvx512) return AxpyRowsAvx512(a, rows, x, n, y, y_stride);
+  if (isa == Isa::kAvx2) return AxpyRowsAvx2(a, rows, x, n, y, y_stride);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t j = 0; j < n; ++j) y[r * y_stride + j] += a[r] * Scalar(x + j);
+  }
+}
+
+// Slots [lo, hi) of a part outside of which none of the query rows r0 .. r0+rows-1 sees a key
+// (lo == hi: it sees none).
+template <typename W>
+std::pair<int64_t, int64_t> VisibleSlots(const Keys<W>& keys, int64_t r0, int64_t rows, int64_t positions) {
+  int64_t lo = keys.n, hi = 0;
+  const int64_t masks = keys.used != nullptr ? 1 : std::min(rows, positions);
+  for (int64_t r = r0; r < r0 + masks; ++r) {
+    for (int64_t j = 0; j < keys.n; ++j) {
+      if (Visible(keys, r % positions, j)) {
+        lo = std::min(lo, j);
+        break;
+      }
+    }
+    for (int64_t j = keys.n - 1; j >= lo; --j) {
+      if (Visible(keys, r % positions, j)) {
+        hi = std::max(hi, j + 1);
+        break;
+      }
+    }
+  }
+  return {std::min(lo, hi), hi};
+}
+
+// AttendTask for a few query rows (rows <= kFewRows: a decode step's query heads of one kv head):
+// the scores of all the slots any of them sees at once (q [rows, H] times the keys as they lie in
+// the cache, [H, slots]), masked, a softmax per row (its probabilities rounded to the cache's type,
+// as `layers.Attention._attend_block` rounds them for its product), and the weighted sum of the
+// values read in place. Slots outside the visible range of each part are never read. `scratch`:
+// the thread's.
+template <typename W>
+void AttendFew(Isa isa, const W* q, float* out, int64_t r0, int64_t rows, int64_t head_dim, int64_t positions,
+               const Keys<W>* parts, int n_parts, std::vector<float>& scratch) {
+  std::pair<int64_t, int64_t> range[2];
+  int64_t width = 0;
+  for (int p = 0; p < n_parts; ++p) {
+    range[p] = VisibleSlots(parts[p], r0, rows, positions);
+    width += range[p].second - range[p].first;
+  }
+  scratch.resize(rows * (2 * head_dim + width));
+  float* scaled_q = scratch.data();
+  float* scores = scaled_q + rows * head_dim;  // [rows, width]: each part's visible slots in turn
+  const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
+  for (int64_t i = 0; i < rows * head_dim; ++i) scaled_q[i] = Scalar(q + i) * scale;
+  float* q_by_dim = scores + rows * width;  // [H, rows]: q's column h for `AxpyRows`
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t h = 0; h < head_dim; ++h) q_by_dim[h * rows + r] = scaled_q[r * head_dim + h];
+  }
+  for (int64_t p = 0, at = 0; p < n_parts; at += range[p].second - range[p].first, ++p) {
+    const auto [lo, hi] = range[p];
+    if (lo == hi) continue;
+    // Blocks of slots, key row by key row: each key row's part of a block is read as one run (a
+    // [H, slots] cache walked in 64-slot panels is read as runs of 256 bytes: slower than XLA's
+    // products over a 2,048-slot cache), the block's scores (kScoreFloats) staying in the L1 cache.
+    const int64_t columns = std::max<int64_t>(256, kScoreFloats / rows);
+    for (int64_t c0 = lo; c0 < hi; c0 += columns) {
+      const int64_t n = std::min(columns, hi - c0);
+      float* block = scores + at + c0 - lo;
+      for (int64_t r = 0; r < rows; ++r) std::fill(block + r * width, block + r * width + n, 0.0f);
+      for (int64_t h = 0; h < head_dim; ++h) {
+        AxpyRows(isa, q_by_dim + h * rows, rows, parts[p].k + h * parts[p].n + c0, n, block, width);
+      }
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      float* row = scores + r * width + at - lo;
+      for (int64_t j = lo; j < hi; ++j) row[j] = Visible(parts[p], (r0 + r) % positions, j) ? row[j] : kNeg;
+    }
+  }
+  float sums[kFewRows];
+  for (int64_t r = 0; r < rows; ++r) {  // the probabilities, in the cache's type as XLA's path (and HF's) has them
+    float* row = scores + r * width;
+    const float top = width > 0 ? Max(isa, row, width) : kNeg;
+    sums[r] = top == kNeg ? 0.0f : ExpSum(isa, row, width, top);
+    for (int64_t j = 0; sums[r] > 0.0f && j < width; ++j) row[j] = AsStored<W>(row[j] / sums[r]);
+  }
+  std::fill(out, out + rows * head_dim, 0.0f);
+  for (int64_t p = 0, at = 0; p < n_parts; at += range[p].second - range[p].first, ++p) {
+    const auto [lo, hi] = range[p];
+    if (lo == hi) continue;
+    Product(isa, scores + at, width, parts[p].v + lo * head_dim, head_dim, out, head_dim, rows, head_dim, hi - lo,
+            false);
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    if (sums[r] == 0.0f) MeanOfValues(parts, n_parts, head_dim, out + r * head_dim);  // no key visible
   }
 }
 
@@ -295,8 +456,10 @@ ffi::Future Attend(ffi::ThreadPool pool, const W* q, const W* k, const W* v, con
   };
   auto shared = std::make_shared<Shared>();
   const int64_t n_threads = std::max<int64_t>(1, std::min<int64_t>(n_tasks, pool.num_threads()));
+  const bool few = m <= kFewRows;
   return OnThreads(pool, n_threads, [=](int64_t) {
-    Scratch scratch(head_dim);
+    thread_local std::vector<float> few_scratch;
+    std::unique_ptr<Scratch> scratch = few ? nullptr : std::make_unique<Scratch>(head_dim);
     for (int64_t task = shared->next.fetch_add(1); task < n_tasks; task = shared->next.fetch_add(1)) {
       const int64_t group = task / blocks, b = group / kv_heads, kv = group % kv_heads;
       const int64_t r0 = (task % blocks) * kQueryRows, rows = std::min(kQueryRows, m - r0);
@@ -306,7 +469,11 @@ ffi::Future Attend(ffi::ThreadPool pool, const W* q, const W* k, const W* v, con
           {k + group * head_dim * slots, v + group * slots * head_dim, slots, mask + b * positions * slots, nullptr},
       };
       const int64_t at = (group * m + r0) * head_dim;
-      AttendTask(isa, q + at, out + at, r0, rows, head_dim, positions, parts, 2, scratch);
+      if (few) {
+        AttendFew(isa, q + at, out + at, r0, rows, head_dim, positions, parts, 2, few_scratch);
+      } else {
+        AttendTask(isa, q + at, out + at, r0, rows, head_dim, positions, parts, 2, *scratch);
+      }
     }
   });
 }

@@ -440,12 +440,14 @@ class Attention(hk.Module):
         return out.transpose(0, 3, 1, 2, 4).reshape(b, t, n, hd).astype(q.dtype)
 
     def _fused_on_cpu(self, q, k, ctx: Context) -> bool:
-        """Whether `_attend` runs as one CPU kernel (`kernels.attention`, the softmax fused in): a
-        prefill's many queries over a KV cache. Not training (it is differentiated), not ALiBi (the
-        kernel lacks it), not a decode step (one query per kv head for GPT-J: 13-19% slower than
-        XLA's products there). An admission of 16 prompts behind a cached 1,000-token prefix
-        (bench/decode.py --shared-prefix, GPT-J 4 x 512, fp32): 722 -> 580 ms."""
-        return (ctx.slot_index is not None and q.shape[3] > 1 and not self.spec.alibi
+        """Whether `_attend` runs as one CPU kernel (`kernels.attention`, the softmax fused in) over
+        a KV cache: a prefill's many queries, and a decode step's few (a kv head's query heads at
+        one position, at most `kernels.ATTENTION_FEW_ROWS`: the kernel's decode path, which reads
+        only the slots a query sees). Not training (it is differentiated), not ALiBi (the kernel
+        lacks it). An admission of 16 prompts behind a cached 1,000-token prefix (bench/decode.py
+        --shared-prefix, GPT-J 4 x 512, fp32): 722 -> 580 ms."""
+        b, kv, g, t, hd = q.shape
+        return (ctx.slot_index is not None and (t > 1 or g <= kernels.ATTENTION_FEW_ROWS) and not self.spec.alibi
                 and kernels.attention_applies(k))
 
     @staticmethod
