@@ -83,6 +83,9 @@ KERNELS = {
 # none: YNNPACK multiplies bf16 pairs (AVX-512-BF16), 7.1 / 13.5 ms at 16 / 64 rows against the
 # kernel's float32 arithmetic, 10.0 / 24.3.
 # Attention over a KV cache: per group (row and kv head) a few query rows times its keys or values.
+# Since session 43 a decode step's attention is `attention` below (its decode path: one call a
+# layer, 1.5-1.8x these two products and XLA's softmax between them); these run where that does
+# not: ALiBi, and more than ATTENTION_FEW_ROWS query heads per kv head.
 # float32 from 1 row: bench/decode.py's LLaMA-shaped model (grouped-query attention, 4 query heads
 # per kv head), 16 / 64 rows, 492-504 -> 550-576 and 914-925 -> 1079-1104 tok/s. With one query
 # per kv head (GPT-J), 8 x d_model 1024, Zen 4, 5 interleaved rounds (session 41): batch 1 / 4 / 16

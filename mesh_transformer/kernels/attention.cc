@@ -12,10 +12,11 @@
 // the prefix.
 //
 // Decoding (one position per row: a task holds only its kv head's few query heads, at most
-// kFewRows) takes a path of its own, `AttendFew`: the scores of every slot a query may see in one
-// piece, keys and values read where they lie in the cache, and the slots no query of the task
-// sees (a cache's unwritten tail, a row's left padding) not read at all. One call a layer then
-// replaces XLA's two products over the whole cache and the softmax's passes between them.
+// kFewRows) takes a path of its own, `AttendFew`: the scores of every slot a query may see, kept
+// for one softmax (no running rescale), keys and values read where they lie in the cache, and the
+// slots no query of the task sees (a cache's unwritten tail, a row's left padding) not read at
+// all. One call a layer then replaces XLA's two products over the whole cache and the softmax's
+// passes between them.
 //
 // How: a task is one row, one kv head and kQueryRows of its query rows (a kv head's query heads
 // times positions); threads take tasks in turn. Per tile of kKeys keys: the scores [rows, keys]
@@ -419,8 +420,14 @@ void AttendFew(Isa isa, const W* q, float* out, int64_t r0, int64_t rows, int64_
       }
     }
     for (int64_t r = 0; r < rows; ++r) {
-      float* row = scores + r * width + at - lo;
-      for (int64_t j = lo; j < hi; ++j) row[j] = Visible(parts[p], (r0 + r) % positions, j) ? row[j] : kNeg;
+      float* row = scores + r * width + at - lo;  // (a loop the compiler vectorises: no call, no branch)
+      if (parts[p].used != nullptr) {
+        const int32_t* used = parts[p].used;
+        for (int64_t j = lo; j < hi; ++j) row[j] = used[j] >= 0 ? row[j] : kNeg;
+      } else {
+        const bool* seen = parts[p].mask + ((r0 + r) % positions) * parts[p].n;
+        for (int64_t j = lo; j < hi; ++j) row[j] = seen[j] ? row[j] : kNeg;
+      }
     }
   }
   float sums[kFewRows];
