@@ -395,14 +395,12 @@ void AttendFew(Isa isa, const W* q, float* out, int64_t r0, int64_t rows, int64_
     range[p] = VisibleSlots(parts[p], r0, rows, positions);
     width += range[p].second - range[p].first;
   }
-  scratch.resize(rows * (2 * head_dim + width));
-  float* scaled_q = scratch.data();
-  float* scores = scaled_q + rows * head_dim;  // [rows, width]: each part's visible slots in turn
+  scratch.resize(rows * (head_dim + width));
+  float* q_by_dim = scratch.data();  // [H, rows]: q / sqrt(H), column h for `AxpyRows`
+  float* scores = q_by_dim + rows * head_dim;  // [rows, width]: each part's visible slots in turn
   const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
-  for (int64_t i = 0; i < rows * head_dim; ++i) scaled_q[i] = Scalar(q + i) * scale;
-  float* q_by_dim = scores + rows * width;  // [H, rows]: q's column h for `AxpyRows`
   for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t h = 0; h < head_dim; ++h) q_by_dim[h * rows + r] = scaled_q[r * head_dim + h];
+    for (int64_t h = 0; h < head_dim; ++h) q_by_dim[h * rows + r] = Scalar(q + r * head_dim + h) * scale;
   }
   for (int64_t p = 0, at = 0; p < n_parts; at += range[p].second - range[p].first, ++p) {
     const auto [lo, hi] = range[p];
