@@ -51,7 +51,7 @@ def xla_path(q, k, v, mask):
 
 
 def fused(q, k, v, mask):
-    b, kv, g, hd = q.shape
+    """`kernels.attention` of q [B, K, G, H] at one position, mask [B, S]."""
     return kernels.attention(q, k, v, mask[:, None])
 
 
