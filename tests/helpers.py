@@ -127,6 +127,10 @@ FAMILY_CASES = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(
         vocab_size=97, max_position_embeddings=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, intermediate_size=40, initializer_range=0.2, tie_word_embeddings=False)),
+    "qwen3_tied": ("Qwen3Config", "Qwen3ForCausalLM", dict(  # q/k norms; n_heads * head_dim != hidden_size
+        vocab_size=97, max_position_embeddings=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=12, intermediate_size=40, initializer_range=0.2, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
     "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(
         vocab_size=97, n_positions=64, n_embd=32, n_layer=2, n_head=4, bos_token_id=0, eos_token_id=0,
         initializer_range=0.2)),

@@ -27,6 +27,7 @@ from tests.helpers import (FAMILY_CASES, PARITY_TOL, config_for, hf_greedy, hf_l
 
 TOL = PARITY_TOL
 FAMILY_OF = {"gptj": "gptj", "gpt_neox": "gpt_neox", "gpt_neox_sequential": "gpt_neox", "qwen2": "llama",
+             "qwen3_tied": "llama",
              "llama_gqa2_llama3_rope": "llama", "llama_mqa_tied_bias_linear_rope": "llama", "gpt2": "gpt2",
              "opt_projected": "opt", "opt_post_norm": "opt"}
 
@@ -225,7 +226,7 @@ def test_unsupported_model_type_names_the_supported_ones(tmp_path):
         hf.load_hf(tmp_path)
 
 
-@pytest.mark.parametrize("shipped", ["llama3_8b", "pythia_6.9b", "gpt2_xl", "6B_roto_256"])
+@pytest.mark.parametrize("shipped", ["llama3_8b", "qwen3_8b", "pythia_6.9b", "gpt2_xl", "6B_roto_256"])
 def test_planner_param_count_equals_hf(shipped):
     """n_params of each shipped config equals HF's count of the same model, built on the meta device."""
     import torch
@@ -255,7 +256,7 @@ TRAIN_BASE = dict(layers=2, d_model=64, n_heads=8, n_vocab=250, seq=16, d_ff=96,
 TRAIN_CASES = {
     "gptj": dict(family="gptj", pe_rotary_dims=4),
     "gpt_neox": dict(family="gpt_neox", parallel_residual=False, rotary_pct=0.5),
-    "llama": dict(family="llama", n_kv_heads=2, tie_embeddings=True, qkv_bias=True),
+    "llama": dict(family="llama", n_kv_heads=2, tie_embeddings=True, qkv_bias=True, qk_norm=True),
     "gpt2": dict(family="gpt2"),
     "opt": dict(family="opt", word_embed_proj_dim=32, pre_norm=False),
     "llama_alibi": dict(family="llama", pe="alibi"),

@@ -234,6 +234,8 @@ def test_sharded_lora_gradients_equal_single_device(family):
                      max_position_embeddings=32), ["query_key_value", "dense_4h_to_h"]),
     ("Llama", dict(vocab_size=101, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                    intermediate_size=40, max_position_embeddings=32), ["q_proj", "v_proj", "gate_proj", "down_proj"]),
+    ("Qwen3", dict(vocab_size=101, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                   head_dim=12, intermediate_size=40, max_position_embeddings=32), ["k_proj", "o_proj", "up_proj"]),
     ("OPT", dict(vocab_size=101, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, ffn_dim=48,
                  max_position_embeddings=32, pad_token_id=1), ["k_proj", "out_proj", "fc1"]),
 ])

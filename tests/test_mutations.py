@@ -41,7 +41,11 @@ def row_parallel_bias_dropped(mp):
 
 def norm_epsilon_times_10(mp):
     mp.setattr(layers.LayerNorm, "__init__", lambda self, d, eps, name: _ln_init(self, d, eps * 10, name))
-    mp.setattr(layers.RMSNorm, "__init__", lambda self, d, eps, name: _rms_init(self, d, eps * 10, name))
+    mp.setattr(layers.RMSNorm, "__init__", lambda self, d, eps, name, **kw: _rms_init(self, d, eps * 10, name, **kw))
+
+
+def qk_norms_skipped(mp):
+    mp.setattr(layers, "norm_heads", lambda q, k, head_dim, eps: (q, k))
 
 
 MUTATIONS = [  # (mutation, the family case it must break)
@@ -51,6 +55,7 @@ MUTATIONS = [  # (mutation, the family case it must break)
     (q_and_k_swapped, "gptj"), (q_and_k_swapped, "opt_projected"),
     (row_parallel_bias_dropped, "gptj"), (row_parallel_bias_dropped, "gpt2"),
     (norm_epsilon_times_10, "gptj"), (norm_epsilon_times_10, "llama_gqa2_llama3_rope"),
+    (qk_norms_skipped, "qwen3_tied"),
 ]
 
 

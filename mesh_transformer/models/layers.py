@@ -204,15 +204,16 @@ class LayerNorm(hk.Module):
 
 
 class RMSNorm(hk.Module):
-    """RMSNorm over D, in float32 (Zhang & Sennrich 2019): x / rms(x) * scale."""
+    """RMSNorm over the last axis, in float32 (Zhang & Sennrich 2019): x / rms(x) * scale. `axis`
+    names that axis: "embed" for the residual stream, "head_dim" for Qwen3's per-head q/k norms."""
 
-    def __init__(self, d: int, eps: float, name: str):
+    def __init__(self, d: int, eps: float, name: str, axis: str = "embed"):
         super().__init__(name=name)
-        self.d, self.eps = d, eps
+        self.d, self.eps, self.axis = d, eps, axis
 
-    def __call__(self, x):  # [B, T, D] -> [B, T, D]
+    def __call__(self, x):  # [..., d] -> [..., d]
         dtype, x = x.dtype, x.astype(jnp.float32)
-        scale = parallel.param("scale", (self.d,), ("embed",), ONES)
+        scale = parallel.param("scale", (self.d,), (self.axis,), ONES)
         x = x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + self.eps)
         return (x * scale).astype(dtype)
 
@@ -319,6 +320,7 @@ class AttentionSpec(NamedTuple):
     alibi: bool = False
     qkv_bias: bool = False
     out_bias: bool = False
+    qk_norm: Optional[float] = None  # RMSNorm of each query and key head before rotary (Qwen3): its epsilon
     init_std: float = 0.02
     out_std: float = 0.02
 
@@ -373,6 +375,8 @@ class Attention(hk.Module):
                               n_local=q.shape[2])
             v = self._project(h, "v", (d, kv, hd), ("embed", "kv_heads", "head_dim"), kv_group=n // kv,
                               n_local=q.shape[2])
+        if s.qk_norm is not None:
+            q, k = norm_heads(q, k, s.head_dim, s.qk_norm)
         if s.rotary is not None:
             q, k = s.rotary(q, ctx.positions), s.rotary(k, ctx.positions)
         if cache is None and ctx.attention == "cudnn" and not s.alibi:
@@ -634,6 +638,14 @@ ACTIVATIONS = {
     "relu": jax.nn.relu,  # OPT
     "silu": jax.nn.silu,  # SwiGLU's gate (LLaMA)
 }
+
+
+def norm_heads(q, k, head_dim: int, eps: float):
+    """Qwen3's q_norm / k_norm (inside `Attention`, so named attn/q_norm, attn/k_norm): each head's
+    query and key RMS-normed over head_dim, one scale per head_dim entry shared by all heads
+    (replicated over mp)."""
+    return (RMSNorm(head_dim, eps, "q_norm", axis="head_dim")(q),
+            RMSNorm(head_dim, eps, "k_norm", axis="head_dim")(k))
 
 
 class MLPSpec(NamedTuple):

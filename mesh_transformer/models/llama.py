@@ -1,11 +1,13 @@
 """LLaMA (Touvron et al. 2023) and the models that share its shape — Llama 2/3, Mistral (without a
-sliding window shorter than the context), Qwen2, TinyLlama: numerically `transformers.LlamaForCausalLM`.
+sliding window shorter than the context), Qwen2, Qwen3, TinyLlama: numerically
+`transformers.LlamaForCausalLM` (and Qwen2's, Qwen3's classes).
 
     x = x + Attn(RMSNorm1(x));  x = x + SwiGLU(RMSNorm2(x))      # two all-reduces per layer
 
 Grouped-query attention (`n_kv_heads` kv heads shared by n_heads / n_kv_heads query heads),
 rotate-half rotary with `rope_theta` and HF's `rope_scaling` kinds "linear" and "llama3", optional
-q/k/v bias (Qwen2) and o_proj bias, tied or untied embeddings.
+q/k/v bias (Qwen2) and o_proj bias, RMSNorm of each query and key head before rotary (`qk_norm`,
+Qwen3), tied or untied embeddings.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ class LlamaConfig(ModelConfig):
     qkv_bias: bool = False
     out_bias: bool = False
     mlp_bias: bool = False
+    qk_norm: bool = False  # Qwen3: q_norm / k_norm over each head's head_dim, before rotary
     tie_embeddings: bool = False
     layer_norm_eps: float = 1e-6  # RMSNorm's epsilon
 
@@ -54,7 +57,8 @@ class LlamaConfig(ModelConfig):
         scaling = tuple(sorted(self.rope_scaling.items())) if self.rope_scaling else None
         rotary = Rotary(self.head_dim, "half", self.rope_theta, scaling) if self.pe == "rotary" else None
         return AttentionSpec(self.d_model, self.n_heads, self.kv_heads, self.head_dim, rotary, alibi=self.pe == "alibi",
-                             qkv_bias=self.qkv_bias, out_bias=self.out_bias)
+                             qkv_bias=self.qkv_bias, out_bias=self.out_bias,
+                             qk_norm=self.layer_norm_eps if self.qk_norm else None)
 
     def mlp(self) -> MLPSpec:
         return MLPSpec(self.d_model, self.ff_dim, "silu", gated=True, bias=self.mlp_bias)
@@ -73,30 +77,37 @@ class LlamaConfig(ModelConfig):
         scaling = None if rope.get("rope_type", rope.get("type", "default")) == "default" else rope
         seq = hf.get("max_position_embeddings", 2048)
         window = hf.get("sliding_window") if hf.get("use_sliding_window", True) else None
-        qwen2 = hf.get("model_type") == "qwen2"
+        qwen2, qwen3 = (hf.get("model_type") == t for t in ("qwen2", "qwen3"))
         return cls(layers=hf["num_hidden_layers"], d_model=hf["hidden_size"], n_heads=hf["num_attention_heads"],
                    n_kv_heads=hf.get("num_key_value_heads"), d_head=hf.get("head_dim"), n_vocab=hf["vocab_size"],
                    # attention over at most `sliding_window` tokens is full attention: the context stops there
                    seq=min(seq, window) if window else seq, d_ff=hf["intermediate_size"], rope_theta=theta,
                    rope_scaling=scaling, qkv_bias=qwen2 or hf.get("attention_bias", False),
                    out_bias=not qwen2 and hf.get("attention_bias", False), mlp_bias=hf.get("mlp_bias", False),
-                   tie_embeddings=hf.get("tie_word_embeddings", False), layer_norm_eps=hf.get("rms_norm_eps", 1e-6))
+                   qk_norm=qwen3, tie_embeddings=hf.get("tie_word_embeddings", False), layer_norm_eps=hf.get("rms_norm_eps", 1e-6))
 
     def to_hf_config(self) -> dict:
-        """LlamaForCausalLM, or Qwen2ForCausalLM for q/k/v biases without an o_proj bias."""
+        """LlamaForCausalLM; Qwen2ForCausalLM for q/k/v biases without an o_proj bias; Qwen3ForCausalLM
+        for q/k norms."""
         qwen2 = self.qkv_bias and not self.out_bias
         qwen2_shape = not self.mlp_bias and self.head_dim * self.n_heads == self.d_model
         if self.pe != "rotary" or (self.out_bias and not self.qkv_bias) or (qwen2 and not qwen2_shape):
             raise ConfigError("only pe='rotary' LLaMA models with q/k/v biases wherever o_proj has one (and Qwen2-style "
                               "models without MLP biases, with n_heads * d_head == d_model) export to HF")
-        out = {"architectures": ["Qwen2ForCausalLM" if qwen2 else "LlamaForCausalLM"],
-               "model_type": "qwen2" if qwen2 else "llama", "hidden_size": self.d_model,
+        if self.qk_norm and (qwen2 or self.mlp_bias):
+            raise ConfigError("a LLaMA model with qk_norm exports as Qwen3, which has no MLP biases and biases on "
+                              "all of q/k/v/o_proj or none")
+        kind = "qwen3" if self.qk_norm else "qwen2" if qwen2 else "llama"
+        out = {"architectures": [{"qwen3": "Qwen3", "qwen2": "Qwen2", "llama": "Llama"}[kind] + "ForCausalLM"],
+               "model_type": kind, "hidden_size": self.d_model,
                "num_attention_heads": self.n_heads, "num_key_value_heads": self.kv_heads,
                "num_hidden_layers": self.layers, "intermediate_size": self.ff_dim, "vocab_size": self.n_vocab,
                "max_position_embeddings": self.seq, "rope_theta": self.rope_theta, "rope_scaling": self.rope_scaling,
                "hidden_act": "silu", "rms_norm_eps": self.layer_norm_eps, "tie_word_embeddings": self.tie_embeddings}
-        if qwen2:
+        if kind == "qwen2":
             return {**out, "use_sliding_window": False}
+        if kind == "qwen3":
+            return {**out, "head_dim": self.head_dim, "attention_bias": self.qkv_bias, "use_sliding_window": False}
         return {**out, "head_dim": self.head_dim, "attention_bias": self.qkv_bias, "mlp_bias": self.mlp_bias}
 
 
@@ -125,6 +136,9 @@ def hf_table(c: LlamaConfig) -> list[hl.HFParam]:
     if c.qkv_bias:
         table += [hl.HFParam(layer + f"self_attn.{p}_proj.bias", (("layers/attn", f"{p}_bias"),), hl.head_bias(kv=p != "q"))
                   for p in "qkv"]
+    if c.qk_norm:
+        table += [hl.HFParam(layer + f"self_attn.{p}_norm.weight", ((f"layers/attn/{p}_norm", "scale"),), hl.SAME)
+                  for p in "qk"]
     if c.out_bias:
         table.append(hl.HFParam(layer + "self_attn.o_proj.bias", (("layers/attn", "out_bias"),), hl.SAME))
     if c.mlp_bias:
