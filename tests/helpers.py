@@ -127,6 +127,9 @@ FAMILY_CASES = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(
         vocab_size=97, max_position_embeddings=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, intermediate_size=40, initializer_range=0.2, tie_word_embeddings=False)),
+    "mistral_window": ("MistralConfig", "MistralForCausalLM", dict(  # a sliding window shorter than the tests' rows
+        vocab_size=99, max_position_embeddings=64, sliding_window=5, hidden_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, intermediate_size=40, initializer_range=0.2)),
     "qwen3_tied": ("Qwen3Config", "Qwen3ForCausalLM", dict(  # q/k norms; n_heads * head_dim != hidden_size
         vocab_size=97, max_position_embeddings=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=12, intermediate_size=40, initializer_range=0.2, tie_word_embeddings=True,

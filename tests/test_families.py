@@ -27,7 +27,7 @@ from tests.helpers import (FAMILY_CASES, PARITY_TOL, config_for, hf_greedy, hf_l
 
 TOL = PARITY_TOL
 FAMILY_OF = {"gptj": "gptj", "gpt_neox": "gpt_neox", "gpt_neox_sequential": "gpt_neox", "qwen2": "llama",
-             "qwen3_tied": "llama",
+             "qwen3_tied": "llama", "mistral_window": "llama",
              "llama_gqa2_llama3_rope": "llama", "llama_mqa_tied_bias_linear_rope": "llama", "gpt2": "gpt2",
              "opt_projected": "opt", "opt_post_norm": "opt"}
 
@@ -259,7 +259,7 @@ TRAIN_CASES = {
     "llama": dict(family="llama", n_kv_heads=2, tie_embeddings=True, qkv_bias=True, qk_norm=True),
     "gpt2": dict(family="gpt2"),
     "opt": dict(family="opt", word_embed_proj_dim=32, pre_norm=False),
-    "llama_alibi": dict(family="llama", pe="alibi"),
+    "llama_alibi_window": dict(family="llama", pe="alibi", sliding_window=6),
 }
 ACCUM, BATCH = 2, 8
 
@@ -331,19 +331,30 @@ def test_served_model_holds_its_weights_once(name, tmp_path):
     assert grown == parallel.bytes_of(gen.params) == 2 * sum(x.size for x in jax.tree.leaves(gen.params))
 
 
-def test_mistral_loads_as_llama_with_hf_logits(tmp_path):
-    """A MistralForCausalLM (GQA, sliding window no shorter than the context) imports as the llama
-    family, cut to its window, with HF's logits."""
-    import torch
-    import transformers
-    torch.manual_seed(0)
-    model = transformers.MistralForCausalLM(transformers.MistralConfig(
-        vocab_size=99, max_position_embeddings=64, sliding_window=32, hidden_size=32, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, intermediate_size=40, initializer_range=0.2)).eval()
-    model.save_pretrained(tmp_path)
+@pytest.mark.parametrize("case, overrides, seq, window", [
+    ("mistral_window", dict(sliding_window=64), 64, None),  # no shorter than the context: full attention
+    ("mistral_window", dict(sliding_window=8), 64, 8),  # every layer slides (the family case's own window is 5)
+    ("qwen2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1), 8, None),  # layer 1 slides
+])
+def test_sliding_windows_import_as_hf_computes_them(case, overrides, seq, window, tmp_path):
+    """HF's sliding-window keys: a window in every layer is `sliding_window`; some layers sliding and
+    some not (Qwen2's max_window_layers) cut the context to the window, where both compute the
+    same. Logits equal HF's over the whole context the import keeps."""
+    torch_model = make_hf_model(tmp_path, case, **overrides)
     config, params = hf.load_hf(tmp_path, compute_dtype="float32", remat="none")
-    assert (config.family, config.kv_heads, config.seq) == ("llama", 2, 32)
-    assert parity_error(config, params, model) < TOL
+    assert (config.seq, config.window) == (seq, window)
+    tokens = random_tokens((2, min(seq, 20)), config.n_vocab, seed=5)
+    ours = jax.jit(lambda p, t: models.build(config).apply(p, t)[0])(params, tokens)
+    np.testing.assert_allclose(np.asarray(ours)[..., :config.n_vocab], hf_logits(torch_model, tokens), atol=TOL, rtol=0)
+
+
+def test_sliding_window_is_checked_and_exports_only_without_biases():
+    with pytest.raises(ConfigError, match="config key 'sliding_window': must be a positive integer"):
+        config_from_dict({**TRAIN_BASE, "family": "llama", "sliding_window": 0})
+    windowed = config_from_dict({**TRAIN_BASE, "family": "llama", "sliding_window": 8, "qkv_bias": True,
+                                 "out_bias": True}).model
+    with pytest.raises(ConfigError, match="sliding window and biases"):
+        windowed.to_hf_config()
 
 
 @pytest.mark.parametrize("n_heads", [4, 6, 8, 12])
@@ -358,10 +369,10 @@ def test_alibi_slopes_equal_transformers_bloom(n_heads):
 
 
 def test_alibi_generation_equals_the_full_forward_pass():
-    """With ALiBi the cached decode path (left-padded rows, key positions from each row's start)
-    gives the tokens a full forward pass picks greedily, step by step."""
-    config = config_from_dict({**TRAIN_BASE, **TRAIN_CASES["llama_alibi"], "remat": "none"}).model
-    params = jax.device_get(_trainer("llama_alibi", 1, 1, False).init_state(0).params)
+    """With ALiBi and a 6-token sliding window the cached decode path (left-padded rows, key positions
+    from each row's start) gives the tokens a full forward pass picks greedily, step by step."""
+    config = config_from_dict({**TRAIN_BASE, **TRAIN_CASES["llama_alibi_window"], "remat": "none"}).model
+    params = jax.device_get(_trainer("llama_alibi_window", 1, 1, False).init_state(0).params)
     params = jax.tree.map(lambda x: x * 8 if x.ndim > 1 else x, params)  # peaked logits: no near-ties
     forward = jax.jit(lambda p, t: models.build(config).apply(p, t)[0])
     prompts = [random_tokens((1, n), config.n_vocab, seed=n)[0].tolist() for n in (3, 6)]
@@ -373,13 +384,14 @@ def test_alibi_generation_equals_the_full_forward_pass():
         assert out.tokens == tokens[len(prompt):]
 
 
-@pytest.mark.parametrize("family", ["gptj", "llama", "llama_alibi"])
+@pytest.mark.parametrize("family", ["gptj", "llama", "llama_alibi_window"])
 def test_prefill_in_query_blocks_and_in_the_cpu_kernel_equals_one_block(family, monkeypatch):
     """A prefill's attention in blocks of one row and a few positions (XLA's path on a CPU without
     the kernels; here forced with a tiny budget: 13 positions in 2 blocks of 7, the last padded),
     and as the fused CPU kernel (`kernels.attention`, where it applies: not ALiBi), gives the
     logits and keys/values of one block, with left-padded rows, a shared prefix two rows read
-    different parts of, grouped-query heads (llama) and ALiBi's distances."""
+    different parts of, grouped-query heads (llama), ALiBi's distances and a sliding window shorter
+    than the shared prefix and the prompt."""
     from mesh_transformer.models import layers
     from mesh_transformer.models.core import KVCache, SharedPrefix, unstack_layers
     config = config_from_dict({**TRAIN_BASE, **TRAIN_CASES[family], "remat": "none", "seq": 32}).model

@@ -13,6 +13,7 @@ from mesh_transformer.models import layers
 from tests.helpers import PARITY_TOL, make_hf_model, parity_error
 
 _rotated, _project, _reduce = layers._rotated, layers.Attention._project, layers.reduce_mp
+_within_window = layers.within_window
 _rotary_call, _ln_init, _rms_init = layers.Rotary.__call__, layers.LayerNorm.__init__, layers.RMSNorm.__init__
 
 
@@ -44,6 +45,10 @@ def norm_epsilon_times_10(mp):
     mp.setattr(layers.RMSNorm, "__init__", lambda self, d, eps, name, **kw: _rms_init(self, d, eps * 10, name, **kw))
 
 
+def window_one_wider(mp):
+    mp.setattr(layers, "within_window", lambda ctx, window: _within_window(ctx, window + 1))
+
+
 def qk_norms_skipped(mp):
     mp.setattr(layers, "norm_heads", lambda q, k, head_dim, eps: (q, k))
 
@@ -55,7 +60,7 @@ MUTATIONS = [  # (mutation, the family case it must break)
     (q_and_k_swapped, "gptj"), (q_and_k_swapped, "opt_projected"),
     (row_parallel_bias_dropped, "gptj"), (row_parallel_bias_dropped, "gpt2"),
     (norm_epsilon_times_10, "gptj"), (norm_epsilon_times_10, "llama_gqa2_llama3_rope"),
-    (qk_norms_skipped, "qwen3_tied"),
+    (qk_norms_skipped, "qwen3_tied"), (window_one_wider, "mistral_window"),
 ]
 
 

@@ -56,6 +56,15 @@ def test_6B_flops_per_token_is_the_published_formula():
     assert (matmul, attention) == (35_061_497_856, 2_818_572_288)
     assert config_from_dict(GPTJ_6B).model.flops_per_token() == matmul + attention == 37_880_070_144
 
+
+def test_a_sliding_window_counts_its_keys_not_the_context():
+    """Mistral-7B's shape at seq 8,192 with its 4,096-token window: attention's term counts 4,096 keys."""
+    mistral = dict(family="llama", layers=32, d_model=4096, n_heads=32, n_kv_heads=8, d_ff=14336, n_vocab=32000,
+                   seq=8192)
+    full = config_from_dict(mistral).model.flops_per_token()
+    windowed = config_from_dict({**mistral, "sliding_window": 4096}).model.flops_per_token()
+    assert full - windowed == 3 * 32 * 2 * 2 * (8192 - 4096) * 4096 == 6_442_450_944
+
 def test_6B_counts_hf_and_explains_the_model_card():
     m = config_from_dict(GPTJ_6B).model
     assert m.n_params() == models.build(m, 8).n_params() == HF_GPTJ_6B_PARAMS

@@ -295,13 +295,15 @@ class Model:
 
     def flops_per_token(self) -> int:
         """Training FLOPs per token: 6 x matmul parameters (a tied head counts as one) + attention
-        scores and mixing, 2 x 2 x seq x N x H per layer forward, x 3 for training (PaLM appendix B)."""
+        scores and mixing, 2 x 2 x keys x N x H per layer forward, x 3 for training (PaLM appendix
+        B; keys: seq, or a shorter sliding window)."""
         c = self.config
         matmuls = sum(self._unpadded_size(x, info) for x, info in _pairs(self.abstract_params, self.infos)
                       if info.inputs)
         if c.stem().tied:
             matmuls += c.n_vocab * (c.stem().embed_proj or c.d_model)
-        attention = c.layers * 2 * 2 * c.seq * c.n_heads * c.head_dim
+        keys = c.attention().window or c.seq
+        attention = c.layers * 2 * 2 * keys * c.n_heads * c.head_dim
         return 6 * matmuls + 3 * attention
 
     def _unpadded_size(self, x, info) -> int:

@@ -321,6 +321,7 @@ class AttentionSpec(NamedTuple):
     qkv_bias: bool = False
     out_bias: bool = False
     qk_norm: Optional[float] = None  # RMSNorm of each query and key head before rotary (Qwen3): its epsilon
+    window: Optional[int] = None  # sliding-window attention (Mistral): the last `window` positions, the query's own included
     init_std: float = 0.02
     out_std: float = 0.02
 
@@ -330,7 +331,8 @@ class Context(NamedTuple):
 
     positions [B, T] of the new tokens; mask [B, 1, 1, T, S] (True = may attend);
     key_positions [B, S] (ALiBi); slot_index: the cache slot the T new tokens go to (None: no cache);
-    causal: the mask is exactly the causal one (no segments, no dropped keys); attention: the
+    causal: the mask is exactly the causal one (no segments, no dropped keys; within a layer's
+    sliding window, the causal one cut to it); attention: the
     config's implementation ("xla" or "cudnn"); shared_positions [B, U]: each row's positions of
     the shared prefix's U slots, -1 where it does not read one (decoding with a `SharedPrefix`).
     """
@@ -365,6 +367,8 @@ class Attention(hk.Module):
         """
         s = self.spec
         d, n, kv, hd, dt = s.d_model, s.n_heads, s.kv_heads, s.head_dim, h.dtype
+        if s.window is not None:
+            ctx = within_window(ctx, s.window)
         if parallel.fused(("heads", "kv_heads")):  # decoding: one product, then split (`FUSED`)
             qkv = self._project(h, "qkv", (d, n + 2 * kv, hd), ("embed", "heads", "head_dim"))
             nq, nk = n // parallel.mp_size(), kv // parallel.mp_size()  # this shard's (both split over mp)
@@ -380,7 +384,7 @@ class Attention(hk.Module):
         if s.rotary is not None:
             q, k = s.rotary(q, ctx.positions), s.rotary(k, ctx.positions)
         if cache is None and ctx.attention == "cudnn" and not s.alibi:
-            out = _fused_attention(q, k, v, ctx)
+            out = _fused_attention(q, k, v, ctx, s.window)
         else:
             k, v = jnp.transpose(k, (0, 2, 3, 1)), jnp.swapaxes(v, 1, 2)  # [B, K, H, T], [B, K, T, H] as cached
             shared = None
@@ -448,11 +452,13 @@ class Attention(hk.Module):
         a KV cache: a prefill's many queries, and a decode step's few (a kv head's query heads at
         one position, at most `kernels.ATTENTION_FEW_ROWS`: the kernel's decode path, which reads
         only the slots a query sees). Not training (it is differentiated), not ALiBi (the kernel
-        lacks it). An admission of 16 prompts behind a cached 1,000-token prefix (bench/decode.py
+        lacks it), not a sliding window over a shared prefix (the kernel sees every shared slot as
+        before every query). An admission of 16 prompts behind a cached 1,000-token prefix (bench/decode.py
         --shared-prefix, GPT-J 4 x 512, fp32): 722 -> 580 ms."""
         b, kv, g, t, hd = q.shape
+        shared_in_window = self.spec.window is not None and ctx.shared_positions is not None
         return (ctx.slot_index is not None and (t > 1 or g <= kernels.ATTENTION_FEW_ROWS) and not self.spec.alibi
-                and kernels.attention_applies(k))
+                and not shared_in_window and kernels.attention_applies(k))
 
     @staticmethod
     def _attend_in_blocks(attend, q, k, v, ctx: Context, block: int):
@@ -501,7 +507,10 @@ class Attention(hk.Module):
         shared = scale(_all_rows_product(q, shared_k))
         if self.spec.alibi:
             shared = shared + self._alibi(kv, g, shared_positions, positions)
-        shared = jnp.where((shared_positions >= 0)[:, None, None, None, :], shared, NEG)
+        visible = jnp.broadcast_to((shared_positions >= 0)[:, None, :], (b, t, shared_positions.shape[-1]))
+        if self.spec.window is not None:
+            visible = visible & (positions[:, :, None] - shared_positions[:, None, :] < self.spec.window)
+        shared = jnp.where(visible[:, None, None], shared, NEG)
         top = jax.lax.stop_gradient(jnp.maximum(own.max(-1, keepdims=True), shared.max(-1, keepdims=True)))
         own, shared = jnp.exp(own - top), jnp.exp(shared - top)
         out = _rows_product("bkms,bksh->bkmh", rows(own), v) + _all_rows_product(rows(shared), shared_v)
@@ -604,16 +613,25 @@ def on_bits(op, *arrays):
     return jax.lax.bitcast_convert_type(bits, dtype)
 
 
-def _fused_attention(q, k, v, ctx: Context):
+def _fused_attention(q, k, v, ctx: Context, window: Optional[int] = None):
     """q [B, T, N, H], k and v [B, T, K, H] -> [B, T, N, H] with `jax.nn.dot_product_attention`:
     cuDNN's flash attention on NVIDIA GPUs in 16-bit (the [T, S] scores never reach memory; a plain
-    causal mask skips the blocks above the diagonal), XLA's implementation elsewhere. Used for
-    training (no cache, no ALiBi); decoding keeps the einsum path, which reads the cache in place."""
+    causal mask skips the blocks above the diagonal, a sliding window those left of it too), XLA's
+    implementation elsewhere. Used for training (no cache, no ALiBi); decoding keeps the einsum
+    path, which reads the cache in place."""
     on_gpu = jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16)
     k, v = k.astype(q.dtype), v.astype(q.dtype)
     mask = None if ctx.causal else ctx.mask[:, 0]  # [B, 1, T, S]
-    return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=ctx.causal,
+    local = (window - 1, 0) if ctx.causal and window is not None else None  # keys q - (window - 1) .. q
+    return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=ctx.causal, local_window_size=local,
                                         implementation="cudnn" if on_gpu else "xla")
+
+
+def within_window(ctx: Context, window: int) -> Context:
+    """`ctx` with each query's keys cut to the last `window` positions, its own included — HF's
+    sliding window (key > query - window); `causal` then means "causal within the window"."""
+    near = ctx.positions[:, :, None] - ctx.key_positions[:, None, :] < window  # [B, T, S]
+    return ctx._replace(mask=ctx.mask & near[:, None, None])
 
 
 def _one_head(w, head):

@@ -1,13 +1,13 @@
-"""LLaMA (Touvron et al. 2023) and the models that share its shape — Llama 2/3, Mistral (without a
-sliding window shorter than the context), Qwen2, Qwen3, TinyLlama: numerically
-`transformers.LlamaForCausalLM` (and Qwen2's, Qwen3's classes).
+"""LLaMA (Touvron et al. 2023) and the models that share its shape — Llama 2/3, Mistral, Qwen2,
+Qwen3, TinyLlama: numerically `transformers.LlamaForCausalLM` (and Mistral's, Qwen2's, Qwen3's).
 
     x = x + Attn(RMSNorm1(x));  x = x + SwiGLU(RMSNorm2(x))      # two all-reduces per layer
 
 Grouped-query attention (`n_kv_heads` kv heads shared by n_heads / n_kv_heads query heads),
 rotate-half rotary with `rope_theta` and HF's `rope_scaling` kinds "linear" and "llama3", optional
 q/k/v bias (Qwen2) and o_proj bias, RMSNorm of each query and key head before rotary (`qk_norm`,
-Qwen3), tied or untied embeddings.
+Qwen3), sliding-window attention in every layer (`sliding_window`, Mistral), tied or untied
+embeddings.
 """
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ class LlamaConfig(ModelConfig):
     out_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False  # Qwen3: q_norm / k_norm over each head's head_dim, before rotary
+    sliding_window: Optional[int] = None  # Mistral: each token attends to the last sliding_window, itself included
     tie_embeddings: bool = False
     layer_norm_eps: float = 1e-6  # RMSNorm's epsilon
 
@@ -52,13 +53,22 @@ class LlamaConfig(ModelConfig):
             require(kind in ROPE_SCALINGS, "rope_scaling", f"rope_type must be one of {tuple(ROPE_SCALINGS)}, got {kind!r}")
             missing = [k for k in ROPE_SCALINGS[kind] if k not in self.rope_scaling]
             require(not missing, "rope_scaling", f"{kind!r} needs {missing}")
+        if self.sliding_window is not None:
+            require(isinstance(self.sliding_window, int) and not isinstance(self.sliding_window, bool)
+                    and self.sliding_window > 0, "sliding_window",
+                    f"must be a positive integer (tokens), got {self.sliding_window!r}")
 
     def attention(self) -> AttentionSpec:
         scaling = tuple(sorted(self.rope_scaling.items())) if self.rope_scaling else None
         rotary = Rotary(self.head_dim, "half", self.rope_theta, scaling) if self.pe == "rotary" else None
         return AttentionSpec(self.d_model, self.n_heads, self.kv_heads, self.head_dim, rotary, alibi=self.pe == "alibi",
                              qkv_bias=self.qkv_bias, out_bias=self.out_bias,
-                             qk_norm=self.layer_norm_eps if self.qk_norm else None)
+                             qk_norm=self.layer_norm_eps if self.qk_norm else None, window=self.window)
+
+    @property
+    def window(self) -> Optional[int]:
+        """The attention window when it is shorter than the context (else None: full attention)."""
+        return self.sliding_window if self.sliding_window is not None and self.sliding_window < self.seq else None
 
     def mlp(self) -> MLPSpec:
         return MLPSpec(self.d_model, self.ff_dim, "silu", gated=True, bias=self.mlp_bias)
@@ -76,19 +86,18 @@ class LlamaConfig(ModelConfig):
         rope.pop("partial_rotary_factor", None)
         scaling = None if rope.get("rope_type", rope.get("type", "default")) == "default" else rope
         seq = hf.get("max_position_embeddings", 2048)
-        window = hf.get("sliding_window") if hf.get("use_sliding_window", True) else None
+        window, cut = _sliding_window(hf)
         qwen2, qwen3 = (hf.get("model_type") == t for t in ("qwen2", "qwen3"))
         return cls(layers=hf["num_hidden_layers"], d_model=hf["hidden_size"], n_heads=hf["num_attention_heads"],
                    n_kv_heads=hf.get("num_key_value_heads"), d_head=hf.get("head_dim"), n_vocab=hf["vocab_size"],
-                   # attention over at most `sliding_window` tokens is full attention: the context stops there
-                   seq=min(seq, window) if window else seq, d_ff=hf["intermediate_size"], rope_theta=theta,
+                   seq=min(seq, cut) if cut else seq, sliding_window=window, d_ff=hf["intermediate_size"], rope_theta=theta,
                    rope_scaling=scaling, qkv_bias=qwen2 or hf.get("attention_bias", False),
                    out_bias=not qwen2 and hf.get("attention_bias", False), mlp_bias=hf.get("mlp_bias", False),
                    qk_norm=qwen3, tie_embeddings=hf.get("tie_word_embeddings", False), layer_norm_eps=hf.get("rms_norm_eps", 1e-6))
 
     def to_hf_config(self) -> dict:
         """LlamaForCausalLM; Qwen2ForCausalLM for q/k/v biases without an o_proj bias; Qwen3ForCausalLM
-        for q/k norms."""
+        for q/k norms; MistralForCausalLM for a sliding window without any of those or biases."""
         qwen2 = self.qkv_bias and not self.out_bias
         qwen2_shape = not self.mlp_bias and self.head_dim * self.n_heads == self.d_model
         if self.pe != "rotary" or (self.out_bias and not self.qkv_bias) or (qwen2 and not qwen2_shape):
@@ -97,18 +106,42 @@ class LlamaConfig(ModelConfig):
         if self.qk_norm and (qwen2 or self.mlp_bias):
             raise ConfigError("a LLaMA model with qk_norm exports as Qwen3, which has no MLP biases and biases on "
                               "all of q/k/v/o_proj or none")
-        kind = "qwen3" if self.qk_norm else "qwen2" if qwen2 else "llama"
-        out = {"architectures": [{"qwen3": "Qwen3", "qwen2": "Qwen2", "llama": "Llama"}[kind] + "ForCausalLM"],
+        kind = "qwen3" if self.qk_norm else "qwen2" if qwen2 else "mistral" if self.window else "llama"
+        if kind == "mistral" and (self.qkv_bias or self.out_bias or self.mlp_bias):
+            raise ConfigError("a LLaMA model with a sliding window and biases has no HF class (Mistral has no biases)")
+        out = {"architectures": [{"qwen3": "Qwen3", "qwen2": "Qwen2", "mistral": "Mistral",
+                                  "llama": "Llama"}[kind] + "ForCausalLM"],
                "model_type": kind, "hidden_size": self.d_model,
                "num_attention_heads": self.n_heads, "num_key_value_heads": self.kv_heads,
                "num_hidden_layers": self.layers, "intermediate_size": self.ff_dim, "vocab_size": self.n_vocab,
                "max_position_embeddings": self.seq, "rope_theta": self.rope_theta, "rope_scaling": self.rope_scaling,
                "hidden_act": "silu", "rms_norm_eps": self.layer_norm_eps, "tie_word_embeddings": self.tie_embeddings}
+        window = {"use_sliding_window": self.window is not None, "sliding_window": self.window, "max_window_layers": 0}
         if kind == "qwen2":
-            return {**out, "use_sliding_window": False}
+            return {**out, **window}
         if kind == "qwen3":
-            return {**out, "head_dim": self.head_dim, "attention_bias": self.qkv_bias, "use_sliding_window": False}
+            return {**out, **window, "head_dim": self.head_dim, "attention_bias": self.qkv_bias}
+        if kind == "mistral":
+            return {**out, "head_dim": self.head_dim, "sliding_window": self.window}
         return {**out, "head_dim": self.head_dim, "attention_bias": self.qkv_bias, "mlp_bias": self.mlp_bias}
+
+
+def _sliding_window(hf: dict) -> tuple[Optional[int], Optional[int]]:
+    """(the window every layer attends within, or None; a context cut, or None) from HF's keys.
+    Mistral's `sliding_window` holds in every layer; Qwen2/3's only with `use_sliding_window`, in the
+    layers `layer_types` (else `max_window_layers`: the layers from it on) marks. With some layers
+    full and some sliding, the context stops at the window (full attention over at most the window
+    is what a sliding one computes)."""
+    window = hf.get("sliding_window")
+    if not window or not hf.get("use_sliding_window", True):
+        return None, None
+    kinds = hf.get("layer_types")
+    if kinds is None and "max_window_layers" in hf:
+        kinds = ["sliding_attention" if i >= hf["max_window_layers"] else "full_attention"
+                 for i in range(hf["num_hidden_layers"])]
+    if kinds is None or all(kind == "sliding_attention" for kind in kinds):
+        return window, None
+    return None, window
 
 
 def block(c: LlamaConfig, x, ctx, cache=None):
