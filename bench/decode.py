@@ -102,13 +102,14 @@ def sustained_read(step_bytes: int, steps: int, mbytes: int = 512):
 GPT2_EOS = 50256  # <|endoftext|>: the random models use the GPT-2 tokenizer
 
 
-def make_random(path, family="gptj", layers=4, d_model=512, heads=8, vocab=50400, seq=2048, seed=0):
+def make_random(path, family="gptj", layers=4, d_model=512, heads=8, vocab=50400, seq=2048, seed=0, window=None):
     """Save a random `family` model (GPT-2 tokenizer sized vocabulary; the family's shape, see
-    bench/families.py) to `path`; return the torch model."""
+    bench/families.py; `window`: a sliding window, Mistral) to `path`; return the torch model."""
     from mesh_transformer.config import config_from_dict
 
     config = config_from_dict({"family": family, "layers": layers, "d_model": d_model, "n_heads": heads,
-                               "n_vocab": vocab, "seq": seq, **families.family_keys(family, d_model, heads)})
+                               "n_vocab": vocab, "seq": seq, **families.family_keys(family, d_model, heads),
+                               **({"sliding_window": window} if window else {})})
     model = families.hf_model(config.model, seed).eval()
     for c in (model.config, model.generation_config):
         c.bos_token_id = c.eos_token_id = GPT2_EOS
@@ -227,6 +228,8 @@ def main(argv=None):
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--d-model", type=int, default=1024)
     parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--window", type=int, help="a sliding window of this many tokens (--family llama: "
+                        "Mistral's attention; transformers runs MistralForCausalLM)")
     parser.add_argument("--prompt", type=int, default=32, help="prompt tokens")
     parser.add_argument("--new", type=int, default=64, help="new tokens per sequence")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16])
@@ -256,6 +259,8 @@ def main(argv=None):
     parser.add_argument("--mp", type=int, default=1,
                         help="split the model over this many (simulated CPU) devices")
     args = parser.parse_args(argv)
+    if args.window and (args.family != "llama" or args.hf):
+        parser.error("--window needs --family llama (and a random model, not --hf)")
     if args.shared_prefix and not (args.server_batch and args.prefix_cache):
         parser.error("--shared-prefix needs --server-batch and --prefix-cache (the prefix is read from the cache)")
     from mesh_transformer import host_memory
@@ -279,7 +284,7 @@ def main(argv=None):
     with tempfile.TemporaryDirectory() as tmp:
         path = args.hf or tmp
         torch_model = (AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval() if args.hf
-                       else make_random(tmp, args.family, args.layers, args.d_model, args.heads))
+                       else make_random(tmp, args.family, args.layers, args.d_model, args.heads, window=args.window))
         results = []
         sampling = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p, "min_p": args.min_p}
         for dtype in args.dtypes:
