@@ -142,18 +142,19 @@ def test_fused_attention_matches_hf(case):
     assert parity_error(dataclasses.replace(config, attention_impl="cudnn"), params, torch_model) < TOL
 
 
-@pytest.mark.parametrize("family", ["gptj", "llama"])
-def test_fused_attention_equals_einsum_path_with_packing_and_fcm(family):
+@pytest.mark.parametrize("family, extra", [("gptj", {}), ("llama", {}), ("llama", {"sliding_window": 3})],
+                         ids=["gptj", "llama", "llama_window"])
+def test_fused_attention_equals_einsum_path_with_packing_and_fcm(family, extra):
     """The fused path under dp2 x mp4 (llama: 2 kv heads replicated over 4 shards) with packed
-    segments and forgetful causal masking (a mask it must take as given, not is_causal) gives the
-    einsum path's loss and gradients."""
+    segments and forgetful causal masking (a mask it must take as given, not is_causal; with a
+    sliding window, cut to it) gives the einsum path's loss and gradients."""
     from tests.helpers import max_abs_diff
     tokens = random_tokens((ACCUM, BATCH, 17), 250, seed=4)
     segments = np.repeat(np.arange(3), [5, 7, 5])[None, None].repeat(ACCUM, 0).repeat(BATCH, 1)
     results = []
     for impl in ("xla", "cudnn"):
-        trainer = _trainer(family, 2, 4, False, attention_impl=impl, fcm_max_ratio=0.5)
-        state = trainer.state_from_params(jax.device_get(_trainer(family, 1, 1, False).init_state(0).params))
+        trainer = _trainer(family, 2, 4, False, attention_impl=impl, fcm_max_ratio=0.5, **extra)
+        state = trainer.state_from_params(jax.device_get(_trainer(family, 1, 1, False, **extra).init_state(0).params))
         loss, grads = trainer.loss_and_grads(state.params, trainer.shard_batch({"tokens": tokens, "segments": segments}))
         results.append((float(loss), jax.device_get(grads)))
     (xla_loss, xla_grads), (fused_loss, fused_grads) = results
