@@ -321,7 +321,7 @@ class AttentionSpec(NamedTuple):
     qkv_bias: bool = False
     out_bias: bool = False
     qk_norm: Optional[float] = None  # RMSNorm of each query and key head before rotary (Qwen3): its epsilon
-    window: Optional[int] = None  # sliding-window attention (Mistral): the last `window` positions, the query's own included
+    window: Optional[int] = None  # sliding window (Mistral): the last `window` positions, the query's own included
     init_std: float = 0.02
     out_std: float = 0.02
 

@@ -90,10 +90,11 @@ class LlamaConfig(ModelConfig):
         qwen2, qwen3 = (hf.get("model_type") == t for t in ("qwen2", "qwen3"))
         return cls(layers=hf["num_hidden_layers"], d_model=hf["hidden_size"], n_heads=hf["num_attention_heads"],
                    n_kv_heads=hf.get("num_key_value_heads"), d_head=hf.get("head_dim"), n_vocab=hf["vocab_size"],
-                   seq=min(seq, cut) if cut else seq, sliding_window=window, d_ff=hf["intermediate_size"], rope_theta=theta,
-                   rope_scaling=scaling, qkv_bias=qwen2 or hf.get("attention_bias", False),
+                   seq=min(seq, cut) if cut else seq, sliding_window=window, d_ff=hf["intermediate_size"],
+                   rope_theta=theta, rope_scaling=scaling, qkv_bias=qwen2 or hf.get("attention_bias", False),
                    out_bias=not qwen2 and hf.get("attention_bias", False), mlp_bias=hf.get("mlp_bias", False),
-                   qk_norm=qwen3, tie_embeddings=hf.get("tie_word_embeddings", False), layer_norm_eps=hf.get("rms_norm_eps", 1e-6))
+                   qk_norm=qwen3, tie_embeddings=hf.get("tie_word_embeddings", False),
+                   layer_norm_eps=hf.get("rms_norm_eps", 1e-6))
 
     def to_hf_config(self) -> dict:
         """LlamaForCausalLM; Qwen2ForCausalLM for q/k/v biases without an o_proj bias; Qwen3ForCausalLM
