@@ -134,6 +134,11 @@ FAMILY_CASES = {
         vocab_size=97, max_position_embeddings=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=12, intermediate_size=40, initializer_range=0.2, tie_word_embeddings=True,
         rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
+    "phi3_window_partial": ("Phi3Config", "Phi3ForCausalLM", dict(  # fused qkv/gate_up, rotary on half of each head
+        vocab_size=99, max_position_embeddings=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=40, sliding_window=6, initializer_range=0.2, pad_token_id=0,
+        bos_token_id=1, eos_token_id=2, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                         "partial_rotary_factor": 0.5})),
     "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(
         vocab_size=97, n_positions=64, n_embd=32, n_layer=2, n_head=4, bos_token_id=0, eos_token_id=0,
         initializer_range=0.2)),

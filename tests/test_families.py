@@ -27,7 +27,7 @@ from tests.helpers import (FAMILY_CASES, PARITY_TOL, config_for, hf_greedy, hf_l
 
 TOL = PARITY_TOL
 FAMILY_OF = {"gptj": "gptj", "gpt_neox": "gpt_neox", "gpt_neox_sequential": "gpt_neox", "qwen2": "llama",
-             "qwen3_tied": "llama", "mistral_window": "llama",
+             "qwen3_tied": "llama", "mistral_window": "llama", "phi3_window_partial": "phi3",
              "llama_gqa2_llama3_rope": "llama", "llama_mqa_tied_bias_linear_rope": "llama", "gpt2": "gpt2",
              "opt_projected": "opt", "opt_post_norm": "opt"}
 
@@ -227,7 +227,7 @@ def test_unsupported_model_type_names_the_supported_ones(tmp_path):
         hf.load_hf(tmp_path)
 
 
-@pytest.mark.parametrize("shipped", ["llama3_8b", "qwen3_8b", "pythia_6.9b", "gpt2_xl", "6B_roto_256"])
+@pytest.mark.parametrize("shipped", ["llama3_8b", "qwen3_8b", "phi3_mini_4k", "pythia_6.9b", "gpt2_xl", "6B_roto_256"])
 def test_planner_param_count_equals_hf(shipped):
     """n_params of each shipped config equals HF's count of the same model, built on the meta device."""
     import torch
@@ -261,6 +261,7 @@ TRAIN_CASES = {
     "gpt2": dict(family="gpt2"),
     "opt": dict(family="opt", word_embed_proj_dim=32, pre_norm=False),
     "llama_alibi_window": dict(family="llama", pe="alibi", sliding_window=6),
+    "phi3": dict(family="phi3", n_kv_heads=2, rotary_pct=0.5, sliding_window=6),
 }
 ACCUM, BATCH = 2, 8
 

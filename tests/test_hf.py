@@ -97,5 +97,5 @@ def test_import_errors_name_the_problem(tmp_path):
     (tmp_path / "t5").mkdir()
     (tmp_path / "t5" / "config.json").write_text(json.dumps({"model_type": "t5"}))
     with pytest.raises(ConfigError, match="model_type 't5' is not supported .supported: gpt2, gpt_neox, gptj, llama, "
-                                          "mistral, opt, qwen2, qwen3"):
+                                          "mistral, opt, phi3, qwen2, qwen3"):
         hf.load_hf(tmp_path / "t5")

@@ -35,9 +35,10 @@ def q_and_k_swapped(mp):
 
 
 def row_parallel_bias_dropped(mp):
-    for family in FAMILIES:  # each family's block calls reduce_mp by its own name
-        mp.setattr(importlib.import_module(f"mesh_transformer.models.{family}"), "reduce_mp",
-                   lambda *outs: _reduce(*(o._replace(bias=None) for o in outs)))
+    for family in FAMILIES:  # each family's block calls reduce_mp by its own name (phi3 runs llama's block)
+        module = importlib.import_module(f"mesh_transformer.models.{family}")
+        if hasattr(module, "reduce_mp"):
+            mp.setattr(module, "reduce_mp", lambda *outs: _reduce(*(o._replace(bias=None) for o in outs)))
 
 
 def norm_epsilon_times_10(mp):

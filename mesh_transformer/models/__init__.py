@@ -33,6 +33,7 @@ _FAMILY_MODULES = {
     "llama": ("llama", ("llama", "mistral", "qwen2", "qwen3")),
     "gpt2": ("gpt2", ("gpt2",)),
     "opt": ("opt", ("opt",)),
+    "phi3": ("phi3", ("phi3",)),
 }
 
 

@@ -3,7 +3,8 @@
 Each `HFParam` says which HF tensor holds which of our leaves and how to convert, in both
 directions, declared once: `to_ours(hf_array, config) -> tuple of our arrays` and its exact inverse
 `to_hf(tuple of our arrays, config) -> hf_array`. One HF tensor may hold several of ours (GPT-2's
-fused `c_attn`, GPT-NeoX's per-head interleaved `query_key_value`). Names with `{i}` are per layer
+fused `c_attn`, GPT-NeoX's per-head interleaved `query_key_value`, Phi-3's `qkv_proj` and
+`gate_up_proj`). Names with `{i}` are per layer
 and map to our stacked modules (`layers/...`, leading [L] axis). Vocabulary padding is not the
 table's business: `io/hf.py` pads and crops every axis declared "vocab".
 
@@ -88,6 +89,26 @@ def fused_qkv(per_head: bool, transposed: bool) -> Transform:
         flat = stacked.reshape(*stacked.shape[:-3], -1)
         return flat.T if transposed and flat.ndim == 2 else flat
     return Transform(to_ours, to_hf)
+
+
+def stacked_qkv() -> Transform:
+    """One torch [(N + 2K) * H, D] tensor, q's heads then k's then v's (Phi-3's qkv_proj) <-> our
+    q [D, N, H], k and v [D, K, H]."""
+    def to_ours(x, c):  # also a LoRA B [(N + 2K) * H, r] -> [r, N, H], ...
+        n, kv, h = c.n_heads, c.kv_heads, c.head_dim
+        q, k, v = np.split(x.T, [n * h, (n + kv) * h], axis=1)
+        return q.reshape(-1, n, h), k.reshape(-1, kv, h), v.reshape(-1, kv, h)
+
+    def to_hf(xs, c):
+        return np.concatenate([x.reshape(x.shape[0], -1) for x in xs], axis=1).T
+    return Transform(to_ours, to_hf)
+
+
+def stacked_linear(parts: int) -> Transform:
+    """One torch [parts * F, D] tensor, equal blocks of outputs one after another (Phi-3's
+    gate_up_proj: gate, then up) <-> `parts` of our [D, F]."""
+    return Transform(lambda x, c: tuple(np.split(x.T, parts, axis=1)),
+                     lambda xs, c: np.concatenate(xs, axis=1).T)
 
 
 def _heads(c, kv: bool) -> int:

@@ -23,8 +23,30 @@ ROPE_SCALINGS = {"linear": ("factor",),
                  "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
 
 
+class GroupedKeysAndWindow:
+    """What the LLaMA-shaped families (llama, phi3) share beside ModelConfig's keys: grouped-query
+    kv heads (`n_kv_heads`, default n_heads) and a sliding window (`sliding_window`)."""
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads if self.n_kv_heads is not None else self.n_heads
+
+    @property
+    def window(self) -> Optional[int]:
+        """The attention window when it is shorter than the context (else None: full attention)."""
+        return self.sliding_window if self.sliding_window is not None and self.sliding_window < self.seq else None
+
+    def validate_keys_and_window(self) -> None:
+        require(self.kv_heads > 0 and self.n_heads % self.kv_heads == 0, "n_kv_heads",
+                f"{self.kv_heads} must be positive and divide n_heads={self.n_heads}")
+        if self.sliding_window is not None:
+            require(isinstance(self.sliding_window, int) and not isinstance(self.sliding_window, bool)
+                    and self.sliding_window > 0, "sliding_window",
+                    f"must be a positive integer (tokens), got {self.sliding_window!r}")
+
+
 @dataclass(frozen=True)
-class LlamaConfig(ModelConfig):
+class LlamaConfig(GroupedKeysAndWindow, ModelConfig):
     family: str = "llama"
     n_kv_heads: Optional[int] = None  # default n_heads (no grouping)
     rope_theta: float = 10000.0
@@ -39,24 +61,15 @@ class LlamaConfig(ModelConfig):
 
     PE_CHOICES = ("rotary", "alibi", "none")
 
-    @property
-    def kv_heads(self) -> int:
-        return self.n_kv_heads if self.n_kv_heads is not None else self.n_heads
-
     def validate(self) -> None:
         super().validate()
-        require(self.kv_heads > 0 and self.n_heads % self.kv_heads == 0, "n_kv_heads",
-                f"{self.kv_heads} must be positive and divide n_heads={self.n_heads}")
+        self.validate_keys_and_window()
         require(self.head_dim % 2 == 0, "d_head", f"rotary needs an even head size, got {self.head_dim}")
         if self.rope_scaling is not None:
             kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
             require(kind in ROPE_SCALINGS, "rope_scaling", f"rope_type must be one of {tuple(ROPE_SCALINGS)}, got {kind!r}")
             missing = [k for k in ROPE_SCALINGS[kind] if k not in self.rope_scaling]
             require(not missing, "rope_scaling", f"{kind!r} needs {missing}")
-        if self.sliding_window is not None:
-            require(isinstance(self.sliding_window, int) and not isinstance(self.sliding_window, bool)
-                    and self.sliding_window > 0, "sliding_window",
-                    f"must be a positive integer (tokens), got {self.sliding_window!r}")
 
     def attention(self) -> AttentionSpec:
         scaling = tuple(sorted(self.rope_scaling.items())) if self.rope_scaling else None
@@ -64,11 +77,6 @@ class LlamaConfig(ModelConfig):
         return AttentionSpec(self.d_model, self.n_heads, self.kv_heads, self.head_dim, rotary, alibi=self.pe == "alibi",
                              qkv_bias=self.qkv_bias, out_bias=self.out_bias,
                              qk_norm=self.layer_norm_eps if self.qk_norm else None, window=self.window)
-
-    @property
-    def window(self) -> Optional[int]:
-        """The attention window when it is shorter than the context (else None: full attention)."""
-        return self.sliding_window if self.sliding_window is not None and self.sliding_window < self.seq else None
 
     def mlp(self) -> MLPSpec:
         return MLPSpec(self.d_model, self.ff_dim, "silu", gated=True, bias=self.mlp_bias)
@@ -86,7 +94,7 @@ class LlamaConfig(ModelConfig):
         rope.pop("partial_rotary_factor", None)
         scaling = None if rope.get("rope_type", rope.get("type", "default")) == "default" else rope
         seq = hf.get("max_position_embeddings", 2048)
-        window, cut = _sliding_window(hf)
+        window, cut = sliding_window(hf)
         qwen2, qwen3 = (hf.get("model_type") == t for t in ("qwen2", "qwen3"))
         return cls(layers=hf["num_hidden_layers"], d_model=hf["hidden_size"], n_heads=hf["num_attention_heads"],
                    n_kv_heads=hf.get("num_key_value_heads"), d_head=hf.get("head_dim"), n_vocab=hf["vocab_size"],
@@ -127,7 +135,7 @@ class LlamaConfig(ModelConfig):
         return {**out, "head_dim": self.head_dim, "attention_bias": self.qkv_bias, "mlp_bias": self.mlp_bias}
 
 
-def _sliding_window(hf: dict) -> tuple[Optional[int], Optional[int]]:
+def sliding_window(hf: dict) -> tuple[Optional[int], Optional[int]]:
     """(the window every layer attends within, or None; a context cut, or None) from HF's keys.
     Mistral's `sliding_window` holds in every layer; Qwen2/3's only with `use_sliding_window`, in the
     layers `layer_types` (else `max_window_layers`: the layers from it on) marks. With some layers
