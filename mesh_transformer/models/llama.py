@@ -23,9 +23,10 @@ ROPE_SCALINGS = {"linear": ("factor",),
                  "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
 
 
-class GroupedKeysAndWindow:
+class LlamaShaped:
     """What the LLaMA-shaped families (llama, phi3) share beside ModelConfig's keys: grouped-query
-    kv heads (`n_kv_heads`, default n_heads) and a sliding window (`sliding_window`)."""
+    kv heads (`n_kv_heads`, default n_heads), a sliding window (`sliding_window`), a final RMSNorm
+    before a tied or untied head."""
 
     @property
     def kv_heads(self) -> int:
@@ -44,9 +45,21 @@ class GroupedKeysAndWindow:
                     and self.sliding_window > 0, "sliding_window",
                     f"must be a positive integer (tokens), got {self.sliding_window!r}")
 
+    def stem(self) -> StemSpec:
+        return StemSpec(final_norm="rmsnorm", tied=self.tie_embeddings)
+
+
+def hf_rope(hf: dict, model: str) -> dict:
+    """A LLaMA-shaped HF config.json's rope keys as one dict (`rope_parameters`, or the older
+    `rope_scaling`; may be empty); ConfigError unless the activation is SiLU."""
+    act = hf.get("hidden_act", "silu")
+    if act != "silu":
+        raise ConfigError(f"config.json: hidden_act {act!r} is not supported ({model} uses 'silu')")
+    return dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+
 
 @dataclass(frozen=True)
-class LlamaConfig(GroupedKeysAndWindow, ModelConfig):
+class LlamaConfig(LlamaShaped, ModelConfig):
     family: str = "llama"
     n_kv_heads: Optional[int] = None  # default n_heads (no grouping)
     rope_theta: float = 10000.0
@@ -81,15 +94,9 @@ class LlamaConfig(GroupedKeysAndWindow, ModelConfig):
     def mlp(self) -> MLPSpec:
         return MLPSpec(self.d_model, self.ff_dim, "silu", gated=True, bias=self.mlp_bias)
 
-    def stem(self) -> StemSpec:
-        return StemSpec(final_norm="rmsnorm", tied=self.tie_embeddings)
-
     @classmethod
     def from_hf_config(cls, hf: dict) -> "LlamaConfig":
-        act = hf.get("hidden_act", "silu")
-        if act != "silu":
-            raise ConfigError(f"config.json: hidden_act {act!r} is not supported (LLaMA uses 'silu')")
-        rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+        rope = hf_rope(hf, "LLaMA")
         theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
         rope.pop("partial_rotary_factor", None)
         scaling = None if rope.get("rope_type", rope.get("type", "default")) == "default" else rope

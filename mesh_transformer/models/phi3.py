@@ -12,14 +12,13 @@ from typing import Optional
 
 from mesh_transformer.config import ConfigError, ModelConfig, require
 from mesh_transformer.models import hf_layout as hl
-from mesh_transformer.models.core import StemSpec
 from mesh_transformer.models.layers import AttentionSpec, MLPSpec, Rotary
-from mesh_transformer.models.llama import GroupedKeysAndWindow, sliding_window
+from mesh_transformer.models.llama import LlamaShaped, hf_rope, sliding_window
 from mesh_transformer.models.llama import block  # noqa: F401 - the family's block is LLaMA's
 
 
 @dataclass(frozen=True)
-class Phi3Config(GroupedKeysAndWindow, ModelConfig):
+class Phi3Config(LlamaShaped, ModelConfig):
     family: str = "phi3"
     n_kv_heads: Optional[int] = None  # default n_heads (no grouping)
     rope_theta: float = 10000.0
@@ -49,15 +48,9 @@ class Phi3Config(GroupedKeysAndWindow, ModelConfig):
     def mlp(self) -> MLPSpec:
         return MLPSpec(self.d_model, self.ff_dim, "silu", gated=True, bias=False)
 
-    def stem(self) -> StemSpec:
-        return StemSpec(final_norm="rmsnorm", tied=self.tie_embeddings)
-
     @classmethod
     def from_hf_config(cls, hf: dict) -> "Phi3Config":
-        act = hf.get("hidden_act", "silu")
-        if act != "silu":
-            raise ConfigError(f"config.json: hidden_act {act!r} is not supported (Phi-3 uses 'silu')")
-        rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+        rope = hf_rope(hf, "Phi-3")
         kind = rope.get("rope_type", rope.get("type", "default"))
         if kind != "default":
             raise ConfigError(f"config.json: Phi-3 rope_type {kind!r} is not supported (only plain rope: "
