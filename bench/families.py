@@ -6,6 +6,8 @@ family adds is its own shape convention, chosen as the family's released models 
 - gptj: rotary on a quarter of each head (as the 6B: 64 of 256 dims);
 - llama: grouped-query attention with a quarter as many key/value heads as query heads (Llama 3),
   SwiGLU width 8/3 x d_model rounded up to a multiple of 256 (Llama's `multiple_of`), untied head;
+- phi3: Phi-4's grouped-query attention (a quarter as many key/value heads) and SwiGLU width
+  3.5 x d_model rounded up to a multiple of 256;
 - gpt_neox, gpt2, opt: their defaults (ours mirror HF's).
 
 `hf_model` builds the transformers model of a config through the library's own export mapping
@@ -13,7 +15,7 @@ family adds is its own shape convention, chosen as the family's released models 
 """
 from __future__ import annotations
 
-FAMILIES = ("gptj", "llama", "gpt_neox", "gpt2", "opt")
+FAMILIES = ("gptj", "llama", "gpt_neox", "gpt2", "opt", "phi3")
 
 
 def add_arg(parser, default: str = "gptj") -> None:
@@ -28,6 +30,8 @@ def family_keys(family: str, d_model: int, heads: int) -> dict:
         return {"pe_rotary_dims": max(2, d_head // 4)}
     if family == "llama":
         return {"n_kv_heads": max(1, heads // 4), "d_ff": -(-8 * d_model // 3 // 256) * 256}
+    if family == "phi3":
+        return {"n_kv_heads": max(1, heads // 4), "d_ff": -(-7 * d_model // 2 // 256) * 256}
     return {}
 
 
