@@ -37,7 +37,7 @@ class LlamaShaped:
         """The attention window when it is shorter than the context (else None: full attention)."""
         return self.sliding_window if self.sliding_window is not None and self.sliding_window < self.seq else None
 
-    def validate_keys_and_window(self) -> None:
+    def validate_kv_heads_and_window(self) -> None:
         require(self.kv_heads > 0 and self.n_heads % self.kv_heads == 0, "n_kv_heads",
                 f"{self.kv_heads} must be positive and divide n_heads={self.n_heads}")
         if self.sliding_window is not None:
@@ -76,7 +76,7 @@ class LlamaConfig(LlamaShaped, ModelConfig):
 
     def validate(self) -> None:
         super().validate()
-        self.validate_keys_and_window()
+        self.validate_kv_heads_and_window()
         require(self.head_dim % 2 == 0, "d_head", f"rotary needs an even head size, got {self.head_dim}")
         if self.rope_scaling is not None:
             kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
@@ -101,7 +101,7 @@ class LlamaConfig(LlamaShaped, ModelConfig):
         rope.pop("partial_rotary_factor", None)
         scaling = None if rope.get("rope_type", rope.get("type", "default")) == "default" else rope
         seq = hf.get("max_position_embeddings", 2048)
-        window, cut = sliding_window(hf)
+        window, cut = hf_sliding_window(hf)
         qwen2, qwen3 = (hf.get("model_type") == t for t in ("qwen2", "qwen3"))
         return cls(layers=hf["num_hidden_layers"], d_model=hf["hidden_size"], n_heads=hf["num_attention_heads"],
                    n_kv_heads=hf.get("num_key_value_heads"), d_head=hf.get("head_dim"), n_vocab=hf["vocab_size"],
@@ -142,7 +142,7 @@ class LlamaConfig(LlamaShaped, ModelConfig):
         return {**out, "head_dim": self.head_dim, "attention_bias": self.qkv_bias, "mlp_bias": self.mlp_bias}
 
 
-def sliding_window(hf: dict) -> tuple[Optional[int], Optional[int]]:
+def hf_sliding_window(hf: dict) -> tuple[Optional[int], Optional[int]]:
     """(the window every layer attends within, or None; a context cut, or None) from HF's keys.
     Mistral's `sliding_window` holds in every layer; Qwen2/3's only with `use_sliding_window`, in the
     layers `layer_types` (else `max_window_layers`: the layers from it on) marks. With some layers

@@ -13,7 +13,7 @@ from typing import Optional
 from mesh_transformer.config import ConfigError, ModelConfig, require
 from mesh_transformer.models import hf_layout as hl
 from mesh_transformer.models.layers import AttentionSpec, MLPSpec, Rotary
-from mesh_transformer.models.llama import LlamaShaped, hf_rope, sliding_window
+from mesh_transformer.models.llama import LlamaShaped, hf_rope, hf_sliding_window
 from mesh_transformer.models.llama import block  # noqa: F401 - the family's block is LLaMA's
 
 
@@ -35,7 +35,7 @@ class Phi3Config(LlamaShaped, ModelConfig):
 
     def validate(self) -> None:
         super().validate()
-        self.validate_keys_and_window()
+        self.validate_kv_heads_and_window()
         require(0 < self.rotary_pct <= 1, "rotary_pct", f"must be in (0, 1], got {self.rotary_pct}")
         require(self.pe != "rotary" or self.rotary_dims % 2 == 0 and self.rotary_dims > 0, "rotary_pct",
                 f"gives {self.rotary_dims} rotary features of the {self.head_dim} in a head; it must be even and > 0")
@@ -55,7 +55,7 @@ class Phi3Config(LlamaShaped, ModelConfig):
         if kind != "default":
             raise ConfigError(f"config.json: Phi-3 rope_type {kind!r} is not supported (only plain rope: "
                               "Phi-3-mini-4k, Phi-3-medium-4k, Phi-4)")
-        window, cut = sliding_window(hf)
+        window, cut = hf_sliding_window(hf)
         seq = hf.get("max_position_embeddings", 4096)
         return cls(layers=hf["num_hidden_layers"], d_model=hf["hidden_size"], n_heads=hf["num_attention_heads"],
                    n_kv_heads=hf.get("num_key_value_heads"), d_head=hf.get("head_dim"), n_vocab=hf["vocab_size"],
