@@ -376,8 +376,17 @@ def test_near_the_memory_map_limit_compiled_programs_are_dropped_first(tiny, gen
     assert g._admit._cache_size() == 2
     two = [[5, 6, 7], [8, 9, 10]]  # 2 rows: new shapes
     expected = [s.tokens for s in gen.generate(two, greedy())]
-    real, limit = host_memory.memory_maps, host_memory.memory_maps()[0] + host_memory.MAPS_PER_PROGRAM // 2
-    monkeypatch.setattr(host_memory, "memory_maps", lambda: (real()[0], limit))  # no room for one more
+    # A process near its limit (no room for one more program) whose programs, once dropped, free two
+    # programs' maps: counts made up, as the real one falls by however much garbage (other tests'
+    # programs too) the drop's collection finds
+    maps, limit = {"held": 60_000}, 60_000 + host_memory.MAPS_PER_PROGRAM // 2
+    monkeypatch.setattr(host_memory, "memory_maps", lambda: (maps["held"], limit))
+    drop = Generator.drop_programs
+
+    def drop_and_free(self):
+        drop(self)
+        maps["held"] -= 2 * host_memory.MAPS_PER_PROGRAM
+    monkeypatch.setattr(Generator, "drop_programs", drop_and_free)
     assert [s.tokens for s in g.generate(two, greedy())] == expected
     assert g._admit._cache_size() == 1  # the two earlier prefills were dropped before this one compiled
     assert "vm.max_map_count" in caplog.text
