@@ -95,6 +95,11 @@ class ModelConfig:
         multiple = math.lcm(128, mp)
         return -(-self.n_vocab // multiple) * multiple
 
+    def windowed_layers(self) -> Optional[tuple[bool, ...]]:
+        """Which layers attend within the family's sliding window, one bool per layer; None: every
+        layer alike (all within the window where there is one)."""
+        return None
+
     def n_params(self) -> int:
         """Unique trainable parameters (unpadded vocabulary), as HF counts them."""
         from mesh_transformer import models

@@ -139,6 +139,19 @@ FAMILY_CASES = {
         num_key_value_heads=2, intermediate_size=40, sliding_window=6, initializer_range=0.2, pad_token_id=0,
         bos_token_id=1, eos_token_id=2, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                                          "partial_rotary_factor": 0.5})),
+    "gemma_mqa": ("GemmaConfig", "GemmaForCausalLM", dict(  # (1 + w) norms, GeGLU, scaled embeddings; head_dim 12
+        vocab_size=99, max_position_embeddings=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=12, intermediate_size=40, initializer_range=0.2)),
+    "gemma2_softcap_window": ("Gemma2Config", "Gemma2ForCausalLM", dict(  # sandwich norms, soft-caps, 1 in 2 slides
+        vocab_size=99, max_position_embeddings=64, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, intermediate_size=40, sliding_window=5, query_pre_attn_scalar=12,
+        attn_logit_softcapping=2.0, final_logit_softcapping=3.0, initializer_range=0.2)),
+    "gemma3_local_rope": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(  # q/k norms, a rope per layer kind
+        vocab_size=99, max_position_embeddings=64, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, intermediate_size=40, sliding_window=6, query_pre_attn_scalar=12,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"], initializer_range=0.2,
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
     "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(
         vocab_size=97, n_positions=64, n_embd=32, n_layer=2, n_head=4, bos_token_id=0, eos_token_id=0,
         initializer_range=0.2)),

@@ -29,7 +29,8 @@ TOL = PARITY_TOL
 FAMILY_OF = {"gptj": "gptj", "gpt_neox": "gpt_neox", "gpt_neox_sequential": "gpt_neox", "qwen2": "llama",
              "qwen3_tied": "llama", "mistral_window": "llama", "phi3_window_partial": "phi3",
              "llama_gqa2_llama3_rope": "llama", "llama_mqa_tied_bias_linear_rope": "llama", "gpt2": "gpt2",
-             "opt_projected": "opt", "opt_post_norm": "opt"}
+             "opt_projected": "opt", "opt_post_norm": "opt", "gemma_mqa": "gemma",
+             "gemma2_softcap_window": "gemma", "gemma3_local_rope": "gemma"}
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILY_CASES))
@@ -223,11 +224,12 @@ def test_kv_heads_that_neither_split_nor_divide_mp_are_a_config_error():
 
 def test_unsupported_model_type_names_the_supported_ones(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "t5"}))
-    with pytest.raises(ConfigError, match=r"model_type 't5' is not supported \(supported: gpt2, gpt_neox, gptj, llama"):
+    with pytest.raises(ConfigError, match=r"model_type 't5' is not supported \(supported: gemma, gemma2, gemma3_text, gpt2"):
         hf.load_hf(tmp_path)
 
 
-@pytest.mark.parametrize("shipped", ["llama3_8b", "qwen3_8b", "phi3_mini_4k", "pythia_6.9b", "gpt2_xl", "6B_roto_256"])
+@pytest.mark.parametrize("shipped", ["llama3_8b", "qwen3_8b", "phi3_mini_4k", "gemma3_1b", "gemma2_2b", "pythia_6.9b",
+                                     "gpt2_xl", "6B_roto_256"])
 def test_planner_param_count_equals_hf(shipped):
     """n_params of each shipped config equals HF's count of the same model, built on the meta device."""
     import torch
@@ -262,6 +264,9 @@ TRAIN_CASES = {
     "opt": dict(family="opt", word_embed_proj_dim=32, pre_norm=False),
     "llama_alibi_window": dict(family="llama", pe="alibi", sliding_window=6),
     "phi3": dict(family="phi3", n_kv_heads=2, rotary_pct=0.5, sliding_window=6),
+    "gemma": dict(family="gemma", n_kv_heads=2, sandwich_norms=True, qk_norm=True, sliding_window=6,
+                  layer_types=["sliding_attention", "full_attention"], rope_theta=1e6, rope_local_theta=1e4,
+                  query_pre_attn_scalar=12, attn_softcap=5.0, logit_softcap=10.0),  # every Gemma key at once
 }
 ACCUM, BATCH = 2, 8
 
@@ -336,18 +341,51 @@ def test_served_model_holds_its_weights_once(name, tmp_path):
 @pytest.mark.parametrize("case, overrides, seq, window", [
     ("mistral_window", dict(sliding_window=64), 64, None),  # no shorter than the context: full attention
     ("mistral_window", dict(sliding_window=8), 64, 8),  # every layer slides (the family case's own window is 5)
-    ("qwen2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1), 8, None),  # layer 1 slides
+    ("qwen2", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1), 64, 8),  # layer 1 slides
+    ("qwen3_tied", dict(use_sliding_window=True, sliding_window=6, layer_types=["sliding_attention", "full_attention"]),
+     64, 6),
 ])
 def test_sliding_windows_import_as_hf_computes_them(case, overrides, seq, window, tmp_path):
     """HF's sliding-window keys: a window in every layer is `sliding_window`; some layers sliding and
-    some not (Qwen2's max_window_layers) cut the context to the window, where both compute the
-    same. Logits equal HF's over the whole context the import keeps."""
+    some not (Qwen2's max_window_layers, Qwen3's layer_types) are `layer_types`, run per layer in the
+    scanned stack. Logits equal HF's over 20 tokens, and so does the export's."""
     torch_model = make_hf_model(tmp_path, case, **overrides)
     config, params = hf.load_hf(tmp_path, compute_dtype="float32", remat="none")
     assert (config.seq, config.window) == (seq, window)
-    tokens = random_tokens((2, min(seq, 20)), config.n_vocab, seed=5)
+    tokens = random_tokens((2, 20), config.n_vocab, seed=5)
     ours = jax.jit(lambda p, t: models.build(config).apply(p, t)[0])(params, tokens)
     np.testing.assert_allclose(np.asarray(ours)[..., :config.n_vocab], hf_logits(torch_model, tokens), atol=TOL, rtol=0)
+    if config.windowed_layers():  # per-layer windows: decoding (layers unrolled) and the export keep them
+        from transformers import AutoModelForCausalLM
+        prompts = [random_tokens((1, n), config.n_vocab, seed=n)[0].tolist() for n in (3, 9)]
+        outs = Generator(config, params, mesh(1, 1)).generate(prompts, SamplingOptions(max_new_tokens=10, temperature=0))
+        assert [o.tokens for o in outs] == [hf_greedy(torch_model, p, 10) for p in prompts]
+        hf.save_hf(params, config, tmp_path / "out")
+        reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+        np.testing.assert_array_equal(hf_logits(reloaded, tokens), hf_logits(torch_model, tokens))
+
+
+def test_gemma3_multimodal_checkpoint_loads_its_text_model(tmp_path):
+    """Gemma 3 4B-27B ship as Gemma3ForConditionalGeneration (`gemma3`, a text_config, the text
+    weights under language_model.): the import reads the text model alone, whose logits equal the
+    multimodal model's on text, and exports it as Gemma3ForCausalLM."""
+    import torch
+    import transformers
+    text = transformers.Gemma3TextConfig(**FAMILY_CASES["gemma3_local_rope"][2])
+    vision = transformers.SiglipVisionConfig(hidden_size=16, intermediate_size=24, num_hidden_layers=1,
+                                             num_attention_heads=2, image_size=28, patch_size=14)
+    torch.manual_seed(0)
+    multimodal = transformers.Gemma3ForConditionalGeneration(transformers.Gemma3Config(
+        text_config=text.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4, image_token_index=98,
+        boi_token_index=96, eoi_token_index=97)).eval()
+    multimodal.save_pretrained(tmp_path / "mm")
+    config, params = hf.load_hf(tmp_path / "mm", compute_dtype="float32", remat="none")
+    assert (config.family, config.layers, config.rope_local_theta, config.qk_norm) == ("gemma", 3, 1e4, True)
+    tokens = random_tokens((2, 13), 96, seed=1)  # no image tokens
+    ours = jax.jit(lambda p, t: models.build(config).apply(p, t)[0])(params, tokens)
+    np.testing.assert_allclose(np.asarray(ours)[..., :config.n_vocab], hf_logits(multimodal, tokens), atol=TOL, rtol=0)
+    hf.save_hf(params, config, tmp_path / "text")
+    assert json.loads((tmp_path / "text" / "config.json").read_text())["architectures"] == ["Gemma3ForCausalLM"]
 
 
 def test_sliding_window_is_checked_and_exports_only_without_biases():

@@ -239,6 +239,9 @@ def test_sharded_lora_gradients_equal_single_device(family):
     ("Phi3", dict(vocab_size=101, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                   intermediate_size=40, max_position_embeddings=32, pad_token_id=0, eos_token_id=2),
      ["qkv_proj", "gate_up_proj", "o_proj"]),
+    ("Gemma2", dict(vocab_size=101, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                    head_dim=8, intermediate_size=40, max_position_embeddings=32, sliding_window=6),
+     ["q_proj", "o_proj", "gate_proj", "down_proj"]),
     ("OPT", dict(vocab_size=101, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, ffn_dim=48,
                  max_position_embeddings=32, pad_token_id=1), ["k_proj", "out_proj", "fc1"]),
 ])

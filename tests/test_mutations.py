@@ -9,12 +9,13 @@ import pytest
 
 from mesh_transformer.io import hf
 from mesh_transformer.models import FAMILIES
-from mesh_transformer.models import layers
+from mesh_transformer.models import core, layers
 from tests.helpers import PARITY_TOL, make_hf_model, parity_error
 
 _rotated, _project, _reduce = layers._rotated, layers.Attention._project, layers.reduce_mp
 _within_window = layers.within_window
 _rotary_call, _ln_init, _rms_init = layers.Rotary.__call__, layers.LayerNorm.__init__, layers.RMSNorm.__init__
+_inv_freq, _softcap = layers.Attention._inv_freq, layers.softcap
 
 
 def erf_gelu(mp):
@@ -26,7 +27,8 @@ def other_rotary_pairing(mp):
 
 
 def rotary_on_half_the_dims(mp):
-    mp.setattr(layers.Rotary, "__call__", lambda self, x, pos: _rotary_call(self._replace(dims=self.dims // 2), x, pos))
+    mp.setattr(layers.Rotary, "__call__",
+               lambda self, x, pos, inv_freq=None: _rotary_call(self._replace(dims=self.dims // 2), x, pos))
 
 
 def q_and_k_swapped(mp):
@@ -50,8 +52,26 @@ def window_one_wider(mp):
     mp.setattr(layers, "within_window", lambda ctx, window: _within_window(ctx, window + 1))
 
 
+def every_layer_windowed(mp):  # Gemma's full-attention layers slide too
+    mp.setattr(layers, "within_window", lambda ctx, window: _within_window(ctx._replace(windowed=True), window))
+
+
+def one_rope_for_every_layer(mp):  # Gemma 3's sliding layers keep the full layers' rope base
+    mp.setattr(layers.Attention, "_inv_freq", lambda self, windowed: _inv_freq(self, False))
+
+
+def scores_not_soft_capped(mp):  # Gemma 2's attention scores (its logits stay capped)
+    mp.setattr(layers, "softcap", lambda x, cap: x)
+    mp.setattr(core, "softcap", _softcap)
+
+
+def norm_scale_without_unit_offset(mp):
+    mp.setattr(layers.RMSNorm, "__init__", lambda self, d, eps, name, **kw: _rms_init(
+        self, d, eps, name, **{**kw, "unit_offset": False}))
+
+
 def qk_norms_skipped(mp):
-    mp.setattr(layers, "norm_heads", lambda q, k, head_dim, eps: (q, k))
+    mp.setattr(layers, "norm_heads", lambda q, k, *args: (q, k))
 
 
 MUTATIONS = [  # (mutation, the family case it must break)
@@ -62,6 +82,9 @@ MUTATIONS = [  # (mutation, the family case it must break)
     (row_parallel_bias_dropped, "gptj"), (row_parallel_bias_dropped, "gpt2"),
     (norm_epsilon_times_10, "gptj"), (norm_epsilon_times_10, "llama_gqa2_llama3_rope"),
     (qk_norms_skipped, "qwen3_tied"), (window_one_wider, "mistral_window"),
+    (qk_norms_skipped, "gemma3_local_rope"), (every_layer_windowed, "gemma2_softcap_window"),
+    (one_rope_for_every_layer, "gemma3_local_rope"), (scores_not_soft_capped, "gemma2_softcap_window"),
+    (norm_scale_without_unit_offset, "gemma_mqa"),
 ]
 
 

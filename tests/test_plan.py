@@ -1,4 +1,5 @@
 """The planner: parameter counts, the split of compiled per-device memory, ZeRO savings, the CLI."""
+import dataclasses
 import json
 import subprocess
 import sys
@@ -10,7 +11,7 @@ import pytest
 
 from mesh_transformer import models
 from mesh_transformer import plan as planner
-from mesh_transformer.config import ConfigError, config_from_dict
+from mesh_transformer.config import ConfigError, config_from_dict, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -64,6 +65,14 @@ def test_a_sliding_window_counts_its_keys_not_the_context():
     full = config_from_dict(mistral).model.flops_per_token()
     windowed = config_from_dict({**mistral, "sliding_window": 4096}).model.flops_per_token()
     assert full - windowed == 3 * 32 * 2 * 2 * (8192 - 4096) * 4096 == 6_442_450_944
+
+
+def test_per_layer_windows_count_each_layers_keys():
+    """Gemma 3 1B at seq 8,192: 22 sliding layers see 512 keys, the 4 full ones all 8,192."""
+    gemma = load_config("configs/gemma3_1b.json").model
+    every_layer_full = dataclasses.replace(gemma, layer_types=None, sliding_window=None)
+    n_heads_dims = 4 * 256
+    assert every_layer_full.flops_per_token() - gemma.flops_per_token() == 3 * 22 * 2 * 2 * (8192 - 512) * n_heads_dims
 
 def test_6B_counts_hf_and_explains_the_model_card():
     m = config_from_dict(GPTJ_6B).model

@@ -67,6 +67,8 @@ def _tensor_reader(path: Path) -> Callable[[str], np.ndarray]:
             if file is None:
                 raise KeyError(name)
             with safe_open(file, framework="numpy") as f:
+                if name not in f.keys():
+                    raise KeyError(name)
                 return np.asarray(f.get_tensor(name), dtype=np.float32)
         return read
     binary = path / "pytorch_model.bin"
@@ -80,20 +82,46 @@ def _tensor_reader(path: Path) -> Callable[[str], np.ndarray]:
     raise ConfigError(f"{path}: no model.safetensors, model.safetensors.index.json or pytorch_model.bin found")
 
 
+# Where a multimodal checkpoint keeps its text model's tensors: "model.*" and "lm_head.*" of the
+# text-only model, under transformers 5's names, then under the names of the files first released
+# (Gemma 3 4B-27B: "language_model.model.*").
+_TEXT_MODEL_NAMES = (("model.", "model.language_model."), ("model.", "language_model.model."),
+                     ("lm_head.", "lm_head."), ("lm_head.", "language_model.lm_head."))
+
+
+def text_model(hf: dict) -> tuple[dict, tuple[tuple[str, str], ...]]:
+    """(the config.json of the text model a HF config describes; (prefix, the checkpoint's prefix)
+    pairs to find its tensors by, tried in order). A multimodal config (Gemma 3 4B-27B: `gemma3`
+    with a `text_config`) gives its text model, completed with transformers' defaults for the keys
+    the file leaves out; the vision tower is not read."""
+    if "text_config" not in hf:
+        return hf, (("", ""),)
+    from transformers import AutoConfig
+    try:
+        text = AutoConfig.for_model(**hf).get_text_config().to_dict()
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"config.json: model_type {hf.get('model_type')!r} with a text_config: {e}") from None
+    return text, _TEXT_MODEL_NAMES
+
+
 def load_hf(path: str | os.PathLike, mp: int = 1, **overrides) -> tuple[ModelConfig, dict]:
     """Read a HF model directory -> (our config, params as numpy float32, vocab padded for `mp`)."""
     path = Path(path)
     config_file = path / "config.json"
     if not config_file.exists():
         raise ConfigError(f"{path}: no config.json (is this a HF model directory?)")
-    config = config_from_hf(json.loads(config_file.read_text()), **overrides)
+    hf, renames = text_model(json.loads(config_file.read_text()))
+    config = config_from_hf(hf, **overrides)
     read = _tensor_reader(path)
 
     def get(name):
-        try:
-            return read(name)
-        except KeyError:
-            raise ConfigError(f"{path}: tensor {name!r} is missing from the checkpoint") from None
+        for old, new in renames:
+            if name.startswith(old):
+                try:
+                    return read(new + name[len(old):])
+                except KeyError:
+                    continue
+        raise ConfigError(f"{path}: tensor {name!r} is missing from the checkpoint")
 
     params: dict[str, dict[str, np.ndarray]] = {}
     for entry in models.family(config.family).hf_table(config):

@@ -34,6 +34,7 @@ _FAMILY_MODULES = {
     "gpt2": ("gpt2", ("gpt2",)),
     "opt": ("opt", ("opt",)),
     "phi3": ("phi3", ("phi3",)),
+    "gemma": ("gemma", ("gemma", "gemma2", "gemma3_text")),
 }
 
 

@@ -27,7 +27,8 @@ import jax.numpy as jnp
 
 from mesh_transformer import parallel
 from mesh_transformer.config import ModelConfig
-from mesh_transformer.models.layers import WEIGHT_PRODUCT, Context, Embedding, LMHead, dense, norm, normal, on_bits
+from mesh_transformer.models.layers import (WEIGHT_PRODUCT, Context, Embedding, LMHead, dense, norm, normal, on_bits,
+                                            softcap)
 
 REMAT_POLICIES = {
     "full": None,  # save nothing, recompute the layer in the backward pass
@@ -42,11 +43,13 @@ STACKED = "layers"  # module of the scanned layers: parameters "<family>/layers/
 class StemSpec(NamedTuple):
     """How tokens become the residual stream and the stream becomes logits (per family)."""
 
-    final_norm: Optional[str] = "layernorm"  # "layernorm", "rmsnorm" or None
+    final_norm: Optional[str] = "layernorm"  # "layernorm", "rmsnorm", "rmsnorm+1" (Gemma) or None
     tied: bool = False  # the head is the embedding table
     head_bias: bool = False
     position_offset: int = 0  # learned positions (pe == "fixed"): rows kept before position 0 (OPT: 2)
     embed_proj: Optional[int] = None  # OPT: the table is this wide, projected in and out of d_model
+    embed_scale: Optional[float] = None  # embeddings times this, in the compute dtype (Gemma: sqrt(d_model))
+    logit_softcap: Optional[float] = None  # logits soft-capped to (-cap, cap) (Gemma 2)
 
 
 class KVCache(NamedTuple):
@@ -131,23 +134,24 @@ class Transformer(hk.Module):
         embedding = Embedding(self.padded_vocab, stem.embed_proj or c.d_model,
                               width_axis="embed_proj" if stem.embed_proj else "embed")
         x = embedding(tokens, dtype)
+        if stem.embed_scale is not None:
+            x = x * jnp.asarray(stem.embed_scale, dtype)
         if stem.embed_proj:
             x = dense("btp,pd->btd", x, parallel.weight("project_in", (stem.embed_proj, c.d_model),
                                                          ("embed_proj", "embed"), 1, normal(0.02), dtype))
         if c.pe == "fixed":
             x = x + embedding.positions(ctx.positions, c.seq, c.d_model, dtype, stem.position_offset)
 
+        windowed = c.windowed_layers()
         if cache is None:
-            block = lambda x: self.block(c, x, ctx)[0]  # noqa: E731
-            if c.remat != "none":
-                block = hk.remat(block, policy=REMAT_POLICIES[c.remat])
-            x = hk.layer_stack(c.layers, name=STACKED)(block)(x)
+            x = scanned_layers(c, self.block, x, ctx, windowed)
         else:
             new_k, new_v = [], []
             for i in range(c.layers):
                 with hk.name_scope(unstacked(i)):
                     layer = (cache.k[i], cache.v[i]) + ((shared.k[i], shared.v[i]) if shared else ())
-                    x, (k, v) = self.block(c, x, ctx, layer)
+                    layer_ctx = ctx if windowed is None else ctx._replace(windowed=windowed[i])
+                    x, (k, v) = self.block(c, x, layer_ctx, layer)
                 new_k.append(k)
                 new_v.append(v)
             cache = cache._replace(k=tuple(new_k), v=tuple(new_v), index=cache.index + tokens.shape[1])
@@ -161,7 +165,20 @@ class Transformer(hk.Module):
                                                          ("embed", "embed_proj"), 1, normal(0.02), x.dtype))
         logits = embedding.attend(x, c.n_vocab) if stem.tied else LMHead(
             c.d_model, self.padded_vocab, c.n_vocab, stem.head_bias)(x)
-        return logits, cache
+        return softcap(logits, stem.logit_softcap), cache
+
+
+def scanned_layers(c: ModelConfig, family_block: Callable, x, ctx: Context, windowed: Optional[tuple[bool, ...]]):
+    """The layers stacked and scanned (training, scoring); `windowed` (per layer, or None: the same
+    in all) goes in as each layer's `ctx.windowed`."""
+    if windowed is None:
+        block = lambda x: family_block(c, x, ctx)[0]  # noqa: E731
+    else:
+        block = lambda x, w: (family_block(c, x, ctx._replace(windowed=w))[0], None)  # noqa: E731
+    if c.remat != "none":
+        block = hk.remat(block, policy=REMAT_POLICIES[c.remat])
+    stack = hk.layer_stack(c.layers, with_per_layer_inputs=windowed is not None, name=STACKED)(block)
+    return stack(x) if windowed is None else stack(x, jnp.asarray(windowed))[0]
 
 
 def _context(shape, cache: Optional[KVCache], segments=None, key_keep=None,
@@ -296,14 +313,15 @@ class Model:
     def flops_per_token(self) -> int:
         """Training FLOPs per token: 6 x matmul parameters (a tied head counts as one) + attention
         scores and mixing, 2 x 2 x keys x N x H per layer forward, x 3 for training (PaLM appendix
-        B; keys: seq, or a shorter sliding window)."""
+        B; keys: seq, or a shorter sliding window in the layers that have one)."""
         c = self.config
         matmuls = sum(self._unpadded_size(x, info) for x, info in _pairs(self.abstract_params, self.infos)
                       if info.inputs)
         if c.stem().tied:
             matmuls += c.n_vocab * (c.stem().embed_proj or c.d_model)
-        keys = c.attention().window or c.seq
-        attention = c.layers * 2 * 2 * keys * c.n_heads * c.head_dim
+        window, windowed = c.attention().window, c.windowed_layers() or (True,) * c.layers
+        keys = sum(window if window and on else c.seq for on in windowed)
+        attention = 2 * 2 * keys * c.n_heads * c.head_dim
         return 6 * matmuls + 3 * attention
 
     def _unpadded_size(self, x, info) -> int:

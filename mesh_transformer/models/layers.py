@@ -205,21 +205,33 @@ class LayerNorm(hk.Module):
 
 class RMSNorm(hk.Module):
     """RMSNorm over the last axis, in float32 (Zhang & Sennrich 2019): x / rms(x) * scale. `axis`
-    names that axis: "embed" for the residual stream, "head_dim" for Qwen3's per-head q/k norms."""
+    names that axis: "embed" for the residual stream, "head_dim" for per-head q/k norms.
+    `unit_offset` (Gemma): the parameter is stored as scale - 1 (made as zeros)."""
 
-    def __init__(self, d: int, eps: float, name: str, axis: str = "embed"):
+    def __init__(self, d: int, eps: float, name: str, axis: str = "embed", unit_offset: bool = False):
         super().__init__(name=name)
-        self.d, self.eps, self.axis = d, eps, axis
+        self.d, self.eps, self.axis, self.unit_offset = d, eps, axis, unit_offset
 
     def __call__(self, x):  # [..., d] -> [..., d]
         dtype, x = x.dtype, x.astype(jnp.float32)
-        scale = parallel.param("scale", (self.d,), (self.axis,), ONES)
+        scale = parallel.param("scale", (self.d,), (self.axis,), ZEROS if self.unit_offset else ONES)
         x = x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + self.eps)
-        return (x * scale).astype(dtype)
+        return (x * (1.0 + scale if self.unit_offset else scale)).astype(dtype)
 
 
 def norm(kind: str, d: int, eps: float, name: str) -> hk.Module:
+    """"layernorm", "rmsnorm", or "rmsnorm+1" (Gemma's: scale stored as scale - 1)."""
+    if kind == "rmsnorm+1":
+        return RMSNorm(d, eps, name, unit_offset=True)
     return {"layernorm": LayerNorm, "rmsnorm": RMSNorm}[kind](d, eps, name)
+
+
+def softcap(x, cap: Optional[float]):
+    """cap * tanh(x / cap) (Gemma 2's logit soft-capping; None: x). -inf (a masked or padded entry)
+    stays -inf."""
+    if cap is None:
+        return x
+    return jnp.where(jnp.isneginf(x), x, cap * jnp.tanh(x / cap))
 
 
 # --------------------------------------------------------------------------------------------
@@ -250,9 +262,11 @@ class Rotary(NamedTuple):
             return _llama3_inv_freq(inv_freq, scaling)
         return inv_freq
 
-    def __call__(self, x, positions):
-        """x [B, T, N, H], positions [B, T] (int) -> x with its first `dims` features rotated."""
-        angles = positions.astype(jnp.float32)[..., None] * self.inv_freq()  # [B, T, R/2]
+    def __call__(self, x, positions, inv_freq=None):
+        """x [B, T, N, H], positions [B, T] (int) -> x with its first `dims` features rotated
+        (`inv_freq`: other frequencies than this rotary's, e.g. chosen per layer)."""
+        inv_freq = self.inv_freq() if inv_freq is None else inv_freq
+        angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, R/2]
         if self.pairing == "interleaved":
             sin = jnp.repeat(jnp.sin(angles), 2, axis=-1)[:, :, None, :]  # [B, T, 1, R]
             cos = jnp.repeat(jnp.cos(angles), 2, axis=-1)[:, :, None, :]
@@ -321,7 +335,11 @@ class AttentionSpec(NamedTuple):
     qkv_bias: bool = False
     out_bias: bool = False
     qk_norm: Optional[float] = None  # RMSNorm of each query and key head before rotary (Qwen3): its epsilon
+    qk_norm_unit_offset: bool = False  # those norms' scales stored as scale - 1 (Gemma 3)
     window: Optional[int] = None  # sliding window (Mistral): the last `window` positions, the query's own included
+    local_rotary: Optional[Rotary] = None  # the rotary of the layers with a window, when it differs (Gemma 3)
+    scale: Optional[float] = None  # scores' scale (Gemma: query_pre_attn_scalar ** -0.5); None: head_dim ** -0.5
+    softcap: Optional[float] = None  # scores soft-capped to (-softcap, softcap) before the mask (Gemma 2)
     init_std: float = 0.02
     out_std: float = 0.02
 
@@ -335,6 +353,9 @@ class Context(NamedTuple):
     sliding window, the causal one cut to it); attention: the
     config's implementation ("xla" or "cudnn"); shared_positions [B, U]: each row's positions of
     the shared prefix's U slots, -1 where it does not read one (decoding with a `SharedPrefix`).
+    windowed: whether this layer attends within its sliding window, where the family has one: True
+    (every layer), False, or a traced bool (a scanned stack of windowed and full layers: Gemma 2/3,
+    Qwen2's `layer_types`); `ModelConfig.windowed_layers`.
     """
 
     positions: jax.Array
@@ -344,6 +365,7 @@ class Context(NamedTuple):
     causal: bool = False
     attention: str = "xla"
     shared_positions: Optional[jax.Array] = None
+    windowed: object = True
 
 
 class Attention(hk.Module):
@@ -369,6 +391,7 @@ class Attention(hk.Module):
         d, n, kv, hd, dt = s.d_model, s.n_heads, s.kv_heads, s.head_dim, h.dtype
         if s.window is not None:
             ctx = within_window(ctx, s.window)
+        window = s.window if s.window is not None and ctx.windowed is not False else None  # may hold per layer
         if parallel.fused(("heads", "kv_heads")):  # decoding: one product, then split (`FUSED`)
             qkv = self._project(h, "qkv", (d, n + 2 * kv, hd), ("embed", "heads", "head_dim"))
             nq, nk = n // parallel.mp_size(), kv // parallel.mp_size()  # this shard's (both split over mp)
@@ -380,11 +403,14 @@ class Attention(hk.Module):
             v = self._project(h, "v", (d, kv, hd), ("embed", "kv_heads", "head_dim"), kv_group=n // kv,
                               n_local=q.shape[2])
         if s.qk_norm is not None:
-            q, k = norm_heads(q, k, s.head_dim, s.qk_norm)
+            q, k = norm_heads(q, k, s.head_dim, s.qk_norm, s.qk_norm_unit_offset)
         if s.rotary is not None:
-            q, k = s.rotary(q, ctx.positions), s.rotary(k, ctx.positions)
-        if cache is None and ctx.attention == "cudnn" and not s.alibi:
-            out = _fused_attention(q, k, v, ctx, s.window)
+            inv_freq = self._inv_freq(ctx.windowed)
+            q, k = s.rotary(q, ctx.positions, inv_freq), s.rotary(k, ctx.positions, inv_freq)
+        if s.scale is not None and s.scale != hd ** -0.5:  # every path then scales by head_dim ** -0.5
+            q = (q.astype(jnp.float32) * (s.scale * math.sqrt(hd))).astype(q.dtype)
+        if cache is None and ctx.attention == "cudnn" and not s.alibi and s.softcap is None:
+            out = _fused_attention(q, k, v, ctx, window, ctx.windowed)
         else:
             k, v = jnp.transpose(k, (0, 2, 3, 1)), jnp.swapaxes(v, 1, 2)  # [B, K, H, T], [B, K, T, H] as cached
             shared = None
@@ -397,6 +423,16 @@ class Attention(hk.Module):
         w_out = parallel.weight("out_proj", (n, hd, d), ("heads", "head_dim", "embed"), 2, normal(s.out_std), dt)
         bias = parallel.param("out_bias", (d,), ("embed",), ZEROS, dt) if s.out_bias else None
         return RowParallel(dense("btnh,nhd->btd", out, w_out), bias), cache
+
+    def _inv_freq(self, windowed):
+        """The rotary frequencies of this layer: `local_rotary`'s in windowed layers (chosen at run
+        time in a scanned stack), else the rotary's."""
+        s = self.spec
+        if s.local_rotary is None or windowed is False:
+            return s.rotary.inv_freq()
+        if windowed is True:
+            return s.local_rotary.inv_freq()
+        return jnp.where(windowed, s.local_rotary.inv_freq(), s.rotary.inv_freq())
 
     def _project(self, h, which: str, shape, axes, kv_group: int = 1, n_local: Optional[int] = None):
         """h [B, T, D] -> [B, T, heads here, H] (q, k, v, or the three fused); for replicated kv heads,
@@ -440,7 +476,8 @@ class Attention(hk.Module):
         else:
             keys = s + (0 if shared is None else shared_k.shape[-1])
             block = query_block(b, t, n * keys) if ctx.slot_index is not None else None
-            attend = functools.partial(self._attend_block, shared_k=shared_k, shared_v=shared_v)
+            attend = functools.partial(self._attend_block, shared_k=shared_k, shared_v=shared_v,
+                                       shared_window=self._shared_window(ctx) if shared is not None else None)
             if block is None:
                 out = attend(q, k, v, ctx.mask, ctx.positions, ctx.key_positions, ctx.shared_positions)
             else:
@@ -456,9 +493,14 @@ class Attention(hk.Module):
         before every query). An admission of 16 prompts behind a cached 1,000-token prefix (bench/decode.py
         --shared-prefix, GPT-J 4 x 512, fp32): 722 -> 580 ms."""
         b, kv, g, t, hd = q.shape
-        shared_in_window = self.spec.window is not None and ctx.shared_positions is not None
+        shared_in_window = self._shared_window(ctx) is not None and ctx.shared_positions is not None
         return (ctx.slot_index is not None and (t > 1 or g <= kernels.ATTENTION_FEW_ROWS) and not self.spec.alibi
-                and not shared_in_window and kernels.attention_applies(k))
+                and self.spec.softcap is None and not shared_in_window and kernels.attention_applies(k))
+
+    def _shared_window(self, ctx: Context) -> Optional[int]:
+        """The window this layer reads a shared prefix through (decoding: layers run unrolled, so
+        `ctx.windowed` is a Python bool)."""
+        return self.spec.window if ctx.windowed is True else None
 
     @staticmethod
     def _attend_in_blocks(attend, q, k, v, ctx: Context, block: int):
@@ -484,7 +526,8 @@ class Attention(hk.Module):
         rows = (pad(q, 3), k, v, pad(mask, 3), pad(ctx.positions, 1), ctx.key_positions, ctx.shared_positions)
         return jax.lax.map(row, rows)[:, :, :, :t]
 
-    def _attend_block(self, q, k, v, mask, positions, key_positions, shared_positions, shared_k, shared_v):
+    def _attend_block(self, q, k, v, mask, positions, key_positions, shared_positions, shared_k, shared_v,
+                      shared_window=None):
         """q [b, K, G, T, H] of b rows (mask [b, 1, 1, T, S], positions [b, T], key_positions [b, S],
         shared_positions [b, U] or None) -> [b, K, G, T, H] float32.
 
@@ -495,7 +538,8 @@ class Attention(hk.Module):
         # A kv head's g query heads and t positions are one row dimension of both matmuls (g x t rows
         # per kv head): XLA:CPU ran them 17x slower with g and t as separate dimensions (g = 4, t = 1).
         q = q.reshape(b, kv, g * t, hd)
-        scale = lambda scores: scores.reshape(b, kv, g, t, -1) / jnp.sqrt(jnp.float32(hd))  # noqa: E731
+        scale = lambda scores: softcap(  # noqa: E731
+            scores.reshape(b, kv, g, t, -1) / jnp.sqrt(jnp.float32(hd)), self.spec.softcap)
         own = scale(_rows_product("bkmh,bkhs->bkms", q, k))
         if self.spec.alibi:
             own = own + self._alibi(kv, g, key_positions, positions)
@@ -508,8 +552,8 @@ class Attention(hk.Module):
         if self.spec.alibi:
             shared = shared + self._alibi(kv, g, shared_positions, positions)
         visible = jnp.broadcast_to((shared_positions >= 0)[:, None, :], (b, t, shared_positions.shape[-1]))
-        if self.spec.window is not None:
-            visible = visible & (positions[:, :, None] - shared_positions[:, None, :] < self.spec.window)
+        if shared_window is not None:
+            visible = visible & (positions[:, :, None] - shared_positions[:, None, :] < shared_window)
         shared = jnp.where(visible[:, None, None], shared, NEG)
         top = jax.lax.stop_gradient(jnp.maximum(own.max(-1, keepdims=True), shared.max(-1, keepdims=True)))
         own, shared = jnp.exp(own - top), jnp.exp(shared - top)
@@ -613,7 +657,7 @@ def on_bits(op, *arrays):
     return jax.lax.bitcast_convert_type(bits, dtype)
 
 
-def _fused_attention(q, k, v, ctx: Context, window: Optional[int] = None):
+def _fused_attention(q, k, v, ctx: Context, window: Optional[int] = None, windowed=True):
     """q [B, T, N, H], k and v [B, T, K, H] -> [B, T, N, H] with `jax.nn.dot_product_attention`:
     cuDNN's flash attention on NVIDIA GPUs in 16-bit (the [T, S] scores never reach memory; a plain
     causal mask skips the blocks above the diagonal, a sliding window those left of it too), XLA's
@@ -622,15 +666,25 @@ def _fused_attention(q, k, v, ctx: Context, window: Optional[int] = None):
     on_gpu = jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16)
     k, v = k.astype(q.dtype), v.astype(q.dtype)
     mask = None if ctx.causal else ctx.mask[:, 0]  # [B, 1, T, S]
-    local = (window - 1, 0) if ctx.causal and window is not None else None  # keys q - (window - 1) .. q
-    return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=ctx.causal, local_window_size=local,
-                                        implementation="cudnn" if on_gpu else "xla")
+    attend = functools.partial(jax.nn.dot_product_attention, q, k, v, mask=mask, is_causal=ctx.causal,
+                               implementation="cudnn" if on_gpu else "xla")
+    if not ctx.causal or window is None:  # an explicit mask holds the window
+        return attend()
+    local = (window - 1, 0)  # keys q - (window - 1) .. q
+    if windowed is True:
+        return attend(local_window_size=local)
+    return jax.lax.cond(windowed, lambda: attend(local_window_size=local), attend)  # per layer of a scanned stack
 
 
 def within_window(ctx: Context, window: int) -> Context:
     """`ctx` with each query's keys cut to the last `window` positions, its own included — HF's
-    sliding window (key > query - window); `causal` then means "causal within the window"."""
+    sliding window (key > query - window) — in the layers `ctx.windowed` marks; `causal` then means
+    "causal within the layer's window"."""
+    if ctx.windowed is False:
+        return ctx
     near = ctx.positions[:, :, None] - ctx.key_positions[:, None, :] < window  # [B, T, S]
+    if ctx.windowed is not True:  # traced: this layer of a scanned stack may attend to everything
+        near = near | ~ctx.windowed
     return ctx._replace(mask=ctx.mask & near[:, None, None])
 
 
@@ -658,12 +712,12 @@ ACTIVATIONS = {
 }
 
 
-def norm_heads(q, k, head_dim: int, eps: float):
-    """Qwen3's q_norm / k_norm (inside `Attention`, so named attn/q_norm, attn/k_norm): each head's
-    query and key RMS-normed over head_dim, one scale per head_dim entry shared by all heads
-    (replicated over mp)."""
-    return (RMSNorm(head_dim, eps, "q_norm", axis="head_dim")(q),
-            RMSNorm(head_dim, eps, "k_norm", axis="head_dim")(k))
+def norm_heads(q, k, head_dim: int, eps: float, unit_offset: bool = False):
+    """Qwen3's and Gemma 3's q_norm / k_norm (inside `Attention`, so named attn/q_norm, attn/k_norm):
+    each head's query and key RMS-normed over head_dim, one scale per head_dim entry shared by all
+    heads (replicated over mp)."""
+    return (RMSNorm(head_dim, eps, "q_norm", axis="head_dim", unit_offset=unit_offset)(q),
+            RMSNorm(head_dim, eps, "k_norm", axis="head_dim", unit_offset=unit_offset)(k))
 
 
 class MLPSpec(NamedTuple):

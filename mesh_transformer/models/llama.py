@@ -6,8 +6,8 @@ Qwen3, TinyLlama: numerically `transformers.LlamaForCausalLM` (and Mistral's, Qw
 Grouped-query attention (`n_kv_heads` kv heads shared by n_heads / n_kv_heads query heads),
 rotate-half rotary with `rope_theta` and HF's `rope_scaling` kinds "linear" and "llama3", optional
 q/k/v bias (Qwen2) and o_proj bias, RMSNorm of each query and key head before rotary (`qk_norm`,
-Qwen3), sliding-window attention in every layer (`sliding_window`, Mistral), tied or untied
-embeddings.
+Qwen3), sliding-window attention in every layer (`sliding_window`, Mistral) or in the layers
+`layer_types` marks (Qwen2/3), tied or untied embeddings.
 """
 from __future__ import annotations
 
@@ -23,10 +23,15 @@ ROPE_SCALINGS = {"linear": ("factor",),
                  "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
 
 
+SLIDING, FULL = "sliding_attention", "full_attention"  # HF's layer_types
+
+
 class LlamaShaped:
-    """What the LLaMA-shaped families (llama, phi3) share beside ModelConfig's keys: grouped-query
-    kv heads (`n_kv_heads`, default n_heads), a sliding window (`sliding_window`), a final RMSNorm
-    before a tied or untied head."""
+    """What the LLaMA-shaped families (llama, phi3, gemma) share beside ModelConfig's keys: grouped-query
+    kv heads (`n_kv_heads`, default n_heads), a sliding window (`sliding_window`) in every layer or
+    in those `layer_types` marks, a final RMSNorm before a tied or untied head."""
+
+    layer_types = None  # a family with the key declares it: HF's list, SLIDING or FULL per layer
 
     @property
     def kv_heads(self) -> int:
@@ -37,6 +42,12 @@ class LlamaShaped:
         """The attention window when it is shorter than the context (else None: full attention)."""
         return self.sliding_window if self.sliding_window is not None and self.sliding_window < self.seq else None
 
+    def windowed_layers(self) -> Optional[tuple[bool, ...]]:
+        """Per layer from `layer_types` (a layer kind also picks Gemma 3's rope, window or not)."""
+        if self.layer_types is None or all(t == SLIDING for t in self.layer_types):
+            return None
+        return tuple(t == SLIDING for t in self.layer_types)
+
     def validate_kv_heads_and_window(self) -> None:
         require(self.kv_heads > 0 and self.n_heads % self.kv_heads == 0, "n_kv_heads",
                 f"{self.kv_heads} must be positive and divide n_heads={self.n_heads}")
@@ -44,6 +55,13 @@ class LlamaShaped:
             require(isinstance(self.sliding_window, int) and not isinstance(self.sliding_window, bool)
                     and self.sliding_window > 0, "sliding_window",
                     f"must be a positive integer (tokens), got {self.sliding_window!r}")
+        if self.layer_types is not None:
+            kinds = self.layer_types
+            require(isinstance(kinds, (list, tuple)) and len(kinds) == self.layers
+                    and all(t in (SLIDING, FULL) for t in kinds), "layer_types",
+                    f"must list {SLIDING!r} or {FULL!r} for each of the {self.layers} layers, got {kinds!r}")
+            require(self.sliding_window is not None or SLIDING not in kinds, "layer_types",
+                    f"marks {SLIDING!r} layers but sliding_window is not set")
 
     def stem(self) -> StemSpec:
         return StemSpec(final_norm="rmsnorm", tied=self.tie_embeddings)
@@ -69,6 +87,7 @@ class LlamaConfig(LlamaShaped, ModelConfig):
     mlp_bias: bool = False
     qk_norm: bool = False  # Qwen3: q_norm / k_norm over each head's head_dim, before rotary
     sliding_window: Optional[int] = None  # Mistral: each token attends to the last sliding_window, itself included
+    layer_types: Optional[list] = None  # Qwen2/3: which layers slide (SLIDING) and which see everything (FULL)
     tie_embeddings: bool = False
     layer_norm_eps: float = 1e-6  # RMSNorm's epsilon
 
@@ -101,11 +120,11 @@ class LlamaConfig(LlamaShaped, ModelConfig):
         rope.pop("partial_rotary_factor", None)
         scaling = None if rope.get("rope_type", rope.get("type", "default")) == "default" else rope
         seq = hf.get("max_position_embeddings", 2048)
-        window, cut = hf_sliding_window(hf)
+        window, kinds = hf_sliding_window(hf)
         qwen2, qwen3 = (hf.get("model_type") == t for t in ("qwen2", "qwen3"))
         return cls(layers=hf["num_hidden_layers"], d_model=hf["hidden_size"], n_heads=hf["num_attention_heads"],
                    n_kv_heads=hf.get("num_key_value_heads"), d_head=hf.get("head_dim"), n_vocab=hf["vocab_size"],
-                   seq=min(seq, cut) if cut else seq, sliding_window=window, d_ff=hf["intermediate_size"],
+                   seq=seq, sliding_window=window, layer_types=kinds, d_ff=hf["intermediate_size"],
                    rope_theta=theta, rope_scaling=scaling, qkv_bias=qwen2 or hf.get("attention_bias", False),
                    out_bias=not qwen2 and hf.get("attention_bias", False), mlp_bias=hf.get("mlp_bias", False),
                    qk_norm=qwen3, tie_embeddings=hf.get("tie_word_embeddings", False),
@@ -125,6 +144,9 @@ class LlamaConfig(LlamaShaped, ModelConfig):
         kind = "qwen3" if self.qk_norm else "qwen2" if qwen2 else "mistral" if self.window else "llama"
         if kind == "mistral" and (self.qkv_bias or self.out_bias or self.mlp_bias):
             raise ConfigError("a LLaMA model with a sliding window and biases has no HF class (Mistral has no biases)")
+        if kind == "mistral" and self.windowed_layers():
+            raise ConfigError("a LLaMA model with full and sliding layers (layer_types) exports as Qwen2 or Qwen3 "
+                              "only (Mistral slides in every layer)")
         out = {"architectures": [{"qwen3": "Qwen3", "qwen2": "Qwen2", "mistral": "Mistral",
                                   "llama": "Llama"}[kind] + "ForCausalLM"],
                "model_type": kind, "hidden_size": self.d_model,
@@ -132,7 +154,9 @@ class LlamaConfig(LlamaShaped, ModelConfig):
                "num_hidden_layers": self.layers, "intermediate_size": self.ff_dim, "vocab_size": self.n_vocab,
                "max_position_embeddings": self.seq, "rope_theta": self.rope_theta, "rope_scaling": self.rope_scaling,
                "hidden_act": "silu", "rms_norm_eps": self.layer_norm_eps, "tie_word_embeddings": self.tie_embeddings}
-        window = {"use_sliding_window": self.window is not None, "sliding_window": self.window, "max_window_layers": 0}
+        kinds = self.windowed_layers() or (self.window is not None,) * self.layers
+        window = {"use_sliding_window": self.window is not None, "sliding_window": self.window, "max_window_layers": 0,
+                  "layer_types": [SLIDING if on else FULL for on in kinds]}
         if kind == "qwen2":
             return {**out, **window}
         if kind == "qwen3":
@@ -142,22 +166,22 @@ class LlamaConfig(LlamaShaped, ModelConfig):
         return {**out, "head_dim": self.head_dim, "attention_bias": self.qkv_bias, "mlp_bias": self.mlp_bias}
 
 
-def hf_sliding_window(hf: dict) -> tuple[Optional[int], Optional[int]]:
-    """(the window every layer attends within, or None; a context cut, or None) from HF's keys.
-    Mistral's `sliding_window` holds in every layer; Qwen2/3's only with `use_sliding_window`, in the
-    layers `layer_types` (else `max_window_layers`: the layers from it on) marks. With some layers
-    full and some sliding, the context stops at the window (full attention over at most the window
-    is what a sliding one computes)."""
+def hf_sliding_window(hf: dict) -> tuple[Optional[int], Optional[list]]:
+    """(the sliding window, or None; `layer_types`, or None where every layer slides) from HF's
+    keys. Mistral's `sliding_window` holds in every layer; Qwen2/3's only with
+    `use_sliding_window`, in the layers `layer_types` (else `max_window_layers`: the layers from it
+    on) marks."""
     window = hf.get("sliding_window")
     if not window or not hf.get("use_sliding_window", True):
         return None, None
     kinds = hf.get("layer_types")
     if kinds is None and "max_window_layers" in hf:
-        kinds = ["sliding_attention" if i >= hf["max_window_layers"] else "full_attention"
-                 for i in range(hf["num_hidden_layers"])]
-    if kinds is None or all(kind == "sliding_attention" for kind in kinds):
+        kinds = [SLIDING if i >= hf["max_window_layers"] else FULL for i in range(hf["num_hidden_layers"])]
+    if kinds is None or all(kind == SLIDING for kind in kinds):
         return window, None
-    return None, window
+    if SLIDING not in kinds:
+        return None, None
+    return window, list(kinds)
 
 
 def block(c: LlamaConfig, x, ctx, cache=None):

@@ -55,11 +55,13 @@ class Phi3Config(LlamaShaped, ModelConfig):
         if kind != "default":
             raise ConfigError(f"config.json: Phi-3 rope_type {kind!r} is not supported (only plain rope: "
                               "Phi-3-mini-4k, Phi-3-medium-4k, Phi-4)")
-        window, cut = hf_sliding_window(hf)
+        window, kinds = hf_sliding_window(hf)
+        if kinds:
+            raise ConfigError("config.json: Phi-3 with sliding and full layers (layer_types) is not supported")
         seq = hf.get("max_position_embeddings", 4096)
         return cls(layers=hf["num_hidden_layers"], d_model=hf["hidden_size"], n_heads=hf["num_attention_heads"],
                    n_kv_heads=hf.get("num_key_value_heads"), d_head=hf.get("head_dim"), n_vocab=hf["vocab_size"],
-                   seq=min(seq, cut) if cut else seq, sliding_window=window, d_ff=hf["intermediate_size"],
+                   seq=seq, sliding_window=window, d_ff=hf["intermediate_size"],
                    rope_theta=rope.get("rope_theta", hf.get("rope_theta", 10000.0)),
                    rotary_pct=rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)),
                    tie_embeddings=hf.get("tie_word_embeddings", False), layer_norm_eps=hf.get("rms_norm_eps", 1e-5))
