@@ -108,7 +108,7 @@ def make_random(path, family="gptj", layers=4, d_model=512, heads=8, vocab=50400
     from mesh_transformer.config import config_from_dict
 
     config = config_from_dict({"family": family, "layers": layers, "d_model": d_model, "n_heads": heads,
-                               "n_vocab": vocab, "seq": seq, **families.family_keys(family, d_model, heads),
+                               "n_vocab": vocab, "seq": seq, **families.family_keys(family, d_model, heads, layers),
                                **({"sliding_window": window} if window else {})})
     model = families.hf_model(config.model, seed).eval()
     for c in (model.config, model.generation_config):
@@ -229,7 +229,8 @@ def main(argv=None):
     parser.add_argument("--d-model", type=int, default=1024)
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--window", type=int, help="a sliding window of this many tokens (--family llama: "
-                        "Mistral's attention, transformers runs MistralForCausalLM; or --family phi3)")
+                        "Mistral's attention, transformers runs MistralForCausalLM; --family phi3; --family gemma: its "
+                        "sliding layers' window)")
     parser.add_argument("--prompt", type=int, default=32, help="prompt tokens")
     parser.add_argument("--new", type=int, default=64, help="new tokens per sequence")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16])
@@ -259,8 +260,8 @@ def main(argv=None):
     parser.add_argument("--mp", type=int, default=1,
                         help="split the model over this many (simulated CPU) devices")
     args = parser.parse_args(argv)
-    if args.window and (args.family not in ("llama", "phi3") or args.hf):
-        parser.error("--window needs --family llama or phi3 (and a random model, not --hf)")
+    if args.window and (args.family not in ("llama", "phi3", "gemma") or args.hf):
+        parser.error("--window needs --family llama, phi3 or gemma (and a random model, not --hf)")
     if args.shared_prefix and not (args.server_batch and args.prefix_cache):
         parser.error("--shared-prefix needs --server-batch and --prefix-cache (the prefix is read from the cache)")
     from mesh_transformer import host_memory

@@ -8,6 +8,9 @@ family adds is its own shape convention, chosen as the family's released models 
   SwiGLU width 8/3 x d_model rounded up to a multiple of 256 (Llama's `multiple_of`), untied head;
 - phi3: Phi-4's grouped-query attention (a quarter as many key/value heads) and SwiGLU width
   3.5 x d_model rounded up to a multiple of 256;
+- gemma: Gemma 3's: half as many key/value heads, GeGLU width 4 x d_model, sandwich norms, q/k
+  norms, five sliding layers (512 tokens, rope base 10k) to each full one (rope base 1M), the last
+  layer full;
 - gpt_neox, gpt2, opt: their defaults (ours mirror HF's).
 
 `hf_model` builds the transformers model of a config through the library's own export mapping
@@ -15,7 +18,7 @@ family adds is its own shape convention, chosen as the family's released models 
 """
 from __future__ import annotations
 
-FAMILIES = ("gptj", "llama", "gpt_neox", "gpt2", "opt", "phi3")
+FAMILIES = ("gptj", "llama", "gpt_neox", "gpt2", "opt", "phi3", "gemma")
 
 
 def add_arg(parser, default: str = "gptj") -> None:
@@ -23,7 +26,7 @@ def add_arg(parser, default: str = "gptj") -> None:
                         help="model family (shape conventions: bench/families.py)")
 
 
-def family_keys(family: str, d_model: int, heads: int) -> dict:
+def family_keys(family: str, d_model: int, heads: int, layers: int) -> dict:
     """Config keys beyond layers/d_model/heads/vocab that make `family`'s usual shape."""
     d_head = d_model // heads
     if family == "gptj":
@@ -32,6 +35,11 @@ def family_keys(family: str, d_model: int, heads: int) -> dict:
         return {"n_kv_heads": max(1, heads // 4), "d_ff": -(-8 * d_model // 3 // 256) * 256}
     if family == "phi3":
         return {"n_kv_heads": max(1, heads // 4), "d_ff": -(-7 * d_model // 2 // 256) * 256}
+    if family == "gemma":
+        return {"n_kv_heads": max(1, heads // 2), "d_ff": 4 * d_model, "sandwich_norms": True, "qk_norm": True,
+                "query_pre_attn_scalar": d_head, "rope_theta": 1e6, "rope_local_theta": 1e4, "sliding_window": 512,
+                "layer_types": ["sliding_attention" if (i + 1) % 6 and i != layers - 1 else "full_attention"
+                                for i in range(layers)]}
     return {}
 
 

@@ -96,7 +96,7 @@ def make_config(args, mp: int = 1, dp: int = 1, **overrides):
                 compute_dtype="float32", remat="none", per_replica_batch=args.batch // dp, cores_per_replica=mp,
                 lr=1e-4, warmup_steps=0, anneal_steps=1000, total_steps=1000, weight_decay=0.1, clip_norm=1.0)
     family = overrides.pop("family", getattr(args, "family", "gptj"))
-    keys.update(family=family, **families.family_keys(family, args.d_model, args.heads))
+    keys.update(family=family, **families.family_keys(family, args.d_model, args.heads, args.layers))
     return config_from_dict({**keys, **overrides})
 
 
@@ -165,7 +165,7 @@ def main():
     cores = os.cpu_count() or 1
     description = machine.describe()
     peak = peak_matmul_flops()
-    kv_heads = families.family_keys(args.family, args.d_model, args.heads).get("n_kv_heads", args.heads)
+    kv_heads = families.family_keys(args.family, args.d_model, args.heads, args.layers).get("n_kv_heads", args.heads)
     mp = cores if args.heads % cores == 0 and kv_heads % cores == 0 else 1
     config = make_config(args)
     sides = {"mesh-transformer, 1 device": machine.Apart("ours, 1 device", bench_ours, args, 1, env=devices_flag(1)),
