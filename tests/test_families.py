@@ -163,6 +163,25 @@ def test_fused_attention_equals_einsum_path_with_packing_and_fcm(family, extra):
     assert max_abs_diff(xla_grads, fused_grads) < 2e-6
 
 
+def test_fused_attention_picks_each_scanned_layers_window():
+    """Plain causal rows through Gemma's scanned sliding (6-token window) and full layers on dp2 x mp4:
+    the fused path passes each layer's window to dot_product_attention by the layer's kind, chosen
+    at run time, and gives the einsum path's loss and gradients (attn_softcap off: soft-capped
+    scores take the einsum path)."""
+    from tests.helpers import max_abs_diff
+    tokens = random_tokens((ACCUM, BATCH, 17), 250, seed=4)
+    params = jax.device_get(_trainer("gemma", 1, 1, False, attn_softcap=None).init_state(0).params)
+    results = []
+    for impl in ("xla", "cudnn"):
+        trainer = _trainer("gemma", 2, 4, False, attention_impl=impl, attn_softcap=None)
+        state = trainer.state_from_params(params)
+        loss, grads = trainer.loss_and_grads(state.params, trainer.shard_batch({"tokens": tokens}))
+        results.append((float(loss), jax.device_get(grads)))
+    (xla_loss, xla_grads), (fused_loss, fused_grads) = results
+    assert abs(xla_loss - fused_loss) < 1e-5
+    assert max_abs_diff(xla_grads, fused_grads) < 2e-6
+
+
 def test_attention_implementation_is_checked():
     with pytest.raises(ConfigError, match="attention_impl"):
         config_from_dict({**TRAIN_BASE, "attention_impl": "flash"})
@@ -386,6 +405,18 @@ def test_gemma3_multimodal_checkpoint_loads_its_text_model(tmp_path):
     np.testing.assert_allclose(np.asarray(ours)[..., :config.n_vocab], hf_logits(multimodal, tokens), atol=TOL, rtol=0)
     hf.save_hf(params, config, tmp_path / "text")
     assert json.loads((tmp_path / "text" / "config.json").read_text())["architectures"] == ["Gemma3ForCausalLM"]
+
+
+@pytest.mark.parametrize("model_type", ["gemma2", "gemma3_text"])
+def test_gemma_keys_a_config_json_leaves_out_mean_what_transformers_assumes(model_type):
+    import transformers
+    keys = ("query_pre_attn_scalar", "sliding_window", "attn_logit_softcapping", "final_logit_softcapping")
+    short = {k: v for k, v in FAMILY_CASES[{"gemma2": "gemma2_softcap_window", "gemma3_text": "gemma3_local_rope"}[
+        model_type]][2].items() if k not in keys}
+    theirs = transformers.AutoConfig.for_model(model_type, **short)
+    ours = hf.config_from_hf({"model_type": model_type, **short})
+    assert (ours.query_pre_attn_scalar, ours.sliding_window, ours.attn_softcap, ours.logit_softcap) == tuple(
+        getattr(theirs, k) for k in keys)
 
 
 def test_sliding_window_is_checked_and_exports_only_without_biases():

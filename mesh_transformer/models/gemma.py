@@ -25,10 +25,14 @@ from mesh_transformer.config import ConfigError, ModelConfig, require
 from mesh_transformer.models import hf_layout as hl
 from mesh_transformer.models.core import StemSpec
 from mesh_transformer.models.layers import MLP, Attention, AttentionSpec, MLPSpec, Rotary, norm, reduce_mp
-from mesh_transformer.models.llama import FULL, SLIDING, LlamaShaped
+from mesh_transformer.models.llama import FULL, SLIDING, LlamaShaped, hf_projections
 
 NORM = "rmsnorm+1"
 HF_CLASSES = {"gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
+# What transformers assumes where a config.json leaves these keys out (an explicit null stays null)
+HF_DEFAULTS = {"gemma2": {"query_pre_attn_scalar": 256, "sliding_window": 4096, "attn_logit_softcapping": 50.0,
+                          "final_logit_softcapping": 30.0},
+               "gemma3_text": {"query_pre_attn_scalar": 256, "sliding_window": 4096}}
 
 
 @dataclass(frozen=True)
@@ -81,6 +85,7 @@ class GemmaConfig(LlamaShaped, ModelConfig):
     @classmethod
     def from_hf_config(cls, hf: dict) -> "GemmaConfig":
         kind = hf.get("model_type", "gemma")
+        hf = {**HF_DEFAULTS.get(kind, {}), **hf}
         act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
         if act not in ("gelu_pytorch_tanh", "gelu"):  # "gelu": the first releases' name for the tanh form
             raise ConfigError(f"config.json: hidden_activation {act!r} is not supported (Gemma uses 'gelu_pytorch_tanh')")
@@ -189,13 +194,7 @@ def hf_table(c: GemmaConfig) -> list[hl.HFParam]:
     table = [
         hl.HFParam("model.embed_tokens.weight", (("embed", "embeddings"),), hl.SAME),
         *(hl.HFParam(layer + f"{hf}.weight", ((f"layers/{ours}", "scale"),), hl.SAME) for hf, ours in norms),
-        hl.HFParam(layer + "self_attn.q_proj.weight", (("layers/attn", "q_proj"),), hl.heads_out()),
-        hl.HFParam(layer + "self_attn.k_proj.weight", (("layers/attn", "k_proj"),), hl.heads_out(kv=True)),
-        hl.HFParam(layer + "self_attn.v_proj.weight", (("layers/attn", "v_proj"),), hl.heads_out(kv=True)),
-        hl.HFParam(layer + "self_attn.o_proj.weight", (("layers/attn", "out_proj"),), hl.heads_in()),
-        hl.HFParam(layer + "mlp.gate_proj.weight", (("layers/mlp", "gate"),), hl.LINEAR),
-        hl.HFParam(layer + "mlp.up_proj.weight", (("layers/mlp", "fc_in"),), hl.LINEAR),
-        hl.HFParam(layer + "mlp.down_proj.weight", (("layers/mlp", "fc_out"),), hl.LINEAR),
+        *hf_projections(layer),
         hl.HFParam("model.norm.weight", (("ln_f", "scale"),), hl.SAME),
     ]
     if c.qk_norm:

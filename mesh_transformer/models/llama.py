@@ -191,19 +191,26 @@ def block(c: LlamaConfig, x, ctx, cache=None):
     return x + reduce_mp(MLP(c.mlp())(norm("rmsnorm", c.d_model, c.layer_norm_eps, "ln_2")(x))), cache
 
 
+def hf_projections(layer: str) -> list[hl.HFParam]:
+    """q/k/v/o_proj and SwiGLU's gate/up/down_proj, each its own HF tensor (LLaMA's and Gemma's names)."""
+    return [
+        hl.HFParam(layer + "self_attn.q_proj.weight", (("layers/attn", "q_proj"),), hl.heads_out()),
+        hl.HFParam(layer + "self_attn.k_proj.weight", (("layers/attn", "k_proj"),), hl.heads_out(kv=True)),
+        hl.HFParam(layer + "self_attn.v_proj.weight", (("layers/attn", "v_proj"),), hl.heads_out(kv=True)),
+        hl.HFParam(layer + "self_attn.o_proj.weight", (("layers/attn", "out_proj"),), hl.heads_in()),
+        hl.HFParam(layer + "mlp.gate_proj.weight", (("layers/mlp", "gate"),), hl.LINEAR),
+        hl.HFParam(layer + "mlp.up_proj.weight", (("layers/mlp", "fc_in"),), hl.LINEAR),
+        hl.HFParam(layer + "mlp.down_proj.weight", (("layers/mlp", "fc_out"),), hl.LINEAR),
+    ]
+
+
 def hf_table(c: LlamaConfig) -> list[hl.HFParam]:
     layer = "model.layers.{i}."
     table = [
         hl.HFParam("model.embed_tokens.weight", (("embed", "embeddings"),), hl.SAME),
         hl.HFParam(layer + "input_layernorm.weight", (("layers/ln_1", "scale"),), hl.SAME),
-        hl.HFParam(layer + "self_attn.q_proj.weight", (("layers/attn", "q_proj"),), hl.heads_out()),
-        hl.HFParam(layer + "self_attn.k_proj.weight", (("layers/attn", "k_proj"),), hl.heads_out(kv=True)),
-        hl.HFParam(layer + "self_attn.v_proj.weight", (("layers/attn", "v_proj"),), hl.heads_out(kv=True)),
-        hl.HFParam(layer + "self_attn.o_proj.weight", (("layers/attn", "out_proj"),), hl.heads_in()),
         hl.HFParam(layer + "post_attention_layernorm.weight", (("layers/ln_2", "scale"),), hl.SAME),
-        hl.HFParam(layer + "mlp.gate_proj.weight", (("layers/mlp", "gate"),), hl.LINEAR),
-        hl.HFParam(layer + "mlp.up_proj.weight", (("layers/mlp", "fc_in"),), hl.LINEAR),
-        hl.HFParam(layer + "mlp.down_proj.weight", (("layers/mlp", "fc_out"),), hl.LINEAR),
+        *hf_projections(layer),
         hl.HFParam("model.norm.weight", (("ln_f", "scale"),), hl.SAME),
     ]
     if c.qkv_bias:
