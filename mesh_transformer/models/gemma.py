@@ -29,10 +29,6 @@ from mesh_transformer.models.llama import FULL, SLIDING, LlamaShaped, hf_project
 
 NORM = "rmsnorm+1"
 HF_CLASSES = {"gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
-# What transformers assumes where a config.json leaves these keys out (an explicit null stays null)
-HF_DEFAULTS = {"gemma2": {"query_pre_attn_scalar": 256, "sliding_window": 4096, "attn_logit_softcapping": 50.0,
-                          "final_logit_softcapping": 30.0},
-               "gemma3_text": {"query_pre_attn_scalar": 256, "sliding_window": 4096}}
 
 
 @dataclass(frozen=True)
@@ -85,28 +81,28 @@ class GemmaConfig(LlamaShaped, ModelConfig):
     @classmethod
     def from_hf_config(cls, hf: dict) -> "GemmaConfig":
         kind = hf.get("model_type", "gemma")
-        hf = {**HF_DEFAULTS.get(kind, {}), **hf}
-        act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
-        if act not in ("gelu_pytorch_tanh", "gelu"):  # "gelu": the first releases' name for the tanh form
+        hf = hl.as_transformers_reads_it(hf)
+        act = hf.get("hidden_activation") or hf.get("hidden_act")
+        if act != "gelu_pytorch_tanh":
             raise ConfigError(f"config.json: hidden_activation {act!r} is not supported (Gemma uses 'gelu_pytorch_tanh')")
         if hf.get("use_bidirectional_attention"):
             raise ConfigError("config.json: use_bidirectional_attention (EmbeddingGemma) is not supported: "
                               "this library runs causal language models")
         full, local = _hf_ropes(hf)
         later = kind != "gemma"
-        seq = hf.get("max_position_embeddings", 8192)
-        kinds = hf.get("layer_types") or (_hf_layer_types(hf) if later else None)
-        window = (hf.get("sliding_window") or seq) if later else None  # null: sliding layers see everything
+        seq = hf["max_position_embeddings"]
+        kinds = hf.get("layer_types") if later else None
+        window = (hf["sliding_window"] or seq) if later else None  # null: sliding layers see everything
         return cls(layers=hf["num_hidden_layers"], d_model=hf["hidden_size"], n_heads=hf["num_attention_heads"],
                    n_kv_heads=hf.get("num_key_value_heads"), d_head=hf.get("head_dim"), n_vocab=hf["vocab_size"],
                    seq=seq, d_ff=hf["intermediate_size"],
-                   rope_theta=full.pop("rope_theta", 10000.0), rope_scaling=full or None,
+                   rope_theta=full.pop("rope_theta"), rope_scaling=full or None,
                    rope_local_theta=local, sliding_window=window,
                    layer_types=list(kinds) if kinds else None, sandwich_norms=later,
-                   qk_norm=kind == "gemma3_text", query_pre_attn_scalar=hf.get("query_pre_attn_scalar") if later else None,
-                   attn_softcap=hf.get("attn_logit_softcapping") if later else None,
-                   logit_softcap=hf.get("final_logit_softcapping") if later else None,
-                   tie_embeddings=hf.get("tie_word_embeddings", True), layer_norm_eps=hf.get("rms_norm_eps", 1e-6))
+                   qk_norm=kind == "gemma3_text", query_pre_attn_scalar=hf["query_pre_attn_scalar"] if later else None,
+                   attn_softcap=hf["attn_logit_softcapping"] if later else None,
+                   logit_softcap=hf["final_logit_softcapping"] if later else None,
+                   tie_embeddings=hf["tie_word_embeddings"], layer_norm_eps=hf["rms_norm_eps"])
 
     def _hf_model_type(self) -> str:
         """gemma3_text with q/k norms or a local rope base, gemma2 with post-norms, else gemma; a
@@ -148,25 +144,15 @@ class GemmaConfig(LlamaShaped, ModelConfig):
         return {**out, "rope_parameters": {"full_attention": full, "sliding_attention": local}}
 
 
-def _hf_layer_types(hf: dict) -> list[str]:
-    """Gemma 2/3 checkpoints written before `layer_types`: one full layer in every
-    `sliding_window_pattern` (Gemma 2: 2, Gemma 3: 6), the last of each group."""
-    pattern = hf.get("sliding_window_pattern", 6 if hf.get("model_type") == "gemma3_text" else 2)
-    return [SLIDING if (i + 1) % pattern else FULL for i in range(hf["num_hidden_layers"])]
-
-
 def _hf_ropes(hf: dict) -> tuple[dict, Optional[float]]:
     """(the full layers' rope: rope_theta and any scaling keys; the sliding layers' base, or None
-    where they share the full layers' rope), from `rope_parameters` (per layer kind in Gemma 3, one
-    dict before it) or the older `rope_theta`, `rope_scaling`, `rope_local_base_freq`."""
-    params = dict(hf.get("rope_parameters") or {})
+    where they share the full layers' rope) from transformers' `rope_parameters`: per layer kind
+    (Gemma 3), or one dict (Gemma 1/2)."""
+    params = dict(hf["rope_parameters"])
     if FULL in params or SLIDING in params:
         full, local = dict(params.get(FULL) or {}), dict(params.get(SLIDING) or {})
     else:
-        full = {**params, **(hf.get("rope_scaling") or {})}
-        full.setdefault("rope_theta", hf.get("rope_theta", 1e6 if hf.get("model_type") == "gemma3_text" else 1e4))
-        base = hf.get("rope_local_base_freq", 1e4 if hf.get("model_type") == "gemma3_text" else None)
-        local = {"rope_theta": base} if base is not None else {}
+        full, local = params, {}
     for which, rope in (("full-attention", full), ("sliding-attention", local)):
         kind = rope.pop("rope_type", rope.pop("type", "default"))
         rope.pop("partial_rotary_factor", None)

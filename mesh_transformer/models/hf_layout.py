@@ -33,6 +33,19 @@ class HFParam(NamedTuple):
         return "{i}" in self.hf
 
 
+def as_transformers_reads_it(hf: dict) -> dict:
+    """A config.json dict as transformers' config class reads it: the keys the file leaves out at
+    their defaults, older keys in today's form (e.g. Gemma's `rope_local_base_freq` and
+    `sliding_window_pattern` as per-layer-kind `rope_parameters` and `layer_types`)."""
+    from transformers import AutoConfig
+
+    from mesh_transformer.config import ConfigError
+    try:
+        return AutoConfig.for_model(**hf).to_dict()
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"config.json: transformers does not read it ({e})") from None
+
+
 def one(fn_ours, fn_hf) -> Transform:
     """A transform between one HF tensor and one of ours."""
     return Transform(lambda x, c: (fn_ours(x, c),), lambda xs, c: fn_hf(xs[0], c))
