@@ -337,24 +337,30 @@ class WorkerGroup:
             try:
                 results[index[ready[0]]] = ray.get(ready[0])
             except ray.exceptions.RayError as e:
-                raise self._failure(index[ready[0]], what, e, pending, step, started) from None
+                others = {ref: index[ref] for ref in pending}
+                raise self._failure(index[ready[0]], what, e, others, step, started) from None
         return results
 
-    def _failure(self, i: int, what: str, error: Exception, others: list, step, started) -> Exception:
+    def _failure(self, i: int, what: str, error: Exception, others: dict, step, started) -> Exception:
         name = self.names[i]
         if isinstance(error, ray.exceptions.RayActorError):
             return WorkerFailure(f"{name} died during {what}", step, time.monotonic() - started)
         cause = getattr(error, "cause", None) or error
         text = f"{name}: {what}: {type(cause).__name__}: {_first_lines(cause)}"
-        if isinstance(cause, FATAL) and not self._peer_died(others):
+        dead = self._dead_peer(others)
+        if dead is not None:  # the root cause: the survivor's error is its echo
+            return WorkerFailure(f"{dead} died during {what} (then {text})", step, time.monotonic() - started)
+        if isinstance(cause, FATAL):
             return ClusterError(text)  # a deterministic error: a restart would hit it again
         return WorkerFailure(text, step, time.monotonic() - started)
 
-    def _peer_died(self, refs: list) -> bool:
-        """Whether any of `refs` fails with a dead actor within GRACE_S (a peer's death often
-        surfaces first as an error in the survivors' collectives or saves)."""
+    def _dead_peer(self, others: dict) -> Optional[str]:
+        """The name of a worker whose pending call (`others`: ref -> worker index) fails with a dead
+        actor within GRACE_S: a peer's death often surfaces first as an error in the survivors'
+        collectives or saves, and the failure should name the root cause."""
+        refs = list(others)
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=GRACE_S) if refs else ([], [])
-        return any(_died(ref) for ref in ready)
+        return next((self.names[others[ref]] for ref in ready if _died(ref)), None)
 
     def kill(self, wait_s: float = 30.0) -> None:
         """Kill every worker, then wait (bounded) until Ray reports each dead: a worker that outlived its
