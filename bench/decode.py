@@ -332,12 +332,16 @@ def main(argv=None):
 
 def bytes_read_per_step(params, config) -> int:
     """Every weight is read once per decode step (a quantized one: its int8 values and scales),
-    except an untied embedding table (one row per sequence); a tied one is the head's weight too."""
+    except an untied embedding table (one row per sequence), a tied one being the head's weight
+    too, and of a mixture's experts only the k of E that one token runs (batch 1's least)."""
     from mesh_transformer import parallel
-    family = config.model.family if hasattr(config, "model") else config.family
-    untied_embed = any(module.startswith(f"{family}/head") for module in params)
-    embed = parallel.bytes_of(params[f"{family}/embed"]) if untied_embed else 0
-    return parallel.bytes_of(params) - embed
+    model = config.model if hasattr(config, "model") else config
+    untied_embed = any(module.startswith(f"{model.family}/head") for module in params)
+    embed = parallel.bytes_of(params[f"{model.family}/embed"]) if untied_embed else 0
+    experts = sum(parallel.bytes_of(x) for leaves in params.values() for n, x in leaves.items()
+                  if n.startswith("experts_"))
+    idle = experts - experts * model.experts_per_token // model.n_experts if experts else 0
+    return parallel.bytes_of(params) - embed - idle
 
 
 def format_row(row) -> str:

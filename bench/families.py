@@ -11,6 +11,10 @@ family adds is its own shape convention, chosen as the family's released models 
 - gemma: Gemma 3's: half as many key/value heads, GeGLU width 4 x d_model, sandwich norms, q/k
   norms, five sliding layers (512 tokens, rope base 10k) to each full one (rope base 1M), the last
   layer full;
+- gemma2: Gemma 2's: half as many key/value heads, GeGLU width 4 x d_model, sandwich norms,
+  attention scores soft-capped at 50 and logits at 30, every other layer sliding over 4,096 tokens;
+- mixtral: Mixtral's: a quarter as many key/value heads, 8 SwiGLU experts of width 3.5 x d_model,
+  2 per token;
 - gpt_neox, gpt2, opt: their defaults (ours mirror HF's).
 
 `hf_model` builds the transformers model of a config through the library's own export mapping
@@ -18,7 +22,7 @@ family adds is its own shape convention, chosen as the family's released models 
 """
 from __future__ import annotations
 
-FAMILIES = ("gptj", "llama", "gpt_neox", "gpt2", "opt", "phi3", "gemma")
+FAMILIES = ("gptj", "llama", "gpt_neox", "gpt2", "opt", "phi3", "gemma", "gemma2", "mixtral")
 
 
 def add_arg(parser, default: str = "gptj") -> None:
@@ -27,7 +31,8 @@ def add_arg(parser, default: str = "gptj") -> None:
 
 
 def family_keys(family: str, d_model: int, heads: int, layers: int) -> dict:
-    """Config keys beyond layers/d_model/heads/vocab that make `family`'s usual shape."""
+    """Config keys beyond layers/d_model/heads/vocab that make `family`'s usual shape (with the
+    config's own "family" where a benchmark family is a variant of one: gemma2 is a gemma)."""
     d_head = d_model // heads
     if family == "gptj":
         return {"pe_rotary_dims": max(2, d_head // 4)}
@@ -40,6 +45,12 @@ def family_keys(family: str, d_model: int, heads: int, layers: int) -> dict:
                 "query_pre_attn_scalar": d_head, "rope_theta": 1e6, "rope_local_theta": 1e4, "sliding_window": 512,
                 "layer_types": ["sliding_attention" if (i + 1) % 6 and i != layers - 1 else "full_attention"
                                 for i in range(layers)]}
+    if family == "gemma2":
+        return {"family": "gemma", "n_kv_heads": max(1, heads // 2), "d_ff": 4 * d_model, "sandwich_norms": True,
+                "query_pre_attn_scalar": d_head, "attn_softcap": 50.0, "logit_softcap": 30.0, "sliding_window": 4096,
+                "layer_types": ["full_attention" if i % 2 else "sliding_attention" for i in range(layers)]}
+    if family == "mixtral":
+        return {"n_kv_heads": max(1, heads // 4), "d_ff": 7 * d_model // 2, "n_experts": 8, "experts_per_token": 2}
     return {}
 
 

@@ -96,7 +96,7 @@ def make_config(args, mp: int = 1, dp: int = 1, **overrides):
                 compute_dtype="float32", remat="none", per_replica_batch=args.batch // dp, cores_per_replica=mp,
                 lr=1e-4, warmup_steps=0, anneal_steps=1000, total_steps=1000, weight_decay=0.1, clip_norm=1.0)
     family = overrides.pop("family", getattr(args, "family", "gptj"))
-    keys.update(family=family, **families.family_keys(family, args.d_model, args.heads, args.layers))
+    keys.update({"family": family, **families.family_keys(family, args.d_model, args.heads, args.layers)})
     return config_from_dict({**keys, **overrides})
 
 

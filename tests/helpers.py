@@ -152,6 +152,14 @@ FAMILY_CASES = {
         layer_types=["sliding_attention", "full_attention", "sliding_attention"], initializer_range=0.2,
         rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
                          "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
+    "mixtral_window": ("MixtralConfig", "MixtralForCausalLM", dict(  # 4 experts, top 2, sliding window 5
+        vocab_size=91, max_position_embeddings=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=24, num_local_experts=4, num_experts_per_tok=2, sliding_window=5,
+        initializer_range=0.2)),
+    "qwen3_moe_tied": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(  # q/k norms, top 3 of 6 not renormalised
+        vocab_size=93, max_position_embeddings=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=12, moe_intermediate_size=16, intermediate_size=40, num_experts=6,
+        num_experts_per_tok=3, norm_topk_prob=False, tie_word_embeddings=True, initializer_range=0.2)),
     "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(
         vocab_size=97, n_positions=64, n_embd=32, n_layer=2, n_head=4, bos_token_id=0, eos_token_id=0,
         initializer_range=0.2)),
@@ -204,10 +212,16 @@ def rounded_like_int8(torch_model):
 
 
 def hf_greedy(model, prompt: list[int], new: int) -> list[int]:
-    """transformers' greedy `generate` continuation of one prompt (no EOS stop)."""
+    """transformers' greedy `generate` continuation of one prompt, EOS an ordinary token (no stop:
+    not `min_new_tokens`, which keeps going by forbidding EOS, so a model whose best token is its
+    EOS would continue with its second best)."""
+    import copy
+
     import torch
+    config = copy.deepcopy(model.generation_config)  # eos None would mean "the model config's": [] is none
+    config.update(do_sample=False, max_new_tokens=new, min_new_tokens=None, pad_token_id=0, eos_token_id=[])
     out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                         do_sample=False, max_new_tokens=new, min_new_tokens=new, pad_token_id=0)
+                         generation_config=config)
     return out[0, len(prompt):].tolist()
 
 

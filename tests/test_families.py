@@ -30,7 +30,8 @@ FAMILY_OF = {"gptj": "gptj", "gpt_neox": "gpt_neox", "gpt_neox_sequential": "gpt
              "qwen3_tied": "llama", "mistral_window": "llama", "phi3_window_partial": "phi3",
              "llama_gqa2_llama3_rope": "llama", "llama_mqa_tied_bias_linear_rope": "llama", "gpt2": "gpt2",
              "opt_projected": "opt", "opt_post_norm": "opt", "gemma_mqa": "gemma",
-             "gemma2_softcap_window": "gemma", "gemma3_local_rope": "gemma"}
+             "gemma2_softcap_window": "gemma", "gemma3_local_rope": "gemma", "mixtral_window": "mixtral",
+             "qwen3_moe_tied": "mixtral"}
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILY_CASES))
@@ -248,7 +249,7 @@ def test_unsupported_model_type_names_the_supported_ones(tmp_path):
 
 
 @pytest.mark.parametrize("shipped", ["llama3_8b", "qwen3_8b", "phi3_mini_4k", "gemma3_1b", "gemma2_2b", "pythia_6.9b",
-                                     "gpt2_xl", "6B_roto_256"])
+                                     "gpt2_xl", "6B_roto_256", "mixtral_8x7b", "qwen3_30b_a3b"])
 def test_planner_param_count_equals_hf(shipped):
     """n_params of each shipped config equals HF's count of the same model, built on the meta device."""
     import torch
@@ -286,6 +287,8 @@ TRAIN_CASES = {
     "gemma": dict(family="gemma", n_kv_heads=2, sandwich_norms=True, qk_norm=True, sliding_window=6,
                   layer_types=["sliding_attention", "full_attention"], rope_theta=1e6, rope_local_theta=1e4,
                   query_pre_attn_scalar=12, attn_softcap=5.0, logit_softcap=10.0),  # every Gemma key at once
+    "mixtral": dict(family="mixtral", n_kv_heads=2, n_experts=4, experts_per_token=2, norm_topk_prob=False,
+                    qk_norm=True, sliding_window=6),
 }
 ACCUM, BATCH = 2, 8
 

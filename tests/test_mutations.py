@@ -16,6 +16,7 @@ _rotated, _project, _reduce = layers._rotated, layers.Attention._project, layers
 _within_window = layers.within_window
 _rotary_call, _ln_init, _rms_init = layers.Rotary.__call__, layers.LayerNorm.__init__, layers.RMSNorm.__init__
 _inv_freq, _softcap = layers.Attention._inv_freq, layers.softcap
+_moe_call = layers.MoE.__call__
 
 
 def erf_gelu(mp):
@@ -74,6 +75,21 @@ def qk_norms_skipped(mp):
     mp.setattr(layers, "norm_heads", lambda q, k, *args: (q, k))
 
 
+def _moe_spec_changed(mp, change):
+    def call(self, h):
+        self.spec = change(self.spec)
+        return _moe_call(self, h)
+    mp.setattr(layers.MoE, "__call__", call)
+
+
+def expert_weights_renormalised_the_other_way(mp):  # Mixtral's not renormalised, Qwen3-MoE's renormalised
+    _moe_spec_changed(mp, lambda spec: spec._replace(normalize=not spec.normalize))
+
+
+def one_expert_fewer_per_token(mp):
+    _moe_spec_changed(mp, lambda spec: spec._replace(top_k=spec.top_k - 1))
+
+
 MUTATIONS = [  # (mutation, the family case it must break)
     (erf_gelu, "gptj"), (erf_gelu, "gpt2"),
     (other_rotary_pairing, "gptj"), (other_rotary_pairing, "llama_gqa2_llama3_rope"),
@@ -85,6 +101,9 @@ MUTATIONS = [  # (mutation, the family case it must break)
     (qk_norms_skipped, "gemma3_local_rope"), (every_layer_windowed, "gemma2_softcap_window"),
     (one_rope_for_every_layer, "gemma3_local_rope"), (scores_not_soft_capped, "gemma2_softcap_window"),
     (norm_scale_without_unit_offset, "gemma_mqa"),
+    (expert_weights_renormalised_the_other_way, "mixtral_window"),
+    (expert_weights_renormalised_the_other_way, "qwen3_moe_tied"), (one_expert_fewer_per_token, "mixtral_window"),
+    (qk_norms_skipped, "qwen3_moe_tied"),
 ]
 
 

@@ -123,13 +123,18 @@ def load_hf(path: str | os.PathLike, mp: int = 1, **overrides) -> tuple[ModelCon
                     continue
         raise ConfigError(f"{path}: tensor {name!r} is missing from the checkpoint")
 
+    def ours(entry, i=None):  # the entry's leaves (of layer i), experts stacked
+        if not entry.per_expert:
+            return entry.transform.to_ours(get(entry.hf.format(i=i)), config)
+        experts = [entry.transform.to_ours(get(entry.hf.format(i=i, e=e)), config) for e in range(config.n_experts)]
+        return [np.stack(xs) for xs in zip(*experts)]
+
     params: dict[str, dict[str, np.ndarray]] = {}
     for entry in models.family(config.family).hf_table(config):
         if entry.per_layer:
-            layers = [entry.transform.to_ours(get(entry.hf.format(i=i)), config) for i in range(config.layers)]
-            values = [np.stack(xs) for xs in zip(*layers)]
+            values = [np.stack(xs) for xs in zip(*(ours(entry, i) for i in range(config.layers)))]
         else:
-            values = entry.transform.to_ours(get(entry.hf), config)
+            values = ours(entry)
         for (module, leaf), value in zip(entry.ours, values):
             params.setdefault(_our_path(config, module), {})[leaf] = value
     return config, pad_vocab(params, config, config.padded_vocab(mp))
@@ -166,12 +171,13 @@ def _hf_tensors(params, config: ModelConfig, dtype) -> Iterator[tuple[str, Calla
     vocab_axes = _vocab_axes(config)
     table = models.family(config.family).hf_table(config)
 
-    def thunk(entry, i=None):
+    def thunk(entry, i=None, e=None):
         def make():
             ours = []
             for module, leaf in entry.ours:
                 x = params[_our_path(config, module)][leaf]
-                x = np.asarray(x[i] if i is not None else x, dtype=np.float32)
+                x = x[i] if i is not None else x
+                x = np.asarray(x[e] if e is not None else x, dtype=np.float32)
                 for axis in vocab_axes.get((_our_path(config, module), leaf), ()):
                     x = _fit(x, axis - (i is not None), config.n_vocab)
                 ours.append(x)
@@ -184,7 +190,10 @@ def _hf_tensors(params, config: ModelConfig, dtype) -> Iterator[tuple[str, Calla
             yield entry.hf, thunk(entry)
     for i in range(config.layers):
         for entry in table:
-            if entry.per_layer:
+            if entry.per_expert:
+                for e in range(config.n_experts):
+                    yield entry.hf.format(i=i, e=e), thunk(entry, i, e)
+            elif entry.per_layer:
                 yield entry.hf.format(i=i), thunk(entry, i)
     for entry in table[first_layer:]:
         if not entry.per_layer:

@@ -128,6 +128,10 @@ DOT = {jnp.dtype(jnp.float32): Kernel("mesh_transformer_f32_rows_dot_f32_weight"
        jnp.dtype(jnp.bfloat16): Kernel("mesh_transformer_bf16_rows_dot_bf16_weight",
                                        "MeshTransformerBf16RowsDotBf16Weight", streamed=(1, 64))}
 DOT_BITS = {jnp.dtype(jnp.float32): 1, jnp.dtype(jnp.bfloat16): 2}  # of MeshTransformerDotKernels()
+EXPERTS = {jnp.dtype(jnp.float32): ("mesh_transformer_f32_expert_rows_times_weight",
+                                    "MeshTransformerF32ExpertRowsTimesWeight"),
+           jnp.dtype(jnp.bfloat16): ("mesh_transformer_bf16_expert_rows_times_weight",
+                                     "MeshTransformerBf16ExpertRowsTimesWeight")}
 UPDATE_SLICE = ("mesh_transformer_update_slice", "MeshTransformerUpdateSlice")
 SLICE = ("mesh_transformer_slice", "MeshTransformerSlice")
 TAKE_ROWS = ("mesh_transformer_take_rows", "MeshTransformerTakeRows")
@@ -204,7 +208,8 @@ def _load() -> bool:
                 try:
                     library = ctypes.cdll.LoadLibrary(str(build()))
                     calls = [(k.target, k.symbol) for k in (*KERNELS.values(), *GROUPED.values(), BF16_ROWS, *DOT.values())]
-                    calls += [UPDATE_SLICE, SLICE, TAKE_ROWS, PUT_SLOTS, TRUNCATION_FLOOR, *ATTENTION.values()]
+                    calls += [UPDATE_SLICE, SLICE, TAKE_ROWS, PUT_SLOTS, TRUNCATION_FLOOR, *ATTENTION.values(),
+                              *EXPERTS.values()]
                     for target, symbol in calls:
                         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
                     _state["pairs"] = bool(library.MeshTransformerBf16Pairs())
@@ -341,6 +346,23 @@ def grouped_rows_times_weight(x, w):
     flat_x = x.reshape(n, m, k).astype(jnp.float32)
     call = _call(GROUPED[jnp.dtype(w.dtype)].target, flat_x, (n, m, o), jnp.float32)
     return call(flat_x, w.reshape(n, k, o)).reshape(*groups, m, o)
+
+
+def experts_apply(rows, w) -> bool:
+    """Whether `expert_rows_times_weight(rows, w, sizes)` will run: rows [M, K], w [E, K, O]
+    float32 or bfloat16, on CPU, with the kernels built."""
+    return (jnp.dtype(w.dtype) in EXPERTS and rows.ndim == 2 and w.ndim == 3 and rows.shape[1] == w.shape[1]
+            and available())
+
+
+def expert_rows_times_weight(rows, w, sizes):
+    """rows [M, K] (sizes[e] rows for expert e in turn) times w [E, K, O] -> float32 [M, O]: what
+    `jax.lax.ragged_dot` computes, each expert's weight read only for its own rows (XLA:CPU's
+    ragged_dot multiplies every row by every expert). Per expert, a few rows stream the weight, more
+    are register-blocked (rows_times_weight.cc)."""
+    rows = rows.astype(jnp.float32)
+    call = _call(EXPERTS[jnp.dtype(w.dtype)][0], rows, (rows.shape[0], w.shape[2]), jnp.float32)
+    return call(rows, w, sizes.astype(jnp.int32))
 
 
 def _starts(x, starts):

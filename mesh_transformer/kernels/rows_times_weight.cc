@@ -29,6 +29,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -521,6 +522,62 @@ ffi::Future F32Grouped(ffi::ThreadPool pool, F32x3 x, F32x3 w, ffi::Result<F32x3
                                 w_dims[1], w_dims[2]);
 }
 
+// y [M, O] = x [M, K] times w [E, K, O] by expert: x's rows grouped, sizes[e] rows for expert e in
+// turn (a mixture of experts' token copies sorted by expert, `layers.MoE`). Each expert's weight is
+// read only where rows chose it: XLA:CPU's ragged_dot multiplies every row by every expert and
+// masks (E times the products; a decode step read all E weights where its rows chose k). A group
+// of at most kExpertStreamed rows streams its expert's weight whole (one task: a decode step's few
+// rows per expert); a larger one (a prefill's) is register-blocked, one task per panel of columns.
+// Rows past the sizes' sum (none, as `layers.MoE` calls it) are zero.
+constexpr int64_t kExpertStreamed = 8;
+
+template <typename W>
+ffi::Future ExpertRowsTimesWeight(ffi::ThreadPool pool, const float* x, const W* w, const int32_t* sizes, float* y,
+                                  int64_t experts, int64_t m, int64_t k_size, int64_t o_size) {
+  static const Isa isa = Detect();
+  struct Task {
+    int64_t start, rows, expert, panel;  // panel -1: the group streamed whole
+  };
+  auto tasks = std::make_shared<std::vector<Task>>();
+  const int64_t n_panels = (o_size + PanelWidth(isa) - 1) / PanelWidth(isa);
+  int64_t start = 0;
+  for (int64_t e = 0; e < experts; ++e) {
+    const int64_t rows = std::min<int64_t>(std::max<int32_t>(sizes[e], 0), m - start);
+    if (rows <= 0) continue;
+    if (rows <= kExpertStreamed) {
+      tasks->push_back({start, rows, e, -1});
+    } else {
+      for (int64_t p = 0; p < n_panels; ++p) tasks->push_back({start, rows, e, p});
+    }
+    start += rows;
+  }
+  std::fill(y + start * o_size, y + m * o_size, 0.0f);
+  return InTurn(pool, static_cast<int64_t>(tasks->size()), [=](int64_t t) {
+    const Task& task = (*tasks)[t];
+    const float* rows_x = x + task.start * k_size;
+    const W* w_e = w + task.expert * k_size * o_size;
+    float* rows_y = y + task.start * o_size;
+    if (task.panel < 0) {
+      std::fill(rows_y, rows_y + task.rows * o_size, 0.0f);
+      Accumulate(isa, rows_x, w_e, rows_y, task.rows, k_size, o_size, 0, k_size);
+    } else {
+      BlockedPanel(isa, rows_x, w_e, rows_y, task.rows, k_size, o_size, task.panel);
+    }
+  });
+}
+
+template <ffi::DataType T>
+ffi::Future ExpertsTyped(ffi::ThreadPool pool, ffi::Buffer<ffi::F32, 2> x, ffi::Buffer<T, 3> w,
+                         ffi::Buffer<ffi::S32, 1> sizes, ffi::Result<ffi::Buffer<ffi::F32, 2>> y) {
+  const auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
+  if (xd[1] != wd[1] || sizes.dimensions()[0] != wd[0] || yd[0] != xd[0] || yd[1] != wd[2]) {
+    return Failed("expert rows x weight: x [M, K], w [E, K, O], sizes [E], y [M, O]");
+  }
+  using W = std::conditional_t<T == ffi::F32, float, uint16_t>;  // bfloat16 as its bits
+  return ExpertRowsTimesWeight(pool, x.typed_data(), reinterpret_cast<const W*>(w.untyped_data()),
+                               sizes.typed_data(), y->typed_data(), wd[0], xd[0], wd[1], wd[2]);
+}
+
 // Data movement on a KV cache or an embedding table, which XLA:CPU runs badly there: a 16-bit
 // dynamic-update-slice over float32 copies of the whole array, or (on its bits) as fusions that
 // rewrite the whole array (a decode step then copied every layer's cache, a bfloat16 serving
@@ -787,6 +844,22 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshTransformerBf16RowsDotBf16Weight, (DotTyped<Pa
                                   .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
+
+// Arguments: x [M, K] float32, w [E, K, O] (float32 or bfloat16), sizes [E] int32; result: y [M, O] float32.
+template <ffi::DataType T>
+auto ExpertsBinding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .template Arg<ffi::Buffer<ffi::F32, 2>>()
+      .template Arg<ffi::Buffer<T, 3>>()
+      .template Arg<ffi::Buffer<ffi::S32, 1>>()
+      .template Ret<ffi::Buffer<ffi::F32, 2>>();
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshTransformerF32ExpertRowsTimesWeight, ExpertsTyped<ffi::F32>,
+                              ExpertsBinding<ffi::F32>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshTransformerBf16ExpertRowsTimesWeight, ExpertsTyped<ffi::BF16>,
+                              ExpertsBinding<ffi::BF16>());
 
 // Which inputs-last kernels run here: 1 float32 (AVX-512F and BW), 2 bf16 (and AVX-512-BF16); none
 // with a narrower ISA forced.

@@ -315,14 +315,20 @@ class Model:
         scores and mixing, 2 x 2 x keys x N x H per layer forward, x 3 for training (PaLM appendix
         B; keys: seq, or a shorter sliding window in the layers that have one)."""
         c = self.config
-        matmuls = sum(self._unpadded_size(x, info) for x, info in _pairs(self.abstract_params, self.infos)
-                      if info.inputs)
+        matmuls = sum(self._unpadded_size(x, info) * self._active_share(info)
+                      for x, info in _pairs(self.abstract_params, self.infos) if info.inputs or "experts" in info.axes)
         if c.stem().tied:
             matmuls += c.n_vocab * (c.stem().embed_proj or c.d_model)
         window, windowed = c.attention().window, c.windowed_layers() or (True,) * c.layers
         keys = sum(window if window and on else c.seq for on in windowed)
         attention = 2 * 2 * keys * c.n_heads * c.head_dim
-        return 6 * matmuls + 3 * attention
+        return round(6 * matmuls + 3 * attention)
+
+    def _active_share(self, info) -> float:
+        """The share of a weight a token multiplies: of a mixture's experts [E, ...], the top k of E
+        (its router [D, E] runs whole)."""
+        c = self.config
+        return c.experts_per_token / c.n_experts if info.axes[0] == "experts" else 1
 
     def _unpadded_size(self, x, info) -> int:
         axes = parallel.leaf_axes(info, x.ndim)

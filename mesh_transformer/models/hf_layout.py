@@ -5,7 +5,8 @@ directions, declared once: `to_ours(hf_array, config) -> tuple of our arrays` an
 `to_hf(tuple of our arrays, config) -> hf_array`. One HF tensor may hold several of ours (GPT-2's
 fused `c_attn`, GPT-NeoX's per-head interleaved `query_key_value`, Phi-3's `qkv_proj` and
 `gate_up_proj`). Names with `{i}` are per layer
-and map to our stacked modules (`layers/...`, leading [L] axis). Vocabulary padding is not the
+and map to our stacked modules (`layers/...`, leading [L] axis); names with `{e}` too are per
+expert (one HF tensor per expert, our leaf's next axis [E]: the transform converts one expert's). Vocabulary padding is not the
 table's business: `io/hf.py` pads and crops every axis declared "vocab".
 
 Our layouts: q/k/v [D, N, H], out_proj [N, H, D], other weights [in, out], q/k/v biases [N, H].
@@ -31,6 +32,10 @@ class HFParam(NamedTuple):
     @property
     def per_layer(self) -> bool:
         return "{i}" in self.hf
+
+    @property
+    def per_expert(self) -> bool:
+        return "{e}" in self.hf
 
 
 def as_transformers_reads_it(hf: dict) -> dict:

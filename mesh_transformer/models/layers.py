@@ -18,6 +18,7 @@ from typing import NamedTuple, Optional
 import haiku as hk
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from mesh_transformer import kernels, parallel
@@ -762,6 +763,100 @@ class MLP(hk.Module):
         w = parallel.weight(name, (s.d_model, f), ("embed", "mlp"), 1, normal(s.init_std), h.dtype)
         x = dense("btd,df->btf", h, w).astype(jnp.float32)
         return x + parallel.param(f"{name}_bias", (f,), ("mlp",), ZEROS, h.dtype) if s.bias else x
+
+
+# --------------------------------------------------------------------------------------------
+# Mixture of experts
+# --------------------------------------------------------------------------------------------
+
+class MoESpec(NamedTuple):
+    d_model: int
+    d_ff: int  # each expert's width
+    n_experts: int
+    top_k: int  # experts per token
+    normalize: bool = True  # the chosen experts' weights renormalised to sum to 1 (Mixtral; Qwen3-MoE's norm_topk_prob)
+    activation: str = "silu"
+    init_std: float = 0.02
+
+
+class MoE(hk.Module):
+    """A sparse mixture of SwiGLU experts (Shazeer et al. 2017; Mixtral, Jiang et al. 2024): a router
+    scores the E experts of each token, the top k run on it, and their outputs are summed weighted
+    by the router's softmax (renormalised over the chosen k where `normalize`).
+
+    Dropless: the token copies are sorted by expert and every expert multiplies its own contiguous
+    rows (`jax.lax.ragged_dot`: grouped matmuls on GPU/TPU; XLA:CPU computes it as one masked
+    product per expert). Tensor-parallel as the dense MLP: each expert's F is split over 'mp' (column
+    then row parallel), the router is replicated, so every shard routes alike and the block's one
+    all-reduce sums the experts' partial outputs."""
+
+    def __init__(self, spec: MoESpec, name: str = "moe"):
+        super().__init__(name=name)
+        self.spec = spec
+
+    def __call__(self, h) -> RowParallel:
+        """h [B, T, D] -> RowParallel([B, T, D] partial over mp)."""
+        s, dt = self.spec, h.dtype
+        x = h.reshape(-1, s.d_model)  # [N, D]
+        weights, experts = self.route(x)  # [N, k] each
+        order = jnp.argsort(experts.reshape(-1), stable=True)  # token copies grouped by expert
+        token = order // s.top_k
+        sizes = jnp.bincount(experts.reshape(-1), length=s.n_experts).astype(jnp.int32)
+        rows = x[token]  # [N k, D]
+        init, f = normal(s.init_std), s.d_ff
+        w_gate, w_in = (parallel.param(n, (s.n_experts, s.d_model, f), ("experts", "embed", "mlp"), init, dt,
+                                       decay=True) for n in ("experts_gate", "experts_in"))
+        w_out = parallel.param("experts_out", (s.n_experts, f, s.d_model), ("experts", "mlp", "embed"), init, dt,
+                               decay=True)
+        gated = ACTIVATIONS[s.activation](grouped_product(rows, w_gate, sizes)) * grouped_product(rows, w_in, sizes)
+        y = grouped_product(gated.astype(dt), w_out, sizes)  # [N k, D] float32
+        y = y * weights.reshape(-1)[order][:, None]
+        out = jnp.zeros((x.shape[0], s.d_model), jnp.float32).at[token].add(y)
+        return RowParallel(out.reshape(h.shape).astype(dt))
+
+    def route(self, x):
+        """x [N, D] -> (weights [N, k] float32, experts [N, k] int32): the router's softmax in float32,
+        its top k (ties to the lower expert, as torch.topk), renormalised where the spec says."""
+        s = self.spec
+        router = parallel.param("router", (s.d_model, s.n_experts), ("embed", "experts"), normal(s.init_std), x.dtype,
+                                decay=True)
+        probs = jax.nn.softmax(product("nd,de->ne", x, router), axis=-1)
+        weights, experts = jax.lax.top_k(probs, s.top_k)
+        if s.normalize:
+            weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+        return weights, experts
+
+
+def grouped_product(rows, w, sizes):
+    """rows [M, K] (grouped: sizes[e] rows for expert e in turn) times w [E, K, F] -> [M, F] float32:
+    each group of rows by its expert's weight. Inside shard_map all three first vary over the same
+    mesh axes, so a weight's gradient is summed over 'dp' (as `product` does)."""
+    axes = tuple(sorted(_varying(rows) | _varying(w) | _varying(sizes)))
+    return _grouped_product(*(_vary(a, axes) for a in (rows, w, sizes)))
+
+
+@jax.custom_vjp
+def _grouped_product(rows, w, sizes):
+    """Not differentiated (decoding, evaluation): on CPU the experts kernel, which reads only the
+    experts rows chose (XLA:CPU's ragged_dot multiplies every row by every expert)."""
+    if kernels.experts_apply(rows, w):
+        return kernels.expert_rows_times_weight(rows, w, sizes)
+    return jax.lax.ragged_dot(rows, w, sizes, preferred_element_type=jnp.float32)
+
+
+def _grouped_product_forward(rows, w, sizes):
+    """Differentiated (training): XLA's ragged_dot, as the backward's (grouped matmuls on GPU/TPU)."""
+    return jax.lax.ragged_dot(rows, w, sizes, preferred_element_type=jnp.float32), (rows, w, sizes)
+
+
+def _grouped_product_backward(saved, g):
+    rows, w, sizes = saved
+    _, pullback = jax.vjp(lambda a, b: jax.lax.ragged_dot(a, b, sizes, preferred_element_type=jnp.float32), rows, w)
+    d_rows, d_w = pullback(g)
+    return d_rows.astype(rows.dtype), d_w.astype(w.dtype), np.zeros(sizes.shape, jax.dtypes.float0)
+
+
+_grouped_product.defvjp(_grouped_product_forward, _grouped_product_backward)
 
 
 # --------------------------------------------------------------------------------------------

@@ -191,13 +191,20 @@ def block(c: LlamaConfig, x, ctx, cache=None):
     return x + reduce_mp(MLP(c.mlp())(norm("rmsnorm", c.d_model, c.layer_norm_eps, "ln_2")(x))), cache
 
 
-def hf_projections(layer: str) -> list[hl.HFParam]:
-    """q/k/v/o_proj and SwiGLU's gate/up/down_proj, each its own HF tensor (LLaMA's and Gemma's names)."""
+def hf_attention(layer: str) -> list[hl.HFParam]:
+    """q/k/v/o_proj, each its own HF tensor (LLaMA's, Gemma's and the MoE models' names)."""
     return [
         hl.HFParam(layer + "self_attn.q_proj.weight", (("layers/attn", "q_proj"),), hl.heads_out()),
         hl.HFParam(layer + "self_attn.k_proj.weight", (("layers/attn", "k_proj"),), hl.heads_out(kv=True)),
         hl.HFParam(layer + "self_attn.v_proj.weight", (("layers/attn", "v_proj"),), hl.heads_out(kv=True)),
         hl.HFParam(layer + "self_attn.o_proj.weight", (("layers/attn", "out_proj"),), hl.heads_in()),
+    ]
+
+
+def hf_projections(layer: str) -> list[hl.HFParam]:
+    """`hf_attention` and SwiGLU's gate/up/down_proj, each its own HF tensor (LLaMA's and Gemma's names)."""
+    return [
+        *hf_attention(layer),
         hl.HFParam(layer + "mlp.gate_proj.weight", (("layers/mlp", "gate"),), hl.LINEAR),
         hl.HFParam(layer + "mlp.up_proj.weight", (("layers/mlp", "fc_in"),), hl.LINEAR),
         hl.HFParam(layer + "mlp.down_proj.weight", (("layers/mlp", "fc_out"),), hl.LINEAR),

@@ -8,7 +8,8 @@ A rule set maps logical axes to mesh axes:
     vocab          mp         mp        vocab-parallel embedding, head and cross-entropy
     heads          mp         mp        column-parallel q (and k/v without GQA), row-parallel out_proj
     kv_heads       mp | -     mp | -    GQA keys/values: split when mp divides them, else replicated
-    mlp            mp         mp        column-parallel fc_in, row-parallel fc_out
+    mlp            mp         mp        column-parallel fc_in, row-parallel fc_out (and each expert's)
+    experts        -          -         a mixture's experts: each expert's F splits over mp instead
     embed          -          dp        ZeRO: master weights and optimizer state split over dp
     batch          dp         dp        data parallelism
 
@@ -37,7 +38,7 @@ ZERO: dict[str, Optional[str]] = {**MEGATRON, "embed": DP}
 
 # The config key that sizes each shardable logical axis (for errors a user can act on).
 AXIS_KEYS = {"heads": "n_heads", "kv_heads": "n_kv_heads", "mlp": "d_ff", "embed": "d_model",
-             "vocab": "n_vocab"}
+             "vocab": "n_vocab", "experts": "n_experts"}
 
 
 def rules_for(zero: bool, split_kv: bool = True) -> dict[str, Optional[str]]:

@@ -1,0 +1,146 @@
+"""Sparse mixture-of-experts transformers (Mixtral, Jiang et al. 2024; Qwen3-MoE): LLaMA's block
+with its SwiGLU replaced by a router and `n_experts` SwiGLU experts, of which each token runs the
+top `experts_per_token`: numerically `transformers.MixtralForCausalLM` and `Qwen3MoeForCausalLM`.
+
+    x = x + Attn(RMSNorm1(x));  x = x + sum_k w_k SwiGLU_e(k)(RMSNorm2(x))     # two all-reduces per layer
+
+The router's softmax over all experts, its top k, renormalised over those k (Mixtral always;
+Qwen3-MoE where `norm_topk_prob`). Attention is LLaMA's: grouped-query, rotate-half rotary with
+HF's `rope_scaling`, Qwen3's q/k norms, a sliding window in every layer or in those `layer_types`
+marks. Each expert's width `d_ff` (Qwen3-MoE's `moe_intermediate_size`) splits over 'mp' as a
+dense MLP's does (`layers.MoE`). Every layer is sparse: Qwen3-MoE checkpoints with dense layers
+among them (`mlp_only_layers`, `decoder_sparse_step` > 1) and Qwen2-MoE's shared expert are not
+supported. No load-balancing loss is added, as transformers adds none unless
+`output_router_logits`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from mesh_transformer.config import ConfigError, ModelConfig, require
+from mesh_transformer.models import hf_layout as hl
+from mesh_transformer.models.layers import Attention, AttentionSpec, MoE, MoESpec, Rotary, norm, reduce_mp
+from mesh_transformer.models.llama import (FULL, ROPE_SCALINGS, SLIDING, LlamaShaped, hf_attention, hf_rope,
+                                           hf_sliding_window)
+
+# HF's module names of the router and of expert e's gate / up / down projections, per model_type
+HF_NAMES = {"mixtral": ("block_sparse_moe.gate", "block_sparse_moe.experts.{e}.", ("w1", "w3", "w2")),
+            "qwen3_moe": ("mlp.gate", "mlp.experts.{e}.", ("gate_proj", "up_proj", "down_proj"))}
+
+
+@dataclass(frozen=True)
+class MixtralConfig(LlamaShaped, ModelConfig):
+    family: str = "mixtral"
+    n_experts: int = 8
+    experts_per_token: int = 2
+    norm_topk_prob: bool = True  # the chosen experts' weights renormalised to sum to 1 (Mixtral: always)
+    n_kv_heads: Optional[int] = None  # default n_heads (no grouping)
+    rope_theta: float = 1e6
+    rope_scaling: Optional[dict] = None  # HF's: {"rope_type": "linear" | "llama3", "factor": ..., ...}
+    qk_norm: bool = False  # Qwen3-MoE: q_norm / k_norm over each head's head_dim, before rotary
+    sliding_window: Optional[int] = None
+    layer_types: Optional[list] = None
+    tie_embeddings: bool = False
+    layer_norm_eps: float = 1e-5  # RMSNorm's epsilon
+
+    PE_CHOICES = ("rotary",)
+
+    def validate(self) -> None:
+        super().validate()
+        self.validate_kv_heads_and_window()
+        require(self.head_dim % 2 == 0, "d_head", f"rotary needs an even head size, got {self.head_dim}")
+        require(isinstance(self.n_experts, int) and self.n_experts > 0, "n_experts",
+                f"must be a positive integer, got {self.n_experts!r}")
+        require(isinstance(self.experts_per_token, int) and 0 < self.experts_per_token <= self.n_experts,
+                "experts_per_token", f"must be in 1 .. n_experts={self.n_experts}, got {self.experts_per_token!r}")
+        if self.rope_scaling is not None:
+            kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
+            require(kind in ROPE_SCALINGS, "rope_scaling", f"rope_type must be one of {tuple(ROPE_SCALINGS)}, got {kind!r}")
+
+    def attention(self) -> AttentionSpec:
+        scaling = tuple(sorted(self.rope_scaling.items())) if self.rope_scaling else None
+        return AttentionSpec(self.d_model, self.n_heads, self.kv_heads, self.head_dim,
+                             Rotary(self.head_dim, "half", self.rope_theta, scaling),
+                             qk_norm=self.layer_norm_eps if self.qk_norm else None, window=self.window)
+
+    def moe(self) -> MoESpec:
+        return MoESpec(self.d_model, self.ff_dim, self.n_experts, self.experts_per_token, self.norm_topk_prob)
+
+    @property
+    def hf_model_type(self) -> str:
+        """qwen3_moe with q/k norms or without renormalised weights (Mixtral always renormalises), else mixtral."""
+        return "qwen3_moe" if self.qk_norm or not self.norm_topk_prob else "mixtral"
+
+    @classmethod
+    def from_hf_config(cls, hf: dict) -> "MixtralConfig":
+        kind = hf.get("model_type")
+        hf = hl.as_transformers_reads_it(hf)
+        rope = hf_rope(hf, "Mixtral" if kind == "mixtral" else "Qwen3-MoE")
+        theta = rope.pop("rope_theta", hf.get("rope_theta", 1e6))
+        rope.pop("partial_rotary_factor", None)
+        scaling = None if rope.get("rope_type", rope.get("type", "default")) == "default" else rope
+        qwen = kind == "qwen3_moe"
+        if qwen and (hf.get("mlp_only_layers") or hf.get("decoder_sparse_step", 1) != 1):
+            raise ConfigError("config.json: Qwen3-MoE with dense layers among the sparse ones (mlp_only_layers, "
+                              "decoder_sparse_step > 1) is not supported: every layer must be sparse")
+        window, kinds = hf_sliding_window(hf)
+        return cls(layers=hf["num_hidden_layers"], d_model=hf["hidden_size"], n_heads=hf["num_attention_heads"],
+                   n_kv_heads=hf.get("num_key_value_heads"), d_head=hf.get("head_dim"), n_vocab=hf["vocab_size"],
+                   seq=hf["max_position_embeddings"], d_ff=hf["moe_intermediate_size" if qwen else "intermediate_size"],
+                   n_experts=hf.get("num_local_experts") or hf["num_experts"],  # (Qwen3-MoE's file: num_experts)
+                   experts_per_token=hf["num_experts_per_tok"], norm_topk_prob=hf["norm_topk_prob"] if qwen else True,
+                   rope_theta=theta, rope_scaling=scaling, qk_norm=qwen, sliding_window=window, layer_types=kinds,
+                   tie_embeddings=hf.get("tie_word_embeddings", False), layer_norm_eps=hf["rms_norm_eps"])
+
+    def to_hf_config(self) -> dict:
+        """MixtralForCausalLM, or Qwen3MoeForCausalLM for q/k norms or weights not renormalised."""
+        kind = self.hf_model_type
+        if kind == "mixtral" and self.windowed_layers():
+            raise ConfigError("a Mixtral model with full and sliding layers (layer_types) has no HF class: "
+                              "Mixtral slides in every layer (Qwen3-MoE, with qk_norm, has layer_types)")
+        out = {"architectures": ["MixtralForCausalLM" if kind == "mixtral" else "Qwen3MoeForCausalLM"],
+               "model_type": kind, "hidden_size": self.d_model, "num_attention_heads": self.n_heads,
+               "num_key_value_heads": self.kv_heads, "head_dim": self.head_dim, "num_hidden_layers": self.layers,
+               "vocab_size": self.n_vocab, "max_position_embeddings": self.seq, "rope_theta": self.rope_theta,
+               "rope_scaling": self.rope_scaling, "hidden_act": "silu", "rms_norm_eps": self.layer_norm_eps,
+               "tie_word_embeddings": self.tie_embeddings, "num_experts_per_tok": self.experts_per_token}
+        if kind == "mixtral":
+            return {**out, "intermediate_size": self.ff_dim, "num_local_experts": self.n_experts,
+                    "sliding_window": self.window}
+        kinds = self.windowed_layers() or (self.window is not None,) * self.layers
+        return {**out, "moe_intermediate_size": self.ff_dim, "intermediate_size": self.ff_dim,
+                "num_experts": self.n_experts, "norm_topk_prob": self.norm_topk_prob, "decoder_sparse_step": 1,
+                "mlp_only_layers": [], "attention_bias": False, "use_sliding_window": self.window is not None,
+                "sliding_window": self.window, "max_window_layers": 0,
+                "layer_types": [SLIDING if on else FULL for on in kinds]}
+
+
+def block(c: MixtralConfig, x, ctx, cache=None):
+    """Pre-norm, sequential: x + Attn(RMSNorm(x)), then + MoE(RMSNorm(x))."""
+    attn, cache = Attention(c.attention())(norm("rmsnorm", c.d_model, c.layer_norm_eps, "ln_1")(x), ctx, cache)
+    x = x + reduce_mp(attn)
+    return x + reduce_mp(MoE(c.moe())(norm("rmsnorm", c.d_model, c.layer_norm_eps, "ln_2")(x))), cache
+
+
+def hf_table(c: MixtralConfig) -> list[hl.HFParam]:
+    layer = "model.layers.{i}."
+    router, expert, (gate, up, down) = HF_NAMES[c.hf_model_type]
+    table = [
+        hl.HFParam("model.embed_tokens.weight", (("embed", "embeddings"),), hl.SAME),
+        hl.HFParam(layer + "input_layernorm.weight", (("layers/ln_1", "scale"),), hl.SAME),
+        hl.HFParam(layer + "post_attention_layernorm.weight", (("layers/ln_2", "scale"),), hl.SAME),
+        *hf_attention(layer),
+        hl.HFParam(layer + router + ".weight", (("layers/moe", "router"),), hl.LINEAR),
+        # one HF tensor per expert ({e}): our [E, ...] leaf's slice e
+        hl.HFParam(layer + expert + gate + ".weight", (("layers/moe", "experts_gate"),), hl.LINEAR),
+        hl.HFParam(layer + expert + up + ".weight", (("layers/moe", "experts_in"),), hl.LINEAR),
+        hl.HFParam(layer + expert + down + ".weight", (("layers/moe", "experts_out"),), hl.LINEAR),
+        hl.HFParam("model.norm.weight", (("ln_f", "scale"),), hl.SAME),
+    ]
+    if c.qk_norm:
+        table += [hl.HFParam(layer + f"self_attn.{p}_norm.weight", ((f"layers/attn/{p}_norm", "scale"),), hl.SAME)
+                  for p in "qk"]
+    if not c.tie_embeddings:
+        table.append(hl.HFParam("lm_head.weight", (("head", "lm_head"),), hl.LINEAR))
+    return table
