@@ -4,6 +4,7 @@ shard_map, under autodiff, and in a one-row bf16 decode, where it replaces XLA's
 tokens as XLA's own path)."""
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -138,6 +139,29 @@ def test_expert_rows_times_weight_is_ragged_dot(sizes, k, o, dtype):
     np.testing.assert_allclose(np.asarray(y), np.asarray(ragged), rtol=0, atol=1e-4)
     hlo = jax.jit(layers.grouped_product).lower(x, w, group_sizes).as_text()
     assert kernels.EXPERTS[jnp.dtype(dtype)][0] in hlo  # the undifferentiated product takes it
+
+
+@pytest.mark.parametrize("sizes", [(3, 0, 9, 1), (300, 0, 20)], ids=["few-rows", "deeper-than-a-block"])
+def test_a_differentiated_grouped_product_gives_ragged_dots_gradients(sizes):
+    """Training's path: the experts kernel blocked for every group (forward, and the rows' gradient
+    on the transposed weights) and the weight-gradient kernel (zeros for an expert no row chose)
+    give what XLA's ragged_dot and its transpose give."""
+    rng = np.random.RandomState(3)
+    rows = jnp.asarray(rng.standard_normal((sum(sizes), 40)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((len(sizes), 40, 70)), jnp.float32)
+    g = jnp.asarray(rng.standard_normal((sum(sizes), 70)), jnp.float32)
+    group_sizes = jnp.asarray(sizes, jnp.int32)
+
+    def loss(product, a, b):
+        return jnp.sum(product(a, b, group_sizes) * g)
+    ours = jax.jit(jax.value_and_grad(functools.partial(loss, layers.grouped_product), argnums=(0, 1)))(rows, w)
+    xla = jax.value_and_grad(functools.partial(loss, jax.lax.ragged_dot), argnums=(0, 1))(rows, w)
+    np.testing.assert_allclose(float(ours[0]), float(xla[0]), rtol=1e-5)
+    for mine, theirs in zip(ours[1], xla[1]):
+        np.testing.assert_allclose(np.asarray(mine), np.asarray(theirs), rtol=0, atol=1e-3)
+    assert not np.any(np.asarray(ours[1][1])[1])  # expert 1 chose no row
+    hlo = jax.jit(jax.grad(functools.partial(loss, layers.grouped_product), argnums=1)).lower(rows, w).as_text()
+    assert kernels.EXPERT_WEIGHT_GRADIENT[0] in hlo
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])

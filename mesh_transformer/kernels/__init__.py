@@ -132,6 +132,7 @@ EXPERTS = {jnp.dtype(jnp.float32): ("mesh_transformer_f32_expert_rows_times_weig
                                     "MeshTransformerF32ExpertRowsTimesWeight"),
            jnp.dtype(jnp.bfloat16): ("mesh_transformer_bf16_expert_rows_times_weight",
                                      "MeshTransformerBf16ExpertRowsTimesWeight")}
+EXPERT_WEIGHT_GRADIENT = ("mesh_transformer_expert_weight_gradient", "MeshTransformerExpertWeightGradient")
 UPDATE_SLICE = ("mesh_transformer_update_slice", "MeshTransformerUpdateSlice")
 SLICE = ("mesh_transformer_slice", "MeshTransformerSlice")
 TAKE_ROWS = ("mesh_transformer_take_rows", "MeshTransformerTakeRows")
@@ -209,7 +210,7 @@ def _load() -> bool:
                     library = ctypes.cdll.LoadLibrary(str(build()))
                     calls = [(k.target, k.symbol) for k in (*KERNELS.values(), *GROUPED.values(), BF16_ROWS, *DOT.values())]
                     calls += [UPDATE_SLICE, SLICE, TAKE_ROWS, PUT_SLOTS, TRUNCATION_FLOOR, *ATTENTION.values(),
-                              *EXPERTS.values()]
+                              *EXPERTS.values(), EXPERT_WEIGHT_GRADIENT]
                     for target, symbol in calls:
                         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
                     _state["pairs"] = bool(library.MeshTransformerBf16Pairs())
@@ -355,14 +356,22 @@ def experts_apply(rows, w) -> bool:
             and available())
 
 
-def expert_rows_times_weight(rows, w, sizes):
+def expert_rows_times_weight(rows, w, sizes, blocked: bool = False):
     """rows [M, K] (sizes[e] rows for expert e in turn) times w [E, K, O] -> float32 [M, O]: what
     `jax.lax.ragged_dot` computes, each expert's weight read only for its own rows (XLA:CPU's
     ragged_dot multiplies every row by every expert). Per expert, a few rows stream the weight, more
-    are register-blocked (rows_times_weight.cc)."""
+    (or all, where `blocked`) are register-blocked (rows_times_weight.cc)."""
     rows = rows.astype(jnp.float32)
     call = _call(EXPERTS[jnp.dtype(w.dtype)][0], rows, (rows.shape[0], w.shape[2]), jnp.float32)
-    return call(rows, w, sizes.astype(jnp.int32))
+    return call(rows, w, sizes.astype(jnp.int32), blocked=blocked)
+
+
+def expert_weight_gradient(rows, g, sizes, experts: int):
+    """The gradient of `expert_rows_times_weight` for its weight: [E, K, O] float32, expert e's
+    rows (transposed) times their rows of g [M, O] (zeros for an expert no row chose)."""
+    xt = rows.astype(jnp.float32).T
+    call = _call(EXPERT_WEIGHT_GRADIENT[0], xt, (experts, rows.shape[1], g.shape[1]), jnp.float32)
+    return call(xt, g.astype(jnp.float32), sizes.astype(jnp.int32))
 
 
 def _starts(x, starts):

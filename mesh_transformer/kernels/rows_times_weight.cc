@@ -527,13 +527,14 @@ ffi::Future F32Grouped(ffi::ThreadPool pool, F32x3 x, F32x3 w, ffi::Result<F32x3
 // read only where rows chose it: XLA:CPU's ragged_dot multiplies every row by every expert and
 // masks (E times the products; a decode step read all E weights where its rows chose k). A group
 // of at most kExpertStreamed rows streams its expert's weight whole (one task: a decode step's few
-// rows per expert); a larger one (a prefill's) is register-blocked, one task per panel of columns.
-// Rows past the sizes' sum (none, as `layers.MoE` calls it) are zero.
+// rows per expert); a larger one (a prefill's), or every one where `blocked` (training: each sum
+// then runs in the same order whatever rows a device holds), is register-blocked, one task per
+// panel of columns. Rows past the sizes' sum (none, as `layers.MoE` calls it) are zero.
 constexpr int64_t kExpertStreamed = 8;
 
 template <typename W>
 ffi::Future ExpertRowsTimesWeight(ffi::ThreadPool pool, const float* x, const W* w, const int32_t* sizes, float* y,
-                                  int64_t experts, int64_t m, int64_t k_size, int64_t o_size) {
+                                  int64_t experts, int64_t m, int64_t k_size, int64_t o_size, bool blocked) {
   static const Isa isa = Detect();
   struct Task {
     int64_t start, rows, expert, panel;  // panel -1: the group streamed whole
@@ -544,7 +545,7 @@ ffi::Future ExpertRowsTimesWeight(ffi::ThreadPool pool, const float* x, const W*
   for (int64_t e = 0; e < experts; ++e) {
     const int64_t rows = std::min<int64_t>(std::max<int32_t>(sizes[e], 0), m - start);
     if (rows <= 0) continue;
-    if (rows <= kExpertStreamed) {
+    if (rows <= kExpertStreamed && !blocked) {
       tasks->push_back({start, rows, e, -1});
     } else {
       for (int64_t p = 0; p < n_panels; ++p) tasks->push_back({start, rows, e, p});
@@ -568,14 +569,51 @@ ffi::Future ExpertRowsTimesWeight(ffi::ThreadPool pool, const float* x, const W*
 
 template <ffi::DataType T>
 ffi::Future ExpertsTyped(ffi::ThreadPool pool, ffi::Buffer<ffi::F32, 2> x, ffi::Buffer<T, 3> w,
-                         ffi::Buffer<ffi::S32, 1> sizes, ffi::Result<ffi::Buffer<ffi::F32, 2>> y) {
+                         ffi::Buffer<ffi::S32, 1> sizes, ffi::Result<ffi::Buffer<ffi::F32, 2>> y, bool blocked) {
   const auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
   if (xd[1] != wd[1] || sizes.dimensions()[0] != wd[0] || yd[0] != xd[0] || yd[1] != wd[2]) {
     return Failed("expert rows x weight: x [M, K], w [E, K, O], sizes [E], y [M, O]");
   }
   using W = std::conditional_t<T == ffi::F32, float, uint16_t>;  // bfloat16 as its bits
   return ExpertRowsTimesWeight(pool, x.typed_data(), reinterpret_cast<const W*>(w.untyped_data()),
-                               sizes.typed_data(), y->typed_data(), wd[0], xd[0], wd[1], wd[2]);
+                               sizes.typed_data(), y->typed_data(), wd[0], xd[0], wd[1], wd[2], blocked);
+}
+
+// The weight gradient of ExpertRowsTimesWeight: dw [E, K, O], expert e's the product of its rows
+// of x, transposed, and of g: xt [K, M] (x transposed) times g [M, O] over the group's M_e columns
+// of xt (zeros for an expert no row chose). Register-blocked as `Blocked`: threads take (expert,
+// panel of O) in turn; per block of kDepth of the group's rows (their g kept in cache while every
+// tile of xt's rows reads them) the tiles sum in registers.
+ffi::Future ExpertWeightGradient(ffi::ThreadPool pool, ffi::Buffer<ffi::F32, 2> xt, ffi::Buffer<ffi::F32, 2> g,
+                                 ffi::Buffer<ffi::S32, 1> sizes, ffi::Result<ffi::Buffer<ffi::F32, 3>> dw) {
+  static const Isa isa = Detect();
+  const auto xd = xt.dimensions(), gd = g.dimensions(), wd = dw->dimensions();
+  const int64_t k_size = xd[0], m = xd[1], o_size = gd[1], experts = wd[0];
+  if (gd[0] != m || sizes.dimensions()[0] != experts || wd[1] != k_size || wd[2] != o_size) {
+    return Failed("expert weight gradient: xt [K, M], g [M, O], sizes [E], dw [E, K, O]");
+  }
+  auto starts = std::make_shared<std::vector<int64_t>>(experts + 1, 0);
+  for (int64_t e = 0; e < experts; ++e) {
+    (*starts)[e + 1] = std::min<int64_t>(m, (*starts)[e] + std::max<int32_t>(sizes.typed_data()[e], 0));
+  }
+  const int64_t n_panels = (o_size + PanelWidth(isa) - 1) / PanelWidth(isa);
+  const float* x = xt.typed_data();
+  const float* gs = g.typed_data();
+  float* out = dw->typed_data();
+  return InTurn(pool, experts * n_panels, [=](int64_t task) {
+    const int64_t e = task / n_panels, o0 = (task % n_panels) * PanelWidth(isa);
+    const int64_t width = std::min(o_size, o0 + PanelWidth(isa)) - o0, start = (*starts)[e];
+    const int64_t rows = (*starts)[e + 1] - start;
+    float* y = out + e * k_size * o_size + o0;
+    if (rows == 0) {
+      for (int64_t k = 0; k < k_size; ++k) std::fill(y + k * o_size, y + k * o_size + width, 0.0f);
+      return;
+    }
+    for (int64_t d0 = 0; d0 < rows; d0 += kDepth) {
+      Product(isa, x + start + d0, m, gs + (start + d0) * o_size + o0, o_size, y, o_size, k_size, width,
+              std::min(kDepth, rows - d0), d0 == 0);
+    }
+  });
 }
 
 // Data movement on a KV cache or an embedding table, which XLA:CPU runs badly there: a 16-bit
@@ -845,7 +883,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshTransformerBf16RowsDotBf16Weight, (DotTyped<Pa
                                   .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
-// Arguments: x [M, K] float32, w [E, K, O] (float32 or bfloat16), sizes [E] int32; result: y [M, O] float32.
+// Arguments: x [M, K] float32, w [E, K, O] (float32 or bfloat16), sizes [E] int32; attribute
+// blocked; result: y [M, O] float32.
 template <ffi::DataType T>
 auto ExpertsBinding() {
   return ffi::Ffi::Bind()
@@ -853,8 +892,21 @@ auto ExpertsBinding() {
       .template Arg<ffi::Buffer<ffi::F32, 2>>()
       .template Arg<ffi::Buffer<T, 3>>()
       .template Arg<ffi::Buffer<ffi::S32, 1>>()
-      .template Ret<ffi::Buffer<ffi::F32, 2>>();
+      .template Ret<ffi::Buffer<ffi::F32, 2>>()
+      .template Attr<bool>("blocked");
 }
+
+// Arguments: xt [K, M], g [M, O] float32, sizes [E] int32; result: dw [E, K, O] float32.
+auto ExpertGradientBinding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .Arg<ffi::Buffer<ffi::F32, 2>>()
+      .Arg<ffi::Buffer<ffi::F32, 2>>()
+      .Arg<ffi::Buffer<ffi::S32, 1>>()
+      .Ret<ffi::Buffer<ffi::F32, 3>>();
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshTransformerExpertWeightGradient, ExpertWeightGradient, ExpertGradientBinding());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshTransformerF32ExpertRowsTimesWeight, ExpertsTyped<ffi::F32>,
                               ExpertsBinding<ffi::F32>());

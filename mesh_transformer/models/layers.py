@@ -845,14 +845,23 @@ def _grouped_product(rows, w, sizes):
 
 
 def _grouped_product_forward(rows, w, sizes):
-    """Differentiated (training): XLA's ragged_dot, as the backward's (grouped matmuls on GPU/TPU)."""
+    """Differentiated (training): on CPU the experts kernel register-blocked for every group (each
+    sum in one order whatever rows a device holds), and its backward's; elsewhere XLA's ragged_dot
+    (grouped matmuls on GPU/TPU) and its transpose."""
+    if kernels.experts_apply(rows, w):
+        return kernels.expert_rows_times_weight(rows, w, sizes, blocked=True), (rows, w, sizes)
     return jax.lax.ragged_dot(rows, w, sizes, preferred_element_type=jnp.float32), (rows, w, sizes)
 
 
 def _grouped_product_backward(saved, g):
     rows, w, sizes = saved
-    _, pullback = jax.vjp(lambda a, b: jax.lax.ragged_dot(a, b, sizes, preferred_element_type=jnp.float32), rows, w)
-    d_rows, d_w = pullback(g)
+    if kernels.experts_apply(rows, w):
+        d_rows = kernels.expert_rows_times_weight(g, jnp.swapaxes(w, 1, 2), sizes, blocked=True)
+        d_w = kernels.expert_weight_gradient(rows, g, sizes, w.shape[0])
+    else:
+        _, pullback = jax.vjp(lambda a, b: jax.lax.ragged_dot(a, b, sizes, preferred_element_type=jnp.float32),
+                              rows, w)
+        d_rows, d_w = pullback(g)
     return d_rows.astype(rows.dtype), d_w.astype(w.dtype), np.zeros(sizes.shape, jax.dtypes.float0)
 
 
