@@ -155,7 +155,7 @@ FAMILY_CASES = {
     "mixtral_window": ("MixtralConfig", "MixtralForCausalLM", dict(  # 4 experts, top 2, sliding window 5
         vocab_size=91, max_position_embeddings=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, intermediate_size=24, num_local_experts=4, num_experts_per_tok=2, sliding_window=5,
-        initializer_range=0.2)),
+        router_aux_loss_coef=0.5, initializer_range=0.2)),  # (trained with it: test_loss_and_grads_match_hf_autograd)
     "qwen3_moe_tied": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(  # q/k norms, top 3 of 6 not renormalised
         vocab_size=93, max_position_embeddings=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=1, head_dim=12, moe_intermediate_size=16, intermediate_size=40, num_experts=6,

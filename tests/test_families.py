@@ -8,6 +8,7 @@ forward's all-reduce count (one per layer with a parallel residual, two with a s
 """
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import re
@@ -262,6 +263,14 @@ def test_planner_param_count_equals_hf(shipped):
     assert config.n_params() == reference.num_parameters()
 
 
+def test_a_mixtures_load_balancing_loss_is_read_and_written_as_transformers_has_it():
+    """transformers adds router_aux_loss_coef x the loss only with output_router_logits; so do we."""
+    hf_config = {**_as_hf_config(config_from_dict(dict(TRAIN_BASE, **TRAIN_CASES["mixtral"])).model).to_dict()}
+    assert hf_config["output_router_logits"] and hf_config["router_aux_loss_coef"] == 0.1
+    assert hf.config_from_hf(hf_config).router_aux_loss_coef == 0.1
+    assert hf.config_from_hf({**hf_config, "output_router_logits": False}).router_aux_loss_coef == 0.0
+
+
 def _as_hf_config(config):
     from transformers import AutoConfig
     hf_config = config.to_hf_config()
@@ -288,7 +297,7 @@ TRAIN_CASES = {
                   layer_types=["sliding_attention", "full_attention"], rope_theta=1e6, rope_local_theta=1e4,
                   query_pre_attn_scalar=12, attn_softcap=5.0, logit_softcap=10.0),  # every Gemma key at once
     "mixtral": dict(family="mixtral", n_kv_heads=2, n_experts=4, experts_per_token=2, norm_topk_prob=False,
-                    qk_norm=True, sliding_window=6),
+                    qk_norm=True, sliding_window=6, router_aux_loss_coef=0.1),  # routers pooled over dp
 }
 ACCUM, BATCH = 2, 8
 
@@ -510,6 +519,10 @@ def test_loss_and_grads_match_hf_autograd(case, tmp_path):
     import torch
     from transformers import AutoModelForCausalLM
     _, _, torch_model, config, params = case
+    balance = {}
+    if config.family == "mixtral":  # the load-balancing loss trained too (transformers: output_router_logits)
+        balance = {"output_router_logits": True}
+        config = dataclasses.replace(config, router_aux_loss_coef=torch_model.config.router_aux_loss_coef)
     tokens = random_tokens((2, 12), config.n_vocab, seed=4)
     pad = torch_model.config.pad_token_id
     tokens[tokens == pad] = (pad + 1) % config.n_vocab if pad is not None else 0
@@ -517,9 +530,13 @@ def test_loss_and_grads_match_hf_autograd(case, tmp_path):
     loss, grads = trainer.loss_and_grads(trainer.state_from_params(params).params,
                                          trainer.shard_batch({"tokens": tokens[None]}))
     torch_model.zero_grad()
-    labels = torch.tensor(tokens, dtype=torch.long)
-    hf_loss = torch_model(labels, labels=labels).loss
-    hf_loss.backward()
+    # the model reads the first 11 tokens and is scored on the next token at each (transformers' own
+    # loss, `shift_labels` given), as ours: a mixture's routers then see the same tokens
+    inputs, targets = (torch.tensor(t, dtype=torch.long) for t in (tokens[:, :-1], tokens[:, 1:]))
+    out = torch_model(inputs, labels=targets, shift_labels=targets, **balance)
+    out.loss.backward()
+    # a mixture's load-balancing loss (output_router_logits) is in the objective, not in the loss we report
+    hf_loss = out.loss - torch_model.config.router_aux_loss_coef * out.aux_loss if out.get("aux_loss") else out.loss
     hf.save_hf(jax.device_get(grads), config, tmp_path / "grads")
     ours = dict(AutoModelForCausalLM.from_pretrained(tmp_path / "grads").named_parameters())
     expected = {name: p.grad.numpy() for name, p in torch_model.named_parameters()}

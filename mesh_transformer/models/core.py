@@ -27,6 +27,7 @@ import jax.numpy as jnp
 
 from mesh_transformer import parallel
 from mesh_transformer.config import ModelConfig
+from mesh_transformer.models import layers
 from mesh_transformer.models.layers import (WEIGHT_PRODUCT, Context, Embedding, LMHead, dense, norm, normal, on_bits,
                                             softcap)
 
@@ -115,7 +116,7 @@ class Transformer(hk.Module):
         self.config, self.block, self.padded_vocab = config, block, padded_vocab
 
     def __call__(self, tokens, cache: Optional[KVCache] = None, last_only: bool = False, segments=None,
-                 key_keep=None, logit_positions=None, shared: Optional[SharedPrefix] = None):
+                 key_keep=None, logit_positions=None, shared: Optional[SharedPrefix] = None, routers: bool = False):
         """tokens [B, T] (int) -> (logits [B, T, V/mp] float32, this shard's vocabulary slice; new cache).
 
         Without a cache the T tokens are positions 0..T-1 under a causal mask (training). With a
@@ -126,7 +127,9 @@ class Transformer(hk.Module):
         keys and values before each row's own slots that rows share (see `SharedPrefix`).
         Training only: `segments` [B, T] (int) keeps packed examples apart (a token attends to its
         own segment, positions restart at each); `key_keep` [B, T] (bool) drops the keys it marks
-        False from every query's view (forgetful causal masking).
+        False from every query's view (forgetful causal masking). `routers` (training): a third item
+        returned, the mixture layers' `layers.RouterStats` summed over layers (for the
+        load-balancing loss).
         """
         c, stem = self.config, self.config.stem()
         ctx = _context(tokens.shape, cache, segments, key_keep, shared)._replace(attention=c.attention_impl)
@@ -143,7 +146,9 @@ class Transformer(hk.Module):
             x = x + embedding.positions(ctx.positions, c.seq, c.d_model, dtype, stem.position_offset)
 
         windowed = c.windowed_layers()
-        if cache is None:
+        if cache is None and routers:
+            x, stats = scanned_layers(c, self.block, x, ctx, windowed, routers=True)
+        elif cache is None:
             x = scanned_layers(c, self.block, x, ctx, windowed)
         else:
             new_k, new_v = [], []
@@ -165,20 +170,30 @@ class Transformer(hk.Module):
                                                          ("embed", "embed_proj"), 1, normal(0.02), x.dtype))
         logits = embedding.attend(x, c.n_vocab) if stem.tied else LMHead(
             c.d_model, self.padded_vocab, c.n_vocab, stem.head_bias)(x)
-        return softcap(logits, stem.logit_softcap), cache
+        logits = softcap(logits, stem.logit_softcap)
+        return (logits, cache, stats) if routers else (logits, cache)
 
 
-def scanned_layers(c: ModelConfig, family_block: Callable, x, ctx: Context, windowed: Optional[tuple[bool, ...]]):
+def scanned_layers(c: ModelConfig, family_block: Callable, x, ctx: Context, windowed: Optional[tuple[bool, ...]],
+                   routers: bool = False):
     """The layers stacked and scanned (training, scoring); `windowed` (per layer, or None: the same
-    in all) goes in as each layer's `ctx.windowed`."""
-    if windowed is None:
-        block = lambda x: family_block(c, x, ctx)[0]  # noqa: E731
-    else:
-        block = lambda x, w: (family_block(c, x, ctx._replace(windowed=w))[0], None)  # noqa: E731
+    in all) goes in as each layer's `ctx.windowed`. `routers`: -> (x, the mixture layers'
+    `RouterStats` summed over layers)."""
+    def block(x, *flags):
+        with layers.routers_recorded() as seen:
+            x = family_block(c, x, ctx if windowed is None else ctx._replace(windowed=flags[0]))[0]
+        if not routers:
+            return (x, None) if flags else x
+        return x, jax.tree.map(lambda *a: sum(a), *seen)
+
     if c.remat != "none":
         block = hk.remat(block, policy=REMAT_POLICIES[c.remat])
-    stack = hk.layer_stack(c.layers, with_per_layer_inputs=windowed is not None, name=STACKED)(block)
-    return stack(x) if windowed is None else stack(x, jnp.asarray(windowed))[0]
+    per_layer = windowed is not None or routers  # (a per-layer input: the scan then collects per-layer outputs)
+    stack = hk.layer_stack(c.layers, with_per_layer_inputs=per_layer, name=STACKED)(block)
+    if not per_layer:
+        return stack(x)
+    x, stats = stack(x, jnp.asarray(windowed if windowed is not None else (False,) * c.layers))
+    return (x, jax.tree.map(lambda a: a.sum(0), stats)) if routers else x
 
 
 def _context(shape, cache: Optional[KVCache], segments=None, key_keep=None,
@@ -260,10 +275,12 @@ class Model:
         return self.transformed.init(rng, tokens)
 
     def apply(self, params, tokens, cache: Optional[KVCache] = None, last_only: bool = False, *,
-              segments=None, key_keep=None, logit_positions=None, shared: Optional[SharedPrefix] = None, rng=None):
-        """`rng`: only LoRA dropout draws from it (None: no dropout)."""
+              segments=None, key_keep=None, logit_positions=None, shared: Optional[SharedPrefix] = None, rng=None,
+              routers: bool = False):
+        """`rng`: only LoRA dropout draws from it (None: no dropout). `routers` (training, no cache):
+        also return the mixture layers' `layers.RouterStats`."""
         return self.transformed.apply(params, rng, tokens, cache, last_only, segments, key_keep, logit_positions,
-                                      shared)
+                                      shared, routers)
 
     @functools.cached_property
     def _declared(self):
@@ -342,9 +359,9 @@ def _pairs(params, infos):
 def build(config: ModelConfig, block: Callable, mp: int = 1, lora: Optional[parallel.LoRAPlan] = None) -> Model:
     padded = config.padded_vocab(mp)
     def forward(tokens, cache=None, last_only=False, segments=None, key_keep=None, logit_positions=None,
-                shared=None):
+                shared=None, routers=False):
         with parallel.lora_plan(lora):
             return Transformer(config, block, padded)(tokens, cache, last_only, segments, key_keep, logit_positions,
-                                                      shared)
+                                                      shared, routers)
     transformed = hk.transform(forward)
     return Model(config, mp, transformed, lora)

@@ -11,8 +11,10 @@ K key/value heads, G query heads per kv head, H head dim, F d_ff, V (local) voca
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
+import threading
 from typing import NamedTuple, Optional
 
 import haiku as hk
@@ -798,10 +800,11 @@ class MoE(hk.Module):
         """h [B, T, D] -> RowParallel([B, T, D] partial over mp)."""
         s, dt = self.spec, h.dtype
         x = h.reshape(-1, s.d_model)  # [N, D]
-        weights, experts = self.route(x)  # [N, k] each
+        weights, experts, probs = self.route(x)  # [N, k], [N, k], [N, E]
         order = jnp.argsort(experts.reshape(-1), stable=True)  # token copies grouped by expert
         token = order // s.top_k
         sizes = jnp.bincount(experts.reshape(-1), length=s.n_experts).astype(jnp.int32)
+        _record(RouterStats(sizes.astype(jnp.float32), jnp.sum(probs, axis=0), jnp.float32(x.shape[0])))
         rows = x[token]  # [N k, D]
         init, f = normal(s.init_std), s.d_ff
         w_gate, w_in = (parallel.param(n, (s.n_experts, s.d_model, f), ("experts", "embed", "mlp"), init, dt,
@@ -815,8 +818,9 @@ class MoE(hk.Module):
         return RowParallel(out.reshape(h.shape).astype(dt))
 
     def route(self, x):
-        """x [N, D] -> (weights [N, k] float32, experts [N, k] int32): the router's softmax in float32,
-        its top k (ties to the lower expert, as torch.topk), renormalised where the spec says."""
+        """x [N, D] -> (weights [N, k] float32, experts [N, k] int32, probabilities [N, E] float32): the
+        router's softmax in float32, its top k (ties to the lower expert, as torch.topk), renormalised
+        where the spec says."""
         s = self.spec
         router = parallel.param("router", (s.d_model, s.n_experts), ("embed", "experts"), normal(s.init_std), x.dtype,
                                 decay=True)
@@ -824,7 +828,43 @@ class MoE(hk.Module):
         weights, experts = jax.lax.top_k(probs, s.top_k)
         if s.normalize:
             weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-        return weights, experts
+        return weights, experts, probs
+
+
+class RouterStats(NamedTuple):
+    """What the load-balancing loss needs of the routers a forward pass ran, summed over their
+    tokens (and, from `core.scanned_layers`, over layers): float32 [E], [E], []."""
+
+    chosen: jax.Array  # token copies routed to each expert
+    probability: jax.Array  # the router's probability of each expert, summed
+    tokens: jax.Array
+
+    def balance_loss(self):
+        """Switch Transformer's load-balancing loss (Fedus et al. 2021, eqs. 4-6) as transformers
+        computes it over all layers' tokens: E x sum_e (copies routed to e / tokens) x (mean
+        probability of e). 1 when both are uniform; its gradient reaches the routers through the
+        probabilities."""
+        return self.chosen.shape[-1] * jnp.sum(self.chosen / self.tokens * self.probability / self.tokens)
+
+
+_routers = threading.local()
+
+
+@contextlib.contextmanager
+def routers_recorded():
+    """Collect the `RouterStats` of every MoE layer called inside (one trace: a scanned layer's body)."""
+    previous = getattr(_routers, "seen", None)
+    _routers.seen = []
+    try:
+        yield _routers.seen
+    finally:
+        _routers.seen = previous
+
+
+def _record(stats: RouterStats) -> None:
+    seen = getattr(_routers, "seen", None)
+    if seen is not None:
+        seen.append(stats)
 
 
 def grouped_product(rows, w, sizes):

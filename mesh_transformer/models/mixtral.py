@@ -10,8 +10,9 @@ HF's `rope_scaling`, Qwen3's q/k norms, a sliding window in every layer or in th
 marks. Each expert's width `d_ff` (Qwen3-MoE's `moe_intermediate_size`) splits over 'mp' as a
 dense MLP's does (`layers.MoE`). Every layer is sparse: Qwen3-MoE checkpoints with dense layers
 among them (`mlp_only_layers`, `decoder_sparse_step` > 1) and Qwen2-MoE's shared expert are not
-supported. No load-balancing loss is added, as transformers adds none unless
-`output_router_logits`.
+supported. Training adds `router_aux_loss_coef` x Switch Transformer's load-balancing loss over
+every layer's tokens (`layers.RouterStats`), as transformers does with `output_router_logits`
+(off by default, as there).
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ class MixtralConfig(LlamaShaped, ModelConfig):
     n_experts: int = 8
     experts_per_token: int = 2
     norm_topk_prob: bool = True  # the chosen experts' weights renormalised to sum to 1 (Mixtral: always)
+    router_aux_loss_coef: float = 0.0  # training: + coef x the load-balancing loss (HF: with output_router_logits)
     n_kv_heads: Optional[int] = None  # default n_heads (no grouping)
     rope_theta: float = 1e6
     rope_scaling: Optional[dict] = None  # HF's: {"rope_type": "linear" | "llama3", "factor": ..., ...}
@@ -54,6 +56,7 @@ class MixtralConfig(LlamaShaped, ModelConfig):
                 f"must be a positive integer, got {self.n_experts!r}")
         require(isinstance(self.experts_per_token, int) and 0 < self.experts_per_token <= self.n_experts,
                 "experts_per_token", f"must be in 1 .. n_experts={self.n_experts}, got {self.experts_per_token!r}")
+        require(self.router_aux_loss_coef >= 0, "router_aux_loss_coef", f"must be >= 0, got {self.router_aux_loss_coef}")
         if self.rope_scaling is not None:
             kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
             require(kind in ROPE_SCALINGS, "rope_scaling", f"rope_type must be one of {tuple(ROPE_SCALINGS)}, got {kind!r}")
@@ -90,6 +93,7 @@ class MixtralConfig(LlamaShaped, ModelConfig):
                    seq=hf["max_position_embeddings"], d_ff=hf["moe_intermediate_size" if qwen else "intermediate_size"],
                    n_experts=hf.get("num_local_experts") or hf["num_experts"],  # (Qwen3-MoE's file: num_experts)
                    experts_per_token=hf["num_experts_per_tok"], norm_topk_prob=hf["norm_topk_prob"] if qwen else True,
+                   router_aux_loss_coef=hf["router_aux_loss_coef"] if hf.get("output_router_logits") else 0.0,
                    rope_theta=theta, rope_scaling=scaling, qk_norm=qwen, sliding_window=window, layer_types=kinds,
                    tie_embeddings=hf.get("tie_word_embeddings", False), layer_norm_eps=hf["rms_norm_eps"])
 
@@ -104,7 +108,8 @@ class MixtralConfig(LlamaShaped, ModelConfig):
                "num_key_value_heads": self.kv_heads, "head_dim": self.head_dim, "num_hidden_layers": self.layers,
                "vocab_size": self.n_vocab, "max_position_embeddings": self.seq, "rope_theta": self.rope_theta,
                "rope_scaling": self.rope_scaling, "hidden_act": "silu", "rms_norm_eps": self.layer_norm_eps,
-               "tie_word_embeddings": self.tie_embeddings, "num_experts_per_tok": self.experts_per_token}
+               "tie_word_embeddings": self.tie_embeddings, "num_experts_per_tok": self.experts_per_token,
+               "output_router_logits": self.router_aux_loss_coef > 0, "router_aux_loss_coef": self.router_aux_loss_coef}
         if kind == "mixtral":
             return {**out, "intermediate_size": self.ff_dim, "num_local_experts": self.n_experts,
                     "sliding_window": self.window}

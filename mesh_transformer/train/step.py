@@ -202,9 +202,14 @@ class Trainer:
         inputs = segments[:, :-1] if segments is not None else None
         if segments is not None:
             mask = mask * (segments[:, 1:] == inputs)
-        logits, _ = self.model.apply(params, tokens[:, :-1], segments=inputs, key_keep=key_keep, rng=rng)
-        sums = losses.cross_entropy_sums(logits, tokens[:, 1:], mask, self.config.train.z_loss)
-        return tuple(parallel.psum_dp(s) for s in sums)
+        balance = getattr(self.config.model, "router_aux_loss_coef", 0.0)
+        out = self.model.apply(params, tokens[:, :-1], segments=inputs, key_keep=key_keep, rng=rng, routers=balance > 0)
+        sums = losses.cross_entropy_sums(out[0], tokens[:, 1:], mask, self.config.train.z_loss)
+        total, nll, count = (parallel.psum_dp(s) for s in sums)
+        if balance > 0:  # the mixture's load-balancing loss over the batch's tokens, weighted as a token mean is
+            routers = jax.tree.map(parallel.psum_dp, out[2])
+            total = total + balance * routers.balance_loss() * count
+        return total, nll, count
 
     def _microbatch_grads(self, params, base, micro):
         def objective(p):
