@@ -160,6 +160,10 @@ FAMILY_CASES = {
         vocab_size=93, max_position_embeddings=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=1, head_dim=12, moe_intermediate_size=16, intermediate_size=40, num_experts=6,
         num_experts_per_tok=3, norm_topk_prob=False, tie_word_embeddings=True, initializer_range=0.2)),
+    "qwen2_moe_shared": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(  # q/k/v biases, a gated shared expert
+        vocab_size=95, max_position_embeddings=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, moe_intermediate_size=16, shared_expert_intermediate_size=40, intermediate_size=40,
+        num_experts=4, num_experts_per_tok=2, norm_topk_prob=False, initializer_range=0.2)),
     "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(
         vocab_size=97, n_positions=64, n_embd=32, n_layer=2, n_head=4, bos_token_id=0, eos_token_id=0,
         initializer_range=0.2)),

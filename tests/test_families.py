@@ -32,7 +32,7 @@ FAMILY_OF = {"gptj": "gptj", "gpt_neox": "gpt_neox", "gpt_neox_sequential": "gpt
              "llama_gqa2_llama3_rope": "llama", "llama_mqa_tied_bias_linear_rope": "llama", "gpt2": "gpt2",
              "opt_projected": "opt", "opt_post_norm": "opt", "gemma_mqa": "gemma",
              "gemma2_softcap_window": "gemma", "gemma3_local_rope": "gemma", "mixtral_window": "mixtral",
-             "qwen3_moe_tied": "mixtral"}
+             "qwen3_moe_tied": "mixtral", "qwen2_moe_shared": "mixtral"}
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILY_CASES))
@@ -68,12 +68,15 @@ def test_sharded_logits_match_hf(case):
 
 def test_export_loads_in_transformers_with_identical_logits(case, tmp_path):
     from transformers import AutoModelForCausalLM
-    _, _, torch_model, config, params = case
+    _, path, torch_model, config, params = case
     hf.save_hf(params, config, tmp_path / "out", max_shard_bytes=30_000)  # several shards + an index
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     assert type(reloaded).__name__ == type(torch_model).__name__ or config.family == "llama"
     tokens = random_tokens((2, 9), config.n_vocab, seed=3)
-    np.testing.assert_array_equal(hf_logits(reloaded, tokens), hf_logits(torch_model, tokens))
+    # against the original checkpoint as transformers loads it (a loaded Qwen2-MoE computes ~1e-6 apart
+    # from the model it was saved from)
+    original = AutoModelForCausalLM.from_pretrained(path).eval()
+    np.testing.assert_array_equal(hf_logits(reloaded, tokens), hf_logits(original, tokens))
 
 
 def test_greedy_generation_matches_hf(case):
@@ -250,7 +253,8 @@ def test_unsupported_model_type_names_the_supported_ones(tmp_path):
 
 
 @pytest.mark.parametrize("shipped", ["llama3_8b", "qwen3_8b", "phi3_mini_4k", "gemma3_1b", "gemma2_2b", "pythia_6.9b",
-                                     "gpt2_xl", "6B_roto_256", "mixtral_8x7b", "qwen3_30b_a3b"])
+                                     "gpt2_xl", "6B_roto_256", "mixtral_8x7b", "qwen3_30b_a3b",
+                                     "qwen1.5_moe_a2.7b"])
 def test_planner_param_count_equals_hf(shipped):
     """n_params of each shipped config equals HF's count of the same model, built on the meta device."""
     import torch

@@ -9,7 +9,7 @@ import pytest
 
 from mesh_transformer.io import hf
 from mesh_transformer.models import FAMILIES
-from mesh_transformer.models import core, layers
+from mesh_transformer.models import core, layers, mixtral
 from tests.helpers import PARITY_TOL, make_hf_model, parity_error
 
 _rotated, _project, _reduce = layers._rotated, layers.Attention._project, layers.reduce_mp
@@ -17,6 +17,7 @@ _within_window = layers.within_window
 _rotary_call, _ln_init, _rms_init = layers.Rotary.__call__, layers.LayerNorm.__init__, layers.RMSNorm.__init__
 _inv_freq, _softcap = layers.Attention._inv_freq, layers.softcap
 _moe_call = layers.MoE.__call__
+_mixtral_dense = mixtral.dense
 
 
 def erf_gelu(mp):
@@ -90,6 +91,13 @@ def one_expert_fewer_per_token(mp):
     _moe_spec_changed(mp, lambda spec: spec._replace(top_k=spec.top_k - 1))
 
 
+def shared_expert_ungated(mp):  # Qwen2-MoE's shared expert added whole, its sigmoid gate at 1
+    def dense(equation, x, w, dtype=None):
+        y = _mixtral_dense(equation, x, w, dtype)
+        return y.at[:].set(1e4) if equation == "btd,dg->btg" else y
+    mp.setattr(mixtral, "dense", dense)
+
+
 MUTATIONS = [  # (mutation, the family case it must break)
     (erf_gelu, "gptj"), (erf_gelu, "gpt2"),
     (other_rotary_pairing, "gptj"), (other_rotary_pairing, "llama_gqa2_llama3_rope"),
@@ -103,7 +111,7 @@ MUTATIONS = [  # (mutation, the family case it must break)
     (norm_scale_without_unit_offset, "gemma_mqa"),
     (expert_weights_renormalised_the_other_way, "mixtral_window"),
     (expert_weights_renormalised_the_other_way, "qwen3_moe_tied"), (one_expert_fewer_per_token, "mixtral_window"),
-    (qk_norms_skipped, "qwen3_moe_tied"),
+    (qk_norms_skipped, "qwen3_moe_tied"), (shared_expert_ungated, "qwen2_moe_shared"),
 ]
 
 

@@ -35,7 +35,7 @@ _FAMILY_MODULES = {
     "opt": ("opt", ("opt",)),
     "phi3": ("phi3", ("phi3",)),
     "gemma": ("gemma", ("gemma", "gemma2", "gemma3_text")),
-    "mixtral": ("mixtral", ("mixtral", "qwen3_moe")),
+    "mixtral": ("mixtral", ("mixtral", "qwen2_moe", "qwen3_moe")),
 }
 
 
