@@ -247,6 +247,10 @@ def test_sharded_lora_gradients_equal_single_device(family):
     ("Mixtral", dict(vocab_size=101, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                      intermediate_size=24, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=32),
      ["q_proj", "v_proj", "o_proj"]),
+    ("Qwen2Moe", dict(vocab_size=101, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      moe_intermediate_size=16, shared_expert_intermediate_size=40, num_experts=4,
+                      num_experts_per_tok=2, max_position_embeddings=32),
+     ["q_proj", "v_proj", "gate_proj", "down_proj"]),  # (gate_proj, down_proj: the shared expert's)
 ])
 def test_imported_peft_adapter_gives_peft_logits(cls, kw, targets, tmp_path, no_tokenizer):
     """An adapter made by peft (B random, so it does something) on a random model: --lora-adapter
