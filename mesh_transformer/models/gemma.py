@@ -180,12 +180,9 @@ def hf_table(c: GemmaConfig) -> list[hl.HFParam]:
     table = [
         hl.HFParam("model.embed_tokens.weight", (("embed", "embeddings"),), hl.SAME),
         *(hl.HFParam(layer + f"{hf}.weight", ((f"layers/{ours}", "scale"),), hl.SAME) for hf, ours in norms),
-        *hf_projections(layer),
+        *hf_projections(layer, qk_norm=c.qk_norm),
         hl.HFParam("model.norm.weight", (("ln_f", "scale"),), hl.SAME),
     ]
-    if c.qk_norm:
-        table += [hl.HFParam(layer + f"self_attn.{p}_norm.weight", ((f"layers/attn/{p}_norm", "scale"),), hl.SAME)
-                  for p in "qk"]
     if not c.tie_embeddings:
         table.append(hl.HFParam("lm_head.weight", (("head", "lm_head"),), hl.LINEAR))
     return table

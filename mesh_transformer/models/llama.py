@@ -191,20 +191,28 @@ def block(c: LlamaConfig, x, ctx, cache=None):
     return x + reduce_mp(MLP(c.mlp())(norm("rmsnorm", c.d_model, c.layer_norm_eps, "ln_2")(x))), cache
 
 
-def hf_attention(layer: str) -> list[hl.HFParam]:
-    """q/k/v/o_proj, each its own HF tensor (LLaMA's, Gemma's and the MoE models' names)."""
-    return [
+def hf_attention(layer: str, qkv_bias: bool = False, qk_norm: bool = False) -> list[hl.HFParam]:
+    """q/k/v/o_proj, each its own HF tensor, with q/k/v_proj's biases and q/k_norm where asked
+    (LLaMA's, Gemma's and the MoE models' names)."""
+    table = [
         hl.HFParam(layer + "self_attn.q_proj.weight", (("layers/attn", "q_proj"),), hl.heads_out()),
         hl.HFParam(layer + "self_attn.k_proj.weight", (("layers/attn", "k_proj"),), hl.heads_out(kv=True)),
         hl.HFParam(layer + "self_attn.v_proj.weight", (("layers/attn", "v_proj"),), hl.heads_out(kv=True)),
         hl.HFParam(layer + "self_attn.o_proj.weight", (("layers/attn", "out_proj"),), hl.heads_in()),
     ]
+    if qkv_bias:
+        table += [hl.HFParam(layer + f"self_attn.{p}_proj.bias", (("layers/attn", f"{p}_bias"),), hl.head_bias(kv=p != "q"))
+                  for p in "qkv"]
+    if qk_norm:
+        table += [hl.HFParam(layer + f"self_attn.{p}_norm.weight", ((f"layers/attn/{p}_norm", "scale"),), hl.SAME)
+                  for p in "qk"]
+    return table
 
 
-def hf_projections(layer: str) -> list[hl.HFParam]:
+def hf_projections(layer: str, qkv_bias: bool = False, qk_norm: bool = False) -> list[hl.HFParam]:
     """`hf_attention` and SwiGLU's gate/up/down_proj, each its own HF tensor (LLaMA's and Gemma's names)."""
     return [
-        *hf_attention(layer),
+        *hf_attention(layer, qkv_bias, qk_norm),
         hl.HFParam(layer + "mlp.gate_proj.weight", (("layers/mlp", "gate"),), hl.LINEAR),
         hl.HFParam(layer + "mlp.up_proj.weight", (("layers/mlp", "fc_in"),), hl.LINEAR),
         hl.HFParam(layer + "mlp.down_proj.weight", (("layers/mlp", "fc_out"),), hl.LINEAR),
@@ -217,15 +225,9 @@ def hf_table(c: LlamaConfig) -> list[hl.HFParam]:
         hl.HFParam("model.embed_tokens.weight", (("embed", "embeddings"),), hl.SAME),
         hl.HFParam(layer + "input_layernorm.weight", (("layers/ln_1", "scale"),), hl.SAME),
         hl.HFParam(layer + "post_attention_layernorm.weight", (("layers/ln_2", "scale"),), hl.SAME),
-        *hf_projections(layer),
+        *hf_projections(layer, c.qkv_bias, c.qk_norm),
         hl.HFParam("model.norm.weight", (("ln_f", "scale"),), hl.SAME),
     ]
-    if c.qkv_bias:
-        table += [hl.HFParam(layer + f"self_attn.{p}_proj.bias", (("layers/attn", f"{p}_bias"),), hl.head_bias(kv=p != "q"))
-                  for p in "qkv"]
-    if c.qk_norm:
-        table += [hl.HFParam(layer + f"self_attn.{p}_norm.weight", ((f"layers/attn/{p}_norm", "scale"),), hl.SAME)
-                  for p in "qk"]
     if c.out_bias:
         table.append(hl.HFParam(layer + "self_attn.o_proj.bias", (("layers/attn", "out_bias"),), hl.SAME))
     if c.mlp_bias:

@@ -189,7 +189,7 @@ def hf_table(c: MixtralConfig) -> list[hl.HFParam]:
         hl.HFParam("model.embed_tokens.weight", (("embed", "embeddings"),), hl.SAME),
         hl.HFParam(layer + "input_layernorm.weight", (("layers/ln_1", "scale"),), hl.SAME),
         hl.HFParam(layer + "post_attention_layernorm.weight", (("layers/ln_2", "scale"),), hl.SAME),
-        *hf_attention(layer),
+        *hf_attention(layer, c.qkv_bias, c.qk_norm),
         hl.HFParam(layer + router + ".weight", (("layers/moe", "router"),), hl.LINEAR),
         # one HF tensor per expert ({e}): our [E, ...] leaf's slice e
         hl.HFParam(layer + expert + gate + ".weight", (("layers/moe", "experts_gate"),), hl.LINEAR),
@@ -201,12 +201,6 @@ def hf_table(c: MixtralConfig) -> list[hl.HFParam]:
           if c.shared_expert_d_ff is not None else []),
         hl.HFParam("model.norm.weight", (("ln_f", "scale"),), hl.SAME),
     ]
-    if c.qkv_bias:
-        table += [hl.HFParam(layer + f"self_attn.{p}_proj.bias", (("layers/attn", f"{p}_bias"),), hl.head_bias(kv=p != "q"))
-                  for p in "qkv"]
-    if c.qk_norm:
-        table += [hl.HFParam(layer + f"self_attn.{p}_norm.weight", ((f"layers/attn/{p}_norm", "scale"),), hl.SAME)
-                  for p in "qk"]
     if not c.tie_embeddings:
         table.append(hl.HFParam("lm_head.weight", (("head", "lm_head"),), hl.LINEAR))
     return table
