@@ -787,8 +787,8 @@ class MoE(hk.Module):
     by the router's softmax (renormalised over the chosen k where `normalize`).
 
     Dropless: the token copies are sorted by expert and every expert multiplies its own contiguous
-    rows (`jax.lax.ragged_dot`: grouped matmuls on GPU/TPU; XLA:CPU computes it as one masked
-    product per expert). Tensor-parallel as the dense MLP: each expert's F is split over 'mp' (column
+    rows (`grouped_product`: XLA's ragged_dot, grouped matmuls on GPU/TPU; on CPU the experts
+    kernel). Tensor-parallel as the dense MLP: each expert's F is split over 'mp' (column
     then row parallel), the router is replicated, so every shard routes alike and the block's one
     all-reduce sums the experts' partial outputs."""
 
