@@ -1,6 +1,6 @@
 """Training throughput on this machine: mesh-transformer vs HF transformers (torch) on the same model.
 
-    .venv/bin/python bench/train_throughput.py [--family gptj|llama|gpt_neox|gpt2|opt]
+    .venv/bin/python bench/train_throughput.py [--family gptj|llama|mixtral|... (bench/families.py)]
                                                [--layers 4 --d-model 512 --seq 256 --batch 4]
                                                [--steps 4 --rounds 3] [--json]
 
