@@ -225,6 +225,36 @@ def test_a_differentiated_product_is_xlas_and_gives_the_einsums_gradients(rows, 
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-2, atol=1e-2)
 
 
+def test_a_mixture_decodes_and_trains_on_the_experts_kernels_not_xlas_ragged_dot():
+    """A Mixtral-shaped model: its training step on dp1 x mp2 and a decode step (one token over a
+    KV cache) compile to the experts kernels (forward; in training the weights' gradient too), and
+    neither multiplies every row by every expert (XLA:CPU's ragged_dot: a per-expert mask of the
+    rows, pred[E, M, ...])."""
+    from mesh_transformer import models
+    from mesh_transformer.config import config_from_dict
+    from mesh_transformer.models.core import KVCache, unstack_layers
+    from mesh_transformer.train.step import Trainer
+    config = config_from_dict(dict(family="mixtral", layers=2, d_model=32, n_heads=4, n_kv_heads=2, d_ff=16,
+                                   n_experts=4, experts_per_token=2, n_vocab=64, seq=16, compute_dtype="float32",
+                                   per_replica_batch=2, cores_per_replica=2, router_aux_loss_coef=0.01))
+    trainer = Trainer(config, mesh(1, 2))
+    state = trainer.init_state(0)
+    step = trainer.step.lower(state, trainer.abstract_batch()).compile().as_text()
+    model = models.build(config.model)
+    params = model.init(jax.random.key(0))
+    decode_params = unstack_layers(params, config.model.layers)  # (decoding runs layers unrolled)
+    cache = KVCache.zeros(config.model, 2, 8)
+    decode = jax.jit(model.apply).lower(decode_params, jnp.zeros((2, 1), jnp.int32), cache).compile().as_text()
+    experts = kernels.EXPERTS[jnp.dtype(jnp.float32)][0]
+    for text in (step, decode):
+        assert experts in text
+        assert not re.search(r"pred\[4,\d+,(32|16)\]", text)  # ragged_dot's per-expert masks
+    assert kernels.EXPERT_WEIGHT_GRADIENT[0] in step
+    ragged = jax.jit(lambda r, w, g: jax.lax.ragged_dot(r, w, g)).lower(
+        jnp.zeros((4, 32)), jnp.zeros((4, 32, 16)), jnp.ones(4, jnp.int32)).compile().as_text()
+    assert re.search(r"pred\[4,\d+,(32|16)\]", ragged)  # (what the pattern finds in XLA's own)
+
+
 def test_the_kernel_runs_on_each_shard_of_a_column_parallel_weight():
     x, w, exact = case(1, 64, 96)
     m = mesh(2, 4)
