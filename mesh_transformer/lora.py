@@ -86,7 +86,7 @@ def hf_linears(model: ModelConfig) -> list:
         if not entry.hf.endswith(".weight"):
             continue
         leaves = [infos.get(_path(model, m), {}).get(leaf) for m, leaf in entry.ours]
-        if leaves and all(info is not None and info.inputs for info in leaves):
+        if leaves and all(info is not None and info.inputs and not info.experts for info in leaves):
             out.append(entry)
     return out
 

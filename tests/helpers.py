@@ -193,10 +193,10 @@ def make_hf_model(path, case: str, seed: int = 0, **overrides):
 
 
 def rounded_like_int8(torch_model):
-    """A copy of `torch_model` whose Linear/Conv1D weights are what int8 weight-only quantization keeps
-    (per output feature: scale = max |w| / 127, round to nearest, clip to +-127, times the scale), the
-    embedding (and a head tied to it) left as it is: transformers' computation on the weights
-    `Generator(quantize="int8")` decodes with."""
+    """A copy of `torch_model` whose Linear/Conv1D weights, and a mixture's experts' (per expert), are
+    what int8 weight-only quantization keeps (per output feature: scale = max |w| / 127, round to
+    nearest, clip to +-127, times the scale), the embedding (and a head tied to it) and a router
+    left as they are: transformers' computation on the weights `Generator(quantize="int8")` decodes with."""
     import copy
 
     import torch
@@ -206,6 +206,12 @@ def rounded_like_int8(torch_model):
     embedding = rounded.get_input_embeddings().weight
     with torch.no_grad():
         for module in rounded.modules():
+            if type(module).__name__.endswith("Experts"):  # a mixture's: [E, out, in] per expert and output
+                for weight in (module.gate_up_proj, module.down_proj):
+                    absmax = weight.abs().amax(dim=-1, keepdim=True)
+                    scale = torch.where(absmax > 0, absmax / 127.0, torch.ones_like(absmax))
+                    weight.copy_(torch.clamp(torch.round(weight / scale), -127, 127) * scale)
+                continue
             if not isinstance(module, (torch.nn.Linear, Conv1D)) or module.weight is embedding:
                 continue
             inputs = 1 if isinstance(module, torch.nn.Linear) else 0  # Linear [out, in], Conv1D [in, out]

@@ -123,6 +123,9 @@ def test_int8_weights_generate_as_transformers_does_on_the_same_rounded_weights(
     scales = [(m, n[:-len(parallel.SCALE)]) for m, leaves in gen.params.items() for n in leaves
               if n.endswith(parallel.SCALE)]
     assert scales and all(gen.params[m][n].dtype == np.int8 for m, n in scales)
+    experts = [(m, n) for m, leaves in gen.params.items() for n in leaves
+               if n.startswith("experts_") and not n.endswith(parallel.SCALE)]
+    assert set(experts) <= set(scales) and bool(experts) == (config.family == "mixtral")  # a mixture's too
 
 
 def test_int8_weights_score_as_transformers_does_on_the_same_rounded_weights(tmp_path):

@@ -131,7 +131,9 @@ DOT_BITS = {jnp.dtype(jnp.float32): 1, jnp.dtype(jnp.bfloat16): 2}  # of MeshTra
 EXPERTS = {jnp.dtype(jnp.float32): ("mesh_transformer_f32_expert_rows_times_weight",
                                     "MeshTransformerF32ExpertRowsTimesWeight"),
            jnp.dtype(jnp.bfloat16): ("mesh_transformer_bf16_expert_rows_times_weight",
-                                     "MeshTransformerBf16ExpertRowsTimesWeight")}
+                                     "MeshTransformerBf16ExpertRowsTimesWeight"),
+           jnp.dtype(jnp.int8): ("mesh_transformer_i8_expert_rows_times_weight",  # (int8 values: scaled after)
+                                 "MeshTransformerI8ExpertRowsTimesWeight")}
 EXPERT_WEIGHT_GRADIENT = ("mesh_transformer_expert_weight_gradient", "MeshTransformerExpertWeightGradient")
 UPDATE_SLICE = ("mesh_transformer_update_slice", "MeshTransformerUpdateSlice")
 SLICE = ("mesh_transformer_slice", "MeshTransformerSlice")
@@ -351,7 +353,7 @@ def grouped_rows_times_weight(x, w):
 
 def experts_apply(rows, w) -> bool:
     """Whether `expert_rows_times_weight(rows, w, sizes)` will run: rows [M, K], w [E, K, O]
-    float32 or bfloat16, on CPU, with the kernels built."""
+    float32, bfloat16 or int8, on CPU, with the kernels built."""
     return (jnp.dtype(w.dtype) in EXPERTS and rows.ndim == 2 and w.ndim == 3 and rows.shape[1] == w.shape[1]
             and available())
 

@@ -574,7 +574,7 @@ ffi::Future ExpertsTyped(ffi::ThreadPool pool, ffi::Buffer<ffi::F32, 2> x, ffi::
   if (xd[1] != wd[1] || sizes.dimensions()[0] != wd[0] || yd[0] != xd[0] || yd[1] != wd[2]) {
     return Failed("expert rows x weight: x [M, K], w [E, K, O], sizes [E], y [M, O]");
   }
-  using W = std::conditional_t<T == ffi::F32, float, uint16_t>;  // bfloat16 as its bits
+  using W = std::conditional_t<T == ffi::F32, float, std::conditional_t<T == ffi::S8, int8_t, uint16_t>>;
   return ExpertRowsTimesWeight(pool, x.typed_data(), reinterpret_cast<const W*>(w.untyped_data()),
                                sizes.typed_data(), y->typed_data(), wd[0], xd[0], wd[1], wd[2], blocked);
 }
@@ -883,7 +883,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshTransformerBf16RowsDotBf16Weight, (DotTyped<Pa
                                   .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
-// Arguments: x [M, K] float32, w [E, K, O] (float32 or bfloat16), sizes [E] int32; attribute
+// Arguments: x [M, K] float32, w [E, K, O] (float32, bfloat16 or int8), sizes [E] int32; attribute
 // blocked; result: y [M, O] float32.
 template <ffi::DataType T>
 auto ExpertsBinding() {
@@ -912,6 +912,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshTransformerF32ExpertRowsTimesWeight, ExpertsTy
                               ExpertsBinding<ffi::F32>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshTransformerBf16ExpertRowsTimesWeight, ExpertsTyped<ffi::BF16>,
                               ExpertsBinding<ffi::BF16>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshTransformerI8ExpertRowsTimesWeight, ExpertsTyped<ffi::S8>,
+                              ExpertsBinding<ffi::S8>());
 
 // Which inputs-last kernels run here: 1 float32 (AVX-512F and BW), 2 bf16 (and AVX-512-BF16); none
 // with a narrower ISA forced.

@@ -345,7 +345,7 @@ class Model:
         """The share of a weight a token multiplies: of a mixture's experts [E, ...], the top k of E
         (its router [D, E] runs whole)."""
         c = self.config
-        return c.experts_per_token / c.n_experts if info.axes[0] == "experts" else 1
+        return c.experts_per_token / c.n_experts if info.experts else 1
 
     def _unpadded_size(self, x, info) -> int:
         axes = parallel.leaf_axes(info, x.ndim)

@@ -807,10 +807,10 @@ class MoE(hk.Module):
         _record(RouterStats(sizes.astype(jnp.float32), jnp.sum(probs, axis=0), jnp.float32(x.shape[0])))
         rows = x[token]  # [N k, D]
         init, f = normal(s.init_std), s.d_ff
-        w_gate, w_in = (parallel.param(n, (s.n_experts, s.d_model, f), ("experts", "embed", "mlp"), init, dt,
-                                       decay=True) for n in ("experts_gate", "experts_in"))
-        w_out = parallel.param("experts_out", (s.n_experts, f, s.d_model), ("experts", "mlp", "embed"), init, dt,
-                               decay=True)
+        w_gate, w_in = (parallel.expert_weights(n, (s.n_experts, s.d_model, f), ("experts", "embed", "mlp"), 1, init,
+                                                dt) for n in ("experts_gate", "experts_in"))
+        w_out = parallel.expert_weights("experts_out", (s.n_experts, f, s.d_model), ("experts", "mlp", "embed"), 1,
+                                        init, dt)
         gated = ACTIVATIONS[s.activation](grouped_product(rows, w_gate, sizes)) * grouped_product(rows, w_in, sizes)
         y = grouped_product(gated.astype(dt), w_out, sizes)  # [N k, D] float32
         y = y * weights.reshape(-1)[order][:, None]
@@ -869,8 +869,13 @@ def _record(stats: RouterStats) -> None:
 
 def grouped_product(rows, w, sizes):
     """rows [M, K] (grouped: sizes[e] rows for expert e in turn) times w [E, K, F] -> [M, F] float32:
-    each group of rows by its expert's weight. Inside shard_map all three first vary over the same
-    mesh axes, so a weight's gradient is summed over 'dp' (as `product` does)."""
+    each group of rows by its expert's weight (int8 `parallel.Quantized` ones, decoding: the
+    product of the values, times each row's expert's scales). Inside shard_map all three first vary
+    over the same mesh axes, so a weight's gradient is summed over 'dp' (as `product` does)."""
+    if isinstance(w, parallel.Quantized):
+        expert = jnp.repeat(jnp.arange(w.values.shape[0]), sizes, total_repeat_length=rows.shape[0])
+        values = w.values if kernels.experts_apply(rows, w.values) else w.values.astype(rows.dtype)
+        return grouped_product(rows, values, sizes) * w.scale[expert]
     axes = tuple(sorted(_varying(rows) | _varying(w) | _varying(sizes)))
     return _grouped_product(*(_vary(a, axes) for a in (rows, w, sizes)))
 

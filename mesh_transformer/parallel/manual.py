@@ -143,7 +143,8 @@ class InputsLast(NamedTuple):
 
 class Quantized(NamedTuple):
     """A matmul weight quantized for decoding (`Generator(quantize="int8")`): int8 values [*inputs,
-    *outputs] and a float32 scale per output [*outputs], W = values * scale; `layers.dense` reads it.
+    *outputs] and a float32 scale per output [*outputs], W = values * scale; `layers.dense` reads it
+    (a mixture's: values [E, *inputs, *outputs], scale [E, *outputs]; `layers.grouped_product`).
     Stored as two leaves, the weight's name holding the values and `name + SCALE` the scale."""
 
     values: jax.Array
@@ -181,6 +182,13 @@ def weight(name: str, shape: tuple[int, ...], axes: tuple[str, ...], inputs: int
     return LoRAWeight(w, a, b, plan.scale, plan.dropout)
 
 
+def expert_weights(name: str, shape: tuple[int, ...], axes: tuple[str, ...], inputs: int, init, cast_to=None):
+    """A mixture's per-expert matmul weights [E, *inputs, *outputs] (`inputs` axes contracted): decay,
+    stored inputs-first (the experts kernel's layout), and quantized for decoding as a weight per
+    expert (int8 values, a float32 scale per expert and output: `Quantized`)."""
+    return _declare(name, shape, ParamInfo(tuple(axes), inputs, True, experts=True), init, cast_to)
+
+
 def _declare(name: str, shape, info: ParamInfo, init, cast_to):
     if len(shape) != len(info.axes):
         raise ValueError(f"parameter {name!r}: shape {shape} but logical axes {info.axes}")
@@ -191,14 +199,15 @@ def _declare(name: str, shape, info: ParamInfo, init, cast_to):
     if manual is None:
         value = hk.get_parameter(name, shape, jnp.float32, init=init)
         return value if cast_to is None else value.astype(cast_to)
-    inputs_last = manual.layout.inputs_last and info.inputs > 0
+    inputs_last = manual.layout.inputs_last and info.inputs > 0 and not info.experts
     order, axes = stored_layout(info, len(shape), inputs_last)
     shape = tuple(shape[i] for i in order)
     mesh_axes = [manual.rules.get(a) for a in axes]
     stored = tuple(size // (manual.axis_sizes[m] if m else 1) for size, m in zip(shape, mesh_axes))
     value = hk.get_parameter(name, stored, jnp.float32, init=init)
     if value.dtype == jnp.int8:  # a quantized weight (inputs-first, never gathered: the Generator's)
-        scale = hk.get_parameter(name + SCALE, stored[info.inputs:], jnp.float32, init=hk.initializers.Constant(1.0))
+        outputs = tuple(size for i, size in enumerate(stored) if i not in info.contracted)
+        scale = hk.get_parameter(name + SCALE, outputs, jnp.float32, init=hk.initializers.Constant(1.0))
         return Quantized(value, scale)
     if cast_to is not None:
         value = value.astype(cast_to)

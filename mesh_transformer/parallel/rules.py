@@ -51,11 +51,20 @@ def rules_for(zero: bool, split_kv: bool = True) -> dict[str, Optional[str]]:
 
 class ParamInfo(NamedTuple):
     """What a parameter declares where it is made: logical axes (without a stacked 'layers' axis),
-    how many leading axes a matmul contracts (0: not a matmul weight), and whether it decays."""
+    how many leading axes a matmul contracts (0: not a matmul weight), and whether it decays.
+    `experts`: a mixture's weights, one matmul weight per expert [E, *inputs, *outputs] (`inputs`
+    then counts the contracted axes after the experts axis); always stored inputs-first."""
 
     axes: tuple[str, ...]
     inputs: int = 0
     decay: bool = False
+    experts: bool = False
+
+    @property
+    def contracted(self) -> tuple[int, ...]:
+        """The logical axes a matmul contracts (after the experts axis of a mixture's weights)."""
+        first = 1 if self.experts else 0
+        return tuple(range(first, first + self.inputs))
 
 
 def leaf_axes(info: ParamInfo, ndim: int) -> tuple[Optional[str], ...]:
@@ -72,7 +81,7 @@ def inputs_last_order(info: ParamInfo, ndim: int) -> tuple[int, ...]:
 
 def stored_layout(info: ParamInfo, ndim: int, inputs_last: bool) -> tuple[tuple[int, ...], tuple[Optional[str], ...]]:
     """(axis permutation from the logical layout to the stored one, the stored leaf's logical axes)."""
-    order = inputs_last_order(info, ndim) if inputs_last and info.inputs else tuple(range(ndim))
+    order = inputs_last_order(info, ndim) if inputs_last and info.inputs and not info.experts else tuple(range(ndim))
     axes = leaf_axes(info, ndim)
     return order, tuple(axes[i] for i in order)
 
