@@ -308,9 +308,10 @@ class Generator:
     product 30x; `device_sample.py`, one row at a time). bf16 stays inputs-first without the
     kernels (XLA's bf16 products of such weights: 10-20x slower). False: inputs-first.
 
-    `quantize="int8"`: weight-only quantization of every matmul weight (attention, MLP, head; not
-    the embedding table): int8 values with a float32 scale per output column (the largest |w| of
-    the column / 127, round to nearest), so decoding reads a byte a weight; activations, norms, the
+    `quantize="int8"`: weight-only quantization of every matmul weight (attention, MLP, a mixture's
+    experts, head; not the embedding table or a router): int8 values with a float32 scale per
+    output column, of each expert's weight for a mixture (the largest |w| of the column / 127,
+    round to nearest), so decoding reads a byte a weight; activations, norms, the
     KV cache and the arithmetic stay in `config.compute_dtype` / float32; weights inputs-first.
 
     `fuse` (default True): each layer's q/k/v projections stored as one weight, and SwiGLU's gate
