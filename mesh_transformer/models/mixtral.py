@@ -126,7 +126,7 @@ class MixtralConfig(LlamaShaped, ModelConfig):
                    tie_embeddings=hf.get("tie_word_embeddings", False), layer_norm_eps=hf["rms_norm_eps"])
 
     def to_hf_config(self) -> dict:
-        """MixtralForCausalLM, or Qwen3MoeForCausalLM for q/k norms or weights not renormalised."""
+        """MixtralForCausalLM, Qwen2MoeForCausalLM or Qwen3MoeForCausalLM, as `hf_model_type` picks."""
         kind = self.hf_model_type
         if kind == "mixtral" and self.windowed_layers():
             raise ConfigError("a Mixtral model with full and sliding layers (layer_types) has no HF class: "
