@@ -2,13 +2,20 @@
 PEFT + HF transformers on torch training the same LoRA config.
 
     bash bench/setup_peft_venv.sh          # once: the peer's own venv, bench/.venv-peft
-    python bench/lora_train.py [--layers 4 --d-model 512 --heads 8 --vocab 50400 --seq 256 --batch 4
-                                --rank 16 --alpha 32 --targets q_proj,v_proj --runs 3 --steps 5 --mp 1] [--json]
+    python bench/lora_train.py [--family gptj --layers 4 --d-model 512 --heads 8 --vocab 50400 --seq 256
+                                --batch 4 --rank 16 --alpha 32 --targets q_proj,v_proj --runs 3 --steps 5
+                                --mp 1] [--json]
+    python bench/lora_train.py --family mixtral --targets q_proj,v_proj,experts.gate_up_proj,experts.down_proj
 
 Every measurement is a fresh subprocess (so peak memory is its own): ours with LoRA, the peer
-(bench/.venv-peft's python: GPTJForCausalLM + peft.get_peft_model + torch.optim.AdamW), ours with
-full fine-tuning, in turn, `--runs` rounds. All train GPT-J in fp32 with AdamW (weight decay 0.1,
-clip 1.0) on the same random batch; LoRA with the same rank, alpha, targets and dropout. A run's
+(bench/.venv-peft's python: the family's transformers model + peft.get_peft_model +
+torch.optim.AdamW), ours with full fine-tuning, in turn, `--runs` rounds. All train the family's
+benchmark shape (bench/families.py; the peer's model from our config through the library's HF
+export mapping, made by the driver and handed to the peer as its config.json dict) in fp32 with
+AdamW (weight decay 0.1, clip 1.0) on the same random batch; LoRA with the same rank, alpha,
+targets and dropout. A mixture's experts are targeted as `experts.gate_up_proj` and
+`experts.down_proj`, PEFT's `target_parameters` (it merges each adapted expert stack into a copy
+of the weights every forward; ours multiplies each routed row by its expert's A and B). A run's
 rate is tokens per step / its median step time (after 2 warm-up steps); reported: median and
 min–max over the runs. Memory: the process's peak RSS, and how far it rose above the RSS after
 imports (the model, optimizer and step's own); for ours also XLA's buffer assignment of the
@@ -29,12 +36,14 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 PEER_PYTHON = os.path.join(HERE, ".venv-peft", "bin", "python")
 sys.path.insert(0, HERE)
+import families  # noqa: E402
 import machine  # noqa: E402
 KINDS = ("ours-lora", "peft-lora", "ours-full")
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    families.add_arg(p)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--d-model", type=int, default=512)
     p.add_argument("--heads", type=int, default=8)
@@ -44,7 +53,11 @@ def parse_args(argv=None):
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--alpha", type=float, default=32)
     p.add_argument("--dropout", type=float, default=0.0)
-    p.add_argument("--targets", default="q_proj,v_proj", help="comma-separated GPT-J module names (PEFT's)")
+    p.add_argument("--targets", default="q_proj,v_proj",
+                   help="comma-separated HF module names (PEFT's target_modules) and experts.gate_up_proj, "
+                        "experts.down_proj (its target_parameters)")
+    p.add_argument("--quantize-base", choices=("int8",),
+                   help="ours: the frozen base's matmul weights in int8 (lora.quantize_base; the peer stays fp32)")
     p.add_argument("--runs", type=int, default=3, help="rounds of (ours LoRA, peer LoRA, ours full)")
     p.add_argument("--steps", type=int, default=5, help="timed steps per run, after 2 warm-up steps")
     p.add_argument("--mp", type=int, default=1, help="ours: CPU devices the model is split over (mp)")
@@ -52,6 +65,7 @@ def parse_args(argv=None):
     p.add_argument("--peer-python", default=PEER_PYTHON)
     machine.add_args(p)
     p.add_argument("--worker", choices=KINDS, help=argparse.SUPPRESS)
+    p.add_argument("--hf-config", help=argparse.SUPPRESS)  # the peer's model, as config.json (from the driver)
     return p.parse_args(argv)
 
 
@@ -86,22 +100,40 @@ def tokens(args):
     return np.random.RandomState(0).randint(0, args.vocab, (args.batch, args.seq + 1)).astype(np.int32)
 
 
+def config_keys(args, lora: bool) -> dict:
+    """Our config for the benchmark's model (and LoRA)."""
+    keys = dict(layers=args.layers, d_model=args.d_model, n_heads=args.heads, n_vocab=args.vocab, seq=args.seq,
+                compute_dtype="float32", remat="none", per_replica_batch=args.batch, cores_per_replica=args.mp,
+                lr=1e-4, warmup_steps=0, anneal_steps=1000, total_steps=1000, weight_decay=0.1, clip_norm=1.0,
+                family=args.family, **families.family_keys(args.family, args.d_model, args.heads, args.layers))
+    if lora:
+        keys["lora"] = {"rank": args.rank, "alpha": args.alpha, "dropout": args.dropout,
+                        "targets": args.targets.split(","), "quantize_base": args.quantize_base}
+    return keys
+
+
+def peer_config(args) -> str:
+    """In the driver: the peer's transformers config (config.json's dict, JSON) of our model."""
+    from mesh_transformer.config import config_from_dict
+    from mesh_transformer.io.hf import config_to_hf
+    hf = config_to_hf(config_from_dict(config_keys(args, False)).model)
+    for key in ("torch_dtype", "dtype", "architectures"):
+        hf.pop(key, None)
+    return json.dumps(hf)
+
+
 def worker_ours(args, lora: bool) -> dict:
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={args.mp}"
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     sys.path.insert(0, ROOT)
+    from mesh_transformer import host_memory
+    host_memory.keep_freed_memory()  # as device_train.py runs
     import jax
     from mesh_transformer import parallel
     from mesh_transformer.config import config_from_dict
     from mesh_transformer.train.step import Trainer
     base_rss = rss_mib()
-    keys = dict(layers=args.layers, d_model=args.d_model, n_heads=args.heads, n_vocab=args.vocab, seq=args.seq,
-                pe_rotary_dims=args.d_model // args.heads // 4, compute_dtype="float32", remat="none",
-                per_replica_batch=args.batch, cores_per_replica=args.mp, lr=1e-4, warmup_steps=0,
-                anneal_steps=1000, total_steps=1000, weight_decay=0.1, clip_norm=1.0)
-    if lora:
-        keys["lora"] = {"rank": args.rank, "alpha": args.alpha, "dropout": args.dropout,
-                        "targets": args.targets.split(",")}
+    keys = config_keys(args, lora)
     trainer = Trainer(config_from_dict(keys), parallel.make_mesh(args.mp, 1, jax.devices()[: args.mp]))
     if lora:
         trainer.base = trainer.init_base(0)
@@ -123,15 +155,21 @@ def worker_ours(args, lora: bool) -> dict:
 def worker_peft(args) -> dict:
     import torch
     from peft import LoraConfig, get_peft_model
-    from transformers import GPTJConfig, GPTJForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
     torch.set_num_threads(os.cpu_count() or 1)
     base_rss = rss_mib()
+    hf = json.loads(args.hf_config)
+    config = AutoConfig.for_model(hf.pop("model_type"), **hf)
+    for key, value in config.to_dict().items():  # dropout off, whatever the family calls it
+        if key.endswith(("pdrop", "dropout")) and isinstance(value, float):
+            setattr(config, key, 0.0)
     torch.manual_seed(0)
-    model = GPTJForCausalLM(GPTJConfig(
-        vocab_size=args.vocab, n_positions=args.seq, n_embd=args.d_model, n_layer=args.layers, n_head=args.heads,
-        rotary_dim=args.d_model // args.heads // 4, attn_pdrop=0.0, embd_pdrop=0.0, resid_pdrop=0.0))
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    targets = args.targets.split(",")
+    parameters = [t for t in targets if t.startswith("experts.")]
     model = get_peft_model(model, LoraConfig(r=args.rank, lora_alpha=args.alpha, lora_dropout=args.dropout,
-                                             target_modules=args.targets.split(","), bias="none",
+                                             target_modules=[t for t in targets if t not in parameters],
+                                             target_parameters=parameters or None, bias="none",
                                              task_type="CAUSAL_LM")).train()
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trainable, lr=1e-4, weight_decay=0.1)
@@ -159,7 +197,8 @@ def run_worker(args, kind: str, argv: list[str]) -> dict:
     if kind == "peft-lora" and not os.path.exists(python):
         sys.exit(f"{python} not found: run bash bench/setup_peft_venv.sh first")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} if kind == "peft-lora" else os.environ
-    proc = subprocess.run([python, os.path.abspath(__file__), *argv, "--worker", kind], capture_output=True,
+    extra = ["--hf-config", args.hf_config] if kind == "peft-lora" else []
+    proc = subprocess.run([python, os.path.abspath(__file__), *argv, "--worker", kind, *extra], capture_output=True,
                           text=True, env=env, cwd=ROOT)
     if proc.returncode:
         sys.exit(f"{kind} failed:\n{proc.stderr[-4000:]}")
@@ -188,6 +227,8 @@ def main(argv=None):
         print(json.dumps(result))
         return
     kinds = [k for k in KINDS if k in args.kinds.split(",")]
+    sys.path.insert(0, ROOT)
+    args.hf_config = peer_config(args) if "peft-lora" in kinds else None
     description = machine.describe(("peft",))
     runs: dict[str, list] = {k: [] for k in kinds}
 
@@ -198,7 +239,7 @@ def main(argv=None):
         return once
     machine.interleaved({k: measure(k) for k in kinds}, args.runs, progress=not args.json)
     results = {k: summary(args, v) for k, v in runs.items()}
-    result = {"config": {k: v for k, v in vars(args).items() if k not in ("worker", "json", "peer_python")},
+    result = {"config": {k: v for k, v in vars(args).items() if k not in ("worker", "json", "peer_python", "hf_config")},
               "kinds": results}
     if "ours-lora" in results and "peft-lora" in results:
         result["lora_speedup_vs_peft"] = results["ours-lora"]["tokens_per_s"]["median"] / results["peft-lora"]["tokens_per_s"]["median"]

@@ -8,13 +8,16 @@ through the family's HF table: `q_proj` of GPT-J is our `layers/attn/q_proj`, GP
 the output head, as in PEFT. A targeted weight W [*inputs, *outputs] gets A [*inputs, r] and
 B [r, *outputs] (leaves `<name>_lora_a`, `<name>_lora_b` beside it), declared with W's input and
 output logical axes plus "lora_rank", which no rule table maps: the adapters shard like the weight
-they adapt, under Megatron and ZeRO alike, and the rank axis is never split.
+they adapt, under Megatron and ZeRO alike, and the rank axis is never split. A mixture's experts
+are targeted by the names of PEFT's `target_parameters` ("experts.gate_up_proj",
+"experts.down_proj", the family's `hf_experts`): an adapter per expert, A [E, *inputs, r] and
+B [E, r, *outputs], which "all-linear" leaves out (as PEFT's).
 
 This module holds what is LoRA-specific outside the model: the config, trainable/frozen split,
 merging adapters into the base (sampling, serving, merged export) and PEFT's adapter format.
 A fused HF module (one A shared by q/k/v in PEFT) exports as a block-diagonal adapter of rank
 3r (`rank_pattern`/`alpha_pattern` keep the scale), which is exact; importing one copies A to q, k
-and v and splits B.
+and v and splits B, and importing such an export reads each part's block back.
 """
 from __future__ import annotations
 
@@ -30,7 +33,8 @@ from mesh_transformer import parallel
 from mesh_transformer.config import ConfigError, ModelConfig
 
 ALL_LINEAR = "all-linear"
-KEYS = ("rank", "alpha", "dropout", "targets")
+KEYS = ("rank", "alpha", "dropout", "targets", "quantize_base")
+QUANTIZE_BASE = ("int8",)
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 
 
@@ -40,6 +44,7 @@ class LoraConfig:
     alpha: float
     dropout: float
     targets: Union[str, tuple[str, ...]]
+    quantize_base: Optional[str] = None  # "int8": the frozen base's matmul weights held as int8 + scales
 
     @property
     def scale(self) -> float:
@@ -66,11 +71,16 @@ class LoraConfig:
                 raise ConfigError(f"config key 'lora.targets' must be a non-empty list of module names or "
                                   f"{ALL_LINEAR!r}, got {json.dumps(targets)}")
             targets = tuple(targets)
-        return cls(rank, float(alpha), float(dropout), targets)
+        quantize_base = raw.get("quantize_base")
+        if quantize_base is not None and quantize_base not in QUANTIZE_BASE:
+            raise ConfigError(f"config key 'lora.quantize_base' must be one of {', '.join(QUANTIZE_BASE)} or null, "
+                              f"got {json.dumps(quantize_base)}")
+        return cls(rank, float(alpha), float(dropout), targets, quantize_base)
 
     def to_dict(self) -> dict:
-        return {"rank": self.rank, "alpha": self.alpha, "dropout": self.dropout,
-                "targets": self.targets if isinstance(self.targets, str) else list(self.targets)}
+        out = {"rank": self.rank, "alpha": self.alpha, "dropout": self.dropout,
+               "targets": self.targets if isinstance(self.targets, str) else list(self.targets)}
+        return {**out, "quantize_base": self.quantize_base} if self.quantize_base else out
 
 
 # --------------------------------------------------------------------------------------------
@@ -96,36 +106,57 @@ def module_name(entry) -> str:
     return entry.hf[: -len(".weight")].rsplit(".", 1)[-1]
 
 
+def hf_experts(model: ModelConfig) -> list:
+    """A mixture's stacked expert weights PEFT's `target_parameters` adapt: [HFExperts] ([] elsewhere)."""
+    from mesh_transformer import models
+    return models.family(model.family).hf_experts(model)
+
+
 def resolve(model: ModelConfig, lora: LoraConfig) -> list:
-    """The HF entries `lora.targets` names (ConfigError naming lora.targets / lora.rank)."""
-    linears = hf_linears(model)
+    """The HF linear entries `lora.targets` names (ConfigError naming lora.targets / lora.rank / lora.dropout)."""
+    return _resolve(model, lora)[0]
+
+
+def resolve_experts(model: ModelConfig, lora: LoraConfig) -> list:
+    """The mixture's expert weights `lora.targets` names ("experts.gate_up_proj", "experts.down_proj")."""
+    return _resolve(model, lora)[1]
+
+
+def _resolve(model: ModelConfig, lora: LoraConfig) -> tuple[list, list]:
+    linears, experts = hf_linears(model), hf_experts(model)
     names = sorted({module_name(e) for e in linears})
-    if lora.targets == ALL_LINEAR:
-        chosen = [e for e in linears if e.ours[0][0] != "head"]
+    if lora.targets == ALL_LINEAR:  # as PEFT's: linear layers only, so never the experts
+        chosen, chosen_experts = [e for e in linears if e.ours[0][0] != "head"], []
     else:
         for t in lora.targets:
-            if t not in names:
+            if t not in names and t not in [e.target for e in experts]:
+                also = f"; its experts: {', '.join(e.target for e in experts)}" if experts else ""
                 raise ConfigError(f"config key 'lora.targets': {t!r} is not a linear module of family "
-                                  f"{model.family!r} (its modules: {', '.join(names)})")
+                                  f"{model.family!r} (its modules: {', '.join(names)}{also})")
         chosen = [e for e in linears if module_name(e) in lora.targets]
+        chosen_experts = [e for e in experts if e.target in lora.targets]
+    if chosen_experts and lora.dropout:
+        raise ConfigError(f"config key 'lora.dropout': adapters on a mixture's experts ({chosen_experts[0].target}) "
+                          f"take no dropout, as PEFT's target_parameters; set it to 0, got {lora.dropout}")
     from mesh_transformer import models
-    params = models.build(model).abstract_params
-    for e in chosen:
-        for m, leaf in e.ours:
-            x, info = params[_path(model, m)][leaf], models.build(model).infos[_path(model, m)][leaf]
-            dims = x.shape[x.ndim - len(info.axes):]
+    built = models.build(model)
+    for name, ours in [(module_name(e), e.ours) for e in chosen] + [(e.target, e.ours) for e in chosen_experts]:
+        for m, leaf in ours:
+            x, info = built.abstract_params[_path(model, m)][leaf], built.infos[_path(model, m)][leaf]
+            dims = x.shape[x.ndim - len(info.axes) + (1 if info.experts else 0):]  # one expert's
             smallest = min(math.prod(dims[:info.inputs]), math.prod(dims[info.inputs:]))
             if lora.rank > smallest:
-                raise ConfigError(f"config key 'lora.rank': {lora.rank} is larger than {module_name(e)}'s "
+                raise ConfigError(f"config key 'lora.rank': {lora.rank} is larger than {name}'s "
                                   f"smaller dimension ({smallest})")
-    return chosen
+    return chosen, chosen_experts
 
 
 def plan(model: ModelConfig, lora: Optional[LoraConfig]) -> Optional[parallel.LoRAPlan]:
     """The `parallel.LoRAPlan` the model runs with (None without LoRA)."""
     if lora is None:
         return None
-    targets = frozenset((_module_key(model, m), leaf) for e in resolve(model, lora) for m, leaf in e.ours)
+    linears, experts = _resolve(model, lora)
+    targets = frozenset((_module_key(model, m), leaf) for e in linears + experts for m, leaf in e.ours)
     return parallel.LoRAPlan(targets, lora.rank, lora.scale, lora.dropout)
 
 
@@ -157,6 +188,30 @@ def join(frozen, trainable):
     for m, leaves in trainable.items():
         out.setdefault(m, {}).update(leaves)
     return out
+
+
+def quantized_base(abstract, specs, infos):
+    """The frozen base of a `quantize_base: int8` run, as abstract arrays and specs: each matmul
+    weight [L.., *inputs, *outputs] int8 (its shape and spec) beside `<name>_scale`, float32
+    [L.., *outputs] (the spec of those axes); embeddings, norms, biases and routers as they were."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+    out_abstract, out_specs = {}, {}
+    for m, leaves in abstract.items():
+        out_abstract[m], out_specs[m] = {}, {}
+        for n, x in leaves.items():
+            out_abstract[m][n], out_specs[m][n] = x, specs[m][n]
+            info = infos[m][n]
+            if not info.inputs:
+                continue
+            lead = x.ndim - len(info.axes)
+            kept = [i for i in range(x.ndim) if i - lead not in info.contracted]
+            spec = tuple(specs[m][n]) + (None,) * (x.ndim - len(specs[m][n]))
+            out_abstract[m][n] = jax.ShapeDtypeStruct(x.shape, jnp.int8)
+            out_abstract[m][n + parallel.SCALE] = jax.ShapeDtypeStruct(tuple(x.shape[i] for i in kept), jnp.float32)
+            out_specs[m][n + parallel.SCALE] = P(*(spec[i] for i in kept))
+    return out_abstract, out_specs
 
 
 def merged(params, scale: float):
@@ -192,14 +247,26 @@ def _peft_key(hf: str, i: Optional[int], which: str) -> str:
     return f"base_model.model.{name[: -len('.weight')]}.lora_{which}.weight"
 
 
+def _peft_expert_keys(chosen: list) -> dict:
+    """{HFExperts: (i, "A" | "B") -> PEFT's tensor name}. PEFT wraps each targeted parameter of a
+    module in a ParamWrapper, nested in the module's parameter order (the first innermost), so a
+    parameter's adapter is named after the wrappers outside it: "...experts.base_layer.lora_A.weight"
+    (gate_up_proj, when down_proj is targeted too), "...experts.lora_A.weight"."""
+    def keys(entry, nesting):
+        return lambda i, which: (f"base_model.model.{entry.hf.format(i=i).rsplit('.', 1)[0]}.{nesting}"
+                                 f"lora_{which}.weight")
+    return {e: keys(e, "base_layer." * (len(chosen) - 1 - k)) for k, e in enumerate(chosen)}
+
+
 def save_peft(adapters, model: ModelConfig, lora: LoraConfig, out: str, base: Optional[str] = None) -> Path:
-    """Write `adapters` (our adapter leaves, numpy/jax, stacked layers) in PEFT's format to `out`."""
+    """Write `adapters` (our adapter leaves, numpy/jax, stacked layers) in PEFT's format to `out`
+    (a mixture's expert adapters as PEFT's `target_parameters`)."""
     from safetensors.numpy import save_file
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     tensors, rank_pattern, alpha_pattern = {}, {}, {}
-    chosen = resolve(model, lora)
+    chosen, experts = _resolve(model, lora)
     for entry in chosen:
         layers = range(model.layers) if entry.per_layer else [None]
         parts = len(entry.ours)
@@ -230,21 +297,84 @@ def save_peft(adapters, model: ModelConfig, lora: LoraConfig, out: str, base: Op
         if parts > 1:
             rank_pattern[module_name(entry)] = parts * lora.rank
             alpha_pattern[module_name(entry)] = parts * lora.alpha
+    for entry, key in _peft_expert_keys(experts).items():
+        for i in range(model.layers):
+            parts = [(adapters[_path(model, m)][leaf + parallel.LORA_A], adapters[_path(model, m)][leaf + parallel.LORA_B])
+                     for m, leaf in entry.ours]
+            lora_a, lora_b = _experts_to_peft([(np.asarray(a, np.float32)[i], np.asarray(b, np.float32)[i])
+                                               for a, b in parts], lora.rank)
+            tensors[key(i, "A")], tensors[key(i, "B")] = lora_a, lora_b
+        if len(entry.ours) > 1:
+            rank_pattern[entry.target.rsplit(".", 1)[1]] = len(entry.ours) * lora.rank
+            alpha_pattern[entry.target.rsplit(".", 1)[1]] = len(entry.ours) * lora.alpha
     save_file(tensors, str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank, "lora_alpha": lora.alpha,
               "lora_dropout": lora.dropout, "target_modules": sorted({module_name(e) for e in chosen}),
               "bias": "none", "fan_in_fan_out": _conv1d(model), "base_model_name_or_path": base,
               "rank_pattern": rank_pattern, "alpha_pattern": alpha_pattern, "inference_mode": True,
               "use_rslora": False, "modules_to_save": None, "init_lora_weights": True}
+    if experts:
+        config["target_parameters"] = [e.hf.split("{i}.", 1)[1] for e in experts]
     (out / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2))
     return out
+
+
+def _experts_to_peft(parts: list, r: int):
+    """One layer's adapters of the leaves one HF expert tensor holds, [(A [E, in, r], B [E, r, out_j])]
+    -> PEFT's (lora_A [E R, in], lora_B [sum out_j, R E]) with R = parts x r, block-diagonal (part
+    j: ranks j r .. (j+1) r, outputs after the earlier parts'). PEFT reads lora_A as [E, R, in] and
+    lora_B as [out, R, E]."""
+    experts = parts[0][0].shape[0]
+    a = np.concatenate([a.reshape(experts, -1, r).transpose(0, 2, 1) for a, _ in parts], axis=1)  # [E, R, in]
+    outs = [b.reshape(experts, r, -1) for _, b in parts]
+    b = np.zeros((experts, sum(x.shape[-1] for x in outs), len(parts) * r), np.float32)  # [E, out, R]
+    row = 0
+    for j, x in enumerate(outs):
+        b[:, row:row + x.shape[-1], j * r:(j + 1) * r] = x.transpose(0, 2, 1)
+        row += x.shape[-1]
+    return (np.ascontiguousarray(a.reshape(-1, a.shape[-1])),
+            np.ascontiguousarray(b.transpose(1, 2, 0).reshape(b.shape[1], -1)))
+
+
+def _experts_from_peft(lora_a, lora_b, experts: int, parts: int, blocks: int, r: int, where: str) -> list:
+    """The inverse of `_experts_to_peft` for PEFT's one adapter of rank `blocks` x r over `parts`
+    leaves: [(A [E, in, r], B [E, r, out_j])]. blocks 1: A shared by the parts (PEFT's own); blocks
+    = parts: our block-diagonal export (ConfigError where B is not block-diagonal)."""
+    rank = blocks * r
+    try:
+        a = lora_a.reshape(experts, rank, -1)  # [E, R, in]
+        b = lora_b.reshape(lora_b.shape[0], rank, experts).transpose(2, 0, 1)  # [E, out, R]
+    except ValueError:
+        raise ConfigError(f"{where}: lora_A {lora_a.shape} / lora_B {lora_b.shape} are not rank {rank} adapters of "
+                          f"{experts} experts") from None
+    out, width = [], b.shape[1] // parts
+    for j in range(parts):
+        rows, cols = slice(j * width, (j + 1) * width), slice(j * r, (j + 1) * r) if blocks > 1 else slice(0, r)
+        if blocks > 1 and np.any(np.delete(b[:, rows], np.arange(j * r, (j + 1) * r), axis=2)):
+            raise ConfigError(f"{where}: a rank_pattern adapter whose parts are not block-diagonal cannot be read "
+                              f"at rank {r}")
+        out.append((a[:, cols].transpose(0, 2, 1), b[:, rows, cols].transpose(0, 2, 1)))
+    return out
+
+
+def _blocks(cfg: dict, name: str, parts: int, lora: LoraConfig, where: Path) -> int:
+    """How many rank-r blocks PEFT's adapter on `name` has: 1, or `parts` where `rank_pattern` /
+    `alpha_pattern` give it parts x r and parts x alpha (a fused module's block-diagonal export)."""
+    rank = (cfg.get("rank_pattern") or {}).get(name, lora.rank)
+    alpha = (cfg.get("alpha_pattern") or {}).get(name, lora.alpha)
+    if rank == lora.rank and alpha == lora.alpha:
+        return 1
+    if parts > 1 and rank == parts * lora.rank and alpha == parts * lora.alpha:
+        return parts
+    raise ConfigError(f"{where}: rank_pattern/alpha_pattern give {name!r} rank {rank}, alpha {alpha}: only a fused "
+                      f"module's {parts} parts at {parts} x r and {parts} x alpha (block-diagonal) are supported")
 
 
 def load_peft(directory: str, model: ModelConfig, mp: int = 1) -> tuple[LoraConfig, dict]:
     """A PEFT LoRA adapter directory -> (our LoraConfig, adapter leaves as numpy float32, stacked).
 
     ConfigError for what cannot be represented here: another PEFT type, rsLoRA, DoRA, biases,
-    per-module ranks on unfused modules, targets the family does not have."""
+    per-module ranks but a fused module's block-diagonal parts, targets the family does not have."""
     from safetensors.numpy import load_file
 
     path = Path(directory)
@@ -258,42 +388,82 @@ def load_peft(directory: str, model: ModelConfig, mp: int = 1) -> tuple[LoraConf
             raise ConfigError(f"{path / ADAPTER_CONFIG}: {key} is not supported")
     if cfg.get("bias", "none") != "none":
         raise ConfigError(f"{path / ADAPTER_CONFIG}: bias {cfg.get('bias')!r} is not supported (only 'none')")
-    if cfg.get("rank_pattern") or cfg.get("alpha_pattern"):
-        raise ConfigError(f"{path / ADAPTER_CONFIG}: rank_pattern/alpha_pattern are not supported")
-    targets = cfg["target_modules"]
+    targets = cfg.get("target_modules") or []
     targets = [targets] if isinstance(targets, str) else list(targets)
+    expert_targets = _expert_targets(cfg.get("target_parameters") or [], model, path / ADAPTER_CONFIG)
     if targets == [ALL_LINEAR]:
         targets = ALL_LINEAR
+        if expert_targets:
+            raise ConfigError(f"{path / ADAPTER_CONFIG}: target_modules {ALL_LINEAR!r} with target_parameters is "
+                              "not supported: name the linear modules")
     lora = LoraConfig.from_dict({"rank": cfg["r"], "alpha": cfg["lora_alpha"], "dropout": cfg.get("lora_dropout", 0.0),
-                                 "targets": targets})
+                                 "targets": targets if targets == ALL_LINEAR else targets + expert_targets})
+    chosen, experts = _resolve(model, lora)
+    names = {module_name(e) for e in chosen} | {e.target.rsplit(".", 1)[1] for e in experts}
+    for name in sorted(set(cfg.get("rank_pattern") or {}) | set(cfg.get("alpha_pattern") or {})):
+        if name not in names:
+            raise ConfigError(f"{path / ADAPTER_CONFIG}: rank_pattern/alpha_pattern key {name!r} is not a targeted "
+                              f"module (supported: a fused module's name, as this project exports)")
     weights_file = path / ADAPTER_WEIGHTS
     if not weights_file.exists():
         raise ConfigError(f"{path}: no {ADAPTER_WEIGHTS}")
     tensors = load_file(str(weights_file))
+
+    def tensor(key):
+        try:
+            return tensors[key].astype(np.float32)
+        except KeyError:
+            raise ConfigError(f"{weights_file}: tensor {key!r} is missing") from None
+
     out = {}
-    for entry in resolve(model, lora):
+    for entry in chosen:
         layers = range(model.layers) if entry.per_layer else [None]
+        blocks = _blocks(cfg, module_name(entry), len(entry.ours), lora, path / ADAPTER_CONFIG)
         per_layer = {(m, leaf): ([], []) for m, leaf in entry.ours}
         for i in layers:
-            try:
-                lora_a = tensors[_peft_key(entry.hf, i, "A")].astype(np.float32)  # [r, in]
-                lora_b = tensors[_peft_key(entry.hf, i, "B")].astype(np.float32)  # [out, r]
-            except KeyError as e:
-                raise ConfigError(f"{weights_file}: tensor {e.args[0]!r} is missing") from None
+            lora_a = tensor(_peft_key(entry.hf, i, "A"))  # [R, in]
+            lora_b = tensor(_peft_key(entry.hf, i, "B"))  # [out, R]
             if len(entry.ours) == 1:
                 bs = (lora_b.T,)
             else:
                 bs = entry.transform.to_ours(lora_b.T if _conv1d(model) else lora_b, model)
-            for (m, leaf), b in zip(entry.ours, bs):
-                per_layer[(m, leaf)][0].append(lora_a.T)
+            for j, ((m, leaf), b) in enumerate(zip(entry.ours, bs)):
+                a = lora_a
+                if blocks > 1:  # part j's ranks only; the others' must be zero
+                    if np.any(np.delete(b, np.arange(j * lora.rank, (j + 1) * lora.rank), axis=0)):
+                        raise ConfigError(f"{weights_file}: {module_name(entry)}'s rank_pattern adapter is not "
+                                          f"block-diagonal over its parts, so it cannot be read at rank {lora.rank}")
+                    a, b = a[j * lora.rank:(j + 1) * lora.rank], b[j * lora.rank:(j + 1) * lora.rank]
+                per_layer[(m, leaf)][0].append(a.T)
                 per_layer[(m, leaf)][1].append(b)
         for (m, leaf), (a_list, b_list) in per_layer.items():
             a, b = np.stack(a_list), np.stack(b_list)
             a, b = (a, b) if entry.per_layer else (a[0], b[0])
             out.setdefault(_path(model, m), {})[leaf + parallel.LORA_A] = a
             out.setdefault(_path(model, m), {})[leaf + parallel.LORA_B] = b
+    for entry, key in _peft_expert_keys(experts).items():
+        blocks = _blocks(cfg, entry.target.rsplit(".", 1)[1], len(entry.ours), lora, path / ADAPTER_CONFIG)
+        layers = [_experts_from_peft(tensor(key(i, "A")), tensor(key(i, "B")), model.n_experts, len(entry.ours),
+                                     blocks, lora.rank, f"{weights_file}: {key(i, 'A')}") for i in range(model.layers)]
+        for j, (m, leaf) in enumerate(entry.ours):
+            out.setdefault(_path(model, m), {})[leaf + parallel.LORA_A] = np.stack([parts[j][0] for parts in layers])
+            out.setdefault(_path(model, m), {})[leaf + parallel.LORA_B] = np.stack([parts[j][1] for parts in layers])
     shaped = _reshape_like(out, model, lora, mp)
     return lora, shaped
+
+
+def _expert_targets(target_parameters: list, model: ModelConfig, where: Path) -> list:
+    """PEFT's `target_parameters` (each a parameter path or a suffix of one, as PEFT matches them) ->
+    our targets ("experts.gate_up_proj", ...); ConfigError for one that names none of the experts."""
+    experts, out = hf_experts(model), []
+    for name in target_parameters:
+        hits = [e for e in experts if e.hf.format(i=0) == name or e.hf.format(i=0).endswith("." + name)]
+        if not hits:
+            known = ", ".join(e.hf.split("{i}.", 1)[1] for e in experts) or "none"
+            raise ConfigError(f"{where}: target_parameters {name!r} is not an expert weight of family "
+                              f"{model.family!r} (its: {known})")
+        out += [e.target for e in hits if e.target not in out]
+    return out
 
 
 def _reshape_like(adapters, model: ModelConfig, lora: LoraConfig, mp: int):

@@ -130,7 +130,8 @@ def plan(config: Config, dp: int, mp: int, zero: Optional[bool] = None, devices=
     m, t = config.model, config.train
     platform = trainer.mesh.devices.flat[0].platform
     itemsize = jax.numpy.dtype(m.compute_dtype).itemsize
-    upcast = (memory["frozen_base"] * 4 // itemsize if trainer.lora and platform == "cpu" and itemsize < 4 else 0)
+    upcast = (memory["frozen_base"] * 4 // itemsize  # (an int8 base is widened a layer at a time: no copy)
+              if trainer.lora and not trainer.quantize_base and platform == "cpu" and itemsize < 4 else 0)
     return Plan(
         n_params=trainer.model.n_params() if trainer.lora is None else models.build(m, mp).n_params(),
         n_trainable=(trainer.model.n_params() if trainer.lora is None
@@ -156,6 +157,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--lora-rank", type=int, help="plan a LoRA run of this rank (sets the config's 'lora')")
     p.add_argument("--lora-targets", default="all-linear",
                    help="with --lora-rank: comma-separated HF module names, or all-linear (default)")
+    p.add_argument("--lora-quantize-base", choices=("int8",),
+                   help="with --lora-rank: the frozen base's matmul weights in int8 (lora.quantize_base)")
     p.add_argument("--bf16-optimizer", action="store_true", help="Adam moments in bfloat16 (config key bf16_optimizer)")
     p.add_argument("--device-memory", type=float, action="append", metavar="GIB",
                    help=f"report whether the step fits in GIB per device (repeatable; default {DEVICE_MEMORIES_GIB})")
@@ -220,7 +223,8 @@ def _with_flags(config: Config, args) -> Config:
     raw = config.to_json_dict()
     if args.lora_rank is not None:
         targets = args.lora_targets if args.lora_targets == "all-linear" else args.lora_targets.split(",")
-        raw["lora"] = {"rank": args.lora_rank, "alpha": 2 * args.lora_rank, "targets": targets}
+        raw["lora"] = {"rank": args.lora_rank, "alpha": 2 * args.lora_rank, "targets": targets,
+                       **({"quantize_base": args.lora_quantize_base} if args.lora_quantize_base else {})}
     if args.bf16_optimizer:
         raw["bf16_optimizer"] = True
     return config_from_dict(raw)

@@ -321,12 +321,15 @@ def test_tensorboard_plot_and_sample_outputs(dataset, tmp_path):
         assert f"\n>>> {prompt}{seq.text}\n" in run.stdout + "\n"
 
 
-def test_lora_kill_after_a_checkpoint_then_resume_matches_uninterrupted(dataset, hf_model, tmp_path):
+@pytest.mark.parametrize("quantize_base", [None, "int8"])
+def test_lora_kill_after_a_checkpoint_then_resume_matches_uninterrupted(quantize_base, dataset, hf_model, tmp_path):
     """LoRA on an HF base with FCM, LoRA dropout and document masking: SIGKILL once a checkpoint is
     on disk, resume (base re-read from the checkpoint's reference), and the adapters, optimizer state
-    and losses of the steps after it equal an uninterrupted run's."""
+    and losses of the steps after it equal an uninterrupted run's. int8: the base quantized as it is
+    read, at the start and again on resume (its fingerprint the same)."""
     path, _ = hf_model
-    lora = dict(lora={"rank": 4, "alpha": 8, "dropout": 0.1, "targets": ["q_proj", "v_proj", "fc_out"]},
+    lora = dict(lora={"rank": 4, "alpha": 8, "dropout": 0.1, "targets": ["q_proj", "v_proj", "fc_out"],
+                      **({"quantize_base": quantize_base} if quantize_base else {})},
                 fcm_max_ratio=0.3, fcm_min_ratio=0.1, document_masking=True, total_steps=10, warmup_steps=0,
                 lr=1e-2, cores_per_replica=1, tpu_size=2)
     reference = write_config(tmp_path_factory_dir(tmp_path, "reference"), dataset, **lora)

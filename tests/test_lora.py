@@ -1,4 +1,5 @@
 """LoRA (with PEFT as the oracle), bf16 Adam moments, forgetful causal masking, packed segments."""
+import dataclasses
 import json
 from pathlib import Path
 
@@ -8,7 +9,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from helpers import TINY, hf_logits, mesh, random_tokens, tiny_config, word_tokenizer
+from helpers import (TINY, hf_logits, max_abs_diff, mesh, random_tokens, rounded_like_int8, tiny_config,
+                     word_tokenizer)
 from mesh_transformer import lora, parallel
 from mesh_transformer.config import ConfigError, config_from_dict
 from mesh_transformer.data import Dataset, segment_ids
@@ -76,6 +78,15 @@ def test_config_errors_name_the_key():
             tiny_config(lora=raw)
     with pytest.raises(ConfigError, match="fcm_max_ratio"):
         tiny_config(fcm_max_ratio=1.0)
+    mixture = {**{k: v for k, v in TINY.items() if k != "pe_rotary_dims"}, "family": "mixtral", "n_experts": 4,
+               "experts_per_token": 2}
+    with pytest.raises(ConfigError, match=r"lora\.dropout.*experts\.down_proj.*PEFT"):
+        config_from_dict({**mixture, "lora": {"targets": ["q_proj", "experts.down_proj"], "dropout": 0.1}})
+    with pytest.raises(ConfigError, match=r"lora\.targets.*'gate_up_proj'.*its experts: experts\.gate_up_proj, "
+                                          r"experts\.down_proj"):
+        config_from_dict({**mixture, "lora": {"targets": ["gate_up_proj"]}})
+    with pytest.raises(ConfigError, match=r"lora\.rank.*experts\.gate_up_proj"):
+        config_from_dict({**mixture, "d_ff": 6, "lora": {"targets": ["experts.gate_up_proj"], "rank": 8}})
 
 
 def test_only_adapters_train_and_hold_optimizer_state(trained):
@@ -188,20 +199,29 @@ def _assert_adapters_split_like_their_weight(tr):
             spec = tuple(spec) + (None,) * (ndim - len(spec))  # specs may leave trailing axes out
             base = tuple(tr.base_specs[module][weight])
             base = base + (None,) * (base_ndim - len(base))
+            lead = 2 if weight.startswith("experts_") else 1  # [L, E] of a mixture's experts
             if name.endswith("_lora_a"):
                 assert spec == base[:ndim - 1] + (None,), (name, spec, base)
             else:
-                assert spec == (base[0], None) + base[len(base) - (ndim - 2):], (name, spec, base)
+                assert spec == base[:lead] + (None,) + base[len(base) - (ndim - lead - 1):], (name, spec, base)
 
 
-FAMILY_KEYS = {"gptj": {"pe_rotary_dims": 4}, "llama": {"family": "llama", "n_kv_heads": 2}}
+MIXTURE = {"family": "mixtral", "n_kv_heads": 2, "n_experts": 4, "experts_per_token": 2, "router_aux_loss_coef": 0.1}
+FAMILY_KEYS = {"gptj": {"pe_rotary_dims": 4}, "llama": {"family": "llama", "n_kv_heads": 2}, "mixtral": MIXTURE,
+               "llama_int8": {"family": "llama", "n_kv_heads": 2}, "mixtral_int8": MIXTURE}
+EXPERTS = ["q_proj", "o_proj", "experts.gate_up_proj", "experts.down_proj"]
+LORA = {"mixtral": {"targets": EXPERTS}, "llama_int8": {"targets": ["q_proj", "v_proj"], "quantize_base": "int8"},
+        "mixtral_int8": {"targets": EXPERTS[1:], "quantize_base": "int8"}}
 
 
 @pytest.mark.parametrize("family", sorted(FAMILY_KEYS))
 def test_sharded_lora_gradients_equal_single_device(family):
     """Every adapter's gradient on dp2 x mp4 with ZeRO equals one device's, with B made non-zero
     first (at init B = 0, so A's gradient is exactly 0 and a wrongly scaled or unreduced A
-    gradient would go unseen). llama: 2 kv heads replicated over 4 shards, k/v adapters included."""
+    gradient would go unseen). llama: 2 kv heads replicated over 4 shards, k/v adapters included;
+    mixtral: an adapter per expert (split over mp as its expert) beside attention's; _int8: the
+    frozen base int8 (`quantize_base`: values and scales split over dp by ZeRO, gathered a layer at
+    a time), adapted weights and others, a mixture's experts included."""
     from tests.helpers import max_abs_diff
     batch = {"tokens": random_tokens((2, 4, 17), 101, seed=1)}
     results = []
@@ -209,7 +229,8 @@ def test_sharded_lora_gradients_equal_single_device(family):
         c = config_from_dict({"layers": 2, "d_model": 32, "n_heads": 8, "d_ff": 64, "n_vocab": 101, "seq": 16,
                               "compute_dtype": "float32", "remat": "none", "per_replica_batch": 4 // dp,
                               "gradient_accumulation_steps": 2, "cores_per_replica": mp, "zero": zero,
-                              "lora": {"rank": RANK, "alpha": 8, "targets": "all-linear"}, **FAMILY_KEYS[family]})
+                              "lora": {"rank": RANK, "alpha": 8, "targets": "all-linear", **LORA.get(family, {})},
+                              **FAMILY_KEYS[family]})
         tr = Trainer(c, mesh(dp, mp))
         _assert_adapters_split_like_their_weight(tr)
         tr.base = tr.init_base(0)
@@ -224,6 +245,10 @@ def test_sharded_lora_gradients_equal_single_device(family):
     assert abs(loss_1 - loss_n) < 1e-6
     a_grads = [g for leaves in grads_1.values() for n, g in leaves.items() if n.endswith("_lora_a")]
     assert a_grads and min(float(np.abs(g).max()) for g in a_grads) > 1e-4  # A's gradients are not trivially zero
+    if family == "mixtral":
+        assert {"experts_gate_lora_a", "experts_in_lora_b", "experts_out_lora_a"} <= set(grads_1["mixtral/layers/moe"])
+    if family.endswith("int8"):
+        assert tr.base[f"{c.model.family}/layers/attn"]["q_proj"].dtype == jnp.int8
     assert max_abs_diff(grads_1, grads_n) < 2e-6
 
 
@@ -246,20 +271,26 @@ def test_sharded_lora_gradients_equal_single_device(family):
                  max_position_embeddings=32, pad_token_id=1), ["k_proj", "out_proj", "fc1"]),
     ("Mixtral", dict(vocab_size=101, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                      intermediate_size=24, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=32),
-     ["q_proj", "v_proj", "o_proj"]),
+     ["q_proj", "v_proj", "o_proj", "mlp.experts.gate_up_proj", "mlp.experts.down_proj"]),
     ("Qwen2Moe", dict(vocab_size=101, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                       moe_intermediate_size=16, shared_expert_intermediate_size=40, num_experts=4,
                       num_experts_per_tok=2, max_position_embeddings=32),
-     ["q_proj", "v_proj", "gate_proj", "down_proj"]),  # (gate_proj, down_proj: the shared expert's)
+     ["q_proj", "v_proj", "gate_proj", "down_proj", "gate_up_proj"]),  # (gate_proj, down_proj: the shared expert's)
+    ("Qwen3Moe", dict(vocab_size=101, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=12, moe_intermediate_size=16, num_experts=6, num_experts_per_tok=3, norm_topk_prob=False,
+                      max_position_embeddings=32),
+     ["k_proj", "experts.down_proj"]),
 ])
 def test_imported_peft_adapter_gives_peft_logits(cls, kw, targets, tmp_path, no_tokenizer):
     """An adapter made by peft (B random, so it does something) on a random model: --lora-adapter
-    gives PeftModel's logits; exporting it again (fused modules block-diagonal) gives them too."""
+    gives PeftModel's logits; exporting it again (fused modules block-diagonal) gives them too, and
+    reads back as the same adapters. A mixture's experts are PEFT's `target_parameters`."""
     from mesh_transformer import loading, models
     base = make_hf(tmp_path / "base", cls, **kw)
     torch.manual_seed(1)
-    lcfg = peft.LoraConfig(r=RANK, lora_alpha=12, target_modules=targets, init_lora_weights=False,
-                           fan_in_fan_out=cls == "GPT2")
+    experts = [t for t in targets if "experts" in t or t == "gate_up_proj" and cls.endswith("Moe")]  # (PEFT's targets)
+    lcfg = peft.LoraConfig(r=RANK, lora_alpha=12, target_modules=[t for t in targets if t not in experts],
+                           target_parameters=experts or None, init_lora_weights=False, fan_in_fan_out=cls == "GPT2")
     model = peft.get_peft_model(base, lcfg).eval()
     model.save_pretrained(tmp_path / "adapter")
     tokens = random_tokens((2, 12), 101, seed=2)
@@ -275,6 +306,85 @@ def test_imported_peft_adapter_gives_peft_logits(cls, kw, targets, tmp_path, no_
     fresh = getattr(transformers, f"{cls}ForCausalLM" if cls != "GPT2" else "GPT2LMHeadModel").from_pretrained(tmp_path / "base")
     again = peft.PeftModel.from_pretrained(fresh.eval(), str(tmp_path / "again")).eval()
     np.testing.assert_allclose(hf_logits(again, tokens), expected, atol=1e-4)
+    spec_again, adapters_again = lora.load_peft(str(tmp_path / "again"), loaded.config)
+    assert (spec_again.rank, spec_again.scale, set(spec_again.targets)) == (spec.rank, spec.scale, set(spec.targets))
+    assert max_abs_diff(adapters_again, adapters) == 0
+
+
+@pytest.mark.parametrize("quantize_base", [None, "int8"])
+def test_expert_adapters_train_as_peft_autograd(quantize_base, tmp_path, no_tokenizer):
+    """A mixture with adapters on attention and on every expert (PEFT's `target_parameters`), B
+    random: the training loss and every adapter's gradient equal torch autograd's through PeftModel
+    (with the load-balancing loss, the adapters' gradients reaching the routers of later layers).
+    torch's gradients go through the same import as PEFT's adapters: PEFT shares one A between an
+    expert's gate and up, which ours holds twice, so its gradient is the sum of our two.
+    int8: our base quantized from the float checkpoint (`quantize_base`), PEFT's on its weights
+    rounded as int8 keeps them (every Linear and expert, per output; embedding and routers float)."""
+    from mesh_transformer.config import Config, TrainConfig
+    from mesh_transformer.io import hf
+    kw = dict(vocab_size=101, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              intermediate_size=24, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=32,
+              router_aux_loss_coef=0.05)
+    base = make_hf(tmp_path / "base", "Mixtral", **kw)
+    base = rounded_like_int8(base) if quantize_base else base
+    torch.manual_seed(1)
+    model = peft.get_peft_model(base, peft.LoraConfig(r=RANK, lora_alpha=12, target_modules=["q_proj", "o_proj"],
+                                                      target_parameters=["mlp.experts.gate_up_proj",
+                                                                         "mlp.experts.down_proj"],
+                                                      init_lora_weights=False))
+    model.save_pretrained(tmp_path / "adapter")
+    tokens = random_tokens((2, 12), 101, seed=4)
+    inputs, targets = (torch.tensor(t, dtype=torch.long) for t in (tokens[:, :-1], tokens[:, 1:]))
+    out = model(input_ids=inputs, labels=targets, shift_labels=targets, output_router_logits=True)
+    out.loss.backward()
+    for p in model.parameters():  # the gradients, written as an adapter, read as ours
+        if p.requires_grad:
+            p.data.copy_(p.grad)
+    model.save_pretrained(tmp_path / "grads")
+
+    config, base_params = hf.load_hf(str(tmp_path / "base"))
+    config = dataclasses.replace(config, router_aux_loss_coef=0.05, compute_dtype="float32", remat="none")
+    spec, adapters = lora.load_peft(str(tmp_path / "adapter"), config)
+    _, expected = lora.load_peft(str(tmp_path / "grads"), config)
+    tr = Trainer(Config(config, TrainConfig(per_replica_batch=2, lora={**spec.to_dict(), "quantize_base": quantize_base})),
+                 mesh(1, 1))
+    tr.set_base(base_params)
+    loss, grads = tr.loss_and_grads(jax.device_put(adapters, tr.state_shardings.params),
+                                    tr.shard_batch({"tokens": tokens[None]}))
+    grads = jax.device_get(grads)
+    assert abs(float(loss) - (out.loss - 0.05 * out.aux_loss).item()) < 1e-5
+    moe = grads["mixtral/layers/moe"]
+    assert set(moe) == {f"experts_{w}_lora_{ab}" for w in ("gate", "in", "out") for ab in "ab"}
+    moe["experts_gate_lora_a"] = moe["experts_in_lora_a"] = moe["experts_gate_lora_a"] + moe["experts_in_lora_a"]
+    scale = max(float(np.abs(g).max()) for leaves in expected.values() for g in leaves.values())
+    errors = {(m, n): float(np.abs(g - expected[m][n]).max()) for m, leaves in grads.items() for n, g in leaves.items()}
+    assert max(errors.values()) < 1e-5 * scale, errors
+    assert min(float(np.abs(g).max()) for leaves in expected.values() for g in leaves.values()) > 1e-3 * scale
+
+
+@pytest.mark.parametrize("family", [{"family": "llama", "n_kv_heads": 2},
+                                    {"family": "mixtral", "n_kv_heads": 2, "n_experts": 4, "experts_per_token": 2}])
+def test_int8_base_halves_the_step_inputs_without_a_float_copy(family):
+    """`quantize_base: int8`: the compiled step's arguments (the frozen base, the adapters, their
+    optimizer state and the batch) are about half of a bf16 base's; its temporaries hold no float
+    copy of the base (each layer's weights are widened in the layer scan)."""
+    compiled = {}
+    for quantize in (None, "int8"):
+        c = config_from_dict({"layers": 4, "d_model": 256, "n_heads": 4, "d_ff": 1024, "n_vocab": 250, "seq": 64,
+                              "compute_dtype": "bfloat16", "remat": "none", "per_replica_batch": 2, **family,
+                              "lora": {"rank": 4, "alpha": 8, "targets": ["q_proj", "v_proj"],
+                                       "quantize_base": quantize}})
+        tr = Trainer(c, mesh(1, 1))
+        tr.base = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tr.abstract_base,
+                               tr.base_shardings)
+        state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tr.abstract_state,
+                             tr.state_shardings)
+        memory = tr.step.lower(state, tr.abstract_batch()).compile().memory_analysis()
+        base = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tr.abstract_base))
+        compiled[quantize] = (memory.argument_size_in_bytes, memory.temp_size_in_bytes, base)
+    (args_16, temps_16, base_16), (args_8, temps_8, base_8) = compiled[None], compiled["int8"]
+    assert base_8 < 0.52 * base_16 and args_8 < 0.55 * args_16
+    assert temps_8 < temps_16 + 0.25 * base_16  # a float copy of the base would add 1-2 x base_16
 
 
 @pytest.fixture(scope="module")

@@ -435,13 +435,10 @@ class Generator:
     def _quantized(self, x, info):
         """A weight [*inputs, *outputs] -> (int8 values, float32 scale [*outputs]), placed as the weight
         and its output axes are. Symmetric per output column: scale = max |w| / 127."""
-        w = jnp.asarray(x, jnp.float32)
-        absmax = jnp.max(jnp.abs(w), axis=info.contracted, keepdims=True)
-        scale = jnp.where(absmax > 0, absmax / 127.0, 1.0)
-        values = jnp.clip(jnp.round(w / scale), -127, 127).astype(jnp.int8)
-        axes = parallel.stored_layout(info, w.ndim, False)[1]
-        kept = [i for i in range(w.ndim) if i not in info.contracted]  # a mixture's: the experts axis and outputs
-        return self._put(values, axes), self._put(jnp.squeeze(scale, info.contracted), tuple(axes[i] for i in kept))
+        values, scale = parallel.quantize(x, info)
+        axes = parallel.stored_layout(info, values.ndim, False)[1]
+        kept = [i for i in range(values.ndim) if i not in info.contracted]  # a mixture's: the experts axis and outputs
+        return self._put(values, axes), self._put(scale, tuple(axes[i] for i in kept))
 
     # ---- device functions ---------------------------------------------------------------------
 

@@ -24,6 +24,7 @@ class Family(NamedTuple):
     block: Callable  # (config, x [B, T, D], ctx, cache) -> (x, cache)
     hf_table: Callable  # config -> list[hf_layout.HFParam]
     hf_model_types: tuple[str, ...]  # config.json model_type values it reads
+    hf_experts: Callable = lambda config: []  # config -> list[hf_layout.HFExperts] (mixtures: PEFT's targets)
 
 
 # family name -> (module, HF model_types it imports)
@@ -46,7 +47,8 @@ def _load(name: str) -> Family:
     config_cls = next(v for v in vars(module).values()
                       if isinstance(v, type) and issubclass(v, ModelConfig) and v is not ModelConfig
                       and v.__module__ == module.__name__)
-    return Family(name, config_cls, module.block, module.hf_table, hf_types)
+    experts = getattr(module, "hf_experts", None)
+    return Family(name, config_cls, module.block, module.hf_table, hf_types, *([experts] if experts else []))
 
 
 FAMILIES = tuple(_FAMILY_MODULES)

@@ -38,6 +38,20 @@ class HFParam(NamedTuple):
         return "{e}" in self.hf
 
 
+class HFExperts(NamedTuple):
+    """A mixture's stacked expert weights as transformers holds them in memory (what PEFT's
+    `target_parameters` adapt, not the per-expert tensors of the files): one [E, out, in] tensor per
+    layer whose output rows are our `ours` leaves' outputs in turn (gate_up_proj: gate, then up)."""
+
+    hf: str  # e.g. "model.layers.{i}.mlp.experts.gate_up_proj"
+    ours: tuple[tuple[str, str], ...]  # our [E, in, out] leaves, e.g. (("layers/moe", "experts_gate"), ...)
+
+    @property
+    def target(self) -> str:
+        """What a LoRA config names it by: "experts.gate_up_proj" (PEFT matches a suffix of the path)."""
+        return ".".join(self.hf.split(".")[-2:])
+
+
 def as_transformers_reads_it(hf: dict) -> dict:
     """A config.json dict as transformers' config class reads it: the keys the file leaves out at
     their defaults, older keys in today's form (e.g. Gemma's `rope_local_base_freq` and

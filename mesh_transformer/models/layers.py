@@ -56,10 +56,7 @@ def dense(equation: str, x, w, dtype=None):
         y = product("...k,ok->...o", x, w.array.reshape(math.prod(outputs), -1))
     elif isinstance(w, parallel.Quantized):
         outputs = w.values.shape[n_in:]
-        values = w.values.reshape(-1, math.prod(outputs))
-        if not kernels.applies(x, values):  # a prefill's many rows: the weight converted once per call
-            values = values.astype(x.dtype)
-        y = product("...k,ko->...o", x, values) * w.scale.reshape(-1)
+        y = quantized_product(x, w.values.reshape(-1, math.prod(outputs)), w.scale.reshape(-1))
     else:
         outputs = w.shape[n_in:]
         y = product("...k,ko->...o", x, w.reshape(-1, math.prod(outputs)))
@@ -84,6 +81,43 @@ def product(equation: str, a, b):
     return _product(equation, _vary(a, axes), _vary(b, axes))
 
 
+def quantized_product(x, values, scale):
+    """x [..., K] times an int8 weight (values [K, O], float32 scale [O]) -> float32 [..., O].
+
+    A few rows on CPU (decoding): the kernels read the int8 values, the product is scaled after.
+    Otherwise the weight is widened to x's dtype with its scale folded in, so the result is the
+    matmul's own (scaling a logits-sized product would make a second buffer of it); differentiated
+    (a LoRA run's `quantize_base`), the int8 values are what the backward keeps, widened again
+    there, so a layer scan holds no float copy of the base."""
+    if kernels.applies(x, values):
+        return product("...k,ko->...o", x, values) * scale
+    axes = tuple(sorted(_varying(x) | _varying(values) | _varying(scale)))
+    return _quantized_product(*(_vary(a, axes) for a in (x, values, scale)))
+
+
+def _folded(values, scale, dtype):
+    return (values.astype(jnp.float32) * scale).astype(dtype)
+
+
+@jax.custom_vjp
+def _quantized_product(x, values, scale):
+    return jnp.einsum("...k,ko->...o", x, _folded(values, scale, x.dtype), preferred_element_type=jnp.float32)
+
+
+def _quantized_product_forward(x, values, scale):
+    return _quantized_product(x, values, scale), (x, values, scale)
+
+
+def _quantized_product_backward(saved, g):
+    x, values, scale = saved
+    dx = jnp.einsum("...o,ko->...k", g.astype(x.dtype), _folded(values, scale, x.dtype),
+                    preferred_element_type=jnp.float32)
+    return dx.astype(x.dtype), np.zeros(values.shape, jax.dtypes.float0), jnp.zeros_like(scale)
+
+
+_quantized_product.defvjp(_quantized_product_forward, _quantized_product_backward)
+
+
 def _varying(x) -> frozenset:
     """The mesh axes a value varies over inside shard_map (empty outside)."""
     manual = getattr(jax.typeof(x), "manual_axis_type", None)
@@ -97,9 +131,13 @@ def _vary(x, axes: tuple):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _product(equation: str, a, b):
-    """Not differentiated (decoding, evaluation): on CPU the `kernels` where they apply."""
+    """Not differentiated (decoding, evaluation): on CPU the `kernels` where they apply. `b` may be
+    int8 (a quantized weight's values): the kernels read it as it is; elsewhere it is widened to
+    a's dtype here (a prefill's many rows: once per call)."""
     if equation == "...k,ko->...o" and kernels.applies(a, b):  # decoding a few rows, or a serving batch
         return kernels.rows_times_weight(a, b)
+    if not jnp.issubdtype(b.dtype, jnp.floating):
+        b = b.astype(a.dtype)
     if equation in _ROWS_DOT_WEIGHT and kernels.dot_applies(a, b):  # 1-64 rows, inputs-last (or a tied head)
         return kernels.rows_dot_weight(a, b)
     if equation in _PER_ROW_AND_KV_HEAD and kernels.grouped_applies(a, b):  # attention over the KV cache
@@ -110,7 +148,10 @@ def _product(equation: str, a, b):
 def _product_forward(equation, a, b):
     """Differentiated (training): XLA's product, as the backward's, so a step sums in the same order
     whatever rows each device holds (a microbatch of 32-64 tokens would take the blocked kernel on
-    one mesh and XLA's matmul on another)."""
+    one mesh and XLA's matmul on another). An int8 `b` (a LoRA run's quantized base) is saved for
+    the backward as it is and widened again there: a layer scan keeps no float copy of the base."""
+    if not jnp.issubdtype(b.dtype, jnp.floating):
+        return jnp.einsum(equation, a, b.astype(a.dtype), preferred_element_type=jnp.float32), (a, b)
     return jnp.einsum(equation, a, b, preferred_element_type=jnp.float32), (a, b)
 
 
@@ -118,6 +159,10 @@ def _product_backward(equation, saved, g):
     a, b = saved
     terms, out = equation.split("->")
     in_a, in_b = terms.split(",")
+    if not jnp.issubdtype(b.dtype, jnp.floating):  # int8 values of a frozen base: rows' gradient only
+        g = g.astype(a.dtype)
+        da = jnp.einsum(f"{out},{in_b}->{in_a}", g, b.astype(a.dtype), preferred_element_type=jnp.float32)
+        return da.astype(a.dtype), np.zeros(b.shape, jax.dtypes.float0)
     g = g.astype(jnp.promote_types(a.dtype, b.dtype))
     da = jnp.einsum(f"{out},{in_b}->{in_a}", g, b, preferred_element_type=jnp.float32)
     db = jnp.einsum(f"{in_a},{out}->{in_b}", a, g, preferred_element_type=jnp.float32)
@@ -155,9 +200,16 @@ _add_bias.defvjp(_add_bias_forward, _add_bias_backward)
 
 def _lora_dense(x, w: "parallel.LoRAWeight", n_in: int, batch, dtype):
     """x [..., K] -> x W + scale * (dropout(x) A) B, W [*inputs, *outputs], A [*inputs, r], B [r, *outputs]
-    (LoRA, Hu et al. 2021; PEFT's order of operations). The low-rank path costs 2 r (K + outputs) per row."""
-    outputs = w.base.shape[n_in:]
-    y = jnp.einsum("...k,ko->...o", x, w.base.reshape(-1, math.prod(outputs)), preferred_element_type=jnp.float32)
+    (LoRA, Hu et al. 2021; PEFT's order of operations). The low-rank path costs 2 r (K + outputs) per row.
+    W may be int8 (`parallel.Quantized`: a run's `quantize_base`), as QLoRA's 4-bit base (Dettmers et
+    al. 2023) at 8 bits: x (values) x scale."""
+    base = w.base
+    if isinstance(base, parallel.Quantized):  # an int8 frozen base (`quantize_base`)
+        outputs = base.values.shape[n_in:]
+        y = quantized_product(x, base.values.reshape(-1, math.prod(outputs)), base.scale.reshape(-1))
+    else:
+        outputs = base.shape[n_in:]
+        y = jnp.einsum("...k,ko->...o", x, base.reshape(-1, math.prod(outputs)), preferred_element_type=jnp.float32)
     xa = x
     key = hk.maybe_next_rng_key() if w.dropout > 0 else None
     if key is not None:  # training: one mask per data-parallel shard (the data differs), the same over mp
@@ -442,9 +494,9 @@ class Attention(hk.Module):
         only this shard's one."""
         w = parallel.weight(f"{which}_proj", shape, axes, 1, normal(self.spec.init_std), h.dtype)
         b = parallel.param(f"{which}_bias", shape[1:], axes[1:], ZEROS, h.dtype) if self.spec.qkv_bias else None
-        heads_here = (w.array.shape[0] if isinstance(w, parallel.InputsLast)
-                      else w.base.shape[1] if isinstance(w, parallel.LoRAWeight)
-                      else w.values.shape[1] if isinstance(w, parallel.Quantized) else w.shape[1])
+        base = w.base if isinstance(w, parallel.LoRAWeight) else w
+        heads_here = (base.array.shape[0] if isinstance(base, parallel.InputsLast)
+                      else base.values.shape[1] if isinstance(base, parallel.Quantized) else base.shape[1])
         if n_local is not None and heads_here * kv_group > n_local:  # kv heads replicated over mp
             head = (parallel.mp_index() * n_local) // kv_group
             w = _one_head(w, head)
@@ -870,14 +922,46 @@ def _record(stats: RouterStats) -> None:
 def grouped_product(rows, w, sizes):
     """rows [M, K] (grouped: sizes[e] rows for expert e in turn) times w [E, K, F] -> [M, F] float32:
     each group of rows by its expert's weight (int8 `parallel.Quantized` ones, decoding: the
-    product of the values, times each row's expert's scales). Inside shard_map all three first vary
-    over the same mesh axes, so a weight's gradient is summed over 'dp' (as `product` does)."""
-    if isinstance(w, parallel.Quantized):
-        expert = jnp.repeat(jnp.arange(w.values.shape[0]), sizes, total_repeat_length=rows.shape[0])
-        values = w.values if kernels.experts_apply(rows, w.values) else w.values.astype(rows.dtype)
-        return grouped_product(rows, values, sizes) * w.scale[expert]
+    product of the values, times each row's expert's scales; `parallel.LoRAWeight`s, training an
+    adapter per expert: rows W + scale * (rows A) B, as PEFT's `target_parameters`). Inside
+    shard_map all three first vary over the same mesh axes, so a weight's gradient is summed over
+    'dp' (as `product` does)."""
+    if isinstance(w, parallel.LoRAWeight):
+        low = grouped_product(rows, w.a, sizes).astype(rows.dtype)  # [M, r]
+        return grouped_product(rows, w.base, sizes) + w.scale * grouped_product(low, w.b, sizes)
+    if isinstance(w, parallel.Quantized):  # int8 values: the kernel reads them; elsewhere widened inside
+        axes = tuple(sorted(_varying(rows) | _varying(w.values) | _varying(sizes) | _varying(w.scale)))
+        return _quantized_grouped_product(*(_vary(a, axes) for a in (rows, w.values, sizes, w.scale)))
     axes = tuple(sorted(_varying(rows) | _varying(w) | _varying(sizes)))
     return _grouped_product(*(_vary(a, axes) for a in (rows, w, sizes)))
+
+
+def _row_scales(scale, sizes, m: int):
+    """scale [E, F] -> [m, F]: each grouped row's expert's scales."""
+    return scale[jnp.repeat(jnp.arange(scale.shape[0]), sizes, total_repeat_length=m)]
+
+
+@jax.custom_vjp
+def _quantized_grouped_product(rows, values, sizes, scale):
+    """int8 experts (values [E, K, F], scale [E, F]): the product of the values, times each row's
+    expert's scales. Differentiated (a LoRA run's int8 base), it keeps the int8 values and the
+    scales for the backward, and gathers the rows' scales again there, not an [M, F] residual."""
+    return _grouped_product(rows, values, sizes) * _row_scales(scale, sizes, rows.shape[0])
+
+
+def _quantized_grouped_forward(rows, values, sizes, scale):
+    y, _ = _grouped_product_forward(rows, values, sizes)
+    return y * _row_scales(scale, sizes, rows.shape[0]), (rows, values, sizes, scale)
+
+
+def _quantized_grouped_backward(saved, g):
+    rows, values, sizes, scale = saved
+    d_rows, d_values, d_sizes = _grouped_product_backward((rows, values, sizes),
+                                                          g * _row_scales(scale, sizes, rows.shape[0]))
+    return d_rows, d_values, d_sizes, jnp.zeros_like(scale)
+
+
+_quantized_grouped_product.defvjp(_quantized_grouped_forward, _quantized_grouped_backward)
 
 
 @jax.custom_vjp
@@ -886,7 +970,12 @@ def _grouped_product(rows, w, sizes):
     experts rows chose (XLA:CPU's ragged_dot multiplies every row by every expert)."""
     if kernels.experts_apply(rows, w):
         return kernels.expert_rows_times_weight(rows, w, sizes)
-    return jax.lax.ragged_dot(rows, w, sizes, preferred_element_type=jnp.float32)
+    return jax.lax.ragged_dot(rows, _widened(w, rows), sizes, preferred_element_type=jnp.float32)
+
+
+def _widened(w, rows):
+    """An int8 experts' values in the rows' dtype (XLA's ragged_dot multiplies like types)."""
+    return w if jnp.issubdtype(w.dtype, jnp.floating) else w.astype(rows.dtype)
 
 
 def _grouped_product_forward(rows, w, sizes):
@@ -895,19 +984,22 @@ def _grouped_product_forward(rows, w, sizes):
     (grouped matmuls on GPU/TPU) and its transpose."""
     if kernels.experts_apply(rows, w):
         return kernels.expert_rows_times_weight(rows, w, sizes, blocked=True), (rows, w, sizes)
-    return jax.lax.ragged_dot(rows, w, sizes, preferred_element_type=jnp.float32), (rows, w, sizes)
+    return jax.lax.ragged_dot(rows, _widened(w, rows), sizes, preferred_element_type=jnp.float32), (rows, w, sizes)
 
 
 def _grouped_product_backward(saved, g):
     rows, w, sizes = saved
     if kernels.experts_apply(rows, w):
         d_rows = kernels.expert_rows_times_weight(g, jnp.swapaxes(w, 1, 2), sizes, blocked=True)
-        d_w = kernels.expert_weight_gradient(rows, g, sizes, w.shape[0])
+        d_w = (kernels.expert_weight_gradient(rows, g, sizes, w.shape[0]) if jnp.issubdtype(w.dtype, jnp.floating)
+               else np.zeros(w.shape, jax.dtypes.float0))  # int8 experts of a frozen base: no gradient
     else:
         _, pullback = jax.vjp(lambda a, b: jax.lax.ragged_dot(a, b, sizes, preferred_element_type=jnp.float32),
-                              rows, w)
+                              rows, _widened(w, rows))
         d_rows, d_w = pullback(g)
-    return d_rows.astype(rows.dtype), d_w.astype(w.dtype), np.zeros(sizes.shape, jax.dtypes.float0)
+        d_w = d_w if jnp.issubdtype(w.dtype, jnp.floating) else np.zeros(w.shape, jax.dtypes.float0)
+    d_w = d_w if d_w.dtype == jax.dtypes.float0 else d_w.astype(w.dtype)
+    return d_rows.astype(rows.dtype), d_w, np.zeros(sizes.shape, jax.dtypes.float0)
 
 
 _grouped_product.defvjp(_grouped_product_forward, _grouped_product_backward)

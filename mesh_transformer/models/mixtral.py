@@ -204,3 +204,12 @@ def hf_table(c: MixtralConfig) -> list[hl.HFParam]:
     if not c.tie_embeddings:
         table.append(hl.HFParam("lm_head.weight", (("head", "lm_head"),), hl.LINEAR))
     return table
+
+
+def hf_experts(c: MixtralConfig) -> list[hl.HFExperts]:
+    """The experts as transformers 5 holds them in memory, the same for the three classes (what
+    PEFT's `target_parameters` adapt): gate_up_proj [E, 2F, D] (gate rows, then up's), down_proj
+    [E, D, F]; in the order PEFT nests adapters on them (the module's parameter order)."""
+    experts = "model.layers.{i}.mlp.experts."
+    return [hl.HFExperts(experts + "gate_up_proj", (("layers/moe", "experts_gate"), ("layers/moe", "experts_in"))),
+            hl.HFExperts(experts + "down_proj", (("layers/moe", "experts_out"),))]

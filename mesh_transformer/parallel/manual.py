@@ -154,6 +154,19 @@ class Quantized(NamedTuple):
 SCALE = "_scale"  # leaf-name suffix of a quantized weight's scale
 
 
+def quantize(w, info: ParamInfo):
+    """A matmul weight [L.., *inputs, *outputs] (a mixture's [L.., E, *inputs, *outputs]) -> (int8
+    values of its shape, float32 scale [L.., (E,) *outputs]): symmetric per output column, scale =
+    the column's largest |w| / 127, values = w / scale rounded to nearest (w = values x scale)."""
+    lead = w.ndim - len(info.axes)
+    contracted = tuple(lead + i for i in info.contracted)
+    w = jnp.asarray(w, jnp.float32)
+    absmax = jnp.max(jnp.abs(w), axis=contracted, keepdims=True)
+    scale = jnp.where(absmax > 0, absmax / 127.0, 1.0)
+    values = jnp.clip(jnp.round(w / scale), -127, 127).astype(jnp.int8)
+    return values, jnp.squeeze(scale, contracted)
+
+
 def param(name: str, shape: tuple[int, ...], axes: tuple[str, ...], init, cast_to=None, *, decay: bool = False):
     """A float32 Haiku parameter of global `shape` with logical `axes`, as the local shard this
     device computes with. Biases, norms (decay=False) and embedding tables (decay=True).
@@ -170,23 +183,36 @@ def weight(name: str, shape: tuple[int, ...], axes: tuple[str, ...], inputs: int
     and may be stored inputs-last for decoding, in which case it comes back as `InputsLast`.
     Under a `lora_plan` that targets it, it comes back as a `LoRAWeight`."""
     w = _declare(name, shape, ParamInfo(tuple(axes), inputs, True), init, cast_to)
-    plan = getattr(_state, "lora", None)
-    if plan is None or (hk.experimental.current_name().split("/")[-1], name) not in plan.targets:
-        return w
-    r, fan_in = plan.rank, math.prod(shape[:inputs])
-    # PEFT's init: A ~ kaiming_uniform(a=sqrt(5)) = U(+-1/sqrt(fan_in)), B = 0 (the adapter starts as a no-op).
-    a = _declare(name + LORA_A, (*shape[:inputs], r), ParamInfo((*axes[:inputs], "lora_rank"), inputs, True),
-                 hk.initializers.RandomUniform(-1 / math.sqrt(fan_in), 1 / math.sqrt(fan_in)), cast_to)
-    b = _declare(name + LORA_B, (r, *shape[inputs:]), ParamInfo(("lora_rank", *axes[inputs:]), 1, True),
-                 hk.initializers.Constant(0.0), cast_to)
-    return LoRAWeight(w, a, b, plan.scale, plan.dropout)
+    return _with_adapter(w, name, shape, axes, inputs, cast_to)
 
 
 def expert_weights(name: str, shape: tuple[int, ...], axes: tuple[str, ...], inputs: int, init, cast_to=None):
     """A mixture's per-expert matmul weights [E, *inputs, *outputs] (`inputs` axes contracted): decay,
     stored inputs-first (the experts kernel's layout), and quantized for decoding as a weight per
-    expert (int8 values, a float32 scale per expert and output: `Quantized`)."""
-    return _declare(name, shape, ParamInfo(tuple(axes), inputs, True, experts=True), init, cast_to)
+    expert (int8 values, a float32 scale per expert and output: `Quantized`). Under a `lora_plan`
+    that targets them, a `LoRAWeight` with an adapter per expert: A [E, *inputs, r], B [E, r, *outputs]."""
+    w = _declare(name, shape, ParamInfo(tuple(axes), inputs, True, experts=True), init, cast_to)
+    return _with_adapter(w, name, shape, axes, inputs, cast_to, experts=True)
+
+
+def _with_adapter(w, name: str, shape, axes, inputs: int, cast_to, experts: bool = False):
+    """`w`, or `w` with its adapter where the `lora_plan` targets it (a mixture's: one per expert, the
+    leading experts axis kept on A and B)."""
+    plan = getattr(_state, "lora", None)
+    if plan is None or (hk.experimental.current_name().split("/")[-1], name) not in plan.targets:
+        return w
+    lead = (shape[0],) if experts else ()  # [E]
+    shape, axes = shape[len(lead):], axes[len(lead):]
+    lead_axes = ("experts",) * len(lead)
+    r, fan_in = plan.rank, math.prod(shape[:inputs])
+    # PEFT's init: A ~ kaiming_uniform(a=sqrt(5)) = U(+-1/sqrt(fan_in)), B = 0 (the adapter starts as a no-op).
+    a = _declare(name + LORA_A, (*lead, *shape[:inputs], r),
+                 ParamInfo((*lead_axes, *axes[:inputs], "lora_rank"), inputs, True, experts=experts),
+                 hk.initializers.RandomUniform(-1 / math.sqrt(fan_in), 1 / math.sqrt(fan_in)), cast_to)
+    b = _declare(name + LORA_B, (*lead, r, *shape[inputs:]),
+                 ParamInfo((*lead_axes, "lora_rank", *axes[inputs:]), 1, True, experts=experts),
+                 hk.initializers.Constant(0.0), cast_to)
+    return LoRAWeight(w, a, b, plan.scale, plan.dropout)
 
 
 def _declare(name: str, shape, info: ParamInfo, init, cast_to):
@@ -205,16 +231,23 @@ def _declare(name: str, shape, info: ParamInfo, init, cast_to):
     mesh_axes = [manual.rules.get(a) for a in axes]
     stored = tuple(size // (manual.axis_sizes[m] if m else 1) for size, m in zip(shape, mesh_axes))
     value = hk.get_parameter(name, stored, jnp.float32, init=init)
-    if value.dtype == jnp.int8:  # a quantized weight (inputs-first, never gathered: the Generator's)
-        outputs = tuple(size for i, size in enumerate(stored) if i not in info.contracted)
-        scale = hk.get_parameter(name + SCALE, outputs, jnp.float32, init=hk.initializers.Constant(1.0))
-        return Quantized(value, scale)
+    if value.dtype == jnp.int8:  # quantized (inputs-first): the Generator's, or a LoRA run's frozen base
+        kept = [i for i in range(len(stored)) if i not in info.contracted]
+        scale = hk.get_parameter(name + SCALE, tuple(stored[i] for i in kept), jnp.float32,
+                                 init=hk.initializers.Constant(1.0))
+        return Quantized(_gathered(value, mesh_axes, manual), _gathered(scale, [mesh_axes[i] for i in kept], manual))
     if cast_to is not None:
         value = value.astype(cast_to)
+    value = _gathered(value, mesh_axes, manual)
+    return InputsLast(value, info.inputs) if inputs_last else value
+
+
+def _gathered(value, mesh_axes, manual: _Manual):
+    """A stored shard with its ZeRO-split ('dp') axes all-gathered."""
     for dim, mesh_axis in enumerate(mesh_axes):
         if mesh_axis == DP and manual.axis_sizes[DP] > 1:
             value = jax.lax.all_gather(value, DP, axis=dim, tiled=True)
-    return InputsLast(value, info.inputs) if inputs_last else value
+    return value
 
 
 def fused(output_axes) -> bool:

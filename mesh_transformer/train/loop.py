@@ -178,7 +178,7 @@ class TrainHost:
             if tr.lora is not None:
                 step = source.latest_step()
                 self._load_base(lora.base_reference(ckpt=o.tune_model_path, step=step))
-                return tr.state_from_params(tr.base), {}
+                return tr.init_state(self.config.train.seed), {}  # fresh adapters on the base just read
             if o.fresh_opt or not source.holds_optimizer_state():  # from_hf_weights.py writes params only
                 params = source.restore_params(abstract_params=tr.abstract_state.params,
                                                target_shardings=tr.state_shardings.params, check_config=False)
@@ -192,10 +192,12 @@ class TrainHost:
         return tr.init_state(self.config.train.seed), {}
 
     def _load_base(self, ref: Optional[dict], expected: Optional[int] = None) -> None:
-        """Read the LoRA base `ref` names onto the mesh (compute dtype); ConfigError if it changed."""
+        """Read the LoRA base `ref` names onto the mesh (compute dtype); ConfigError if it changed.
+        An int8 base (`quantize_base`) is read into host memory and quantized a leaf at a time, so
+        the devices never hold the float base whole."""
         tr = self.trainer
         full = self.trainer.model.param_specs(self.trainer.rules)
-        shardings = parallel.named(tr.mesh, tr.split(full)[1])
+        shardings = None if tr.quantize_base else parallel.named(tr.mesh, tr.split(full)[1])
         tr.set_base(lora.base_params(ref, self.config.model, tr.mp, shardings=shardings))
         self._base_ref = ref
         if expected is not None and lora.fingerprint(tr.base) != expected:

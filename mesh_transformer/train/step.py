@@ -11,6 +11,8 @@ batch exactly.
 """
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -121,11 +123,15 @@ class Trainer:
         self.optimizer = optimizer(t, parallel.decay_mask(trainable_infos))
         self.schedule = learning_rate(t)
         self.abstract_state = jax.eval_shape(self._init, jax.random.key(0))
-        full_specs = self.model.param_specs(self.rules)
-        self.param_specs, self.base_specs = self.split(full_specs)
+        self.param_specs, self.base_specs = self.split(self.model.param_specs(self.rules))
         compute = jnp.dtype(m.compute_dtype)
         self.abstract_base = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, compute),
                                           self.split(self.model.abstract_params)[1])
+        self.quantize_base = self.lora is not None and self.lora.quantize_base is not None
+        if self.quantize_base:  # int8 matmul weights + float32 scales (QLoRA's idea at 8 bits)
+            self.abstract_base, self.base_specs = lora.quantized_base(self.abstract_base, self.base_specs,
+                                                                      self.split(self.model.infos)[1])
+        full_specs = lora.join(self.base_specs, self.param_specs)
         self.base_shardings = parallel.named(self.mesh, self.base_specs)
         self.base = {}
         opt_specs = optax.tree_map_params(self.optimizer, lambda _, spec: spec, self.abstract_state.opt_state,
@@ -173,15 +179,43 @@ class Trainer:
         """A random frozen base (LoRA on a randomly initialised model: tests, benchmarks)."""
         if isinstance(rng, int):
             rng = jax.random.key(rng)
-        return jax.tree.map(lambda x, a: x.astype(a.dtype), self.split(self.model.init(rng))[1], self.abstract_base)
+        frozen = self.split(self.model.init(rng))[1]
+        if self.quantize_base:
+            return {m: {n: x for name, leaf in leaves.items() for n, x in self._base_leaf(m, name, leaf).items()}
+                    for m, leaves in frozen.items()}
+        return jax.tree.map(lambda x, a: x.astype(a.dtype), frozen, self.abstract_base)
+
+    def _base_leaf(self, module: str, name: str, x) -> dict:
+        """One frozen leaf as the base holds it: {name: x in the compute dtype}, or with
+        `quantize_base` a matmul weight's {name: int8 values, name_scale: float32 scale}."""
+        a = self.abstract_base[module][name]
+        if a.dtype != jnp.int8:
+            return {name: x.astype(a.dtype)}
+        values, scale = parallel.quantize(x, self.model.infos[module][name])
+        return {name: values, name + parallel.SCALE: scale}
 
     def set_base(self, params) -> None:
-        """Hold `params`' frozen part (numpy or jax, any dtype) as the base: compute dtype, sharded."""
+        """Hold `params`' frozen part (numpy or jax, any dtype) as the base: compute dtype (int8 matmul
+        weights with `quantize_base`, converted a leaf at a time on the device), sharded."""
         _, frozen = self.split(params) if any(parallel.is_adapter(n) for v in params.values() for n in v) else ({}, params)
-        frozen = {m: {n: frozen[m][n] for n in leaves} for m, leaves in self.abstract_base.items()}
-        self.base = jax.device_put(jax.tree.map(lambda x, a: np.asarray(x).astype(a.dtype) if isinstance(x, np.ndarray)
-                                                else x.astype(a.dtype), frozen, self.abstract_base),
-                                   self.base_shardings)
+        if not self.quantize_base:
+            frozen = {m: {n: frozen[m][n] for n in leaves} for m, leaves in self.abstract_base.items()}
+            self.base = jax.device_put(jax.tree.map(lambda x, a: np.asarray(x).astype(a.dtype)
+                                                    if isinstance(x, np.ndarray) else x.astype(a.dtype),
+                                                    frozen, self.abstract_base), self.base_shardings)
+            return
+        self.base = {}
+        for m, leaves in self.abstract_base.items():
+            self.base[m] = {}
+            for n in leaves:
+                if n.endswith(parallel.SCALE) and n[: -len(parallel.SCALE)] in leaves:
+                    continue
+                kept = (n, n + parallel.SCALE) if leaves[n].dtype == jnp.int8 else (n,)
+                out = {k: self.base_shardings[m][k] for k in kept}
+                if frozen[m][n].dtype == jnp.int8:  # quantized already (a base this trainer holds)
+                    self.base[m].update(jax.device_put({k: frozen[m][k] for k in kept}, out))
+                    continue
+                self.base[m].update(jax.jit(functools.partial(self._base_leaf, m, n), out_shardings=out)(frozen[m][n]))
 
     def state_from_params(self, params) -> TrainState:
         """A fresh train state (step 0, new optimizer state) around given float32 params. With LoRA,
