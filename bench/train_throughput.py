@@ -44,6 +44,9 @@ def parse_args(argv=None):
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--steps", type=int, default=4, help="timed steps per round (after 2 warm-up steps)")
+    p.add_argument("--expert-parallel", action="store_true",
+                   help="--family mixtral: ours on mp devices with each expert's d_ff split against the experts "
+                        "split whole (expert_parallel), and torch (the 1-device and glibc sides left out: memory)")
     machine.add_args(p, rounds=3)
     return p.parse_args(argv)
 
@@ -113,13 +116,13 @@ def batch_tokens(args) -> np.ndarray:
     return np.random.RandomState(0).randint(0, args.vocab, (args.batch, args.seq + 1)).astype(np.int32)
 
 
-def bench_ours(args, mp: int = 1):
+def bench_ours(args, mp: int = 1, expert_parallel: bool = False):
     """In this side's process: our training step on `mp` devices under the library's malloc setting,
     as device_train.py runs it -> a callable timing `args.steps` steps: seconds per step."""
     from mesh_transformer import host_memory
     host_memory.keep_freed_memory()
     import jax
-    trainer = make_trainer(args, mp)
+    trainer = make_trainer(args, mp, **({"expert_parallel": True} if expert_parallel else {}))
     box = {"state": trainer.init_state(0)}
     batch = trainer.shard_batch({"tokens": batch_tokens(args)[None]})
 
@@ -168,10 +171,20 @@ def main():
     kv_heads = families.family_keys(args.family, args.d_model, args.heads, args.layers).get("n_kv_heads", args.heads)
     mp = cores if args.heads % cores == 0 and kv_heads % cores == 0 else 1
     config = make_config(args)
-    sides = {"mesh-transformer, 1 device": machine.Apart("ours, 1 device", bench_ours, args, 1, env=devices_flag(1)),
-             f"mesh-transformer, mp={mp}": machine.Apart(f"ours, mp={mp}", bench_ours, args, mp, env=devices_flag(mp)),
-             TORCH: machine.Apart("torch", bench_torch, args, cores),
-             "transformers, glibc malloc": machine.Apart("torch, glibc's malloc", bench_torch, args, cores, False)}
+    if args.expert_parallel:
+        sides = {f"mesh-transformer, mp={mp}": machine.Apart(f"ours, mp={mp}", bench_ours, args, mp,
+                                                             env=devices_flag(mp)),
+                 f"mesh-transformer, mp={mp}, experts split": machine.Apart(
+                     f"ours, mp={mp}, expert-parallel", bench_ours, args, mp, True, env=devices_flag(mp)),
+                 TORCH: machine.Apart("torch", bench_torch, args, cores)}
+    else:
+        sides = {"mesh-transformer, 1 device": machine.Apart("ours, 1 device", bench_ours, args, 1,
+                                                             env=devices_flag(1)),
+                 f"mesh-transformer, mp={mp}": machine.Apart(f"ours, mp={mp}", bench_ours, args, mp,
+                                                             env=devices_flag(mp)),
+                 TORCH: machine.Apart("torch", bench_torch, args, cores),
+                 "transformers, glibc malloc": machine.Apart("torch, glibc's malloc", bench_torch, args, cores,
+                                                             False)}
     try:
         seconds = machine.interleaved(sides, args.rounds, progress=not args.json, faults=True)
     finally:
@@ -193,7 +206,8 @@ def main():
               f"({config.model.kv_heads} key/value), d_ff {config.model.ff_dim}, {config.model.n_params() / 1e6:.1f}M parameters")
         print(f"peak matmul: {peak['peak'] / 1e9:.1f} GFLOP/s (jax {peak['jax'] / 1e9:.1f}, torch {peak['torch'] / 1e9:.1f}); "
               f"{args.rounds} rounds x {args.steps} steps, interleaved; each side in its own process "
-              "(malloc: the library's setting, but the last row's glibc default)")
+              + ("(malloc: the library's setting)" if args.expert_parallel
+                 else "(malloc: the library's setting, but the last row's glibc default)"))
         print(f"{'':28s} {'step s':>8s} {'tokens/s median (min-max)':>26s} {'MFU':>6s} {'MFU vs torch peak':>18s} {'vs torch':>9s}  faulted MB per round")
         for name, r in rows.items():
             t = r["tokens_per_s"]

@@ -111,10 +111,11 @@ class ModelConfig:
         return models.build(self).flops_per_token()
 
     def architecture(self) -> dict[str, Any]:
-        """What fixes the meaning of the weights: every key but compute_dtype, remat and attention_impl,
-        with defaults resolved; `seq` only with learned positions."""
+        """What fixes the meaning of the weights: every key but compute_dtype, remat, attention_impl
+        and a mixture's expert_parallel (how it runs, not what it computes), with defaults
+        resolved; `seq` only with learned positions."""
         out = {k: v for k, v in dataclasses.asdict(self).items()
-               if k not in ("compute_dtype", "remat", "attention_impl", "seq")}
+               if k not in ("compute_dtype", "remat", "attention_impl", "expert_parallel", "seq")}
         out.update(d_head=self.head_dim, d_ff=self.ff_dim)
         if self.pe == "fixed":
             out["seq"] = self.seq

@@ -117,12 +117,8 @@ def resolve(model: ModelConfig, lora: LoraConfig) -> list:
     return _resolve(model, lora)[0]
 
 
-def resolve_experts(model: ModelConfig, lora: LoraConfig) -> list:
-    """The mixture's expert weights `lora.targets` names ("experts.gate_up_proj", "experts.down_proj")."""
-    return _resolve(model, lora)[1]
-
-
 def _resolve(model: ModelConfig, lora: LoraConfig) -> tuple[list, list]:
+    """(the HF linear entries, the mixture's `HFExperts`) `lora.targets` names."""
     linears, experts = hf_linears(model), hf_experts(model)
     names = sorted({module_name(e) for e in linears})
     if lora.targets == ALL_LINEAR:  # as PEFT's: linear layers only, so never the experts

@@ -211,6 +211,53 @@ def test_all_reduces_per_layer(case):
     assert _all_reduces_per_layer(trainer) == (1 if parallel_residual else 2)
 
 
+@pytest.mark.parametrize("name", ["mixtral_window", "qwen2_moe_shared"])
+def test_expert_parallel_holds_whole_experts_and_computes_what_transformers_does(name, tmp_path):
+    """`expert_parallel`: each mp shard holds n_experts / mp whole experts (4 over mp 4: one each)
+    and multiplies only the token copies routed to them; dp2 x mp4 logits equal transformers', the
+    layer keeps its two all-reduces (attention's; the experts' with Qwen2-MoE's shared expert),
+    and decoding on mp 2 (float and int8 experts, a scale per expert split with them) gives
+    transformers' greedy tokens."""
+    torch_model = make_hf_model(tmp_path, name)
+    config, params = hf.load_hf(tmp_path, compute_dtype="float32", remat="none")
+    config = dataclasses.replace(config, expert_parallel=True)
+    trainer = Trainer(config_for(config, cores_per_replica=4), mesh(2, 4))
+    moe = {n: tuple(spec) + (None,) * (4 - len(spec)) for n, spec in trainer.param_specs["mixtral/layers/moe"].items()}
+    assert moe["experts_gate"] == moe["experts_out"] == (None, "mp", None, None)  # [L, E, ...]: experts over mp
+    assert moe["router"] == (None,) * 4  # replicated: every shard routes alike
+    state = trainer.state_from_params(hf.pad_vocab(params, config, config.padded_vocab(4)))
+    tokens = random_tokens((4, 11), config.n_vocab, seed=2)
+    np.testing.assert_allclose(np.asarray(trainer.logits(state.params, tokens)), hf_logits(torch_model, tokens),
+                               atol=TOL, rtol=0)
+    assert _all_reduces_per_layer(trainer) == 2
+    prompts = [random_tokens((1, n), config.n_vocab, seed=n)[0].tolist() for n in (3, 7, 40)]
+    for quantize, reference in ((None, torch_model), ("int8", rounded_like_int8(torch_model))):
+        gen = Generator(config, params, mesh(1, 2), quantize=quantize)
+        assert gen.params["mixtral/layer_0/moe"]["experts_in"].sharding.spec[0] == "mp"
+        outs = gen.generate(prompts, SamplingOptions(max_new_tokens=8, temperature=0))
+        assert [o.tokens for o in outs] == [hf_greedy(reference, p, 8) for p in prompts], quantize
+
+
+def test_a_checkpoint_restores_with_or_without_expert_parallelism(tmp_path):
+    """expert_parallel changes how the experts are split, not what the weights mean: a checkpoint
+    saved with each expert's d_ff split (mp 2) restores with the experts split whole (mp 4) and
+    gives the same logits; n_experts that mp does not divide is one error naming the key."""
+    from mesh_transformer.io.checkpoint import CheckpointManager
+    saved = _trainer("mixtral_ep", 1, 2, False, expert_parallel=False)
+    state = saved.init_state(0)
+    with CheckpointManager(str(tmp_path), config=saved.config, async_save=False) as ckpt:
+        ckpt.save(1, state, wait=True)
+    other = _trainer("mixtral_ep", 1, 4, False)
+    restored, _ = CheckpointManager(str(tmp_path), read_only=True).restore(
+        abstract_state=other.abstract_state, target_shardings=other.state_shardings)
+    assert restored.params["mixtral/layers/moe"]["experts_gate"].sharding.spec[1] == "mp"
+    tokens = random_tokens((2, 16), 250, seed=9)
+    np.testing.assert_allclose(np.asarray(other.logits(restored.params, tokens)),
+                               np.asarray(saved.logits(state.params, tokens)), atol=1e-5)
+    with pytest.raises(ConfigError, match="n_experts"):
+        _trainer("mixtral_ep", 1, 4, False, n_experts=6)
+
+
 def test_attention_matmuls_have_one_row_dimension(case, monkeypatch):
     """Every matmul of a decode step is [batch..] x rows x columns: a kv head's query heads and
     positions are one row dimension (with them apart, [4 heads] x [1 position], XLA:CPU ran a GQA
@@ -305,6 +352,8 @@ TRAIN_CASES = {
                   query_pre_attn_scalar=12, attn_softcap=5.0, logit_softcap=10.0),  # every Gemma key at once
     "mixtral": dict(family="mixtral", n_kv_heads=2, n_experts=4, experts_per_token=2, norm_topk_prob=False,
                     qk_norm=True, sliding_window=6, router_aux_loss_coef=0.1),  # routers pooled over dp
+    "mixtral_ep": dict(family="mixtral", n_kv_heads=2, n_experts=8, experts_per_token=2, expert_parallel=True,
+                       router_aux_loss_coef=0.1),  # 8 experts whole over mp 8 / 4 / 2
 }
 ACCUM, BATCH = 2, 8
 

@@ -311,8 +311,9 @@ class Model:
         return parallel.param_specs(params, self.infos_like(params), rules, inputs_last)
 
     def rules(self, zero: bool, mp: int):
-        """The partition table for this model on `mp` shards (kv heads replicated when they do not split)."""
-        return parallel.rules_for(zero, self.config.kv_split(mp))
+        """The partition table for this model on `mp` shards (kv heads replicated when they do not
+        split; a mixture's experts split whole where its config asks for expert parallelism)."""
+        return parallel.rules_for(zero, self.config.kv_split(mp), getattr(self.config, "expert_parallel", False))
 
     def check_mesh(self, mesh_shape, zero: bool) -> None:
         """ConfigError naming the key when this model does not split over a {'dp': .., 'mp': ..} mesh."""
@@ -333,7 +334,8 @@ class Model:
         B; keys: seq, or a shorter sliding window in the layers that have one)."""
         c = self.config
         matmuls = sum(self._unpadded_size(x, info) * self._active_share(info)
-                      for x, info in _pairs(self.abstract_params, self.infos) if info.inputs or "experts" in info.axes)
+                      for x, info in _pairs(self.abstract_params, self.infos)
+                      if info.inputs or layers.EXPERT_SCORES in info.axes)
         if c.stem().tied:
             matmuls += c.n_vocab * (c.stem().embed_proj or c.d_model)
         window, windowed = c.attention().window, c.windowed_layers() or (True,) * c.layers

@@ -833,6 +833,22 @@ class MoESpec(NamedTuple):
     init_std: float = 0.02
 
 
+EXPERT_SCORES = "expert_scores"  # the router's output axis: replicated, so every shard routes alike
+
+
+def _argsort(keys):
+    """`jnp.argsort(keys, stable=True)`, typed as varying over the mesh axes `keys` vary over: JAX
+    0.10 types a varying key's sort indices as invariant, so a gather by them (each expert-parallel
+    shard orders its own experts' copies first) would skip the psum its backward owes."""
+    return _vary(jnp.argsort(keys, stable=True), tuple(sorted(_varying(keys))))
+
+
+def _experts_here(w) -> int:
+    """How many experts this shard holds (all but under expert parallelism)."""
+    w = w.base if isinstance(w, parallel.LoRAWeight) else w
+    return (w.values if isinstance(w, parallel.Quantized) else w).shape[0]
+
+
 class MoE(hk.Module):
     """A sparse mixture of SwiGLU experts (Shazeer et al. 2017; Mixtral, Jiang et al. 2024): a router
     scores the E experts of each token, the top k run on it, and their outputs are summed weighted
@@ -842,7 +858,9 @@ class MoE(hk.Module):
     rows (`grouped_product`: XLA's ragged_dot, grouped matmuls on GPU/TPU; on CPU the experts
     kernel). Tensor-parallel as the dense MLP: each expert's F is split over 'mp' (column
     then row parallel), the router is replicated, so every shard routes alike and the block's one
-    all-reduce sums the experts' partial outputs."""
+    all-reduce sums the experts' partial outputs. Expert-parallel (the rules split 'experts' over
+    'mp' instead of 'expert_mlp'): a shard holds whole experts, sorts its own experts' copies first
+    and multiplies only those; the same all-reduce sums every shard's share."""
 
     def __init__(self, spec: MoESpec, name: str = "moe"):
         super().__init__(name=name)
@@ -853,19 +871,26 @@ class MoE(hk.Module):
         s, dt = self.spec, h.dtype
         x = h.reshape(-1, s.d_model)  # [N, D]
         weights, experts, probs = self.route(x)  # [N, k], [N, k], [N, E]
-        order = jnp.argsort(experts.reshape(-1), stable=True)  # token copies grouped by expert
-        token = order // s.top_k
-        sizes = jnp.bincount(experts.reshape(-1), length=s.n_experts).astype(jnp.int32)
+        chosen = experts.reshape(-1)
+        sizes = jnp.bincount(chosen, length=s.n_experts).astype(jnp.int32)
         _record(RouterStats(sizes.astype(jnp.float32), jnp.sum(probs, axis=0), jnp.float32(x.shape[0])))
-        rows = x[token]  # [N k, D]
         init, f = normal(s.init_std), s.d_ff
-        w_gate, w_in = (parallel.expert_weights(n, (s.n_experts, s.d_model, f), ("experts", "embed", "mlp"), 1, init,
-                                                dt) for n in ("experts_gate", "experts_in"))
-        w_out = parallel.expert_weights("experts_out", (s.n_experts, f, s.d_model), ("experts", "mlp", "embed"), 1,
-                                        init, dt)
-        gated = ACTIVATIONS[s.activation](grouped_product(rows, w_gate, sizes)) * grouped_product(rows, w_in, sizes)
-        y = grouped_product(gated.astype(dt), w_out, sizes)  # [N k, D] float32
+        w_gate, w_in = (parallel.expert_weights(n, (s.n_experts, s.d_model, f), ("experts", "embed", "expert_mlp"), 1,
+                                                init, dt) for n in ("experts_gate", "experts_in"))
+        w_out = parallel.expert_weights("experts_out", (s.n_experts, f, s.d_model), ("experts", "expert_mlp", "embed"),
+                                        1, init, dt)
+        here = _experts_here(w_out)
+        first = parallel.mp_index() * here if here < s.n_experts else 0  # this shard's first expert
+        # token copies grouped by expert, this shard's experts first (all of them without expert parallelism)
+        order = _argsort((chosen - first) % s.n_experts)
+        token = order // s.top_k
+        local = jnp.roll(sizes, -first)[:here]  # rows of each of this shard's experts, in turn
+        rows = x[token]  # [N k, D]
+        gated = ACTIVATIONS[s.activation](grouped_product(rows, w_gate, local)) * grouped_product(rows, w_in, local)
+        y = grouped_product(gated.astype(dt), w_out, local)  # [N k, D] float32
         y = y * weights.reshape(-1)[order][:, None]
+        if here < s.n_experts:  # the copies other shards' experts take: 0 here
+            y = jnp.where((jnp.arange(rows.shape[0]) < jnp.sum(local))[:, None], y, 0.0)
         out = jnp.zeros((x.shape[0], s.d_model), jnp.float32).at[token].add(y)
         return RowParallel(out.reshape(h.shape).astype(dt))
 
@@ -874,8 +899,8 @@ class MoE(hk.Module):
         router's softmax in float32, its top k (ties to the lower expert, as torch.topk), renormalised
         where the spec says."""
         s = self.spec
-        router = parallel.param("router", (s.d_model, s.n_experts), ("embed", "experts"), normal(s.init_std), x.dtype,
-                                decay=True)
+        router = parallel.param("router", (s.d_model, s.n_experts), ("embed", EXPERT_SCORES), normal(s.init_std),
+                                x.dtype, decay=True)
         probs = jax.nn.softmax(product("nd,de->ne", x, router), axis=-1)
         weights, experts = jax.lax.top_k(probs, s.top_k)
         if s.normalize:

@@ -11,7 +11,8 @@ Qwen2/3-MoE where `norm_topk_prob`). Qwen2-MoE adds a shared expert every token 
 `shared_expert_d_ff`), scaled by a sigmoid gate. Attention is LLaMA's: grouped-query, rotate-half
 rotary with HF's `rope_scaling`, Qwen2's q/k/v biases, Qwen3's q/k norms, a sliding window in every
 layer or in those `layer_types` marks. Each expert's width `d_ff` (Qwen's `moe_intermediate_size`)
-splits over 'mp' as a dense MLP's does (`layers.MoE`), and so does the shared expert's. Every layer
+splits over 'mp' as a dense MLP's does (`layers.MoE`), and so does the shared expert's; with
+`expert_parallel` the experts split instead, n_experts / mp whole ones a shard. Every layer
 is sparse: checkpoints with dense layers among them (`mlp_only_layers`, `decoder_sparse_step` > 1)
 are not supported. Training adds `router_aux_loss_coef` x Switch Transformer's load-balancing loss over
 every layer's tokens (`layers.RouterStats`), as transformers does with `output_router_logits`
@@ -49,6 +50,7 @@ class MixtralConfig(LlamaShaped, ModelConfig):
     norm_topk_prob: bool = True  # the chosen experts' weights renormalised to sum to 1 (Mixtral: always)
     router_aux_loss_coef: float = 0.0  # training: + coef x the load-balancing loss (HF: with output_router_logits)
     shared_expert_d_ff: Optional[int] = None  # Qwen2-MoE: a gated shared expert of this width every token runs
+    expert_parallel: bool = False  # the experts split over mp whole (n_experts / mp each), not each expert's d_ff
     n_kv_heads: Optional[int] = None  # default n_heads (no grouping)
     rope_theta: float = 1e6
     rope_scaling: Optional[dict] = None  # HF's: {"rope_type": "linear" | "llama3", "factor": ..., ...}

@@ -8,10 +8,15 @@ A rule set maps logical axes to mesh axes:
     vocab          mp         mp        vocab-parallel embedding, head and cross-entropy
     heads          mp         mp        column-parallel q (and k/v without GQA), row-parallel out_proj
     kv_heads       mp | -     mp | -    GQA keys/values: split when mp divides them, else replicated
-    mlp            mp         mp        column-parallel fc_in, row-parallel fc_out (and each expert's)
-    experts        -          -         a mixture's experts: each expert's F splits over mp instead
+    mlp            mp         mp        column-parallel fc_in, row-parallel fc_out
+    expert_mlp     mp         mp        a mixture's experts: each expert's F splits over mp ...
+    experts        -          -         ... or, with expert parallelism, the experts do (whole ones)
     embed          -          dp        ZeRO: master weights and optimizer state split over dp
     batch          dp         dp        data parallelism
+
+Expert parallelism (`expert_parallel`, a mixture's key) swaps the last two rows: each mp shard
+holds n_experts / mp whole experts and multiplies the token copies routed to them; the layer's
+one all-reduce still sums its output.
 
 Grouped-query attention with fewer kv heads than mp shards (`kv_heads` not split): every shard
 holds all of k_proj/v_proj and computes only the one kv head its query heads share, which needs
@@ -33,19 +38,23 @@ from mesh_transformer.parallel.mesh import DP, MP
 
 Rules = Mapping[str, Optional[str]]
 
-MEGATRON: dict[str, Optional[str]] = {"vocab": MP, "heads": MP, "kv_heads": MP, "mlp": MP, "batch": DP}
+MEGATRON: dict[str, Optional[str]] = {"vocab": MP, "heads": MP, "kv_heads": MP, "mlp": MP, "expert_mlp": MP,
+                                      "batch": DP}
 ZERO: dict[str, Optional[str]] = {**MEGATRON, "embed": DP}
 
 # The config key that sizes each shardable logical axis (for errors a user can act on).
-AXIS_KEYS = {"heads": "n_heads", "kv_heads": "n_kv_heads", "mlp": "d_ff", "embed": "d_model",
+AXIS_KEYS = {"heads": "n_heads", "kv_heads": "n_kv_heads", "mlp": "d_ff", "expert_mlp": "d_ff", "embed": "d_model",
              "vocab": "n_vocab", "experts": "n_experts"}
 
 
-def rules_for(zero: bool, split_kv: bool = True) -> dict[str, Optional[str]]:
-    """The table for a run: ZeRO or Megatron; `split_kv=False` replicates GQA kv heads over mp."""
+def rules_for(zero: bool, split_kv: bool = True, expert_parallel: bool = False) -> dict[str, Optional[str]]:
+    """The table for a run: ZeRO or Megatron; `split_kv=False` replicates GQA kv heads over mp;
+    `expert_parallel` splits a mixture's experts over mp, whole, instead of each expert's F."""
     rules = dict(ZERO if zero else MEGATRON)
     if not split_kv:
         rules["kv_heads"] = None
+    if expert_parallel:
+        rules["experts"], rules["expert_mlp"] = MP, None
     return rules
 
 
