@@ -131,13 +131,10 @@ def _vary(x, axes: tuple):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _product(equation: str, a, b):
-    """Not differentiated (decoding, evaluation): on CPU the `kernels` where they apply. `b` may be
-    int8 (a quantized weight's values): the kernels read it as it is; elsewhere it is widened to
-    a's dtype here (a prefill's many rows: once per call)."""
+    """Not differentiated (decoding, evaluation): on CPU the `kernels` where they apply (they read
+    an int8 `b`, a quantized weight's values, as it is)."""
     if equation == "...k,ko->...o" and kernels.applies(a, b):  # decoding a few rows, or a serving batch
         return kernels.rows_times_weight(a, b)
-    if not jnp.issubdtype(b.dtype, jnp.floating):
-        b = b.astype(a.dtype)
     if equation in _ROWS_DOT_WEIGHT and kernels.dot_applies(a, b):  # 1-64 rows, inputs-last (or a tied head)
         return kernels.rows_dot_weight(a, b)
     if equation in _PER_ROW_AND_KV_HEAD and kernels.grouped_applies(a, b):  # attention over the KV cache
@@ -148,10 +145,8 @@ def _product(equation: str, a, b):
 def _product_forward(equation, a, b):
     """Differentiated (training): XLA's product, as the backward's, so a step sums in the same order
     whatever rows each device holds (a microbatch of 32-64 tokens would take the blocked kernel on
-    one mesh and XLA's matmul on another). An int8 `b` (a LoRA run's quantized base) is saved for
-    the backward as it is and widened again there: a layer scan keeps no float copy of the base."""
-    if not jnp.issubdtype(b.dtype, jnp.floating):
-        return jnp.einsum(equation, a, b.astype(a.dtype), preferred_element_type=jnp.float32), (a, b)
+    one mesh and XLA's matmul on another). An int8 `b` (a few rows of a LoRA run's quantized base)
+    is saved for the backward as it is and widened there: a layer scan keeps no float copy of it."""
     return jnp.einsum(equation, a, b, preferred_element_type=jnp.float32), (a, b)
 
 
@@ -1014,16 +1009,19 @@ def _grouped_product_forward(rows, w, sizes):
 
 def _grouped_product_backward(saved, g):
     rows, w, sizes = saved
+    frozen = not jnp.issubdtype(w.dtype, jnp.floating)  # int8 experts of a frozen base: no weight gradient
     if kernels.experts_apply(rows, w):
         d_rows = kernels.expert_rows_times_weight(g, jnp.swapaxes(w, 1, 2), sizes, blocked=True)
-        d_w = (kernels.expert_weight_gradient(rows, g, sizes, w.shape[0]) if jnp.issubdtype(w.dtype, jnp.floating)
-               else np.zeros(w.shape, jax.dtypes.float0))  # int8 experts of a frozen base: no gradient
+        d_w = None if frozen else kernels.expert_weight_gradient(rows, g, sizes, w.shape[0])
+    elif frozen:
+        _, pullback = jax.vjp(lambda a: jax.lax.ragged_dot(a, _widened(w, rows), sizes,
+                                                           preferred_element_type=jnp.float32), rows)
+        (d_rows,), d_w = pullback(g), None
     else:
         _, pullback = jax.vjp(lambda a, b: jax.lax.ragged_dot(a, b, sizes, preferred_element_type=jnp.float32),
-                              rows, _widened(w, rows))
+                              rows, w)
         d_rows, d_w = pullback(g)
-        d_w = d_w if jnp.issubdtype(w.dtype, jnp.floating) else np.zeros(w.shape, jax.dtypes.float0)
-    d_w = d_w if d_w.dtype == jax.dtypes.float0 else d_w.astype(w.dtype)
+    d_w = np.zeros(w.shape, jax.dtypes.float0) if frozen else d_w.astype(w.dtype)
     return d_rows.astype(rows.dtype), d_w, np.zeros(sizes.shape, jax.dtypes.float0)
 
 
