@@ -383,6 +383,10 @@ def test_int8_base_halves_the_step_inputs_without_a_float_copy(family):
         base = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tr.abstract_base))
         compiled[quantize] = (memory.argument_size_in_bytes, memory.temp_size_in_bytes, base)
     (args_16, temps_16, base_16), (args_8, temps_8, base_8) = compiled[None], compiled["int8"]
+    tr.base = tr.init_base(0)  # an int8 base handed back to set_base is kept, not quantized again
+    held = jax.device_get(tr.base)
+    tr.set_base(held)
+    assert max_abs_diff(jax.device_get(tr.base), held) == 0
     assert base_8 < 0.52 * base_16 and args_8 < 0.55 * args_16
     assert temps_8 < temps_16 + 0.25 * base_16  # a float copy of the base would add 1-2 x base_16
 
