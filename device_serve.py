@@ -11,7 +11,8 @@ import logging
 import pathlib
 import sys
 
-from mesh_transformer import cli, host_memory, loading, serve
+from mesh_transformer import cli, host_memory, loading, lora, serve
+from mesh_transformer.config import ConfigError
 
 
 def main(argv=None):
@@ -63,6 +64,10 @@ def main(argv=None):
                         help="with --warmup, also compile the prefill of prompts behind a TOKENS-long prefix already "
                              "in the prefix cache (a system prompt or few-shot examples every request repeats)")
     parser.add_argument("--model-name", help="the id /v1/models reports (default: the weights' directory name)")
+    parser.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                        help="PEFT LoRA adapters served beside the base, unmerged: a request whose model is NAME runs "
+                             "with the adapter in PATH, and one batch decodes rows of every adapter together "
+                             "(vLLM's flag; --lora-adapter instead merges one adapter into the weights)")
     args = parser.parse_args(argv)
     host_memory.keep_freed_memory()
     if args.chunk < 1 or args.join_chunk < 1:
@@ -84,11 +89,16 @@ def main(argv=None):
     if args.dtype is None and jax.default_backend() == "cpu":
         args.dtype = "float32"  # XLA:CPU runs 16-bit matmuls through slow paths (README, "Decode")
     with cli.user_errors(OSError) as status:
+        adapters = lora.parse_named(args.lora_modules, "--lora-modules")
         model = loading.from_args(args)
+        model_name = args.model_name or model.name
+        if model_name in {name for name, _ in adapters}:
+            raise ConfigError(f"--lora-modules: adapter name {model_name!r} is the base model's name (see --model-name)")
+        generator = model.generator(adapters=adapters)
         chat_template = pathlib.Path(args.chat_template).read_text(encoding="utf-8") if args.chat_template else None
     if status.code:
         return status.code
-    engine = serve.Engine(model.generator(), model.tokenizer,
+    engine = serve.Engine(generator, model.tokenizer,
                           max_batch=args.max_batch, slots=args.slots, chunk=args.chunk, join_chunk=args.join_chunk,
                           admit_tokens=args.admit_tokens, gather=args.gather_ms / 1000,
                           max_queue=args.max_queue,
@@ -98,7 +108,7 @@ def main(argv=None):
     if args.warmup is not None:
         engine.warmup(args.warmup or (16,), shared_prefix=args.warmup_prefix)
     engine.start()
-    app = serve.create_app(engine, model_name=args.model_name or model.name, api_key=args.api_key,
+    app = serve.create_app(engine, model_name=model_name, api_key=args.api_key,
                            timeout=args.timeout, max_request_bytes=args.max_request_bytes,
                            chat_template=chat_template)
     try:

@@ -21,6 +21,11 @@ Ours: `device_serve.py` with one CPU device and `--server-args` (default: 64 row
 steps, and a warm-up that compiles the prefill of 128- and 160-token prompts alone and behind a
 1,024-token prefix already cached, the shapes these prompts take).
 
+`--lora N`: N random LoRA adapters (PEFT's format, rank `--lora-rank`, on every attention and MLP
+projection, B random) served beside the base, request i naming adapter i mod N: ours with
+`--lora-modules`, vLLM with `--enable-lora --lora-modules` (the same directories); one batch then
+decodes rows of every adapter (multi-LoRA serving).
+
 Peers, each started from its own venv or command:
   vllm          vLLM's CPU build (`bash bench/setup_vllm_venv.sh`): its OpenAI server, prefix caching on
   transformers  `transformers serve DIR --continuous-batching` from the project's venv
@@ -71,6 +76,29 @@ def make_model(kind: str, path: str) -> str:
     return path
 
 
+LORA_TARGETS = {"gptj": ["q_proj", "k_proj", "v_proj", "out_proj", "fc_in", "fc_out"],
+                "llama": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}
+
+
+def make_adapters(kind: str, model_dir: str, n: int, rank: int, out_dir: str) -> list[tuple[str, str]]:
+    """`n` random PEFT LoRA adapters (B random, not PEFT's zeros) on the model in `model_dir`, saved
+    under `out_dir` -> [(name, directory)]."""
+    import peft
+    import torch
+    import transformers
+
+    out = []
+    for i in range(n):
+        torch.manual_seed(i)
+        base = transformers.AutoModelForCausalLM.from_pretrained(model_dir)
+        model = peft.get_peft_model(base, peft.LoraConfig(r=rank, lora_alpha=2 * rank, init_lora_weights=False,
+                                                          target_modules=LORA_TARGETS.get(kind, "all-linear")))
+        path = os.path.join(out_dir, f"{kind}-lora{i}")
+        model.save_pretrained(path)
+        out.append((f"lora{i}", path))
+    return out
+
+
 def wait_ready(proc, url: str, name: str, log: str, timeout: float = 900) -> None:
     import httpx
     deadline = time.monotonic() + timeout
@@ -88,9 +116,10 @@ def wait_ready(proc, url: str, name: str, log: str, timeout: float = 900) -> Non
     raise RuntimeError(f"{name} did not start in {timeout:g} s (log: {log})")
 
 
-def start_server(peer: str, model_dir: str, dtype: str, ours_args: str, logdir: str, max_len: int = 2048):
+def start_server(peer: str, model_dir: str, dtype: str, ours_args: str, logdir: str, max_len: int = 2048,
+                 adapters: tuple = (), rank: int = 16):
     """Start `peer` ('ours', 'vllm', 'transformers') on `model_dir` -> (process, url, model name);
-    `max_len`: vLLM's context (at most the model's)."""
+    `max_len`: vLLM's context (at most the model's); `adapters`: [(name, PEFT directory)] of rank <= `rank`."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
@@ -101,14 +130,21 @@ def start_server(peer: str, model_dir: str, dtype: str, ours_args: str, logdir: 
     if peer == "ours":
         cmd = [sys.executable, os.path.join(ROOT, "device_serve.py"), "--hf", model_dir, "--port", str(port),
                "--dtype", dtype, *shlex.split(ours_args)]
+        if adapters:
+            cmd += ["--lora-modules", *(f"{a}={p}" for a, p in adapters)]
     elif peer == "vllm":
         if not os.path.exists(VLLM_PYTHON):
             raise RuntimeError("no vLLM venv: run `bash bench/setup_vllm_venv.sh` first")
         cmd = [VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--host", "127.0.0.1",
                "--port", str(port), "--dtype", dtype, "--served-model-name", name, "--max-model-len", str(max_len)]
+        if adapters:
+            cmd += ["--enable-lora", "--max-loras", str(len(adapters)), "--max-lora-rank", str(rank),
+                    "--lora-modules", *(f"{a}={p}" for a, p in adapters)]
         env.update(VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4"), VLLM_HOST_IP="127.0.0.1",
                    VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
     elif peer == "transformers":
+        if adapters:
+            raise RuntimeError("`transformers serve` serves no LoRA adapters")
         cmd = [os.path.join(os.path.dirname(sys.executable), "transformers"), "serve", model_dir,  # 5.x: positional
                "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype, "--continuous-batching"]
         name = model_dir
@@ -188,7 +224,8 @@ async def one_request(client, body: dict):
     return first - t0, (last - first) / (n - 1) if n > 1 else 0.0, n, usage["prompt_tokens"] if usage else 0
 
 
-async def load(url: str, model: str, texts: list[str], concurrency: int, body: dict, api_key=None) -> Result:
+async def load(url: str, model, texts: list[str], concurrency: int, body: dict, api_key=None) -> Result:
+    """`model`: the name every request sends, or a list: request i sends model[i % len]."""
     import httpx
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -198,7 +235,8 @@ async def load(url: str, model: str, texts: list[str], concurrency: int, body: d
     async def worker(client):
         for i, text in todo:
             try:
-                a, b, n, p = await one_request(client, {**body, "model": model, "prompt": text, "seed": i, "stream": True,
+                name = model[i % len(model)] if isinstance(model, list) else model
+                a, b, n, p = await one_request(client, {**body, "model": name, "prompt": text, "seed": i, "stream": True,
                                                         "stream_options": {"include_usage": True}})
             except (RuntimeError, httpx.HTTPError) as e:
                 errors.append(str(e)[:200])
@@ -226,9 +264,10 @@ class Server:
     seeded sampling under load here, at temperature > 0: the rows after that still run, on a fresh
     server; `--temperature 0` avoids it)."""
 
-    def __init__(self, peer: str, model_dir: str, args, logdir: str):
+    def __init__(self, peer: str, model_dir: str, args, logdir: str, adapters: tuple = ()):
         self.peer = peer
-        self.start = lambda: start_server(peer, model_dir, args.dtype, args.server_args, logdir)
+        self.start = lambda: start_server(peer, model_dir, args.dtype, args.server_args, logdir, adapters=adapters,
+                                          rank=args.lora_rank)
         self.proc, self.url, self.name = self.start()
 
     def revive(self) -> bool:
@@ -246,7 +285,7 @@ class Server:
         return True
 
 
-def run_scenarios(url: str, model: str, tokenizer, args, label: str, results: list,
+def run_scenarios(url: str, model, tokenizer, args, label: str, results: list,
                   server: Optional[Server] = None) -> None:
     body = {"max_tokens": args.max_tokens, "temperature": args.temperature, "ignore_eos": True}
     if server is not None and server.peer == "transformers":
@@ -302,6 +341,9 @@ def main(argv=None):
     parser.add_argument("--prompt", help="one text prompt for every request instead of random ones")
     parser.add_argument("--temperature", type=float, default=0.8)
     parser.add_argument("--warmup-rounds", type=int, default=1, help="unmeasured rounds of each shape first")
+    parser.add_argument("--lora", type=int, default=0, metavar="N",
+                        help="serve N random LoRA adapters beside the base; request i names adapter i mod N")
+    parser.add_argument("--lora-rank", type=int, default=16)
     parser.add_argument("--json", help="write the rows here too")
     parser.add_argument("--logs", help="keep every server's log in this directory (default: deleted at the end)")
     args = parser.parse_args(argv)
@@ -322,13 +364,16 @@ def main(argv=None):
     with tempfile.TemporaryDirectory() as tmp:
         models = {"hf": args.hf} if args.hf else {m: make_model(m, os.path.join(tmp, m)) for m in args.models}
         for kind, model_dir in models.items():
+            adapters = tuple(make_adapters(kind, model_dir, args.lora, args.lora_rank, tmp)) if args.lora else ()
+            label = f", {args.lora} LoRA r{args.lora_rank}" if args.lora else ""
             for peer in ["ours", *args.peer]:
                 try:
                     if args.logs:
                         os.makedirs(args.logs, exist_ok=True)
-                    server = Server(peer, model_dir, args, args.logs or tmp)
+                    server = Server(peer, model_dir, args, args.logs or tmp, adapters)
                     try:
-                        run_scenarios(server.url, server.name, tokenizer, args, f"{peer} ({kind})", results, server)
+                        names = [name for name, _ in adapters] or server.name
+                        run_scenarios(server.url, names, tokenizer, args, f"{peer} ({kind}{label})", results, server)
                     finally:
                         stop(server.proc)
                 except RuntimeError as e:

@@ -25,7 +25,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, NamedTuple, Optional, Sequence, Union
 
 import numpy as np
 
@@ -375,7 +375,8 @@ def load_peft(directory: str, model: ModelConfig, mp: int = 1) -> tuple[LoraConf
 
     path = Path(directory)
     if not (path / ADAPTER_CONFIG).exists():
-        raise ConfigError(f"{path}: no {ADAPTER_CONFIG} (is this a PEFT adapter directory?)")
+        raise ConfigError(f"{path}: no {ADAPTER_CONFIG} (is this a PEFT adapter directory? A LoRA run's checkpoint "
+                          f"exports to one with to_hf_weights.py --peft)")
     cfg = json.loads((path / ADAPTER_CONFIG).read_text())
     if cfg.get("peft_type", "LORA") != "LORA":
         raise ConfigError(f"{path / ADAPTER_CONFIG}: peft_type {cfg.get('peft_type')!r} is not LORA")
@@ -446,6 +447,70 @@ def load_peft(directory: str, model: ModelConfig, mp: int = 1) -> tuple[LoraConf
             out.setdefault(_path(model, m), {})[leaf + parallel.LORA_B] = np.stack([parts[j][1] for parts in layers])
     shaped = _reshape_like(out, model, lora, mp)
     return lora, shaped
+
+
+class AdapterSet(NamedTuple):
+    """PEFT adapters served together, unmerged, over one base (`generate.Generator(adapters=...)`).
+
+    names[k] is bank entry k + 1 (entry 0: the base alone); leaves: {module: {<weight>_lora_a:
+    [(L,) *inputs, N, r], <weight>_lora_b: [(L,) N, r, *outputs]}} float32 (`parallel.bank_infos`'
+    layouts, layers stacked as the params are) for every weight any adapter adapts, each adapter's
+    alpha / r folded into its B, ranks padded with zeros to the largest, zeros where an adapter
+    leaves the weight alone."""
+
+    names: tuple[str, ...]
+    plan: parallel.BankPlan
+    leaves: dict
+
+
+def adapter_set(adapters: Sequence[tuple[str, str]], model: ModelConfig, mp: int = 1) -> AdapterSet:
+    """[(name, PEFT adapter directory)] -> the AdapterSet serving them (ConfigError naming the
+    directory for an adapter that cannot be served: see `load_peft`; a mixture's expert adapters)."""
+    from mesh_transformer import models
+    names = [name for name, _ in adapters]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"adapter names must differ, got {', '.join(names)}")
+    loaded = []
+    for name, directory in adapters:
+        spec, leaves = load_peft(directory, model, mp)
+        if _resolve(model, spec)[1]:
+            raise ConfigError(f"{directory}: adapter {name!r} adapts a mixture's experts (target_parameters), which "
+                              f"served adapters do not support; merge it into the weights with --lora-adapter")
+        loaded.append((spec, leaves))
+    rank = max(spec.rank for spec, _ in loaded)
+    infos = models.build(model, mp).infos
+    targets = frozenset().union(*(plan(model, spec).targets for spec, _ in loaded))
+    keys = sorted({(m, n) for _, leaves in loaded for m, names_ in leaves.items() for n in names_})
+    out: dict = {}
+    for m, n in keys:
+        info = infos[m][n[: -len(parallel.LORA_A)]]
+        lead = len(next(ls[m][n] for _, ls in loaded if n in ls.get(m, {})).shape) - (
+            len(info.axes) + 1 if n.endswith(parallel.LORA_A) else len(info.axes) - info.inputs + 1)  # (L,)
+        stacked = []
+        for spec, leaves in loaded:
+            x = leaves.get(m, {}).get(n)
+            like = next(ls[m][n] for _, ls in loaded if n in ls.get(m, {}))
+            x = np.zeros_like(like) if x is None else x
+            if n.endswith(parallel.LORA_A):  # [(L,) *inputs, r]: the rank is last
+                stacked.append(np.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, rank - x.shape[-1])]))
+            else:  # [(L,) r, *outputs]: alpha / r folded in
+                pad = [(0, 0)] * x.ndim
+                pad[lead] = (0, rank - x.shape[lead])
+                stacked.append(np.pad(x * spec.scale, pad))
+        entries = [np.zeros_like(stacked[0])] + stacked
+        out.setdefault(m, {})[n] = np.stack(entries, axis=-2 if n.endswith(parallel.LORA_A) else lead)
+    return AdapterSet(tuple(names), parallel.BankPlan(targets, len(names) + 1, rank), out)
+
+
+def parse_named(items: Sequence[str], flag: str) -> list[tuple[str, str]]:
+    """["name=path", ...] (vLLM's --lora-modules) -> [(name, path)]; ConfigError naming `flag`."""
+    out = []
+    for item in items:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise ConfigError(f"{flag} takes NAME=PATH items, got {item!r}")
+        out.append((name, path))
+    return out
 
 
 def _expert_targets(target_parameters: list, model: ModelConfig, where: Path) -> list:

@@ -30,11 +30,12 @@ class Sequence:
 
     The prompt is cut from the left to fit `context - max_new_tokens` (`truncated` says how many
     tokens went). With a tokenizer, stop strings end the sequence and `pop_text` gives the text
-    that is final so far (never a partial stop string or a partial UTF-8 character).
+    that is final so far (never a partial stop string or a partial UTF-8 character). `adapter`:
+    the LoRA adapter it runs with, an entry of the generator's bank (0: the base alone).
     """
 
     def __init__(self, prompt: Seq[int], options: SamplingOptions, context: int, tokenizer=None,
-                 deadline: Optional[float] = None):
+                 deadline: Optional[float] = None, adapter: int = 0):
         options.validate(context)
         if len(prompt) == 0:
             raise ValueError("the prompt is empty (it needs at least one token)")
@@ -48,6 +49,7 @@ class Sequence:
         self.options = options
         self.seed = options.seed % 2**32 if options.seed is not None else secrets.randbits(32)
         self.deadline = deadline
+        self.adapter = adapter
         self.tokens: list[int] = []
         self.logprobs: list[float] = []  # with options.logprobs set: log p of each token
         self.top_logprobs: list[list[tuple[int, float]]] = []  # and the options.logprobs most likely (id, log p)
@@ -195,7 +197,7 @@ class Batch:
 
     def uncached(self, seq: Sequence) -> int:
         """The tokens of `seq`'s prompt an admission now would compute (not in the prefix cache)."""
-        return len(seq.prompt) - (self.prefix.cached_tokens(seq.prompt) if self.prefix is not None else 0)
+        return len(seq.prompt) - (self.prefix.cached_tokens(seq.prompt, seq.adapter) if self.prefix is not None else 0)
 
     def prefill_tokens(self, n: int, uncached: int) -> int:
         """Token positions the prefill of `n` prompts computes when the longest part not in the
@@ -218,7 +220,7 @@ class Batch:
         share = self.slots if self.share_prefix and self.prefix is not None else 0
         self.state, first, done, reason, reads = self.gen.admit(
             self.state, [s.prompt for s in seqs], [s.options for s in seqs], [s.seed for s in seqs], rows, index,
-            self.prefix, share, self._shared_slots())
+            self.prefix, share, self._shared_slots(), [s.adapter for s in seqs])
         self.index = index
         for r, s, read in zip(rows, seqs, reads):
             self.rows[r] = s

@@ -48,6 +48,7 @@ from mesh_transformer.models.layers import FUSED, dynamic_slice, update_slice
 
 if TYPE_CHECKING:
     from mesh_transformer.generate.batching import Sequence
+    from mesh_transformer.lora import AdapterSet
     from mesh_transformer.generate.prefix import Plan, PrefixCache
 
 log = logging.getLogger(__name__)
@@ -318,12 +319,17 @@ class Generator:
     and up as one (`models.layers.FUSED`; where their heads split alike over mp: not GQA's kv heads
     replicated over more shards than they number), so a step makes one product for each group.
     The decode layout only: training and checkpoints keep the leaves apart.
+
+    `adapters` (a `lora.AdapterSet`): LoRA adapters served beside the base, unmerged, each request
+    choosing one (its row's `RowOptions.adapter`, 1..; 0 the base alone), so one batch decodes rows
+    of several fine-tunes together (`layers.dense` of a `parallel.AdapterBank`). Weights are then
+    not fused (an adapter of q alone would need the fused leaf's other parts padded).
     """
 
     QUANTIZE = ("int8",)
 
     def __init__(self, config: ModelConfig, params, mesh: Mesh, matvec: Optional[bool] = None, donate: bool = False,
-                 quantize: Optional[str] = None, fuse: bool = True):
+                 quantize: Optional[str] = None, fuse: bool = True, adapters: Optional["AdapterSet"] = None):
         if quantize not in (None, *self.QUANTIZE):
             raise ValueError(f"quantize must be one of {self.QUANTIZE} or None, got {quantize!r}")
         self.config, self.mesh, self.quantize = config, mesh, quantize
@@ -333,19 +339,23 @@ class Generator:
         on_cpu = mesh.devices.flat[0].platform == "cpu"
         dot = on_cpu and kernels.dot_kernel(config.compute_dtype)
         inputs_last = quantize is None and (dot if matvec is None else bool(matvec) and (float32 or dot))
-        self.layout = parallel.Layout(inputs_last, fuse)
+        self.layout = parallel.Layout(inputs_last, fuse and adapters is None)
+        self.adapters = adapters
+        self.bank = adapters.plan if adapters is not None else None
         self.mp, self.dp = mesh.shape[parallel.MP], mesh.shape[parallel.DP]
         self.model = models.build(config, self.mp)
         self.model.check_mesh(mesh.shape, zero=False)
         self.vocab = config.padded_vocab(self.mp)
         self.rules = self.model.rules(False, self.mp)
         self.params = self._place(params, donate)
+        if adapters is not None:
+            self._place_bank(adapters)
         self.param_specs = jax.tree.map(lambda x: x.sharding.spec, self.params)
         self.specs = state_specs(config.layers)
         self.shapes: set[tuple] = set()  # programs compiled so far (see `_note`)
         self.shardings = parallel.named(mesh, self.specs)
         kv = (KV_SPEC,) * config.layers
-        prefill_specs = (self.param_specs, P(parallel.DP, None), P(parallel.DP))
+        prefill_specs = (self.param_specs, P(parallel.DP, None), P(parallel.DP), P(parallel.DP))
         self._prefill = parallel.shard_map(
             self._prefill_local, mesh, self.rules, in_specs=prefill_specs,
             out_specs=(P(parallel.DP, None), kv, kv), layout=self.layout)
@@ -353,7 +363,8 @@ class Generator:
             self._prefill_local, mesh, self.rules, in_specs=prefill_specs + (kv, kv),
             out_specs=(P(parallel.DP, None), kv, kv), layout=self.layout)
         self._prefill_shared = parallel.shard_map(  # after a SharedPrefix of pool slots
-            lambda p, tokens, start, offset, shared: self._prefill_local(p, tokens, start, offset=offset, shared=shared),
+            lambda p, tokens, start, adapter, offset, shared: self._prefill_local(p, tokens, start, adapter, offset=offset,
+                                                                                  shared=shared),
             mesh, self.rules, in_specs=prefill_specs + (P(parallel.DP), shared_specs(config.layers)),
             out_specs=(P(parallel.DP, None), kv, kv), layout=self.layout)
         self._new_state = jax.jit(self._empty, static_argnums=(0, 1), out_shardings=self.shardings)
@@ -400,6 +411,21 @@ class Generator:
                     if donate and isinstance(x, jax.Array) and not any(m is x for m in made):  # x may be kept as is
                         x.delete()
         return out
+
+    def _place_bank(self, adapters: "AdapterSet") -> None:
+        """Add the adapters' leaves (A [*inputs, N, r], B [N, r, *outputs] per targeted weight, per
+        layer) to the params, in the compute dtype and the decode layout, sharded like the weights
+        they adapt."""
+        dtype = jnp.dtype(self.config.compute_dtype)
+        for module, leaves in adapters.leaves.items():
+            infos = self.model.infos[module]
+            for name, x in leaves.items():
+                base = name[: -len(parallel.LORA_A)]
+                info = parallel.bank_infos(infos[base])[0 if name.endswith(parallel.LORA_A) else 1]
+                for new, i in unstacked_modules(module, self.config.layers):
+                    leaf = x if i is None else x[i]
+                    self.params[new][name] = self._convert(leaf, info, dtype)
+        self.param_specs = jax.tree.map(lambda x: x.sharding.spec, self.params)
 
     def _groups(self, leaves, infos) -> list[tuple[str, tuple[str, ...]]]:
         """[(stored leaf, the leaves it holds)]: one each, or with `layout.fused` the `FUSED` groups
@@ -449,14 +475,15 @@ class Generator:
                           repetition_penalty=jnp.ones(batch), frequency_penalty=jnp.zeros(batch),
                           presence_penalty=jnp.zeros(batch), seed=jnp.zeros(batch, jnp.uint32), max_new=i32(1),
                           eos=i32(-1), stops=jnp.full((batch, MAX_STOPS, STOP_TOKENS), -1, jnp.int32),
-                          top_logprobs=i32(-1))
+                          top_logprobs=i32(-1), adapter=i32())
         cache = KVCache.zeros(self.config, batch, slots, mp=self.mp)._replace(offset=i32())
         return DecodeState(cache, rows, i32(),
                            jnp.ones(batch, bool), i32(), i32(), jnp.zeros((batch, vocab), jnp.int32),
                            jnp.zeros((batch, vocab), bool), jnp.full((batch, STOP_TOKENS), -2, jnp.int32))
 
-    def _prefill_local(self, params, tokens, start, cached_k=None, cached_v=None, offset=None, shared=None):
+    def _prefill_local(self, params, tokens, start, adapter, cached_k=None, cached_v=None, offset=None, shared=None):
         """tokens [n, T] left-padded -> (last logits [n, V], k, v: per layer [n, N, C+T, H] (k: H, C+T)).
+        adapter [n]: each row's entry in the adapter bank (see `adapters`).
 
         cached_k/v: per layer [n, N, H, C] / [n, N, C, H], the keys and values of the C slots before
         the tokens (prefix caching; none: C = 0). start [n]: each row's first valid slot of the C+T.
@@ -469,7 +496,8 @@ class Generator:
             join = lambda cached, empty, axis: jnp.concatenate([cached, empty], axis)  # noqa: E731
             cache = KVCache(cached_k, cached_v, None, None).along_slots(join, cache)
             cache = cache._replace(start=start, index=jnp.int32(cached_v[0].shape[KVCache.V_SLOTS]))
-        logits, cache = self.model.apply(params, tokens, cache, last_only=True, shared=shared)
+        with parallel.adapter_bank(self.bank, adapter):
+            logits, cache = self.model.apply(params, tokens, cache, last_only=True, shared=shared)
         return parallel.all_gather_mp(logits[:, -1]), cache.k, cache.v
 
     def _admit_rows(self, params, state: DecodeState, pool: Optional[KVCache], tokens, lengths, row_ids,
@@ -495,15 +523,16 @@ class Generator:
         cache = state.cache._replace(start=state.cache.start + shift, index=index)
         if shared_slots is not None:
             shared = _shared_prefix(pool, shared_slots, shared_positions)
-            logits, k, v = self._prefill_shared(params, tokens[:, c:], w - lengths + offsets - c, offsets, shared)
+            logits, k, v = self._prefill_shared(params, tokens[:, c:], w - lengths + offsets - c, rows.adapter, offsets,
+                                                shared)
             write = write[:, c:]
         elif c:
             gather = lambda x, axis: jnp.moveaxis(  # noqa: E731 - pool [1, .., M, ..] -> [n, .., C, ..]
                 jnp.take(x[0], read, axis=axis - 1, mode="fill", fill_value=0), axis - 1, 0)
             cached = pool.along_slots(gather)
-            logits, k, v = self._prefill_after(params, tokens[:, c:], w - lengths, cached.k, cached.v)
+            logits, k, v = self._prefill_after(params, tokens[:, c:], w - lengths, rows.adapter, cached.k, cached.v)
         else:
-            logits, k, v = self._prefill(params, tokens, w - lengths)
+            logits, k, v = self._prefill(params, tokens, w - lengths, rows.adapter)
         new = KVCache(k, v, None, None)
         if self.dp == 1:  # every row on every device: each writes its heads' rows (and pool slots) in place
             kv = KVCache(self.specs.cache.k, self.specs.cache.v, None, None)
@@ -550,7 +579,8 @@ class Generator:
 
         def step(carry):
             i, s, out = carry
-            logits, cache = self.model.apply(params, s.last[:, None], s.cache, shared=shared)
+            with parallel.adapter_bank(self.bank, s.rows.adapter):
+                logits, cache = self.model.apply(params, s.last[:, None], s.cache, shared=shared)
             s, e = emit(s._replace(cache=cache), parallel.all_gather_mp(logits[:, -1]), ~s.done)
             return i + 1, s, jax.tree.map(lambda o, x: o.at[i].set(x), out, e)
 
@@ -606,7 +636,7 @@ class Generator:
 
     def admit(self, state, prompts: Seq[Seq[int]], options: Seq[SamplingOptions], seeds: Seq[int],
               row_ids: Seq[int], index: int, prefix: Optional["PrefixCache"] = None, share_limit: int = 0,
-              read_now: Seq[int] = ()):
+              read_now: Seq[int] = (), adapters: Optional[Seq[int]] = None):
         """Prefill `prompts` into rows `row_ids`, ending at cache slot `index` (the batch's new write index).
 
         With a `prefix` cache, prompt blocks found in it are read rather than computed and the
@@ -616,11 +646,14 @@ class Generator:
         Sharing: when the pool slots the rows read, with those running rows read already (`read_now`),
         number at most `share_limit`, the rows keep reading them from the pool while they decode
         (see `decode`'s `shared`) instead of holding copies in their own slots.
+        `adapters`: each prompt's entry in the adapter bank (default: 0, the base alone).
         Returns (state, first tokens Emitted [B], done [B], reason [B], the pool slots each prompt's
         row reads while it decodes: its positions 0, 1, .. (none: empty)).
         """
         n = self.prefill_rows(len(prompts))
-        plan = prefix.plan(prompts) if prefix is not None else None
+        adapters = list(adapters) if adapters is not None else [0] * len(prompts)
+        self.check_adapters(adapters)
+        plan = prefix.plan(prompts, adapters) if prefix is not None else None
         cached = plan.cached if plan else [0] * len(prompts)
         t, reuse = computed_and_read([len(p) for p in prompts], cached)
         c = bucket(max(reuse)) if max(reuse) else 0
@@ -634,7 +667,7 @@ class Generator:
         ids = np.full(n, batch, np.int32)
         ids[: len(row_ids)] = row_ids
         pad = [options[0]] * (n - len(options))
-        rows = RowOptions.stack(list(options) + pad, list(seeds) + [0] * len(pad))
+        rows = RowOptions.stack(list(options) + pad, list(seeds) + [0] * len(pad), adapters + [0] * len(pad))
         read = write = pool = None
         offsets = np.zeros(n, np.int32)
         reads = [np.zeros(0, np.int32) for _ in prompts]
@@ -660,6 +693,21 @@ class Generator:
                 prefix.pool = pool
         first, done, reason = jax.device_get((first, state.done, state.reason))
         return state, _by_row(first, ids, batch), done, reason, reads
+
+    def adapter_id(self, name: Optional[str]) -> int:
+        """The bank entry of the adapter called `name` (None: 0, the base); KeyError if none is."""
+        if name is None:
+            return 0
+        names = self.adapters.names if self.adapters is not None else ()
+        if name not in names:
+            raise KeyError(name)
+        return names.index(name) + 1
+
+    def check_adapters(self, adapters: Seq[int]) -> None:
+        n = len(self.adapters.names) if self.adapters is not None else 0
+        bad = [a for a in adapters if not 0 <= a <= n]
+        if bad:
+            raise ValueError(f"adapter {bad[0]} is not in this generator's bank (0 .. {n})")
 
     def prefill_rows(self, prompts: int) -> int:
         """The rows an admission of `prompts` prompts computes (bucketed, a multiple of dp)."""
@@ -748,9 +796,10 @@ class Generator:
         return self._retire(state, mask)
 
     def generate(self, prompts: Seq[Seq[int]], options: Seq[SamplingOptions] | SamplingOptions,
-                 tokenizer=None) -> list["Sequence"]:
-        """Continue every prompt (token ids); one compiled decode loop runs to the end of the batch."""
-        seqs = self.sequences(prompts, options, tokenizer)
+                 tokenizer=None, adapters: Optional[Seq[Optional[str]]] = None) -> list["Sequence"]:
+        """Continue every prompt (token ids); one compiled decode loop runs to the end of the batch.
+        `adapters`: each prompt's adapter by name (None: the base alone; see `adapters`)."""
+        seqs = self.sequences(prompts, options, tokenizer, adapters)
         for _ in self.stream(seqs, chunk=None):
             pass
         return seqs
@@ -766,13 +815,21 @@ class Generator:
             batch.step()
             yield seqs
 
-    def sequences(self, prompts, options, tokenizer=None) -> list["Sequence"]:
+    def sequences(self, prompts, options, tokenizer=None, adapters=None) -> list["Sequence"]:
         if isinstance(options, SamplingOptions):
             options = [options] * len(prompts)
-        if len(options) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(options)} SamplingOptions")
+        adapters = [None] * len(prompts) if adapters is None else list(adapters)
+        if not len(options) == len(adapters) == len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(options)} SamplingOptions and {len(adapters)} adapters")
+        ids = []
+        for name in adapters:
+            try:
+                ids.append(self.adapter_id(name))
+            except KeyError:
+                served = ", ".join(self.adapters.names) if self.adapters is not None else "none"
+                raise ValueError(f"adapter {name!r} is not loaded (this generator's adapters: {served})") from None
         from mesh_transformer.generate.batching import Sequence
-        return [Sequence(p, o, self.config.seq, tokenizer) for p, o in zip(prompts, options)]
+        return [Sequence(p, o, self.config.seq, tokenizer, adapter=a) for p, o, a in zip(prompts, options, ids)]
 
 
 def shared_layout(reads: Seq[np.ndarray], pool_size: int) -> tuple[np.ndarray, np.ndarray]:

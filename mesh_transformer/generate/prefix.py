@@ -1,9 +1,10 @@
 """Prefix caching: prompts that start like recent ones reuse those tokens' keys and values.
 
 A prompt is cut into blocks of `block` tokens. A full block's keys and values depend only on the
-tokens up to its end, so a block is named by its tokens and its parent (the block before it):
-key = (parent's serial number, the block's token ids), as vLLM and SGLang key theirs by a hash of the
-same. The key holds the token ids themselves, so a lookup is exact (no hash collision can return
+tokens up to its end (and the LoRA adapter the prompt runs with), so a block is named by its tokens
+and its parent (the block before it): key = (parent's serial number, the block's token ids), as vLLM
+and SGLang key theirs by a hash of the same; a prompt's first block's parent is its adapter (0 the
+base, -k adapter k), so prompts under different adapters share nothing. The key holds the token ids themselves, so a lookup is exact (no hash collision can return
 another prompt's keys). Each cached block owns `block` token slots of a device pool (per layer
 k [1, K, H, M] and v [1, K, M, H], heads over 'mp' like the decode cache; K kv heads, M =
 capacity); the host table maps keys to blocks in least-recently-used order, and a new block takes
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 import collections
 import itertools
-from typing import NamedTuple, Sequence as Seq
+from typing import NamedTuple, Optional, Sequence as Seq
 
 import jax.numpy as jnp
 
@@ -98,18 +99,20 @@ class PrefixCache:
                 if block not in listed:
                     self._free.append(block)
 
-    def plan(self, prompts: Seq[Seq[int]]) -> Plan:
-        """Look every prompt up, then reserve blocks for the full blocks not found.
+    def plan(self, prompts: Seq[Seq[int]], adapters: Optional[Seq[int]] = None) -> Plan:
+        """Look every prompt up (each under its adapter, default 0: the base), then reserve blocks
+        for the full blocks not found.
 
         Lookups see only blocks stored before this admission (a block filled by this admission's
         prefill cannot be read by it); a block several prompts share is stored once.
         """
+        adapters = adapters if adapters is not None else [0] * len(prompts)
         cached, found, serials = [], [], []
-        for prompt in prompts:
-            chain = self._lookup(prompt)
+        for prompt, adapter in zip(prompts, adapters):
+            chain = self._lookup(prompt, adapter)
             cached.append(len(chain) * self.block)
             found.append([e.slot for _, e in chain])
-            serials.append(chain[-1][1].serial if chain else 0)
+            serials.append(chain[-1][1].serial if chain else -adapter)
             for key, _ in reversed(chain):  # children first: a parent ends more recent than its children
                 self._table.move_to_end(key)
             self.queries += len(prompt)
@@ -118,9 +121,9 @@ class PrefixCache:
         new = [self._reserve(p, len(f), serial, used) for p, f, serial in zip(prompts, found, serials)]
         return Plan(cached, found, new)
 
-    def cached_tokens(self, prompt: Seq[int]) -> int:
+    def cached_tokens(self, prompt: Seq[int], adapter: int = 0) -> int:
         """The prompt tokens an admission now would read from the cache (`plan` without its effects)."""
-        return len(self._lookup(prompt)) * self.block
+        return len(self._lookup(prompt, adapter)) * self.block
 
     def forget(self, plan: Plan) -> None:
         """Drop the blocks `plan` reserved (their prefill did not happen)."""
@@ -135,11 +138,12 @@ class PrefixCache:
     def _key(parent: int, prompt: Seq[int], i: int, block: int) -> tuple:
         return parent, tuple(prompt[i * block:(i + 1) * block])
 
-    def _lookup(self, prompt: Seq[int]) -> list[tuple[tuple, _Entry]]:
-        """(key, entry) of the longest run of cached blocks from the prompt's start (its last token excluded)."""
+    def _lookup(self, prompt: Seq[int], adapter: int = 0) -> list[tuple[tuple, _Entry]]:
+        """(key, entry) of the longest run of cached blocks from the prompt's start (its last token
+        excluded) under `adapter`."""
         chain: list[tuple[tuple, _Entry]] = []
         for i in range((len(prompt) - 1) // self.block):
-            key = self._key(chain[-1][1].serial if chain else 0, prompt, i, self.block)
+            key = self._key(chain[-1][1].serial if chain else -adapter, prompt, i, self.block)
             entry = self._table.get(key)
             if entry is None:
                 break

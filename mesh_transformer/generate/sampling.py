@@ -81,9 +81,10 @@ class RowOptions(NamedTuple):
     eos: Any  # -1 = none
     stops: Any  # [B, MAX_STOPS, STOP_TOKENS] right-aligned token ids, -1 = padding
     top_logprobs: Any  # alternatives wanted (0..TOP_LOGPROBS); -1 = no log-probabilities at all
+    adapter: Any  # the row's entry in the generator's bank of LoRA adapters (0: the base alone)
 
     @classmethod
-    def stack(cls, options: Seq[SamplingOptions], seeds: Seq[int]) -> "RowOptions":
+    def stack(cls, options: Seq[SamplingOptions], seeds: Seq[int], adapters: Optional[Seq[int]] = None) -> "RowOptions":
         stops = np.full((len(options), MAX_STOPS, STOP_TOKENS), -1, np.int32)
         for i, o in enumerate(options):
             usable = [s for s in o.stop_token_ids if 0 < len(s) <= STOP_TOKENS][:MAX_STOPS]
@@ -97,7 +98,8 @@ class RowOptions(NamedTuple):
                    col("frequency_penalty", np.float32), col("presence_penalty", np.float32),
                    np.array(seeds, np.uint32), col("max_new_tokens", np.int32),
                    np.array([-1 if o.eos_token_id is None else o.eos_token_id for o in options], np.int32), stops,
-                   np.array([-1 if o.logprobs is None else o.logprobs for o in options], np.int32))
+                   np.array([-1 if o.logprobs is None else o.logprobs for o in options], np.int32),
+                   np.array(adapters if adapters is not None else [0] * len(options), np.int32))
 
 
 # --------------------------------------------------------------------------------------------

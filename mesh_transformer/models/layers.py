@@ -51,17 +51,36 @@ def dense(equation: str, x, w, dtype=None):
     x = x.reshape(*batch, -1)
     if isinstance(w, parallel.LoRAWeight):
         return _lora_dense(x, w, n_in, batch, dtype or x.dtype)
-    if isinstance(w, parallel.InputsLast):
-        outputs = w.array.shape[:-n_in]
-        y = product("...k,ok->...o", x, w.array.reshape(math.prod(outputs), -1))
-    elif isinstance(w, parallel.Quantized):
-        outputs = w.values.shape[n_in:]
-        y = quantized_product(x, w.values.reshape(-1, math.prod(outputs)), w.scale.reshape(-1))
+    if isinstance(w, parallel.AdapterBank):
+        y, outputs = _weight_product(x, w.base, n_in)
+        y = y + _banked_low_rank(x, w, n_in)
     else:
-        outputs = w.shape[n_in:]
-        y = product("...k,ko->...o", x, w.reshape(-1, math.prod(outputs)))
+        y, outputs = _weight_product(x, w, n_in)
     # named so remat="dots" keeps it: a custom_vjp call is no dot_general to jax.checkpoint_policies
     return checkpoint_name(y.reshape(*batch, *outputs).astype(dtype or x.dtype), WEIGHT_PRODUCT)
+
+
+def _weight_product(x, w, n_in: int):
+    """x [..., K] times a plain, inputs-last or int8 weight -> (float32 [..., O], the weight's output shape)."""
+    if isinstance(w, parallel.InputsLast):
+        outputs = w.array.shape[:-n_in]
+        return product("...k,ok->...o", x, w.array.reshape(math.prod(outputs), -1)), outputs
+    if isinstance(w, parallel.Quantized):
+        outputs = w.values.shape[n_in:]
+        return quantized_product(x, w.values.reshape(-1, math.prod(outputs)), w.scale.reshape(-1)), outputs
+    outputs = w.shape[n_in:]
+    return product("...k,ko->...o", x, w.reshape(-1, math.prod(outputs))), outputs
+
+
+def _banked_low_rank(x, w: "parallel.AdapterBank", n_in: int):
+    """x [B, ..., K] -> float32 [B, ..., O]: row b's (x A[rows[b]]) B[rows[b]] (scales folded into B).
+    Each row gathers its adapter's A [K, r] and B [r, O]: 2 r (K + O) reads and flops a row, a
+    few percent of the base weight's K O at the ranks served (r 8-64)."""
+    low, (n, r) = _weight_product(x, w.a, n_in)  # [..., N r]: every adapter's x A
+    low = low.reshape(w.rows.shape[0], -1, n, r)
+    low = jnp.where((jnp.arange(n) == w.rows[:, None])[:, None, :, None], low, 0).astype(x.dtype)
+    y, _ = _weight_product(low.reshape(*x.shape[:-1], n * r), w.b, 2)
+    return y
 
 
 WEIGHT_PRODUCT = "weight_product"  # the checkpoint_name of every dense() output
@@ -489,7 +508,7 @@ class Attention(hk.Module):
         only this shard's one."""
         w = parallel.weight(f"{which}_proj", shape, axes, 1, normal(self.spec.init_std), h.dtype)
         b = parallel.param(f"{which}_bias", shape[1:], axes[1:], ZEROS, h.dtype) if self.spec.qkv_bias else None
-        base = w.base if isinstance(w, parallel.LoRAWeight) else w
+        base = w.base if isinstance(w, (parallel.LoRAWeight, parallel.AdapterBank)) else w
         heads_here = (base.array.shape[0] if isinstance(base, parallel.InputsLast)
                       else base.values.shape[1] if isinstance(base, parallel.Quantized) else base.shape[1])
         if n_local is not None and heads_here * kv_group > n_local:  # kv heads replicated over mp
@@ -744,6 +763,8 @@ def _one_head(w, head):
         return parallel.InputsLast(jax.lax.dynamic_slice_in_dim(w.array, head, 1, axis=0), w.inputs)
     if isinstance(w, parallel.LoRAWeight):  # B [r, K, H]: its kv head too
         return w._replace(base=_one_head(w.base, head), b=jax.lax.dynamic_slice_in_dim(w.b, head, 1, axis=1))
+    if isinstance(w, parallel.AdapterBank):  # B [N, r, K, H]
+        return w._replace(base=_one_head(w.base, head), b=jax.lax.dynamic_slice_in_dim(w.b, head, 1, axis=2))
     if isinstance(w, parallel.Quantized):  # scale [K, H]
         return parallel.Quantized(_one_head(w.values, head), jax.lax.dynamic_slice_in_dim(w.scale, head, 1, axis=0))
     return jax.lax.dynamic_slice_in_dim(w, head, 1, axis=1)

@@ -127,6 +127,51 @@ def lora_plan(plan: Optional[LoRAPlan]):
         _state.lora = previous
 
 
+class BankPlan(NamedTuple):
+    """Several LoRA adapters served at once over one base (`generate.Generator(adapters=...)`).
+
+    targets: {(module name, leaf)} any adapter adapts (as `LoRAPlan`'s); adapters: the bank's size,
+    its entry 0 the base alone (zeros); rank: the largest adapter's (smaller ones padded with zeros).
+    """
+
+    targets: frozenset
+    adapters: int
+    rank: int
+
+
+class AdapterBank(NamedTuple):
+    """A frozen weight [*inputs, *outputs] with a bank of adapters, A [N, *inputs, r] and
+    B [N, r, *outputs] (each adapter's alpha / r folded into its B), and each batch row's entry
+    `rows` [B]: row b computes x W + (x A[rows[b]]) B[rows[b]] (Punica's batched gather-matmul,
+    Chen et al. 2023; vLLM's multi-LoRA). `layers.dense` reads it."""
+
+    base: jax.Array
+    a: jax.Array
+    b: jax.Array
+    rows: jax.Array
+
+
+@contextlib.contextmanager
+def adapter_bank(plan: Optional[BankPlan], rows=None):
+    """While active, `weight` pairs the weights `plan` targets with their bank of adapters, each
+    batch row reading entry `rows` [B] (this shard's rows). None: no bank."""
+    previous = getattr(_state, "bank", None)
+    _state.bank = None if plan is None else (plan, rows)
+    try:
+        yield
+    finally:
+        _state.bank = previous
+
+
+def bank_infos(info: ParamInfo) -> tuple[ParamInfo, ParamInfo]:
+    """The ParamInfos of a bank's A [N, *inputs, r] and B [N, r, *outputs] for a weight declared
+    with `info`: the weight's axes (so they shard like it), "lora_rank" and a leading "adapters"
+    axis that no rule maps; stored inputs-first, as a mixture's experts are."""
+    axes, k = info.axes, info.inputs
+    return (ParamInfo((*axes[:k], "adapters", "lora_rank"), k, False),
+            ParamInfo(("adapters", "lora_rank", *axes[k:]), 2, False))
+
+
 LORA_A, LORA_B = "_lora_a", "_lora_b"  # leaf-name suffixes of the two factors
 
 
@@ -198,8 +243,12 @@ def expert_weights(name: str, shape: tuple[int, ...], axes: tuple[str, ...], inp
 def _with_adapter(w, name: str, shape, axes, inputs: int, cast_to, experts: bool = False):
     """`w`, or `w` with its adapter where the `lora_plan` targets it (a mixture's: one per expert, the
     leading experts axis kept on A and B)."""
+    key = (hk.experimental.current_name().split("/")[-1], name)
+    bank = getattr(_state, "bank", None)
+    if bank is not None and not experts and key in bank[0].targets:
+        return _with_bank(w, name, shape, axes, inputs, cast_to, *bank)
     plan = getattr(_state, "lora", None)
-    if plan is None or (hk.experimental.current_name().split("/")[-1], name) not in plan.targets:
+    if plan is None or key not in plan.targets:
         return w
     lead = (shape[0],) if experts else ()  # [E]
     shape, axes = shape[len(lead):], axes[len(lead):]
@@ -213,6 +262,14 @@ def _with_adapter(w, name: str, shape, axes, inputs: int, cast_to, experts: bool
                  ParamInfo((*lead_axes, "lora_rank", *axes[inputs:]), 1, True, experts=experts),
                  hk.initializers.Constant(0.0), cast_to)
     return LoRAWeight(w, a, b, plan.scale, plan.dropout)
+
+
+def _with_bank(w, name: str, shape, axes, inputs: int, cast_to, plan: BankPlan, rows) -> AdapterBank:
+    info_a, info_b = bank_infos(ParamInfo(tuple(axes), inputs, True))
+    n, r = plan.adapters, plan.rank
+    a = _declare(name + LORA_A, (*shape[:inputs], n, r), info_a, hk.initializers.Constant(0.0), cast_to)
+    b = _declare(name + LORA_B, (n, r, *shape[inputs:]), info_b, hk.initializers.Constant(0.0), cast_to)
+    return AdapterBank(w, a, b, rows)
 
 
 def _declare(name: str, shape, info: ParamInfo, init, cast_to):

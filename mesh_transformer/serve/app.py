@@ -71,8 +71,11 @@ def create_app(engine: Engine, model_name: str = "mesh-transformer", api_key: Op
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
-                                            "owned_by": "mesh-transformer", "max_model_len": engine.context}]}
+        base = {"id": model_name, "object": "model", "created": created, "owned_by": "mesh-transformer",
+                "root": model_name, "parent": None, "max_model_len": engine.context}
+        adapters = engine.gen.adapters.names if engine.gen.adapters is not None else ()
+        return {"object": "list", "data": [base] + [{**base, "id": name, "root": name, "parent": model_name}
+                                                    for name in adapters]}
 
     @app.post("/complete")
     async def complete(http: HttpRequest):

@@ -264,13 +264,15 @@ class Engine:
 
     # ---- called from request handlers ---------------------------------------------------------
 
-    def sequence(self, prompt_ids: list[int], options: SamplingOptions, timeout: Optional[float]) -> Sequence:
-        """Build (and validate) a Sequence; ValueError names what is wrong."""
+    def sequence(self, prompt_ids: list[int], options: SamplingOptions, timeout: Optional[float],
+                 adapter: int = 0) -> Sequence:
+        """Build (and validate) a Sequence, under bank entry `adapter` (0: the base); ValueError names what is wrong."""
+        self.gen.check_adapters([adapter])
         if options.max_new_tokens > self.max_new_tokens:
             raise ValueError(f"max_tokens must be at most {self.max_new_tokens} for this model "
                              f"(context {self.context} tokens), got {options.max_new_tokens}")
         deadline = time.monotonic() + timeout if timeout else None
-        return Sequence(prompt_ids, options, self.context, self.tokenizer, deadline=deadline)
+        return Sequence(prompt_ids, options, self.context, self.tokenizer, deadline=deadline, adapter=adapter)
 
     def submit(self, seqs: list[Sequence], loop: Optional[asyncio.AbstractEventLoop] = None) -> Request:
         request = Request(seqs, loop)

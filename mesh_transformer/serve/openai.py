@@ -191,13 +191,30 @@ def options(engine: Engine, ignore_eos: bool = False, **given) -> SamplingOption
     return result
 
 
-def sequences(s: Settings, prompts, opts: SamplingOptions, n: int, seed: Optional[int]) -> list[Sequence]:
+def adapter(s: Settings, model: Optional[str]) -> int:
+    """The bank entry a request's `model` names: 0 (the base) for the served name or none, else a
+    LoRA adapter's (`--lora-modules`). With adapters loaded an unknown name is a 404, as vLLM's; without,
+    any name means the one model served (clients send their own model names)."""
+    names = s.engine.gen.adapters.names if s.engine.gen.adapters is not None else ()
+    if model is None or model == s.model_name or not names:
+        return 0
+    if model not in names:
+        served = ", ".join((s.model_name, *names))
+        raise ApiError(404, f"model: the model {model!r} does not exist (served: {served})", "not_found_error",
+                       param="model")
+    return s.engine.gen.adapter_id(model)
+
+
+def sequences(s: Settings, prompts, opts: SamplingOptions, n: int, seed: Optional[int],
+              model: Optional[str] = None) -> list[Sequence]:
+    """The request's sequences: each prompt `n` times (seeds seed, seed + 1, ..), under the adapter `model` names."""
+    entry = adapter(s, model)
     seqs = []
     for p in prompts:
         for j in range(n):
             o = opts if seed is None else dataclasses.replace(opts, seed=(seed + j) % 2**32)
             try:
-                seqs.append(s.engine.sequence(p, o, s.timeout))
+                seqs.append(s.engine.sequence(p, o, s.timeout, adapter=entry))
             except ValueError as e:
                 raise ApiError(400, str(e)) from None
     return seqs
@@ -353,7 +370,7 @@ async def completions(s: Settings, http: HttpRequest):
         return await _echo_completions(s, body, ids)
     max_tokens = body.max_tokens if body.max_tokens is not None else room(s.engine, ids)
     opts = body_options(s.engine, body, max_tokens, stop_list(body.stop), body.logprobs)
-    seqs = sequences(s, ids, opts, body.n, body.seed)
+    seqs = sequences(s, ids, opts, body.n, body.seed, body.model)
     head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
             "model": body.model or s.model_name}
     if body.stream:
@@ -420,6 +437,9 @@ async def _echo_completions(s: Settings, body: CompletionRequest, ids: list[list
     one's null (nothing comes before it), as OpenAI's legacy completions do. Prompts are scored
     together in one batched pass (`evaluate.scoring`); they must fit the context with max_tokens."""
     engine = s.engine
+    if body.logprobs is not None and adapter(s, body.model):
+        raise ApiError(400, f"model: echo with logprobs scores prompts with the base model only, not adapter "
+                            f"{body.model!r}", param="model")
     max_tokens = body.max_tokens if body.max_tokens is not None else 16
     if max_tokens < 0:
         raise ApiError(400, f"max_tokens must not be negative, got {max_tokens}", param="max_tokens")
@@ -432,7 +452,7 @@ async def _echo_completions(s: Settings, body: CompletionRequest, ids: list[list
     seqs: list[Optional[Sequence]] = [None] * (len(ids) * body.n)
     if max_tokens > 0:
         opts = body_options(engine, body, max_tokens, stop_list(body.stop), body.logprobs)
-        seqs = sequences(s, ids, opts, body.n, body.seed)
+        seqs = sequences(s, ids, opts, body.n, body.seed, body.model)
         submit_and_wait = wait(engine, seqs, s.timeout)
     else:
         submit_and_wait = None

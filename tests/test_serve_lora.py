@@ -1,0 +1,263 @@
+"""Several LoRA adapters served at once over one base (unmerged, chosen per request), PEFT the oracle.
+
+Adapters are made by peft on random tiny HF models with B random (so each changes the output) and
+rank, alpha and targets differing between them; each row of one batch runs with its own.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from helpers import FAMILY_CASES, NEW, make_hf_model, rounded_like_int8
+from mesh_transformer import loading, lora
+from mesh_transformer.config import ConfigError
+from mesh_transformer.generate import Batch, Generator, SamplingOptions
+from mesh_transformer.generate.prefix import PrefixCache
+
+torch = pytest.importorskip("torch")
+peft = pytest.importorskip("peft")
+
+# (family case, {adapter: (rank, alpha, PEFT target_modules)}); GPT-2's c_attn is our fused q/k/v
+ADAPTERS = {
+    "llama_gqa2_llama3_rope": {"a": (4, 8, ["q_proj", "v_proj"]),
+                               "b": (2, 3, ["k_proj", "o_proj", "gate_proj", "down_proj"])},
+    "gpt2": {"a": (4, 8, ["c_attn"]), "b": (2, 3, ["c_proj", "c_fc"])},
+}
+PROMPTS = [[5, 17, 3, 9, 44], [60, 2, 2, 81, 7, 13, 29, 30, 31], [11, 12, 13, 14, 15, 16, 17], [8] * 12]
+ROWS = [None, "a", "b", "a"]  # each prompt's adapter (None: the base)
+
+
+def hf_class(case: str):
+    import transformers
+    return getattr(transformers, FAMILY_CASES[case][1])
+
+
+def save_adapters(base_dir, cls, adapters: dict, out_dir, conv1d: bool = False, scale_b: float = 3.0) -> dict:
+    """PEFT adapters on the HF model (class `cls`) in `base_dir`, saved under `out_dir` -> {name: directory}."""
+    out = {}
+    for seed, (name, (rank, alpha, targets)) in enumerate(adapters.items(), 1):
+        torch.manual_seed(seed)
+        model = peft.get_peft_model(cls.from_pretrained(base_dir).eval(), peft.LoraConfig(
+            r=rank, lora_alpha=alpha, target_modules=targets, init_lora_weights=False, fan_in_fan_out=conv1d))
+        with torch.no_grad():  # B larger than PEFT's random init: every adapter changes the greedy tokens
+            for key, p in model.named_parameters():
+                if "lora_B" in key:
+                    p.mul_(scale_b)
+        out[name] = str(out_dir / f"adapter_{name}")
+        model.save_pretrained(out[name])
+    return out
+
+
+@pytest.fixture(scope="module", params=sorted(ADAPTERS))
+def served(request, tmp_path_factory):
+    case = request.param
+    root = tmp_path_factory.mktemp(f"lora_{case}")
+    make_hf_model(root / "base", case)
+    return case, root / "base", save_adapters(root / "base", hf_class(case), ADAPTERS[case], root, case == "gpt2")
+
+
+@pytest.fixture
+def no_tokenizer(monkeypatch):
+    monkeypatch.setattr(loading, "resolve_tokenizer", lambda *a: None)  # the tiny vocabularies have none
+
+
+def oracle(cls, base_dir, adapter_dir, int8: bool = False):
+    """transformers' model, with PEFT's adapter (its base rounded as int8 keeps it, for an int8 generator)."""
+    model = cls.from_pretrained(base_dir).eval()
+    model = rounded_like_int8(model) if int8 else model
+    return model if adapter_dir is None else peft.PeftModel.from_pretrained(model, adapter_dir).eval()
+
+
+def assert_peft_continuations(case, base_dir, dirs, prompts, names, seqs, int8=False, tol=2e-5, cls=None):
+    """Each sequence's greedy tokens are its adapter's argmax under PeftModel (teacher-forced on
+    prompt + tokens), and its log-probabilities PeftModel's."""
+    for name in set(names):
+        model = oracle(cls or hf_class(case), base_dir, dirs.get(name), int8)
+        for prompt, seq in [(p, s) for p, n, s in zip(prompts, names, seqs) if n == name]:
+            with torch.no_grad():
+                logp = torch.log_softmax(model(torch.tensor([prompt + seq.tokens])).logits[0].float(), -1).numpy()
+            at = np.arange(len(prompt) - 1, len(prompt) + len(seq.tokens) - 1)
+            np.testing.assert_allclose(seq.logprobs, logp[at, seq.tokens], atol=tol, err_msg=f"adapter {name}")
+            assert np.all(logp[at, seq.tokens] >= logp[at].max(-1) - tol), f"adapter {name}: not the argmax"
+
+
+@pytest.mark.parametrize("dp, mp, quantize", [(1, 1, None), (2, 2, None), (1, 4, "int8")])
+def test_rows_of_one_batch_run_with_their_own_adapters(served, dp, mp, quantize, no_tokenizer):
+    """One batch, rows under the base, adapter a, adapter b and a again: every row's greedy tokens
+    and log-probabilities are PeftModel's with that adapter. mp 4 (LLaMA's 2 kv heads replicated:
+    each shard's kv head of B) with an int8 base; dp 2 (each shard's rows their own entries)."""
+    case, base_dir, dirs = served
+    loaded = loading.load(hf=str(base_dir), dtype="float32", mp=mp, dp=dp)
+    loaded.quantize = quantize
+    gen = loaded.generator(adapters=sorted(dirs.items()))
+    assert gen.adapters.names == ("a", "b") and not gen.layout.fused
+    seqs = gen.generate(PROMPTS, SamplingOptions(max_new_tokens=6, temperature=0.0, logprobs=0), adapters=ROWS)
+    assert_peft_continuations(case, base_dir, dirs, PROMPTS, ROWS, seqs, int8=quantize == "int8")
+    assert len({tuple(s.tokens) for s in seqs[:3]}) == 3
+
+
+def test_an_adapter_set_pads_ranks_and_folds_scales(served, no_tokenizer):
+    """The bank (A [(L,) *inputs, N, r], B [(L,) N, r, *outputs]): entry 0 zeros, each adapter's B
+    times its alpha / r, ranks padded with zeros to the largest, zeros where an adapter leaves a
+    weight alone."""
+    case, base_dir, dirs = served
+    config = loading.load(hf=str(base_dir), dtype="float32", mp=1, dp=1).config
+    bank = lora.adapter_set(sorted(dirs.items()), config)
+    assert (bank.plan.adapters, bank.plan.rank) == (3, 4)
+    for name, (rank, alpha, _) in ADAPTERS[case].items():
+        spec, leaves = lora.load_peft(dirs[name], config)
+        entry = bank.names.index(name) + 1
+        for module, own in leaves.items():
+            lead = 1 if "/layers/" in module else 0  # the stacked layers' axis
+            for leaf, x in own.items():
+                banked = bank.leaves[module][leaf]
+                if leaf.endswith(lora.parallel.LORA_A):
+                    banked = np.moveaxis(banked, -2, 0)
+                    np.testing.assert_array_equal(banked[entry][..., :rank], x)
+                    assert not np.any(banked[entry][..., rank:])
+                else:
+                    banked = np.moveaxis(banked, lead, 0)
+                    np.testing.assert_allclose(np.moveaxis(banked[entry], lead, 0)[:rank],
+                                               np.moveaxis(x, lead, 0) * alpha / rank, rtol=1e-6)
+                    assert not np.any(np.moveaxis(banked[entry], lead, 0)[rank:])
+                assert not np.any(banked[0])
+        untouched = [(m, leaf) for m, ls in bank.leaves.items() for leaf in ls if leaf not in leaves.get(m, {})]
+        assert untouched
+        for m, leaf in untouched:
+            axis = -2 if leaf.endswith(lora.parallel.LORA_A) else (1 if "/layers/" in m else 0)
+            assert not np.any(np.take(bank.leaves[m][leaf], entry, axis=axis))
+
+
+def test_prefix_cache_blocks_belong_to_one_adapter(served, no_tokenizer):
+    """The same 40-token prompt under adapter a, then b, then a: b finds none of a's blocks (its
+    keys and values differ), the second a finds them; every answer equals its adapter's alone."""
+    case, base_dir, dirs = served
+    gen = loading.load(hf=str(base_dir), dtype="float32", mp=1, dp=1).generator(adapters=sorted(dirs.items()))
+    prompt = [int(t) for t in np.random.RandomState(3).randint(90, size=40)]
+    options = SamplingOptions(max_new_tokens=4, temperature=0.0, logprobs=0)
+    alone = {name: gen.generate([prompt], options, adapters=[name])[0].tokens for name in ("a", "b")}
+    batch = Batch(gen, 2, 64, 4, PrefixCache(gen, 256, 16))
+    hits = []
+    for name in ("a", "b", "a"):
+        before = batch.prefix.hits
+        [seq] = gen.sequences([prompt], options, adapters=[name])
+        batch.admit([seq])
+        while batch.active():
+            batch.step()
+        hits.append(batch.prefix.hits - before)
+        assert seq.tokens == alone[name], name
+    assert hits == [0, 0, 32]
+
+
+def test_adapters_that_cannot_be_served_are_refused_by_name(served, tmp_path, no_tokenizer):
+    case, base_dir, dirs = served
+    loaded = loading.load(hf=str(base_dir), dtype="float32", mp=1, dp=1)
+    with pytest.raises(ConfigError, match="adapter names must differ"):
+        lora.adapter_set([("a", dirs["a"]), ("a", dirs["b"])], loaded.config)
+    with pytest.raises(ConfigError, match="no adapter_config.json .* to_hf_weights.py --peft"):
+        lora.adapter_set([("a", str(tmp_path))], loaded.config)
+    with pytest.raises(ConfigError, match="--lora-modules takes NAME=PATH items, got 'a'"):
+        lora.parse_named(["a"], "--lora-modules")
+    gen = Generator(loaded.config, loaded.params, loaded.mesh, adapters=lora.adapter_set([("a", dirs["a"])],
+                                                                                          loaded.config))
+    with pytest.raises(ValueError, match=r"adapter 'b' is not loaded \(this generator's adapters: a\)"):
+        gen.sequences([[1, 2]], SamplingOptions(), adapters=["b"])
+
+
+def test_expert_adapters_are_refused_for_serving(tmp_path, no_tokenizer):
+    """A mixture's expert adapters (PEFT's target_parameters) merge (--lora-adapter) but are not served unmerged."""
+    make_hf_model(tmp_path / "base", "mixtral_window")
+    torch.manual_seed(1)
+    model = peft.get_peft_model(hf_class("mixtral_window").from_pretrained(tmp_path / "base"), peft.LoraConfig(
+        r=2, lora_alpha=4, target_modules=["q_proj"], target_parameters=["mlp.experts.down_proj"]))
+    model.save_pretrained(tmp_path / "experts")
+    config = loading.load(hf=str(tmp_path / "base"), dtype="float32", mp=1, dp=1).config
+    with pytest.raises(ConfigError, match="adapter 'x' adapts a mixture's experts .* --lora-adapter"):
+        lora.adapter_set([("x", str(tmp_path / "experts"))], config)
+
+
+# --------------------------------------------------------------------------------------------
+# Over HTTP: the request's `model` picks the adapter (vLLM's --lora-modules)
+# --------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def lora_server(tiny, tmp_path_factory):
+    """The serving tests' tiny GPT-J (its tokenizer beside it) with adapters 'chat' and 'code',
+    served as 'tiny' on loopback -> (generator, url, adapter directories)."""
+    from mesh_transformer.serve import Engine, create_app
+    from tests.serving import KEY, start_server
+    root = tmp_path_factory.mktemp("lora_http")
+    dirs = save_adapters(tiny.path, type(tiny.torch), {"chat": (4, 8, ["q_proj", "v_proj"]),
+                                                       "code": (2, 4, ["fc_in", "fc_out"])}, root, scale_b=6.0)
+    gen = loading.load(hf=str(tiny.path), dtype="float32", mp=1, dp=1).generator(adapters=sorted(dirs.items()))
+    engine = Engine(gen, tiny.tokenizer, max_batch=4, chunk=4, batch_invariant=True).start()
+    server, url = start_server(create_app(engine, model_name="tiny", api_key=KEY))
+    yield gen, url, dirs
+    server.should_exit = True
+    engine.stop()
+
+
+def test_requests_choose_their_adapter_by_model(lora_server, tiny):
+    """Concurrent requests naming the base, 'chat' and 'code' (the official openai client), decoded
+    in one batch: each answer is the library's with that adapter, which is PeftModel's; streamed
+    chat too. /v1/models lists the adapters with the base as their parent."""
+    import concurrent.futures
+
+    from openai import OpenAI
+    from tests.serving import KEY
+    gen, url, dirs = lora_server
+    client = OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=60)
+    prompt = "The quick brown fox"
+    ids = tiny.tokenizer.encode(prompt)
+    models = [None, "chat", "code", "chat", "tiny"]
+    options = SamplingOptions(max_new_tokens=NEW, temperature=0.0, logprobs=0)
+    library = gen.generate([ids] * 5, options, tiny.tokenizer, adapters=[m if m != "tiny" else None for m in models])
+    assert_peft_continuations("gptj", tiny.path, dirs, [ids] * 3, models[:3], library[:3],
+                              cls=type(tiny.torch))
+    assert len({s.text for s in library[:3]}) == 3
+
+    def complete(model):
+        return client.completions.create(model=model or "tiny", prompt=prompt, max_tokens=NEW, temperature=0)
+
+    with concurrent.futures.ThreadPoolExecutor(5) as pool:
+        answers = list(pool.map(complete, models))
+    assert [a.choices[0].text for a in answers] == [s.text for s in library]
+    assert [a.model for a in answers] == ["tiny", "chat", "code", "chat", "tiny"]
+
+    stream = client.chat.completions.create(model="code", messages=[{"role": "user", "content": prompt}],
+                                            max_tokens=4, temperature=0, stream=True)
+    streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    chat = client.chat.completions.create(model="code", messages=[{"role": "user", "content": prompt}],
+                                          max_tokens=4, temperature=0)
+    assert streamed == chat.choices[0].message.content
+    listed = {m.id: m.model_extra.get("parent") for m in client.models.list().data}
+    assert listed == {"tiny": None, "chat": "tiny", "code": "tiny"}
+
+
+def test_an_unknown_model_is_a_404_naming_the_served_ones(lora_server):
+    import openai
+    from tests.serving import KEY
+    _, url, _ = lora_server
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=60)
+    with pytest.raises(openai.NotFoundError, match=r"model: the model 'chatt' does not exist \(served: tiny, chat, code\)"):
+        client.completions.create(model="chatt", prompt="The", max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="echo with logprobs scores prompts with the base model only"):
+        client.completions.create(model="chat", prompt="The", max_tokens=0, echo=True, logprobs=1)
+
+
+def _decode_all_reduces(gen) -> int:
+    import re
+    state = gen.new_state(4, 32)
+    text = gen._decode.lower(gen.params, state, np.int32(0), np.int32(2), 2, 32, 4).compile().as_text()
+    return len(re.findall(r"= \S+ all-reduce(?:-start)?\(", text))
+
+
+def test_adapters_add_no_collectives_under_mp(served, no_tokenizer):
+    """On mp 2 the low-rank paths shard like their weights: a column-parallel weight's B splits its
+    outputs, a row-parallel weight's A its inputs and the partial products join the weight's own
+    all-reduce. The decode program holds as many all-reduces as without adapters (unfused too)."""
+    case, base_dir, dirs = served
+    load = lambda: loading.load(hf=str(base_dir), dtype="float32", mp=2, dp=1)  # noqa: E731
+    plain = Generator(*(lambda m: (m.config, m.params, m.mesh))(load()), fuse=False)
+    banked = load().generator(adapters=sorted(dirs.items()))
+    assert _decode_all_reduces(banked) == _decode_all_reduces(plain) > 0
