@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from helpers import FAMILY_CASES, NEW, make_hf_model, rounded_like_int8
+from helpers import FAMILY_CASES, NEW, make_hf_model, rounded_like_int8, save_peft_adapters
 from mesh_transformer import loading, lora
 from mesh_transformer.config import ConfigError
 from mesh_transformer.generate import Batch, Generator, SamplingOptions
@@ -32,28 +32,12 @@ def hf_class(case: str):
     return getattr(transformers, FAMILY_CASES[case][1])
 
 
-def save_adapters(base_dir, cls, adapters: dict, out_dir, conv1d: bool = False, scale_b: float = 3.0) -> dict:
-    """PEFT adapters on the HF model (class `cls`) in `base_dir`, saved under `out_dir` -> {name: directory}."""
-    out = {}
-    for seed, (name, (rank, alpha, targets)) in enumerate(adapters.items(), 1):
-        torch.manual_seed(seed)
-        model = peft.get_peft_model(cls.from_pretrained(base_dir).eval(), peft.LoraConfig(
-            r=rank, lora_alpha=alpha, target_modules=targets, init_lora_weights=False, fan_in_fan_out=conv1d))
-        with torch.no_grad():  # B larger than PEFT's random init: every adapter changes the greedy tokens
-            for key, p in model.named_parameters():
-                if "lora_B" in key:
-                    p.mul_(scale_b)
-        out[name] = str(out_dir / f"adapter_{name}")
-        model.save_pretrained(out[name])
-    return out
-
-
 @pytest.fixture(scope="module", params=sorted(ADAPTERS))
 def served(request, tmp_path_factory):
     case = request.param
     root = tmp_path_factory.mktemp(f"lora_{case}")
     make_hf_model(root / "base", case)
-    return case, root / "base", save_adapters(root / "base", hf_class(case), ADAPTERS[case], root, case == "gpt2")
+    return case, root / "base", save_peft_adapters(root / "base", hf_class(case), ADAPTERS[case], root, case == "gpt2")
 
 
 @pytest.fixture
@@ -187,7 +171,7 @@ def lora_server(tiny, tmp_path_factory):
     from mesh_transformer.serve import Engine, create_app
     from tests.serving import KEY, start_server
     root = tmp_path_factory.mktemp("lora_http")
-    dirs = save_adapters(tiny.path, type(tiny.torch), {"chat": (4, 8, ["q_proj", "v_proj"]),
+    dirs = save_peft_adapters(tiny.path, type(tiny.torch), {"chat": (4, 8, ["q_proj", "v_proj"]),
                                                        "code": (2, 4, ["fc_in", "fc_out"])}, root, scale_b=6.0)
     gen = loading.load(hf=str(tiny.path), dtype="float32", mp=1, dp=1).generator(adapters=sorted(dirs.items()))
     engine = Engine(gen, tiny.tokenizer, max_batch=4, chunk=4, batch_invariant=True).start()

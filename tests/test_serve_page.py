@@ -77,6 +77,7 @@ def test_playground_prompt_and_chat_at_temperature_0_show_the_api_answers(browse
     browser.get(page_url + "/")
     assert browser.title == "mesh-transformer playground"
     assert text_of(browser, "model") == "gpt-j-tiny-random"
+    assert not browser.find_element("id", "model-choice").is_displayed()  # no adapters: nothing to choose
     assert console_errors(browser) == []
 
     expected = api.completions.create(model="tiny", prompt="The quick brown", max_tokens=12, temperature=0)
@@ -114,3 +115,44 @@ def test_playground_shows_api_errors(browser, page_url):
     assert "max_tokens must be at most 31" in browser.find_element("id", "status").text
     # the 400 itself is the only console entry (Chromium logs failed fetches)
     assert all("400" in e["message"] for e in console_errors(browser))
+
+
+@pytest.fixture(scope="module")
+def lora_page_url(tiny, tmp_path_factory):
+    """The tiny model served with a LoRA adapter 'chat' (`--lora-modules`)."""
+    pytest.importorskip("peft")
+    from mesh_transformer import loading
+    from mesh_transformer.serve import Engine
+    from tests.helpers import save_peft_adapters
+    dirs = save_peft_adapters(tiny.path, type(tiny.torch), {"chat": (4, 32, ["q_proj", "fc_out"])},
+                              tmp_path_factory.mktemp("page_adapter"))
+    gen = loading.load(hf=str(tiny.path), dtype="float32", mp=1, dp=1).generator(adapters=sorted(dirs.items()))
+    engine = Engine(gen, tiny.tokenizer, max_batch=4, chunk=4).start()
+    server, base = start_server(create_app(engine, model_name="gpt-j-tiny-random", api_key=KEY))
+    yield base
+    server.should_exit = True
+    engine.stop()
+
+
+def test_playground_chooses_a_lora_adapter(browser, lora_page_url):
+    """With adapters served, the page offers the base and each adapter; choosing one sends its name
+    as `model`, and the page shows that adapter's greedy completion (not the base's)."""
+    from openai import OpenAI
+    from selenium.webdriver.support.ui import Select
+
+    api = OpenAI(base_url=f"{lora_page_url}/v1", api_key=KEY, max_retries=0, timeout=60)
+    expected = {m: api.completions.create(model=m, prompt="The quick brown", max_tokens=12, temperature=0)
+                .choices[0].text for m in ("gpt-j-tiny-random", "chat")}
+    assert expected["chat"] != expected["gpt-j-tiny-random"]
+    browser.get(lora_page_url + "/")
+    choice = Select(browser.find_element("id", "model-choice"))
+    assert [o.text for o in choice.options] == ["gpt-j-tiny-random", "chat"]
+    fill(browser, "api-key", KEY)
+    fill(browser, "prompt", "The quick brown")
+    fill(browser, "temperature", "0")
+    fill(browser, "max-tokens", "12")
+    for model in ("chat", "gpt-j-tiny-random"):
+        choice.select_by_visible_text(model)
+        assert run_and_wait(browser) == "done"
+        assert text_of(browser, "output") == expected[model]
+    assert console_errors(browser) == []

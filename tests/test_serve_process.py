@@ -55,14 +55,10 @@ def wait_until_up(proc: subprocess.Popen, url: str) -> None:
 @pytest.fixture(scope="module")
 def adapter_dir(tiny, tmp_path_factory):
     """A PEFT LoRA adapter (B random) on the tiny model, for --lora-modules."""
-    peft = pytest.importorskip("peft")
-    import torch
-    torch.manual_seed(1)
-    model = peft.get_peft_model(type(tiny.torch).from_pretrained(tiny.path).eval(), peft.LoraConfig(
-        r=4, lora_alpha=32, target_modules=["q_proj", "fc_out"], init_lora_weights=False))
-    path = tmp_path_factory.mktemp("served_adapter") / "chat"
-    model.save_pretrained(path)
-    return path
+    pytest.importorskip("peft")
+    from tests.helpers import save_peft_adapters
+    return save_peft_adapters(tiny.path, type(tiny.torch), {"chat": (4, 32, ["q_proj", "fc_out"])},
+                              tmp_path_factory.mktemp("served_adapter"))["chat"]
 
 
 @pytest.fixture(scope="module")

@@ -140,10 +140,10 @@ class BankPlan(NamedTuple):
 
 
 class AdapterBank(NamedTuple):
-    """A frozen weight [*inputs, *outputs] with a bank of adapters, A [N, *inputs, r] and
-    B [N, r, *outputs] (each adapter's alpha / r folded into its B), and each batch row's entry
-    `rows` [B]: row b computes x W + (x A[rows[b]]) B[rows[b]] (Punica's batched gather-matmul,
-    Chen et al. 2023; vLLM's multi-LoRA). `layers.dense` reads it."""
+    """A frozen weight [*inputs, *outputs] with a bank of N adapters, A [*inputs, N, r] and
+    B [N, r, *outputs] (each adapter's alpha / r folded into its B; entry 0 zeros, the base alone),
+    and each batch row's entry `rows` [B]: row b computes x W + (x A_e) B_e for e = rows[b] (the
+    batched multi-LoRA of Punica, Chen et al. 2023, and vLLM). `layers.dense` reads it."""
 
     base: jax.Array
     a: jax.Array
@@ -164,9 +164,10 @@ def adapter_bank(plan: Optional[BankPlan], rows=None):
 
 
 def bank_infos(info: ParamInfo) -> tuple[ParamInfo, ParamInfo]:
-    """The ParamInfos of a bank's A [N, *inputs, r] and B [N, r, *outputs] for a weight declared
-    with `info`: the weight's axes (so they shard like it), "lora_rank" and a leading "adapters"
-    axis that no rule maps; stored inputs-first, as a mixture's experts are."""
+    """The ParamInfos of a bank's A [*inputs, N, r] and B [N, r, *outputs] for a weight declared
+    with `info`: matmul weights of their own (A's outputs, B's inputs the "adapters" and "lora_rank"
+    axes, which no rule maps), with the weight's axes, so they shard like it and take the decode
+    layout (inputs-last) the weights take."""
     axes, k = info.axes, info.inputs
     return (ParamInfo((*axes[:k], "adapters", "lora_rank"), k, False),
             ParamInfo(("adapters", "lora_rank", *axes[k:]), 2, False))

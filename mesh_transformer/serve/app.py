@@ -44,7 +44,11 @@ def create_app(engine: Engine, model_name: str = "mesh-transformer", api_key: Op
     app.add_middleware(_Guard, limit=max_request_bytes, api_key=api_key, metrics=engine.metrics)
     settings = oa.Settings(engine, model_name, timeout, max_prompts, chat_api.ChatTemplate(engine.tokenizer, chat_template))
     created = int(time.time())
-    page = PAGE.read_text(encoding="utf-8").replace("{{MODEL}}", html.escape(model_name)).encode()
+    adapters = engine.gen.adapters.names if engine.gen.adapters is not None else ()
+    page = (PAGE.read_text(encoding="utf-8").replace("{{MODEL}}", html.escape(model_name))
+            .replace("{{MODEL_PANE}}", "" if adapters else "hidden")
+            .replace("{{MODEL_OPTIONS}}", "".join(f"<option>{html.escape(m)}</option>" for m in (model_name, *adapters)))
+            .encode())
 
     @app.exception_handler(oa.ApiError)
     async def _api_error(_, e: oa.ApiError):
@@ -73,7 +77,6 @@ def create_app(engine: Engine, model_name: str = "mesh-transformer", api_key: Op
     async def models():
         base = {"id": model_name, "object": "model", "created": created, "owned_by": "mesh-transformer",
                 "root": model_name, "parent": None, "max_model_len": engine.context}
-        adapters = engine.gen.adapters.names if engine.gen.adapters is not None else ()
         return {"object": "list", "data": [base] + [{**base, "id": name, "root": name, "parent": model_name}
                                                     for name in adapters]}
 
