@@ -90,6 +90,9 @@ def main(argv=None):
         args.dtype = "float32"  # XLA:CPU runs 16-bit matmuls through slow paths (README, "Decode")
     with cli.user_errors(OSError) as status:
         adapters = lora.parse_named(args.lora_modules, "--lora-modules")
+        if adapters and args.lora_adapter:
+            raise ConfigError("--lora-adapter merges an adapter into the base and --lora-modules serves adapters "
+                              "made for the base: pass one (merge first with to_hf_weights.py to serve both)")
         model = loading.from_args(args)
         model_name = args.model_name or model.name
         if model_name in {name for name, _ in adapters}:

@@ -385,6 +385,10 @@ def load_peft(directory: str, model: ModelConfig, mp: int = 1) -> tuple[LoraConf
             raise ConfigError(f"{path / ADAPTER_CONFIG}: {key} is not supported")
     if cfg.get("bias", "none") != "none":
         raise ConfigError(f"{path / ADAPTER_CONFIG}: bias {cfg.get('bias')!r} is not supported (only 'none')")
+    if cfg.get("modules_to_save"):
+        raise ConfigError(f"{path / ADAPTER_CONFIG}: modules_to_save {cfg['modules_to_save']!r} (whole modules trained "
+                          f"beside the adapter) is not supported: merge the adapter into the model with PEFT's "
+                          f"merge_and_unload and load that model")
     targets = cfg.get("target_modules") or []
     targets = [targets] if isinstance(targets, str) else list(targets)
     expert_targets = _expert_targets(cfg.get("target_parameters") or [], model, path / ADAPTER_CONFIG)
@@ -405,8 +409,10 @@ def load_peft(directory: str, model: ModelConfig, mp: int = 1) -> tuple[LoraConf
     if not weights_file.exists():
         raise ConfigError(f"{path}: no {ADAPTER_WEIGHTS}")
     tensors = load_file(str(weights_file))
+    read: set = set()
 
     def tensor(key):
+        read.add(key)
         try:
             return tensors[key].astype(np.float32)
         except KeyError:
@@ -445,6 +451,10 @@ def load_peft(directory: str, model: ModelConfig, mp: int = 1) -> tuple[LoraConf
         for j, (m, leaf) in enumerate(entry.ours):
             out.setdefault(_path(model, m), {})[leaf + parallel.LORA_A] = np.stack([parts[j][0] for parts in layers])
             out.setdefault(_path(model, m), {})[leaf + parallel.LORA_B] = np.stack([parts[j][1] for parts in layers])
+    unread = sorted(set(tensors) - read)
+    if unread:
+        raise ConfigError(f"{weights_file}: {len(unread)} tensors are not LoRA factors of the targeted modules "
+                          f"(e.g. {unread[0]!r}), which this adapter would lose")
     shaped = _reshape_like(out, model, lora, mp)
     return lora, shaped
 
@@ -472,7 +482,10 @@ def adapter_set(adapters: Sequence[tuple[str, str]], model: ModelConfig, mp: int
         raise ConfigError(f"adapter names must differ, got {', '.join(names)}")
     loaded = []
     for name, directory in adapters:
-        spec, leaves = load_peft(directory, model, mp)
+        try:
+            spec, leaves = load_peft(directory, model, mp)
+        except (ConfigError, ValueError) as e:  # (a bare ValueError: shapes of another model's adapter)
+            raise ConfigError(f"adapter {name!r} ({directory}): {e}") from None
         if _resolve(model, spec)[1]:
             raise ConfigError(f"{directory}: adapter {name!r} adapts a mixture's experts (target_parameters), which "
                               f"served adapters do not support; merge it into the weights with --lora-adapter")
@@ -484,8 +497,6 @@ def adapter_set(adapters: Sequence[tuple[str, str]], model: ModelConfig, mp: int
     out: dict = {}
     for m, n in keys:
         info = infos[m][n[: -len(parallel.LORA_A)]]
-        lead = len(next(ls[m][n] for _, ls in loaded if n in ls.get(m, {})).shape) - (
-            len(info.axes) + 1 if n.endswith(parallel.LORA_A) else len(info.axes) - info.inputs + 1)  # (L,)
         stacked = []
         for spec, leaves in loaded:
             x = leaves.get(m, {}).get(n)
@@ -494,11 +505,13 @@ def adapter_set(adapters: Sequence[tuple[str, str]], model: ModelConfig, mp: int
             if n.endswith(parallel.LORA_A):  # [(L,) *inputs, r]: the rank is last
                 stacked.append(np.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, rank - x.shape[-1])]))
             else:  # [(L,) r, *outputs]: alpha / r folded in
+                lead = x.ndim - 1 - (len(info.axes) - info.inputs)  # (L,): the stacked layers' axis
                 pad = [(0, 0)] * x.ndim
                 pad[lead] = (0, rank - x.shape[lead])
                 stacked.append(np.pad(x * spec.scale, pad))
         entries = [np.zeros_like(stacked[0])] + stacked
-        out.setdefault(m, {})[n] = np.stack(entries, axis=-2 if n.endswith(parallel.LORA_A) else lead)
+        at = -2 if n.endswith(parallel.LORA_A) else entries[0].ndim - 1 - (len(info.axes) - info.inputs)
+        out.setdefault(m, {})[n] = np.stack(entries, axis=at)
     return AdapterSet(tuple(names), parallel.BankPlan(targets, len(names) + 1, rank), out)
 
 

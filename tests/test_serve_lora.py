@@ -65,16 +65,19 @@ def assert_peft_continuations(case, base_dir, dirs, prompts, names, seqs, int8=F
             assert np.all(logp[at, seq.tokens] >= logp[at].max(-1) - tol), f"adapter {name}: not the argmax"
 
 
-@pytest.mark.parametrize("dp, mp, quantize", [(1, 1, None), (2, 2, None), (1, 4, "int8")])
-def test_rows_of_one_batch_run_with_their_own_adapters(served, dp, mp, quantize, no_tokenizer):
+@pytest.mark.parametrize("dp, mp, quantize, matvec", [(1, 1, None, None), (2, 2, None, None), (1, 4, None, True),
+                                                     (1, 4, "int8", None)])
+def test_rows_of_one_batch_run_with_their_own_adapters(served, dp, mp, quantize, matvec, no_tokenizer):
     """One batch, rows under the base, adapter a, adapter b and a again: every row's greedy tokens
     and log-probabilities are PeftModel's with that adapter. mp 4 (LLaMA's 2 kv heads replicated:
-    each shard's kv head of B) with an int8 base; dp 2 (each shard's rows their own entries)."""
+    each shard's kv head of B) with inputs-last weights and with an int8 base (inputs-first); dp 2
+    (each shard's rows their own entries)."""
     case, base_dir, dirs = served
     loaded = loading.load(hf=str(base_dir), dtype="float32", mp=mp, dp=dp)
     loaded.quantize = quantize
-    gen = loaded.generator(adapters=sorted(dirs.items()))
+    gen = loaded.generator(matvec=matvec, adapters=sorted(dirs.items()))
     assert gen.adapters.names == ("a", "b") and not gen.layout.fused
+    assert gen.inputs_last or matvec is None
     seqs = gen.generate(PROMPTS, SamplingOptions(max_new_tokens=6, temperature=0.0, logprobs=0), adapters=ROWS)
     assert_peft_continuations(case, base_dir, dirs, PROMPTS, ROWS, seqs, int8=quantize == "int8")
     assert len({tuple(s.tokens) for s in seqs[:3]}) == 3
@@ -138,14 +141,39 @@ def test_adapters_that_cannot_be_served_are_refused_by_name(served, tmp_path, no
     loaded = loading.load(hf=str(base_dir), dtype="float32", mp=1, dp=1)
     with pytest.raises(ConfigError, match="adapter names must differ"):
         lora.adapter_set([("a", dirs["a"]), ("a", dirs["b"])], loaded.config)
-    with pytest.raises(ConfigError, match="no adapter_config.json .* to_hf_weights.py --peft"):
+    with pytest.raises(ConfigError, match=r"adapter 'a' \(.*\): .*no adapter_config.json .* to_hf_weights.py --peft"):
         lora.adapter_set([("a", str(tmp_path))], loaded.config)
+    import dataclasses
+    wider = dataclasses.replace(loaded.config, d_model=2 * loaded.config.d_model)  # another base's adapter
+    with pytest.raises(ConfigError, match=r"adapter 'b' \(.*adapter_b\): "):
+        lora.adapter_set([("b", dirs["b"])], wider)
     with pytest.raises(ConfigError, match="--lora-modules takes NAME=PATH items, got 'a'"):
         lora.parse_named(["a"], "--lora-modules")
     gen = Generator(loaded.config, loaded.params, loaded.mesh, adapters=lora.adapter_set([("a", dirs["a"])],
                                                                                           loaded.config))
     with pytest.raises(ValueError, match=r"adapter 'b' is not loaded \(this generator's adapters: a\)"):
         gen.sequences([[1, 2]], SamplingOptions(), adapters=["b"])
+
+
+def test_parts_of_an_adapter_that_would_be_lost_are_refused(served, tmp_path, no_tokenizer):
+    """modules_to_save (whole trained modules beside the adapter), or tensors no target reads: one
+    error naming the file, for serving and merging alike (nothing silently dropped)."""
+    import json
+    import shutil
+    from safetensors.numpy import load_file, save_file
+    case, base_dir, dirs = served
+    config = loading.load(hf=str(base_dir), dtype="float32", mp=1, dp=1).config
+    saved = shutil.copytree(dirs["a"], tmp_path / "saved")
+    cfg = json.loads((saved / lora.ADAPTER_CONFIG).read_text())
+    (saved / lora.ADAPTER_CONFIG).write_text(json.dumps({**cfg, "modules_to_save": ["lm_head"]}))
+    with pytest.raises(ConfigError, match="modules_to_save \\['lm_head'\\] .* merge_and_unload"):
+        lora.load_peft(str(saved), config)
+    extra = shutil.copytree(dirs["a"], tmp_path / "extra")
+    tensors = load_file(str(extra / lora.ADAPTER_WEIGHTS))
+    save_file({**tensors, "base_model.model.lm_head.weight": np.zeros((2, 2), np.float32)},
+              str(extra / lora.ADAPTER_WEIGHTS))
+    with pytest.raises(ConfigError, match="1 tensors are not LoRA factors .*lm_head.weight"):
+        lora.adapter_set([("a", str(extra))], config)
 
 
 def test_expert_adapters_are_refused_for_serving(tmp_path, no_tokenizer):
@@ -227,6 +255,13 @@ def test_an_unknown_model_is_a_404_naming_the_served_ones(lora_server):
         client.completions.create(model="chatt", prompt="The", max_tokens=2)
     with pytest.raises(openai.BadRequestError, match="echo with logprobs scores prompts with the base model only"):
         client.completions.create(model="chat", prompt="The", max_tokens=0, echo=True, logprobs=1)
+
+
+def test_an_adapter_named_like_the_base_is_refused(lora_server, tiny):
+    from mesh_transformer.serve import Engine, create_app
+    gen, _, _ = lora_server
+    with pytest.raises(ValueError, match="adapter name 'chat' is the served model's name"):
+        create_app(Engine(gen, tiny.tokenizer), model_name="chat")
 
 
 def _decode_all_reduces(gen) -> int:

@@ -53,19 +53,10 @@ def wait_until_up(proc: subprocess.Popen, url: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def adapter_dir(tiny, tmp_path_factory):
-    """A PEFT LoRA adapter (B random) on the tiny model, for --lora-modules."""
-    pytest.importorskip("peft")
-    from tests.helpers import save_peft_adapters
-    return save_peft_adapters(tiny.path, type(tiny.torch), {"chat": (4, 32, ["q_proj", "fc_out"])},
-                              tmp_path_factory.mktemp("served_adapter"))["chat"]
-
-
-@pytest.fixture(scope="module")
-def servers(tiny, adapter_dir):
-    """Two servers started together: the batching flags (and an adapter), and a 1 ms --timeout (every request expires)."""
+def servers(tiny):
+    """Two servers started together: the batching flags, and a 1 ms --timeout (every request expires)."""
     started = [launch(tiny.path, "--max-batch", str(MAX_BATCH), "--chunk", str(CHUNK), "--join-chunk", str(JOIN_CHUNK),
-                      "--slots", str(SLOTS), "--lora-modules", f"chat={adapter_dir}"),
+                      "--slots", str(SLOTS)),
                launch(tiny.path, "--timeout", "0.001")]
     try:
         for proc, url in started:
@@ -106,20 +97,32 @@ def test_key_from_the_environment_is_required(servers, http):
     assert http.post("/v1/completions", json=body).status_code == 200
 
 
-def test_lora_modules_are_served_by_name(http, tiny, adapter_dir):
+def test_lora_modules_are_served_by_name(tiny, tmp_path):
     """--lora-modules NAME=PATH (vLLM's flag): /v1/models lists the adapter, and a request naming it
-    gets the library's answer with it, unmerged."""
+    gets the library's answer with it, unmerged (a server of its own: the others keep the default,
+    fused layout)."""
+    pytest.importorskip("peft")
     from mesh_transformer import loading
-    listed = http.get("/v1/models").json()["data"]
-    assert [(m["id"], m["parent"]) for m in listed] == [(tiny.path.name, None), ("chat", tiny.path.name)]
-    gen = loading.load(hf=str(tiny.path), dtype="float32", mp=1, dp=1).generator(adapters=[("chat", str(adapter_dir))])
-    ids = tiny.tokenizer.encode("The quick")
-    options = SamplingOptions(max_new_tokens=6, temperature=0.0, eos_token_id=tiny.eos)
-    expected = gen.generate([ids, ids], options, tiny.tokenizer, adapters=[None, "chat"])
-    assert expected[0].text != expected[1].text
-    for model, seq in zip((tiny.path.name, "chat"), expected):
-        r = http.post("/v1/completions", json={"model": model, "prompt": "The quick", "max_tokens": 6, "temperature": 0})
-        assert r.status_code == 200 and r.json()["choices"][0]["text"] == seq.text
+    from tests.helpers import save_peft_adapters
+    adapter = save_peft_adapters(tiny.path, type(tiny.torch), {"chat": (4, 32, ["q_proj", "fc_out"])}, tmp_path)["chat"]
+    proc, url = launch(tiny.path, "--lora-modules", f"chat={adapter}")
+    try:
+        gen = loading.load(hf=str(tiny.path), dtype="float32", mp=1, dp=1).generator(adapters=[("chat", adapter)])
+        ids = tiny.tokenizer.encode("The quick")
+        options = SamplingOptions(max_new_tokens=6, temperature=0.0, eos_token_id=tiny.eos)
+        expected = gen.generate([ids, ids], options, tiny.tokenizer, adapters=[None, "chat"])
+        assert expected[0].text != expected[1].text
+        wait_until_up(proc, url)
+        with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=120) as http:
+            listed = http.get("/v1/models").json()["data"]
+            assert [(m["id"], m["parent"]) for m in listed] == [(tiny.path.name, None), ("chat", tiny.path.name)]
+            for model, seq in zip((tiny.path.name, "chat"), expected):
+                r = http.post("/v1/completions", json={"model": model, "prompt": "The quick", "max_tokens": 6,
+                                                       "temperature": 0})
+                assert r.status_code == 200 and r.json()["choices"][0]["text"] == seq.text
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
 
 
 def test_slots_bound_the_context(http):
@@ -171,7 +174,8 @@ def test_a_decode_call_of_no_steps_or_an_admission_of_no_tokens_is_refused(tiny)
     for flags, message in ((("--join-chunk", "0"), "--join-chunk must be at least 1 decode step; got 8 and 0"),
                            (("--admit-tokens", "0"), "--admit-tokens must be at least 1; got 0"),
                            (("--gather-ms", "-5"), "--gather-ms must be at least 0; got -5"),
-                           (("--lora-modules", "chat"), "--lora-modules takes NAME=PATH items, got 'chat'")):
+                           (("--lora-modules", "chat"), "--lora-modules takes NAME=PATH items, got 'chat'"),
+                           (("--lora-modules", "chat=x", "--lora-adapter", "y"), "--lora-adapter merges an adapter")):
         proc, _ = launch(tiny.path, *flags)
         out, _ = proc.communicate(timeout=120)
         assert proc.returncode == 2 and message in out, out

@@ -38,7 +38,9 @@ def dense(equation: str, x, w, dtype=None):
     accumulating in float32, the result in `dtype` (default x's).
 
     `equation` names the axes ("btd,dnh->btnh") and is checked: x's last axes are the weight's
-    first ones. The weight may be a `parallel.InputsLast` one (decoding), stored [*outputs, *inputs].
+    first ones. The weight may be a `parallel.InputsLast` one (decoding), stored [*outputs, *inputs],
+    int8 (`parallel.Quantized`), with a LoRA adapter (`parallel.LoRAWeight`) or with a bank of them
+    and each row's choice (`parallel.AdapterBank`, serving many adapters at once).
     Why 2-d: with several contracted axes XLA may transpose the weight on every call. Why a float32
     result: with bfloat16 operands XLA:CPU runs the matmul natively only when asked for one.
     """
@@ -766,8 +768,10 @@ def _one_head(w, head):
         return parallel.InputsLast(jax.lax.dynamic_slice_in_dim(w.array, head, 1, axis=0), w.inputs)
     if isinstance(w, parallel.LoRAWeight):  # B [r, K, H]: its kv head too
         return w._replace(base=_one_head(w.base, head), b=jax.lax.dynamic_slice_in_dim(w.b, head, 1, axis=1))
-    if isinstance(w, parallel.AdapterBank):  # B [N, r, K, H]
-        return w._replace(base=_one_head(w.base, head), b=jax.lax.dynamic_slice_in_dim(w.b, head, 1, axis=2))
+    if isinstance(w, parallel.AdapterBank):  # B [N, r, K, H] (inputs-last: [K, H, N, r])
+        b = (parallel.InputsLast(jax.lax.dynamic_slice_in_dim(w.b.array, head, 1, axis=0), w.b.inputs)
+             if isinstance(w.b, parallel.InputsLast) else jax.lax.dynamic_slice_in_dim(w.b, head, 1, axis=2))
+        return w._replace(base=_one_head(w.base, head), b=b)
     if isinstance(w, parallel.Quantized):  # scale [K, H]
         return parallel.Quantized(_one_head(w.values, head), jax.lax.dynamic_slice_in_dim(w.scale, head, 1, axis=0))
     return jax.lax.dynamic_slice_in_dim(w, head, 1, axis=1)

@@ -227,7 +227,8 @@ def param(name: str, shape: tuple[int, ...], axes: tuple[str, ...], init, cast_t
 def weight(name: str, shape: tuple[int, ...], axes: tuple[str, ...], inputs: int, init, cast_to=None):
     """A matmul weight [*input axes, *output axes] (`inputs` leading axes are contracted): decays,
     and may be stored inputs-last for decoding, in which case it comes back as `InputsLast`.
-    Under a `lora_plan` that targets it, it comes back as a `LoRAWeight`."""
+    Under a `lora_plan` that targets it, it comes back as a `LoRAWeight`; under an `adapter_bank`
+    that targets it, as an `AdapterBank`."""
     w = _declare(name, shape, ParamInfo(tuple(axes), inputs, True), init, cast_to)
     return _with_adapter(w, name, shape, axes, inputs, cast_to)
 
@@ -243,7 +244,7 @@ def expert_weights(name: str, shape: tuple[int, ...], axes: tuple[str, ...], inp
 
 def _with_adapter(w, name: str, shape, axes, inputs: int, cast_to, experts: bool = False):
     """`w`, or `w` with its adapter where the `lora_plan` targets it (a mixture's: one per expert, the
-    leading experts axis kept on A and B)."""
+    leading experts axis kept on A and B), or with its bank where an `adapter_bank` targets it."""
     key = (hk.experimental.current_name().split("/")[-1], name)
     bank = getattr(_state, "bank", None)
     if bank is not None and not experts and key in bank[0].targets:

@@ -45,9 +45,12 @@ def create_app(engine: Engine, model_name: str = "mesh-transformer", api_key: Op
     settings = oa.Settings(engine, model_name, timeout, max_prompts, chat_api.ChatTemplate(engine.tokenizer, chat_template))
     created = int(time.time())
     adapters = engine.gen.adapters.names if engine.gen.adapters is not None else ()
+    if model_name in adapters:
+        raise ValueError(f"adapter name {model_name!r} is the served model's name: a request naming it would get the base")
     page = (PAGE.read_text(encoding="utf-8").replace("{{MODEL}}", html.escape(model_name))
             .replace("{{MODEL_PANE}}", "" if adapters else "hidden")
-            .replace("{{MODEL_OPTIONS}}", "".join(f"<option>{html.escape(m)}</option>" for m in (model_name, *adapters)))
+            .replace("{{MODEL_OPTIONS}}", "".join(f'<option value="{html.escape(m)}">{html.escape(m)}</option>'
+                                                  for m in (model_name, *adapters)))
             .encode())
 
     @app.exception_handler(oa.ApiError)
