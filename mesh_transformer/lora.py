@@ -451,7 +451,9 @@ def load_peft(directory: str, model: ModelConfig, mp: int = 1) -> tuple[LoraConf
         for j, (m, leaf) in enumerate(entry.ours):
             out.setdefault(_path(model, m), {})[leaf + parallel.LORA_A] = np.stack([parts[j][0] for parts in layers])
             out.setdefault(_path(model, m), {})[leaf + parallel.LORA_B] = np.stack([parts[j][1] for parts in layers])
-    unread = sorted(set(tensors) - read)
+    # PEFT saves a targeted head's or embedding's own weight beside its adapter (`save_embedding_layers`,
+    # "auto" when one is targeted): the base's, unless the vocabulary was resized, which shapes catch
+    unread = sorted(k for k in set(tensors) - read if not k.endswith(".base_layer.weight"))
     if unread:
         raise ConfigError(f"{weights_file}: {len(unread)} tensors are not LoRA factors of the targeted modules "
                           f"(e.g. {unread[0]!r}), which this adapter would lose")

@@ -17,10 +17,12 @@ from mesh_transformer.generate.prefix import PrefixCache
 torch = pytest.importorskip("torch")
 peft = pytest.importorskip("peft")
 
-# (family case, {adapter: (rank, alpha, PEFT target_modules)}); GPT-2's c_attn is our fused q/k/v
+# (family case, {adapter: (rank, alpha, PEFT target_modules)}); GPT-2's c_attn and Phi-3's qkv_proj are
+# our q/k/v (their B split, A shared), the head's B padded to the vocabulary split over mp
 ADAPTERS = {
     "llama_gqa2_llama3_rope": {"a": (4, 8, ["q_proj", "v_proj"]),
-                               "b": (2, 3, ["k_proj", "o_proj", "gate_proj", "down_proj"])},
+                               "b": (2, 3, ["k_proj", "o_proj", "gate_proj", "down_proj", "lm_head"])},
+    "phi3_window_partial": {"a": (4, 8, ["qkv_proj"]), "b": (2, 3, ["o_proj", "gate_up_proj", "down_proj"])},
     "gpt2": {"a": (4, 8, ["c_attn"]), "b": (2, 3, ["c_proj", "c_fc"])},
 }
 PROMPTS = [[5, 17, 3, 9, 44], [60, 2, 2, 81, 7, 13, 29, 30, 31], [11, 12, 13, 14, 15, 16, 17], [8] * 12]
@@ -49,7 +51,15 @@ def oracle(cls, base_dir, adapter_dir, int8: bool = False):
     """transformers' model, with PEFT's adapter (its base rounded as int8 keeps it, for an int8 generator)."""
     model = cls.from_pretrained(base_dir).eval()
     model = rounded_like_int8(model) if int8 else model
-    return model if adapter_dir is None else peft.PeftModel.from_pretrained(model, adapter_dir).eval()
+    if adapter_dir is None:
+        return model
+    rounded = {k: v.clone() for k, v in model.state_dict().items()}
+    model = peft.PeftModel.from_pretrained(model, adapter_dir).eval()
+    with torch.no_grad():  # PEFT loads a targeted head's saved (float) weight over the rounded one: round it again
+        for key, p in model.named_parameters():
+            if key.endswith("base_layer.weight"):
+                p.copy_(rounded[key.removeprefix("base_model.model.").replace(".base_layer", "")])
+    return model
 
 
 def assert_peft_continuations(case, base_dir, dirs, prompts, names, seqs, int8=False, tol=2e-5, cls=None):
