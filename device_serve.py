@@ -93,6 +93,11 @@ def main(argv=None):
         if adapters and args.lora_adapter:
             raise ConfigError("--lora-adapter merges an adapter into the base and --lora-modules serves adapters "
                               "made for the base: pass one (merge first with to_hf_weights.py to serve both)")
+        for name, path in adapters:  # what can be checked before the base loads (minutes for a big one)
+            try:
+                lora.peft_config(path)
+            except ConfigError as e:
+                raise ConfigError(f"--lora-modules {name}={path}: {e}") from None
         model = loading.from_args(args)
         model_name = args.model_name or model.name
         if model_name in {name for name, _ in adapters}:

@@ -366,13 +366,10 @@ def _blocks(cfg: dict, name: str, parts: int, lora: LoraConfig, where: Path) -> 
                       f"module's {parts} parts at {parts} x r and {parts} x alpha (block-diagonal) are supported")
 
 
-def load_peft(directory: str, model: ModelConfig, mp: int = 1) -> tuple[LoraConfig, dict]:
-    """A PEFT LoRA adapter directory -> (our LoraConfig, adapter leaves as numpy float32, stacked).
-
-    ConfigError for what cannot be represented here: another PEFT type, rsLoRA, DoRA, biases,
-    per-module ranks but a fused module's block-diagonal parts, targets the family does not have."""
-    from safetensors.numpy import load_file
-
+def peft_config(directory: str) -> dict:
+    """A PEFT adapter directory's adapter_config.json, checked for what `load_peft` cannot represent
+    (another PEFT type, rsLoRA, DoRA, biases, `modules_to_save`) and for its weights file, before
+    any weight is read (ConfigError naming the file)."""
     path = Path(directory)
     if not (path / ADAPTER_CONFIG).exists():
         raise ConfigError(f"{path}: no {ADAPTER_CONFIG} (is this a PEFT adapter directory? A LoRA run's checkpoint "
@@ -389,6 +386,20 @@ def load_peft(directory: str, model: ModelConfig, mp: int = 1) -> tuple[LoraConf
         raise ConfigError(f"{path / ADAPTER_CONFIG}: modules_to_save {cfg['modules_to_save']!r} (whole modules trained "
                           f"beside the adapter) is not supported: merge the adapter into the model with PEFT's "
                           f"merge_and_unload and load that model")
+    if not (path / ADAPTER_WEIGHTS).exists():
+        raise ConfigError(f"{path}: no {ADAPTER_WEIGHTS}")
+    return cfg
+
+
+def load_peft(directory: str, model: ModelConfig, mp: int = 1) -> tuple[LoraConfig, dict]:
+    """A PEFT LoRA adapter directory -> (our LoraConfig, adapter leaves as numpy float32, stacked).
+
+    ConfigError for what cannot be represented here (`peft_config`; per-module ranks but a fused
+    module's block-diagonal parts, targets the family does not have, tensors it would lose)."""
+    from safetensors.numpy import load_file
+
+    path = Path(directory)
+    cfg = peft_config(directory)
     targets = cfg.get("target_modules") or []
     targets = [targets] if isinstance(targets, str) else list(targets)
     expert_targets = _expert_targets(cfg.get("target_parameters") or [], model, path / ADAPTER_CONFIG)
@@ -406,8 +417,6 @@ def load_peft(directory: str, model: ModelConfig, mp: int = 1) -> tuple[LoraConf
             raise ConfigError(f"{path / ADAPTER_CONFIG}: rank_pattern/alpha_pattern key {name!r} is not a targeted "
                               f"module (supported: a fused module's name, as this project exports)")
     weights_file = path / ADAPTER_WEIGHTS
-    if not weights_file.exists():
-        raise ConfigError(f"{path}: no {ADAPTER_WEIGHTS}")
     tensors = load_file(str(weights_file))
     read: set = set()
 

@@ -175,7 +175,9 @@ def test_a_decode_call_of_no_steps_or_an_admission_of_no_tokens_is_refused(tiny)
                            (("--admit-tokens", "0"), "--admit-tokens must be at least 1; got 0"),
                            (("--gather-ms", "-5"), "--gather-ms must be at least 0; got -5"),
                            (("--lora-modules", "chat"), "--lora-modules takes NAME=PATH items, got 'chat'"),
-                           (("--lora-modules", "chat=x", "--lora-adapter", "y"), "--lora-adapter merges an adapter")):
+                           (("--lora-modules", "chat=x", "--lora-adapter", "y"), "--lora-adapter merges an adapter"),
+                           (("--lora-modules", "chat=/nowhere"),  # checked before the base loads
+                            "--lora-modules chat=/nowhere: /nowhere: no adapter_config.json")):
         proc, _ = launch(tiny.path, *flags)
         out, _ = proc.communicate(timeout=120)
         assert proc.returncode == 2 and message in out, out
