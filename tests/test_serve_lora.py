@@ -93,6 +93,31 @@ def test_rows_of_one_batch_run_with_their_own_adapters(served, dp, mp, quantize,
     assert len({tuple(s.tokens) for s in seqs[:3]}) == 3
 
 
+# The other families (adapters a, b), each on mp 2 against PeftModel: fused modules (NeoX's
+# query_key_value), OPT's project_in/out, Gemma's scaled embeddings and soft-caps, a mixture's attention.
+EVERY_FAMILY = {
+    "gptj": (["q_proj", "v_proj"], ["fc_in", "fc_out", "out_proj"]),
+    "gpt_neox": (["query_key_value"], ["dense", "dense_h_to_4h", "dense_4h_to_h"]),
+    "qwen2": (["q_proj", "v_proj", "lm_head"], ["k_proj", "gate_proj"]),
+    "gemma_mqa": (["q_proj", "v_proj", "o_proj"], ["gate_proj", "up_proj", "down_proj"]),
+    "gemma2_softcap_window": (["q_proj", "k_proj"], ["down_proj", "o_proj"]),
+    "opt_projected": (["q_proj", "v_proj", "out_proj"], ["fc1", "fc2", "project_in", "project_out"]),
+    "mixtral_window": (["q_proj", "v_proj"], ["k_proj", "o_proj"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(EVERY_FAMILY))
+def test_every_family_serves_its_adapters_as_peft(case, tmp_path, no_tokenizer):
+    make_hf_model(tmp_path / "base", case)
+    targets_a, targets_b = EVERY_FAMILY[case]
+    dirs = save_peft_adapters(tmp_path / "base", hf_class(case), {"a": (4, 8, targets_a), "b": (2, 3, targets_b)},
+                              tmp_path)
+    gen = loading.load(hf=str(tmp_path / "base"), dtype="float32", mp=2, dp=1).generator(adapters=sorted(dirs.items()))
+    seqs = gen.generate(PROMPTS, SamplingOptions(max_new_tokens=6, temperature=0.0, logprobs=0), adapters=ROWS)
+    assert_peft_continuations(case, tmp_path / "base", dirs, PROMPTS, ROWS, seqs)
+    assert len({tuple(s.tokens) for s in seqs[:3]}) == 3
+
+
 def test_an_adapter_set_pads_ranks_and_folds_scales(served, no_tokenizer):
     """The bank (A [(L,) *inputs, N, r], B [(L,) N, r, *outputs]): entry 0 zeros, each adapter's B
     times its alpha / r, ranks padded with zeros to the largest, zeros where an adapter leaves a
