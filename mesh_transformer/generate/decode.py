@@ -341,7 +341,6 @@ class Generator:
         inputs_last = quantize is None and (dot if matvec is None else bool(matvec) and (float32 or dot))
         self.layout = parallel.Layout(inputs_last, fuse and adapters is None)
         self.adapters = adapters
-        self.bank = adapters.plan if adapters is not None else None
         self.mp, self.dp = mesh.shape[parallel.MP], mesh.shape[parallel.DP]
         self.model = models.build(config, self.mp)
         self.model.check_mesh(mesh.shape, zero=False)
@@ -390,6 +389,15 @@ class Generator:
     def inputs_last(self) -> bool:
         return self.layout.inputs_last
 
+    @property
+    def adapter_names(self) -> tuple[str, ...]:
+        """The served LoRA adapters' names, bank entries 1, 2, .. (none without `adapters`)."""
+        return self.adapters.names if self.adapters is not None else ()
+
+    @property
+    def bank(self) -> Optional[parallel.BankPlan]:
+        return self.adapters.plan if self.adapters is not None else None
+
     def _place(self, params, donate: bool):
         """Per-layer params in the compute dtype and the decode layout (`self.layout`: inputs-last,
         fused), on the mesh by the Megatron table; with `donate`, each source array is deleted once
@@ -425,7 +433,6 @@ class Generator:
                 for new, i in unstacked_modules(module, self.config.layers):
                     leaf = x if i is None else x[i]
                     self.params[new][name] = self._convert(leaf, info, dtype)
-        self.param_specs = jax.tree.map(lambda x: x.sharding.spec, self.params)
 
     def _groups(self, leaves, infos) -> list[tuple[str, tuple[str, ...]]]:
         """[(stored leaf, the leaves it holds)]: one each, or with `layout.fused` the `FUSED` groups
@@ -695,16 +702,16 @@ class Generator:
         return state, _by_row(first, ids, batch), done, reason, reads
 
     def adapter_id(self, name: Optional[str]) -> int:
-        """The bank entry of the adapter called `name` (None: 0, the base); KeyError if none is."""
+        """The bank entry of the adapter called `name` (None: 0, the base); ValueError if none is."""
         if name is None:
             return 0
-        names = self.adapters.names if self.adapters is not None else ()
-        if name not in names:
-            raise KeyError(name)
-        return names.index(name) + 1
+        if name not in self.adapter_names:
+            raise ValueError(f"adapter {name!r} is not loaded (this generator's adapters: "
+                             f"{', '.join(self.adapter_names) or 'none'})")
+        return self.adapter_names.index(name) + 1
 
     def check_adapters(self, adapters: Seq[int]) -> None:
-        n = len(self.adapters.names) if self.adapters is not None else 0
+        n = len(self.adapter_names)
         bad = [a for a in adapters if not 0 <= a <= n]
         if bad:
             raise ValueError(f"adapter {bad[0]} is not in this generator's bank (0 .. {n})")
@@ -821,13 +828,7 @@ class Generator:
         adapters = [None] * len(prompts) if adapters is None else list(adapters)
         if not len(options) == len(adapters) == len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(options)} SamplingOptions and {len(adapters)} adapters")
-        ids = []
-        for name in adapters:
-            try:
-                ids.append(self.adapter_id(name))
-            except KeyError:
-                served = ", ".join(self.adapters.names) if self.adapters is not None else "none"
-                raise ValueError(f"adapter {name!r} is not loaded (this generator's adapters: {served})") from None
+        ids = [self.adapter_id(name) for name in adapters]
         from mesh_transformer.generate.batching import Sequence
         return [Sequence(p, o, self.config.seq, tokenizer, adapter=a) for p, o, a in zip(prompts, options, ids)]
 

@@ -44,7 +44,7 @@ def create_app(engine: Engine, model_name: str = "mesh-transformer", api_key: Op
     app.add_middleware(_Guard, limit=max_request_bytes, api_key=api_key, metrics=engine.metrics)
     settings = oa.Settings(engine, model_name, timeout, max_prompts, chat_api.ChatTemplate(engine.tokenizer, chat_template))
     created = int(time.time())
-    adapters = engine.gen.adapters.names if engine.gen.adapters is not None else ()
+    adapters = engine.gen.adapter_names
     if model_name in adapters:
         raise ValueError(f"adapter name {model_name!r} is the served model's name: a request naming it would get the base")
     page = (PAGE.read_text(encoding="utf-8").replace("{{MODEL}}", html.escape(model_name))

@@ -195,7 +195,7 @@ def adapter(s: Settings, model: Optional[str]) -> int:
     """The bank entry a request's `model` names: 0 (the base) for the served name or none, else a
     LoRA adapter's (`--lora-modules`). With adapters loaded an unknown name is a 404, as vLLM's; without,
     any name means the one model served (clients send their own model names)."""
-    names = s.engine.gen.adapters.names if s.engine.gen.adapters is not None else ()
+    names = s.engine.gen.adapter_names
     if model is None or model == s.model_name or not names:
         return 0
     if model not in names:
