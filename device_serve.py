@@ -8,6 +8,7 @@ seconds), then the server exits 0. See mesh_transformer/serve/ for the endpoints
 """
 import argparse
 import logging
+import os
 import pathlib
 import sys
 
@@ -68,6 +69,19 @@ def main(argv=None):
                         help="PEFT LoRA adapters served beside the base, unmerged: a request whose model is NAME runs "
                              "with the adapter in PATH, and one batch decodes rows of every adapter together "
                              "(vLLM's flag; --lora-adapter instead merges one adapter into the weights)")
+    parser.add_argument("--max-loras", type=int, metavar="N",
+                        help="LoRA adapters one batch holds at once: the bank's entries (default: one for each of "
+                             "--lora-modules, 1 with --enable-runtime-lora and none named). More adapters than that "
+                             "may be known: a request's adapter takes an idle entry when it is admitted (vLLM's flag)")
+    parser.add_argument("--max-lora-rank", type=int, metavar="R",
+                        help="the largest rank an adapter may have (default: the largest of --lora-modules', "
+                             f"{lora.DEFAULT_SERVED_RANK} with --enable-runtime-lora and none named; vLLM's flag)")
+    parser.add_argument("--enable-runtime-lora", action="store_true",
+                        default=os.environ.get(serve.RUNTIME_LORA_ENV, "").lower() in ("1", "true"),
+                        help="serve POST /v1/load_lora_adapter {lora_name, lora_path} and /v1/unload_lora_adapter "
+                             "{lora_name} (vLLM's API; also on with vLLM's $" + serve.RUNTIME_LORA_ENV + "=True). The paths are "
+                             "read on this machine: set --api-key where clients are not trusted. The bank then "
+                             "holds every linear layer but the head, so later adapters may adapt any of those")
     args = parser.parse_args(argv)
     host_memory.keep_freed_memory()
     if args.chunk < 1 or args.join_chunk < 1:
@@ -75,6 +89,9 @@ def main(argv=None):
                      f"{args.join_chunk}")
     if args.admit_tokens < 1:
         parser.error(f"--admit-tokens must be at least 1; got {args.admit_tokens}")
+    for flag, value in (("--max-loras", args.max_loras), ("--max-lora-rank", args.max_lora_rank)):
+        if value is not None and value < 1:
+            parser.error(f"{flag} must be at least 1; got {value}")
     if args.gather_ms < 0:
         parser.error(f"--gather-ms must be at least 0; got {args.gather_ms:g}")
     if args.prefix_block < 1 or not (args.prefix_cache_tokens is None or args.prefix_cache_tokens == 0
@@ -102,7 +119,9 @@ def main(argv=None):
         model_name = args.model_name or model.name
         if model_name in {name for name, _ in adapters}:
             raise ConfigError(f"--lora-modules: adapter name {model_name!r} is the base model's name (see --model-name)")
-        generator = model.generator(adapters=adapters)
+        runtime = args.enable_runtime_lora
+        slots = args.max_loras or (1 if runtime and not adapters else None)
+        generator = model.generator(adapters=adapters, slots=slots, rank=args.max_lora_rank, every_linear=runtime)
         chat_template = pathlib.Path(args.chat_template).read_text(encoding="utf-8") if args.chat_template else None
     if status.code:
         return status.code
@@ -118,7 +137,7 @@ def main(argv=None):
     engine.start()
     app = serve.create_app(engine, model_name=model_name, api_key=args.api_key,
                            timeout=args.timeout, max_request_bytes=args.max_request_bytes,
-                           chat_template=chat_template)
+                           chat_template=chat_template, runtime_lora=args.enable_runtime_lora)
     try:
         serve.run(app, engine, host=args.host, port=args.port, drain_timeout=args.drain_timeout)
     finally:

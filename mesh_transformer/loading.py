@@ -38,15 +38,18 @@ class LoadedModel:
     name: str  # for logs and /v1/models: the directory's base name
     quantize: Optional[str] = None  # the generator's weights: None (the compute dtype) or "int8"
 
-    def generator(self, matvec: Optional[bool] = None, adapters=None):
+    def generator(self, matvec: Optional[bool] = None, adapters=None, slots: Optional[int] = None,
+                  rank: Optional[int] = None, every_linear: bool = False):
         """A `generate.Generator` that takes over the weights: they stay on the devices once, in the
         compute dtype (or `quantize`d) and the generator's layout (`params` is None afterwards).
-        `adapters`: [(name, PEFT adapter directory)] served beside the base, unmerged (`lora.adapter_set`)."""
+        `adapters`: [(name, PEFT adapter directory)] served beside the base, unmerged, in a bank of
+        `slots` entries of `rank`, holding every linear layer with `every_linear` (`lora.adapter_set`)."""
         from mesh_transformer.generate import Generator
         bank = None
-        if adapters:
+        if adapters or slots or every_linear:
             from mesh_transformer import lora
-            bank = lora.adapter_set(adapters, self.config, self.mesh.shape[parallel.MP])
+            bank = lora.adapter_set(adapters or [], self.config, self.mesh.shape[parallel.MP], slots, rank,
+                                    every_linear)
         params, self.params = self.params, None
         return Generator(self.config, params, self.mesh, matvec=matvec, donate=True, quantize=self.quantize,
                          adapters=bank)

@@ -21,6 +21,7 @@ and v and splits B, and importing such an export reads each part's block back.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from dataclasses import dataclass
@@ -470,60 +471,112 @@ def load_peft(directory: str, model: ModelConfig, mp: int = 1) -> tuple[LoraConf
     return lora, shaped
 
 
-class AdapterSet(NamedTuple):
-    """PEFT adapters served together, unmerged, over one base (`generate.Generator(adapters=...)`).
+class ServedAdapter(NamedTuple):
+    """One PEFT adapter as the server holds it (`served_adapter`), ready for any entry of a bank.
 
-    names[k] is bank entry k + 1 (entry 0: the base alone); leaves: {module: {<weight>_lora_a:
-    [(L,) *inputs, N, r], <weight>_lora_b: [(L,) N, r, *outputs]}} float32 (`parallel.bank_infos`'
-    layouts, layers stacked as the params are) for every weight any adapter adapts, each adapter's
-    alpha / r folded into its B, ranks padded with zeros to the largest, zeros where an adapter
-    leaves the weight alone."""
+    leaves: {module: {<weight>_lora_a: [(L,) *inputs, r], <weight>_lora_b: [(L,) r, *outputs]}}
+    float32, its alpha / r folded into B; targets: its `LoRAPlan` targets; serial: unique to this
+    load (a prefix cache keys prompts by it, so blocks computed under one load serve only it)."""
 
-    names: tuple[str, ...]
-    plan: parallel.BankPlan
+    name: str
+    directory: str
+    rank: int
+    targets: frozenset
     leaves: dict
+    serial: int
 
 
-def adapter_set(adapters: Sequence[tuple[str, str]], model: ModelConfig, mp: int = 1) -> AdapterSet:
-    """[(name, PEFT adapter directory)] -> the AdapterSet serving them (ConfigError naming the
-    directory for an adapter that cannot be served: see `load_peft`; a mixture's expert adapters)."""
-    from mesh_transformer import models
+_serials = itertools.count(1)
+
+
+def served_adapter(name: str, directory: str, model: ModelConfig, mp: int = 1) -> ServedAdapter:
+    """A PEFT adapter directory -> the ServedAdapter of that name (ConfigError naming the adapter and
+    its directory for one that cannot be served: see `load_peft`; a mixture's expert adapters)."""
+    try:
+        spec, leaves = load_peft(directory, model, mp)
+    except (ConfigError, ValueError) as e:  # (a bare ValueError: shapes of another model's adapter)
+        raise ConfigError(f"adapter {name!r} ({directory}): {e}") from None
+    if _resolve(model, spec)[1]:
+        raise ConfigError(f"{directory}: adapter {name!r} adapts a mixture's experts (target_parameters), which "
+                          f"served adapters do not support; merge it into the weights with --lora-adapter")
+    scaled = {m: {n: x * spec.scale if n.endswith(parallel.LORA_B) else x for n, x in own.items()}
+              for m, own in leaves.items()}
+    return ServedAdapter(name, str(directory), spec.rank, plan(model, spec).targets, scaled, next(_serials))
+
+
+class AdapterSet(NamedTuple):
+    """PEFT adapters served over one base, unmerged (`generate.Generator(adapters=...)`).
+
+    plan: the bank every row reads, its entry 0 the base alone (zeros) and entries 1 .. slots for
+    adapters, each adapter's rank padded with zeros to the bank's, zeros where it leaves a targeted
+    weight alone; adapters: the ones known at start, the first `slots` of them placed in entries
+    1, 2, .. (a server places the others when requests name them: `serve.adapters`)."""
+
+    plan: parallel.BankPlan
+    adapters: tuple[ServedAdapter, ...]
+
+    @property
+    def slots(self) -> int:
+        return self.plan.adapters - 1
+
+
+def adapter_set(adapters: Sequence[tuple[str, str]], model: ModelConfig, mp: int = 1, slots: Optional[int] = None,
+                rank: Optional[int] = None, every_linear: bool = False) -> AdapterSet:
+    """[(name, PEFT adapter directory)] -> the AdapterSet serving them: `slots` bank entries (default:
+    one each), of `rank` (default: the largest adapter's), for the weights any of them adapts, and
+    with `every_linear` every linear layer but the head (PEFT's "all-linear"; adapters loaded later
+    may adapt any of those). ConfigError naming what is at fault."""
     names = [name for name, _ in adapters]
     if len(set(names)) != len(names):
         raise ConfigError(f"adapter names must differ, got {', '.join(names)}")
-    loaded = []
-    for name, directory in adapters:
-        try:
-            spec, leaves = load_peft(directory, model, mp)
-        except (ConfigError, ValueError) as e:  # (a bare ValueError: shapes of another model's adapter)
-            raise ConfigError(f"adapter {name!r} ({directory}): {e}") from None
-        if _resolve(model, spec)[1]:
-            raise ConfigError(f"{directory}: adapter {name!r} adapts a mixture's experts (target_parameters), which "
-                              f"served adapters do not support; merge it into the weights with --lora-adapter")
-        loaded.append((spec, leaves))
-    rank = max(spec.rank for spec, _ in loaded)
-    infos = models.build(model, mp).infos
-    targets = frozenset().union(*(plan(model, spec).targets for spec, _ in loaded))
-    keys = sorted({(m, n) for _, leaves in loaded for m, names_ in leaves.items() for n in names_})
+    loaded = tuple(served_adapter(name, directory, model, mp) for name, directory in adapters)
+    slots = len(loaded) if slots is None else slots
+    if slots < 1:
+        raise ConfigError(f"--max-loras: the bank needs at least one entry for adapters, got {slots}")
+    rank = max((a.rank for a in loaded), default=DEFAULT_SERVED_RANK) if rank is None else rank
+    targets = frozenset().union(*(a.targets for a in loaded))
+    if every_linear:
+        targets |= plan(model, LoraConfig(1, 1.0, 0.0, ALL_LINEAR)).targets
+    bank = parallel.BankPlan(targets, slots + 1, rank)
+    for a in loaded:
+        check_fits(a, bank)
+    return AdapterSet(bank, loaded)
+
+
+DEFAULT_SERVED_RANK = 16  # vLLM's --max-lora-rank default, for a bank that starts without adapters
+
+
+def check_fits(adapter: ServedAdapter, bank: parallel.BankPlan) -> None:
+    """ConfigError unless `adapter` fits an entry of `bank`: its rank at most the bank's, and only
+    weights the bank holds adapted."""
+    if adapter.rank > bank.rank:
+        raise ConfigError(f"adapter {adapter.name!r} ({adapter.directory}): rank {adapter.rank} is above the "
+                          f"served adapters' largest rank, {bank.rank} (--max-lora-rank)")
+    outside = sorted(f"{m}.{leaf}" for m, leaf in adapter.targets - bank.targets)
+    if outside:
+        raise ConfigError(f"adapter {adapter.name!r} ({adapter.directory}): it adapts {', '.join(outside)}, which "
+                          f"the served bank does not hold (it holds what the adapters named at start adapt, and "
+                          f"with runtime loading every linear layer but the head)")
+
+
+def entry_shapes(model: ModelConfig, bank: parallel.BankPlan, mp: int = 1) -> dict:
+    """{module: {<weight>_lora_a / _lora_b: shape}} of one adapter's leaves in `bank` (as
+    `ServedAdapter.leaves`, at the bank's rank, layers stacked)."""
+    from mesh_transformer import models
+    shaped = models.build(model, mp, parallel.LoRAPlan(bank.targets, bank.rank, 1.0)).abstract_params
+    return {m: {n: x.shape for n, x in own.items()} for m, own in split(shaped)[0].items()}
+
+
+def bank_entry(adapter: Optional[ServedAdapter], shapes: dict) -> dict:
+    """The leaves an entry of the bank holds for `adapter` (None: zeros, the base alone): `shapes`
+    (`entry_shapes`) filled with its leaves, ranks padded with zeros, zeros where it adapts nothing."""
     out: dict = {}
-    for m, n in keys:
-        info = infos[m][n[: -len(parallel.LORA_A)]]
-        stacked = []
-        for spec, leaves in loaded:
-            x = leaves.get(m, {}).get(n)
-            like = next(ls[m][n] for _, ls in loaded if n in ls.get(m, {}))
-            x = np.zeros_like(like) if x is None else x
-            if n.endswith(parallel.LORA_A):  # [(L,) *inputs, r]: the rank is last
-                stacked.append(np.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, rank - x.shape[-1])]))
-            else:  # [(L,) r, *outputs]: alpha / r folded in
-                lead = x.ndim - 1 - (len(info.axes) - info.inputs)  # (L,): the stacked layers' axis
-                pad = [(0, 0)] * x.ndim
-                pad[lead] = (0, rank - x.shape[lead])
-                stacked.append(np.pad(x * spec.scale, pad))
-        entries = [np.zeros_like(stacked[0])] + stacked
-        at = -2 if n.endswith(parallel.LORA_A) else entries[0].ndim - 1 - (len(info.axes) - info.inputs)
-        out.setdefault(m, {})[n] = np.stack(entries, axis=at)
-    return AdapterSet(tuple(names), parallel.BankPlan(targets, len(names) + 1, rank), out)
+    for m, own in shapes.items():
+        for n, shape in own.items():
+            x = adapter.leaves.get(m, {}).get(n) if adapter is not None else None
+            out.setdefault(m, {})[n] = (np.zeros(shape, np.float32) if x is None
+                                        else np.pad(x, [(0, want - have) for have, want in zip(x.shape, shape)]))
+    return out
 
 
 def parse_named(items: Sequence[str], flag: str) -> list[tuple[str, str]]:

@@ -86,7 +86,7 @@ def test_rows_of_one_batch_run_with_their_own_adapters(served, dp, mp, quantize,
     loaded = loading.load(hf=str(base_dir), dtype="float32", mp=mp, dp=dp)
     loaded.quantize = quantize
     gen = loaded.generator(matvec=matvec, adapters=sorted(dirs.items()))
-    assert gen.adapters.names == ("a", "b") and not gen.layout.fused
+    assert gen.adapter_names == ("a", "b") and not gen.layout.fused
     assert gen.inputs_last or matvec is None
     seqs = gen.generate(PROMPTS, SamplingOptions(max_new_tokens=6, temperature=0.0, logprobs=0), adapters=ROWS)
     assert_peft_continuations(case, base_dir, dirs, PROMPTS, ROWS, seqs, int8=quantize == "int8")
@@ -118,36 +118,33 @@ def test_every_family_serves_its_adapters_as_peft(case, tmp_path, no_tokenizer):
     assert len({tuple(s.tokens) for s in seqs[:3]}) == 3
 
 
-def test_an_adapter_set_pads_ranks_and_folds_scales(served, no_tokenizer):
-    """The bank (A [(L,) *inputs, N, r], B [(L,) N, r, *outputs]): entry 0 zeros, each adapter's B
-    times its alpha / r, ranks padded with zeros to the largest, zeros where an adapter leaves a
-    weight alone."""
+def test_a_bank_entry_pads_ranks_and_folds_scales(served, no_tokenizer):
+    """An entry of the bank (A [(L,) *inputs, r], B [(L,) r, *outputs] of every weight it holds):
+    the adapter's B times its alpha / r, its rank padded with zeros to the bank's, zeros where it
+    leaves a weight alone; the empty entry all zeros."""
     case, base_dir, dirs = served
     config = loading.load(hf=str(base_dir), dtype="float32", mp=1, dp=1).config
     bank = lora.adapter_set(sorted(dirs.items()), config)
-    assert (bank.plan.adapters, bank.plan.rank) == (3, 4)
-    for name, (rank, alpha, _) in ADAPTERS[case].items():
-        spec, leaves = lora.load_peft(dirs[name], config)
-        entry = bank.names.index(name) + 1
+    assert (bank.plan.adapters, bank.plan.rank, bank.slots) == (3, 4, 2)
+    shapes = lora.entry_shapes(config, bank.plan)
+    assert not any(np.any(x) for own in lora.bank_entry(None, shapes).values() for x in own.values())
+    for adapter in bank.adapters:
+        rank, alpha, _ = ADAPTERS[case][adapter.name]
+        entry = lora.bank_entry(adapter, shapes)
+        leaves = lora.load_peft(dirs[adapter.name], config)[1]
         for module, own in leaves.items():
             lead = 1 if "/layers/" in module else 0  # the stacked layers' axis
             for leaf, x in own.items():
-                banked = bank.leaves[module][leaf]
+                got = entry[module][leaf]
                 if leaf.endswith(lora.parallel.LORA_A):
-                    banked = np.moveaxis(banked, -2, 0)
-                    np.testing.assert_array_equal(banked[entry][..., :rank], x)
-                    assert not np.any(banked[entry][..., rank:])
+                    np.testing.assert_array_equal(got[..., :rank], x)
+                    assert not np.any(got[..., rank:])
                 else:
-                    banked = np.moveaxis(banked, lead, 0)
-                    np.testing.assert_allclose(np.moveaxis(banked[entry], lead, 0)[:rank],
-                                               np.moveaxis(x, lead, 0) * alpha / rank, rtol=1e-6)
-                    assert not np.any(np.moveaxis(banked[entry], lead, 0)[rank:])
-                assert not np.any(banked[0])
-        untouched = [(m, leaf) for m, ls in bank.leaves.items() for leaf in ls if leaf not in leaves.get(m, {})]
-        assert untouched
-        for m, leaf in untouched:
-            axis = -2 if leaf.endswith(lora.parallel.LORA_A) else (1 if "/layers/" in m else 0)
-            assert not np.any(np.take(bank.leaves[m][leaf], entry, axis=axis))
+                    got, x = np.moveaxis(got, lead, 0), np.moveaxis(x, lead, 0)
+                    np.testing.assert_allclose(got[:rank], x * alpha / rank, rtol=1e-6)
+                    assert not np.any(got[rank:])
+        untouched = [(m, leaf) for m, own in entry.items() for leaf in own if leaf not in leaves.get(m, {})]
+        assert untouched and not any(np.any(entry[m][leaf]) for m, leaf in untouched)
 
 
 def test_prefix_cache_blocks_belong_to_one_adapter(served, no_tokenizer):
@@ -315,3 +312,161 @@ def test_adapters_add_no_collectives_under_mp(served, no_tokenizer):
     plain = Generator(*(lambda m: (m.config, m.params, m.mesh))(load()), fuse=False)
     banked = load().generator(adapters=sorted(dirs.items()))
     assert _decode_all_reduces(banked) == _decode_all_reduces(plain) > 0
+
+
+# --------------------------------------------------------------------------------------------
+# More adapters than the bank's entries, and adapters loaded at runtime (vLLM's --max-loras,
+# /v1/load_lora_adapter): entries rewritten in place between device calls
+# --------------------------------------------------------------------------------------------
+
+def test_an_entry_is_rewritten_in_place_without_compiling(served, no_tokenizer):
+    """A bank of one entry on mp 2 holding a, then b, then nothing, then a again: each time the rows
+    under it are PeftModel's with what it holds, the base's rows never change, and no program
+    compiles again (the bank is the programs' argument; the writer compiles once)."""
+    case, base_dir, dirs = served
+    gen = loading.load(hf=str(base_dir), dtype="float32", mp=2, dp=1).generator(adapters=sorted(dirs.items()), slots=1)
+    a, b = gen.adapters.adapters
+    assert gen.adapter_names == ("a",) and gen.adapters.slots == 1
+    options = SamplingOptions(max_new_tokens=6, temperature=0.0, logprobs=0)
+    first = gen.generate(PROMPTS[:2], options, adapters=["a", None])
+    compiled = gen._admit._cache_size(), gen._decode._cache_size()
+    gen.write_adapter(1, b)
+    assert gen.adapter_names == ("b",)
+    seqs = gen.generate(PROMPTS[:2], options, adapters=["b", None])
+    assert_peft_continuations(case, base_dir, dirs, PROMPTS[:2], ["b", None], seqs)
+    assert seqs[1].tokens == first[1].tokens and seqs[0].tokens != first[0].tokens
+    gen.write_adapter(1, None)
+    with pytest.raises(ValueError, match=r"adapter 'b' is not loaded \(this generator's adapters: none\)"):
+        gen.sequences([PROMPTS[0]], options, adapters=["b"])
+    assert gen.generate(PROMPTS[:2], options, adapters=[None, None])[1].tokens == first[1].tokens
+    gen.write_adapter(1, a)
+    again = gen.generate(PROMPTS[:2], options, adapters=["a", None])
+    assert [s.tokens for s in again] == [s.tokens for s in first]
+    assert (gen._admit._cache_size(), gen._decode._cache_size()) == compiled
+    assert gen._write_bank._cache_size() == 1
+    with pytest.raises(ValueError, match=r"adapter entry 2 is not one of this generator's bank \(1 .. 1\)"):
+        gen.write_adapter(2, a)
+
+
+def test_adapters_that_do_not_fit_the_bank_are_refused(served, no_tokenizer):
+    """A rank above the bank's (--max-lora-rank), or a weight the bank does not hold: one error naming the adapter."""
+    case, base_dir, dirs = served
+    config = loading.load(hf=str(base_dir), dtype="float32", mp=1, dp=1).config
+    with pytest.raises(ConfigError, match=r"adapter 'a' \(.*\): rank 4 is above the served adapters' largest rank, "
+                                          r"2 \(--max-lora-rank\)"):
+        lora.adapter_set(sorted(dirs.items()), config, rank=2)
+    a = lora.served_adapter("a", dirs["a"], config)
+    only_b = lora.adapter_set([("b", dirs["b"])], config, rank=4).plan
+    with pytest.raises(ConfigError, match=r"adapter 'a' \(.*\): it adapts attn\.\w+, .*which the served bank does not hold"):
+        lora.check_fits(a, only_b)
+    every = lora.adapter_set([("b", dirs["b"])], config, rank=4, every_linear=True).plan
+    assert only_b.targets < every.targets
+    lora.check_fits(a, every)  # every linear layer: a's q/k/v too
+    with pytest.raises(ConfigError, match="--max-loras: the bank needs at least one entry for adapters, got 0"):
+        lora.adapter_set([], config, slots=0)
+
+
+def test_more_adapters_than_entries_take_turns(lora_server, tiny):
+    """One entry, adapters chat and code: three chat requests, one code, three chat and one base,
+    submitted together. The first chats run (the base beside them), code waits for the entry and
+    the later chats wait behind it (so traffic for one adapter cannot starve another): the entry
+    is written twice (code, chat). Every answer is the library's with both adapters in entries."""
+    from mesh_transformer.serve import Engine
+    gen, _, dirs = lora_server
+    one = loading.load(hf=str(tiny.path), dtype="float32", mp=1, dp=1).generator(adapters=sorted(dirs.items()), slots=1)
+    engine = Engine(one, tiny.tokenizer, max_batch=8, chunk=4, batch_invariant=True)
+    ids = tiny.tokenizer.encode("The quick brown fox")
+    names = ["chat"] * 3 + ["code"] + ["chat"] * 3 + [None]
+    options = SamplingOptions(max_new_tokens=6, temperature=0.0)
+    seqs = [engine.sequence(ids, options, None, adapter=name) for name in names]
+    request = engine.submit(seqs)  # all waiting before the engine takes any
+    engine.start()
+    try:
+        assert request.updated.wait(120)
+        while not request.finished:
+            request.updated.clear()
+            request.updated.wait(60)
+        stats = engine.stats()["adapters"]
+    finally:
+        engine.stop()
+    expected = gen.generate([ids] * len(names), options, tiny.tokenizer, adapters=names)
+    assert [s.tokens for s in seqs] == [s.tokens for s in expected]
+    assert len({tuple(s.tokens) for s in seqs[2:5]}) == 2
+    assert stats["placed"] == 2 and stats["entries"] == ["chat"] and stats["running"] == [0]
+
+
+@pytest.fixture(scope="module")
+def runtime_server(tiny, tmp_path_factory):
+    """The tiny GPT-J served with runtime loading: no adapter at start, one entry of rank 4 over
+    every linear layer -> (url, adapter directories: chat, code and wide, of rank 8)."""
+    from mesh_transformer.serve import Engine, create_app
+    from tests.serving import KEY, start_server
+    root = tmp_path_factory.mktemp("lora_runtime")
+    dirs = save_peft_adapters(tiny.path, type(tiny.torch), {"chat": (4, 8, ["q_proj", "v_proj"]),
+                                                       "code": (2, 4, ["fc_in", "fc_out"]),
+                                                       "wide": (8, 8, ["q_proj"])}, root, scale_b=6.0)
+    gen = loading.load(hf=str(tiny.path), dtype="float32", mp=1, dp=1).generator(slots=1, rank=4, every_linear=True)
+    engine = Engine(gen, tiny.tokenizer, max_batch=4, chunk=4, batch_invariant=True).start()
+    server, url = start_server(create_app(engine, model_name="tiny", api_key=KEY, runtime_lora=True))
+    yield url, dirs
+    server.should_exit = True
+    engine.stop()
+
+
+def test_adapters_load_and_unload_at_runtime(runtime_server, lora_server, tiny):
+    """vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter (the official openai client for the
+    completions): an adapter is unknown (404) until loaded, then served by name; two adapters
+    share the one entry by turns; a name in use, a directory that is no adapter and a rank above
+    the bank's are 400s naming the fault; unloaded, its name is a 404 again. Answers equal the
+    library's with both adapters in entries of their own (`lora_server`'s)."""
+    import concurrent.futures
+
+    import httpx
+    import openai
+    from tests.serving import KEY
+    url, dirs = runtime_server
+    gen = lora_server[0]
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=60)
+    http = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+    load = lambda name, path: http.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)})  # noqa: E731
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    with pytest.raises(openai.NotFoundError, match=r"the model 'chat' does not exist \(served: tiny\)"):
+        client.completions.create(model="chat", prompt="The", max_tokens=2)
+    r = load("chat", dirs["chat"])
+    assert (r.status_code, r.text) == (200, "Success: LoRA adapter 'chat' added successfully.")
+    assert load("code", dirs["code"]).status_code == 200
+    for name, path, message in (("chat", dirs["code"], "lora_name: the adapter 'chat' has already been loaded"),
+                                ("x", "/nowhere", "adapter 'x' (/nowhere): /nowhere: no adapter_config.json"),
+                                ("wide", dirs["wide"], "rank 8 is above the served adapters' largest rank, 4"),
+                                ("tiny", dirs["chat"], "lora_name: 'tiny' cannot name an adapter (it is the base)")):
+        r = load(name, path)
+        assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
+    assert [m.id for m in client.models.list().data] == ["tiny", "chat", "code"]
+    assert httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "y", "lora_path": "z"}).status_code == 401
+
+    prompt, models = "The quick brown fox", [None, "chat", "code", "chat"]
+    expected = gen.generate([tiny.tokenizer.encode(prompt)] * 4, SamplingOptions(max_new_tokens=NEW, temperature=0.0),
+                            tiny.tokenizer, adapters=models)
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(lambda m: client.completions.create(model=m or "tiny", prompt=prompt, max_tokens=NEW,
+                                                                    temperature=0), models))
+    assert [a.choices[0].text for a in answers] == [s.text for s in expected]
+    assert http.get("/health").json()["adapters"]["placed"] >= 2
+
+    r = http.post("/v1/unload_lora_adapter", json={"lora_name": "chat"})
+    assert (r.status_code, r.text) == (200, "Success: LoRA adapter 'chat' removed successfully.")
+    with pytest.raises(openai.NotFoundError, match=r"the model 'chat' does not exist \(served: tiny, code\)"):
+        client.completions.create(model="chat", prompt="The", max_tokens=2)
+    r = http.post("/v1/unload_lora_adapter", json={"lora_name": "chat"})
+    assert r.status_code == 404 and "the adapter 'chat' cannot be found" in r.json()["error"]["message"]
+    assert client.completions.create(model="code", prompt=prompt, max_tokens=NEW, temperature=0).choices[0].text \
+        == expected[2].text
+
+
+def test_runtime_routes_are_off_unless_asked_for(lora_server):
+    import httpx
+    from tests.serving import KEY
+    _, url, dirs = lora_server
+    r = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": str(dirs["chat"])},
+                   headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 404 and "no such endpoint: POST /v1/load_lora_adapter" in r.json()["error"]["message"]

@@ -119,27 +119,32 @@ def test_playground_shows_api_errors(browser, page_url):
 
 @pytest.fixture(scope="module")
 def lora_page_url(tiny, tmp_path_factory):
-    """The tiny model served with a LoRA adapter 'chat' (`--lora-modules`)."""
+    """The tiny model served with a LoRA adapter 'chat' (`--lora-modules`), in a bank of one entry,
+    and runtime loading on -> (url, adapter directories: chat, and code to load)."""
     pytest.importorskip("peft")
     from mesh_transformer import loading
     from mesh_transformer.serve import Engine
     from tests.helpers import save_peft_adapters
-    dirs = save_peft_adapters(tiny.path, type(tiny.torch), {"chat": (4, 32, ["q_proj", "fc_out"])},
+    dirs = save_peft_adapters(tiny.path, type(tiny.torch), {"chat": (4, 32, ["q_proj", "fc_out"]),
+                                                       "code": (2, 16, ["q_proj"])},
                               tmp_path_factory.mktemp("page_adapter"))
-    gen = loading.load(hf=str(tiny.path), dtype="float32", mp=1, dp=1).generator(adapters=sorted(dirs.items()))
+    gen = loading.load(hf=str(tiny.path), dtype="float32", mp=1, dp=1).generator(adapters=[("chat", dirs["chat"])])
     engine = Engine(gen, tiny.tokenizer, max_batch=4, chunk=4).start()
-    server, base = start_server(create_app(engine, model_name="gpt-j-tiny-random", api_key=KEY))
-    yield base
+    server, base = start_server(create_app(engine, model_name="gpt-j-tiny-random", api_key=KEY, runtime_lora=True))
+    yield base, dirs
     server.should_exit = True
     engine.stop()
 
 
 def test_playground_chooses_a_lora_adapter(browser, lora_page_url):
     """With adapters served, the page offers the base and each adapter; choosing one sends its name
-    as `model`, and the page shows that adapter's greedy completion (not the base's)."""
+    as `model`, and the page shows that adapter's greedy completion (not the base's). An adapter
+    loaded at runtime joins the list when it gets focus."""
+    import httpx
     from openai import OpenAI
-    from selenium.webdriver.support.ui import Select
+    from selenium.webdriver.support.ui import Select, WebDriverWait
 
+    lora_page_url, dirs = lora_page_url
     api = OpenAI(base_url=f"{lora_page_url}/v1", api_key=KEY, max_retries=0, timeout=60)
     expected = {m: api.completions.create(model=m, prompt="The quick brown", max_tokens=12, temperature=0)
                 .choices[0].text for m in ("gpt-j-tiny-random", "chat")}
@@ -155,4 +160,18 @@ def test_playground_chooses_a_lora_adapter(browser, lora_page_url):
         choice.select_by_visible_text(model)
         assert run_and_wait(browser) == "done"
         assert text_of(browser, "output") == expected[model]
+    r = httpx.post(f"{lora_page_url}/v1/load_lora_adapter", json={"lora_name": "code", "lora_path": str(dirs["code"])},
+                   headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 200, r.text
+    expected["code"] = api.completions.create(model="code", prompt="The quick brown", max_tokens=12,
+                                              temperature=0).choices[0].text
+    assert expected["code"] not in (expected["chat"], expected["gpt-j-tiny-random"])
+    browser.find_element("id", "model-choice").click()  # focus: the list is read again
+    WebDriverWait(browser, 10).until(lambda b: len(Select(b.find_element("id", "model-choice")).options) == 3)
+    choice = Select(browser.find_element("id", "model-choice"))
+    assert [o.text for o in choice.options] == ["gpt-j-tiny-random", "chat", "code"]
+    assert choice.first_selected_option.text == "gpt-j-tiny-random"  # the choice made stays
+    choice.select_by_visible_text("code")
+    assert run_and_wait(browser) == "done"
+    assert text_of(browser, "output") == expected["code"]
     assert console_errors(browser) == []

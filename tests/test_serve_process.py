@@ -100,23 +100,28 @@ def test_key_from_the_environment_is_required(servers, http):
 def test_lora_modules_are_served_by_name(tiny, tmp_path):
     """--lora-modules NAME=PATH (vLLM's flag): /v1/models lists the adapter, and a request naming it
     gets the library's answer with it, unmerged (a server of its own: the others keep the default,
-    fused layout)."""
+    fused layout). With --enable-runtime-lora and --max-loras 1 a second adapter loads over HTTP and
+    takes the one entry by turns."""
     pytest.importorskip("peft")
     from mesh_transformer import loading
     from tests.helpers import save_peft_adapters
-    adapter = save_peft_adapters(tiny.path, type(tiny.torch), {"chat": (4, 32, ["q_proj", "fc_out"])}, tmp_path)["chat"]
-    proc, url = launch(tiny.path, "--lora-modules", f"chat={adapter}")
+    dirs = save_peft_adapters(tiny.path, type(tiny.torch), {"chat": (4, 32, ["q_proj", "fc_out"]),
+                                                       "code": (2, 8, ["v_proj"])}, tmp_path)
+    proc, url = launch(tiny.path, "--lora-modules", f"chat={dirs['chat']}", "--max-loras", "1",
+                       "--enable-runtime-lora")
     try:
-        gen = loading.load(hf=str(tiny.path), dtype="float32", mp=1, dp=1).generator(adapters=[("chat", adapter)])
+        gen = loading.load(hf=str(tiny.path), dtype="float32", mp=1, dp=1).generator(adapters=sorted(dirs.items()))
         ids = tiny.tokenizer.encode("The quick")
         options = SamplingOptions(max_new_tokens=6, temperature=0.0, eos_token_id=tiny.eos)
-        expected = gen.generate([ids, ids], options, tiny.tokenizer, adapters=[None, "chat"])
-        assert expected[0].text != expected[1].text
+        expected = gen.generate([ids] * 3, options, tiny.tokenizer, adapters=[None, "chat", "code"])
+        assert len({s.text for s in expected}) == 3
         wait_until_up(proc, url)
         with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=120) as http:
             listed = http.get("/v1/models").json()["data"]
             assert [(m["id"], m["parent"]) for m in listed] == [(tiny.path.name, None), ("chat", tiny.path.name)]
-            for model, seq in zip((tiny.path.name, "chat"), expected):
+            r = http.post("/v1/load_lora_adapter", json={"lora_name": "code", "lora_path": str(dirs["code"])})
+            assert r.status_code == 200, r.text
+            for model, seq in zip((tiny.path.name, "chat", "code", "chat"), expected + [expected[1]]):
                 r = http.post("/v1/completions", json={"model": model, "prompt": "The quick", "max_tokens": 6,
                                                        "temperature": 0})
                 assert r.status_code == 200 and r.json()["choices"][0]["text"] == seq.text
@@ -176,6 +181,7 @@ def test_a_decode_call_of_no_steps_or_an_admission_of_no_tokens_is_refused(tiny)
                            (("--gather-ms", "-5"), "--gather-ms must be at least 0; got -5"),
                            (("--lora-modules", "chat"), "--lora-modules takes NAME=PATH items, got 'chat'"),
                            (("--lora-modules", "chat=x", "--lora-adapter", "y"), "--lora-adapter merges an adapter"),
+                           (("--max-loras", "0"), "--max-loras must be at least 1; got 0"),
                            (("--lora-modules", "chat=/nowhere"),  # checked before the base loads
                             "--lora-modules chat=/nowhere: /nowhere: no adapter_config.json")):
         proc, _ = launch(tiny.path, *flags)

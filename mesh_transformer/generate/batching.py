@@ -30,12 +30,13 @@ class Sequence:
 
     The prompt is cut from the left to fit `context - max_new_tokens` (`truncated` says how many
     tokens went). With a tokenizer, stop strings end the sequence and `pop_text` gives the text
-    that is final so far (never a partial stop string or a partial UTF-8 character). `adapter`:
-    the LoRA adapter it runs with, an entry of the generator's bank (0: the base alone).
+    that is final so far (never a partial stop string or a partial UTF-8 character). `lora`: the
+    LoRA adapter it runs with (a `lora.ServedAdapter`; None: the base alone), `adapter` the entry of
+    the generator's bank holding it (a server assigns it when it admits the sequence).
     """
 
     def __init__(self, prompt: Seq[int], options: SamplingOptions, context: int, tokenizer=None,
-                 deadline: Optional[float] = None, adapter: int = 0):
+                 deadline: Optional[float] = None, adapter: int = 0, lora=None):
         options.validate(context)
         if len(prompt) == 0:
             raise ValueError("the prompt is empty (it needs at least one token)")
@@ -49,7 +50,7 @@ class Sequence:
         self.options = options
         self.seed = options.seed % 2**32 if options.seed is not None else secrets.randbits(32)
         self.deadline = deadline
-        self.adapter = adapter
+        self.adapter, self.lora = adapter, lora
         self.tokens: list[int] = []
         self.logprobs: list[float] = []  # with options.logprobs set: log p of each token
         self.top_logprobs: list[list[tuple[int, float]]] = []  # and the options.logprobs most likely (id, log p)
@@ -95,6 +96,11 @@ class Sequence:
         if self._text_end is None and self.finished and self.options.stop:
             self._text_end = _find_stop(text, self.options.stop)  # a device-side stop-token hit
         return text if self._text_end is None else text[: self._text_end]
+
+    @property
+    def adapter_key(self) -> int:
+        """What a prefix cache keys its prompt by: its adapter's serial (0: the base alone)."""
+        return self.lora.serial if self.lora is not None else 0
 
     def pop_text(self) -> str:
         """Text that became final since the last call (for streaming)."""
@@ -197,7 +203,7 @@ class Batch:
 
     def uncached(self, seq: Sequence) -> int:
         """The tokens of `seq`'s prompt an admission now would compute (not in the prefix cache)."""
-        return len(seq.prompt) - (self.prefix.cached_tokens(seq.prompt, seq.adapter) if self.prefix is not None else 0)
+        return len(seq.prompt) - (self.prefix.cached_tokens(seq.prompt, seq.adapter_key) if self.prefix is not None else 0)
 
     def prefill_tokens(self, n: int, uncached: int) -> int:
         """Token positions the prefill of `n` prompts computes when the longest part not in the

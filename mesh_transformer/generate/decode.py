@@ -184,6 +184,16 @@ def state_specs(layers: int) -> DecodeState:
         last=row, done=row, n_generated=row, reason=row, counts=row2, seen=row2, recent=row2)
 
 
+def _write_entry(bank: dict, updates: dict, entry):
+    """Each bank leaf with its update (the same leaf with an adapters axis of size 1) written at `entry`."""
+    out = {}
+    for key, x in bank.items():
+        update = updates[key].astype(x.dtype)
+        at = next(d for d in range(x.ndim) if update.shape[d] == 1 < x.shape[d])  # the adapters axis
+        out[key] = jax.lax.dynamic_update_slice(x, update, [entry if d == at else 0 for d in range(x.ndim)])
+    return out
+
+
 def _roll_cache(cache: KVCache, shift) -> KVCache:
     """Move every row's slots by `shift` (positions are slot - start, so they do not change): a
     copy of the whole cache (seconds for a 64-row cache on a CPU), for `Generator.move` only when
@@ -321,9 +331,11 @@ class Generator:
     The decode layout only: training and checkpoints keep the leaves apart.
 
     `adapters` (a `lora.AdapterSet`): LoRA adapters served beside the base, unmerged, each request
-    choosing one (its row's `RowOptions.adapter`, 1..; 0 the base alone), so one batch decodes rows
-    of several fine-tunes together (`layers.dense` of a `parallel.AdapterBank`). Weights are then
-    not fused (an adapter of q alone would need the fused leaf's other parts padded).
+    choosing one (its row's `RowOptions.adapter`, an entry of the bank: 1 .. slots; 0 the base
+    alone), so one batch decodes rows of several fine-tunes together (`layers.dense` of a
+    `parallel.AdapterBank`). The set's first adapters fill the entries; `write_adapter` replaces an
+    entry's between calls (the bank's arrays are the programs' arguments: nothing recompiles).
+    Weights are then not fused (an adapter of q alone would need the fused leaf's other parts padded).
     """
 
     QUANTIZE = ("int8",)
@@ -341,6 +353,7 @@ class Generator:
         inputs_last = quantize is None and (dot if matvec is None else bool(matvec) and (float32 or dot))
         self.layout = parallel.Layout(inputs_last, fuse and adapters is None)
         self.adapters = adapters
+        self.residents: list = [None] * (adapters.plan.adapters if adapters is not None else 1)  # entry -> ServedAdapter
         self.mp, self.dp = mesh.shape[parallel.MP], mesh.shape[parallel.DP]
         self.model = models.build(config, self.mp)
         self.model.check_mesh(mesh.shape, zero=False)
@@ -391,8 +404,8 @@ class Generator:
 
     @property
     def adapter_names(self) -> tuple[str, ...]:
-        """The served LoRA adapters' names, bank entries 1, 2, .. (none without `adapters`)."""
-        return self.adapters.names if self.adapters is not None else ()
+        """The names of the LoRA adapters in the bank's entries now (none without `adapters`)."""
+        return tuple(a.name for a in self.residents if a is not None)
 
     @property
     def bank(self) -> Optional[parallel.BankPlan]:
@@ -421,18 +434,62 @@ class Generator:
         return out
 
     def _place_bank(self, adapters: "AdapterSet") -> None:
-        """Add the adapters' leaves (A [*inputs, N, r], B [N, r, *outputs] per targeted weight, per
-        layer) to the params, in the compute dtype and the decode layout, sharded like the weights
-        they adapt."""
+        """Add the bank's leaves (A [*inputs, N, r], B [N, r, *outputs] per targeted weight, per layer)
+        to the params, zeros in the compute dtype and the decode layout, sharded like the weights
+        they adapt; then fill entries 1, 2, .. with the set's first adapters."""
+        from mesh_transformer import lora
         dtype = jnp.dtype(self.config.compute_dtype)
-        for module, leaves in adapters.leaves.items():
+        self._entry_shapes = lora.entry_shapes(self.config, adapters.plan, self.mp)
+        placed = {}
+        for module, leaf, info, shape in self._bank_leaves():
+            for new, i in unstacked_modules(module, self.config.layers):
+                one = shape if i is None else shape[1:]
+                at = len(one) - 1 if leaf.endswith(parallel.LORA_A) else 0  # A [*inputs, N, r], B [N, r, *outputs]
+                bank = np.zeros((*one[:at], adapters.plan.adapters, *one[at:]), np.float32)
+                self.params[new][leaf] = placed[(new, leaf)] = self._convert(bank, info, dtype)
+        self._write_bank = jax.jit(lambda bank, updates, entry: _write_entry(bank, updates, entry), donate_argnums=0,
+                                   out_shardings={k: x.sharding for k, x in placed.items()})  # its own cache
+        for entry, adapter in enumerate(adapters.adapters[: adapters.slots], start=1):
+            self.write_adapter(entry, adapter)
+
+    def _bank_leaves(self):
+        """(module, leaf, its bank ParamInfo, one entry's shape, layers stacked) for every bank leaf."""
+        for module, own in self._entry_shapes.items():
             infos = self.model.infos[module]
-            for name, x in leaves.items():
-                base = name[: -len(parallel.LORA_A)]
-                info = parallel.bank_infos(infos[base])[0 if name.endswith(parallel.LORA_A) else 1]
-                for new, i in unstacked_modules(module, self.config.layers):
-                    leaf = x if i is None else x[i]
-                    self.params[new][name] = self._convert(leaf, info, dtype)
+            for leaf, shape in own.items():
+                base = leaf[: -len(parallel.LORA_A)]
+                info = parallel.bank_infos(infos[base])[0 if leaf.endswith(parallel.LORA_A) else 1]
+                yield module, leaf, info, shape
+
+    def write_adapter(self, entry: int, adapter) -> None:
+        """Put `adapter` (a `lora.ServedAdapter`, or None: zeros) in bank entry `entry` (1 .. slots),
+        in place. Between device calls: rows under the entry read the new adapter from the next one."""
+        from mesh_transformer import lora
+        if self.adapters is None or not 1 <= entry < self.adapters.plan.adapters:
+            raise ValueError(f"adapter entry {entry} is not one of this generator's bank "
+                             f"(1 .. {self.adapters.plan.adapters - 1 if self.adapters else 0})")
+        if adapter is not None:
+            lora.check_fits(adapter, self.adapters.plan)
+        values = lora.bank_entry(adapter, self._entry_shapes)
+        dtype = jnp.dtype(self.config.compute_dtype)
+        current, updates = {}, {}
+        for module, leaf, info, _ in self._bank_leaves():
+            x = values[module][leaf]
+            for new, i in unstacked_modules(module, self.config.layers):
+                one = x if i is None else x[i]
+                at = one.ndim - 1 if leaf.endswith(parallel.LORA_A) else 0
+                order, _ = parallel.stored_layout(info, one.ndim + 1, self.inputs_last)
+                updates[(new, leaf)] = np.expand_dims(one, at).astype(dtype).transpose(order)
+                current[(new, leaf)] = self.params[new].pop(leaf)
+        written = self._write_bank(current, updates, np.int32(entry))
+        for (new, leaf), x in written.items():
+            self.params[new][leaf] = x
+        self.residents[entry] = adapter
+
+    def adapter_key(self, entry: int) -> int:
+        """What a prefix cache keys rows under bank entry `entry` by: its adapter's serial (0: the base alone)."""
+        adapter = self.residents[entry]
+        return adapter.serial if adapter is not None else 0
 
     def _groups(self, leaves, infos) -> list[tuple[str, tuple[str, ...]]]:
         """[(stored leaf, the leaves it holds)]: one each, or with `layout.fused` the `FUSED` groups
@@ -660,7 +717,7 @@ class Generator:
         n = self.prefill_rows(len(prompts))
         adapters = list(adapters) if adapters is not None else [0] * len(prompts)
         self.check_adapters(adapters)
-        plan = prefix.plan(prompts, adapters) if prefix is not None else None
+        plan = prefix.plan(prompts, [self.adapter_key(a) for a in adapters]) if prefix is not None else None
         cached = plan.cached if plan else [0] * len(prompts)
         t, reuse = computed_and_read([len(p) for p in prompts], cached)
         c = bucket(max(reuse)) if max(reuse) else 0
@@ -702,16 +759,17 @@ class Generator:
         return state, _by_row(first, ids, batch), done, reason, reads
 
     def adapter_id(self, name: Optional[str]) -> int:
-        """The bank entry of the adapter called `name` (None: 0, the base); ValueError if none is."""
+        """The bank entry holding the adapter called `name` (None: 0, the base); ValueError if none does."""
         if name is None:
             return 0
-        if name not in self.adapter_names:
-            raise ValueError(f"adapter {name!r} is not loaded (this generator's adapters: "
-                             f"{', '.join(self.adapter_names) or 'none'})")
-        return self.adapter_names.index(name) + 1
+        for entry, adapter in enumerate(self.residents):
+            if adapter is not None and adapter.name == name:
+                return entry
+        raise ValueError(f"adapter {name!r} is not loaded (this generator's adapters: "
+                         f"{', '.join(self.adapter_names) or 'none'})")
 
     def check_adapters(self, adapters: Seq[int]) -> None:
-        n = len(self.adapter_names)
+        n = len(self.residents) - 1
         bad = [a for a in adapters if not 0 <= a <= n]
         if bad:
             raise ValueError(f"adapter {bad[0]} is not in this generator's bank (0 .. {n})")
@@ -830,7 +888,8 @@ class Generator:
             raise ValueError(f"{len(prompts)} prompts but {len(options)} SamplingOptions and {len(adapters)} adapters")
         ids = [self.adapter_id(name) for name in adapters]
         from mesh_transformer.generate.batching import Sequence
-        return [Sequence(p, o, self.config.seq, tokenizer, adapter=a) for p, o, a in zip(prompts, options, ids)]
+        return [Sequence(p, o, self.config.seq, tokenizer, adapter=a, lora=self.residents[a])
+                for p, o, a in zip(prompts, options, ids)]
 
 
 def shared_layout(reads: Seq[np.ndarray], pool_size: int) -> tuple[np.ndarray, np.ndarray]:

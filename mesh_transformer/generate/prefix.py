@@ -3,11 +3,12 @@
 A prompt is cut into blocks of `block` tokens. A full block's keys and values depend only on the
 tokens up to its end (and the LoRA adapter the prompt runs with), so a block is named by its tokens
 and its parent (the block before it): key = (parent's serial number, the block's token ids), as vLLM
-and SGLang key theirs by a hash of the same; a prompt's first block's parent is its adapter (0 the
-base, -k adapter k), so prompts under different adapters share nothing. The key holds the token ids themselves, so a lookup is exact (no hash collision can return
-another prompt's keys). Each cached block owns `block` token slots of a device pool (per layer
-k [1, K, H, M] and v [1, K, M, H], heads over 'mp' like the decode cache; K kv heads, M =
-capacity); the host table maps keys to blocks in least-recently-used order, and a new block takes
+and SGLang key theirs by a hash of the same; a prompt's first block's parent is its LoRA adapter
+(0 the base, -s the adapter loaded with serial s: `lora.ServedAdapter.serial`), so prompts under
+different adapters, or under two loads of one name, share nothing. The key holds the token ids
+themselves, so a lookup is exact (no hash collision can return another prompt's keys). Each
+cached block owns `block` token slots of a device pool (per layer k [1, K, H, M] and v [1, K, M, H],
+heads over 'mp' like the decode cache; K kv heads, M = capacity); the host table maps keys to blocks in least-recently-used order, and a new block takes
 a free one or evicts the least recently used. A parent is always touched after its children, so
 leaves go first and a chain is never cut in the middle while its tail stays.
 
@@ -100,7 +101,7 @@ class PrefixCache:
                     self._free.append(block)
 
     def plan(self, prompts: Seq[Seq[int]], adapters: Optional[Seq[int]] = None) -> Plan:
-        """Look every prompt up (each under its adapter, default 0: the base), then reserve blocks
+        """Look every prompt up (each under its adapter's key, default 0: the base), then reserve blocks
         for the full blocks not found.
 
         Lookups see only blocks stored before this admission (a block filled by this admission's

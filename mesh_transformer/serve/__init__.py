@@ -6,14 +6,14 @@
 
 Files: `engine` (dynamic batching on the device), `openai` (OpenAI's shapes: /v1/completions,
 the original /complete, errors, streaming), `chat` (/v1/chat/completions and chat templates),
-`metrics` (Prometheus), `app` (routes, API key and size limits, graceful shutdown), `page.html`
-(the playground at GET /).
+`metrics` (Prometheus), `app` (routes, API key and size limits, graceful shutdown), `adapters`
+(the LoRA adapters known by name and the bank entries they take), `page.html` (the playground at GET /).
 """
-from mesh_transformer.serve.app import API_KEY_ENV, create_app, run
+from mesh_transformer.serve.app import API_KEY_ENV, RUNTIME_LORA_ENV, create_app, run
 from mesh_transformer.serve.chat import PLAIN_TEMPLATE, ChatTemplate
 from mesh_transformer.serve.engine import DEFAULT_GATHER, Draining, Engine, QueueFull, Request
 from mesh_transformer.serve.metrics import Metrics
 from mesh_transformer.serve.openai import ApiError
 
 __all__ = ["API_KEY_ENV", "ApiError", "ChatTemplate", "DEFAULT_GATHER", "Draining", "Engine", "Metrics",
-           "PLAIN_TEMPLATE", "QueueFull", "Request", "create_app", "run"]
+           "PLAIN_TEMPLATE", "QueueFull", "RUNTIME_LORA_ENV", "Request", "create_app", "run"]

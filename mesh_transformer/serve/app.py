@@ -1,7 +1,8 @@
 """The FastAPI app over a started `Engine`, and `run`: uvicorn with a graceful shutdown.
 
 Routes: `GET /` (the playground page), `POST /complete`, `POST /v1/completions`,
-`POST /v1/chat/completions`, `GET /v1/models`, `GET /health`, `GET /metrics` (Prometheus).
+`POST /v1/chat/completions`, `GET /v1/models`, `GET /health`, `GET /metrics` (Prometheus), and with
+runtime LoRA loading `POST /v1/load_lora_adapter`, `POST /v1/unload_lora_adapter` (vLLM's).
 """
 from __future__ import annotations
 
@@ -26,16 +27,21 @@ from mesh_transformer.serve.metrics import CONTENT_TYPE
 log = logging.getLogger("mesh_transformer.serve")
 
 API_KEY_ENV = "MESH_TRANSFORMER_API_KEY"
+RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"  # vLLM's switch for the runtime LoRA routes (device_serve.py)
 PAGE = pathlib.Path(__file__).with_name("page.html")
 OPEN_PATHS = ("/", "/health", "/metrics")  # answered without the API key (no model output, no secrets)
-ENDPOINTS = ("/", "/complete", "/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+ENDPOINTS = ("/", "/complete", "/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics",
+             "/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 
 
 def create_app(engine: Engine, model_name: str = "mesh-transformer", api_key: Optional[str] = None,
                timeout: float = 300.0, max_request_bytes: int = 1 << 20, max_prompts: int = 64,
-               chat_template: Optional[str] = None):
+               chat_template: Optional[str] = None, runtime_lora: bool = False):
     """The app over a started `engine`. `api_key` (or $MESH_TRANSFORMER_API_KEY) protects all but
-    `OPEN_PATHS`; `chat_template`: Jinja source overriding the tokenizer's (see `chat`)."""
+    `OPEN_PATHS`; `chat_template`: Jinja source overriding the tokenizer's (see `chat`);
+    `runtime_lora`: the routes that load and unload LoRA adapters (the engine's generator needs a
+    bank: `Generator(adapters=...)`; they read directories on the server's disk, so the API key
+    should be set wherever clients are not trusted)."""
     from fastapi import FastAPI
     from fastapi.responses import HTMLResponse, JSONResponse, Response
 
@@ -44,11 +50,14 @@ def create_app(engine: Engine, model_name: str = "mesh-transformer", api_key: Op
     app.add_middleware(_Guard, limit=max_request_bytes, api_key=api_key, metrics=engine.metrics)
     settings = oa.Settings(engine, model_name, timeout, max_prompts, chat_api.ChatTemplate(engine.tokenizer, chat_template))
     created = int(time.time())
-    adapters = engine.gen.adapter_names
+    if runtime_lora and engine.adapters is None:
+        raise ValueError("runtime_lora needs a generator with a bank of adapter entries (Generator(adapters=...))")
+    adapters = engine.adapters.names() if engine.adapters is not None else []
     if model_name in adapters:
         raise ValueError(f"adapter name {model_name!r} is the served model's name: a request naming it would get the base")
     page = (PAGE.read_text(encoding="utf-8").replace("{{MODEL}}", html.escape(model_name))
-            .replace("{{MODEL_PANE}}", "" if adapters else "hidden")
+            .replace("{{MODEL_PANE}}", "" if adapters or runtime_lora else "hidden")
+            .replace("{{KEY_REQUIRED}}", "true" if api_key else "false")
             .replace("{{MODEL_OPTIONS}}", "".join(f'<option value="{html.escape(m)}">{html.escape(m)}</option>'
                                                   for m in (model_name, *adapters)))
             .encode())
@@ -80,8 +89,9 @@ def create_app(engine: Engine, model_name: str = "mesh-transformer", api_key: Op
     async def models():
         base = {"id": model_name, "object": "model", "created": created, "owned_by": "mesh-transformer",
                 "root": model_name, "parent": None, "max_model_len": engine.context}
+        known = engine.adapters.names() if engine.adapters is not None else []
         return {"object": "list", "data": [base] + [{**base, "id": name, "root": name, "parent": model_name}
-                                                    for name in adapters]}
+                                                    for name in known]}
 
     @app.post("/complete")
     async def complete(http: HttpRequest):
@@ -94,6 +104,15 @@ def create_app(engine: Engine, model_name: str = "mesh-transformer", api_key: Op
     @app.post("/v1/chat/completions")
     async def chat_completions(http: HttpRequest):
         return await chat_api.chat_completions(settings, http)
+
+    if runtime_lora:
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(http: HttpRequest):
+            return await oa.load_lora_adapter(settings, http)
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(http: HttpRequest):
+            return await oa.unload_lora_adapter(settings, http)
 
     return app
 

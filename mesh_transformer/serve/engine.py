@@ -20,6 +20,8 @@ while they keep arriving within `GATHER_QUIET` of each other. Measured through H
 behind a 1,000-token prompt prefix came back over 30-65 ms (the server parses and tokenizes each
 request in turn, about 2 ms each, while streaming the others' last tokens), so a quiet-time rule
 alone split most bursts in two.
+A request names its LoRA adapter, if any; the engine places it in an entry of the generator's bank
+as it admits the request (`serve.adapters`), so a server may know more adapters than the bank holds.
 A bounded queue refuses work when full (`QueueFull`), every request has a deadline, and `drain`
 stops admitting new work for a graceful shutdown.
 """
@@ -38,6 +40,7 @@ from mesh_transformer import host_memory
 from mesh_transformer.generate import Batch, Generator, SamplingOptions, Sequence, bucket
 from mesh_transformer.generate.decode import computed_and_read
 from mesh_transformer.generate.prefix import DEFAULT_BLOCK, PrefixCache, default_tokens
+from mesh_transformer.serve.adapters import AdapterSlots
 from mesh_transformer.serve.metrics import Metrics
 
 log = logging.getLogger("mesh_transformer.serve")
@@ -113,6 +116,7 @@ class Engine:
                  batch_invariant: bool = False, join_chunk: int = 1, admit_tokens: int = 4096,
                  gather: float = DEFAULT_GATHER, share_prefix: bool = True):
         self.gen, self.tokenizer = generator, tokenizer
+        self.adapters = AdapterSlots(generator) if generator.adapters is not None else None
         slots = slots or generator.config.seq
         if prefix_cache_tokens is None:
             prefix_cache_tokens = default_tokens(generator.config, slots, prefix_block)
@@ -265,14 +269,24 @@ class Engine:
     # ---- called from request handlers ---------------------------------------------------------
 
     def sequence(self, prompt_ids: list[int], options: SamplingOptions, timeout: Optional[float],
-                 adapter: int = 0) -> Sequence:
-        """Build (and validate) a Sequence, under bank entry `adapter` (0: the base); ValueError names what is wrong."""
-        self.gen.check_adapters([adapter])
+                 adapter: Optional[str] = None) -> Sequence:
+        """Build (and validate) a Sequence, under the LoRA adapter called `adapter` (None: the base);
+        ValueError names what is wrong."""
+        lora = self.adapter(adapter)
         if options.max_new_tokens > self.max_new_tokens:
             raise ValueError(f"max_tokens must be at most {self.max_new_tokens} for this model "
                              f"(context {self.context} tokens), got {options.max_new_tokens}")
         deadline = time.monotonic() + timeout if timeout else None
-        return Sequence(prompt_ids, options, self.context, self.tokenizer, deadline=deadline, adapter=adapter)
+        return Sequence(prompt_ids, options, self.context, self.tokenizer, deadline=deadline, lora=lora)
+
+    def adapter(self, name: Optional[str]):
+        """The known adapter called `name` (a `lora.ServedAdapter`; None for None); ValueError if none is."""
+        if name is None:
+            return None
+        names = self.adapters.names() if self.adapters is not None else []
+        if name not in names:
+            raise ValueError(f"adapter {name!r} is not loaded (this server's adapters: {', '.join(names) or 'none'})")
+        return self.adapters.find(name)
 
     def submit(self, seqs: list[Sequence], loop: Optional[asyncio.AbstractEventLoop] = None) -> Request:
         request = Request(seqs, loop)
@@ -291,7 +305,8 @@ class Engine:
             return {"active": len(self.batch.active()), "queued": len(self._pending), "completed": self.completed,
                     "admissions": self.admissions, "compiled_shapes": len(self.gen.shapes),
                     "draining": self.draining, "dtype": str(self.gen.config.compute_dtype),
-                    "prefix_cache": prefix.stats() if prefix is not None else None}
+                    "prefix_cache": prefix.stats() if prefix is not None else None,
+                    "adapters": self.adapters.stats() if self.adapters is not None else None}
 
     # ---- the engine thread ----------------------------------------------------------------------
 
@@ -345,10 +360,14 @@ class Engine:
             self.batch.rows[r].finish(reason)
 
     def _take_admissible(self) -> list[tuple[Sequence, Request]]:
-        """Waiting sequences (in order) that fit in the batch now; drops cancelled/expired ones."""
+        """Waiting sequences (in order) that fit in the batch now, each given its adapter's bank
+        entry; drops cancelled/expired ones. A sequence whose adapter finds no entry waits (see
+        `serve.adapters`) while later ones under other entries go on."""
         group: list[tuple[Sequence, Request]] = []
         now = time.monotonic()
         longest = 0  # the longest prompt part of the group not in the prefix cache
+        kept: set[int] = set()  # bank entries drained for sequences that found none
+        waiting: list[tuple[Sequence, Request]] = []  # passed over: their adapter found no entry
         while self._pending:
             seq, request = self._pending[0]
             if seq.cancelled or (seq.deadline is not None and now > seq.deadline):
@@ -361,13 +380,25 @@ class Engine:
             uncached = max(longest, self.batch.uncached(seq))
             if group and self.batch.prefill_tokens(len(group) + 1, uncached) > self.admit_tokens:
                 break
-            longest = uncached
+            entry = self.adapters.entry_for(seq.lora, kept) if self.adapters is not None else 0
+            if entry is None:
+                drained = self.adapters.drained(kept)
+                if drained is not None:
+                    kept.add(drained)
+                waiting.append(self._pending.popleft())
+                continue
+            if self.adapters is not None:
+                self.adapters.pin(entry)
+            seq.adapter, longest = entry, uncached
             group.append(self._pending.popleft())
+        self._pending.extendleft(reversed(waiting))
         return group
 
     def _advance(self, group: list[tuple[Sequence, Request]]) -> None:
         finished: list[Sequence] = []
         if group:
+            if self.adapters is not None:
+                self.adapters.place()
             for seq, request in group:
                 self._timing[id(seq)] = _Timing(request.submitted)
             prefix = self.batch.prefix
@@ -388,6 +419,8 @@ class Engine:
         for seq in finished:
             with self._cv:
                 self._owner.pop(id(seq), None)
+                if self.adapters is not None:
+                    self.adapters.release(seq.adapter)
             self._timing.pop(id(seq), None)
             self.completed += 1
         for request in touched.values():
@@ -418,6 +451,8 @@ class Engine:
                 s.finish("error")
             request.notify()
         self._timing.clear()
+        if self.adapters is not None:
+            self.adapters.release_all()
         # a failed admission may have consumed the pool (donated) or left blocks unfilled: start afresh
         self.batch = Batch(self.gen, self.batch.size, self.batch.slots, self.batch.chunk, self._new_prefix_cache(),
                            self.batch.batch_invariant, self.batch.share_prefix)

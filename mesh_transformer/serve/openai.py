@@ -1,5 +1,6 @@
 """OpenAI's request and response shapes: `/v1/completions`, the original `/complete`, and what the
-chat endpoint shares with them (errors, parsing, text encoding, sampling options, waiting, streaming).
+chat endpoint shares with them (errors, parsing, text encoding, sampling options, waiting, streaming);
+vLLM's runtime LoRA endpoints `/v1/load_lora_adapter` and `/v1/unload_lora_adapter`.
 
 Errors are OpenAI's `{"error": {"message", "type", "param", "code"}}`; a 400 names the field in
 `param` and at the start of the message.
@@ -9,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 import time
 import uuid
 from dataclasses import dataclass
@@ -17,8 +19,12 @@ from typing import Any, AsyncIterator, Optional, Union
 from fastapi import Request as HttpRequest
 from pydantic import BaseModel, ConfigDict, Field
 
+from mesh_transformer import lora
+from mesh_transformer.config import ConfigError
 from mesh_transformer.generate import SamplingOptions, Sequence
 from mesh_transformer.serve.engine import Draining, Engine, QueueFull, Request
+
+log = logging.getLogger("mesh_transformer.serve")
 
 FAILED = {"timeout": "request timed out", "error": "generation failed (see the server log)",
           "shutdown": "the server is shutting down"}
@@ -93,6 +99,19 @@ class CompletionRequest(_Strict):
     best_of: Optional[int] = None
     suffix: Optional[str] = None
     user: Optional[str] = None
+
+
+class LoadLoraRequest(_Strict):
+    """vLLM's /v1/load_lora_adapter body."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoraRequest(_Strict):
+    """vLLM's /v1/unload_lora_adapter body."""
+
+    lora_name: str
 
 
 # --------------------------------------------------------------------------------------------
@@ -191,30 +210,30 @@ def options(engine: Engine, ignore_eos: bool = False, **given) -> SamplingOption
     return result
 
 
-def adapter(s: Settings, model: Optional[str]) -> int:
-    """The bank entry a request's `model` names: 0 (the base) for the served name or none, else a
-    LoRA adapter's (`--lora-modules`). With adapters loaded an unknown name is a 404, as vLLM's; without,
-    any name means the one model served (clients send their own model names)."""
-    names = s.engine.gen.adapter_names
-    if model is None or model == s.model_name or not names:
-        return 0
+def adapter(s: Settings, model: Optional[str]) -> Optional[str]:
+    """The LoRA adapter a request's `model` names (`--lora-modules`, `/v1/load_lora_adapter`): None
+    (the base) for the served name or none. While the server has adapters (a bank), an unknown name
+    is a 404, as vLLM's; without, any name means the one model served (clients send their own names)."""
+    if model is None or model == s.model_name or s.engine.adapters is None:
+        return None
+    names = s.engine.adapters.names()
     if model not in names:
         served = ", ".join((s.model_name, *names))
         raise ApiError(404, f"model: the model {model!r} does not exist (served: {served})", "not_found_error",
                        param="model")
-    return s.engine.gen.adapter_id(model)
+    return model
 
 
 def sequences(s: Settings, prompts, opts: SamplingOptions, n: int, seed: Optional[int],
               model: Optional[str] = None) -> list[Sequence]:
     """The request's sequences: each prompt `n` times (seeds seed, seed + 1, ..), under the adapter `model` names."""
-    entry = adapter(s, model)
+    name = adapter(s, model)
     seqs = []
     for p in prompts:
         for j in range(n):
             o = opts if seed is None else dataclasses.replace(opts, seed=(seed + j) % 2**32)
             try:
-                seqs.append(s.engine.sequence(p, o, s.timeout, adapter=entry))
+                seqs.append(s.engine.sequence(p, o, s.timeout, adapter=name))
             except ValueError as e:
                 raise ApiError(400, str(e)) from None
     return seqs
@@ -379,6 +398,44 @@ async def completions(s: Settings, http: HttpRequest):
     await wait(s.engine, seqs, s.timeout)
     return {**head, "choices": [_choice(s.engine, i, seq) for i, seq in enumerate(seqs)],
             "usage": usage(seqs, body.n)}
+
+
+async def load_lora_adapter(s: Settings, http: HttpRequest):
+    """vLLM's runtime loading: {"lora_name", "lora_path"} -> the adapter in that directory (on the
+    server's disk) is known by that name; requests naming it run with it from then on. 400 names
+    what is wrong (a name in use, an adapter that cannot be served or does not fit the bank)."""
+    from fastapi.responses import PlainTextResponse
+
+    body = parse(await http.body(), LoadLoraRequest)
+    name, slots = body.lora_name, s.engine.adapters
+    if not name or name == s.model_name:
+        raise ApiError(400, f"lora_name: {name!r} cannot name an adapter (it is {'empty' if not name else 'the base'})",
+                       param="lora_name")
+    if name in slots.names():
+        raise ApiError(400, f"lora_name: the adapter {name!r} has already been loaded", param="lora_name")
+    gen = s.engine.gen
+    try:
+        loaded = await asyncio.to_thread(lora.served_adapter, name, body.lora_path, gen.config, gen.mp)
+        slots.add(loaded)
+    except (ConfigError, ValueError) as e:
+        raise ApiError(400, str(e), param="lora_path") from None
+    log.info("loaded LoRA adapter %r from %s (rank %d)", name, body.lora_path, loaded.rank)
+    return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+
+async def unload_lora_adapter(s: Settings, http: HttpRequest):
+    """vLLM's runtime unloading: {"lora_name"} -> requests can no longer name it (those already
+    submitted finish with it); 404 if no adapter has that name."""
+    from fastapi.responses import PlainTextResponse
+
+    body = parse(await http.body(), UnloadLoraRequest)
+    try:
+        s.engine.adapters.remove(body.lora_name)
+    except KeyError:
+        raise ApiError(404, f"lora_name: the adapter {body.lora_name!r} cannot be found", "not_found_error",
+                       param="lora_name") from None
+    log.info("unloaded LoRA adapter %r", body.lora_name)
+    return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
 
 def room(engine: Engine, ids: list[list[int]]) -> int:

@@ -1,0 +1,119 @@
+"""The LoRA adapters a server knows by name, and the bank entries they occupy (vLLM's --max-loras).
+
+The generator's bank has a fixed number of entries (`lora.AdapterSet.slots`); a server may know
+more adapters than that (`--lora-modules`, `/v1/load_lora_adapter`), each held on the host once
+loaded and checked. The engine places a request's adapter in an entry when it admits the request:
+the entry already holding it, else an idle one (no running row under it: empty ones first, then
+the least recently admitted to), whose contents `Generator.write_adapter` replaces between device
+calls, in place (nothing recompiles). While every entry has running rows, a request for an adapter
+not in one waits, and the least recently admitted-to entry takes no new rows until it is idle and
+the waiting request takes it: later requests for the adapters in the other entries go on meanwhile,
+and a waiting adapter is never starved by traffic for the others.
+
+The engine thread calls the placement methods (`entry_for`, `pin`, `place`, `release`) under the
+engine's lock; request handlers `add`, `remove` and `find` under this object's own.
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+from typing import Optional
+
+from mesh_transformer import lora
+from mesh_transformer.generate import Generator
+
+
+class AdapterSlots:
+    """The adapters known by name (`known`) and what each bank entry holds or will hold (`holds`)."""
+
+    def __init__(self, gen: Generator):
+        if gen.adapters is None:
+            raise ValueError("the generator serves no adapters (it has no bank: Generator(adapters=...))")
+        self.gen = gen
+        self.known: dict[str, lora.ServedAdapter] = {a.name: a for a in gen.adapters.adapters}
+        self.holds: list[Optional[lora.ServedAdapter]] = list(gen.residents)  # entry -> adapter (planned)
+        self.running = [0] * len(self.holds)  # rows admitted under each entry and not finished
+        self.used = [0] * len(self.holds)  # when each entry was last admitted to (`_clock`)
+        self._clock = itertools.count(1)
+        self.placed = 0  # adapters written into an entry since start
+        self._lock = threading.Lock()
+
+    @property
+    def slots(self) -> int:
+        return len(self.holds) - 1
+
+    # ---- by name (request handlers) ----------------------------------------------------------
+
+    def names(self) -> list[str]:
+        with self._lock:
+            return list(self.known)
+
+    def find(self, name: str) -> lora.ServedAdapter:
+        """The adapter called `name`; KeyError if none is."""
+        with self._lock:
+            return self.known[name]
+
+    def add(self, adapter: lora.ServedAdapter) -> None:
+        """Know `adapter` by its name (ValueError if one already has it; ConfigError if it does not fit the bank)."""
+        lora.check_fits(adapter, self.gen.adapters.plan)
+        with self._lock:
+            if adapter.name in self.known:
+                raise ValueError(f"the adapter {adapter.name!r} has already been loaded")
+            self.known[adapter.name] = adapter
+
+    def remove(self, name: str) -> lora.ServedAdapter:
+        """Forget the adapter called `name` (KeyError if none is): new requests cannot name it;
+        requests already submitted under it finish with it, and its entry is reused once idle."""
+        with self._lock:
+            return self.known.pop(name)
+
+    # ---- placement (the engine thread) ---------------------------------------------------------
+
+    def entry_for(self, adapter: Optional[lora.ServedAdapter], kept: set[int]) -> Optional[int]:
+        """The entry a sequence under `adapter` runs in (0: the base): the one holding it, else an
+        idle one, which then holds it (written by `place`); None while every entry not in `kept`
+        (entries drained for a waiting sequence) has running rows."""
+        if adapter is None:
+            return 0
+        for e in range(1, len(self.holds)):
+            if self.holds[e] is not None and self.holds[e].serial == adapter.serial:
+                return None if e in kept else e
+        idle = [e for e in range(1, len(self.holds)) if self.running[e] == 0 and e not in kept]
+        if not idle:
+            return None
+        e = min(idle, key=lambda e: (self.holds[e] is not None, self.used[e]))
+        self.holds[e] = adapter
+        return e
+
+    def drained(self, kept: set[int]) -> Optional[int]:
+        """The entry to keep for a sequence that found none (`entry_for`): the least recently
+        admitted to of those not kept already (None if every entry is)."""
+        free = [e for e in range(1, len(self.holds)) if e not in kept]
+        return min(free, key=lambda e: self.used[e]) if free else None
+
+    def pin(self, entry: int) -> None:
+        """A row is admitted under `entry`."""
+        self.running[entry] += 1
+        self.used[entry] = next(self._clock)
+
+    def release(self, entry: int) -> None:
+        """A row under `entry` finished."""
+        self.running[entry] = max(0, self.running[entry] - 1)
+
+    def release_all(self) -> None:
+        """No row runs (the engine started a new batch after a failure)."""
+        self.running = [0] * len(self.holds)
+
+    def place(self) -> None:
+        """Write each entry whose planned adapter the bank does not hold yet (before the admission that reads it)."""
+        for e, adapter in enumerate(self.holds):
+            if e and adapter is not self.gen.residents[e]:
+                self.gen.write_adapter(e, adapter)
+                self.placed += 1
+
+    def stats(self) -> dict:
+        with self._lock:
+            known = list(self.known)
+        return {"known": known, "slots": self.slots, "placed": self.placed,
+                "entries": [a.name if a is not None else None for a in self.gen.residents[1:]],
+                "running": self.running[1:]}
