@@ -92,6 +92,8 @@ def main(argv=None):
     for flag, value in (("--max-loras", args.max_loras), ("--max-lora-rank", args.max_lora_rank)):
         if value is not None and value < 1:
             parser.error(f"{flag} must be at least 1; got {value}")
+        if value is not None and not (args.lora_modules or args.enable_runtime_lora):
+            parser.error(f"{flag} sizes the bank of served LoRA adapters: pass --lora-modules or --enable-runtime-lora")
     if args.gather_ms < 0:
         parser.error(f"--gather-ms must be at least 0; got {args.gather_ms:g}")
     if args.prefix_block < 1 or not (args.prefix_cache_tokens is None or args.prefix_cache_tokens == 0

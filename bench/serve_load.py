@@ -24,7 +24,8 @@ steps, and a warm-up that compiles the prefill of 128- and 160-token prompts alo
 `--lora N`: N random LoRA adapters (PEFT's format, rank `--lora-rank`, on every attention and MLP
 projection, B random) served beside the base, request i naming adapter i mod N: ours with
 `--lora-modules`, vLLM with `--enable-lora --lora-modules` (the same directories); one batch then
-decodes rows of every adapter (multi-LoRA serving).
+decodes rows of every adapter (multi-LoRA serving). `--max-loras M` (M < N): a batch holds M
+adapters at once (ours: M bank entries, taken by turns; vLLM: `--max-loras M --max-cpu-loras N`).
 
 Peers, each started from its own venv or command:
   vllm          vLLM's CPU build (`bash bench/setup_vllm_venv.sh`): its OpenAI server, prefix caching on
@@ -117,9 +118,11 @@ def wait_ready(proc, url: str, name: str, log: str, timeout: float = 900) -> Non
 
 
 def start_server(peer: str, model_dir: str, dtype: str, ours_args: str, logdir: str, max_len: int = 2048,
-                 adapters: tuple = (), rank: int = 16):
+                 adapters: tuple = (), rank: int = 16, slots: Optional[int] = None):
     """Start `peer` ('ours', 'vllm', 'transformers') on `model_dir` -> (process, url, model name);
-    `max_len`: vLLM's context (at most the model's); `adapters`: [(name, PEFT directory)] of rank <= `rank`."""
+    `max_len`: vLLM's context (at most the model's); `adapters`: [(name, PEFT directory)] of rank <= `rank`,
+    `slots` of them in a batch at once (default: all)."""
+    slots = slots or len(adapters)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
@@ -131,15 +134,15 @@ def start_server(peer: str, model_dir: str, dtype: str, ours_args: str, logdir: 
         cmd = [sys.executable, os.path.join(ROOT, "device_serve.py"), "--hf", model_dir, "--port", str(port),
                "--dtype", dtype, *shlex.split(ours_args)]
         if adapters:
-            cmd += ["--lora-modules", *(f"{a}={p}" for a, p in adapters)]
+            cmd += ["--lora-modules", *(f"{a}={p}" for a, p in adapters), "--max-loras", str(slots)]
     elif peer == "vllm":
         if not os.path.exists(VLLM_PYTHON):
             raise RuntimeError("no vLLM venv: run `bash bench/setup_vllm_venv.sh` first")
         cmd = [VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--host", "127.0.0.1",
                "--port", str(port), "--dtype", dtype, "--served-model-name", name, "--max-model-len", str(max_len)]
         if adapters:
-            cmd += ["--enable-lora", "--max-loras", str(len(adapters)), "--max-lora-rank", str(rank),
-                    "--lora-modules", *(f"{a}={p}" for a, p in adapters)]
+            cmd += ["--enable-lora", "--max-loras", str(slots), "--max-cpu-loras", str(len(adapters)),
+                    "--max-lora-rank", str(rank), "--lora-modules", *(f"{a}={p}" for a, p in adapters)]
         env.update(VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4"), VLLM_HOST_IP="127.0.0.1",
                    VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
     elif peer == "transformers":
@@ -267,7 +270,7 @@ class Server:
     def __init__(self, peer: str, model_dir: str, args, logdir: str, adapters: tuple = ()):
         self.peer = peer
         self.start = lambda: start_server(peer, model_dir, args.dtype, args.server_args, logdir, adapters=adapters,
-                                          rank=args.lora_rank)
+                                          rank=args.lora_rank, slots=args.max_loras)
         self.proc, self.url, self.name = self.start()
 
     def revive(self) -> bool:
@@ -344,6 +347,8 @@ def main(argv=None):
     parser.add_argument("--lora", type=int, default=0, metavar="N",
                         help="serve N random LoRA adapters beside the base; request i names adapter i mod N")
     parser.add_argument("--lora-rank", type=int, default=16)
+    parser.add_argument("--max-loras", type=int, metavar="M",
+                        help="with --lora N: adapters a batch holds at once (default N)")
     parser.add_argument("--json", help="write the rows here too")
     parser.add_argument("--logs", help="keep every server's log in this directory (default: deleted at the end)")
     args = parser.parse_args(argv)
@@ -366,6 +371,7 @@ def main(argv=None):
         for kind, model_dir in models.items():
             adapters = tuple(make_adapters(kind, model_dir, args.lora, args.lora_rank, tmp)) if args.lora else ()
             label = f", {args.lora} LoRA r{args.lora_rank}" if args.lora else ""
+            label += f" in {args.max_loras} at once" if args.lora and args.max_loras else ""
             for peer in ["ours", *args.peer]:
                 try:
                     if args.logs:

@@ -11,6 +11,7 @@ import pytest
 from helpers import FAMILY_CASES, NEW, make_hf_model, rounded_like_int8, save_peft_adapters
 from mesh_transformer import loading, lora
 from mesh_transformer.config import ConfigError
+from mesh_transformer.evaluate.scoring import scorer_for
 from mesh_transformer.generate import Batch, Generator, SamplingOptions
 from mesh_transformer.generate.prefix import PrefixCache
 
@@ -330,8 +331,13 @@ def test_an_entry_is_rewritten_in_place_without_compiling(served, no_tokenizer):
     options = SamplingOptions(max_new_tokens=6, temperature=0.0, logprobs=0)
     first = gen.generate(PROMPTS[:2], options, adapters=["a", None])
     compiled = gen._admit._cache_size(), gen._decode._cache_size()
+    scorer = scorer_for(gen)  # the prompt scorer (echo with logprobs) reads the base alone, never the bank
+    scored = scorer.score(PROMPTS[:2])
+    assert not any(lora.parallel.is_adapter(leaf) for own in scorer.params.values() for leaf in own)
     gen.write_adapter(1, b)
     assert gen.adapter_names == ("b",)
+    for was, now in zip(scored, scorer.score(PROMPTS[:2])):
+        np.testing.assert_array_equal(was.logprobs, now.logprobs)
     seqs = gen.generate(PROMPTS[:2], options, adapters=["b", None])
     assert_peft_continuations(case, base_dir, dirs, PROMPTS[:2], ["b", None], seqs)
     assert seqs[1].tokens == first[1].tokens and seqs[0].tokens != first[0].tokens

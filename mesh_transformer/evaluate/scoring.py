@@ -101,14 +101,16 @@ class Scorer:
     @classmethod
     def for_generator(cls, gen, batch_tokens: int = DEFAULT_BATCH_TOKENS) -> "Scorer":
         """Score with the weights a `generate.Generator` holds (per layer, compute dtype, its layout):
-        no second copy. Tokens run through the KV-cache path of the model with an empty cache."""
+        no second copy. Tokens run through the KV-cache path of the model with an empty cache. The
+        base alone: a bank of served adapters is left out (its entries are rewritten in place while
+        a server runs, from the engine's thread)."""
         config, mp = gen.config, gen.mp
 
         def forward(params, tokens, positions):
             empty = KVCache.zeros(config, tokens.shape[0], tokens.shape[1], 0, mp, local=True)
             return gen.model.apply(params, tokens, empty, logit_positions=positions)[0]
-        return cls(forward, gen.params, gen.param_specs, gen.mesh, gen.rules, config.seq, gen.layout,
-                   batch_tokens)
+        return cls(forward, gen.params, _base(gen.param_specs), gen.mesh, gen.rules, config.seq, gen.layout,
+                   batch_tokens, prepare=_base)
 
     @classmethod
     def for_trainer(cls, trainer, params, batch_tokens: int = DEFAULT_BATCH_TOKENS) -> "Scorer":
@@ -187,6 +189,11 @@ class Scorer:
                 self.params, tokens, np.take_along_axis(targets, positions, axis=1), positions))
         return [(logprob[i, r], ids[i, r], top[i, r]) for i, r in enumerate(keep)]
 
+
+
+def _base(tree) -> dict:
+    """A generator's per-layer params (or their specs) without the leaves of an adapter bank."""
+    return {m: {n: x for n, x in own.items() if not parallel.is_adapter(n)} for m, own in tree.items()}
 
 
 _SCORERS: "weakref.WeakKeyDictionary[Any, Scorer]" = weakref.WeakKeyDictionary()

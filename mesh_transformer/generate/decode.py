@@ -480,7 +480,7 @@ class Generator:
                 at = one.ndim - 1 if leaf.endswith(parallel.LORA_A) else 0
                 order, _ = parallel.stored_layout(info, one.ndim + 1, self.inputs_last)
                 updates[(new, leaf)] = np.expand_dims(one, at).astype(dtype).transpose(order)
-                current[(new, leaf)] = self.params[new].pop(leaf)
+                current[(new, leaf)] = self.params[new][leaf]  # donated: deleted once written
         written = self._write_bank(current, updates, np.int32(entry))
         for (new, leaf), x in written.items():
             self.params[new][leaf] = x
