@@ -74,8 +74,8 @@ def main(argv=None):
                              "--lora-modules, 1 with --enable-runtime-lora and none named). More adapters than that "
                              "may be known: a request's adapter takes an idle entry when it is admitted (vLLM's flag)")
     parser.add_argument("--max-lora-rank", type=int, metavar="R",
-                        help="the largest rank an adapter may have (default: the largest of --lora-modules', "
-                             f"{lora.DEFAULT_SERVED_RANK} with --enable-runtime-lora and none named; vLLM's flag)")
+                        help="the largest rank an adapter may have (default: the largest of --lora-modules', and "
+                             f"at least {lora.DEFAULT_SERVED_RANK} with --enable-runtime-lora; vLLM's flag)")
     parser.add_argument("--enable-runtime-lora", action="store_true",
                         default=os.environ.get(serve.RUNTIME_LORA_ENV, "").lower() in ("1", "true"),
                         help="serve POST /v1/load_lora_adapter {lora_name, lora_path} and /v1/unload_lora_adapter "
@@ -114,9 +114,12 @@ def main(argv=None):
                               "made for the base: pass one (merge first with to_hf_weights.py to serve both)")
         for name, path in adapters:  # what can be checked before the base loads (minutes for a big one)
             try:
-                lora.peft_config(path)
+                rank = lora.peft_config(path).get("r")
             except ConfigError as e:
                 raise ConfigError(f"--lora-modules {name}={path}: {e}") from None
+            if args.max_lora_rank and isinstance(rank, int) and rank > args.max_lora_rank:
+                raise ConfigError(f"--lora-modules {name}={path}: rank {rank} is above --max-lora-rank "
+                                  f"{args.max_lora_rank}")
         model = loading.from_args(args)
         model_name = args.model_name or model.name
         if model_name in {name for name, _ in adapters}:

@@ -46,7 +46,7 @@ class LoadedModel:
         `slots` entries of `rank`, holding every linear layer with `every_linear` (`lora.adapter_set`)."""
         from mesh_transformer.generate import Generator
         bank = None
-        if adapters or slots or every_linear:
+        if adapters or slots is not None or every_linear:
             from mesh_transformer import lora
             bank = lora.adapter_set(adapters or [], self.config, self.mesh.shape[parallel.MP], slots, rank,
                                     every_linear)

@@ -496,6 +496,8 @@ def served_adapter(name: str, directory: str, model: ModelConfig, mp: int = 1) -
         spec, leaves = load_peft(directory, model, mp)
     except (ConfigError, ValueError) as e:  # (a bare ValueError: shapes of another model's adapter)
         raise ConfigError(f"adapter {name!r} ({directory}): {e}") from None
+    except Exception as e:  # noqa: BLE001 - unreadable files, a config without "r", a corrupt safetensors file
+        raise ConfigError(f"adapter {name!r} ({directory}): cannot be read: {type(e).__name__}: {e}") from None
     if _resolve(model, spec)[1]:
         raise ConfigError(f"{directory}: adapter {name!r} adapts a mixture's experts (target_parameters), which "
                           f"served adapters do not support; merge it into the weights with --lora-adapter")
@@ -533,7 +535,8 @@ def adapter_set(adapters: Sequence[tuple[str, str]], model: ModelConfig, mp: int
     slots = len(loaded) if slots is None else slots
     if slots < 1:
         raise ConfigError(f"--max-loras: the bank needs at least one entry for adapters, got {slots}")
-    rank = max((a.rank for a in loaded), default=DEFAULT_SERVED_RANK) if rank is None else rank
+    if rank is None:  # as vLLM's --max-lora-rank where adapters come later; else the largest named
+        rank = max([a.rank for a in loaded] + ([DEFAULT_SERVED_RANK] if every_linear or not loaded else []))
     targets = frozenset().union(*(a.targets for a in loaded))
     if every_linear:
         targets |= plan(model, LoraConfig(1, 1.0, 0.0, ALL_LINEAR)).targets

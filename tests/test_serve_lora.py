@@ -321,9 +321,10 @@ def test_adapters_add_no_collectives_under_mp(served, no_tokenizer):
 # --------------------------------------------------------------------------------------------
 
 def test_an_entry_is_rewritten_in_place_without_compiling(served, no_tokenizer):
-    """A bank of one entry on mp 2 holding a, then b, then nothing, then a again: each time the rows
-    under it are PeftModel's with what it holds, the base's rows never change, and no program
-    compiles again (the bank is the programs' argument; the writer compiles once)."""
+    """A bank of one entry on mp 2 holding a, then b, then nothing, then a again: the rows under b
+    are PeftModel's, a's come back as they were, the base's rows and the prompt scorer's scores
+    never change, and no program compiles again (the bank is the programs' argument; the writer
+    compiles once)."""
     case, base_dir, dirs = served
     gen = loading.load(hf=str(base_dir), dtype="float32", mp=2, dp=1).generator(adapters=sorted(dirs.items()), slots=1)
     a, b = gen.adapters.adapters
@@ -395,10 +396,75 @@ def test_more_adapters_than_entries_take_turns(lora_server, tiny):
         stats = engine.stats()["adapters"]
     finally:
         engine.stop()
+    assert one.adapter_names == ("chat",)
     expected = gen.generate([ids] * len(names), options, tiny.tokenizer, adapters=names)
     assert [s.tokens for s in seqs] == [s.tokens for s in expected]
     assert len({tuple(s.tokens) for s in seqs[2:5]}) == 2
-    assert stats["placed"] == 2 and stats["entries"] == ["chat"] and stats["running"] == [0]
+    assert stats == {"known": 2, "slots": 1, "placed": 2, "running": [0]}
+
+
+def test_a_waiting_adapter_drains_one_entry(runtime_server, tiny):
+    """Two entries busy with chat and code; two requests for wide, which is in neither, drain one
+    entry between them (the least recently used: chat's), so code's later requests still join."""
+    from mesh_transformer.serve import Engine
+    _, dirs = runtime_server
+    gen = loading.load(hf=str(tiny.path), dtype="float32", mp=1, dp=1).generator(
+        adapters=[(n, dirs[n]) for n in ("chat", "code", "wide")], slots=2)
+    engine = Engine(gen, tiny.tokenizer, max_batch=8, chunk=4)  # not started: one admission decided by hand
+    names = ["chat", "chat", "code", "code", "wide", "wide", "code", "chat"]
+    engine.submit([engine.sequence([5, 6, 7], SamplingOptions(max_new_tokens=4), None, adapter=n) for n in names])
+    with engine._cv:
+        group = engine._take_admissible()
+    assert [(s.lora.name, s.adapter) for s, _ in group] == [("chat", 1)] * 2 + [("code", 2)] * 3
+    assert [s.lora.name for s, _ in engine._pending] == ["wide", "wide", "chat"]
+
+
+def test_an_unloaded_adapter_finishes_what_was_submitted(lora_server, tiny):
+    """Requests submitted under chat, then chat unloaded before the engine admits them: they run
+    with chat (the library's answer), while a new request naming it is refused."""
+    from mesh_transformer.serve import Engine
+    gen, _, dirs = lora_server
+    one = loading.load(hf=str(tiny.path), dtype="float32", mp=1, dp=1).generator(adapters=sorted(dirs.items()), slots=1)
+    engine = Engine(one, tiny.tokenizer, max_batch=4, chunk=4, batch_invariant=True)
+    ids, options = tiny.tokenizer.encode("The quick brown fox"), SamplingOptions(max_new_tokens=6, temperature=0.0)
+    seqs = [engine.sequence(ids, options, None, adapter=n) for n in ("code", "chat")]
+    request = engine.submit(seqs)
+    engine.adapters.remove("chat")
+    with pytest.raises(ValueError, match=r"adapter 'chat' is not loaded \(this server's adapters: code\)"):
+        engine.sequence(ids, options, None, adapter="chat")
+    engine.start()
+    try:
+        while not request.finished:
+            assert request.updated.wait(120)
+            request.updated.clear()
+    finally:
+        engine.stop()
+    expected = gen.generate([ids, ids], options, tiny.tokenizer, adapters=["code", "chat"])
+    assert [s.tokens for s in seqs] == [s.tokens for s in expected]
+
+
+def test_prefix_cache_keys_an_adapter_not_its_entry(served, no_tokenizer):
+    """One entry: a 40-token prompt under a (its blocks cached), then b written over a in the
+    entry finds none of them (0 hits, b's own answer), then a written back finds its blocks again."""
+    case, base_dir, dirs = served
+    gen = loading.load(hf=str(base_dir), dtype="float32", mp=1, dp=1).generator(adapters=sorted(dirs.items()), slots=1)
+    a, b = gen.adapters.adapters
+    prompt = [int(t) for t in np.random.RandomState(3).randint(90, size=40)]
+    options = SamplingOptions(max_new_tokens=4, temperature=0.0, logprobs=0)
+    batch = Batch(gen, 2, 64, 4, PrefixCache(gen, 256, 16))
+    hits, answers = [], {}
+    for adapter in (a, b, a):
+        gen.write_adapter(1, adapter)
+        before = batch.prefix.hits
+        [seq] = gen.sequences([prompt], options, adapters=[adapter.name])
+        batch.admit([seq])
+        while batch.active():
+            batch.step()
+        hits.append(batch.prefix.hits - before)
+        answers.setdefault(adapter.name, []).append(seq)
+    assert hits == [0, 0, 32]
+    assert answers["a"][0].tokens == answers["a"][1].tokens
+    assert_peft_continuations(case, base_dir, dirs, [prompt], ["b"], answers["b"])
 
 
 @pytest.fixture(scope="module")
@@ -419,13 +485,15 @@ def runtime_server(tiny, tmp_path_factory):
     engine.stop()
 
 
-def test_adapters_load_and_unload_at_runtime(runtime_server, lora_server, tiny):
+def test_adapters_load_and_unload_at_runtime(runtime_server, lora_server, tiny, tmp_path):
     """vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter (the official openai client for the
     completions): an adapter is unknown (404) until loaded, then served by name; two adapters
     share the one entry by turns; a name in use, a directory that is no adapter and a rank above
     the bank's are 400s naming the fault; unloaded, its name is a 404 again. Answers equal the
     library's with both adapters in entries of their own (`lora_server`'s)."""
     import concurrent.futures
+    import json
+    import shutil
 
     import httpx
     import openai
@@ -435,6 +503,10 @@ def test_adapters_load_and_unload_at_runtime(runtime_server, lora_server, tiny):
     client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=60)
     http = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
     load = lambda name, path: http.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)})  # noqa: E731
+    broken = tmp_path / "broken"  # a config without its rank "r"
+    shutil.copytree(dirs["code"], broken)
+    cfg = json.loads((broken / lora.ADAPTER_CONFIG).read_text())
+    (broken / lora.ADAPTER_CONFIG).write_text(json.dumps({k: v for k, v in cfg.items() if k != "r"}))
     assert [m.id for m in client.models.list().data] == ["tiny"]
     with pytest.raises(openai.NotFoundError, match=r"the model 'chat' does not exist \(served: tiny\)"):
         client.completions.create(model="chat", prompt="The", max_tokens=2)
@@ -444,7 +516,9 @@ def test_adapters_load_and_unload_at_runtime(runtime_server, lora_server, tiny):
     for name, path, message in (("chat", dirs["code"], "lora_name: the adapter 'chat' has already been loaded"),
                                 ("x", "/nowhere", "adapter 'x' (/nowhere): /nowhere: no adapter_config.json"),
                                 ("wide", dirs["wide"], "rank 8 is above the served adapters' largest rank, 4"),
-                                ("tiny", dirs["chat"], "lora_name: 'tiny' cannot name an adapter (it is the base)")):
+                                ("tiny", dirs["chat"], "lora_name: 'tiny' cannot name an adapter (it is the base)"),
+                                ("broken", broken, "lora_path: adapter 'broken' (" + str(broken) + "): cannot be read: "
+                                                   "KeyError: 'r'")):
         r = load(name, path)
         assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
     assert [m.id for m in client.models.list().data] == ["tiny", "chat", "code"]
@@ -467,6 +541,10 @@ def test_adapters_load_and_unload_at_runtime(runtime_server, lora_server, tiny):
     assert r.status_code == 404 and "the adapter 'chat' cannot be found" in r.json()["error"]["message"]
     assert client.completions.create(model="code", prompt=prompt, max_tokens=NEW, temperature=0).choices[0].text \
         == expected[2].text
+    r = http.post("/v1/load_lora_adapter", json={"lora_name": "code", "lora_path": str(dirs["chat"]), "load_inplace": True})
+    assert r.status_code == 200, r.text  # 'code' now names chat's weights
+    assert client.completions.create(model="code", prompt=prompt, max_tokens=NEW, temperature=0).choices[0].text \
+        == expected[1].text
 
 
 def test_runtime_routes_are_off_unless_asked_for(lora_server):

@@ -451,6 +451,8 @@ class Generator:
                                    out_shardings={k: x.sharding for k, x in placed.items()})  # its own cache
         for entry, adapter in enumerate(adapters.adapters[: adapters.slots], start=1):
             self.write_adapter(entry, adapter)
+        if not adapters.adapters:
+            self.write_adapter(1, None)  # compile the writer now, not mid-traffic
 
     def _bank_leaves(self):
         """(module, leaf, its bank ParamInfo, one entry's shape, layers stacked) for every bank leaf."""

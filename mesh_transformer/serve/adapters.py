@@ -10,17 +10,20 @@ not in one waits, and the least recently admitted-to entry takes no new rows unt
 the waiting request takes it: later requests for the adapters in the other entries go on meanwhile,
 and a waiting adapter is never starved by traffic for the others.
 
-The engine thread calls the placement methods (`entry_for`, `pin`, `place`, `release`) under the
-engine's lock; request handlers `add`, `remove` and `find` under this object's own.
+Only the engine thread calls the placement methods (`entry_for`, `drained`, `pin`, `release`,
+`place`); request handlers call `add`, `remove`, `get` and `names`, which hold this object's lock.
 """
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 from typing import Optional
 
 from mesh_transformer import lora
 from mesh_transformer.generate import Generator
+
+log = logging.getLogger("mesh_transformer.serve")
 
 
 class AdapterSlots:
@@ -48,17 +51,18 @@ class AdapterSlots:
         with self._lock:
             return list(self.known)
 
-    def find(self, name: str) -> lora.ServedAdapter:
-        """The adapter called `name`; KeyError if none is."""
+    def get(self, name: str) -> Optional[lora.ServedAdapter]:
+        """The adapter called `name` (None if none is)."""
         with self._lock:
-            return self.known[name]
+            return self.known.get(name)
 
-    def add(self, adapter: lora.ServedAdapter) -> None:
-        """Know `adapter` by its name (ValueError if one already has it; ConfigError if it does not fit the bank)."""
+    def add(self, adapter: lora.ServedAdapter, replace: bool = False) -> None:
+        """Know `adapter` by its name (ConfigError if it does not fit the bank; NameTaken if an
+        adapter has the name, unless `replace`: then requests naming it get this one from now on)."""
         lora.check_fits(adapter, self.gen.adapters.plan)
         with self._lock:
-            if adapter.name in self.known:
-                raise ValueError(f"the adapter {adapter.name!r} has already been loaded")
+            if adapter.name in self.known and not replace:
+                raise NameTaken(f"the adapter {adapter.name!r} has already been loaded")
             self.known[adapter.name] = adapter
 
     def remove(self, name: str) -> lora.ServedAdapter:
@@ -104,16 +108,27 @@ class AdapterSlots:
         """No row runs (the engine started a new batch after a failure)."""
         self.running = [0] * len(self.holds)
 
-    def place(self) -> None:
-        """Write each entry whose planned adapter the bank does not hold yet (before the admission that reads it)."""
+    def place(self) -> set[int]:
+        """Write each entry whose planned adapter the bank does not hold yet (before the admission
+        that reads it) -> the entries that could not be written (logged; they keep what they held)."""
+        failed = set()
         for e, adapter in enumerate(self.holds):
             if e and adapter is not self.gen.residents[e]:
-                self.gen.write_adapter(e, adapter)
-                self.placed += 1
+                try:
+                    self.gen.write_adapter(e, adapter)
+                    self.placed += 1
+                except Exception:  # noqa: BLE001 - fail the rows that needed it, keep serving
+                    log.exception("could not write LoRA adapter %r into bank entry %d", adapter.name, e)
+                    self.holds[e] = self.gen.residents[e]
+                    failed.add(e)
+        return failed
 
     def stats(self) -> dict:
+        """Counts only (GET /health is open: adapter names are for clients with the key, /v1/models)."""
         with self._lock:
-            known = list(self.known)
-        return {"known": known, "slots": self.slots, "placed": self.placed,
-                "entries": [a.name if a is not None else None for a in self.gen.residents[1:]],
-                "running": self.running[1:]}
+            known = len(self.known)
+        return {"known": known, "slots": self.slots, "placed": self.placed, "running": self.running[1:]}
+
+
+class NameTaken(ValueError):
+    """An adapter already has this name."""

@@ -93,28 +93,20 @@ def create_app(engine: Engine, model_name: str = "mesh-transformer", api_key: Op
         return {"object": "list", "data": [base] + [{**base, "id": name, "root": name, "parent": model_name}
                                                     for name in known]}
 
-    @app.post("/complete")
-    async def complete(http: HttpRequest):
-        return await oa.complete(settings, http)
-
-    @app.post("/v1/completions")
-    async def completions(http: HttpRequest):
-        return await oa.completions(settings, http)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(http: HttpRequest):
-        return await chat_api.chat_completions(settings, http)
-
+    posts = {"/complete": oa.complete, "/v1/completions": oa.completions,
+             "/v1/chat/completions": chat_api.chat_completions}
     if runtime_lora:
-        @app.post("/v1/load_lora_adapter")
-        async def load_lora_adapter(http: HttpRequest):
-            return await oa.load_lora_adapter(settings, http)
-
-        @app.post("/v1/unload_lora_adapter")
-        async def unload_lora_adapter(http: HttpRequest):
-            return await oa.unload_lora_adapter(settings, http)
-
+        posts.update({"/v1/load_lora_adapter": oa.load_lora_adapter, "/v1/unload_lora_adapter": oa.unload_lora_adapter})
+    for path, handler in posts.items():
+        app.add_api_route(path, _handler(handler, settings), methods=["POST"])
     return app
+
+
+def _handler(handle, settings: oa.Settings):
+    """A POST route's endpoint: `handle(settings, request)`."""
+    async def endpoint(http: HttpRequest):
+        return await handle(settings, http)
+    return endpoint
 
 
 class _Guard:

@@ -283,10 +283,11 @@ class Engine:
         """The known adapter called `name` (a `lora.ServedAdapter`; None for None); ValueError if none is."""
         if name is None:
             return None
-        names = self.adapters.names() if self.adapters is not None else []
-        if name not in names:
+        found = self.adapters.get(name) if self.adapters is not None else None
+        if found is None:
+            names = self.adapters.names() if self.adapters is not None else []
             raise ValueError(f"adapter {name!r} is not loaded (this server's adapters: {', '.join(names) or 'none'})")
-        return self.adapters.find(name)
+        return found
 
     def submit(self, seqs: list[Sequence], loop: Optional[asyncio.AbstractEventLoop] = None) -> Request:
         request = Request(seqs, loop)
@@ -366,7 +367,8 @@ class Engine:
         group: list[tuple[Sequence, Request]] = []
         now = time.monotonic()
         longest = 0  # the longest prompt part of the group not in the prefix cache
-        kept: set[int] = set()  # bank entries drained for sequences that found none
+        kept: set[int] = set()  # bank entries drained for adapters that found none ...
+        wanted: set[int] = set()  # ... (their serials: one entry drained for each)
         waiting: list[tuple[Sequence, Request]] = []  # passed over: their adapter found no entry
         while self._pending:
             seq, request = self._pending[0]
@@ -382,9 +384,10 @@ class Engine:
                 break
             entry = self.adapters.entry_for(seq.lora, kept) if self.adapters is not None else 0
             if entry is None:
-                drained = self.adapters.drained(kept)
+                drained = self.adapters.drained(kept) if seq.lora.serial not in wanted else None
                 if drained is not None:
                     kept.add(drained)
+                    wanted.add(seq.lora.serial)
                 waiting.append(self._pending.popleft())
                 continue
             if self.adapters is not None:
@@ -396,9 +399,9 @@ class Engine:
 
     def _advance(self, group: list[tuple[Sequence, Request]]) -> None:
         finished: list[Sequence] = []
+        if group and self.adapters is not None:
+            group = self._place_adapters(group)
         if group:
-            if self.adapters is not None:
-                self.adapters.place()
             for seq, request in group:
                 self._timing[id(seq)] = _Timing(request.submitted)
             prefix = self.batch.prefix
@@ -425,6 +428,18 @@ class Engine:
             self.completed += 1
         for request in touched.values():
             request.notify()
+
+    def _place_adapters(self, group: list[tuple[Sequence, Request]]) -> list[tuple[Sequence, Request]]:
+        """Write the adapters `group` runs with into their entries; the sequences under an entry that
+        could not be written finish with "error" (the rest of the group, and the batch, go on)."""
+        failed = self.adapters.place()
+        for seq, request in [(s, r) for s, r in group if s.adapter in failed]:
+            seq.finish("error")
+            self.adapters.release(seq.adapter)
+            with self._cv:
+                self._owner.pop(id(seq), None)
+            request.notify()
+        return [(s, r) for s, r in group if s.adapter not in failed]
 
     def _observe(self, seqs: list[Sequence]) -> None:
         """Record new tokens of `seqs`: the first one's latency from submission, the others' spacing."""

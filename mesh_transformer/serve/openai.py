@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from mesh_transformer import lora
 from mesh_transformer.config import ConfigError
 from mesh_transformer.generate import SamplingOptions, Sequence
+from mesh_transformer.serve.adapters import NameTaken
 from mesh_transformer.serve.engine import Draining, Engine, QueueFull, Request
 
 log = logging.getLogger("mesh_transformer.serve")
@@ -102,10 +103,11 @@ class CompletionRequest(_Strict):
 
 
 class LoadLoraRequest(_Strict):
-    """vLLM's /v1/load_lora_adapter body."""
+    """vLLM's /v1/load_lora_adapter body (`load_inplace`: replace the adapter of that name)."""
 
     lora_name: str
     lora_path: str
+    load_inplace: bool = False
 
 
 class UnloadLoraRequest(_Strict):
@@ -411,14 +413,17 @@ async def load_lora_adapter(s: Settings, http: HttpRequest):
     if not name or name == s.model_name:
         raise ApiError(400, f"lora_name: {name!r} cannot name an adapter (it is {'empty' if not name else 'the base'})",
                        param="lora_name")
-    if name in slots.names():
-        raise ApiError(400, f"lora_name: the adapter {name!r} has already been loaded", param="lora_name")
+    taken = f"lora_name: the adapter {name!r} has already been loaded (load_inplace replaces it)"
+    if name in slots.names() and not body.load_inplace:
+        raise ApiError(400, taken, param="lora_name")
     gen = s.engine.gen
     try:
         loaded = await asyncio.to_thread(lora.served_adapter, name, body.lora_path, gen.config, gen.mp)
-        slots.add(loaded)
-    except (ConfigError, ValueError) as e:
-        raise ApiError(400, str(e), param="lora_path") from None
+        slots.add(loaded, replace=body.load_inplace)
+    except NameTaken:
+        raise ApiError(400, taken, param="lora_name") from None
+    except ConfigError as e:
+        raise ApiError(400, f"lora_path: {e}", param="lora_path") from None
     log.info("loaded LoRA adapter %r from %s (rank %d)", name, body.lora_path, loaded.rank)
     return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
