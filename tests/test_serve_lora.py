@@ -405,18 +405,19 @@ def test_more_adapters_than_entries_take_turns(lora_server, tiny):
 
 def test_a_waiting_adapter_drains_one_entry(runtime_server, tiny):
     """Two entries busy with chat and code; two requests for wide, which is in neither, drain one
-    entry between them (the least recently used: chat's), so code's later requests still join."""
+    entry between them (the least recently used: chat's), and a later chat request waits for it
+    without draining code's, so code's later requests still join."""
     from mesh_transformer.serve import Engine
     _, dirs = runtime_server
     gen = loading.load(hf=str(tiny.path), dtype="float32", mp=1, dp=1).generator(
         adapters=[(n, dirs[n]) for n in ("chat", "code", "wide")], slots=2)
     engine = Engine(gen, tiny.tokenizer, max_batch=8, chunk=4)  # not started: one admission decided by hand
-    names = ["chat", "chat", "code", "code", "wide", "wide", "code", "chat"]
+    names = ["chat", "chat", "code", "code", "wide", "wide", "chat", "code"]
     engine.submit([engine.sequence([5, 6, 7], SamplingOptions(max_new_tokens=4), None, adapter=n) for n in names])
     with engine._cv:
         group = engine._take_admissible()
     assert [(s.lora.name, s.adapter) for s, _ in group] == [("chat", 1)] * 2 + [("code", 2)] * 3
-    assert [s.lora.name for s, _ in engine._pending] == ["wide", "wide", "chat"]
+    assert [s.lora.name for s, _ in engine._pending] == ["wide", "wide", "chat"]  # in their order
 
 
 def test_an_unloaded_adapter_finishes_what_was_submitted(lora_server, tiny):

@@ -79,15 +79,20 @@ class AdapterSlots:
         (entries drained for a waiting sequence) has running rows."""
         if adapter is None:
             return 0
-        for e in range(1, len(self.holds)):
-            if self.holds[e] is not None and self.holds[e].serial == adapter.serial:
-                return None if e in kept else e
+        held = self.entry_of(adapter)
+        if held is not None:
+            return None if held in kept else held
         idle = [e for e in range(1, len(self.holds)) if self.running[e] == 0 and e not in kept]
         if not idle:
             return None
         e = min(idle, key=lambda e: (self.holds[e] is not None, self.used[e]))
         self.holds[e] = adapter
         return e
+
+    def entry_of(self, adapter: lora.ServedAdapter) -> Optional[int]:
+        """The entry holding `adapter` (this load of it), or None."""
+        return next((e for e in range(1, len(self.holds))
+                     if self.holds[e] is not None and self.holds[e].serial == adapter.serial), None)
 
     def drained(self, kept: set[int]) -> Optional[int]:
         """The entry to keep for a sequence that found none (`entry_for`): the least recently

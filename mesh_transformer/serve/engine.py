@@ -383,8 +383,9 @@ class Engine:
             if group and self.batch.prefill_tokens(len(group) + 1, uncached) > self.admit_tokens:
                 break
             entry = self.adapters.entry_for(seq.lora, kept) if self.adapters is not None else 0
-            if entry is None:
-                drained = self.adapters.drained(kept) if seq.lora.serial not in wanted else None
+            if entry is None:  # its entry is drained for another adapter, or it has none: drain one for it
+                needs = seq.lora.serial not in wanted and self.adapters.entry_of(seq.lora) is None
+                drained = self.adapters.drained(kept) if needs else None
                 if drained is not None:
                     kept.add(drained)
                     wanted.add(seq.lora.serial)
