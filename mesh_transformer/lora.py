@@ -489,6 +489,11 @@ class ServedAdapter(NamedTuple):
 _serials = itertools.count(1)
 
 
+def prefix_key(adapter: Optional[ServedAdapter]) -> int:
+    """What a prefix cache keys prompts run with `adapter` by: its serial (0: the base alone)."""
+    return adapter.serial if adapter is not None else 0
+
+
 def served_adapter(name: str, directory: str, model: ModelConfig, mp: int = 1) -> ServedAdapter:
     """A PEFT adapter directory -> the ServedAdapter of that name (ConfigError naming the adapter and
     its directory for one that cannot be served: see `load_peft`; a mixture's expert adapters)."""

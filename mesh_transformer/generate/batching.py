@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Optional, Sequence as Seq
 import jax
 import numpy as np
 
+from mesh_transformer import lora
 from mesh_transformer.generate.decode import Emitted, bucket, prefill_width, round_up, shared_layout, span_bucket
 from mesh_transformer.generate.sampling import FINISH_REASONS, SamplingOptions
 
@@ -99,8 +100,8 @@ class Sequence:
 
     @property
     def adapter_key(self) -> int:
-        """What a prefix cache keys its prompt by: its adapter's serial (0: the base alone)."""
-        return self.lora.serial if self.lora is not None else 0
+        """What a prefix cache keys its prompt by (`lora.prefix_key`)."""
+        return lora.prefix_key(self.lora)
 
     def pop_text(self) -> str:
         """Text that became final since the last call (for streaming)."""

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
-from mesh_transformer import host_memory, kernels, models, parallel
+from mesh_transformer import host_memory, kernels, lora, models, parallel
 from mesh_transformer.config import ModelConfig
 from mesh_transformer.generate.sampling import (EOS, LENGTH, MAX_STOPS, RUNNING, STOP, STOP_TOKENS, TOP_LOGPROBS,
                                                 RowOptions, SamplingOptions, choose, log_probs, stop_hit, _none,
@@ -437,7 +437,6 @@ class Generator:
         """Add the bank's leaves (A [*inputs, N, r], B [N, r, *outputs] per targeted weight, per layer)
         to the params, zeros in the compute dtype and the decode layout, sharded like the weights
         they adapt; then fill entries 1, 2, .. with the set's first adapters."""
-        from mesh_transformer import lora
         dtype = jnp.dtype(self.config.compute_dtype)
         self._entry_shapes = lora.entry_shapes(self.config, adapters.plan, self.mp)
         placed = {}
@@ -466,7 +465,6 @@ class Generator:
     def write_adapter(self, entry: int, adapter) -> None:
         """Put `adapter` (a `lora.ServedAdapter`, or None: zeros) in bank entry `entry` (1 .. slots),
         in place. Between device calls: rows under the entry read the new adapter from the next one."""
-        from mesh_transformer import lora
         if self.adapters is None or not 1 <= entry < self.adapters.plan.adapters:
             raise ValueError(f"adapter entry {entry} is not one of this generator's bank "
                              f"(1 .. {self.adapters.plan.adapters - 1 if self.adapters else 0})")
@@ -489,9 +487,8 @@ class Generator:
         self.residents[entry] = adapter
 
     def adapter_key(self, entry: int) -> int:
-        """What a prefix cache keys rows under bank entry `entry` by: its adapter's serial (0: the base alone)."""
-        adapter = self.residents[entry]
-        return adapter.serial if adapter is not None else 0
+        """What a prefix cache keys rows under bank entry `entry` by (`lora.prefix_key`)."""
+        return lora.prefix_key(self.residents[entry])
 
     def _groups(self, leaves, infos) -> list[tuple[str, tuple[str, ...]]]:
         """[(stored leaf, the leaves it holds)]: one each, or with `layout.fused` the `FUSED` groups
