@@ -156,6 +156,51 @@ def test_local_completions_against_our_server_matches_hflm(family, served, manag
 
 
 @pytest.mark.parametrize("family", SERVED[:1], indirect=True)
+def test_a_lora_adapter_evaluates_as_hflm_with_peft(family, manager, tasks_dir, tmp_path, monkeypatch):
+    """A PEFT adapter evaluated three ways: lm-eval's `local-completions` naming it as the model of
+    our server, which serves it unmerged beside the base (device_serve.py --lora-modules tuned=DIR);
+    eval_harness.py --lora-adapter DIR (merged); and lm-eval's HFLM with peft=DIR, the oracle. The
+    same log-likelihoods, greedy flags and accuracies; and the adapter changes them."""
+    import transformers
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
+
+    import eval_harness
+    from mesh_transformer import loading
+    from mesh_transformer.serve import Engine, create_app
+    from tests.helpers import FAMILY_CASES, save_peft_adapters
+    from tests.serving import KEY, start_server
+
+    case, path, base_results = family
+    tasks = ("tiny_lambada", "tiny_piqa")
+    cls = getattr(transformers, FAMILY_CASES[case][1])
+    adapter = save_peft_adapters(path, cls, {"tuned": (4, 8, ["q_proj", "v_proj", "fc_in"])}, tmp_path,
+                                 scale_b=20.0)["tuned"]
+    oracle = evaluate(HFLM(pretrained=str(path), peft=adapter, dtype="float32", batch_size=8, device="cpu"),
+                      manager, tasks)
+    assert answers(oracle, "tiny_lambada") != answers(base_results, "tiny_lambada")
+
+    out = tmp_path / "merged.json"
+    assert eval_harness.main(["--hf", str(path), "--lora-adapter", adapter, "--mp", "2", "--dp", "1", "--dtype",
+                              "float32", "--tasks", ",".join(tasks), "--include-path", str(tasks_dir),
+                              "--log-samples", "--bootstrap-iters", "0", "--output", str(out)]) == 0
+    assert_same_answers(json.loads(out.read_text()), oracle, tasks)
+
+    loaded = loading.load(hf=str(path), mp=2, dp=1, dtype="float32")
+    engine = Engine(loaded.generator(adapters=[("tuned", adapter)]), loaded.tokenizer, max_batch=8, chunk=8).start()
+    server, url = start_server(create_app(engine, model_name="tiny", api_key=KEY))
+    try:
+        monkeypatch.setenv("OPENAI_API_KEY", KEY)
+        api = LocalCompletionsAPI(base_url=f"{url}/v1/completions", model="tuned", tokenizer_backend="huggingface",
+                                  tokenizer=str(path), max_length=loaded.config.seq, batch_size=8, max_retries=1)
+        # (tiny_lambada alone: local-completions cuts tiny_piqa's long windows shorter than HFLM, as above)
+        assert_same_answers(evaluate(api, manager, tasks[:1]), oracle, tasks[:1])
+    finally:
+        server.should_exit = True
+        engine.stop()
+
+
+@pytest.mark.parametrize("family", SERVED[:1], indirect=True)
 def test_echo_through_the_openai_client(family, served, ours):
     """echo with max_tokens 0 and 3, string and token-id prompts, several per request, top 2
     alternatives: the prompt's tokens, offsets and log-probabilities (the first null) as OpenAI gives them."""

@@ -5,6 +5,7 @@ rank, alpha and targets differing between them; each row of one batch runs with 
 """
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 
@@ -286,8 +287,36 @@ def test_an_unknown_model_is_a_404_naming_the_served_ones(lora_server):
     client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=60)
     with pytest.raises(openai.NotFoundError, match=r"model: the model 'chatt' does not exist \(served: tiny, chat, code\)"):
         client.completions.create(model="chatt", prompt="The", max_tokens=2)
-    with pytest.raises(openai.BadRequestError, match="echo with logprobs scores prompts with the base model only"):
-        client.completions.create(model="chat", prompt="The", max_tokens=0, echo=True, logprobs=1)
+
+
+def test_echo_scores_the_prompt_with_the_adapter_named(lora_server, tiny):
+    """echo + logprobs (how lm-eval scores through a server) under 'chat' and 'code': every prompt
+    token's log p and top-5 are PeftModel's with that adapter, and the base's its own; with
+    max_tokens the completion is the adapter's too."""
+    from openai import OpenAI
+    from tests.serving import KEY
+    gen, url, dirs = lora_server
+    client = OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=60)
+    prompts = ["The quick brown fox jumps over", "Hello there"]
+    for model in ("chat", "code", "tiny"):
+        answer = client.completions.create(model=model, prompt=prompts, max_tokens=0, echo=True, logprobs=5)
+        peft_model = oracle(type(tiny.torch), tiny.path, dirs.get(model))
+        for prompt, choice in zip(prompts, answer.choices):
+            ids = tiny.tokenizer.encode(prompt)
+            with torch.no_grad():
+                logp = torch.log_softmax(peft_model(torch.tensor([ids])).logits[0].float(), -1).numpy()
+            got = choice.logprobs
+            assert got.token_logprobs[0] is None and len(got.token_logprobs) == len(ids)
+            np.testing.assert_allclose(got.token_logprobs[1:], logp[np.arange(len(ids) - 1), ids[1:]], atol=2e-5,
+                                       err_msg=model)
+            for at, top in enumerate(got.top_logprobs[1:]):  # keyed by text: tokens alike in text share a key
+                best = np.sort(logp[at])[::-1][:5]
+                assert abs(max(top.values()) - best[0]) < 2e-5
+                assert all(np.abs(best - v).min() < 2e-5 for v in top.values())
+    echoed = client.completions.create(model="code", prompt=prompts[1], max_tokens=3, echo=True, logprobs=0,
+                                       temperature=0)
+    plain = client.completions.create(model="code", prompt=prompts[1], max_tokens=3, temperature=0)
+    assert echoed.choices[0].text == prompts[1] + plain.choices[0].text
 
 
 def test_an_adapter_named_like_the_base_is_refused(lora_server, tiny):
@@ -353,6 +382,39 @@ def test_an_entry_is_rewritten_in_place_without_compiling(served, no_tokenizer):
     assert gen._write_bank._cache_size() == 1
     with pytest.raises(ValueError, match=r"adapter entry 2 is not one of this generator's bank \(1 .. 1\)"):
         gen.write_adapter(2, a)
+
+
+def test_prompts_scored_with_an_adapter_are_peft_models(served, no_tokenizer):
+    """The prompt scorer under adapter a, then b (a bank of one entry on mp 2, which holds a
+    throughout): every position's log p, and the last positions' (tail) top-5, are PeftModel's with
+    that adapter; the base's scores and the bank are unchanged, and b compiles nothing a did not."""
+    case, base_dir, dirs = served
+    gen = loading.load(hf=str(base_dir), dtype="float32", mp=2, dp=1).generator(adapters=sorted(dirs.items()), slots=1)
+    a, b = gen.adapters.adapters
+    scorer = scorer_for(gen)
+    base = scorer.score(PROMPTS)
+    bank = jax.device_get({m: {n: x for n, x in own.items() if lora.parallel.is_adapter(n)}
+                           for m, own in gen.params.items()})
+    compiled = []  # the adapter programs' cache sizes after each adapter
+    for adapter in (a, b, None):
+        compiled.append([p._cache_size() for (_, adapted), p in scorer._programs.items() if adapted])
+        model = oracle(hf_class(case), base_dir, dirs[adapter.name] if adapter else None)
+        scores = scorer.score(PROMPTS, top=5, adapter=adapter)
+        last = scorer.score(PROMPTS, top=5, tail=[3] * len(PROMPTS), adapter=adapter)
+        for prompt, s, t in zip(PROMPTS, scores, last):
+            with torch.no_grad():
+                logp = torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), -1).numpy()[:-1]
+            np.testing.assert_allclose(s.logprobs, logp[np.arange(len(prompt) - 1), prompt[1:]], atol=2e-5)
+            np.testing.assert_allclose(t.top_logprobs, -np.sort(-logp[-3:], axis=-1)[:, :5], atol=2e-5)
+            np.testing.assert_array_equal(t.top_ids[:, 0], logp[-3:].argmax(-1))
+    for was, now in zip(base, scores):
+        np.testing.assert_array_equal(was.logprobs, now.logprobs)
+    assert gen.adapter_names == ("a",)
+    jax.tree.map(np.testing.assert_array_equal, bank, jax.device_get(
+        {m: {n: x for n, x in own.items() if lora.parallel.is_adapter(n)} for m, own in gen.params.items()}))
+    assert compiled[0] == [0, 0] and compiled[1] == compiled[2] and max(compiled[1]) > 0
+    with pytest.raises(ValueError, match="adapter 'a': this scorer has no served adapters"):
+        scorer_for(loading.load(hf=str(base_dir), dtype="float32", mp=1, dp=1).generator()).score(PROMPTS, adapter=a)
 
 
 def test_adapters_that_do_not_fit_the_bank_are_refused(served, no_tokenizer):

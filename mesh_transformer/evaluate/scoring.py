@@ -7,6 +7,7 @@
     s.logprobs   # [L-1]: log p(token i+1 | tokens 0..i)
     s.top_ids    # [L-1, top]: the most likely next tokens at each position (s.top_ids[:, 0] is greedy)
     [s] = scorer.score([[50256, 464, 3290]], tail=[1])  # only the last position: s.logprobs is [1]
+    [s] = scorer.score([[50256, 464, 3290]], adapter=gen.adapters.adapters[0])  # under a served LoRA adapter
 
 The evaluator (`evaluate.lm`) and the server's `echo` (`serve.openai`) both score through here.
 Prompts are sorted by length and batched: rows are powers of two (`bucket`, as in generation),
@@ -27,8 +28,9 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence as Seq
+from typing import Any, Callable, NamedTuple, Optional, Sequence as Seq
 
 import jax
 import jax.numpy as jnp
@@ -68,10 +70,25 @@ def token_scores(logits, targets, top: int):
                       axis=-1, keepdims=True)
     else:
         values, ids = jax.lax.top_k(logits, top)
-    ids = ids.astype(jnp.int32) + (parallel.mp_index() * local_vocab).astype(jnp.int32)
+    offset = parallel.mp_index() * local_vocab  # (a Python 0 where there are no shards)
+    ids = ids.astype(jnp.int32) + jnp.asarray(offset, jnp.int32)
     values, ids = parallel.all_gather_mp(values), parallel.all_gather_mp(ids)  # [B, T, mp*K], shard order
     best, where = jax.lax.top_k(values, top)  # ties: the lower shard, i.e. the lower token id
     return logprob, jnp.take_along_axis(ids, where, axis=-1), best - log_norm[..., None]
+
+
+class AdapterScoring(NamedTuple):
+    """How a Scorer runs its prompts with one served LoRA adapter (`Scorer.for_generator` of a
+    generator with a bank): `forward` as the Scorer's, every row under the adapter; `params(adapter)`
+    the leaves it adds to the base params, placed; `specs` theirs."""
+
+    forward: Callable
+    params: Callable
+    specs: Any
+
+
+ADAPTERS_KEPT = 2  # served adapters whose placed leaves a Scorer keeps between calls (an evaluation's
+                   # requests all name one)
 
 
 class Scorer:
@@ -82,7 +99,7 @@ class Scorer:
 
     def __init__(self, forward: Callable, params: Any, param_specs: Any, mesh: Mesh, rules, seq: int,
                  layout: parallel.Layout = parallel.Layout(), batch_tokens: int = DEFAULT_BATCH_TOKENS,
-                 prepare: Callable = lambda params: params):
+                 prepare: Callable = lambda params: params, adapted: Optional[AdapterScoring] = None):
         self.mesh, self.seq, self.batch_tokens, self._prepare = mesh, seq, batch_tokens, prepare
         self.params = prepare(params)
         self.dp = mesh.shape[parallel.DP]
@@ -90,11 +107,17 @@ class Scorer:
         top = P(parallel.DP, None, None)
         # scores come back replicated: on many hosts every process reads all rows (they are small)
         everywhere = jax.sharding.NamedSharding(mesh, P())
-        self._programs = {  # (params, tokens, targets at the scored positions, those positions)
-            k: jax.jit(parallel.shard_map(lambda p, t, y, w, k=k: token_scores(forward(p, t, w), y, k), mesh, rules,
-                                          in_specs=(param_specs, row, row, row), out_specs=(row, top, top),
-                                          layout=layout), out_shardings=everywhere)
-            for k in (1, TOP_LOGPROBS)}
+
+        def program(forward, specs, k):  # (params, tokens, targets at the scored positions, those positions)
+            return jax.jit(parallel.shard_map(lambda p, t, y, w: token_scores(forward(p, t, w), y, k), mesh, rules,
+                                              in_specs=(specs, row, row, row), out_specs=(row, top, top),
+                                              layout=layout), out_shardings=everywhere)
+        self._programs = {(k, False): program(forward, param_specs, k) for k in (1, TOP_LOGPROBS)}
+        if adapted is not None:
+            specs = _joined(param_specs, adapted.specs)
+            self._programs.update({(k, True): program(adapted.forward, specs, k) for k in (1, TOP_LOGPROBS)})
+        self._adapted = adapted
+        self._kept: OrderedDict[int, Any] = OrderedDict()  # adapter serial -> its placed leaves, most recent last
         self.shapes: set[tuple[int, int, int, int]] = set()  # (rows, positions, K, scored positions) compiled so far
         self._lock = threading.Lock()  # one pass at a time (a server's handlers share one scorer)
 
@@ -102,15 +125,23 @@ class Scorer:
     def for_generator(cls, gen, batch_tokens: int = DEFAULT_BATCH_TOKENS) -> "Scorer":
         """Score with the weights a `generate.Generator` holds (per layer, compute dtype, its layout):
         no second copy. Tokens run through the KV-cache path of the model with an empty cache. The
-        base alone: a bank of served adapters is left out (its entries are rewritten in place while
-        a server runs, from the engine's thread)."""
+        base's own leaves, and with `score(adapter=...)` a bank of that one adapter beside them
+        (`Generator.adapter_params`): never the generator's bank, whose entries a server rewrites
+        in place from the engine's thread."""
         config, mp = gen.config, gen.mp
 
         def forward(params, tokens, positions):
             empty = KVCache.zeros(config, tokens.shape[0], tokens.shape[1], 0, mp, local=True)
             return gen.model.apply(params, tokens, empty, logit_positions=positions)[0]
+
+        def adapted(params, tokens, positions):
+            with parallel.adapter_bank(gen.solo_bank, jnp.zeros(tokens.shape[:1], jnp.int32)):
+                return forward(params, tokens, positions)
+        bank = None
+        if gen.bank is not None:
+            bank = AdapterScoring(adapted, gen.adapter_params, _bank_only(gen.param_specs))
         return cls(forward, gen.params, _base(gen.param_specs), gen.mesh, gen.rules, config.seq, gen.layout,
-                   batch_tokens, prepare=_base)
+                   batch_tokens, prepare=_base, adapted=bank)
 
     @classmethod
     def for_trainer(cls, trainer, params, batch_tokens: int = DEFAULT_BATCH_TOKENS) -> "Scorer":
@@ -128,13 +159,18 @@ class Scorer:
     # ---- host API ---------------------------------------------------------------------------
 
     def score(self, prompts: Seq[Seq[int]], top: int = 1, rows: Optional[int] = None,
-              tail: Optional[Seq[int]] = None) -> list[PromptScores]:
+              tail: Optional[Seq[int]] = None, adapter=None) -> list[PromptScores]:
         """Scores of each prompt, in the order given. A prompt of L tokens (1 <= L <= seq + 1) runs
         its first L-1 tokens through the model and scores its last L-1 (with `tail`, its last
         tail[i] only: 1 <= tail[i] <= L-1; the returned arrays then have tail[i] entries).
 
         `top` (1..5): how many most likely tokens to report per position. `rows`: at most this many
-        prompts per forward pass (default: as many as `batch_tokens` allows)."""
+        prompts per forward pass (default: as many as `batch_tokens` allows). `adapter` (a
+        `lora.ServedAdapter` of the generator's bank; None: the base): the LoRA adapter every
+        prompt runs with."""
+        if adapter is not None and self._adapted is None:
+            raise ValueError(f"adapter {adapter.name!r}: this scorer has no served adapters (a generator "
+                             f"without a bank, or a training run's params)")
         if not 1 <= top <= TOP_LOGPROBS:
             raise ValueError(f"top must be in [1, {TOP_LOGPROBS}], got {top}")
         for p in prompts:
@@ -157,13 +193,15 @@ class Scorer:
             limit = max(1, min(rows or len(order), self.batch_tokens // t))
             n = min(1 << (limit.bit_length() - 1), len(order) - start)  # full groups: a power of two
             group = order[start:start + n]
-            scored = self._pass([prompts[i] for i in group], t, k, [tail[i] for i in group] if tail else None)
+            scored = self._pass([prompts[i] for i in group], t, k, [tail[i] for i in group] if tail else None,
+                                adapter)
             for i, (logprob, ids, values) in zip(group, scored):
                 out[i] = PromptScores(logprob, ids[:, :top], values[:, :top])
             start += n
         return out
 
-    def _pass(self, prompts: list[Seq[int]], t: int, k: int, tail: Optional[list[int]] = None) -> list[tuple]:
+    def _pass(self, prompts: list[Seq[int]], t: int, k: int, tail: Optional[list[int]] = None,
+              adapter=None) -> list[tuple]:
         """One forward pass: each prompt's inputs (all but its last token) right-padded to `t`
         positions, its targets (all but its first); rows bucketed. Logits at every position, or with
         `tail` only at each row's last `s` input positions (s: the bucket of the longest tail; a
@@ -185,15 +223,36 @@ class Scorer:
             keep = [slice(s - m, s) for m in tail]
         self.shapes.add((n, t, k, s))
         with self._lock:
-            logprob, ids, top = jax.device_get(self._programs[k](
-                self.params, tokens, np.take_along_axis(targets, positions, axis=1), positions))
+            params = self.params if adapter is None else _joined(self.params, self._adapter_leaves(adapter))
+            logprob, ids, top = jax.device_get(self._programs[k, adapter is not None](
+                params, tokens, np.take_along_axis(targets, positions, axis=1), positions))
         return [(logprob[i, r], ids[i, r], top[i, r]) for i, r in enumerate(keep)]
+
+    def _adapter_leaves(self, adapter) -> dict:
+        """`adapter`'s placed leaves: kept for the last `ADAPTERS_KEPT` adapters, by load (serial)."""
+        if adapter.serial not in self._kept:
+            self._kept[adapter.serial] = self._adapted.params(adapter)
+            while len(self._kept) > ADAPTERS_KEPT:
+                self._kept.popitem(last=False)
+        self._kept.move_to_end(adapter.serial)
+        return self._kept[adapter.serial]
 
 
 
 def _base(tree) -> dict:
     """A generator's per-layer params (or their specs) without the leaves of an adapter bank."""
     return {m: {n: x for n, x in own.items() if not parallel.is_adapter(n)} for m, own in tree.items()}
+
+
+def _bank_only(tree) -> dict:
+    """A generator's per-layer params (or their specs): the leaves of its adapter bank alone."""
+    banks = {m: {n: x for n, x in own.items() if parallel.is_adapter(n)} for m, own in tree.items()}
+    return {m: bank for m, bank in banks.items() if bank}
+
+
+def _joined(base: dict, more: dict) -> dict:
+    """{module: {leaf}} trees joined, module by module."""
+    return {m: {**base.get(m, {}), **more.get(m, {})} for m in {**base, **more}}
 
 
 _SCORERS: "weakref.WeakKeyDictionary[Any, Scorer]" = weakref.WeakKeyDictionary()

@@ -446,8 +446,9 @@ class Generator:
                 at = len(one) - 1 if leaf.endswith(parallel.LORA_A) else 0  # A [*inputs, N, r], B [N, r, *outputs]
                 bank = np.zeros((*one[:at], adapters.plan.adapters, *one[at:]), np.float32)
                 self.params[new][leaf] = placed[(new, leaf)] = self._convert(bank, info, dtype)
+        self._bank_shardings = {k: x.sharding for k, x in placed.items()}
         self._write_bank = jax.jit(lambda bank, updates, entry: _write_entry(bank, updates, entry), donate_argnums=0,
-                                   out_shardings={k: x.sharding for k, x in placed.items()})  # its own cache
+                                   out_shardings=self._bank_shardings)  # its own cache
         for entry, adapter in enumerate(adapters.adapters[: adapters.slots], start=1):
             self.write_adapter(entry, adapter)
         if not adapters.adapters:
@@ -468,23 +469,43 @@ class Generator:
         if self.adapters is None or not 1 <= entry < self.adapters.plan.adapters:
             raise ValueError(f"adapter entry {entry} is not one of this generator's bank "
                              f"(1 .. {self.adapters.plan.adapters - 1 if self.adapters else 0})")
+        current = {key: self.params[key[0]][key[1]] for key in self._bank_shardings}  # donated: deleted once written
+        written = self._write_bank(current, self._entry_values(adapter), np.int32(entry))
+        for (new, leaf), x in written.items():
+            self.params[new][leaf] = x
+        self.residents[entry] = adapter
+
+    def adapter_params(self, adapter) -> dict:
+        """A bank of one entry holding `adapter` (a `lora.ServedAdapter`): {layer module: {bank leaf:
+        array}}, placed as the bank is. With the base params and `adapter_bank(self.solo_bank, rows
+        of zeros)` a program runs every row with `adapter`, reading nothing `write_adapter` donates
+        (the prompt scorer's way, from another thread than the engine's)."""
+        out: dict = {}
+        for (new, leaf), x in self._entry_values(adapter).items():
+            out.setdefault(new, {})[leaf] = jax.device_put(x, self._bank_shardings[(new, leaf)])
+        return out
+
+    @property
+    def solo_bank(self) -> Optional[parallel.BankPlan]:
+        """The plan of `adapter_params`' bank: the bank's targets and rank, one entry."""
+        return self.bank._replace(adapters=1) if self.bank is not None else None
+
+    def _entry_values(self, adapter) -> dict:
+        """{(layer module, bank leaf): `adapter`'s values (None: zeros)} as one entry of the bank: an
+        adapters axis of size 1, the compute dtype, the decode layout. ConfigError if it does not fit."""
         if adapter is not None:
             lora.check_fits(adapter, self.adapters.plan)
         values = lora.bank_entry(adapter, self._entry_shapes)
         dtype = jnp.dtype(self.config.compute_dtype)
-        current, updates = {}, {}
+        out = {}
         for module, leaf, info, _ in self._bank_leaves():
             x = values[module][leaf]
             for new, i in unstacked_modules(module, self.config.layers):
                 one = x if i is None else x[i]
                 at = one.ndim - 1 if leaf.endswith(parallel.LORA_A) else 0
                 order, _ = parallel.stored_layout(info, one.ndim + 1, self.inputs_last)
-                updates[(new, leaf)] = np.expand_dims(one, at).astype(dtype).transpose(order)
-                current[(new, leaf)] = self.params[new][leaf]  # donated: deleted once written
-        written = self._write_bank(current, updates, np.int32(entry))
-        for (new, leaf), x in written.items():
-            self.params[new][leaf] = x
-        self.residents[entry] = adapter
+                out[(new, leaf)] = np.expand_dims(one, at).astype(dtype).transpose(order)
+        return out
 
     def adapter_key(self, entry: int) -> int:
         """What a prefix cache keys rows under bank entry `entry` by (`lora.prefix_key`)."""

@@ -226,6 +226,15 @@ def adapter(s: Settings, model: Optional[str]) -> Optional[str]:
     return model
 
 
+def served(s: Settings, model: Optional[str]):
+    """The adapter (a `lora.ServedAdapter`) a request's `model` names, as `adapter`; None: the base."""
+    name = adapter(s, model)
+    try:
+        return s.engine.adapter(name)
+    except ValueError as e:  # unloaded since
+        raise ApiError(404, f"model: {e}", "not_found_error", param="model") from None
+
+
 def sequences(s: Settings, prompts, opts: SamplingOptions, n: int, seed: Optional[int],
               model: Optional[str] = None) -> list[Sequence]:
     """The request's sequences: each prompt `n` times (seeds seed, seed + 1, ..), under the adapter `model` names."""
@@ -499,9 +508,6 @@ async def _echo_completions(s: Settings, body: CompletionRequest, ids: list[list
     one's null (nothing comes before it), as OpenAI's legacy completions do. Prompts are scored
     together in one batched pass (`evaluate.scoring`); they must fit the context with max_tokens."""
     engine = s.engine
-    if body.logprobs is not None and adapter(s, body.model):
-        raise ApiError(400, f"model: echo with logprobs scores prompts with the base model only, not adapter "
-                            f"{body.model!r}", param="model")
     max_tokens = body.max_tokens if body.max_tokens is not None else 16
     if max_tokens < 0:
         raise ApiError(400, f"max_tokens must not be negative, got {max_tokens}", param="max_tokens")
@@ -522,7 +528,8 @@ async def _echo_completions(s: Settings, body: CompletionRequest, ids: list[list
     if body.logprobs is not None:
         from mesh_transformer.evaluate.scoring import scorer_for
         scorer = scorer_for(engine.gen)
-        scoring = asyncio.to_thread(scorer.score, ids, max(1, body.logprobs))
+        lora = seqs[0].lora if seqs[0] is not None else served(s, body.model)  # the completions' own adapter
+        scoring = asyncio.to_thread(scorer.score, ids, max(1, body.logprobs), adapter=lora)
         if submit_and_wait is not None:
             scores, _ = await asyncio.gather(scoring, submit_and_wait)
         else:
