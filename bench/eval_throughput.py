@@ -3,6 +3,7 @@ own `--model hf` (HFLM, torch) on the same weights and the same task, in the sam
 
     python bench/eval_throughput.py                          # random GPT-J, 4 x d_model 512, GPT-2 vocabulary
     python bench/eval_throughput.py --docs 400 --rounds 5 --layers 8 --d-model 1024
+    python bench/eval_throughput.py --family llama --lora --served --peer vllm   # evaluating a LoRA adapter
     bash bench/setup_vllm_venv.sh && python bench/eval_throughput.py --peer vllm
 
 The task is LAMBADA-shaped (score each text's last word after the rest: one loglikelihood request
@@ -14,7 +15,12 @@ log-likelihoods are compared (max |difference|), so the two measure the same wor
 Ours runs with the model split over `--devices` simulated CPU devices as mp (the README's
 training numbers: one device per core is how XLA uses a multi-core CPU). `--peer vllm` adds vLLM's
 CPU build (its own venv, bench/setup_vllm_venv.sh) served on the same weights and driven by
-lm-eval's `local-completions` (token ids, echo, logprobs), the way an OpenAI-style evaluator uses it.
+lm-eval's `local-completions` (token ids, echo, logprobs), the way an OpenAI-style evaluator uses it;
+`--served` adds our own server (device_serve.py, one CPU device) driven the same way.
+
+`--lora`: evaluate a random PEFT LoRA adapter (rank `--lora-rank`, every attention and MLP weight)
+instead of the base: ours with it merged (eval_harness.py --lora-adapter), HFLM with `peft=`, and
+the servers serving it unmerged under its name (ours --lora-modules, vLLM --enable-lora).
 """
 from __future__ import annotations
 
@@ -68,17 +74,24 @@ def write_task(directory: str, docs: int) -> None:
         f.write(TASK.format(data=os.path.join(directory, "docs.jsonl")))
 
 
-def make_model(path: str, layers: int, d_model: int, heads: int, seq: int) -> None:
-    """A random GPT-J with the GPT-2 tokenizer saved beside it (both sides read this directory)."""
+def make_model(path: str, family: str, layers: int, d_model: int, heads: int, seq: int) -> None:
+    """A random GPT-J or LLaMA-shaped model (SwiGLU of 8/3 d_model rounded to 128, RMSNorm, no
+    biases) with the GPT-2 tokenizer saved beside it (every side reads this directory)."""
     import torch
-    from transformers import GPTJConfig, GPTJForCausalLM
+    import transformers
 
     from mesh_transformer.io.tokenizer import load_tokenizer
 
     torch.manual_seed(0)
-    config = GPTJConfig(vocab_size=50257, n_positions=seq, n_embd=d_model, n_layer=layers, n_head=heads,
-                        rotary_dim=min(64, d_model // heads), bos_token_id=50256, eos_token_id=50256)
-    GPTJForCausalLM(config).eval().save_pretrained(path)
+    ids = dict(vocab_size=50257, bos_token_id=50256, eos_token_id=50256)
+    if family == "gptj":
+        model = transformers.GPTJForCausalLM(transformers.GPTJConfig(
+            n_positions=seq, n_embd=d_model, n_layer=layers, n_head=heads, rotary_dim=min(64, d_model // heads), **ids))
+    else:
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            hidden_size=d_model, intermediate_size=(8 * d_model // 3 + 127) // 128 * 128, num_hidden_layers=layers,
+            num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=seq, **ids))
+    model.eval().save_pretrained(path)
     load_tokenizer("gpt2").save_pretrained(path)
 
 
@@ -97,6 +110,8 @@ def main(argv=None):
     p.add_argument("--docs", type=int, default=256)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--batch-size", type=int, default=16, help="the same for both sides")
+    p.add_argument("--family", choices=["gptj", "llama"], default="gptj",
+                   help="GPT-J, or LLaMA-shaped (vLLM serves LoRA adapters of LLaMA, not of GPT-J)")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--d-model", type=int, default=512)
     p.add_argument("--heads", type=int, default=8)
@@ -104,6 +119,9 @@ def main(argv=None):
     p.add_argument("--devices", type=int, default=2, help="simulated CPU devices for ours (mp)")
     p.add_argument("--peer", action="append", default=[], choices=["vllm"],
                    help="also vLLM's CPU build through lm-eval local-completions")
+    p.add_argument("--served", action="store_true", help="also our device_serve.py through local-completions")
+    p.add_argument("--lora", action="store_true", help="evaluate a random LoRA adapter on the model")
+    p.add_argument("--lora-rank", type=int, default=16)
     args = p.parse_args(argv)
     print(machine.header(machine.describe(("lm_eval",))), flush=True)
 
@@ -119,31 +137,45 @@ def main(argv=None):
     with tempfile.TemporaryDirectory() as tmp:
         model_dir, task_dir = os.path.join(tmp, "model"), os.path.join(tmp, "tasks")
         os.makedirs(task_dir)
-        make_model(model_dir, args.layers, args.d_model, args.heads, args.seq)
+        make_model(model_dir, args.family, args.layers, args.d_model, args.heads, args.seq)
         write_task(task_dir, args.docs)
         manager = harness.task_manager(task_dir, ["bench_lambada"])
-        ours = MeshLM.from_loaded(loading.load(hf=model_dir, mp=args.devices, dp=1, dtype="float32"),
-                                  batch_size=args.batch_size)
-        theirs = HFLM(pretrained=model_dir, dtype="float32", batch_size=args.batch_size, device="cpu")
+        adapters = tuple(serve_load.make_adapters(args.family, model_dir, 1, args.lora_rank, tmp)) if args.lora else ()
+        merged = adapters[0][1] if adapters else None
+        ours = MeshLM.from_loaded(loading.load(hf=model_dir, mp=args.devices, dp=1, dtype="float32",
+                                               lora_adapter=merged), batch_size=args.batch_size)
+        theirs = HFLM(pretrained=model_dir, peft=merged, dtype="float32", batch_size=args.batch_size, device="cpu")
         sides = {"mesh-transformer": ours, "lm-eval hf (torch)": theirs}
         servers = []
+        if args.served:
+            sides["mesh-transformer server (local-completions)"] = served_side("ours", model_dir, args, tmp, servers,
+                                                                             adapters)
         if "vllm" in args.peer:
-            sides["vLLM CPU (local-completions)"] = vllm_side(model_dir, args, tmp, servers)
+            sides["vLLM CPU (local-completions)"] = served_side("vllm", model_dir, args, tmp, servers, adapters)
         rates: dict[str, list[float]] = {name: [] for name in sides}
         answers = {}
-        for name, lm in sides.items():  # warm-up: compiles, allocator
-            _, answers[name] = timed(lm, manager, args.docs)
-        for _ in range(args.rounds):
-            for name, lm in sides.items():
-                rate, _ = timed(lm, manager, args.docs)
-                rates[name].append(rate)
-        for proc in servers:
-            serve_load.stop(proc)
+        try:
+            for name, lm in sides.items():  # warm-up: compiles, allocator
+                _, answers[name] = timed(lm, manager, args.docs)
+            for _ in range(args.rounds):
+                for name, lm in sides.items():
+                    rate, _ = timed(lm, manager, args.docs)
+                    rates[name].append(rate)
+        except Exception:
+            for _, log in servers:
+                print(f"--- the end of {log}:\n{open(log, errors='replace').read()[-4000:]}", file=sys.stderr)
+            raise
+        finally:
+            for proc, _ in servers:
+                serve_load.stop(proc)
         reference = answers["lm-eval hf (torch)"]
         diffs = {name: max(abs(a - b) for a, b in zip(got, reference)) for name, got in answers.items()
                  if name != "lm-eval hf (torch)"}
         diff = diffs["mesh-transformer"]
-        print(f"model: GPT-J {args.layers} layers, d_model {args.d_model}, vocabulary 50,257, fp32; "
+        lora = (f"; a LoRA adapter r{args.lora_rank} (ours merged, HFLM peft=, servers unmerged)"
+                if args.lora else "")
+        family = "GPT-J" if args.family == "gptj" else "LLaMA-shaped"
+        print(f"model: {family} {args.layers} layers, d_model {args.d_model}, vocabulary 50,257, fp32{lora}; "
               f"{args.docs} loglikelihood requests, batch {args.batch_size}; ours on {args.devices} CPU devices "
               f"(mp), torch {torch.__version__} with {torch.get_num_threads()} threads; load average "
               f"{os.getloadavg()[0]:.1f} at the end")
@@ -156,19 +188,26 @@ def main(argv=None):
                   f"{', '.join(f'{v:.1f}' for v in values)} |")
         ratio = statistics.median(rates["mesh-transformer"]) / statistics.median(rates["lm-eval hf (torch)"])
         print(f"ours / HFLM: {ratio:.2f}x")
-        if "vLLM CPU (local-completions)" in rates:
-            print(f"ours / vLLM: {statistics.median(rates['mesh-transformer']) / statistics.median(rates['vLLM CPU (local-completions)']):.2f}x")
+        vllm = statistics.median(rates.get("vLLM CPU (local-completions)", [0.0]))
+        if vllm:
+            print(f"ours / vLLM: {statistics.median(rates['mesh-transformer']) / vllm:.2f}x")
+            served = rates.get("mesh-transformer server (local-completions)")
+            if served:
+                print(f"our server / vLLM: {statistics.median(served) / vllm:.2f}x")
 
 
-def vllm_side(model_dir: str, args, tmp: str, servers: list):
-    """vLLM's CPU server on `model_dir` (fp32) and lm-eval's local-completions model pointed at it."""
+def served_side(peer: str, model_dir: str, args, tmp: str, servers: list, adapters: tuple = ()):
+    """`peer`'s server ('ours', 'vllm') on `model_dir` (fp32), serving `adapters` when given, and
+    lm-eval's local-completions model pointed at it (at the first adapter's name when given)."""
     from lm_eval.models.openai_completions import LocalCompletionsAPI
 
-    proc, url, name = serve_load.start_server("vllm", model_dir, "float32", "", tmp, max_len=args.seq)
-    servers.append(proc)
+    proc, url, name = serve_load.start_server(peer, model_dir, "float32", "", tmp, max_len=args.seq,
+                                              adapters=adapters, rank=args.lora_rank)
+    servers.append((proc, os.path.join(tmp, f"{peer}-{os.path.basename(model_dir)}.log")))
     os.environ.setdefault("OPENAI_API_KEY", "EMPTY")
-    return LocalCompletionsAPI(base_url=f"{url}/v1/completions", model=name, tokenizer_backend="huggingface",
-                               tokenizer=model_dir, max_length=args.seq, batch_size=args.batch_size, max_retries=1)
+    return LocalCompletionsAPI(base_url=f"{url}/v1/completions", model=adapters[0][0] if adapters else name,
+                               tokenizer_backend="huggingface", tokenizer=model_dir, max_length=args.seq,
+                               batch_size=args.batch_size, max_retries=1)
 
 
 if __name__ == "__main__":
