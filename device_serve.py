@@ -73,6 +73,10 @@ def main(argv=None):
                         help="LoRA adapters one batch holds at once: the bank's entries (default: one for each of "
                              "--lora-modules, 1 with --enable-runtime-lora and none named). More adapters than that "
                              "may be known: a request's adapter takes an idle entry when it is admitted (vLLM's flag)")
+    parser.add_argument("--max-cpu-loras", type=int, metavar="N",
+                        help="LoRA adapters whose weights stay in host memory, at least --max-loras (default: all "
+                             "known). The least recently requested are dropped and read from their directories again "
+                             "when a request names them (vLLM's flag)")
     parser.add_argument("--max-lora-rank", type=int, metavar="R",
                         help="the largest rank an adapter may have (default: the largest of --lora-modules', and "
                              f"at least {lora.DEFAULT_SERVED_RANK} with --enable-runtime-lora; vLLM's flag)")
@@ -89,11 +93,15 @@ def main(argv=None):
                      f"{args.join_chunk}")
     if args.admit_tokens < 1:
         parser.error(f"--admit-tokens must be at least 1; got {args.admit_tokens}")
-    for flag, value in (("--max-loras", args.max_loras), ("--max-lora-rank", args.max_lora_rank)):
+    for flag, value in (("--max-loras", args.max_loras), ("--max-lora-rank", args.max_lora_rank),
+                        ("--max-cpu-loras", args.max_cpu_loras)):
         if value is not None and value < 1:
             parser.error(f"{flag} must be at least 1; got {value}")
         if value is not None and not (args.lora_modules or args.enable_runtime_lora):
             parser.error(f"{flag} sizes the bank of served LoRA adapters: pass --lora-modules or --enable-runtime-lora")
+    if args.max_cpu_loras is not None and args.max_loras is not None and args.max_cpu_loras < args.max_loras:
+        parser.error(f"--max-cpu-loras ({args.max_cpu_loras}) must be at least --max-loras ({args.max_loras}): the "
+                     f"adapters in the bank's entries are held in host memory too")
     if args.gather_ms < 0:
         parser.error(f"--gather-ms must be at least 0; got {args.gather_ms:g}")
     if args.prefix_block < 1 or not (args.prefix_cache_tokens is None or args.prefix_cache_tokens == 0
@@ -126,7 +134,8 @@ def main(argv=None):
             raise ConfigError(f"--lora-modules: adapter name {model_name!r} is the base model's name (see --model-name)")
         runtime = args.enable_runtime_lora
         slots = args.max_loras or (1 if runtime and not adapters else None)
-        generator = model.generator(adapters=adapters, slots=slots, rank=args.max_lora_rank, every_linear=runtime)
+        generator = model.generator(adapters=adapters, slots=slots, rank=args.max_lora_rank, every_linear=runtime,
+                                    host=args.max_cpu_loras)
         chat_template = pathlib.Path(args.chat_template).read_text(encoding="utf-8") if args.chat_template else None
     if status.code:
         return status.code
@@ -135,7 +144,8 @@ def main(argv=None):
                           admit_tokens=args.admit_tokens, gather=args.gather_ms / 1000,
                           max_queue=args.max_queue,
                           prefix_cache_tokens=args.prefix_cache_tokens, prefix_block=args.prefix_block,
-                          batch_invariant=args.batch_invariant, share_prefix=not args.no_prefix_sharing)
+                          batch_invariant=args.batch_invariant, share_prefix=not args.no_prefix_sharing,
+                          host_adapters=args.max_cpu_loras)
     model.params = None  # the Generator holds its own copy
     if args.warmup is not None:
         engine.warmup(args.warmup or (16,), shared_prefix=args.warmup_prefix)

@@ -39,17 +39,18 @@ class LoadedModel:
     quantize: Optional[str] = None  # the generator's weights: None (the compute dtype) or "int8"
 
     def generator(self, matvec: Optional[bool] = None, adapters=None, slots: Optional[int] = None,
-                  rank: Optional[int] = None, every_linear: bool = False):
+                  rank: Optional[int] = None, every_linear: bool = False, host: Optional[int] = None):
         """A `generate.Generator` that takes over the weights: they stay on the devices once, in the
         compute dtype (or `quantize`d) and the generator's layout (`params` is None afterwards).
         `adapters`: [(name, PEFT adapter directory)] served beside the base, unmerged, in a bank of
-        `slots` entries of `rank`, holding every linear layer with `every_linear` (`lora.adapter_set`)."""
+        `slots` entries of `rank`, holding every linear layer with `every_linear`, the leaves of at
+        most `host` of them kept in host memory (`lora.adapter_set`)."""
         from mesh_transformer.generate import Generator
         bank = None
         if adapters or slots is not None or every_linear:
             from mesh_transformer import lora
             bank = lora.adapter_set(adapters or [], self.config, self.mesh.shape[parallel.MP], slots, rank,
-                                    every_linear)
+                                    every_linear, host)
         params, self.params = self.params, None
         return Generator(self.config, params, self.mesh, matvec=matvec, donate=True, quantize=self.quantize,
                          adapters=bank)

@@ -475,7 +475,8 @@ class ServedAdapter(NamedTuple):
     """One PEFT adapter as the server holds it (`served_adapter`), ready for any entry of a bank.
 
     leaves: {module: {<weight>_lora_a: [(L,) *inputs, r], <weight>_lora_b: [(L,) r, *outputs]}}
-    float32, its alpha / r folded into B; targets: its `LoRAPlan` targets; serial: unique to this
+    float32, its alpha / r folded into B (None: dropped from host memory, to be read from
+    `directory` again: `serve.adapters`); targets: its `LoRAPlan` targets; serial: unique to this
     load (a prefix cache keys prompts by it, so blocks computed under one load serve only it)."""
 
     name: str
@@ -528,18 +529,24 @@ class AdapterSet(NamedTuple):
 
 
 def adapter_set(adapters: Sequence[tuple[str, str]], model: ModelConfig, mp: int = 1, slots: Optional[int] = None,
-                rank: Optional[int] = None, every_linear: bool = False) -> AdapterSet:
+                rank: Optional[int] = None, every_linear: bool = False, host: Optional[int] = None) -> AdapterSet:
     """[(name, PEFT adapter directory)] -> the AdapterSet serving them: `slots` bank entries (default:
     one each), of `rank` (default: the largest adapter's), for the weights any of them adapts, and
     with `every_linear` every linear layer but the head (PEFT's "all-linear"; adapters loaded later
-    may adapt any of those). ConfigError naming what is at fault."""
+    may adapt any of those). With `host` (vLLM's --max-cpu-loras, at least `slots`) each adapter is
+    read and checked, but only the first `host` keep their leaves (the others: `leaves` None, read
+    again when named; `serve.adapters`). ConfigError naming what is at fault."""
     names = [name for name, _ in adapters]
     if len(set(names)) != len(names):
         raise ConfigError(f"adapter names must differ, got {', '.join(names)}")
-    loaded = tuple(served_adapter(name, directory, model, mp) for name, directory in adapters)
-    slots = len(loaded) if slots is None else slots
+    slots = len(adapters) if slots is None else slots
     if slots < 1:
         raise ConfigError(f"--max-loras: the bank needs at least one entry for adapters, got {slots}")
+    if host is not None and host < slots:
+        raise ConfigError(f"--max-cpu-loras ({host}) must be at least the bank's entries, --max-loras ({slots}; "
+                          f"default: one per adapter named): the adapters in them are held in host memory too")
+    loaded = tuple(a if host is None or i < host else a._replace(leaves=None)
+                   for i, a in enumerate(served_adapter(name, directory, model, mp) for name, directory in adapters))
     if rank is None:  # as vLLM's --max-lora-rank where adapters come later; else the largest named
         rank = max([a.rank for a in loaded] + ([DEFAULT_SERVED_RANK] if every_linear or not loaded else []))
     targets = frozenset().union(*(a.targets for a in loaded))

@@ -462,7 +462,61 @@ def test_more_adapters_than_entries_take_turns(lora_server, tiny):
     expected = gen.generate([ids] * len(names), options, tiny.tokenizer, adapters=names)
     assert [s.tokens for s in seqs] == [s.tokens for s in expected]
     assert len({tuple(s.tokens) for s in seqs[2:5]}) == 2
-    assert stats == {"known": 2, "slots": 1, "placed": 2, "running": [0]}
+    assert stats == {"known": 2, "held": 2, "reloads": 0, "slots": 1, "placed": 2, "running": [0]}
+
+
+def test_adapters_beyond_the_host_cap_are_read_again(lora_server, tiny, tmp_path):
+    """--max-cpu-loras 1 over one entry, adapters chat and code: code's leaves are dropped at start
+    (checked, not kept) and read again from its directory when a request names it (the same load:
+    its serial), dropping chat's. Over HTTP, requests alternating code, chat, the base and code get
+    the library's answers with every adapter held, and echo scores under a dropped adapter. A
+    dropped adapter whose directory is gone is a 400 naming it, and the others go on."""
+    import shutil
+
+    import openai
+
+    from mesh_transformer.serve import Engine, create_app
+    from tests.serving import KEY, start_server
+    gen, _, dirs = lora_server
+    copies = {name: str(shutil.copytree(d, tmp_path / name)) for name, d in dirs.items()}
+    capped = loading.load(hf=str(tiny.path), dtype="float32", mp=1, dp=1).generator(
+        adapters=sorted(copies.items()), slots=1, host=1)
+    engine = Engine(capped, tiny.tokenizer, max_batch=8, chunk=4, batch_invariant=True, host_adapters=1)
+    slots = engine.adapters
+    assert slots.held("chat") and not slots.held("code") and slots.known["code"].leaves is None
+    assert all(a.leaves is None for a in capped.adapters.adapters)  # the slots hold the leaves, not the set
+    serial = slots.known["code"].serial
+    code = engine.adapter("code")
+    assert code.serial == serial and code.leaves is not None and slots.reloads == 1
+    assert not slots.held("chat") and slots.stats()["held"] == 1
+
+    server, url = start_server(create_app(engine.start(), model_name="tiny", api_key=KEY))
+    try:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=60)
+        prompt = "The quick brown fox"
+        names = ["code", "chat", "tiny", "code"]
+        texts = [client.completions.create(model=name, prompt=prompt, max_tokens=6, temperature=0).choices[0].text
+                 for name in names]
+        expected = gen.generate([tiny.tokenizer.encode(prompt)] * 4, SamplingOptions(max_new_tokens=6, temperature=0.0),
+                                tiny.tokenizer, adapters=[n if n != "tiny" else None for n in names])
+        assert texts == [s.text for s in expected] and len(set(texts)) == 3
+        echoed = client.completions.create(model="chat", prompt=prompt, max_tokens=0, echo=True, logprobs=1)
+        assert slots.reloads == 4  # chat, code, chat again
+        scored = scorer_for(gen).score([tiny.tokenizer.encode(prompt)], adapter=gen.adapters.adapters[0])[0]
+        np.testing.assert_allclose(echoed.choices[0].logprobs.token_logprobs[1:], scored.logprobs, atol=1e-6)
+        client.completions.create(model="code", prompt=prompt, max_tokens=1)  # chat dropped again
+        shutil.rmtree(copies["chat"])
+        with pytest.raises(openai.BadRequestError, match=r"model: adapter 'chat' \(.*chat\): .*no adapter_config.json"):
+            client.completions.create(model="chat", prompt=prompt, max_tokens=2)
+        assert client.completions.create(model="code", prompt=prompt, max_tokens=6, temperature=0).choices[0].text \
+            == texts[0]
+        assert engine.stats()["adapters"] == {"known": 2, "held": 1, "reloads": 5, "slots": 1, "placed": 3,
+                                              "running": [0]}
+    finally:
+        server.should_exit = True
+        engine.stop()
+    with pytest.raises(ConfigError, match=r"--max-cpu-loras \(1\) must be at least the bank's entries, --max-loras \(2"):
+        loading.load(hf=str(tiny.path), dtype="float32", mp=1, dp=1).generator(adapters=sorted(dirs.items()), host=1)
 
 
 def test_a_waiting_adapter_drains_one_entry(runtime_server, tiny):

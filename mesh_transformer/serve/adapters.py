@@ -10,6 +10,13 @@ not in one waits, and the least recently admitted-to entry takes no new rows unt
 the waiting request takes it: later requests for the adapters in the other entries go on meanwhile,
 and a waiting adapter is never starved by traffic for the others.
 
+With a cap on host memory (`host`, vLLM's --max-cpu-loras) the leaves of at most that many adapters
+are held, the least recently named dropped first; an adapter whose leaves were dropped stays known
+by name and directory, and is read from its directory again when a request names it (`get`: from a
+handler's worker thread, never the engine's). A reload is the same load (its serial), so the prefix
+cache and a bank entry still holding it serve it as before. Requests in flight keep their adapter's
+leaves until they finish.
+
 Only the engine thread calls the placement methods (`entry_for`, `drained`, `pin`, `release`,
 `place`); request handlers call `add`, `remove`, `get` and `names`, which hold this object's lock.
 """
@@ -18,6 +25,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+from collections import OrderedDict
 from typing import Optional
 
 from mesh_transformer import lora
@@ -29,17 +37,27 @@ log = logging.getLogger("mesh_transformer.serve")
 class AdapterSlots:
     """The adapters known by name (`known`) and what each bank entry holds or will hold (`holds`)."""
 
-    def __init__(self, gen: Generator):
+    def __init__(self, gen: Generator, host: Optional[int] = None):
         if gen.adapters is None:
             raise ValueError("the generator serves no adapters (it has no bank: Generator(adapters=...))")
-        self.gen = gen
+        if host is not None and host < gen.adapters.slots:
+            raise ValueError(f"adapters held in host memory ({host}) must be at least the bank's entries "
+                             f"({gen.adapters.slots}): --max-cpu-loras >= --max-loras")
+        self.gen, self.host = gen, host
         self.known: dict[str, lora.ServedAdapter] = {a.name: a for a in gen.adapters.adapters}
+        self._held: OrderedDict[str, None] = OrderedDict.fromkeys(  # leaves held, least recent first
+            name for name, a in self.known.items() if a.leaves is not None)
+        self.reloads = 0  # adapters read from their directory again since start
         self.holds: list[Optional[lora.ServedAdapter]] = list(gen.residents)  # entry -> adapter (planned)
         self.running = [0] * len(self.holds)  # rows admitted under each entry and not finished
         self.used = [0] * len(self.holds)  # when each entry was last admitted to (`_clock`)
         self._clock = itertools.count(1)
         self.placed = 0  # adapters written into an entry since start
         self._lock = threading.Lock()
+        with self._lock:
+            self._drop_beyond_cap()
+        if host is not None:  # the generator's set has been placed: these hold the leaves from now on
+            gen.adapters = gen.adapters._replace(adapters=tuple(a._replace(leaves=None) for a in gen.adapters.adapters))
 
     @property
     def slots(self) -> int:
@@ -52,9 +70,27 @@ class AdapterSlots:
             return list(self.known)
 
     def get(self, name: str) -> Optional[lora.ServedAdapter]:
-        """The adapter called `name` (None if none is)."""
+        """The adapter called `name`, its leaves read from its directory again if they were dropped
+        (None if no adapter has the name; ConfigError naming it if its directory no longer holds it)."""
         with self._lock:
-            return self.known.get(name)
+            found = self.known.get(name)
+            if found is None or found.leaves is not None:
+                return self._named(found)
+        again = lora.served_adapter(name, found.directory, self.gen.config, self.gen.mp)._replace(serial=found.serial)
+        lora.check_fits(again, self.gen.adapters.plan)
+        with self._lock:
+            if self.known.get(name) is not found:  # replaced or removed meanwhile: that one wins
+                return self._named(self.known.get(name))
+            self.known[name] = again
+            self.reloads += 1
+            log.info("read LoRA adapter %r from %s again (--max-cpu-loras %d)", name, found.directory, self.host)
+            return self._named(again)
+
+    def held(self, name: str) -> bool:
+        """Whether the adapter called `name` is known with its leaves in host memory (`get` reads none)."""
+        with self._lock:
+            found = self.known.get(name)
+            return found is not None and found.leaves is not None
 
     def add(self, adapter: lora.ServedAdapter, replace: bool = False) -> None:
         """Know `adapter` by its name (ConfigError if it does not fit the bank; NameTaken if an
@@ -64,12 +100,28 @@ class AdapterSlots:
             if adapter.name in self.known and not replace:
                 raise NameTaken(f"the adapter {adapter.name!r} has already been loaded")
             self.known[adapter.name] = adapter
+            self._named(adapter)
 
     def remove(self, name: str) -> lora.ServedAdapter:
         """Forget the adapter called `name` (KeyError if none is): new requests cannot name it;
         requests already submitted under it finish with it, and its entry is reused once idle."""
         with self._lock:
+            self._held.pop(name, None)
             return self.known.pop(name)
+
+    def _named(self, adapter: Optional[lora.ServedAdapter]) -> Optional[lora.ServedAdapter]:
+        """`adapter` (with its leaves) was just named: the most recent; drop the leaves of the least
+        recent beyond the cap. Under the lock."""
+        if adapter is not None:
+            self._held[adapter.name] = None
+            self._held.move_to_end(adapter.name)
+            self._drop_beyond_cap()
+        return adapter
+
+    def _drop_beyond_cap(self) -> None:
+        while self.host is not None and len(self._held) > self.host:
+            name, _ = self._held.popitem(last=False)
+            self.known[name] = self.known[name]._replace(leaves=None)  # name, directory, serial kept
 
     # ---- placement (the engine thread) ---------------------------------------------------------
 
@@ -131,8 +183,9 @@ class AdapterSlots:
     def stats(self) -> dict:
         """Counts only (GET /health is open: adapter names are for clients with the key, /v1/models)."""
         with self._lock:
-            known = len(self.known)
-        return {"known": known, "slots": self.slots, "placed": self.placed, "running": self.running[1:]}
+            known, held = len(self.known), len(self._held)
+        return {"known": known, "held": held, "reloads": self.reloads, "slots": self.slots, "placed": self.placed,
+                "running": self.running[1:]}
 
 
 class NameTaken(ValueError):

@@ -152,7 +152,7 @@ async def chat_completions(s: oa.Settings, http: HttpRequest):
         if e.param == "max_tokens":
             e.param, e.message = field, e.message.replace("max_tokens", field)
         raise
-    seqs = oa.sequences(s, [ids], opts, body.n, body.seed, body.model)
+    seqs = await oa.sequences(s, [ids], opts, body.n, body.seed, body.model)
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
             "model": body.model or s.model_name}
     if body.stream:

@@ -108,15 +108,17 @@ class Engine:
     (`generate.Batch`); gather: seconds an idle engine waits for the rest of a burst (0: none);
     share_prefix: rows read their prompts' cached blocks from the prefix cache's pool while they
     decode, once per step for all of them, instead of holding copies (`generate.Batch`).
+    host_adapters: served LoRA adapters whose leaves stay in host memory (None: all; vLLM's
+    --max-cpu-loras), the others read from their directories again when named (`serve.adapters`).
     """
 
     def __init__(self, generator: Generator, tokenizer, max_batch: int = 16, slots: Optional[int] = None,
                  chunk: int = 8, max_queue: int = 100, metrics: Optional[Metrics] = None,
                  prefix_cache_tokens: Optional[int] = None, prefix_block: int = DEFAULT_BLOCK,
                  batch_invariant: bool = False, join_chunk: int = 1, admit_tokens: int = 4096,
-                 gather: float = DEFAULT_GATHER, share_prefix: bool = True):
+                 gather: float = DEFAULT_GATHER, share_prefix: bool = True, host_adapters: Optional[int] = None):
         self.gen, self.tokenizer = generator, tokenizer
-        self.adapters = AdapterSlots(generator) if generator.adapters is not None else None
+        self.adapters = AdapterSlots(generator, host_adapters) if generator.adapters is not None else None
         slots = slots or generator.config.seq
         if prefix_cache_tokens is None:
             prefix_cache_tokens = default_tokens(generator.config, slots, prefix_block)

@@ -226,19 +226,27 @@ def adapter(s: Settings, model: Optional[str]) -> Optional[str]:
     return model
 
 
-def served(s: Settings, model: Optional[str]):
-    """The adapter (a `lora.ServedAdapter`) a request's `model` names, as `adapter`; None: the base."""
+async def served(s: Settings, model: Optional[str]):
+    """The adapter (a `lora.ServedAdapter`) a request's `model` names, as `adapter`; None: the base.
+    Its leaves are read from its directory again if they were dropped (`serve.adapters`), off the event loop."""
     name = adapter(s, model)
+    if name is None:
+        return None
     try:
-        return s.engine.adapter(name)
+        if s.engine.adapters.held(name):
+            return s.engine.adapter(name)
+        return await asyncio.to_thread(s.engine.adapter, name)
+    except ConfigError as e:  # its directory no longer holds it
+        raise ApiError(400, f"model: {e}", param="model") from None
     except ValueError as e:  # unloaded since
         raise ApiError(404, f"model: {e}", "not_found_error", param="model") from None
 
 
-def sequences(s: Settings, prompts, opts: SamplingOptions, n: int, seed: Optional[int],
-              model: Optional[str] = None) -> list[Sequence]:
+async def sequences(s: Settings, prompts, opts: SamplingOptions, n: int, seed: Optional[int],
+                    model: Optional[str] = None) -> list[Sequence]:
     """The request's sequences: each prompt `n` times (seeds seed, seed + 1, ..), under the adapter `model` names."""
     name = adapter(s, model)
+    await served(s, name)  # its leaves in host memory before the engine needs them
     seqs = []
     for p in prompts:
         for j in range(n):
@@ -379,7 +387,7 @@ async def complete(s: Settings, http: HttpRequest):
         raise ApiError(400, "context must not be empty", param="context")
     length = body.length if body.length is not None else min(256, s.engine.max_new_tokens)
     opts = options(s.engine, max_tokens=length, temperature=body.temp, top_p=body.top_p, top_k=body.top_k)
-    seqs = sequences(s, [encode(s.engine, body.context, "context")], opts, 1, None)
+    seqs = await sequences(s, [encode(s.engine, body.context, "context")], opts, 1, None)
     try:
         await wait(s.engine, seqs, s.timeout)
     except ApiError as e:
@@ -400,7 +408,7 @@ async def completions(s: Settings, http: HttpRequest):
         return await _echo_completions(s, body, ids)
     max_tokens = body.max_tokens if body.max_tokens is not None else room(s.engine, ids)
     opts = body_options(s.engine, body, max_tokens, stop_list(body.stop), body.logprobs)
-    seqs = sequences(s, ids, opts, body.n, body.seed, body.model)
+    seqs = await sequences(s, ids, opts, body.n, body.seed, body.model)
     head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
             "model": body.model or s.model_name}
     if body.stream:
@@ -520,7 +528,7 @@ async def _echo_completions(s: Settings, body: CompletionRequest, ids: list[list
     seqs: list[Optional[Sequence]] = [None] * (len(ids) * body.n)
     if max_tokens > 0:
         opts = body_options(engine, body, max_tokens, stop_list(body.stop), body.logprobs)
-        seqs = sequences(s, ids, opts, body.n, body.seed, body.model)
+        seqs = await sequences(s, ids, opts, body.n, body.seed, body.model)
         submit_and_wait = wait(engine, seqs, s.timeout)
     else:
         submit_and_wait = None
@@ -528,7 +536,7 @@ async def _echo_completions(s: Settings, body: CompletionRequest, ids: list[list
     if body.logprobs is not None:
         from mesh_transformer.evaluate.scoring import scorer_for
         scorer = scorer_for(engine.gen)
-        lora = seqs[0].lora if seqs[0] is not None else served(s, body.model)  # the completions' own adapter
+        lora = seqs[0].lora if seqs[0] is not None else await served(s, body.model)  # the completions' own
         scoring = asyncio.to_thread(scorer.score, ids, max(1, body.logprobs), adapter=lora)
         if submit_and_wait is not None:
             scores, _ = await asyncio.gather(scoring, submit_and_wait)
