@@ -134,6 +134,11 @@ FAMILY_CASES = {
         vocab_size=97, max_position_embeddings=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=12, intermediate_size=40, initializer_range=0.2, tie_word_embeddings=True,
         rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
+    "granite_tied_bias": ("GraniteConfig", "GraniteForCausalLM", dict(  # Granite 3's four constants, none at 1
+        vocab_size=99, max_position_embeddings=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=40, initializer_range=0.2, tie_word_embeddings=True,
+        attention_bias=True, embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.25,
+        logits_scaling=8.0)),
     "phi3_window_partial": ("Phi3Config", "Phi3ForCausalLM", dict(  # fused qkv/gate_up, rotary on half of each head
         vocab_size=99, max_position_embeddings=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, intermediate_size=40, sliding_window=6, initializer_range=0.2, pad_token_id=0,

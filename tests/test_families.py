@@ -28,7 +28,7 @@ from tests.helpers import (FAMILY_CASES, PARITY_TOL, config_for, hf_greedy, hf_l
 
 TOL = PARITY_TOL
 FAMILY_OF = {"gptj": "gptj", "gpt_neox": "gpt_neox", "gpt_neox_sequential": "gpt_neox", "qwen2": "llama",
-             "qwen3_tied": "llama", "mistral_window": "llama", "phi3_window_partial": "phi3",
+             "qwen3_tied": "llama", "mistral_window": "llama", "granite_tied_bias": "llama", "phi3_window_partial": "phi3",
              "llama_gqa2_llama3_rope": "llama", "llama_mqa_tied_bias_linear_rope": "llama", "gpt2": "gpt2",
              "opt_projected": "opt", "opt_post_norm": "opt", "gemma_mqa": "gemma",
              "gemma2_softcap_window": "gemma", "gemma3_local_rope": "gemma", "mixtral_window": "mixtral",

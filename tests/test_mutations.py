@@ -76,6 +76,10 @@ def qk_norms_skipped(mp):
     mp.setattr(layers, "norm_heads", lambda q, k, *args: (q, k))
 
 
+def residual_multiplier_ignored(mp):  # Granite's blocks join the stream unscaled
+    mp.setattr(importlib.import_module("mesh_transformer.models.llama"), "residual", lambda c, y: y)
+
+
 def _moe_spec_changed(mp, change):
     def call(self, h):
         self.spec = change(self.spec)
@@ -108,7 +112,7 @@ MUTATIONS = [  # (mutation, the family case it must break)
     (qk_norms_skipped, "qwen3_tied"), (window_one_wider, "mistral_window"),
     (qk_norms_skipped, "gemma3_local_rope"), (every_layer_windowed, "gemma2_softcap_window"),
     (one_rope_for_every_layer, "gemma3_local_rope"), (scores_not_soft_capped, "gemma2_softcap_window"),
-    (norm_scale_without_unit_offset, "gemma_mqa"),
+    (norm_scale_without_unit_offset, "gemma_mqa"), (residual_multiplier_ignored, "granite_tied_bias"),
     (expert_weights_renormalised_the_other_way, "mixtral_window"),
     (expert_weights_renormalised_the_other_way, "qwen3_moe_tied"), (one_expert_fewer_per_token, "mixtral_window"),
     (qk_norms_skipped, "qwen3_moe_tied"), (shared_expert_ungated, "qwen2_moe_shared"),

@@ -31,7 +31,7 @@ class Family(NamedTuple):
 _FAMILY_MODULES = {
     "gptj": ("gptj", ("gptj",)),
     "gpt_neox": ("gpt_neox", ("gpt_neox",)),
-    "llama": ("llama", ("llama", "mistral", "qwen2", "qwen3")),
+    "llama": ("llama", ("llama", "mistral", "qwen2", "qwen3", "granite")),
     "gpt2": ("gpt2", ("gpt2",)),
     "opt": ("opt", ("opt",)),
     "phi3": ("phi3", ("phi3",)),

@@ -51,6 +51,7 @@ class StemSpec(NamedTuple):
     embed_proj: Optional[int] = None  # OPT: the table is this wide, projected in and out of d_model
     embed_scale: Optional[float] = None  # embeddings times this, in the compute dtype (Gemma: sqrt(d_model))
     logit_softcap: Optional[float] = None  # logits soft-capped to (-cap, cap) (Gemma 2)
+    logit_divisor: Optional[float] = None  # logits divided by this (Granite's logits_scaling)
 
 
 class KVCache(NamedTuple):
@@ -170,6 +171,8 @@ class Transformer(hk.Module):
                                                          ("embed", "embed_proj"), 1, normal(0.02), x.dtype))
         logits = embedding.attend(x, c.n_vocab) if stem.tied else LMHead(
             c.d_model, self.padded_vocab, c.n_vocab, stem.head_bias)(x)
+        if stem.logit_divisor is not None:
+            logits = logits / stem.logit_divisor
         logits = softcap(logits, stem.logit_softcap)
         return (logits, cache, stats) if routers else (logits, cache)
 

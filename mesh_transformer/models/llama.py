@@ -1,5 +1,6 @@
 """LLaMA (Touvron et al. 2023) and the models that share its shape — Llama 2/3, Mistral, Qwen2,
-Qwen3, TinyLlama: numerically `transformers.LlamaForCausalLM` (and Mistral's, Qwen2's, Qwen3's).
+Qwen3, Granite 3, TinyLlama: numerically `transformers.LlamaForCausalLM` (and Mistral's, Qwen2's,
+Qwen3's, Granite's).
 
     x = x + Attn(RMSNorm1(x));  x = x + SwiGLU(RMSNorm2(x))      # two all-reduces per layer
 
@@ -7,12 +8,17 @@ Grouped-query attention (`n_kv_heads` kv heads shared by n_heads / n_kv_heads qu
 rotate-half rotary with `rope_theta` and HF's `rope_scaling` kinds "linear" and "llama3", optional
 q/k/v bias (Qwen2) and o_proj bias, RMSNorm of each query and key head before rotary (`qk_norm`,
 Qwen3), sliding-window attention in every layer (`sliding_window`, Mistral) or in the layers
-`layer_types` marks (Qwen2/3), tied or untied embeddings.
+`layer_types` marks (Qwen2/3), tied or untied embeddings. Granite's four constants: embeddings
+times `embedding_multiplier`, each block's attention and MLP outputs times `residual_multiplier`
+before they join the stream, `attention_multiplier` the scores' scale, logits divided by
+`logits_scaling`.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional
+
+import jax.numpy as jnp
 
 from mesh_transformer.config import ConfigError, ModelConfig, require
 from mesh_transformer.models import hf_layout as hl
@@ -90,12 +96,21 @@ class LlamaConfig(LlamaShaped, ModelConfig):
     layer_types: Optional[list] = None  # Qwen2/3: which layers slide (SLIDING) and which see everything (FULL)
     tie_embeddings: bool = False
     layer_norm_eps: float = 1e-6  # RMSNorm's epsilon
+    embedding_multiplier: Optional[float] = None  # Granite: embeddings times this
+    residual_multiplier: Optional[float] = None  # Granite: each block's attention and MLP outputs times this
+    attention_multiplier: Optional[float] = None  # Granite: the scores' scale (None: head_dim ** -0.5)
+    logits_scaling: Optional[float] = None  # Granite: logits divided by this
 
     PE_CHOICES = ("rotary", "alibi", "none")
+    GRANITE = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
 
     def validate(self) -> None:
         super().validate()
         self.validate_kv_heads_and_window()
+        for key in self.GRANITE:
+            value = getattr(self, key)
+            require(value is None or (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0),
+                    key, f"must be a positive number or null, got {value!r}")
         require(self.head_dim % 2 == 0, "d_head", f"rotary needs an even head size, got {self.head_dim}")
         if self.rope_scaling is not None:
             kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
@@ -108,10 +123,18 @@ class LlamaConfig(LlamaShaped, ModelConfig):
         rotary = Rotary(self.head_dim, "half", self.rope_theta, scaling) if self.pe == "rotary" else None
         return AttentionSpec(self.d_model, self.n_heads, self.kv_heads, self.head_dim, rotary, alibi=self.pe == "alibi",
                              qkv_bias=self.qkv_bias, out_bias=self.out_bias,
-                             qk_norm=self.layer_norm_eps if self.qk_norm else None, window=self.window)
+                             qk_norm=self.layer_norm_eps if self.qk_norm else None, window=self.window,
+                             scale=self.attention_multiplier)
 
     def mlp(self) -> MLPSpec:
         return MLPSpec(self.d_model, self.ff_dim, "silu", gated=True, bias=self.mlp_bias)
+
+    def stem(self) -> StemSpec:
+        return super().stem()._replace(embed_scale=self.embedding_multiplier, logit_divisor=self.logits_scaling)
+
+    @property
+    def granite(self) -> bool:
+        return any(getattr(self, key) is not None for key in self.GRANITE)
 
     @classmethod
     def from_hf_config(cls, hf: dict) -> "LlamaConfig":
@@ -121,8 +144,9 @@ class LlamaConfig(LlamaShaped, ModelConfig):
         scaling = None if rope.get("rope_type", rope.get("type", "default")) == "default" else rope
         seq = hf.get("max_position_embeddings", 2048)
         window, kinds = hf_sliding_window(hf)
-        qwen2, qwen3 = (hf.get("model_type") == t for t in ("qwen2", "qwen3"))
-        return cls(layers=hf["num_hidden_layers"], d_model=hf["hidden_size"], n_heads=hf["num_attention_heads"],
+        qwen2, qwen3, granite = (hf.get("model_type") == t for t in ("qwen2", "qwen3", "granite"))
+        constants = {key: float(hf.get(key, 1.0)) for key in cls.GRANITE} if granite else {}
+        return cls(**constants, layers=hf["num_hidden_layers"], d_model=hf["hidden_size"], n_heads=hf["num_attention_heads"],
                    n_kv_heads=hf.get("num_key_value_heads"), d_head=hf.get("head_dim"), n_vocab=hf["vocab_size"],
                    seq=seq, sliding_window=window, layer_types=kinds, d_ff=hf["intermediate_size"],
                    rope_theta=theta, rope_scaling=scaling, qkv_bias=qwen2 or hf.get("attention_bias", False),
@@ -132,7 +156,10 @@ class LlamaConfig(LlamaShaped, ModelConfig):
 
     def to_hf_config(self) -> dict:
         """LlamaForCausalLM; Qwen2ForCausalLM for q/k/v biases without an o_proj bias; Qwen3ForCausalLM
-        for q/k norms; MistralForCausalLM for a sliding window without any of those or biases."""
+        for q/k norms; MistralForCausalLM for a sliding window without any of those or biases;
+        GraniteForCausalLM with Granite's constants."""
+        if self.granite:
+            return self._granite_hf_config()
         qwen2 = self.qkv_bias and not self.out_bias
         qwen2_shape = not self.mlp_bias and self.head_dim * self.n_heads == self.d_model
         if self.pe != "rotary" or (self.out_bias and not self.qkv_bias) or (qwen2 and not qwen2_shape):
@@ -165,6 +192,20 @@ class LlamaConfig(LlamaShaped, ModelConfig):
             return {**out, "head_dim": self.head_dim, "sliding_window": self.window}
         return {**out, "head_dim": self.head_dim, "attention_bias": self.qkv_bias, "mlp_bias": self.mlp_bias}
 
+    def _granite_hf_config(self) -> dict:
+        if (self.pe != "rotary" or self.qk_norm or self.window or self.qkv_bias != self.out_bias
+                or self.head_dim * self.n_heads != self.d_model):
+            raise ConfigError("a LLaMA model with Granite's constants exports as Granite, which has rotary positions, "
+                              "no q/k norms, no sliding window, biases on all of q/k/v/o_proj or none, and "
+                              "n_heads * d_head == d_model")
+        return {"architectures": ["GraniteForCausalLM"], "model_type": "granite", "hidden_size": self.d_model,
+                "num_attention_heads": self.n_heads, "num_key_value_heads": self.kv_heads,
+                "num_hidden_layers": self.layers, "intermediate_size": self.ff_dim, "vocab_size": self.n_vocab,
+                "max_position_embeddings": self.seq, "rope_theta": self.rope_theta, "rope_scaling": self.rope_scaling,
+                "hidden_act": "silu", "rms_norm_eps": self.layer_norm_eps, "tie_word_embeddings": self.tie_embeddings,
+                "attention_bias": self.qkv_bias, "mlp_bias": self.mlp_bias,
+                **{key: 1.0 if getattr(self, key) is None else getattr(self, key) for key in self.GRANITE}}
+
 
 def hf_sliding_window(hf: dict) -> tuple[Optional[int], Optional[list]]:
     """(the sliding window, or None; `layer_types`, or None where every layer slides) from HF's
@@ -187,8 +228,13 @@ def hf_sliding_window(hf: dict) -> tuple[Optional[int], Optional[list]]:
 def block(c: LlamaConfig, x, ctx, cache=None):
     """Pre-norm, sequential: x + Attn(RMSNorm(x)), then + SwiGLU(RMSNorm(x))."""
     attn, cache = Attention(c.attention())(norm("rmsnorm", c.d_model, c.layer_norm_eps, "ln_1")(x), ctx, cache)
-    x = x + reduce_mp(attn)
-    return x + reduce_mp(MLP(c.mlp())(norm("rmsnorm", c.d_model, c.layer_norm_eps, "ln_2")(x))), cache
+    x = x + residual(c, reduce_mp(attn))
+    return x + residual(c, reduce_mp(MLP(c.mlp())(norm("rmsnorm", c.d_model, c.layer_norm_eps, "ln_2")(x)))), cache
+
+
+def residual(c: LlamaConfig, y):
+    """A block's output as it joins the stream: times Granite's `residual_multiplier`, if any."""
+    return y if c.residual_multiplier is None else y * jnp.asarray(c.residual_multiplier, y.dtype)
 
 
 def hf_attention(layer: str, qkv_bias: bool = False, qk_norm: bool = False) -> list[hl.HFParam]:
