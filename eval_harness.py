@@ -2,17 +2,21 @@
 
     python eval_harness.py --hf ./gpt-j-6b --mp 8 --tasks lambada_openai,winogrande,hellaswag,piqa
     python eval_harness.py --ckpt gs://bucket/run --tasks my_task --include-path my_tasks/ --output results.json
+    python eval_harness.py --hf ./base --lora-modules sql=./sql-adapter chat=./chat-adapter --with-base --tasks piqa
 
 Prints lm-eval's results table; --output writes its JSON. Named tasks download their data from the
 Hugging Face hub; --include-path DIR adds task YAMLs of your own (e.g. over local JSON files:
-`dataset_path: json`, `dataset_kwargs: {data_files: ...}`). Needs lm-eval (pip install
-'mesh-transformer[eval]'). See README, "Evaluate".
+`dataset_path: json`, `dataset_kwargs: {data_files: ...}`). --lora-modules evaluates several PEFT
+LoRA adapters over one load of the base (each unmerged, in turn; one table each, and --output's
+JSON keyed by adapter name); --lora-adapter instead merges one into the weights. Needs lm-eval
+(pip install 'mesh-transformer[eval]'). See README, "Evaluate".
 """
 import argparse
 import logging
 import sys
 
-from mesh_transformer import cli, host_memory, loading
+from mesh_transformer import cli, host_memory, loading, lora
+from mesh_transformer.config import ConfigError
 
 
 def main(argv=None):
@@ -30,7 +34,13 @@ def main(argv=None):
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--log-samples", action="store_true", help="keep every request and answer in the JSON")
     g.add_argument("--output", metavar="FILE", help="write lm-eval's results JSON here")
+    g.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                   help="evaluate each of these PEFT LoRA adapters in turn over one load of the base, unmerged "
+                        "(device_serve.py's flag); --output then holds {NAME: results}")
+    g.add_argument("--with-base", action="store_true", help="with --lora-modules, evaluate the base too (as 'base')")
     args = parser.parse_args(argv)
+    if args.with_base and not args.lora_modules:
+        parser.error("--with-base compares the base with --lora-modules adapters: pass --lora-modules")
     host_memory.keep_freed_memory()
 
     import jax
@@ -42,16 +52,29 @@ def main(argv=None):
         from mesh_transformer.evaluate import harness
         from mesh_transformer.evaluate.lm import MeshLM
 
+        adapters = lora.parse_named(args.lora_modules, "--lora-modules")
+        if adapters and args.lora_adapter:
+            raise ConfigError("--lora-adapter merges an adapter into the base and --lora-modules evaluates adapters "
+                              "made for the base: pass one")
+        if "base" in (name for name, _ in adapters) and args.with_base:
+            raise ConfigError("--lora-modules: 'base' names the base with --with-base; call the adapter otherwise")
         names = harness.task_names(args.tasks)
         manager = harness.task_manager(args.include_path, names)
         tasks = harness.load_tasks(names, manager)  # fail before loading weights
-        lm = MeshLM.from_loaded(loading.from_args(args), batch_size=args.batch_size, max_gen_toks=args.max_gen_toks)
+        lm = MeshLM.from_loaded(loading.from_args(args), batch_size=args.batch_size, max_gen_toks=args.max_gen_toks,
+                                adapters=adapters)
         limit = int(args.limit) if args.limit is not None and args.limit >= 1 else args.limit
-        results = harness.run(lm, tasks, manager, num_fewshot=args.num_fewshot, limit=limit,
-                              bootstrap_iters=args.bootstrap_iters, log_samples=args.log_samples, seed=args.seed)
-        print(harness.table(results))
+        evaluated = ([None] if args.with_base else []) + [name for name, _ in adapters] if adapters else [None]
+        every = {}
+        for name in evaluated:
+            results = harness.run(lm.under(name), tasks, manager, num_fewshot=args.num_fewshot, limit=limit,
+                                  bootstrap_iters=args.bootstrap_iters, log_samples=args.log_samples, seed=args.seed)
+            if adapters:
+                print(f"\n{name or 'base'}:")
+            print(harness.table(results))
+            every[name or "base"] = results
         if args.output:
-            harness.write_json(results, args.output)
+            harness.write_json(every if adapters else every["base"], args.output)
     return status.code
 
 

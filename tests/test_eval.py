@@ -157,10 +157,12 @@ def test_local_completions_against_our_server_matches_hflm(family, served, manag
 
 @pytest.mark.parametrize("family", SERVED[:1], indirect=True)
 def test_a_lora_adapter_evaluates_as_hflm_with_peft(family, manager, tasks_dir, tmp_path, monkeypatch):
-    """A PEFT adapter evaluated three ways: lm-eval's `local-completions` naming it as the model of
+    """PEFT adapters evaluated four ways: lm-eval's `local-completions` naming one as the model of
     our server, which serves it unmerged beside the base (device_serve.py --lora-modules tuned=DIR);
-    eval_harness.py --lora-adapter DIR (merged); and lm-eval's HFLM with peft=DIR, the oracle. The
-    same log-likelihoods, greedy flags and accuracies; and the adapter changes them."""
+    eval_harness.py --lora-adapter DIR (merged); eval_harness.py --lora-modules tuned=DIR other=DIR
+    --with-base (the base and each adapter in turn over one load, unmerged, a generating task too);
+    and lm-eval's HFLM with peft=DIR, the oracle. The same log-likelihoods, greedy flags,
+    generations and accuracies; and each adapter changes them."""
     import transformers
     from lm_eval.models.huggingface import HFLM
     from lm_eval.models.openai_completions import LocalCompletionsAPI
@@ -172,13 +174,27 @@ def test_a_lora_adapter_evaluates_as_hflm_with_peft(family, manager, tasks_dir, 
     from tests.serving import KEY, start_server
 
     case, path, base_results = family
-    tasks = ("tiny_lambada", "tiny_piqa")
+    tasks = ("tiny_lambada", "tiny_piqa", "tiny_qa")
     cls = getattr(transformers, FAMILY_CASES[case][1])
-    adapter = save_peft_adapters(path, cls, {"tuned": (4, 8, ["q_proj", "v_proj", "fc_in"])}, tmp_path,
-                                 scale_b=20.0)["tuned"]
-    oracle = evaluate(HFLM(pretrained=str(path), peft=adapter, dtype="float32", batch_size=8, device="cpu"),
-                      manager, tasks)
-    assert answers(oracle, "tiny_lambada") != answers(base_results, "tiny_lambada")
+    dirs = save_peft_adapters(path, cls, {"tuned": (4, 8, ["q_proj", "v_proj", "fc_in"]),
+                                          "other": (2, 4, ["k_proj", "out_proj", "fc_out"])}, tmp_path, scale_b=20.0)
+    adapter = dirs["tuned"]
+    oracles = {name: evaluate(HFLM(pretrained=str(path), peft=d, dtype="float32", batch_size=8, device="cpu"),
+                              manager, tasks) for name, d in dirs.items()}
+    oracle = oracles["tuned"]
+    for name in dirs:
+        assert answers(oracles[name], "tiny_lambada") != answers(base_results, "tiny_lambada"), name
+
+    every = tmp_path / "every.json"
+    assert eval_harness.main(["--hf", str(path), "--lora-modules", *(f"{n}={d}" for n, d in dirs.items()),
+                              "--with-base", "--mp", "2", "--dp", "1", "--dtype", "float32", "--tasks", ",".join(tasks),
+                              "--include-path", str(tasks_dir), "--log-samples", "--bootstrap-iters", "0",
+                              "--output", str(every)]) == 0
+    results = json.loads(every.read_text())
+    assert list(results) == ["base", "tuned", "other"]
+    assert_same_answers(results["base"], base_results, tasks)
+    for name in dirs:
+        assert_same_answers(results[name], oracles[name], tasks)
 
     out = tmp_path / "merged.json"
     assert eval_harness.main(["--hf", str(path), "--lora-adapter", adapter, "--mp", "2", "--dp", "1", "--dtype",
@@ -267,6 +283,9 @@ def test_eval_harness_script_prints_the_table_and_writes_json(family, tasks_dir,
                                  "(did you mean 'tiny_lambada'?)"),
     (["--tasks", "tiny_lambada", "--include-path", "EMPTY"], "holds no task YAML files"),
     (["--tasks", "tiny_lambada,tiny_broken"], "task 'tiny_broken': its data cannot be loaded (FileNotFoundError"),
+    (["--tasks", "tiny_lambada", "--lora-modules", "a=x", "--lora-adapter", "y"],
+     "--lora-adapter merges an adapter into the base and --lora-modules evaluates adapters made for the base"),
+    (["--tasks", "tiny_lambada", "--lora-modules", "a"], "--lora-modules takes NAME=PATH items, got 'a'"),
 ])
 def test_bad_tasks_are_one_clear_error(argv, message, tasks_dir, manager, tmp_path, capsys):
     """Checked before any weights load (--hf names a directory that does not exist)."""

@@ -32,13 +32,15 @@ class MeshLM(TemplateLM):
     (generate_until; called only when a task generates, so scoring-only runs build none).
 
     `generator`: a Generator, or a function that makes one. `batch_size`: prompts per forward pass / generation batch (default: as many as fit
-    `scoring.DEFAULT_BATCH_TOKENS` positions for scoring, 16 for generation)."""
+    `scoring.DEFAULT_BATCH_TOKENS` positions for scoring, 16 for generation). `adapter`: a LoRA
+    adapter of the generator's bank (`lora.ServedAdapter`) every request runs with, unmerged
+    (`under`); None: the base."""
 
     def __init__(self, scorer: Scorer, tokenizer, generator=None, batch_size: Optional[int] = None,
                  max_length: Optional[int] = None, add_bos_token: Optional[bool] = None,
-                 max_gen_toks: int = DEFAULT_MAX_GEN_TOKS):
+                 max_gen_toks: int = DEFAULT_MAX_GEN_TOKS, adapter=None):
         super().__init__()
-        self.scorer, self.tokenizer, self._generator = scorer, tokenizer, generator
+        self.scorer, self.tokenizer, self._generator, self.adapter = scorer, tokenizer, generator, adapter
         self.batch_size = batch_size
         self.max_length = max_length or scorer.seq
         if self.max_length > scorer.seq:
@@ -47,10 +49,25 @@ class MeshLM(TemplateLM):
         self.max_gen_toks = max_gen_toks
 
     @classmethod
-    def from_loaded(cls, model, batch_size: Optional[int] = None, **kw) -> "MeshLM":
+    def from_loaded(cls, model, batch_size: Optional[int] = None, adapters=(), **kw) -> "MeshLM":
         """Over a `loading.LoadedModel`: its weights move into one Generator, which both scoring and
-        generation use (held once on the devices)."""
-        return cls.from_generator(model.generator(), model.tokenizer, batch_size=batch_size, **kw)
+        generation use (held once on the devices). `adapters`: [(name, PEFT adapter directory)]
+        served beside the base in a bank of one entry, for `under(name)`."""
+        gen = model.generator(adapters=list(adapters), slots=1) if adapters else model.generator()
+        return cls.from_generator(gen, model.tokenizer, batch_size=batch_size, **kw)
+
+    def under(self, name: Optional[str]) -> "MeshLM":
+        """This model with the LoRA adapter called `name` from the generator's bank (None: the base):
+        the same weights and compiled programs, every request under that adapter."""
+        found = None
+        if name is not None:
+            gen = self._generator
+            known = {a.name: a for a in gen.adapters.adapters} if getattr(gen, "adapters", None) else {}
+            if name not in known:
+                raise ValueError(f"adapter {name!r} is not one of this model's ({', '.join(known) or 'none'})")
+            found = known[name]
+        return MeshLM(self.scorer, self.tokenizer, self._generator, self.batch_size, self.max_length,
+                      self.add_bos_token, self.max_gen_toks, adapter=found)
 
     @classmethod
     def from_generator(cls, gen, tokenizer, batch_size: Optional[int] = None, **kw) -> "MeshLM":
@@ -95,7 +112,7 @@ class MeshLM(TemplateLM):
         results = []
         tails = [min(len(c), len(w) - 1) for w, c in zip(windows, conts)]
         for window, n, scores in zip(windows, tails, self.scorer.score(windows, top=1, rows=self.batch_size,
-                                                                       tail=tails)):
+                                                                       tail=tails, adapter=self.adapter)):
             results.append((float(scores.logprobs.astype("float64").sum()),
                             bool((scores.top_ids[:, 0] == window[-n:]).all())))
         for (key, _, _), answer in zip(requests, results):
@@ -158,12 +175,18 @@ class MeshLM(TemplateLM):
         if self._generator is None:
             raise ValueError("this model was built without a generator; generate_until tasks need one")
         gen = self._generator if hasattr(self._generator, "generate") else self._generator()  # or a factory
+        names = None
+        if self.adapter is not None:  # its entry: the bank's one, rewritten when another adapter held it
+            if gen.residents[1] is not self.adapter:
+                gen.write_adapter(1, self.adapter)
+            names = [self.adapter.name] * len(prompts)
         size = self.batch_size or 16
         order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
         texts: list[Optional[str]] = [None] * len(prompts)
         for start in range(0, len(order), size):
             group = order[start:start + size]
-            seqs = gen.generate([prompts[i] or [self.prefix_token_id] for i in group], options, self.tokenizer)
+            seqs = gen.generate([prompts[i] or [self.prefix_token_id] for i in group], options, self.tokenizer,
+                                adapters=names[:len(group)] if names else None)
             for i, seq in zip(group, seqs):
                 texts[i] = self.tokenizer.decode(seq.tokens, skip_special_tokens=True)
         return texts
