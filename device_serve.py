@@ -99,9 +99,11 @@ def main(argv=None):
             parser.error(f"{flag} must be at least 1; got {value}")
         if value is not None and not (args.lora_modules or args.enable_runtime_lora):
             parser.error(f"{flag} sizes the bank of served LoRA adapters: pass --lora-modules or --enable-runtime-lora")
-    if args.max_cpu_loras is not None and args.max_loras is not None and args.max_cpu_loras < args.max_loras:
-        parser.error(f"--max-cpu-loras ({args.max_cpu_loras}) must be at least --max-loras ({args.max_loras}): the "
-                     f"adapters in the bank's entries are held in host memory too")
+    entries = args.max_loras or len(args.lora_modules) or 1  # the bank's (see `slots` below)
+    if args.max_cpu_loras is not None and args.max_cpu_loras < entries:
+        parser.error(f"--max-cpu-loras ({args.max_cpu_loras}) must be at least the bank's entries, --max-loras "
+                     f"({entries}{'' if args.max_loras else '; default: one per --lora-modules adapter'}): the "
+                     f"adapters in them are held in host memory too")
     if args.gather_ms < 0:
         parser.error(f"--gather-ms must be at least 0; got {args.gather_ms:g}")
     if args.prefix_block < 1 or not (args.prefix_cache_tokens is None or args.prefix_cache_tokens == 0

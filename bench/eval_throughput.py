@@ -147,14 +147,15 @@ def main(argv=None):
         theirs = HFLM(pretrained=model_dir, peft=merged, dtype="float32", batch_size=args.batch_size, device="cpu")
         sides = {"mesh-transformer": ours, "lm-eval hf (torch)": theirs}
         servers = []
-        if args.served:
-            sides["mesh-transformer server (local-completions)"] = served_side("ours", model_dir, args, tmp, servers,
-                                                                             adapters)
-        if "vllm" in args.peer:
-            sides["vLLM CPU (local-completions)"] = served_side("vllm", model_dir, args, tmp, servers, adapters)
-        rates: dict[str, list[float]] = {name: [] for name in sides}
+        rates: dict[str, list[float]] = {}
         answers = {}
         try:
+            if args.served:
+                sides["mesh-transformer server (local-completions)"] = served_side("ours", model_dir, args, tmp,
+                                                                                 servers, adapters)
+            if "vllm" in args.peer:
+                sides["vLLM CPU (local-completions)"] = served_side("vllm", model_dir, args, tmp, servers, adapters)
+            rates.update({name: [] for name in sides})
             for name, lm in sides.items():  # warm-up: compiles, allocator
                 _, answers[name] = timed(lm, manager, args.docs)
             for _ in range(args.rounds):

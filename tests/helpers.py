@@ -139,6 +139,10 @@ FAMILY_CASES = {
         num_key_value_heads=2, intermediate_size=40, initializer_range=0.2, tie_word_embeddings=True,
         attention_bias=True, embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.25,
         logits_scaling=8.0)),
+    "olmo2_gqa": ("Olmo2Config", "Olmo2ForCausalLM", dict(  # norms after each sublayer, q/k normed across heads
+        vocab_size=99, max_position_embeddings=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=40, initializer_range=0.2, rope_theta=500.0,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2)),
     "phi3_window_partial": ("Phi3Config", "Phi3ForCausalLM", dict(  # fused qkv/gate_up, rotary on half of each head
         vocab_size=99, max_position_embeddings=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, intermediate_size=40, sliding_window=6, initializer_range=0.2, pad_token_id=0,

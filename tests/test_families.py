@@ -28,7 +28,7 @@ from tests.helpers import (FAMILY_CASES, PARITY_TOL, config_for, hf_greedy, hf_l
 
 TOL = PARITY_TOL
 FAMILY_OF = {"gptj": "gptj", "gpt_neox": "gpt_neox", "gpt_neox_sequential": "gpt_neox", "qwen2": "llama",
-             "qwen3_tied": "llama", "mistral_window": "llama", "granite_tied_bias": "llama", "phi3_window_partial": "phi3",
+             "qwen3_tied": "llama", "mistral_window": "llama", "granite_tied_bias": "llama", "olmo2_gqa": "olmo2", "phi3_window_partial": "phi3",
              "llama_gqa2_llama3_rope": "llama", "llama_mqa_tied_bias_linear_rope": "llama", "gpt2": "gpt2",
              "opt_projected": "opt", "opt_post_norm": "opt", "gemma_mqa": "gemma",
              "gemma2_softcap_window": "gemma", "gemma3_local_rope": "gemma", "mixtral_window": "mixtral",
@@ -195,20 +195,25 @@ def test_attention_implementation_is_checked():
         config_from_dict({**TRAIN_BASE, "attention_impl": "flash"})
 
 
-def _all_reduces_per_layer(trainer) -> int:
+def _all_reduces_per_layer(trainer) -> tuple[int, int]:
     tokens = jax.ShapeDtypeStruct((2, 16), np.int32, sharding=NamedSharding(trainer.mesh, P("dp", None)))
     hlo = trainer.logits.lower(trainer.abstract_state.params, tokens).compile().as_text()
     name = re.search(r"\bwhile\(.*?body=(%[\w.\-]+)", hlo).group(1)  # the scanned layer stack
     body = hlo[hlo.index(f"\n{name} "):hlo.find("\n}\n", hlo.index(f"\n{name} "))]
-    return len([line for line in body.splitlines() if re.search(r"= \S+ all-reduce(-start)?\(", line)])
+    types = [m.group(1) for m in re.finditer(r"= (\S+|\(.*?\)) all-reduce(?:-start)?\(", body)]
+    statistics = [t for t in types if all(shape.endswith(",1,1") for shape in re.findall(r"\[([\d,]*)\]", t))]
+    return len(types) - len(statistics), len(statistics)  # (activation-sized, per-position statistics)
 
 
 def test_all_reduces_per_layer(case):
-    """Parallel residual (GPT-J, NeoX's default): attention and MLP share one; sequential: two."""
+    """Parallel residual (GPT-J, NeoX's default): attention and MLP share one; sequential: two. OLMo 2
+    adds its q/k norms' sums of squares ([B, T, 1, 1] each), which XLA sends in one all-reduce."""
     _, _, _, config, _ = case
     trainer = Trainer(config_for(config, cores_per_replica=4), mesh(1, 4))
     parallel_residual = config.family == "gptj" or (config.family == "gpt_neox" and config.parallel_residual)
-    assert _all_reduces_per_layer(trainer) == (1 if parallel_residual else 2)
+    activations, statistics = _all_reduces_per_layer(trainer)
+    assert activations == (1 if parallel_residual else 2)
+    assert statistics == (1 if config.family == "olmo2" else 0)
 
 
 @pytest.mark.parametrize("name", ["mixtral_window", "qwen2_moe_shared"])
@@ -229,7 +234,7 @@ def test_expert_parallel_holds_whole_experts_and_computes_what_transformers_does
     tokens = random_tokens((4, 11), config.n_vocab, seed=2)
     np.testing.assert_allclose(np.asarray(trainer.logits(state.params, tokens)), hf_logits(torch_model, tokens),
                                atol=TOL, rtol=0)
-    assert _all_reduces_per_layer(trainer) == 2
+    assert _all_reduces_per_layer(trainer) == (2, 0)
     prompts = [random_tokens((1, n), config.n_vocab, seed=n)[0].tolist() for n in (3, 7, 40)]
     for quantize, reference in ((None, torch_model), ("int8", rounded_like_int8(torch_model))):
         gen = Generator(config, params, mesh(1, 2), quantize=quantize)
@@ -600,3 +605,20 @@ def test_loss_and_grads_match_hf_autograd(case, tmp_path):
     errors = {name: float(np.max(np.abs(ours[name].detach().numpy() - g))) for name, g in expected.items()}
     scale = max(float(np.max(np.abs(g))) for g in expected.values())
     assert max(errors.values()) < 1e-5 * scale, sorted(errors.items(), key=lambda kv: -kv[1])[:3]
+
+
+def test_granite_constants_left_out_export_as_what_they_mean(tmp_path):
+    """A LLaMA config with only some of Granite's constants (here logits_scaling) exports as
+    Granite with the others as ours mean them: attention_multiplier head_dim ** -0.5, not HF's
+    default 1. transformers' model of the export gives our logits."""
+    from transformers import AutoModelForCausalLM
+    make_hf_model(tmp_path / "llama", "llama_gqa2_llama3_rope")
+    config, params = hf.load_hf(tmp_path / "llama", compute_dtype="float32", remat="none")
+    scaled = dataclasses.replace(config, logits_scaling=4.0)
+    hf.save_hf(params, scaled, tmp_path / "granite")
+    saved = json.loads((tmp_path / "granite" / "config.json").read_text())
+    assert saved["model_type"] == "granite" and saved["attention_multiplier"] == config.head_dim ** -0.5
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "granite").eval()
+    tokens = random_tokens((2, 9), config.n_vocab, seed=4)
+    ours = np.asarray(jax.jit(models.build(scaled).apply)(params, tokens)[0])[..., :config.n_vocab]
+    np.testing.assert_allclose(ours, hf_logits(reloaded, tokens), atol=TOL, rtol=0)

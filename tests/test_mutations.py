@@ -80,6 +80,20 @@ def residual_multiplier_ignored(mp):  # Granite's blocks join the stream unscale
     mp.setattr(importlib.import_module("mesh_transformer.models.llama"), "residual", lambda c, y: y)
 
 
+def qk_normed_per_head(mp):  # OLMo 2's q/k norms taken over each head's features, not all heads' at once
+    import jax
+    import jax.numpy as jnp
+
+    from mesh_transformer import parallel
+
+    class PerHead(layers.HeadsRMSNorm):  # (a subclass: Haiku names the methods of module classes)
+        def __call__(self, x, query_heads_here):
+            scale = parallel.param("scale", (self.heads, x.shape[3]), (self.axis, "head_dim"), layers.ONES)
+            y = x.astype(jnp.float32)
+            return (y * jax.lax.rsqrt(jnp.mean(y * y, -1, keepdims=True) + self.eps) * scale).astype(x.dtype)
+    mp.setattr(layers, "HeadsRMSNorm", PerHead)
+
+
 def _moe_spec_changed(mp, change):
     def call(self, h):
         self.spec = change(self.spec)
@@ -113,6 +127,7 @@ MUTATIONS = [  # (mutation, the family case it must break)
     (qk_norms_skipped, "gemma3_local_rope"), (every_layer_windowed, "gemma2_softcap_window"),
     (one_rope_for_every_layer, "gemma3_local_rope"), (scores_not_soft_capped, "gemma2_softcap_window"),
     (norm_scale_without_unit_offset, "gemma_mqa"), (residual_multiplier_ignored, "granite_tied_bias"),
+    (qk_normed_per_head, "olmo2_gqa"),
     (expert_weights_renormalised_the_other_way, "mixtral_window"),
     (expert_weights_renormalised_the_other_way, "qwen3_moe_tied"), (one_expert_fewer_per_token, "mixtral_window"),
     (qk_norms_skipped, "qwen3_moe_tied"), (shared_expert_ungated, "qwen2_moe_shared"),

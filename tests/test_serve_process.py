@@ -183,7 +183,9 @@ def test_a_decode_call_of_no_steps_or_an_admission_of_no_tokens_is_refused(tiny)
                            (("--lora-modules", "chat=x", "--lora-adapter", "y"), "--lora-adapter merges an adapter"),
                            (("--max-loras", "0"), "--max-loras must be at least 1; got 0"),
                            (("--lora-modules", "chat=x", "--max-loras", "2", "--max-cpu-loras", "1"),
-                            "--max-cpu-loras (1) must be at least --max-loras (2)"),
+                            "--max-cpu-loras (1) must be at least the bank's entries, --max-loras (2)"),
+                           (("--lora-modules", "a=x", "b=y", "--max-cpu-loras", "1"),
+                            "--max-loras (2; default: one per --lora-modules adapter)"),
                            (("--max-lora-rank", "8"), "--max-lora-rank sizes the bank of served LoRA adapters: pass "
                                                       "--lora-modules or --enable-runtime-lora"),
                            (("--lora-modules", "chat=/nowhere"),  # checked before the base loads

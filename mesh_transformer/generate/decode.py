@@ -495,6 +495,9 @@ class Generator:
         adapters axis of size 1, the compute dtype, the decode layout. ConfigError if it does not fit."""
         if adapter is not None:
             lora.check_fits(adapter, self.adapters.plan)
+            if adapter.leaves is None:
+                raise ValueError(f"adapter {adapter.name!r}: its weights are not in host memory (--max-cpu-loras "
+                                 f"dropped them; `serve.adapters.AdapterSlots.get` reads them again)")
         values = lora.bank_entry(adapter, self._entry_shapes)
         dtype = jnp.dtype(self.config.compute_dtype)
         out = {}

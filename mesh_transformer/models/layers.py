@@ -410,6 +410,7 @@ class AttentionSpec(NamedTuple):
     out_bias: bool = False
     qk_norm: Optional[float] = None  # RMSNorm of each query and key head before rotary (Qwen3): its epsilon
     qk_norm_unit_offset: bool = False  # those norms' scales stored as scale - 1 (Gemma 3)
+    qk_norm_across_heads: bool = False  # those norms over all heads' features at once (OLMo 2), not each head's
     window: Optional[int] = None  # sliding window (Mistral): the last `window` positions, the query's own included
     local_rotary: Optional[Rotary] = None  # the rotary of the layers with a window, when it differs (Gemma 3)
     scale: Optional[float] = None  # scores' scale (Gemma: query_pre_attn_scalar ** -0.5); None: head_dim ** -0.5
@@ -476,7 +477,9 @@ class Attention(hk.Module):
                               n_local=q.shape[2])
             v = self._project(h, "v", (d, kv, hd), ("embed", "kv_heads", "head_dim"), kv_group=n // kv,
                               n_local=q.shape[2])
-        if s.qk_norm is not None:
+        if s.qk_norm is not None and s.qk_norm_across_heads:
+            q, k = norm_across_heads(q, k, n, kv, s.qk_norm)
+        elif s.qk_norm is not None:
             q, k = norm_heads(q, k, s.head_dim, s.qk_norm, s.qk_norm_unit_offset)
         if s.rotary is not None:
             inv_freq = self._inv_freq(ctx.windowed)
@@ -796,6 +799,37 @@ def norm_heads(q, k, head_dim: int, eps: float, unit_offset: bool = False):
     heads (replicated over mp)."""
     return (RMSNorm(head_dim, eps, "q_norm", axis="head_dim", unit_offset=unit_offset)(q),
             RMSNorm(head_dim, eps, "k_norm", axis="head_dim", unit_offset=unit_offset)(k))
+
+
+def norm_across_heads(q, k, n_heads: int, kv_heads: int, eps: float):
+    """OLMo 2's q_norm / k_norm (named attn/q_norm, attn/k_norm): the queries RMS-normed over all
+    n_heads * head_dim features of a position at once, the keys over all kv_heads * head_dim, one
+    scale per feature, held [heads, head_dim] and split over mp like the heads."""
+    return (HeadsRMSNorm(n_heads, eps, "q_norm", "heads")(q, q.shape[2]),
+            HeadsRMSNorm(kv_heads, eps, "k_norm", "kv_heads", group=n_heads // kv_heads)(k, q.shape[2]))
+
+
+class HeadsRMSNorm(hk.Module):
+    """RMSNorm over the last two axes of x [B, T, heads here, H] as one vector of `heads` x H (all
+    heads, though a shard holds some): the shards' sums of squares are added over 'mp', each head
+    counted once (kv heads replicated over mp are each computed by several shards, which hold their
+    query group's one: `Attention._project`)."""
+
+    def __init__(self, heads: int, eps: float, name: str, axis: str, group: int = 1):
+        super().__init__(name=name)
+        self.heads, self.eps, self.axis, self.group = heads, eps, axis, group
+
+    def __call__(self, x, query_heads_here: int):
+        dtype, x = x.dtype, x.astype(jnp.float32)
+        here, head_dim = x.shape[2], x.shape[3]
+        scale = parallel.param("scale", (self.heads, head_dim), (self.axis, "head_dim"), ONES)
+        if scale.shape[0] > here:  # kv heads replicated over mp: the scale of this shard's one
+            head = (parallel.mp_index() * query_heads_here) // self.group
+            scale = jax.lax.dynamic_slice_in_dim(scale, head, here, axis=0)
+        copies = parallel.mp_size() * here // self.heads  # shards computing each head
+        squares = parallel.psum_mp(jnp.sum(x * x, axis=(2, 3), keepdims=True)) / copies
+        x = x * jax.lax.rsqrt(squares / (self.heads * head_dim) + self.eps)
+        return (x * scale).astype(dtype)
 
 
 class MLPSpec(NamedTuple):

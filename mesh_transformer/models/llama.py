@@ -38,6 +38,7 @@ class LlamaShaped:
     in those `layer_types` marks, a final RMSNorm before a tied or untied head."""
 
     layer_types = None  # a family with the key declares it: HF's list, SLIDING or FULL per layer
+    residual_multiplier = None  # LLaMA's key (Granite), read by the block other families share
 
     @property
     def kv_heads(self) -> int:
@@ -145,7 +146,7 @@ class LlamaConfig(LlamaShaped, ModelConfig):
         seq = hf.get("max_position_embeddings", 2048)
         window, kinds = hf_sliding_window(hf)
         qwen2, qwen3, granite = (hf.get("model_type") == t for t in ("qwen2", "qwen3", "granite"))
-        constants = {key: float(hf.get(key, 1.0)) for key in cls.GRANITE} if granite else {}
+        constants = {key: float(1.0 if hf.get(key) is None else hf[key]) for key in cls.GRANITE} if granite else {}
         return cls(**constants, layers=hf["num_hidden_layers"], d_model=hf["hidden_size"], n_heads=hf["num_attention_heads"],
                    n_kv_heads=hf.get("num_key_value_heads"), d_head=hf.get("head_dim"), n_vocab=hf["vocab_size"],
                    seq=seq, sliding_window=window, layer_types=kinds, d_ff=hf["intermediate_size"],
@@ -204,7 +205,8 @@ class LlamaConfig(LlamaShaped, ModelConfig):
                 "max_position_embeddings": self.seq, "rope_theta": self.rope_theta, "rope_scaling": self.rope_scaling,
                 "hidden_act": "silu", "rms_norm_eps": self.layer_norm_eps, "tie_word_embeddings": self.tie_embeddings,
                 "attention_bias": self.qkv_bias, "mlp_bias": self.mlp_bias,
-                **{key: 1.0 if getattr(self, key) is None else getattr(self, key) for key in self.GRANITE}}
+                **{key: getattr(self, key) for key in self.GRANITE if getattr(self, key) is not None},
+                **({"attention_multiplier": self.head_dim ** -0.5} if self.attention_multiplier is None else {})}
 
 
 def hf_sliding_window(hf: dict) -> tuple[Optional[int], Optional[list]]:

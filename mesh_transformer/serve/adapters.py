@@ -10,12 +10,15 @@ not in one waits, and the least recently admitted-to entry takes no new rows unt
 the waiting request takes it: later requests for the adapters in the other entries go on meanwhile,
 and a waiting adapter is never starved by traffic for the others.
 
-With a cap on host memory (`host`, vLLM's --max-cpu-loras) the leaves of at most that many adapters
-are held, the least recently named dropped first; an adapter whose leaves were dropped stays known
-by name and directory, and is read from its directory again when a request names it (`get`: from a
-handler's worker thread, never the engine's). A reload is the same load (its serial), so the prefix
-cache and a bank entry still holding it serve it as before. Requests in flight keep their adapter's
-leaves until they finish.
+With a cap on host memory (`host`, vLLM's --max-cpu-loras, at least the bank's entries) the leaves
+of at most that many adapters are held by name, the least recently named dropped first (besides
+them, each bank entry keeps the copy it was written from: at most `host` + entries in all). An
+adapter whose leaves were dropped stays known by name and directory; when a request names it, its
+bank entry's copy serves if it is in one, else it is read from its directory again (`get`: from a
+handler's worker thread, never the engine's; one read per adapter at a time). A reload is the same
+load (its serial), so the prefix cache and a bank entry still holding it serve it as before: the
+directory is assumed unchanged (to serve new weights under a name, load them with `load_inplace`).
+Requests in flight keep their adapter's leaves until they finish.
 
 Only the engine thread calls the placement methods (`entry_for`, `drained`, `pin`, `release`,
 `place`); request handlers call `add`, `remove`, `get` and `names`, which hold this object's lock.
@@ -29,6 +32,7 @@ from collections import OrderedDict
 from typing import Optional
 
 from mesh_transformer import lora
+from mesh_transformer.config import ConfigError
 from mesh_transformer.generate import Generator
 
 log = logging.getLogger("mesh_transformer.serve")
@@ -48,6 +52,7 @@ class AdapterSlots:
         self._held: OrderedDict[str, None] = OrderedDict.fromkeys(  # leaves held, least recent first
             name for name, a in self.known.items() if a.leaves is not None)
         self.reloads = 0  # adapters read from their directory again since start
+        self._reading: dict[str, threading.Lock] = {}  # name -> held while its directory is read again
         self.holds: list[Optional[lora.ServedAdapter]] = list(gen.residents)  # entry -> adapter (planned)
         self.running = [0] * len(self.holds)  # rows admitted under each entry and not finished
         self.used = [0] * len(self.holds)  # when each entry was last admitted to (`_clock`)
@@ -71,26 +76,43 @@ class AdapterSlots:
 
     def get(self, name: str) -> Optional[lora.ServedAdapter]:
         """The adapter called `name`, its leaves read from its directory again if they were dropped
-        (None if no adapter has the name; ConfigError naming it if its directory no longer holds it)."""
-        with self._lock:
-            found = self.known.get(name)
-            if found is None or found.leaves is not None:
-                return self._named(found)
-        again = lora.served_adapter(name, found.directory, self.gen.config, self.gen.mp)._replace(serial=found.serial)
-        lora.check_fits(again, self.gen.adapters.plan)
-        with self._lock:
-            if self.known.get(name) is not found:  # replaced or removed meanwhile: that one wins
-                return self._named(self.known.get(name))
-            self.known[name] = again
-            self.reloads += 1
-            log.info("read LoRA adapter %r from %s again (--max-cpu-loras %d)", name, found.directory, self.host)
-            return self._named(again)
+        (None if no adapter has the name; ConfigError naming it if its directory no longer holds it).
+        One read at a time per adapter: concurrent requests for it wait for that one."""
+        while True:
+            with self._lock:
+                found = self.known.get(name)
+                if found is None or found.leaves is not None:
+                    return self._named(found)
+                resident = self._in_bank(found.serial)
+                if resident is not None:  # the copy its bank entry was written from: nothing to read
+                    self.known[name] = resident
+                    return self._named(resident)
+                reading = self._reading.setdefault(name, threading.Lock())
+            with reading:
+                with self._lock:
+                    if self.known.get(name) is not found:  # read, replaced or removed meanwhile: look again
+                        continue
+                try:
+                    again = lora.served_adapter(name, found.directory, self.gen.config, self.gen.mp)
+                    lora.check_fits(again, self.gen.adapters.plan)
+                except ConfigError as e:
+                    log.warning("could not read LoRA adapter %r again: %s", name, e)
+                    raise
+                with self._lock:
+                    if self.known.get(name) is not found:
+                        continue
+                    self.known[name] = again._replace(serial=found.serial)
+                    self.reloads += 1
+                    log.info("read LoRA adapter %r from %s again (--max-cpu-loras %s)", name, found.directory,
+                             self.host)
+                    return self._named(self.known[name])
 
-    def held(self, name: str) -> bool:
-        """Whether the adapter called `name` is known with its leaves in host memory (`get` reads none)."""
+    def held(self, name: str) -> Optional[lora.ServedAdapter]:
+        """The adapter called `name` if its leaves are in host memory (`get` would read nothing; it is
+        then the most recently named), else None."""
         with self._lock:
             found = self.known.get(name)
-            return found is not None and found.leaves is not None
+            return self._named(found) if found is not None and found.leaves is not None else None
 
     def add(self, adapter: lora.ServedAdapter, replace: bool = False) -> None:
         """Know `adapter` by its name (ConfigError if it does not fit the bank; NameTaken if an
@@ -107,6 +129,7 @@ class AdapterSlots:
         requests already submitted under it finish with it, and its entry is reused once idle."""
         with self._lock:
             self._held.pop(name, None)
+            self._reading.pop(name, None)
             return self.known.pop(name)
 
     def _named(self, adapter: Optional[lora.ServedAdapter]) -> Optional[lora.ServedAdapter]:
@@ -118,7 +141,15 @@ class AdapterSlots:
             self._drop_beyond_cap()
         return adapter
 
+    def _in_bank(self, serial: int) -> Optional[lora.ServedAdapter]:
+        """The adapter of this load that a bank entry holds or is planned to, with its leaves, or None.
+        (Read from a handler's thread: the engine's lists change by whole items.)"""
+        return next((a for a in (*self.holds, *self.gen.residents)
+                     if a is not None and a.serial == serial and a.leaves is not None), None)
+
     def _drop_beyond_cap(self) -> None:
+        """Drop the leaves of the least recently named adapters until `host` hold theirs (never the
+        one just named: `host` >= 1). Under the lock."""
         while self.host is not None and len(self._held) > self.host:
             name, _ = self._held.popitem(last=False)
             self.known[name] = self.known[name]._replace(leaves=None)  # name, directory, serial kept

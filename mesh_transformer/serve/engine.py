@@ -40,6 +40,7 @@ from mesh_transformer import host_memory
 from mesh_transformer.generate import Batch, Generator, SamplingOptions, Sequence, bucket
 from mesh_transformer.generate.decode import computed_and_read
 from mesh_transformer.generate.prefix import DEFAULT_BLOCK, PrefixCache, default_tokens
+from mesh_transformer.lora import ServedAdapter
 from mesh_transformer.serve.adapters import AdapterSlots
 from mesh_transformer.serve.metrics import Metrics
 
@@ -271,10 +272,10 @@ class Engine:
     # ---- called from request handlers ---------------------------------------------------------
 
     def sequence(self, prompt_ids: list[int], options: SamplingOptions, timeout: Optional[float],
-                 adapter: Optional[str] = None) -> Sequence:
-        """Build (and validate) a Sequence, under the LoRA adapter called `adapter` (None: the base);
-        ValueError names what is wrong."""
-        lora = self.adapter(adapter)
+                 adapter=None) -> Sequence:
+        """Build (and validate) a Sequence, under the LoRA adapter called `adapter` (or that
+        `lora.ServedAdapter`, as `adapter(name)` gave it; None: the base); ValueError names what is wrong."""
+        lora = adapter if isinstance(adapter, ServedAdapter) else self.adapter(adapter)
         if options.max_new_tokens > self.max_new_tokens:
             raise ValueError(f"max_tokens must be at most {self.max_new_tokens} for this model "
                              f"(context {self.context} tokens), got {options.max_new_tokens}")

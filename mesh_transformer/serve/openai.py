@@ -233,9 +233,7 @@ async def served(s: Settings, model: Optional[str]):
     if name is None:
         return None
     try:
-        if s.engine.adapters.held(name):
-            return s.engine.adapter(name)
-        return await asyncio.to_thread(s.engine.adapter, name)
+        return s.engine.adapters.held(name) or await asyncio.to_thread(s.engine.adapter, name)
     except ConfigError as e:  # its directory no longer holds it
         raise ApiError(400, f"model: {e}", param="model") from None
     except ValueError as e:  # unloaded since
@@ -245,14 +243,13 @@ async def served(s: Settings, model: Optional[str]):
 async def sequences(s: Settings, prompts, opts: SamplingOptions, n: int, seed: Optional[int],
                     model: Optional[str] = None) -> list[Sequence]:
     """The request's sequences: each prompt `n` times (seeds seed, seed + 1, ..), under the adapter `model` names."""
-    name = adapter(s, model)
-    await served(s, name)  # its leaves in host memory before the engine needs them
+    lora = await served(s, model)  # with its leaves, which the engine reads when it places the adapter
     seqs = []
     for p in prompts:
         for j in range(n):
             o = opts if seed is None else dataclasses.replace(opts, seed=(seed + j) % 2**32)
             try:
-                seqs.append(s.engine.sequence(p, o, s.timeout, adapter=name))
+                seqs.append(s.engine.sequence(p, o, s.timeout, adapter=lora))
             except ValueError as e:
                 raise ApiError(400, str(e)) from None
     return seqs
