@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from mesh_transformer.config import ConfigError, ModelConfig, require
+from mesh_transformer.config import ModelConfig, require
 from mesh_transformer.models import hf_layout as hl
 from mesh_transformer.models.layers import MLP, Attention, AttentionSpec, MLPSpec, Rotary, norm, reduce_mp
 from mesh_transformer.models.llama import ROPE_SCALINGS, LlamaShaped, hf_attention, hf_rope
@@ -22,11 +22,11 @@ from mesh_transformer.models.llama import ROPE_SCALINGS, LlamaShaped, hf_attenti
 class Olmo2Config(LlamaShaped, ModelConfig):
     family: str = "olmo2"
     n_kv_heads: Optional[int] = None  # default n_heads (no grouping)
-    rope_theta: float = 500000.0
+    rope_theta: float = 10000.0  # (HF's Olmo2Config defaults; the released models set 500000)
     rope_scaling: Optional[dict] = None  # HF's: {"rope_type": "linear" | "llama3", "factor": ..., ...}
     attention_bias: bool = False  # biases on q/k/v_proj and o_proj
     tie_embeddings: bool = False
-    layer_norm_eps: float = 1e-6  # every RMSNorm's epsilon
+    layer_norm_eps: float = 1e-5  # every RMSNorm's epsilon
     sliding_window: Optional[int] = None  # (LlamaShaped's key; OLMo 2 attends to the whole context)
 
     PE_CHOICES = ("rotary",)
@@ -39,6 +39,8 @@ class Olmo2Config(LlamaShaped, ModelConfig):
         if self.rope_scaling is not None:
             kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
             require(kind in ROPE_SCALINGS, "rope_scaling", f"rope_type must be one of {tuple(ROPE_SCALINGS)}, got {kind!r}")
+            missing = [k for k in ROPE_SCALINGS[kind] if k not in self.rope_scaling]
+            require(not missing, "rope_scaling", f"{kind!r} needs {missing}")
 
     def attention(self) -> AttentionSpec:
         scaling = tuple(sorted(self.rope_scaling.items())) if self.rope_scaling else None
@@ -52,20 +54,17 @@ class Olmo2Config(LlamaShaped, ModelConfig):
     @classmethod
     def from_hf_config(cls, hf: dict) -> "Olmo2Config":
         rope = hf_rope(hf, "OLMo 2")
-        theta = rope.pop("rope_theta", hf.get("rope_theta", 500000.0))
+        theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))  # (missing keys: Olmo2Config's defaults)
         scaling = None if rope.get("rope_type", rope.get("type", "default")) == "default" else rope
         return cls(layers=hf["num_hidden_layers"], d_model=hf["hidden_size"], n_heads=hf["num_attention_heads"],
-                   n_kv_heads=hf.get("num_key_value_heads"), n_vocab=hf["vocab_size"],
-                   seq=hf.get("max_position_embeddings", 4096), d_ff=hf["intermediate_size"], rope_theta=theta,
+                   n_kv_heads=hf.get("num_key_value_heads"), d_head=hf.get("head_dim"), n_vocab=hf["vocab_size"],
+                   seq=hf.get("max_position_embeddings", 2048), d_ff=hf["intermediate_size"], rope_theta=theta,
                    rope_scaling=scaling, attention_bias=hf.get("attention_bias", False),
-                   tie_embeddings=hf.get("tie_word_embeddings", False), layer_norm_eps=hf.get("rms_norm_eps", 1e-6))
+                   tie_embeddings=hf.get("tie_word_embeddings", False), layer_norm_eps=hf.get("rms_norm_eps", 1e-5))
 
     def to_hf_config(self) -> dict:
-        if self.head_dim * self.n_heads != self.d_model:
-            raise ConfigError("an OLMo 2 model exports to HF only with n_heads * d_head == d_model (HF's Olmo2 "
-                              "derives the head size from them)")
         return {"architectures": ["Olmo2ForCausalLM"], "model_type": "olmo2", "hidden_size": self.d_model,
-                "num_attention_heads": self.n_heads, "num_key_value_heads": self.kv_heads,
+                "head_dim": self.head_dim, "num_attention_heads": self.n_heads, "num_key_value_heads": self.kv_heads,
                 "num_hidden_layers": self.layers, "intermediate_size": self.ff_dim, "vocab_size": self.n_vocab,
                 "max_position_embeddings": self.seq, "rope_theta": self.rope_theta, "rope_scaling": self.rope_scaling,
                 "attention_bias": self.attention_bias, "hidden_act": "silu", "rms_norm_eps": self.layer_norm_eps,
