@@ -74,6 +74,22 @@ class LlamaShaped:
         return StemSpec(final_norm="rmsnorm", tied=self.tie_embeddings)
 
 
+def validate_rope(c) -> None:
+    """An even head size, and HF's `rope_scaling` (if any) of a kind `ROPE_SCALINGS` knows, with its keys."""
+    require(c.head_dim % 2 == 0, "d_head", f"rotary needs an even head size, got {c.head_dim}")
+    if c.rope_scaling is not None:
+        kind = c.rope_scaling.get("rope_type", c.rope_scaling.get("type"))
+        require(kind in ROPE_SCALINGS, "rope_scaling", f"rope_type must be one of {tuple(ROPE_SCALINGS)}, got {kind!r}")
+        missing = [k for k in ROPE_SCALINGS[kind] if k not in c.rope_scaling]
+        require(not missing, "rope_scaling", f"{kind!r} needs {missing}")
+
+
+def full_rotary(c) -> Rotary:
+    """Rotate-half rotary over each whole head, `rope_theta` and `rope_scaling` as HF's LLaMA reads them."""
+    scaling = tuple(sorted(c.rope_scaling.items())) if c.rope_scaling else None
+    return Rotary(c.head_dim, "half", c.rope_theta, scaling)
+
+
 def hf_rope(hf: dict, model: str) -> dict:
     """A LLaMA-shaped HF config.json's rope keys as one dict (`rope_parameters`, or the older
     `rope_scaling`; may be empty); ConfigError unless the activation is SiLU."""
@@ -112,16 +128,10 @@ class LlamaConfig(LlamaShaped, ModelConfig):
             value = getattr(self, key)
             require(value is None or (isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0),
                     key, f"must be a positive number or null, got {value!r}")
-        require(self.head_dim % 2 == 0, "d_head", f"rotary needs an even head size, got {self.head_dim}")
-        if self.rope_scaling is not None:
-            kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
-            require(kind in ROPE_SCALINGS, "rope_scaling", f"rope_type must be one of {tuple(ROPE_SCALINGS)}, got {kind!r}")
-            missing = [k for k in ROPE_SCALINGS[kind] if k not in self.rope_scaling]
-            require(not missing, "rope_scaling", f"{kind!r} needs {missing}")
+        validate_rope(self)
 
     def attention(self) -> AttentionSpec:
-        scaling = tuple(sorted(self.rope_scaling.items())) if self.rope_scaling else None
-        rotary = Rotary(self.head_dim, "half", self.rope_theta, scaling) if self.pe == "rotary" else None
+        rotary = full_rotary(self) if self.pe == "rotary" else None
         return AttentionSpec(self.d_model, self.n_heads, self.kv_heads, self.head_dim, rotary, alibi=self.pe == "alibi",
                              qkv_bias=self.qkv_bias, out_bias=self.out_bias,
                              qk_norm=self.layer_norm_eps if self.qk_norm else None, window=self.window,

@@ -14,8 +14,8 @@ from typing import Optional
 
 from mesh_transformer.config import ModelConfig, require
 from mesh_transformer.models import hf_layout as hl
-from mesh_transformer.models.layers import MLP, Attention, AttentionSpec, MLPSpec, Rotary, norm, reduce_mp
-from mesh_transformer.models.llama import ROPE_SCALINGS, LlamaShaped, hf_attention, hf_rope
+from mesh_transformer.models.layers import MLP, Attention, AttentionSpec, MLPSpec, norm, reduce_mp
+from mesh_transformer.models.llama import LlamaShaped, full_rotary, hf_attention, hf_rope, validate_rope
 
 
 @dataclass(frozen=True)
@@ -35,18 +35,12 @@ class Olmo2Config(LlamaShaped, ModelConfig):
         super().validate()
         self.validate_kv_heads_and_window()
         require(self.sliding_window is None, "sliding_window", "OLMo 2 has no sliding window")
-        require(self.head_dim % 2 == 0, "d_head", f"rotary needs an even head size, got {self.head_dim}")
-        if self.rope_scaling is not None:
-            kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
-            require(kind in ROPE_SCALINGS, "rope_scaling", f"rope_type must be one of {tuple(ROPE_SCALINGS)}, got {kind!r}")
-            missing = [k for k in ROPE_SCALINGS[kind] if k not in self.rope_scaling]
-            require(not missing, "rope_scaling", f"{kind!r} needs {missing}")
+        validate_rope(self)
 
     def attention(self) -> AttentionSpec:
-        scaling = tuple(sorted(self.rope_scaling.items())) if self.rope_scaling else None
-        return AttentionSpec(self.d_model, self.n_heads, self.kv_heads, self.head_dim,
-                             Rotary(self.head_dim, "half", self.rope_theta, scaling), qkv_bias=self.attention_bias,
-                             out_bias=self.attention_bias, qk_norm=self.layer_norm_eps, qk_norm_across_heads=True)
+        return AttentionSpec(self.d_model, self.n_heads, self.kv_heads, self.head_dim, full_rotary(self),
+                             qkv_bias=self.attention_bias, out_bias=self.attention_bias, qk_norm=self.layer_norm_eps,
+                             qk_norm_across_heads=True)
 
     def mlp(self) -> MLPSpec:
         return MLPSpec(self.d_model, self.ff_dim, "silu", gated=True, bias=False)
