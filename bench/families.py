@@ -15,6 +15,7 @@ family adds is its own shape convention, chosen as the family's released models 
   attention scores soft-capped at 50 and logits at 30, every other layer sliding over 4,096 tokens;
 - mixtral: Mixtral's: a quarter as many key/value heads, 8 SwiGLU experts of width 3.5 x d_model,
   2 per token;
+- phi: Phi-1.5's: rotary on half of each head, MLP width 4 x d_model;
 - gpt_neox, gpt2, opt: their defaults (ours mirror HF's).
 
 `hf_model` builds the transformers model of a config through the library's own export mapping
@@ -22,7 +23,7 @@ family adds is its own shape convention, chosen as the family's released models 
 """
 from __future__ import annotations
 
-FAMILIES = ("gptj", "llama", "gpt_neox", "gpt2", "opt", "phi3", "gemma", "gemma2", "mixtral")
+FAMILIES = ("gptj", "llama", "gpt_neox", "gpt2", "opt", "phi", "phi3", "gemma", "gemma2", "mixtral")
 
 
 def add_arg(parser, default: str = "gptj") -> None:
@@ -38,6 +39,8 @@ def family_keys(family: str, d_model: int, heads: int, layers: int) -> dict:
         return {"pe_rotary_dims": max(2, d_head // 4)}
     if family == "llama":
         return {"n_kv_heads": max(1, heads // 4), "d_ff": -(-8 * d_model // 3 // 256) * 256}
+    if family == "phi":
+        return {"rotary_pct": 0.5}
     if family == "phi3":
         return {"n_kv_heads": max(1, heads // 4), "d_ff": -(-7 * d_model // 2 // 256) * 256}
     if family == "gemma":

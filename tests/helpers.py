@@ -124,9 +124,11 @@ FAMILY_CASES = {
         vocab_size=99, max_position_embeddings=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=1, intermediate_size=40, tie_word_embeddings=True, attention_bias=True,
         rope_scaling={"rope_type": "linear", "factor": 2.0}, initializer_range=0.2)),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(  # YaRN over a 16-token original context
         vocab_size=97, max_position_embeddings=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, intermediate_size=40, initializer_range=0.2, tie_word_embeddings=False)),
+        num_key_value_heads=2, intermediate_size=40, initializer_range=0.2, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
+                         "rope_theta": 10000.0, "attention_factor": 1.5})),
     "mistral_window": ("MistralConfig", "MistralForCausalLM", dict(  # a sliding window shorter than the tests' rows
         vocab_size=99, max_position_embeddings=64, sliding_window=5, hidden_size=32, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, intermediate_size=40, initializer_range=0.2)),
@@ -143,11 +145,24 @@ FAMILY_CASES = {
         vocab_size=99, max_position_embeddings=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, intermediate_size=40, initializer_range=0.2, rope_theta=500.0,
         pad_token_id=0, bos_token_id=1, eos_token_id=2)),
+    "olmo3_window_yarn": ("Olmo3Config", "Olmo3ForCausalLM", dict(  # sliding layers around a full one with YaRN
+        vocab_size=99, max_position_embeddings=64, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=40, initializer_range=0.2, sliding_window=5,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"], pad_token_id=0, bos_token_id=1,
+        eos_token_id=2, rope_parameters={
+            "full_attention": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
+                               "rope_theta": 500.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 500.0}})),
     "phi3_window_partial": ("Phi3Config", "Phi3ForCausalLM", dict(  # fused qkv/gate_up, rotary on half of each head
         vocab_size=99, max_position_embeddings=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, intermediate_size=40, sliding_window=6, initializer_range=0.2, pad_token_id=0,
         bos_token_id=1, eos_token_id=2, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                                          "partial_rotary_factor": 0.5})),
+    "phi_gqa_yarn": ("PhiConfig", "PhiForCausalLM", dict(  # Phi-2's 0.4 of each head rotary (YaRN on it), biases, GQA
+        vocab_size=99, max_position_embeddings=64, hidden_size=40, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=48, initializer_range=0.2, bos_token_id=0, eos_token_id=0,
+        rope_parameters={"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 16, "beta_fast": 4.0,
+                         "rope_theta": 500.0, "partial_rotary_factor": 0.4})),
     "gemma_mqa": ("GemmaConfig", "GemmaForCausalLM", dict(  # (1 + w) norms, GeGLU, scaled embeddings; head_dim 12
         vocab_size=99, max_position_embeddings=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=1, head_dim=12, intermediate_size=40, initializer_range=0.2)),

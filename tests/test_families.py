@@ -28,7 +28,8 @@ from tests.helpers import (FAMILY_CASES, PARITY_TOL, config_for, hf_greedy, hf_l
 
 TOL = PARITY_TOL
 FAMILY_OF = {"gptj": "gptj", "gpt_neox": "gpt_neox", "gpt_neox_sequential": "gpt_neox", "qwen2": "llama",
-             "qwen3_tied": "llama", "mistral_window": "llama", "granite_tied_bias": "llama", "olmo2_gqa": "olmo2", "phi3_window_partial": "phi3",
+             "qwen3_tied": "llama", "mistral_window": "llama", "granite_tied_bias": "llama", "olmo2_gqa": "olmo2", "olmo3_window_yarn": "olmo2", "phi3_window_partial": "phi3",
+             "phi_gqa_yarn": "phi",
              "llama_gqa2_llama3_rope": "llama", "llama_mqa_tied_bias_linear_rope": "llama", "gpt2": "gpt2",
              "opt_projected": "opt", "opt_post_norm": "opt", "gemma_mqa": "gemma",
              "gemma2_softcap_window": "gemma", "gemma3_local_rope": "gemma", "mixtral_window": "mixtral",
@@ -206,11 +207,11 @@ def _all_reduces_per_layer(trainer) -> tuple[int, int]:
 
 
 def test_all_reduces_per_layer(case):
-    """Parallel residual (GPT-J, NeoX's default): attention and MLP share one; sequential: two. OLMo 2
+    """Parallel residual (GPT-J, Phi, NeoX's default): attention and MLP share one; sequential: two. OLMo 2
     adds its q/k norms' sums of squares ([B, T, 1, 1] each), which XLA sends in one all-reduce."""
     _, _, _, config, _ = case
     trainer = Trainer(config_for(config, cores_per_replica=4), mesh(1, 4))
-    parallel_residual = config.family == "gptj" or (config.family == "gpt_neox" and config.parallel_residual)
+    parallel_residual = config.family in ("gptj", "phi") or (config.family == "gpt_neox" and config.parallel_residual)
     activations, statistics = _all_reduces_per_layer(trainer)
     assert activations == (1 if parallel_residual else 2)
     assert statistics == (1 if config.family == "olmo2" else 0)
@@ -307,7 +308,7 @@ def test_unsupported_model_type_names_the_supported_ones(tmp_path):
         hf.load_hf(tmp_path)
 
 
-@pytest.mark.parametrize("shipped", ["llama3_8b", "qwen3_8b", "phi3_mini_4k", "gemma3_1b", "gemma2_2b", "pythia_6.9b",
+@pytest.mark.parametrize("shipped", ["llama3_8b", "qwen3_8b", "phi3_mini_4k", "phi2", "gemma3_1b", "gemma2_2b", "pythia_6.9b",
                                      "gpt2_xl", "6B_roto_256", "mixtral_8x7b", "qwen3_30b_a3b",
                                      "qwen1.5_moe_a2.7b"])
 def test_planner_param_count_equals_hf(shipped):
@@ -490,6 +491,57 @@ def test_gemma_keys_a_config_json_leaves_out_mean_what_transformers_assumes(mode
     ours = hf.config_from_hf({"model_type": model_type, **short})
     assert (ours.query_pre_attn_scalar, ours.sliding_window, ours.attn_softcap, ours.logit_softcap) == tuple(
         getattr(theirs, k) for k in keys)
+
+
+@pytest.mark.parametrize("scaling, partial", [
+    (dict(factor=4.0, original_max_position_embeddings=32), 1.0),  # the defaults: beta 32 / 1, 0.1 ln(4) + 1
+    (dict(factor=8.0, original_max_position_embeddings=64, beta_fast=8.0, beta_slow=2.0, truncate=False), 1.0),
+    (dict(factor=40.0, original_max_position_embeddings=64, mscale=1.0, mscale_all_dim=0.5), 1.0),  # DeepSeek's
+    (dict(factor=2.0, original_max_position_embeddings=16, attention_factor=1.3), 0.5),  # on half of each head
+])
+def test_yarn_frequencies_and_magnitude_equal_transformers(scaling, partial):
+    """YaRN's per-dimension blend of interpolated and kept frequencies, and the magnitude it gives the
+    rotated features, against transformers' `_compute_yarn_parameters` on the same keys."""
+    import transformers
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from mesh_transformer.models.layers import Rotary
+    rope = {"rope_type": "yarn", "rope_theta": 5e5, "partial_rotary_factor": partial, **scaling}
+    theirs = transformers.LlamaConfig(hidden_size=256, num_attention_heads=2, max_position_embeddings=256,
+                                      rope_parameters=rope)
+    inv_freq, attention_factor = ROPE_INIT_FUNCTIONS["yarn"](theirs)
+    ours = Rotary(int(128 * partial), "half", 5e5, tuple(sorted({"rope_type": "yarn", **scaling}.items())))
+    np.testing.assert_allclose(np.asarray(ours.inv_freq()), inv_freq.numpy(), rtol=1e-6)
+    assert ours.magnitude() == pytest.approx(attention_factor, rel=1e-12) and ours.magnitude() != 1.0
+
+
+def test_olmo3_keys_a_config_json_leaves_out_or_writes_the_old_way_mean_what_transformers_assumes(tmp_path):
+    """A config.json without sliding_window / layer_types / rope_theta gets Olmo3Config's defaults (4,096
+    tokens, three sliding layers of four, base 5e5). The older flat rope_theta and rope_scaling are
+    the full layers' only: transformers rotates the sliding layers at its default base 5e5 whatever
+    rope_theta says, and so do we (a model so configured gives transformers' logits)."""
+    import transformers
+    short = {k: v for k, v in FAMILY_CASES["olmo3_window_yarn"][2].items()
+             if k not in ("sliding_window", "layer_types", "rope_parameters")}
+    short.update(num_hidden_layers=8, max_position_embeddings=8192)
+    ours = hf.config_from_hf({"model_type": "olmo3", **short})
+    theirs = transformers.AutoConfig.for_model("olmo3", **short)
+    assert ours.sliding_window == theirs.sliding_window == 4096 and ours.rope_theta == 5e5
+    assert ours.to_hf_config()["layer_types"] == theirs.layer_types
+    yarn = {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 1024, "attention_factor": 1.2}
+    ours = hf.config_from_hf({"model_type": "olmo3", **short, "rope_scaling": yarn, "rope_theta": 1e4})
+    theirs = transformers.AutoConfig.for_model("olmo3", **short, rope_scaling=yarn, rope_theta=1e4)
+    assert (ours.rope_theta, ours.rope_local_theta) == (1e4, 5e5)
+    exported = ours.to_hf_config()["rope_parameters"]
+    for kind in ("full_attention", "sliding_attention"):
+        assert {k: v for k, v in theirs.rope_parameters[kind].items() if v is not None} == exported[kind]
+    torch_model = make_hf_model(tmp_path, "olmo3_window_yarn", rope_parameters=None, rope_theta=1e3,
+                                rope_scaling={"rope_type": "linear", "factor": 2.0})
+    config, params = hf.load_hf(tmp_path, compute_dtype="float32", remat="none")
+    assert (config.rope_theta, config.rope_local_theta) == (1e3, 5e5) and parity_error(config, params, torch_model) < TOL
+    own = {"full_attention": {"rope_type": "default", "rope_theta": 1e4},
+           "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}
+    with pytest.raises(ConfigError, match="OLMo 3's sliding-attention layers with rope scaling"):
+        hf.config_from_hf({"model_type": "olmo3", **short, "rope_parameters": own})
 
 
 def test_sliding_window_is_checked_and_exports_only_without_biases():

@@ -15,7 +15,7 @@ from tests.helpers import PARITY_TOL, make_hf_model, parity_error
 _rotated, _project, _reduce = layers._rotated, layers.Attention._project, layers.reduce_mp
 _within_window = layers.within_window
 _rotary_call, _ln_init, _rms_init = layers.Rotary.__call__, layers.LayerNorm.__init__, layers.RMSNorm.__init__
-_inv_freq, _softcap = layers.Attention._inv_freq, layers.softcap
+_rotary_of_layer, _softcap = layers.Attention._rotary_of_layer, layers.softcap
 _moe_call = layers.MoE.__call__
 _mixtral_dense = mixtral.dense
 
@@ -30,7 +30,7 @@ def other_rotary_pairing(mp):
 
 def rotary_on_half_the_dims(mp):
     mp.setattr(layers.Rotary, "__call__",
-               lambda self, x, pos, inv_freq=None: _rotary_call(self._replace(dims=self.dims // 2), x, pos))
+               lambda self, x, pos, inv_freq=None, magnitude=None: _rotary_call(self._replace(dims=self.dims // 2), x, pos))
 
 
 def q_and_k_swapped(mp):
@@ -59,7 +59,11 @@ def every_layer_windowed(mp):  # Gemma's full-attention layers slide too
 
 
 def one_rope_for_every_layer(mp):  # Gemma 3's sliding layers keep the full layers' rope base
-    mp.setattr(layers.Attention, "_inv_freq", lambda self, windowed: _inv_freq(self, False))
+    mp.setattr(layers.Attention, "_rotary_of_layer", lambda self, windowed: _rotary_of_layer(self, False))
+
+
+def rotary_magnitude_ignored(mp):  # YaRN's attention factor left at 1
+    mp.setattr(layers.Rotary, "magnitude", lambda self: 1.0)
 
 
 def scores_not_soft_capped(mp):  # Gemma 2's attention scores (its logits stay capped)
@@ -128,6 +132,9 @@ MUTATIONS = [  # (mutation, the family case it must break)
     (one_rope_for_every_layer, "gemma3_local_rope"), (scores_not_soft_capped, "gemma2_softcap_window"),
     (norm_scale_without_unit_offset, "gemma_mqa"), (residual_multiplier_ignored, "granite_tied_bias"),
     (qk_normed_per_head, "olmo2_gqa"),
+    (other_rotary_pairing, "phi_gqa_yarn"), (row_parallel_bias_dropped, "phi_gqa_yarn"),
+    (rotary_magnitude_ignored, "qwen2"), (rotary_magnitude_ignored, "phi_gqa_yarn"),
+    (one_rope_for_every_layer, "olmo3_window_yarn"), (window_one_wider, "olmo3_window_yarn"),
     (expert_weights_renormalised_the_other_way, "mixtral_window"),
     (expert_weights_renormalised_the_other_way, "qwen3_moe_tied"), (one_expert_fewer_per_token, "mixtral_window"),
     (qk_norms_skipped, "qwen3_moe_tied"), (shared_expert_ungated, "qwen2_moe_shared"),

@@ -106,6 +106,7 @@ EVERY_FAMILY = {
     "opt_projected": (["q_proj", "v_proj", "out_proj"], ["fc1", "fc2", "project_in", "project_out"]),
     "mixtral_window": (["q_proj", "v_proj"], ["k_proj", "o_proj"]),
     "olmo2_gqa": (["q_proj", "k_proj", "o_proj"], ["gate_proj", "down_proj"]),
+    "phi_gqa_yarn": (["q_proj", "v_proj", "dense"], ["k_proj", "fc1", "fc2"]),
 }
 
 

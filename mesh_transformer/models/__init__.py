@@ -37,7 +37,8 @@ _FAMILY_MODULES = {
     "phi3": ("phi3", ("phi3",)),
     "gemma": ("gemma", ("gemma", "gemma2", "gemma3_text")),
     "mixtral": ("mixtral", ("mixtral", "qwen2_moe", "qwen3_moe")),
-    "olmo2": ("olmo2", ("olmo2",)),
+    "olmo2": ("olmo2", ("olmo2", "olmo3")),
+    "phi": ("phi", ("phi",)),
 }
 
 

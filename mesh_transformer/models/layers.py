@@ -317,7 +317,7 @@ class Rotary(NamedTuple):
 
     pairing "interleaved": features (2i, 2i+1) rotate together (GPT-J, mesh-transformer-jax);
     "half": features (i, i + dims/2) (GPT-NeoX, LLaMA). `scaling`: HF's rope_scaling dict
-    ({"rope_type": "linear" | "llama3", ...}) or None.
+    ({"rope_type": "linear" | "llama3" | "yarn", ...}) or None.
     """
 
     dims: int
@@ -334,12 +334,21 @@ class Rotary(NamedTuple):
             return inv_freq / scaling["factor"]
         if kind == "llama3":
             return _llama3_inv_freq(inv_freq, scaling)
+        if kind == "yarn":
+            return _yarn_inv_freq(inv_freq, self.dims, self.theta, scaling)
         return inv_freq
 
-    def __call__(self, x, positions, inv_freq=None):
+    def magnitude(self) -> float:
+        """What the rotated features are multiplied by: YaRN's attention factor (so the scores of two
+        rotated heads by its square), else 1."""
+        scaling = dict(self.scaling or ())
+        return _yarn_attention_factor(scaling) if scaling.get("rope_type", scaling.get("type")) == "yarn" else 1.0
+
+    def __call__(self, x, positions, inv_freq=None, magnitude=None):
         """x [B, T, N, H], positions [B, T] (int) -> x with its first `dims` features rotated
-        (`inv_freq`: other frequencies than this rotary's, e.g. chosen per layer)."""
+        (`inv_freq`, `magnitude`: other ones than this rotary's, e.g. chosen per layer)."""
         inv_freq = self.inv_freq() if inv_freq is None else inv_freq
+        magnitude = self.magnitude() if magnitude is None else magnitude
         angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, R/2]
         if self.pairing == "interleaved":
             sin = jnp.repeat(jnp.sin(angles), 2, axis=-1)[:, :, None, :]  # [B, T, 1, R]
@@ -347,6 +356,8 @@ class Rotary(NamedTuple):
         else:
             sin = jnp.tile(jnp.sin(angles), 2)[:, :, None, :]
             cos = jnp.tile(jnp.cos(angles), 2)[:, :, None, :]
+        if not (isinstance(magnitude, float) and magnitude == 1.0):
+            sin, cos = sin * magnitude, cos * magnitude
         x_rot, x_pass = x[..., :self.dims].astype(jnp.float32), x[..., self.dims:]
         x_rot = x_rot * cos + _rotated(x_rot, self.pairing) * sin
         return jnp.concatenate([x_rot.astype(x.dtype), x_pass], axis=-1)
@@ -372,6 +383,37 @@ def _llama3_inv_freq(inv_freq, s: dict):
     blended = (1 - smooth) * scaled / factor + smooth * scaled
     medium = (wavelen >= context / high) & (wavelen <= context / low)
     return jnp.where(medium, blended, scaled)
+
+
+def _yarn_inv_freq(inv_freq, dims: int, theta: float, s: dict):
+    """YaRN (Peng et al. 2023; HF `_compute_yarn_parameters`): frequencies that turn fewer than
+    `beta_slow` times over the original context are divided by `factor`, those turning more than
+    `beta_fast` times kept, a linear ramp over the dimensions between."""
+    factor, context = s["factor"], s["original_max_position_embeddings"]
+    beta_fast, beta_slow = s.get("beta_fast") or 32, s.get("beta_slow") or 1
+
+    def dimension_of(rotations):  # the dimension whose frequency turns `rotations` times over the context
+        return dims * math.log(context / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+    low, high = dimension_of(beta_fast), dimension_of(beta_slow)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dims - 1)
+    high = high + 0.001 if low == high else high
+    ramp = jnp.clip((jnp.arange(dims // 2, dtype=jnp.float32) - low) / (high - low), 0.0, 1.0)
+    return inv_freq / factor * ramp + inv_freq * (1 - ramp)
+
+
+def _yarn_attention_factor(s: dict) -> float:
+    """YaRN's magnitude of the rotated features: `attention_factor`, else 0.1 ln(factor) + 1
+    (DeepSeek's: that with `mscale` over that with `mscale_all_dim`)."""
+    if s.get("attention_factor") is not None:
+        return float(s["attention_factor"])
+
+    def scale(mscale=1.0):
+        return 1.0 if s["factor"] <= 1 else 0.1 * mscale * math.log(s["factor"]) + 1.0
+    if s.get("mscale") and s.get("mscale_all_dim"):
+        return scale(s["mscale"]) / scale(s["mscale_all_dim"])
+    return scale()
 
 
 def alibi_slopes(n_heads: int):
@@ -482,8 +524,8 @@ class Attention(hk.Module):
         elif s.qk_norm is not None:
             q, k = norm_heads(q, k, s.head_dim, s.qk_norm, s.qk_norm_unit_offset)
         if s.rotary is not None:
-            inv_freq = self._inv_freq(ctx.windowed)
-            q, k = s.rotary(q, ctx.positions, inv_freq), s.rotary(k, ctx.positions, inv_freq)
+            inv_freq, magnitude = self._rotary_of_layer(ctx.windowed)
+            q, k = s.rotary(q, ctx.positions, inv_freq, magnitude), s.rotary(k, ctx.positions, inv_freq, magnitude)
         if s.scale is not None and s.scale != hd ** -0.5:  # every path then scales by head_dim ** -0.5
             q = (q.astype(jnp.float32) * (s.scale * math.sqrt(hd))).astype(q.dtype)
         if cache is None and ctx.attention == "cudnn" and not s.alibi and s.softcap is None:
@@ -501,15 +543,16 @@ class Attention(hk.Module):
         bias = parallel.param("out_bias", (d,), ("embed",), ZEROS, dt) if s.out_bias else None
         return RowParallel(dense("btnh,nhd->btd", out, w_out), bias), cache
 
-    def _inv_freq(self, windowed):
-        """The rotary frequencies of this layer: `local_rotary`'s in windowed layers (chosen at run
-        time in a scanned stack), else the rotary's."""
+    def _rotary_of_layer(self, windowed):
+        """This layer's rotary frequencies and magnitude: `local_rotary`'s in windowed layers (chosen
+        at run time in a scanned stack), else the rotary's."""
         s = self.spec
         if s.local_rotary is None or windowed is False:
-            return s.rotary.inv_freq()
+            return s.rotary.inv_freq(), s.rotary.magnitude()
         if windowed is True:
-            return s.local_rotary.inv_freq()
-        return jnp.where(windowed, s.local_rotary.inv_freq(), s.rotary.inv_freq())
+            return s.local_rotary.inv_freq(), s.local_rotary.magnitude()
+        return (jnp.where(windowed, s.local_rotary.inv_freq(), s.rotary.inv_freq()),
+                jnp.where(windowed, s.local_rotary.magnitude(), s.rotary.magnitude()))
 
     def _project(self, h, which: str, shape, axes, kv_group: int = 1, n_local: Optional[int] = None):
         """h [B, T, D] -> [B, T, heads here, H] (q, k, v, or the three fused); for replicated kv heads,

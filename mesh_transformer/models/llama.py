@@ -5,7 +5,7 @@ Qwen3's, Granite's).
     x = x + Attn(RMSNorm1(x));  x = x + SwiGLU(RMSNorm2(x))      # two all-reduces per layer
 
 Grouped-query attention (`n_kv_heads` kv heads shared by n_heads / n_kv_heads query heads),
-rotate-half rotary with `rope_theta` and HF's `rope_scaling` kinds "linear" and "llama3", optional
+rotate-half rotary with `rope_theta` and HF's `rope_scaling` kinds "linear", "llama3" and "yarn", optional
 q/k/v bias (Qwen2) and o_proj bias, RMSNorm of each query and key head before rotary (`qk_norm`,
 Qwen3), sliding-window attention in every layer (`sliding_window`, Mistral) or in the layers
 `layer_types` marks (Qwen2/3), tied or untied embeddings. Granite's four constants: embeddings
@@ -26,7 +26,8 @@ from mesh_transformer.models.core import StemSpec
 from mesh_transformer.models.layers import MLP, Attention, AttentionSpec, MLPSpec, Rotary, norm, reduce_mp
 
 ROPE_SCALINGS = {"linear": ("factor",),
-                 "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+                 "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+                 "yarn": ("factor", "original_max_position_embeddings")}  # (optional: beta_fast/slow, attention_factor, ...)
 
 
 SLIDING, FULL = "sliding_attention", "full_attention"  # HF's layer_types
@@ -84,10 +85,24 @@ def validate_rope(c) -> None:
         require(not missing, "rope_scaling", f"{kind!r} needs {missing}")
 
 
-def full_rotary(c) -> Rotary:
-    """Rotate-half rotary over each whole head, `rope_theta` and `rope_scaling` as HF's LLaMA reads them."""
+def full_rotary(c, dims: Optional[int] = None) -> Rotary:
+    """Rotate-half rotary over each whole head (or its first `dims` features), `rope_theta` and
+    `rope_scaling` as HF's LLaMA reads them."""
     scaling = tuple(sorted(c.rope_scaling.items())) if c.rope_scaling else None
-    return Rotary(c.head_dim, "half", c.rope_theta, scaling)
+    return Rotary(c.head_dim if dims is None else dims, "half", c.rope_theta, scaling)
+
+
+def hf_scaling(rope: dict, hf: dict) -> Optional[dict]:
+    """The rope keys of a HF config.json beside rope_theta and partial_rotary_factor as our
+    `rope_scaling` (None: plain rope). YaRN's original context defaults to max_position_embeddings,
+    as transformers reads it."""
+    rope = {k: v for k, v in rope.items() if k not in ("rope_theta", "partial_rotary_factor")}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind == "default":
+        return None
+    if kind == "yarn" and rope.get("original_max_position_embeddings") is None:
+        rope["original_max_position_embeddings"] = hf.get("max_position_embeddings")
+    return rope
 
 
 def hf_rope(hf: dict, model: str) -> dict:
@@ -104,7 +119,7 @@ class LlamaConfig(LlamaShaped, ModelConfig):
     family: str = "llama"
     n_kv_heads: Optional[int] = None  # default n_heads (no grouping)
     rope_theta: float = 10000.0
-    rope_scaling: Optional[dict] = None  # HF's: {"rope_type": "linear" | "llama3", "factor": ..., ...}
+    rope_scaling: Optional[dict] = None  # HF's: {"rope_type": "linear" | "llama3" | "yarn", "factor": ..., ...}
     qkv_bias: bool = False
     out_bias: bool = False
     mlp_bias: bool = False
@@ -150,9 +165,7 @@ class LlamaConfig(LlamaShaped, ModelConfig):
     @classmethod
     def from_hf_config(cls, hf: dict) -> "LlamaConfig":
         rope = hf_rope(hf, "LLaMA")
-        theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
-        rope.pop("partial_rotary_factor", None)
-        scaling = None if rope.get("rope_type", rope.get("type", "default")) == "default" else rope
+        theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
         seq = hf.get("max_position_embeddings", 2048)
         window, kinds = hf_sliding_window(hf)
         qwen2, qwen3, granite = (hf.get("model_type") == t for t in ("qwen2", "qwen3", "granite"))
@@ -160,7 +173,7 @@ class LlamaConfig(LlamaShaped, ModelConfig):
         return cls(**constants, layers=hf["num_hidden_layers"], d_model=hf["hidden_size"], n_heads=hf["num_attention_heads"],
                    n_kv_heads=hf.get("num_key_value_heads"), d_head=hf.get("head_dim"), n_vocab=hf["vocab_size"],
                    seq=seq, sliding_window=window, layer_types=kinds, d_ff=hf["intermediate_size"],
-                   rope_theta=theta, rope_scaling=scaling, qkv_bias=qwen2 or hf.get("attention_bias", False),
+                   rope_theta=theta, rope_scaling=hf_scaling(rope, hf), qkv_bias=qwen2 or hf.get("attention_bias", False),
                    out_bias=not qwen2 and hf.get("attention_bias", False), mlp_bias=hf.get("mlp_bias", False),
                    qk_norm=qwen3, tie_embeddings=hf.get("tie_word_embeddings", False),
                    layer_norm_eps=hf.get("rms_norm_eps", 1e-6))

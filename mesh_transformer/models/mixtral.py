@@ -30,10 +30,10 @@ import jax.numpy as jnp
 from mesh_transformer import parallel
 from mesh_transformer.config import ConfigError, ModelConfig, require
 from mesh_transformer.models import hf_layout as hl
-from mesh_transformer.models.layers import (MLP, Attention, AttentionSpec, MLPSpec, MoE, MoESpec, RowParallel, Rotary,
-                                            dense, norm, normal, reduce_mp)
-from mesh_transformer.models.llama import (FULL, ROPE_SCALINGS, SLIDING, LlamaShaped, hf_attention, hf_rope,
-                                           hf_sliding_window)
+from mesh_transformer.models.layers import (MLP, Attention, AttentionSpec, MLPSpec, MoE, MoESpec, RowParallel, dense,
+                                            norm, normal, reduce_mp)
+from mesh_transformer.models.llama import (FULL, SLIDING, LlamaShaped, full_rotary, hf_attention, hf_rope, hf_scaling,
+                                           hf_sliding_window, validate_rope)
 
 # HF's module names of the router and of expert e's gate / up / down projections, per model_type
 HF_NAMES = {"mixtral": ("block_sparse_moe.gate", "block_sparse_moe.experts.{e}.", ("w1", "w3", "w2")),
@@ -53,7 +53,7 @@ class MixtralConfig(LlamaShaped, ModelConfig):
     expert_parallel: bool = False  # the experts split over mp whole (n_experts / mp each), not each expert's d_ff
     n_kv_heads: Optional[int] = None  # default n_heads (no grouping)
     rope_theta: float = 1e6
-    rope_scaling: Optional[dict] = None  # HF's: {"rope_type": "linear" | "llama3", "factor": ..., ...}
+    rope_scaling: Optional[dict] = None  # HF's: {"rope_type": "linear" | "llama3" | "yarn", "factor": ..., ...}
     qkv_bias: bool = False  # Qwen2-MoE: biases on q/k/v_proj
     qk_norm: bool = False  # Qwen3-MoE: q_norm / k_norm over each head's head_dim, before rotary
     sliding_window: Optional[int] = None
@@ -74,14 +74,10 @@ class MixtralConfig(LlamaShaped, ModelConfig):
         require(self.router_aux_loss_coef >= 0, "router_aux_loss_coef", f"must be >= 0, got {self.router_aux_loss_coef}")
         require(self.shared_expert_d_ff is None or self.shared_expert_d_ff > 0, "shared_expert_d_ff",
                 f"must be a positive width, got {self.shared_expert_d_ff!r}")
-        if self.rope_scaling is not None:
-            kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
-            require(kind in ROPE_SCALINGS, "rope_scaling", f"rope_type must be one of {tuple(ROPE_SCALINGS)}, got {kind!r}")
+        validate_rope(self)
 
     def attention(self) -> AttentionSpec:
-        scaling = tuple(sorted(self.rope_scaling.items())) if self.rope_scaling else None
-        return AttentionSpec(self.d_model, self.n_heads, self.kv_heads, self.head_dim,
-                             Rotary(self.head_dim, "half", self.rope_theta, scaling), qkv_bias=self.qkv_bias,
+        return AttentionSpec(self.d_model, self.n_heads, self.kv_heads, self.head_dim, full_rotary(self), qkv_bias=self.qkv_bias,
                              qk_norm=self.layer_norm_eps if self.qk_norm else None, window=self.window)
 
     def moe(self) -> MoESpec:
@@ -107,9 +103,7 @@ class MixtralConfig(LlamaShaped, ModelConfig):
         kind = hf.get("model_type")
         hf = hl.as_transformers_reads_it(hf)
         rope = hf_rope(hf, {"mixtral": "Mixtral", "qwen2_moe": "Qwen2-MoE"}.get(kind, "Qwen3-MoE"))
-        theta = rope.pop("rope_theta", hf.get("rope_theta", 1e6))
-        rope.pop("partial_rotary_factor", None)
-        scaling = None if rope.get("rope_type", rope.get("type", "default")) == "default" else rope
+        theta = rope.get("rope_theta", hf.get("rope_theta", 1e6))
         qwen = kind in ("qwen2_moe", "qwen3_moe")
         if qwen and (hf.get("mlp_only_layers") or hf.get("decoder_sparse_step", 1) != 1):
             raise ConfigError(f"config.json: {kind} with dense layers among the sparse ones (mlp_only_layers, "
@@ -123,7 +117,7 @@ class MixtralConfig(LlamaShaped, ModelConfig):
                    router_aux_loss_coef=hf["router_aux_loss_coef"] if hf.get("output_router_logits") else 0.0,
                    shared_expert_d_ff=hf.get("shared_expert_intermediate_size") if kind == "qwen2_moe" else None,
                    qkv_bias=kind == "qwen2_moe" and hf.get("qkv_bias", True),
-                   rope_theta=theta, rope_scaling=scaling, qk_norm=kind == "qwen3_moe", sliding_window=window,
+                   rope_theta=theta, rope_scaling=hf_scaling(rope, hf), qk_norm=kind == "qwen3_moe", sliding_window=window,
                    layer_types=kinds,
                    tie_embeddings=hf.get("tie_word_embeddings", False), layer_norm_eps=hf["rms_norm_eps"])
 
