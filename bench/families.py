@@ -16,6 +16,8 @@ family adds is its own shape convention, chosen as the family's released models 
 - mixtral: Mixtral's: a quarter as many key/value heads, 8 SwiGLU experts of width 3.5 x d_model,
   2 per token;
 - phi: Phi-1.5's: rotary on half of each head, MLP width 4 x d_model;
+- starcoder2: StarCoder2's: a quarter as many key/value heads, MLP width 4 x d_model, biases,
+  LayerNorms, tied head;
 - gpt_neox, gpt2, opt: their defaults (ours mirror HF's).
 
 `hf_model` builds the transformers model of a config through the library's own export mapping
@@ -23,7 +25,8 @@ family adds is its own shape convention, chosen as the family's released models 
 """
 from __future__ import annotations
 
-FAMILIES = ("gptj", "llama", "gpt_neox", "gpt2", "opt", "phi", "phi3", "gemma", "gemma2", "mixtral")
+FAMILIES = ("gptj", "llama", "gpt_neox", "gpt2", "opt", "phi", "phi3", "starcoder2", "gemma", "gemma2",
+            "mixtral")
 
 
 def add_arg(parser, default: str = "gptj") -> None:
@@ -41,6 +44,8 @@ def family_keys(family: str, d_model: int, heads: int, layers: int) -> dict:
         return {"n_kv_heads": max(1, heads // 4), "d_ff": -(-8 * d_model // 3 // 256) * 256}
     if family == "phi":
         return {"rotary_pct": 0.5}
+    if family == "starcoder2":
+        return {"n_kv_heads": max(1, heads // 4)}
     if family == "phi3":
         return {"n_kv_heads": max(1, heads // 4), "d_ff": -(-7 * d_model // 2 // 256) * 256}
     if family == "gemma":

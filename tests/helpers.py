@@ -163,6 +163,10 @@ FAMILY_CASES = {
         num_key_value_heads=2, intermediate_size=48, initializer_range=0.2, bos_token_id=0, eos_token_id=0,
         rope_parameters={"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 16, "beta_fast": 4.0,
                          "rope_theta": 500.0, "partial_rotary_factor": 0.4})),
+    "starcoder2_window": ("Starcoder2Config", "Starcoder2ForCausalLM", dict(  # LayerNorms, biases, plain MLP, tied
+        vocab_size=99, max_position_embeddings=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=48, sliding_window=5, initializer_range=0.2, bos_token_id=0,
+        eos_token_id=0, rope_parameters={"rope_type": "default", "rope_theta": 1e5})),
     "gemma_mqa": ("GemmaConfig", "GemmaForCausalLM", dict(  # (1 + w) norms, GeGLU, scaled embeddings; head_dim 12
         vocab_size=99, max_position_embeddings=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=1, head_dim=12, intermediate_size=40, initializer_range=0.2)),

@@ -29,7 +29,7 @@ from tests.helpers import (FAMILY_CASES, PARITY_TOL, config_for, hf_greedy, hf_l
 TOL = PARITY_TOL
 FAMILY_OF = {"gptj": "gptj", "gpt_neox": "gpt_neox", "gpt_neox_sequential": "gpt_neox", "qwen2": "llama",
              "qwen3_tied": "llama", "mistral_window": "llama", "granite_tied_bias": "llama", "olmo2_gqa": "olmo2", "olmo3_window_yarn": "olmo2", "phi3_window_partial": "phi3",
-             "phi_gqa_yarn": "phi",
+             "phi_gqa_yarn": "phi", "starcoder2_window": "starcoder2",
              "llama_gqa2_llama3_rope": "llama", "llama_mqa_tied_bias_linear_rope": "llama", "gpt2": "gpt2",
              "opt_projected": "opt", "opt_post_norm": "opt", "gemma_mqa": "gemma",
              "gemma2_softcap_window": "gemma", "gemma3_local_rope": "gemma", "mixtral_window": "mixtral",
@@ -308,7 +308,7 @@ def test_unsupported_model_type_names_the_supported_ones(tmp_path):
         hf.load_hf(tmp_path)
 
 
-@pytest.mark.parametrize("shipped", ["llama3_8b", "qwen3_8b", "phi3_mini_4k", "phi2", "gemma3_1b", "gemma2_2b", "pythia_6.9b",
+@pytest.mark.parametrize("shipped", ["llama3_8b", "qwen3_8b", "phi3_mini_4k", "phi2", "starcoder2_3b", "gemma3_1b", "gemma2_2b", "pythia_6.9b",
                                      "gpt2_xl", "6B_roto_256", "mixtral_8x7b", "qwen3_30b_a3b",
                                      "qwen1.5_moe_a2.7b"])
 def test_planner_param_count_equals_hf(shipped):

@@ -135,6 +135,7 @@ MUTATIONS = [  # (mutation, the family case it must break)
     (other_rotary_pairing, "phi_gqa_yarn"), (row_parallel_bias_dropped, "phi_gqa_yarn"),
     (rotary_magnitude_ignored, "qwen2"), (rotary_magnitude_ignored, "phi_gqa_yarn"),
     (one_rope_for_every_layer, "olmo3_window_yarn"), (window_one_wider, "olmo3_window_yarn"),
+    (window_one_wider, "starcoder2_window"), (row_parallel_bias_dropped, "starcoder2_window"),
     (expert_weights_renormalised_the_other_way, "mixtral_window"),
     (expert_weights_renormalised_the_other_way, "qwen3_moe_tied"), (one_expert_fewer_per_token, "mixtral_window"),
     (qk_norms_skipped, "qwen3_moe_tied"), (shared_expert_ungated, "qwen2_moe_shared"),

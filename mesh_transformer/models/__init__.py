@@ -39,6 +39,7 @@ _FAMILY_MODULES = {
     "mixtral": ("mixtral", ("mixtral", "qwen2_moe", "qwen3_moe")),
     "olmo2": ("olmo2", ("olmo2", "olmo3")),
     "phi": ("phi", ("phi",)),
+    "starcoder2": ("starcoder2", ("starcoder2",)),
 }
 
 

@@ -40,6 +40,7 @@ class LlamaShaped:
 
     layer_types = None  # a family with the key declares it: HF's list, SLIDING or FULL per layer
     residual_multiplier = None  # LLaMA's key (Granite), read by the block other families share
+    block_norm = "rmsnorm"  # the block's two pre-norms (StarCoder2's: LayerNorms); not a key
 
     @property
     def kv_heads(self) -> int:
@@ -251,10 +252,10 @@ def hf_sliding_window(hf: dict) -> tuple[Optional[int], Optional[list]]:
 
 
 def block(c: LlamaConfig, x, ctx, cache=None):
-    """Pre-norm, sequential: x + Attn(RMSNorm(x)), then + SwiGLU(RMSNorm(x))."""
-    attn, cache = Attention(c.attention())(norm("rmsnorm", c.d_model, c.layer_norm_eps, "ln_1")(x), ctx, cache)
+    """Pre-norm, sequential: x + Attn(RMSNorm(x)), then + SwiGLU(RMSNorm(x)) (`block_norm`, `mlp()`)."""
+    attn, cache = Attention(c.attention())(norm(c.block_norm, c.d_model, c.layer_norm_eps, "ln_1")(x), ctx, cache)
     x = x + residual(c, reduce_mp(attn))
-    return x + residual(c, reduce_mp(MLP(c.mlp())(norm("rmsnorm", c.d_model, c.layer_norm_eps, "ln_2")(x)))), cache
+    return x + residual(c, reduce_mp(MLP(c.mlp())(norm(c.block_norm, c.d_model, c.layer_norm_eps, "ln_2")(x)))), cache
 
 
 def residual(c: LlamaConfig, y):
