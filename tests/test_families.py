@@ -514,6 +514,59 @@ def test_yarn_frequencies_and_magnitude_equal_transformers(scaling, partial):
     assert ours.magnitude() == pytest.approx(attention_factor, rel=1e-12) and ours.magnitude() != 1.0
 
 
+@pytest.mark.parametrize("case, overrides", [
+    ("phi_gqa_yarn", {}),
+    ("starcoder2_window", dict(use_bias=False, tie_word_embeddings=False,
+                               rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e5})),
+])
+def test_older_rope_keys_import_and_export_as_transformers_reads_them(case, overrides, tmp_path):
+    """A config.json written the older way, as released Phi and StarCoder2 checkpoints are: rope_theta
+    and partial_rotary_factor at the top level, `rope_scaling` naming its kind under "type". Our
+    logits equal transformers' on it, and our export (the kind under rope_type) reloads in
+    transformers with identical logits."""
+    from transformers import AutoModelForCausalLM
+    torch_model = make_hf_model(tmp_path / "hf", case, **overrides)
+    path = tmp_path / "hf" / "config.json"
+    older = json.loads(path.read_text())
+    rope = older.pop("rope_parameters")
+    older.update({k: rope.pop(k) for k in ("rope_theta", "partial_rotary_factor") if k in rope})
+    older["rope_scaling"] = {"type": rope.pop("rope_type"), **rope}
+    path.write_text(json.dumps(older))
+    tokens = random_tokens((2, 13), 90, seed=2)
+    assert np.array_equal(hf_logits(AutoModelForCausalLM.from_pretrained(path.parent).eval(), tokens),
+                          hf_logits(torch_model, tokens))  # transformers reads the older keys as it wrote the new
+    config, params = hf.load_hf(path.parent, compute_dtype="float32", remat="none")
+    assert config.rope_scaling["rope_type"] in ("yarn", "linear") and parity_error(config, params, torch_model) < TOL
+    hf.save_hf(params, config, tmp_path / "out")
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    np.testing.assert_array_equal(hf_logits(reloaded, tokens), hf_logits(torch_model, tokens))
+
+
+@pytest.mark.parametrize("scaling, error", [
+    ({"rope_type": "yarn", "factor": "4", "original_max_position_embeddings": 16}, "factor must be a positive number"),
+    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 0},
+     "original_max_position_embeddings must be a positive number"),
+    ({"rope_type": "yarn", "factor": 4.0}, r"'yarn' needs \['original_max_position_embeddings'\]"),
+    ({"type": "dynamic", "factor": 2.0}, "rope_type must be one of"),
+])
+def test_bad_rope_scaling_is_a_config_error_naming_it(scaling, error):
+    with pytest.raises(ConfigError, match="config key 'rope_scaling': " + error):
+        config_from_dict({**TRAIN_BASE, "family": "llama", "rope_scaling": scaling})
+
+
+def test_yarn_keys_a_config_json_leaves_out_mean_what_transformers_assumes():
+    """YaRN without its original context: transformers takes max_position_embeddings, and so do we."""
+    import transformers
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    base = {k: v for k, v in FAMILY_CASES["qwen2"][2].items() if k != "rope_parameters"}
+    for scaling in ({"rope_type": "yarn", "factor": 2.0}, {"type": "yarn", "factor": 8.0}):
+        inv_freq, attention_factor = ROPE_INIT_FUNCTIONS["yarn"](
+            transformers.AutoConfig.for_model("qwen2", **base, rope_scaling=dict(scaling)))
+        rotary = hf.config_from_hf({"model_type": "qwen2", **base, "rope_scaling": scaling}).attention().rotary
+        np.testing.assert_allclose(np.asarray(rotary.inv_freq()), inv_freq.numpy(), rtol=1e-6)
+        assert rotary.magnitude() == pytest.approx(attention_factor) and attention_factor > 1
+
+
 def test_olmo3_keys_a_config_json_leaves_out_or_writes_the_old_way_mean_what_transformers_assumes(tmp_path):
     """A config.json without sliding_window / layer_types / rope_theta gets Olmo3Config's defaults (4,096
     tokens, three sliding layers of four, base 5e5). The older flat rope_theta and rope_scaling are

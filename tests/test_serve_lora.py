@@ -416,6 +416,12 @@ def test_prompts_scored_with_an_adapter_are_peft_models(served, no_tokenizer):
     jax.tree.map(np.testing.assert_array_equal, bank, jax.device_get(
         {m: {n: x for n, x in own.items() if lora.parallel.is_adapter(n)} for m, own in gen.params.items()}))
     assert compiled[0] == [0, 0] and compiled[1] == compiled[2] and max(compiled[1]) > 0
+    from mesh_transformer.serve.adapters import AdapterSlots
+    slots = AdapterSlots(gen)  # unloading (or replacing) an adapter drops the scorer's device copy of it
+    assert list(scorer._kept) == [a.serial, b.serial]
+    slots.remove("a")
+    slots.add(b._replace(serial=b.serial + 1000), replace=True)
+    assert not scorer._kept
     with pytest.raises(ValueError, match="adapter 'a': this scorer has no served adapters"):
         scorer_for(loading.load(hf=str(base_dir), dtype="float32", mp=1, dp=1).generator()).score(PROMPTS, adapter=a)
 

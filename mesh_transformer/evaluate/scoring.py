@@ -228,6 +228,11 @@ class Scorer:
                 params, tokens, np.take_along_axis(targets, positions, axis=1), positions))
         return [(logprob[i, r], ids[i, r], top[i, r]) for i, r in enumerate(keep)]
 
+    def forget(self, serial: int) -> None:
+        """Drop the placed leaves kept for the adapter of this load (it was unloaded or replaced)."""
+        with self._lock:
+            self._kept.pop(serial, None)
+
     def _adapter_leaves(self, adapter) -> dict:
         """`adapter`'s placed leaves: kept for the last `ADAPTERS_KEPT` adapters, by load (serial)."""
         if adapter.serial not in self._kept:
@@ -256,6 +261,14 @@ def _joined(base: dict, more: dict) -> dict:
 
 
 _SCORERS: "weakref.WeakKeyDictionary[Any, Scorer]" = weakref.WeakKeyDictionary()
+
+
+def forget_adapter(gen, serial: int) -> None:
+    """The adapter of this load is gone from `gen`'s server: its scorer, if it has made one, drops
+    the device copy it keeps of that adapter's leaves."""
+    scorer = _SCORERS.get(gen)
+    if scorer is not None:
+        scorer.forget(serial)
 
 
 def scorer_for(gen) -> Scorer:

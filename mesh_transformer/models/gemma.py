@@ -25,7 +25,7 @@ from mesh_transformer.config import ConfigError, ModelConfig, require
 from mesh_transformer.models import hf_layout as hl
 from mesh_transformer.models.core import StemSpec
 from mesh_transformer.models.layers import MLP, Attention, AttentionSpec, MLPSpec, Rotary, norm, reduce_mp
-from mesh_transformer.models.llama import FULL, SLIDING, LlamaShaped, hf_projections
+from mesh_transformer.models.llama import FULL, SLIDING, LlamaShaped, hf_projections, hf_rope_parameters
 
 NORM = "rmsnorm+1"
 HF_CLASSES = {"gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
@@ -129,7 +129,7 @@ class GemmaConfig(LlamaShaped, ModelConfig):
                "max_position_embeddings": self.seq, "rms_norm_eps": self.layer_norm_eps,
                "tie_word_embeddings": self.tie_embeddings, "hidden_activation": "gelu_pytorch_tanh",
                "attention_bias": False}
-        full = {"rope_type": "default", "rope_theta": self.rope_theta, **(self.rope_scaling or {})}
+        full = hf_rope_parameters(self.rope_theta, self.rope_scaling)
         if kind == "gemma":
             return {**out, "hidden_act": "gelu_pytorch_tanh", "rope_parameters": full}
         kinds = self.windowed_layers() or (True,) * self.layers
@@ -140,7 +140,7 @@ class GemmaConfig(LlamaShaped, ModelConfig):
                    attn_logit_softcapping=self.attn_softcap, final_logit_softcapping=self.logit_softcap)
         if kind == "gemma2":
             return {**out, "rope_parameters": full}
-        local = {"rope_type": "default", "rope_theta": self.rope_local_theta or self.rope_theta}
+        local = hf_rope_parameters(self.rope_local_theta or self.rope_theta)
         return {**out, "rope_parameters": {"full_attention": full, "sliding_attention": local}}
 
 

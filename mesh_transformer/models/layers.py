@@ -454,7 +454,7 @@ class AttentionSpec(NamedTuple):
     qk_norm_unit_offset: bool = False  # those norms' scales stored as scale - 1 (Gemma 3)
     qk_norm_across_heads: bool = False  # those norms over all heads' features at once (OLMo 2), not each head's
     window: Optional[int] = None  # sliding window (Mistral): the last `window` positions, the query's own included
-    local_rotary: Optional[Rotary] = None  # the rotary of the layers with a window, when it differs (Gemma 3)
+    local_rotary: Optional[Rotary] = None  # the rotary of the layers with a window, when it differs (Gemma 3, OLMo 3)
     scale: Optional[float] = None  # scores' scale (Gemma: query_pre_attn_scalar ** -0.5); None: head_dim ** -0.5
     softcap: Optional[float] = None  # scores soft-capped to (-softcap, softcap) before the mask (Gemma 2)
     init_std: float = 0.02

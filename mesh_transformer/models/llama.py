@@ -34,9 +34,10 @@ SLIDING, FULL = "sliding_attention", "full_attention"  # HF's layer_types
 
 
 class LlamaShaped:
-    """What the LLaMA-shaped families (llama, phi3, gemma) share beside ModelConfig's keys: grouped-query
-    kv heads (`n_kv_heads`, default n_heads), a sliding window (`sliding_window`) in every layer or
-    in those `layer_types` marks, a final RMSNorm before a tied or untied head."""
+    """What the LLaMA-shaped families (llama, phi3, gemma, mixtral, olmo2, starcoder2) share beside
+    ModelConfig's keys: grouped-query kv heads (`n_kv_heads`, default n_heads), a sliding window
+    (`sliding_window`) in every layer or in those `layer_types` marks, a final norm (RMSNorm unless
+    the family says otherwise) before a tied or untied head."""
 
     layer_types = None  # a family with the key declares it: HF's list, SLIDING or FULL per layer
     residual_multiplier = None  # LLaMA's key (Granite), read by the block other families share
@@ -76,14 +77,25 @@ class LlamaShaped:
         return StemSpec(final_norm="rmsnorm", tied=self.tie_embeddings)
 
 
-def validate_rope(c) -> None:
-    """An even head size, and HF's `rope_scaling` (if any) of a kind `ROPE_SCALINGS` knows, with its keys."""
-    require(c.head_dim % 2 == 0, "d_head", f"rotary needs an even head size, got {c.head_dim}")
-    if c.rope_scaling is not None:
-        kind = c.rope_scaling.get("rope_type", c.rope_scaling.get("type"))
-        require(kind in ROPE_SCALINGS, "rope_scaling", f"rope_type must be one of {tuple(ROPE_SCALINGS)}, got {kind!r}")
-        missing = [k for k in ROPE_SCALINGS[kind] if k not in c.rope_scaling]
-        require(not missing, "rope_scaling", f"{kind!r} needs {missing}")
+def validate_rope(c, dims: Optional[int] = None) -> None:
+    """An even number of rotated features (`dims`, default the head size), a positive `rope_theta`,
+    and HF's `rope_scaling` (if any) of a kind `ROPE_SCALINGS` knows, with its keys, positive."""
+    dims = c.head_dim if dims is None else dims
+    require(dims % 2 == 0, "d_head", f"rotary needs an even number of rotated features, got {dims}")
+    require(_positive(c.rope_theta), "rope_theta", f"must be a positive number, got {c.rope_theta!r}")
+    if c.rope_scaling is None:
+        return
+    kind = c.rope_scaling.get("rope_type", c.rope_scaling.get("type"))
+    require(kind in ROPE_SCALINGS, "rope_scaling", f"rope_type must be one of {tuple(ROPE_SCALINGS)}, got {kind!r}")
+    missing = [k for k in ROPE_SCALINGS[kind] if c.rope_scaling.get(k) is None]
+    require(not missing, "rope_scaling", f"{kind!r} needs {missing}")
+    for key in (*ROPE_SCALINGS[kind], "attention_factor"):
+        value = c.rope_scaling.get(key)
+        require(value is None or _positive(value), "rope_scaling", f"{key} must be a positive number, got {value!r}")
+
+
+def _positive(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0
 
 
 def full_rotary(c, dims: Optional[int] = None) -> Rotary:
@@ -93,17 +105,32 @@ def full_rotary(c, dims: Optional[int] = None) -> Rotary:
     return Rotary(c.head_dim if dims is None else dims, "half", c.rope_theta, scaling)
 
 
+def hf_rope_keys(rope: dict, hf: dict, default_theta: float) -> tuple[float, Optional[dict]]:
+    """(rope_theta, our `rope_scaling`) from a HF config.json's rope dict (`rope_parameters`, or the
+    older `rope_scaling`) and its top-level keys."""
+    return rope.get("rope_theta", hf.get("rope_theta", default_theta)), hf_scaling(rope, hf)
+
+
 def hf_scaling(rope: dict, hf: dict) -> Optional[dict]:
     """The rope keys of a HF config.json beside rope_theta and partial_rotary_factor as our
-    `rope_scaling` (None: plain rope). YaRN's original context defaults to max_position_embeddings,
-    as transformers reads it."""
-    rope = {k: v for k, v in rope.items() if k not in ("rope_theta", "partial_rotary_factor")}
-    kind = rope.get("rope_type", rope.get("type", "default"))
+    `rope_scaling` (None: plain rope), its kind under `rope_type` whichever key the file used. As
+    transformers reads them, llama3's and YaRN's original context defaults to max_position_embeddings."""
+    rope = {k: v for k, v in rope.items() if v is not None and k not in ("rope_theta", "partial_rotary_factor")}
+    kind = rope.pop("rope_type", rope.pop("type", "default"))
     if kind == "default":
         return None
-    if kind == "yarn" and rope.get("original_max_position_embeddings") is None:
-        rope["original_max_position_embeddings"] = hf.get("max_position_embeddings")
-    return rope
+    longest = hf.get("max_position_embeddings")
+    if kind in ("llama3", "yarn") and "original_max_position_embeddings" not in rope and longest is not None:
+        rope["original_max_position_embeddings"] = longest
+    return {"rope_type": kind, **rope}
+
+
+def hf_rope_parameters(theta: float, scaling: Optional[dict] = None, **extra) -> dict:
+    """HF's `rope_parameters` of a rope at base `theta` with our `rope_scaling` (its kind under
+    `rope_type`, whichever key it was written with) and `extra` keys (partial_rotary_factor)."""
+    scaling = dict(scaling or {})
+    kind = scaling.pop("rope_type", scaling.pop("type", "default"))
+    return {"rope_type": kind, "rope_theta": theta, **scaling, **extra}
 
 
 def hf_rope(hf: dict, model: str) -> dict:
@@ -166,7 +193,7 @@ class LlamaConfig(LlamaShaped, ModelConfig):
     @classmethod
     def from_hf_config(cls, hf: dict) -> "LlamaConfig":
         rope = hf_rope(hf, "LLaMA")
-        theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+        theta, scaling = hf_rope_keys(rope, hf, 10000.0)
         seq = hf.get("max_position_embeddings", 2048)
         window, kinds = hf_sliding_window(hf)
         qwen2, qwen3, granite = (hf.get("model_type") == t for t in ("qwen2", "qwen3", "granite"))
@@ -174,7 +201,7 @@ class LlamaConfig(LlamaShaped, ModelConfig):
         return cls(**constants, layers=hf["num_hidden_layers"], d_model=hf["hidden_size"], n_heads=hf["num_attention_heads"],
                    n_kv_heads=hf.get("num_key_value_heads"), d_head=hf.get("head_dim"), n_vocab=hf["vocab_size"],
                    seq=seq, sliding_window=window, layer_types=kinds, d_ff=hf["intermediate_size"],
-                   rope_theta=theta, rope_scaling=hf_scaling(rope, hf), qkv_bias=qwen2 or hf.get("attention_bias", False),
+                   rope_theta=theta, rope_scaling=scaling, qkv_bias=qwen2 or hf.get("attention_bias", False),
                    out_bias=not qwen2 and hf.get("attention_bias", False), mlp_bias=hf.get("mlp_bias", False),
                    qk_norm=qwen3, tie_embeddings=hf.get("tie_word_embeddings", False),
                    layer_norm_eps=hf.get("rms_norm_eps", 1e-6))

@@ -32,7 +32,7 @@ from mesh_transformer.config import ConfigError, ModelConfig, require
 from mesh_transformer.models import hf_layout as hl
 from mesh_transformer.models.layers import (MLP, Attention, AttentionSpec, MLPSpec, MoE, MoESpec, RowParallel, dense,
                                             norm, normal, reduce_mp)
-from mesh_transformer.models.llama import (FULL, SLIDING, LlamaShaped, full_rotary, hf_attention, hf_rope, hf_scaling,
+from mesh_transformer.models.llama import (FULL, SLIDING, LlamaShaped, full_rotary, hf_attention, hf_rope, hf_rope_keys,
                                            hf_sliding_window, validate_rope)
 
 # HF's module names of the router and of expert e's gate / up / down projections, per model_type
@@ -103,7 +103,7 @@ class MixtralConfig(LlamaShaped, ModelConfig):
         kind = hf.get("model_type")
         hf = hl.as_transformers_reads_it(hf)
         rope = hf_rope(hf, {"mixtral": "Mixtral", "qwen2_moe": "Qwen2-MoE"}.get(kind, "Qwen3-MoE"))
-        theta = rope.get("rope_theta", hf.get("rope_theta", 1e6))
+        theta, scaling = hf_rope_keys(rope, hf, 1e6)
         qwen = kind in ("qwen2_moe", "qwen3_moe")
         if qwen and (hf.get("mlp_only_layers") or hf.get("decoder_sparse_step", 1) != 1):
             raise ConfigError(f"config.json: {kind} with dense layers among the sparse ones (mlp_only_layers, "
@@ -117,7 +117,7 @@ class MixtralConfig(LlamaShaped, ModelConfig):
                    router_aux_loss_coef=hf["router_aux_loss_coef"] if hf.get("output_router_logits") else 0.0,
                    shared_expert_d_ff=hf.get("shared_expert_intermediate_size") if kind == "qwen2_moe" else None,
                    qkv_bias=kind == "qwen2_moe" and hf.get("qkv_bias", True),
-                   rope_theta=theta, rope_scaling=hf_scaling(rope, hf), qk_norm=kind == "qwen3_moe", sliding_window=window,
+                   rope_theta=theta, rope_scaling=scaling, qk_norm=kind == "qwen3_moe", sliding_window=window,
                    layer_types=kinds,
                    tie_embeddings=hf.get("tie_word_embeddings", False), layer_norm_eps=hf["rms_norm_eps"])
 

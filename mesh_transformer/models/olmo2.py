@@ -19,8 +19,8 @@ from typing import Optional
 from mesh_transformer.config import ConfigError, ModelConfig, require
 from mesh_transformer.models import hf_layout as hl
 from mesh_transformer.models.layers import MLP, Attention, AttentionSpec, MLPSpec, Rotary, norm, reduce_mp
-from mesh_transformer.models.llama import (FULL, SLIDING, LlamaShaped, full_rotary, hf_attention, hf_rope, hf_scaling,
-                                           hf_sliding_window, validate_rope)
+from mesh_transformer.models.llama import (FULL, SLIDING, LlamaShaped, full_rotary, hf_attention, hf_rope, hf_rope_keys,
+                                           hf_rope_parameters, hf_scaling, hf_sliding_window, validate_rope)
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,8 @@ class Olmo2Config(LlamaShaped, ModelConfig):
         self.validate_kv_heads_and_window()
         validate_rope(self)
         if self.rope_local_theta is not None:
-            require(self.rope_local_theta > 0, "rope_local_theta", f"must be positive, got {self.rope_local_theta}")
+            require(isinstance(self.rope_local_theta, (int, float)) and self.rope_local_theta > 0, "rope_local_theta",
+                    f"must be a positive number, got {self.rope_local_theta!r}")
             require(self.sliding_window is not None, "rope_local_theta", "is the sliding layers' base: set sliding_window")
 
     @property
@@ -51,8 +52,8 @@ class Olmo2Config(LlamaShaped, ModelConfig):
         return self.rope_theta if self.rope_local_theta is None else self.rope_local_theta
 
     def attention(self) -> AttentionSpec:
-        own = self.sliding_window and (self.rope_scaling or self.local_theta != self.rope_theta)
-        sliding_rope = Rotary(self.head_dim, "half", self.local_theta) if own else None
+        sliding_rope_differs = self.sliding_window and (self.rope_scaling or self.local_theta != self.rope_theta)
+        sliding_rope = Rotary(self.head_dim, "half", self.local_theta) if sliding_rope_differs else None
         return AttentionSpec(self.d_model, self.n_heads, self.kv_heads, self.head_dim, full_rotary(self),
                              qkv_bias=self.attention_bias, out_bias=self.attention_bias, qk_norm=self.layer_norm_eps,
                              qk_norm_across_heads=True, window=self.window, local_rotary=sliding_rope)
@@ -62,19 +63,19 @@ class Olmo2Config(LlamaShaped, ModelConfig):
 
     @classmethod
     def from_hf_config(cls, hf: dict) -> "Olmo2Config":
-        """(Missing keys: Olmo2Config's and Olmo3Config's defaults.)"""
+        """OLMo 2's keys (missing ones: Olmo2Config's defaults); OLMo 3's as transformers' Olmo3Config
+        reads them — its defaults (4,096-token window in three layers of four, base 5e5), older
+        rope keys in per-layer-kind `rope_parameters` (`_olmo3_ropes`)."""
         olmo3 = hf.get("model_type") == "olmo3"
         if olmo3:
-            hf = {"sliding_window": 4096, **hf}
-            hf["layer_types"] = hf.get("layer_types") or [SLIDING if (i + 1) % 4 else FULL
-                                                          for i in range(hf["num_hidden_layers"])]
-        rope, local_theta = _hf_ropes(hf, olmo3)
-        theta = rope.get("rope_theta", hf.get("rope_theta", OLMO3_THETA if olmo3 else 10000.0))
+            hf = hl.as_transformers_reads_it(hf)
+        full, local_theta = _olmo3_ropes(hf) if olmo3 else (hf_rope(hf, "OLMo 2"), None)
+        theta, scaling = hf_rope_keys(full, hf, 10000.0)
         window, kinds = hf_sliding_window(hf) if olmo3 else (None, None)
         return cls(layers=hf["num_hidden_layers"], d_model=hf["hidden_size"], n_heads=hf["num_attention_heads"],
                    n_kv_heads=hf.get("num_key_value_heads"), d_head=hf.get("head_dim"), n_vocab=hf["vocab_size"],
                    seq=hf.get("max_position_embeddings", 2048), d_ff=hf["intermediate_size"], rope_theta=theta,
-                   rope_scaling=hf_scaling(rope, hf), sliding_window=window, layer_types=kinds,
+                   rope_scaling=scaling, sliding_window=window, layer_types=kinds,
                    rope_local_theta=local_theta if window and local_theta != theta else None,
                    attention_bias=hf.get("attention_bias", False), tie_embeddings=hf.get("tie_word_embeddings", False),
                    layer_norm_eps=hf.get("rms_norm_eps", 1e-5))
@@ -93,28 +94,23 @@ class Olmo2Config(LlamaShaped, ModelConfig):
         return {**{k: v for k, v in out.items() if k not in ("rope_theta", "rope_scaling")},
                 "architectures": ["Olmo3ForCausalLM"], "model_type": "olmo3", "sliding_window": self.sliding_window,
                 "layer_types": [SLIDING if windowed else FULL for windowed in kinds],
-                "rope_parameters": {FULL: {"rope_type": "default", "rope_theta": self.rope_theta, **(self.rope_scaling or {})},
-                                    SLIDING: {"rope_type": "default", "rope_theta": self.local_theta}}}
+                "rope_parameters": {FULL: hf_rope_parameters(self.rope_theta, self.rope_scaling),
+                                    SLIDING: hf_rope_parameters(self.local_theta)}}
 
 
-OLMO3_THETA = 500000.0  # Olmo3Config.default_theta
-
-
-def _hf_ropes(hf: dict, olmo3: bool) -> tuple[dict, Optional[float]]:
-    """(the rope keys of the full-attention layers, all layers' in OLMo 2; the sliding layers' base)
-    as transformers reads them: OLMo 3's `rope_parameters` hold one dict per layer kind; where a
-    config.json has the older flat keys, rope_theta and rope_scaling are the full layers' only, the
-    sliding ones rotating at Olmo3Config's default base (as they do where their dict has no rope_theta)."""
-    rope = hf_rope(hf, "OLMo 3" if olmo3 else "OLMo 2")
-    if not olmo3:
-        return rope, None
-    if FULL not in rope and SLIDING not in rope:
-        return rope, OLMO3_THETA
-    full, sliding = dict(rope.get(FULL) or {}), dict(rope.get(SLIDING) or {})
+def _olmo3_ropes(hf: dict) -> tuple[dict, float]:
+    """(the full-attention layers' rope keys, the sliding layers' base) from Olmo3Config's
+    per-layer-kind `rope_parameters`. Its reading of a config.json's older flat rope_theta and
+    rope_scaling is transformers' own: the full layers' only, the sliding layers rotating at the
+    default base 5e5. A `truncate` key among the full layers' is left out, as transformers' YaRN
+    reads it from the top level, where OLMo 3 has none."""
+    rope = hf_rope(hf, "OLMo 3")
+    full, sliding = dict(rope[FULL]), dict(rope[SLIDING])
+    full.pop("truncate", None)
     if hf_scaling(sliding, hf) is not None:
         raise ConfigError(f"config.json: OLMo 3's sliding-attention layers with rope scaling ({sliding}) are not "
                           "supported; only the full-attention layers' rope may be scaled")
-    return full, sliding.get("rope_theta", OLMO3_THETA)
+    return full, sliding["rope_theta"]
 
 
 def block(c: Olmo2Config, x, ctx, cache=None):

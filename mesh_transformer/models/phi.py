@@ -17,7 +17,7 @@ from mesh_transformer.models import hf_layout as hl
 from mesh_transformer.models.core import StemSpec
 from mesh_transformer.models.gptj import block  # noqa: F401 - the family's block is GPT-J's
 from mesh_transformer.models.layers import ACTIVATIONS, AttentionSpec, MLPSpec
-from mesh_transformer.models.llama import full_rotary, hf_scaling, validate_rope
+from mesh_transformer.models.llama import full_rotary, hf_rope_keys, hf_rope_parameters, validate_rope
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,7 @@ class PhiConfig(ModelConfig):
         require(self.rotary_dims % 2 == 0 and self.rotary_dims > 0, "rotary_pct",
                 f"gives {self.rotary_dims} rotary features of the {self.head_dim} in a head; it must be even and > 0")
         require(self.activation in ACTIVATIONS, "activation", f"must be one of {tuple(ACTIVATIONS)}, got {self.activation!r}")
-        validate_rope(self)
+        validate_rope(self, self.rotary_dims)
 
     def attention(self) -> AttentionSpec:
         return AttentionSpec(self.d_model, self.n_heads, self.kv_heads, self.head_dim,
@@ -68,22 +68,19 @@ class PhiConfig(ModelConfig):
             raise ConfigError("config.json: Phi with tie_word_embeddings=true is not supported "
                               "(its head has a bias of its own; no released Phi-1/1.5/2 ties it)")
         rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-        theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+        theta, scaling = hf_rope_keys(rope, hf, 10000.0)
         pct = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.5))
         n_heads = hf["num_attention_heads"]
         return cls(layers=hf["num_hidden_layers"], d_model=hf["hidden_size"], n_heads=n_heads,
-                   n_kv_heads=hf.get("num_key_value_heads") or n_heads, n_vocab=hf["vocab_size"],
+                   n_kv_heads=hf.get("num_key_value_heads") or n_heads, d_head=hf.get("head_dim"), n_vocab=hf["vocab_size"],
                    seq=hf.get("max_position_embeddings", 2048), d_ff=hf["intermediate_size"], rotary_pct=pct,
-                   rope_theta=theta, rope_scaling=hf_scaling(rope, hf), activation=hf.get("hidden_act", "gelu_new"),
+                   rope_theta=theta, rope_scaling=scaling, activation=hf.get("hidden_act", "gelu_new"),
                    layer_norm_eps=hf.get("layer_norm_eps", 1e-5))
 
     def to_hf_config(self) -> dict:
-        if self.n_heads * self.head_dim != self.d_model:
-            raise ConfigError("only Phi models with n_heads * d_head == d_model export to HF PhiForCausalLM")
-        rope = {"rope_type": "default", **(self.rope_scaling or {}), "rope_theta": self.rope_theta,
-                "partial_rotary_factor": self.rotary_pct}
+        rope = hf_rope_parameters(self.rope_theta, self.rope_scaling, partial_rotary_factor=self.rotary_pct)
         return {"architectures": ["PhiForCausalLM"], "model_type": "phi", "hidden_size": self.d_model,
-                "num_attention_heads": self.n_heads, "num_key_value_heads": self.kv_heads,
+                "num_attention_heads": self.n_heads, "num_key_value_heads": self.kv_heads, "head_dim": self.head_dim,
                 "num_hidden_layers": self.layers, "intermediate_size": self.ff_dim, "vocab_size": self.n_vocab,
                 "max_position_embeddings": self.seq, "rope_parameters": rope, "hidden_act": self.activation,
                 "layer_norm_eps": self.layer_norm_eps, "qk_layernorm": False, "tie_word_embeddings": False,

@@ -13,7 +13,7 @@ from typing import Optional
 from mesh_transformer.config import ConfigError, ModelConfig, require
 from mesh_transformer.models import hf_layout as hl
 from mesh_transformer.models.layers import AttentionSpec, MLPSpec, Rotary
-from mesh_transformer.models.llama import LlamaShaped, hf_rope, hf_sliding_window
+from mesh_transformer.models.llama import LlamaShaped, hf_rope, hf_rope_parameters, hf_sliding_window
 from mesh_transformer.models.llama import block  # noqa: F401 - the family's block is LLaMA's
 
 
@@ -73,8 +73,7 @@ class Phi3Config(LlamaShaped, ModelConfig):
                 "num_attention_heads": self.n_heads, "num_key_value_heads": self.kv_heads, "head_dim": self.head_dim,
                 "num_hidden_layers": self.layers, "intermediate_size": self.ff_dim, "vocab_size": self.n_vocab,
                 "max_position_embeddings": self.seq, "original_max_position_embeddings": self.seq,
-                "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta,
-                                    "partial_rotary_factor": self.rotary_pct},
+                "rope_parameters": hf_rope_parameters(self.rope_theta, partial_rotary_factor=self.rotary_pct),
                 "sliding_window": self.window, "hidden_act": "silu", "rms_norm_eps": self.layer_norm_eps,
                 "tie_word_embeddings": self.tie_embeddings,
                 "pad_token_id": None}  # HF's default (32000) would be an embedding row torch never trains

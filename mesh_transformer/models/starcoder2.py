@@ -15,7 +15,8 @@ from mesh_transformer.config import ModelConfig, require
 from mesh_transformer.models import hf_layout as hl
 from mesh_transformer.models.core import StemSpec
 from mesh_transformer.models.layers import ACTIVATIONS, AttentionSpec, MLPSpec
-from mesh_transformer.models.llama import LlamaShaped, full_rotary, hf_attention, hf_scaling, validate_rope
+from mesh_transformer.models.llama import (LlamaShaped, full_rotary, hf_attention, hf_rope_keys, hf_rope_parameters,
+                                           validate_rope)
 from mesh_transformer.models.llama import block  # noqa: F401 - the family's block is LLaMA's
 
 
@@ -52,11 +53,11 @@ class Starcoder2Config(LlamaShaped, ModelConfig):
 
     @classmethod
     def from_hf_config(cls, hf: dict) -> "Starcoder2Config":
-        rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+        theta, scaling = hf_rope_keys(hf.get("rope_parameters") or hf.get("rope_scaling") or {}, hf, 10000.0)
         return cls(layers=hf["num_hidden_layers"], d_model=hf["hidden_size"], n_heads=hf["num_attention_heads"],
                    n_kv_heads=hf.get("num_key_value_heads"), d_head=hf.get("head_dim"), n_vocab=hf["vocab_size"],
                    seq=hf.get("max_position_embeddings", 4096), d_ff=hf["intermediate_size"],
-                   rope_theta=rope.get("rope_theta", hf.get("rope_theta", 10000.0)), rope_scaling=hf_scaling(rope, hf),
+                   rope_theta=theta, rope_scaling=scaling,
                    sliding_window=hf.get("sliding_window"), use_bias=hf.get("use_bias", True),
                    activation=hf.get("hidden_act", "gelu_pytorch_tanh"),
                    tie_embeddings=hf.get("tie_word_embeddings", True), layer_norm_eps=hf.get("norm_epsilon", 1e-5))
@@ -66,7 +67,7 @@ class Starcoder2Config(LlamaShaped, ModelConfig):
                 "head_dim": self.head_dim, "num_attention_heads": self.n_heads, "num_key_value_heads": self.kv_heads,
                 "num_hidden_layers": self.layers, "intermediate_size": self.ff_dim, "vocab_size": self.n_vocab,
                 "max_position_embeddings": self.seq, "sliding_window": self.window,
-                "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta, **(self.rope_scaling or {})},
+                "rope_parameters": hf_rope_parameters(self.rope_theta, self.rope_scaling),
                 "use_bias": self.use_bias, "hidden_act": self.activation, "norm_epsilon": self.layer_norm_eps,
                 "tie_word_embeddings": self.tie_embeddings, "residual_dropout": 0.0, "embedding_dropout": 0.0,
                 "attention_dropout": 0.0}

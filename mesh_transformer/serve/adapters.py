@@ -33,6 +33,7 @@ from typing import Optional
 
 from mesh_transformer import lora
 from mesh_transformer.config import ConfigError
+from mesh_transformer.evaluate.scoring import forget_adapter
 from mesh_transformer.generate import Generator
 
 log = logging.getLogger("mesh_transformer.serve")
@@ -121,16 +122,22 @@ class AdapterSlots:
         with self._lock:
             if adapter.name in self.known and not replace:
                 raise NameTaken(f"the adapter {adapter.name!r} has already been loaded")
+            replaced = self.known.get(adapter.name)
             self.known[adapter.name] = adapter
             self._named(adapter)
+        if replaced is not None:
+            forget_adapter(self.gen, replaced.serial)
 
     def remove(self, name: str) -> lora.ServedAdapter:
         """Forget the adapter called `name` (KeyError if none is): new requests cannot name it;
-        requests already submitted under it finish with it, and its entry is reused once idle."""
+        requests already submitted under it finish with it, and its entry is reused once idle. The
+        prompt scorer's copy of its leaves, if any, is dropped."""
         with self._lock:
             self._held.pop(name, None)
             self._reading.pop(name, None)
-            return self.known.pop(name)
+            removed = self.known.pop(name)
+        forget_adapter(self.gen, removed.serial)
+        return removed
 
     def _named(self, adapter: Optional[lora.ServedAdapter]) -> Optional[lora.ServedAdapter]:
         """`adapter` (with its leaves) was just named: the most recent; drop the leaves of the least
