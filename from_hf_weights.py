@@ -15,7 +15,7 @@ from mesh_transformer.io import remote
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--input-hf", required=True, help="HF model directory: GPT-J, GPT-NeoX, LLaMA/Mistral/Qwen2/Qwen3/Granite, OLMo 2, Phi-3/Phi-4, Gemma 1-3, Mixtral/Qwen2-MoE/Qwen3-MoE, GPT-2 or OPT (local or gs://)")
+    p.add_argument("--input-hf", required=True, help="HF model directory: GPT-J, GPT-NeoX, LLaMA/Mistral/Qwen2/Qwen3/Granite, OLMo 2/3, Phi-1/1.5/2, Phi-3/Phi-4, StarCoder2, Gemma 1-3, Mixtral/Qwen2-MoE/Qwen3-MoE, GPT-2 or OPT (local or gs://)")
     p.add_argument("--output-ckpt", required=True, help="checkpoint directory to create (local or gs://)")
     p.add_argument("--config", help="JSON config whose training keys to record (model keys come from the HF config)")
     args = p.parse_args(argv)

@@ -39,6 +39,13 @@ class ConfigError(UserError, ValueError):
     """A config key is missing, unknown, of the wrong type, or inconsistent with another key."""
 
 
+
+def canonical_rope_scaling(scaling: dict) -> dict:
+    """HF's rope_scaling dict in one form: its kind under `rope_type` (older files: `type`, or both),
+    no None values. Two configs whose dicts differ only so compute the same rotary."""
+    out = {k: v for k, v in scaling.items() if v is not None and k not in ("rope_type", "type")}
+    return {"rope_type": scaling.get("rope_type", scaling.get("type")), **out}
+
 @dataclass(frozen=True)
 class ModelConfig:
     """What every model family shares. Sizes are global (before any sharding).
@@ -119,6 +126,8 @@ class ModelConfig:
         out.update(d_head=self.head_dim, d_ff=self.ff_dim)
         if self.pe == "fixed":
             out["seq"] = self.seq
+        if isinstance(out.get("rope_scaling"), dict):
+            out["rope_scaling"] = canonical_rope_scaling(out["rope_scaling"])
         return out
 
     def validate(self) -> None:

@@ -554,17 +554,43 @@ def test_bad_rope_scaling_is_a_config_error_naming_it(scaling, error):
         config_from_dict({**TRAIN_BASE, "family": "llama", "rope_scaling": scaling})
 
 
-def test_yarn_keys_a_config_json_leaves_out_mean_what_transformers_assumes():
-    """YaRN without its original context: transformers takes max_position_embeddings, and so do we."""
+@pytest.mark.parametrize("keys", [
+    {"rope_scaling": {"rope_type": "yarn", "factor": 2.0}},  # no original context: max_position_embeddings
+    {"rope_scaling": {"type": "yarn", "factor": 8.0}},  # the older key for the kind
+    {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6},  # both: rope_scaling replaces the other whole
+     "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}},
+    {"original_max_position_embeddings": 8,  # a top-level original context wins over the dict's
+     "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}},
+])
+def test_yarn_keys_mean_what_transformers_reads_them_as(keys):
+    """YaRN keys a config.json leaves out, writes the older way, or writes twice: our rotary's base,
+    frequencies and magnitude are those transformers computes from the same file."""
     import transformers
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
     base = {k: v for k, v in FAMILY_CASES["qwen2"][2].items() if k != "rope_parameters"}
-    for scaling in ({"rope_type": "yarn", "factor": 2.0}, {"type": "yarn", "factor": 8.0}):
-        inv_freq, attention_factor = ROPE_INIT_FUNCTIONS["yarn"](
-            transformers.AutoConfig.for_model("qwen2", **base, rope_scaling=dict(scaling)))
-        rotary = hf.config_from_hf({"model_type": "qwen2", **base, "rope_scaling": scaling}).attention().rotary
-        np.testing.assert_allclose(np.asarray(rotary.inv_freq()), inv_freq.numpy(), rtol=1e-6)
-        assert rotary.magnitude() == pytest.approx(attention_factor) and attention_factor > 1
+    theirs = transformers.AutoConfig.for_model("qwen2", **base, **json.loads(json.dumps(keys)))
+    inv_freq, attention_factor = ROPE_INIT_FUNCTIONS["yarn"](theirs)
+    rotary = hf.config_from_hf({"model_type": "qwen2", **base, **keys}).attention().rotary
+    assert rotary.theta == theirs.rope_parameters["rope_theta"]
+    np.testing.assert_allclose(np.asarray(rotary.inv_freq()), inv_freq.numpy(), rtol=1e-6)
+    assert rotary.magnitude() == pytest.approx(attention_factor) and attention_factor > 1
+
+
+def test_rope_scaling_written_with_type_or_rope_type_is_one_architecture():
+    """A config or checkpoint written before session 51 keeps HF's older {"type": ...} (or both keys,
+    as transformers 4 saved them, with nulls); today's import puts the kind under rope_type. They
+    name one rotary, so their architectures are equal: `device_train.py --hf` and a LoRA run's
+    resume or merged export accept the older one."""
+    from mesh_transformer.train.loop import _check_same_architecture
+    older = config_from_dict({**TRAIN_BASE, "family": "llama", "n_kv_heads": 2, "rope_scaling": {"type": "linear", "factor": 2.0}})
+    both = {"type": "linear", "rope_type": "linear", "factor": 2.0, "original_max_position_embeddings": None}
+    imported = hf.config_from_hf({**older.model.to_hf_config(), "rope_scaling": both})
+    assert imported.rope_scaling == {"rope_type": "linear", "factor": 2.0}
+    assert imported.architecture() == older.model.architecture()
+    _check_same_architecture(imported, older, "./hf")
+    with pytest.raises(ConfigError, match="rope_scaling is"):
+        _check_same_architecture(dataclasses.replace(imported, rope_scaling={"type": "linear", "factor": 4.0}),
+                                 older, "./hf")
 
 
 def test_olmo3_keys_a_config_json_leaves_out_or_writes_the_old_way_mean_what_transformers_assumes(tmp_path):
@@ -595,6 +621,26 @@ def test_olmo3_keys_a_config_json_leaves_out_or_writes_the_old_way_mean_what_tra
            "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}
     with pytest.raises(ConfigError, match="OLMo 3's sliding-attention layers with rope scaling"):
         hf.config_from_hf({"model_type": "olmo3", **short, "rope_parameters": own})
+    with pytest.raises(ConfigError, match="config.json: transformers does not read it"):
+        hf.config_from_hf({"model_type": "olmo3", **short, "layer_types": ["full_attention"]})  # 1 kind, 8 layers
+
+
+def test_olmo3_yarn_truncate_is_read_where_transformers_reads_it():
+    """transformers' YaRN reads `truncate` beside OLMo 3's two per-kind dicts (one inside the full
+    layers' dict does nothing): our full layers' frequencies equal its, and the export keeps it there."""
+    import transformers
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    short = {k: v for k, v in FAMILY_CASES["olmo3_window_yarn"][2].items() if k != "rope_parameters"}
+    yarn = {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 16, "rope_theta": 1e4}
+    for truncate_beside, truncate_inside in ((False, None), (None, False)):
+        rope = {"full_attention": {**yarn, **({} if truncate_inside is None else {"truncate": truncate_inside})},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                **({} if truncate_beside is None else {"truncate": truncate_beside})}
+        theirs = transformers.AutoConfig.for_model("olmo3", **short, rope_parameters=json.loads(json.dumps(rope)))
+        inv_freq, _ = ROPE_INIT_FUNCTIONS["yarn"](theirs, layer_type="full_attention")
+        ours = hf.config_from_hf({"model_type": "olmo3", **short, "rope_parameters": rope})
+        np.testing.assert_allclose(np.asarray(ours.attention().rotary.inv_freq()), inv_freq.numpy(), rtol=1e-6)
+        assert ours.to_hf_config()["rope_parameters"].get("truncate") == truncate_beside
 
 
 def test_sliding_window_is_checked_and_exports_only_without_biases():

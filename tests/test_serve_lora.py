@@ -422,6 +422,8 @@ def test_prompts_scored_with_an_adapter_are_peft_models(served, no_tokenizer):
     slots.remove("a")
     slots.add(b._replace(serial=b.serial + 1000), replace=True)
     assert not scorer._kept
+    scorer.score(PROMPTS[:1], adapter=a)  # a pass queued under a before its unload: it runs, nothing is kept
+    assert not scorer._kept
     with pytest.raises(ValueError, match="adapter 'a': this scorer has no served adapters"):
         scorer_for(loading.load(hf=str(base_dir), dtype="float32", mp=1, dp=1).generator()).score(PROMPTS, adapter=a)
 

@@ -118,6 +118,8 @@ class Scorer:
             self._programs.update({(k, True): program(adapted.forward, specs, k) for k in (1, TOP_LOGPROBS)})
         self._adapted = adapted
         self._kept: OrderedDict[int, Any] = OrderedDict()  # adapter serial -> its placed leaves, most recent last
+        self._forgotten: set[int] = set()  # serials of adapters unloaded or replaced since (never kept again)
+        self._kept_lock = threading.Lock()  # `_kept`, `_forgotten` (short: `forget` never waits for a pass)
         self.shapes: set[tuple[int, int, int, int]] = set()  # (rows, positions, K, scored positions) compiled so far
         self._lock = threading.Lock()  # one pass at a time (a server's handlers share one scorer)
 
@@ -229,18 +231,27 @@ class Scorer:
         return [(logprob[i, r], ids[i, r], top[i, r]) for i, r in enumerate(keep)]
 
     def forget(self, serial: int) -> None:
-        """Drop the placed leaves kept for the adapter of this load (it was unloaded or replaced)."""
-        with self._lock:
+        """Drop the placed leaves kept for the adapter of this load (it was unloaded or replaced), and
+        keep none of it again (a pass already under way still finishes with it). Never waits for a
+        scoring pass: the server calls this on its event loop."""
+        with self._kept_lock:
             self._kept.pop(serial, None)
+            self._forgotten.add(serial)
 
     def _adapter_leaves(self, adapter) -> dict:
-        """`adapter`'s placed leaves: kept for the last `ADAPTERS_KEPT` adapters, by load (serial)."""
-        if adapter.serial not in self._kept:
-            self._kept[adapter.serial] = self._adapted.params(adapter)
-            while len(self._kept) > ADAPTERS_KEPT:
-                self._kept.popitem(last=False)
-        self._kept.move_to_end(adapter.serial)
-        return self._kept[adapter.serial]
+        """`adapter`'s placed leaves: kept for the last `ADAPTERS_KEPT` adapters, by load (serial).
+        (Under the pass lock, so placed by one pass at a time.)"""
+        with self._kept_lock:
+            if adapter.serial in self._kept:
+                self._kept.move_to_end(adapter.serial)
+                return self._kept[adapter.serial]
+        leaves = self._adapted.params(adapter)
+        with self._kept_lock:
+            if adapter.serial not in self._forgotten:
+                self._kept[adapter.serial] = leaves
+                while len(self._kept) > ADAPTERS_KEPT:
+                    self._kept.popitem(last=False)
+        return leaves
 
 
 

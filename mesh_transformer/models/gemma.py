@@ -25,7 +25,7 @@ from mesh_transformer.config import ConfigError, ModelConfig, require
 from mesh_transformer.models import hf_layout as hl
 from mesh_transformer.models.core import StemSpec
 from mesh_transformer.models.layers import MLP, Attention, AttentionSpec, MLPSpec, Rotary, norm, reduce_mp
-from mesh_transformer.models.llama import FULL, SLIDING, LlamaShaped, hf_projections, hf_rope_parameters
+from mesh_transformer.models.llama import FULL, SLIDING, LlamaShaped, hf_projections, hf_rope_parameters, validate_rope
 
 NORM = "rmsnorm+1"
 HF_CLASSES = {"gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
@@ -53,7 +53,7 @@ class GemmaConfig(LlamaShaped, ModelConfig):
     def validate(self) -> None:
         super().validate()
         self.validate_kv_heads_and_window()
-        require(self.head_dim % 2 == 0, "d_head", f"rotary needs an even head size, got {self.head_dim}")
+        validate_rope(self)
         for key in ("rope_local_theta", "query_pre_attn_scalar", "attn_softcap", "logit_softcap"):
             value = getattr(self, key)
             require(value is None or value > 0, key, f"must be positive (or null), got {value!r}")

@@ -56,13 +56,16 @@ def as_transformers_reads_it(hf: dict) -> dict:
     """A config.json dict as transformers' config class reads it: the keys the file leaves out at
     their defaults, older keys in today's form (e.g. Gemma's `rope_local_base_freq` and
     `sliding_window_pattern` as per-layer-kind `rope_parameters` and `layer_types`)."""
+    import copy
+
+    from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoConfig
 
     from mesh_transformer.config import ConfigError
     try:
-        return AutoConfig.for_model(**hf).to_dict()
-    except (ValueError, TypeError) as e:
-        raise ConfigError(f"config.json: transformers does not read it ({e})") from None
+        return AutoConfig.for_model(**copy.deepcopy(hf)).to_dict()  # (transformers fills nested dicts in place)
+    except (ValueError, TypeError, KeyError, StrictDataclassError) as e:
+        raise ConfigError(f"config.json: transformers does not read it ({type(e).__name__}: {e})") from None
 
 
 def one(fn_ours, fn_hf) -> Transform:

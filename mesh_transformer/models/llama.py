@@ -20,7 +20,7 @@ from typing import Optional
 
 import jax.numpy as jnp
 
-from mesh_transformer.config import ConfigError, ModelConfig, require
+from mesh_transformer.config import ConfigError, ModelConfig, canonical_rope_scaling, require
 from mesh_transformer.models import hf_layout as hl
 from mesh_transformer.models.core import StemSpec
 from mesh_transformer.models.layers import MLP, Attention, AttentionSpec, MLPSpec, Rotary, norm, reduce_mp
@@ -114,32 +114,39 @@ def hf_rope_keys(rope: dict, hf: dict, default_theta: float) -> tuple[float, Opt
 def hf_scaling(rope: dict, hf: dict) -> Optional[dict]:
     """The rope keys of a HF config.json beside rope_theta and partial_rotary_factor as our
     `rope_scaling` (None: plain rope), its kind under `rope_type` whichever key the file used. As
-    transformers reads them, llama3's and YaRN's original context defaults to max_position_embeddings."""
-    rope = {k: v for k, v in rope.items() if v is not None and k not in ("rope_theta", "partial_rotary_factor")}
-    kind = rope.pop("rope_type", rope.pop("type", "default"))
-    if kind == "default":
+    transformers reads them, llama3's and YaRN's original context is a top-level
+    original_max_position_embeddings where the file has one, else the dict's, else max_position_embeddings."""
+    scaling = canonical_rope_scaling({k: v for k, v in rope.items() if k not in ("rope_theta", "partial_rotary_factor")})
+    if scaling["rope_type"] in (None, "default"):
         return None
-    longest = hf.get("max_position_embeddings")
-    if kind in ("llama3", "yarn") and "original_max_position_embeddings" not in rope and longest is not None:
-        rope["original_max_position_embeddings"] = longest
-    return {"rope_type": kind, **rope}
+    if scaling["rope_type"] in ("llama3", "yarn"):  # (a top-level key wins, as in transformers 5)
+        original = hf.get("original_max_position_embeddings") or scaling.get("original_max_position_embeddings")
+        original = original or hf.get("max_position_embeddings")
+        scaling.update({} if original is None else {"original_max_position_embeddings": original})
+    return scaling
 
 
 def hf_rope_parameters(theta: float, scaling: Optional[dict] = None, **extra) -> dict:
     """HF's `rope_parameters` of a rope at base `theta` with our `rope_scaling` (its kind under
     `rope_type`, whichever key it was written with) and `extra` keys (partial_rotary_factor)."""
-    scaling = dict(scaling or {})
-    kind = scaling.pop("rope_type", scaling.pop("type", "default"))
-    return {"rope_type": kind, "rope_theta": theta, **scaling, **extra}
+    scaling = canonical_rope_scaling(scaling or {"rope_type": "default"})
+    return {**scaling, "rope_theta": theta, **extra}
 
 
 def hf_rope(hf: dict, model: str) -> dict:
-    """A LLaMA-shaped HF config.json's rope keys as one dict (`rope_parameters`, or the older
-    `rope_scaling`; may be empty); ConfigError unless the activation is SiLU."""
+    """A LLaMA-shaped HF config.json's rope keys (`hf_rope_dict`); ConfigError unless the activation
+    is SiLU."""
     act = hf.get("hidden_act", "silu")
     if act != "silu":
         raise ConfigError(f"config.json: hidden_act {act!r} is not supported ({model} uses 'silu')")
-    return dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    return hf_rope_dict(hf)
+
+
+def hf_rope_dict(hf: dict) -> dict:
+    """A HF config.json's rope keys as one dict: the older `rope_scaling` where the file has one (it
+    then replaces `rope_parameters` whole, as transformers 5 reads it), else `rope_parameters`; may
+    be empty."""
+    return dict(hf.get("rope_scaling") or hf.get("rope_parameters") or {})
 
 
 @dataclass(frozen=True)

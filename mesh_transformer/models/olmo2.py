@@ -94,19 +94,29 @@ class Olmo2Config(LlamaShaped, ModelConfig):
         return {**{k: v for k, v in out.items() if k not in ("rope_theta", "rope_scaling")},
                 "architectures": ["Olmo3ForCausalLM"], "model_type": "olmo3", "sliding_window": self.sliding_window,
                 "layer_types": [SLIDING if windowed else FULL for windowed in kinds],
-                "rope_parameters": {FULL: hf_rope_parameters(self.rope_theta, self.rope_scaling),
-                                    SLIDING: hf_rope_parameters(self.local_theta)}}
+                "rope_parameters": _olmo3_rope_parameters(self)}
+
+
+def _olmo3_rope_parameters(c: Olmo2Config) -> dict:
+    """Olmo3Config's per-layer-kind `rope_parameters` of `c` (YaRN's `truncate` beside them, where
+    transformers reads it: `_olmo3_ropes`)."""
+    scaling = dict(c.rope_scaling or {})
+    truncate = scaling.pop("truncate", None)
+    return {FULL: hf_rope_parameters(c.rope_theta, scaling or None), SLIDING: hf_rope_parameters(c.local_theta),
+            **({} if truncate is None else {"truncate": truncate})}
 
 
 def _olmo3_ropes(hf: dict) -> tuple[dict, float]:
     """(the full-attention layers' rope keys, the sliding layers' base) from Olmo3Config's
     per-layer-kind `rope_parameters`. Its reading of a config.json's older flat rope_theta and
     rope_scaling is transformers' own: the full layers' only, the sliding layers rotating at the
-    default base 5e5. A `truncate` key among the full layers' is left out, as transformers' YaRN
-    reads it from the top level, where OLMo 3 has none."""
+    default base 5e5. YaRN's `truncate` is read where transformers' YaRN reads it: beside the two
+    layer kinds' dicts (one among the full layers' keys is ignored)."""
     rope = hf_rope(hf, "OLMo 3")
     full, sliding = dict(rope[FULL]), dict(rope[SLIDING])
     full.pop("truncate", None)
+    if rope.get("truncate") is not None:
+        full["truncate"] = rope["truncate"]
     if hf_scaling(sliding, hf) is not None:
         raise ConfigError(f"config.json: OLMo 3's sliding-attention layers with rope scaling ({sliding}) are not "
                           "supported; only the full-attention layers' rope may be scaled")

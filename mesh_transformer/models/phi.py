@@ -17,7 +17,7 @@ from mesh_transformer.models import hf_layout as hl
 from mesh_transformer.models.core import StemSpec
 from mesh_transformer.models.gptj import block  # noqa: F401 - the family's block is GPT-J's
 from mesh_transformer.models.layers import ACTIVATIONS, AttentionSpec, MLPSpec
-from mesh_transformer.models.llama import full_rotary, hf_rope_keys, hf_rope_parameters, validate_rope
+from mesh_transformer.models.llama import full_rotary, hf_rope_dict, hf_rope_keys, hf_rope_parameters, validate_rope
 
 
 @dataclass(frozen=True)
@@ -67,7 +67,7 @@ class PhiConfig(ModelConfig):
         if hf.get("tie_word_embeddings"):
             raise ConfigError("config.json: Phi with tie_word_embeddings=true is not supported "
                               "(its head has a bias of its own; no released Phi-1/1.5/2 ties it)")
-        rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+        rope = hf_rope_dict(hf)
         theta, scaling = hf_rope_keys(rope, hf, 10000.0)
         pct = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.5))
         n_heads = hf["num_attention_heads"]

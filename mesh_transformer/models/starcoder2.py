@@ -15,7 +15,7 @@ from mesh_transformer.config import ModelConfig, require
 from mesh_transformer.models import hf_layout as hl
 from mesh_transformer.models.core import StemSpec
 from mesh_transformer.models.layers import ACTIVATIONS, AttentionSpec, MLPSpec
-from mesh_transformer.models.llama import (LlamaShaped, full_rotary, hf_attention, hf_rope_keys, hf_rope_parameters,
+from mesh_transformer.models.llama import (LlamaShaped, full_rotary, hf_attention, hf_rope_dict, hf_rope_keys, hf_rope_parameters,
                                            validate_rope)
 from mesh_transformer.models.llama import block  # noqa: F401 - the family's block is LLaMA's
 
@@ -53,7 +53,7 @@ class Starcoder2Config(LlamaShaped, ModelConfig):
 
     @classmethod
     def from_hf_config(cls, hf: dict) -> "Starcoder2Config":
-        theta, scaling = hf_rope_keys(hf.get("rope_parameters") or hf.get("rope_scaling") or {}, hf, 10000.0)
+        theta, scaling = hf_rope_keys(hf_rope_dict(hf), hf, 10000.0)
         return cls(layers=hf["num_hidden_layers"], d_model=hf["hidden_size"], n_heads=hf["num_attention_heads"],
                    n_kv_heads=hf.get("num_key_value_heads"), d_head=hf.get("head_dim"), n_vocab=hf["vocab_size"],
                    seq=hf.get("max_position_embeddings", 4096), d_ff=hf["intermediate_size"],
