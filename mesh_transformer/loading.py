@@ -65,7 +65,8 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     source = group.add_mutually_exclusive_group(required=True)
     source.add_argument("--ckpt", help="checkpoint directory written by training (local or gs://)")
     source.add_argument("--hf", help="Hugging Face model directory (config.json + safetensors/bin): GPT-J, "
-                                     "GPT-NeoX/Pythia, LLaMA/Mistral/Qwen2/Qwen3/Granite, OLMo 2, Phi-3/Phi-4, Gemma 1-3, "
+                                     "GPT-NeoX/Pythia, LLaMA/Mistral/Qwen2/Qwen3/Granite, OLMo 2/3, Phi-1/1.5/2, Phi-3/Phi-4, "
+                                     "StarCoder2, Gemma 1-3, "
                                      "Mixtral/Qwen2-MoE/Qwen3-MoE, GPT-2 or OPT")
     group.add_argument("--config", help="JSON config: overrides the checkpoint's; with --hf gives "
                                         "cores_per_replica and compute_dtype")
