@@ -21,7 +21,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from mesh_transformer.config import ConfigError, ModelConfig, require
+from mesh_transformer.config import ConfigError, ModelConfig, canonical_rope_scaling, require
 from mesh_transformer.models import hf_layout as hl
 from mesh_transformer.models.core import StemSpec
 from mesh_transformer.models.layers import MLP, Attention, AttentionSpec, MLPSpec, Rotary, norm, reduce_mp
@@ -58,7 +58,7 @@ class GemmaConfig(LlamaShaped, ModelConfig):
             value = getattr(self, key)
             require(value is None or value > 0, key, f"must be positive (or null), got {value!r}")
         if self.rope_scaling is not None:
-            kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
+            kind = canonical_rope_scaling(self.rope_scaling)["rope_type"]
             require(kind == "linear" and "factor" in self.rope_scaling, "rope_scaling",
                     f"Gemma supports rope_type 'linear' with a factor, got {self.rope_scaling!r}")
 

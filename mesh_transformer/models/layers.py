@@ -325,11 +325,16 @@ class Rotary(NamedTuple):
     theta: float = 10000.0
     scaling: Optional[tuple] = None  # sorted (key, value) pairs of HF's rope_scaling dict
 
+    @property
+    def kind(self) -> Optional[str]:
+        """The scaling's kind (HF's rope_type, or the older type), None without one."""
+        scaling = dict(self.scaling or ())
+        return scaling.get("rope_type", scaling.get("type"))
+
     def inv_freq(self):
         """[dims/2] float32 angular frequencies, after any scaling."""
         inv_freq = 1.0 / (self.theta ** (jnp.arange(0, self.dims, 2, dtype=jnp.float32) / self.dims))
-        scaling = dict(self.scaling or ())
-        kind = scaling.get("rope_type", scaling.get("type"))
+        scaling, kind = dict(self.scaling or ()), self.kind
         if kind == "linear":
             return inv_freq / scaling["factor"]
         if kind == "llama3":
@@ -341,8 +346,7 @@ class Rotary(NamedTuple):
     def magnitude(self) -> float:
         """What the rotated features are multiplied by: YaRN's attention factor (so the scores of two
         rotated heads by its square), else 1."""
-        scaling = dict(self.scaling or ())
-        return _yarn_attention_factor(scaling) if scaling.get("rope_type", scaling.get("type")) == "yarn" else 1.0
+        return _yarn_attention_factor(dict(self.scaling)) if self.kind == "yarn" else 1.0
 
     def __call__(self, x, positions, inv_freq=None, magnitude=None):
         """x [B, T, N, H], positions [B, T] (int) -> x with its first `dims` features rotated

@@ -85,7 +85,7 @@ def validate_rope(c, dims: Optional[int] = None) -> None:
     require(_positive(c.rope_theta), "rope_theta", f"must be a positive number, got {c.rope_theta!r}")
     if c.rope_scaling is None:
         return
-    kind = c.rope_scaling.get("rope_type", c.rope_scaling.get("type"))
+    kind = canonical_rope_scaling(c.rope_scaling)["rope_type"]
     require(kind in ROPE_SCALINGS, "rope_scaling", f"rope_type must be one of {tuple(ROPE_SCALINGS)}, got {kind!r}")
     missing = [k for k in ROPE_SCALINGS[kind] if c.rope_scaling.get(k) is None]
     require(not missing, "rope_scaling", f"{kind!r} needs {missing}")
@@ -106,8 +106,8 @@ def full_rotary(c, dims: Optional[int] = None) -> Rotary:
 
 
 def hf_rope_keys(rope: dict, hf: dict, default_theta: float) -> tuple[float, Optional[dict]]:
-    """(rope_theta, our `rope_scaling`) from a HF config.json's rope dict (`rope_parameters`, or the
-    older `rope_scaling`) and its top-level keys."""
+    """(rope_theta, our `rope_scaling`) from a HF config.json's rope dict (`hf_rope_dict`) and its
+    top-level keys."""
     return rope.get("rope_theta", hf.get("rope_theta", default_theta)), hf_scaling(rope, hf)
 
 
