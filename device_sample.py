@@ -26,17 +26,18 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--presence-penalty", type=float, default=0.0)
     g.add_argument("--seed", type=int, help="fixed seed: the same prompt gives the same completion")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    g.add_argument("--no-eos", action="store_true", help="do not stop at the tokenizer's EOS token")
+    g.add_argument("--no-eos", action="store_true", help="do not stop at the end-of-text tokens (the tokenizer's EOS and "
+                                                        "those the generation_config.json beside the weights lists)")
     g.add_argument("--chunk", type=int, default=8, help="tokens decoded between prints")
 
 
-def options_from_args(args, tokenizer) -> SamplingOptions:
+def options_from_args(args, eos_token_ids) -> SamplingOptions:
     return SamplingOptions(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
         min_p=args.min_p,
         repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
         presence_penalty=args.presence_penalty, seed=args.seed, stop=tuple(args.stop),
-        eos_token_id=None if args.no_eos else getattr(tokenizer, "eos_token_id", None))
+        eos_token_id=None if args.no_eos or not eos_token_ids else tuple(eos_token_ids))
 
 
 def prompts(args):
@@ -67,7 +68,7 @@ def main(argv=None):
     if status.code:
         return status.code
     gen = model.generator(matvec=True)  # one prompt at a time; the weights held once
-    options = options_from_args(args, model.tokenizer)
+    options = options_from_args(args, model.eos_token_ids)
     for text in prompts(args):
         [seq] = gen.sequences([model.tokenizer.encode(text)], options, model.tokenizer)
         if seq.truncated:

@@ -147,7 +147,7 @@ def main(argv=None):
                           max_queue=args.max_queue,
                           prefix_cache_tokens=args.prefix_cache_tokens, prefix_block=args.prefix_block,
                           batch_invariant=args.batch_invariant, share_prefix=not args.no_prefix_sharing,
-                          host_adapters=args.max_cpu_loras)
+                          host_adapters=args.max_cpu_loras, eos_token_ids=model.eos_token_ids)
     model.params = None  # the Generator holds its own copy
     if args.warmup is not None:
         engine.warmup(args.warmup or (16,), shared_prefix=args.warmup_prefix)

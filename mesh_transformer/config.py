@@ -124,6 +124,8 @@ class ModelConfig:
         out = {k: v for k, v in dataclasses.asdict(self).items()
                if k not in ("compute_dtype", "remat", "attention_impl", "expert_parallel", "seq")}
         out.update(d_head=self.head_dim, d_ff=self.ff_dim)
+        if "n_kv_heads" in out and out["n_kv_heads"] is None:  # every family's default: no grouping
+            out["n_kv_heads"] = self.n_heads
         if self.pe == "fixed":
             out["seq"] = self.seq
         if isinstance(out.get("rope_scaling"), dict):

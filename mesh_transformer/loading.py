@@ -7,7 +7,8 @@ Sources: `--ckpt PATH` (our orbax checkpoint directory, local or gs://, config s
 `--config` overrides it; or a mesh-transformer-jax v1 step or model directory, which needs
 `--config`) or `--hf PATH` (a Hugging Face model directory of any supported family). The tokenizer comes from
 `--tokenizer` if given, else from the weights' directory when tokenizer files were saved beside the
-weights, else the bundled GPT-2 BPE. Parameters are placed on a ('dp', 'mp') mesh by the
+weights, else the bundled GPT-2 BPE. Generation ends at the tokenizer's EOS and at every EOS id a
+`generation_config.json` beside the weights lists (`end_of_text_ids`). Parameters are placed on a ('dp', 'mp') mesh by the
 MEGATRON table, ready for `generate.Generator`.
 """
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import json
 import os
 import tempfile
 from dataclasses import dataclass
@@ -25,7 +27,7 @@ from jax.sharding import Mesh
 
 from mesh_transformer import models, parallel
 from mesh_transformer.config import Config, ConfigError, ModelConfig, config_from_dict, load_config
-from mesh_transformer.io.tokenizer import TOKENIZER_FILES
+from mesh_transformer.io.tokenizer import GENERATION_CONFIG, TOKENIZER_FILES
 
 
 
@@ -37,6 +39,7 @@ class LoadedModel:
     mesh: Mesh
     name: str  # for logs and /v1/models: the directory's base name
     quantize: Optional[str] = None  # the generator's weights: None (the compute dtype) or "int8"
+    eos_token_ids: tuple[int, ...] = ()  # what ends a generation (`end_of_text_ids`)
 
     def generator(self, matvec: Optional[bool] = None, adapters=None, slots: Optional[int] = None,
                   rank: Optional[int] = None, every_linear: bool = False, host: Optional[int] = None):
@@ -162,8 +165,7 @@ def _load_hf(path, override: Optional[Config], tokenizer, mp, dp, dtype) -> Load
     model.check_mesh(mesh.shape, zero=False)
     params = jax.tree.map(lambda x: x.astype(jax.numpy.dtype(dtype)), params)  # cast before the transfer
     shardings = parallel.named(mesh, model.param_specs(model.rules(False, mesh.shape[parallel.MP]), params))
-    return LoadedModel(config, jax.device_put(params, shardings), resolve_tokenizer(tokenizer, path, config), mesh,
-                       _name(path))
+    return _loaded(config, jax.device_put(params, shardings), tokenizer, path, mesh, path)
 
 
 def _load_ckpt(path, override: Optional[Config], tokenizer, mp, dp, dtype) -> LoadedModel:
@@ -187,7 +189,7 @@ def _load_ckpt(path, override: Optional[Config], tokenizer, mp, dp, dtype) -> Lo
         params = lora.restore_merged(manager, full, mesh.shape[parallel.MP], shardings=shardings)
     else:
         params = manager.restore_params(abstract_params=model.abstract_params, target_shardings=shardings)
-    return LoadedModel(config, params, resolve_tokenizer(tokenizer, path, config), mesh, _name(path))
+    return _loaded(config, params, tokenizer, path, mesh, path)
 
 
 def _load_v1(path, step_dir, config_path, tokenizer, mp, dp, dtype) -> LoadedModel:
@@ -199,8 +201,37 @@ def _load_v1(path, step_dir, config_path, tokenizer, mp, dp, dtype) -> LoadedMod
     mesh = _mesh(mp, dp, full.train.cores_per_replica)
     models.build(config, mesh.shape[parallel.MP]).check_mesh(mesh.shape, zero=False)
     params = mtj_v1.load_params(mtj_v1.V1Checkpoint(step_dir, config), mesh, dtype=config.compute_dtype)
-    return LoadedModel(config, params, resolve_tokenizer(tokenizer, mtj_v1.tokenizer_dirs(step_dir), config),
-                       mesh, _name(path))
+    return _loaded(config, params, tokenizer, mtj_v1.tokenizer_dirs(step_dir), mesh, path)
+
+
+def _loaded(config: ModelConfig, params, tokenizer: Optional[str], weights_dir, mesh: Mesh, path) -> LoadedModel:
+    tok = resolve_tokenizer(tokenizer, weights_dir, config)
+    return LoadedModel(config, params, tok, mesh, _name(path), eos_token_ids=end_of_text_ids(tok, weights_dir))
+
+
+def end_of_text_ids(tokenizer, weights_dir) -> tuple[int, ...]:
+    """The tokenizer's EOS, then the eos ids of the first generation_config.json found in `weights_dir`
+    (local or gs://; or a list of directories). Chat models end a turn with a token of their own that
+    only the generation config names (Llama 3's <|eot_id|>, Gemma's <end_of_turn>), as vLLM reads it."""
+    from mesh_transformer.generate import MAX_EOS
+    from mesh_transformer.io import storage
+
+    ids = [tokenizer.eos_token_id] if getattr(tokenizer, "eos_token_id", None) is not None else []
+    for directory in _directories(weights_dir):
+        path = storage.join(directory, GENERATION_CONFIG)
+        if storage.exists(path):
+            listed = json.loads(storage.read_bytes(path)).get("eos_token_id")
+            ids += listed if isinstance(listed, list) else [] if listed is None else [listed]
+            break
+    unique = tuple(dict.fromkeys(int(i) for i in ids))
+    if len(unique) > MAX_EOS:
+        raise ConfigError(f"{path}: eos_token_id lists {len(unique)} ids with the tokenizer's; at most {MAX_EOS} are supported")
+    return unique
+
+
+def _directories(weights_dir) -> list[str]:
+    """`weights_dir` as a list of directories: one, or the list given."""
+    return [str(weights_dir)] if isinstance(weights_dir, (str, os.PathLike)) else [str(d) for d in weights_dir]
 
 
 def resolve_tokenizer(spec: Optional[str], weights_dir, config: ModelConfig):
@@ -209,8 +240,7 @@ def resolve_tokenizer(spec: Optional[str], weights_dir, config: ModelConfig):
     from mesh_transformer.io.tokenizer import load_tokenizer
 
     if spec is None and weights_dir is not None:
-        dirs = [weights_dir] if isinstance(weights_dir, (str, os.PathLike)) else list(weights_dir)
-        beside = next((str(d) for d in dirs if _tokenizer_files(str(d))), None)
+        beside = next((d for d in _directories(weights_dir) if _tokenizer_files(d)), None)
         if beside is not None:
             with _local_tokenizer_dir(beside) as local:
                 tok = load_tokenizer(local)

@@ -190,6 +190,14 @@ def test_fine_tune_from_hf_starts_from_those_weights_and_lowers_loss(dataset, hf
     assert rows[0]["train/loss"] == pytest.approx(torch_first_batch_loss(config, torch_model), rel=1e-5)
     assert rows[-1]["train/loss"] < rows[0]["train/loss"] - 1.0
     assert rows[-1]["val/loss_held_out"] < rows[0]["train/loss"]
+    # The HF model's generation config is kept with the checkpoints; an export names its special
+    # tokens (0, as make_hf_gptj sets them), not GPTJConfig's default 50256.
+    kept = tmp_path / "ckpt" / "generation_config.json"
+    assert kept.read_bytes() == (path / "generation_config.json").read_bytes()
+    from mesh_transformer.io import hf
+    hf.checkpoint_to_hf(str(tmp_path / "ckpt"), str(tmp_path / "export"), dtype="fp32")
+    exported = json.loads((tmp_path / "export" / "config.json").read_text())
+    assert (exported["bos_token_id"], exported["eos_token_id"]) == (0, 0)
 
 
 def test_bad_config_is_one_clear_line(tmp_path):

@@ -593,6 +593,22 @@ def test_rope_scaling_written_with_type_or_rope_type_is_one_architecture():
                                  older, "./hf")
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma", "mixtral", "olmo2", "phi3", "phi", "starcoder2"])
+def test_a_config_that_leaves_out_n_kv_heads_is_the_import_that_names_it(family):
+    """n_kv_heads left out (null) means one kv head per query head in every family; a config.json
+    without num_key_value_heads reads that way too. Either way the architecture names the number, so
+    `device_train.py --hf` and a checkpoint's config check accept the pair and still catch GQA."""
+    from mesh_transformer.io.checkpoint import config_differences
+    from mesh_transformer.train.loop import _check_same_architecture
+    ours = config_from_dict({**TRAIN_BASE, "family": family, "n_heads": 4, "n_kv_heads": None})
+    explicit = dataclasses.replace(ours.model, n_kv_heads=4)
+    assert ours.model.architecture()["n_kv_heads"] == 4 and ours.model.architecture() == explicit.architecture()
+    _check_same_architecture(explicit, ours, "./hf")
+    assert config_differences(ours.to_json_dict(), explicit) == []
+    with pytest.raises(ConfigError, match="n_kv_heads is 2 but the config says 4"):
+        _check_same_architecture(dataclasses.replace(explicit, n_kv_heads=2), ours, "./hf")
+
+
 def test_olmo3_keys_a_config_json_leaves_out_or_writes_the_old_way_mean_what_transformers_assumes(tmp_path):
     """A config.json without sliding_window / layer_types / rope_theta gets Olmo3Config's defaults (4,096
     tokens, three sliding layers of four, base 5e5). The older flat rope_theta and rope_scaling are

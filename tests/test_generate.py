@@ -6,7 +6,9 @@ tests/test_serve.py).
 """
 from __future__ import annotations
 
+import json
 import math
+import os
 import re
 
 import numpy as np
@@ -42,6 +44,22 @@ def test_loading_finds_the_tokenizer_beside_the_weights(tiny):
     model = loading.load(hf=str(tiny.path), mp=1, dp=1)
     assert model.config.compute_dtype == "bfloat16" and len(model.tokenizer) == len(tiny.tokenizer)
     assert model.tokenizer.encode("quick brown fox") == tiny.tokenizer.encode("quick brown fox")
+    assert model.eos_token_ids == (tiny.eos,)  # its generation_config.json names the tokenizer's EOS only
+
+
+def test_loading_adds_the_eos_ids_a_generation_config_lists(tiny, tmp_path):
+    """A chat model's generation_config.json lists the ids that end its turns besides the tokenizer's
+    EOS (Llama 3.1: [128001, 128008, 128009]); every tool stops at each of them."""
+    from mesh_transformer.config import ConfigError
+    for name in os.listdir(tiny.path):
+        os.symlink(tiny.path / name, tmp_path / name)
+    (tmp_path / "generation_config.json").unlink()
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, tiny.eos, 9]}))
+    assert loading.load(hf=str(tmp_path), mp=1, dp=1).eos_token_ids == (tiny.eos, 7, 9)
+    assert loading.end_of_text_ids(tiny.tokenizer, [str(tmp_path / "none"), str(tmp_path)]) == (tiny.eos, 7, 9)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": list(range(20, 28))}))
+    with pytest.raises(ConfigError, match="generation_config.json: eos_token_id lists 9 ids"):
+        loading.end_of_text_ids(tiny.tokenizer, str(tmp_path))
 
 
 def test_loading_a_training_checkpoint(tiny, gen, tmp_path):
@@ -304,10 +322,19 @@ def test_eos_and_stop_tokens_end_rows_early(tiny, gen):
     eos_at = reference[0].index(eos)
     stop = tuple(reference[1][5:7])
     stop_at = next(i for i in range(1, NEW) if tuple(reference[1][i - 1:i + 1]) == stop)
-    seqs = gen.generate(PROMPTS, [greedy(eos_token_id=eos), greedy(stop_token_ids=(stop,)), greedy(), greedy()])
+    # Several eos ids (a generation config's list): the first of them the row emits ends it.
+    unused = next(t for t in range(len(tiny.tokenizer)) if t not in reference[2])
+    several = (unused, reference[2][6], reference[2][4])
+    several_at = min(reference[2].index(t) for t in several[1:])
+    seqs = gen.generate(PROMPTS, [greedy(eos_token_id=eos), greedy(stop_token_ids=(stop,)),
+                                  greedy(eos_token_id=several), greedy()], tokenizer=tiny.tokenizer)
     assert seqs[0].tokens == reference[0][: eos_at + 1] and seqs[0].finish_reason == "stop"
     assert seqs[1].tokens == reference[1][: stop_at + 1] and seqs[1].finish_reason == "stop"
-    assert [s.tokens for s in seqs[2:]] == reference[2:] and seqs[2].finish_reason == "length"
+    assert seqs[2].tokens == reference[2][: several_at + 1] and seqs[2].finish_reason == "stop"
+    assert seqs[2].text == tiny.tokenizer.decode(reference[2][:several_at])  # the eos id is not text
+    assert seqs[3].tokens == reference[3] and seqs[3].finish_reason == "length"
+    with pytest.raises(ValueError, match="eos_token_id must be a token id or at most 8"):
+        greedy(eos_token_id=tuple(range(9))).validate(64)
 
 
 def test_stop_strings_cut_the_text(tiny, gen):

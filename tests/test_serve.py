@@ -244,6 +244,29 @@ def test_bad_requests_get_a_clear_4xx_and_the_server_stays_up(url):
     assert httpx.get(f"{url}/health").json()["status"] == "ok"
 
 
+def test_a_generation_configs_eos_ids_end_requests_as_the_tokenizers_does(gen, tiny):
+    """Chat models end a turn with a token only their generation_config.json names (Llama 3's
+    <|eot_id|>, Gemma's <end_of_turn>); an engine given those ids (`LoadedModel.eos_token_ids`, as
+    device_serve.py does) stops there like vLLM, the id not in the text, unless `ignore_eos`."""
+    from openai import OpenAI
+    prompt = "The quick brown"
+    reference = gen.generate([tiny.tokenizer.encode(prompt)] * 4, SamplingOptions(max_new_tokens=NEW, temperature=0.0))[0].tokens
+    turn_end = reference[3]
+    ends = reference.index(turn_end)
+    served = Engine(gen, tiny.tokenizer, max_batch=4, chunk=4, eos_token_ids=(tiny.eos, turn_end)).start()
+    server, base = start_server(create_app(served))
+    try:
+        api = OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=60)
+        kw = dict(model="tiny", prompt=prompt, max_tokens=NEW, temperature=0)
+        r = api.completions.create(**kw).choices[0]
+        assert r.text == tiny.tokenizer.decode(reference[:ends]) and r.finish_reason == "stop"
+        r = api.completions.create(extra_body={"ignore_eos": True}, **kw).choices[0]
+        assert r.text == tiny.tokenizer.decode(reference) and r.finish_reason == "length"
+    finally:
+        server.should_exit = True
+        served.stop()
+
+
 def test_full_queue_answers_503_and_slow_requests_504(gen, tiny, engine):
     idle = Engine(gen, tiny.tokenizer, max_batch=4, chunk=4, max_queue=2)  # never started: nothing drains
     server, base = start_server(create_app(idle))

@@ -6,7 +6,7 @@ import numpy as np
 import from_hf_weights
 import to_hf_weights
 from mesh_transformer.io.checkpoint import CheckpointManager
-from tests.helpers import hf_logits, make_hf_gptj, random_tokens
+from tests.helpers import hf_logits, make_hf_gptj, make_hf_model, random_tokens, word_tokenizer
 
 
 def test_import_then_export_gives_identical_hf_logits(tmp_path):
@@ -21,6 +21,35 @@ def test_import_then_export_gives_identical_hf_logits(tmp_path):
     reloaded = GPTJForCausalLM.from_pretrained(tmp_path / "out").eval()
     tokens = random_tokens((2, 12), 250, seed=5)
     np.testing.assert_array_equal(hf_logits(reloaded, tokens), hf_logits(torch_model, tokens))
+
+
+SPECIAL = {"bos_token_id": 3, "eos_token_id": [4, 5], "pad_token_id": 6}
+
+
+def _special(directory) -> dict:
+    return {k: v for k, v in json.load(open(f"{directory}/config.json")).items() if k in SPECIAL}
+
+
+def test_export_names_the_special_tokens_of_the_model_it_came_from(tmp_path):
+    """A Llama-shaped model whose bos/eos/pad are not LlamaConfig's defaults (1/2/none; Llama 3's
+    are 128000 and 128001/128009) keeps them through import and export, and its generation config
+    (the eos ids `generate` and vLLM stop on) comes back byte for byte. A checkpoint with no
+    generation config (trained from scratch) takes the ids its kept tokenizer names."""
+    from transformers import AutoModelForCausalLM
+    make_hf_model(tmp_path / "hf", "llama_gqa2_llama3_rope", **SPECIAL)
+    word_tokenizer(tmp_path / "hf")  # eos "w0" = 0; no bos, no pad
+    assert from_hf_weights.main(["--input-hf", str(tmp_path / "hf"), "--output-ckpt", str(tmp_path / "ckpt")]) == 0
+    assert to_hf_weights.main(["--input-ckpt", str(tmp_path / "ckpt"), "--output-path", str(tmp_path / "out"),
+                               "--dtype", "fp32"]) == 0
+    assert _special(tmp_path / "hf") == _special(tmp_path / "out") == SPECIAL
+    generation = (tmp_path / "hf" / "generation_config.json").read_bytes()
+    assert (tmp_path / "out" / "generation_config.json").read_bytes() == generation
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "out").generation_config.eos_token_id == [4, 5]
+
+    (tmp_path / "ckpt" / "generation_config.json").unlink()
+    assert to_hf_weights.main(["--input-ckpt", str(tmp_path / "ckpt"), "--output-path", str(tmp_path / "out2"),
+                               "--dtype", "fp32"]) == 0
+    assert _special(tmp_path / "out2")["eos_token_id"] == 0  # the tokenizer's, not LlamaConfig's 2
 
 
 def test_gcs_paths_both_ways(tmp_path, gcs_bucket):

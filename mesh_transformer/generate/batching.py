@@ -84,8 +84,8 @@ class Sequence:
             self.finish_reason = reason
 
     def _text_tokens(self) -> list[int]:
-        eos = self.options.eos_token_id  # EOS ends a row, so it can only be the last token
-        return self.tokens[:-1] if self.tokens and self.tokens[-1] == eos else self.tokens
+        eos = self.options.eos_ids  # EOS ends a row, so it can only be the last token
+        return self.tokens[:-1] if self.tokens and self.tokens[-1] in eos else self.tokens
 
     def _decoded(self) -> str:
         return self.tokenizer.decode(self._text_tokens())

@@ -40,7 +40,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from mesh_transformer import host_memory, kernels, lora, models, parallel
 from mesh_transformer.config import ModelConfig
-from mesh_transformer.generate.sampling import (EOS, LENGTH, MAX_STOPS, RUNNING, STOP, STOP_TOKENS, TOP_LOGPROBS,
+from mesh_transformer.generate.sampling import (EOS, LENGTH, MAX_EOS, MAX_STOPS, RUNNING, STOP, STOP_TOKENS, TOP_LOGPROBS,
                                                 RowOptions, SamplingOptions, choose, log_probs, stop_hit, _none,
                                                 penalize)
 from mesh_transformer.models.core import KVCache, SharedPrefix, unstacked_modules
@@ -149,7 +149,7 @@ def emit(state: DecodeState, logits, active) -> tuple[DecodeState, Emitted]:
 
     n_generated = state.n_generated + active
     recent = jnp.where(active[:, None], jnp.concatenate([state.recent[:, 1:], token[:, None]], 1), state.recent)
-    why = jnp.where(token == state.rows.eos, EOS,
+    why = jnp.where(jnp.any(token[:, None] == state.rows.eos, axis=-1), EOS,
                     jnp.where(stop_hit(recent, state.rows.stops), STOP,
                               jnp.where(n_generated >= state.rows.max_new, LENGTH, RUNNING)))
     finished = active & (why != RUNNING)
@@ -180,7 +180,7 @@ def state_specs(layers: int) -> DecodeState:
     row, row2, kv = P(parallel.DP), P(parallel.DP, None), (KV_SPEC,) * layers
     return DecodeState(
         cache=KVCache(kv, kv, row, P(), row),
-        rows=RowOptions(**{**dict.fromkeys(RowOptions._fields, row), "stops": P(parallel.DP, None, None)}),
+        rows=RowOptions(**{**dict.fromkeys(RowOptions._fields, row), "eos": row2, "stops": P(parallel.DP, None, None)}),
         last=row, done=row, n_generated=row, reason=row, counts=row2, seen=row2, recent=row2)
 
 
@@ -561,7 +561,8 @@ class Generator:
         rows = RowOptions(temperature=jnp.zeros(batch), top_k=i32(), top_p=jnp.ones(batch), min_p=jnp.zeros(batch),
                           repetition_penalty=jnp.ones(batch), frequency_penalty=jnp.zeros(batch),
                           presence_penalty=jnp.zeros(batch), seed=jnp.zeros(batch, jnp.uint32), max_new=i32(1),
-                          eos=i32(-1), stops=jnp.full((batch, MAX_STOPS, STOP_TOKENS), -1, jnp.int32),
+                          eos=jnp.full((batch, MAX_EOS), -1, jnp.int32),
+                          stops=jnp.full((batch, MAX_STOPS, STOP_TOKENS), -1, jnp.int32),
                           top_logprobs=i32(-1), adapter=i32())
         cache = KVCache.zeros(self.config, batch, slots, mp=self.mp)._replace(offset=i32())
         return DecodeState(cache, rows, i32(),

@@ -18,6 +18,7 @@ from mesh_transformer import kernels
 MAX_STOPS = 4  # stop sequences per request checked on device (OpenAI allows 4)
 STOP_TOKENS = 8  # longest stop sequence (in tokens) checked on device; longer ones are checked as text
 TOP_LOGPROBS = 5  # alternatives reported per token (OpenAI's completions limit)
+MAX_EOS = 8  # end-of-text ids per request (a generation config's list: Llama 3.1 names 3, Gemma 2)
 
 RUNNING, EOS, STOP, LENGTH = 0, 1, 2, 3
 FINISH_REASONS = {EOS: "stop", STOP: "stop", LENGTH: "length"}
@@ -40,7 +41,7 @@ class SamplingOptions:
     frequency_penalty: float = 0.0  # OpenAI: logit -= count in output * this
     presence_penalty: float = 0.0  # OpenAI: logit -= this if in output
     seed: Optional[int] = None  # None = a fresh random seed
-    eos_token_id: Optional[int] = None  # ends the row (the token is returned, not part of the text)
+    eos_token_id: Optional[int | tuple[int, ...]] = None  # ends the row (returned, not part of the text); or several
     stop: tuple[str, ...] = ()  # text that ends the row (not part of the text)
     stop_token_ids: tuple[tuple[int, ...], ...] = ()  # token sequences that end the row on device
     logprobs: Optional[int] = None  # None: none; n: the chosen token's log p and the n most likely (n <= 5)
@@ -64,6 +65,15 @@ class SamplingOptions:
         need(len(self.stop) <= MAX_STOPS, "stop", f"allows at most {MAX_STOPS} strings")
         need(len(self.stop_token_ids) <= MAX_STOPS, "stop_token_ids", f"allows at most {MAX_STOPS} sequences")
         need(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
+        need(len(self.eos_ids) <= MAX_EOS and all(isinstance(t, (int, np.integer)) and t >= 0 for t in self.eos_ids),
+             "eos_token_id", f"must be a token id or at most {MAX_EOS} of them")
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        """The ids that end the row: none, one, or a generation config's several."""
+        if self.eos_token_id is None:
+            return ()
+        return tuple(self.eos_token_id) if isinstance(self.eos_token_id, (tuple, list)) else (self.eos_token_id,)
 
 
 class RowOptions(NamedTuple):
@@ -78,7 +88,7 @@ class RowOptions(NamedTuple):
     presence_penalty: Any
     seed: Any  # uint32
     max_new: Any
-    eos: Any  # -1 = none
+    eos: Any  # [B, MAX_EOS] ids that end the row, -1 = padding
     stops: Any  # [B, MAX_STOPS, STOP_TOKENS] right-aligned token ids, -1 = padding
     top_logprobs: Any  # alternatives wanted (0..TOP_LOGPROBS); -1 = no log-probabilities at all
     adapter: Any  # the row's entry in the generator's bank of LoRA adapters (0: the base alone)
@@ -86,10 +96,12 @@ class RowOptions(NamedTuple):
     @classmethod
     def stack(cls, options: Seq[SamplingOptions], seeds: Seq[int], adapters: Optional[Seq[int]] = None) -> "RowOptions":
         stops = np.full((len(options), MAX_STOPS, STOP_TOKENS), -1, np.int32)
+        eos = np.full((len(options), MAX_EOS), -1, np.int32)
         for i, o in enumerate(options):
             usable = [s for s in o.stop_token_ids if 0 < len(s) <= STOP_TOKENS][:MAX_STOPS]
             for j, s in enumerate(usable):
                 stops[i, j, STOP_TOKENS - len(s):] = s
+            eos[i, :len(o.eos_ids)] = o.eos_ids
 
         def col(name, dtype):
             return np.array([getattr(o, name) for o in options], dtype)
@@ -97,7 +109,7 @@ class RowOptions(NamedTuple):
                    col("min_p", np.float32), col("repetition_penalty", np.float32),
                    col("frequency_penalty", np.float32), col("presence_penalty", np.float32),
                    np.array(seeds, np.uint32), col("max_new_tokens", np.int32),
-                   np.array([-1 if o.eos_token_id is None else o.eos_token_id for o in options], np.int32), stops,
+                   eos, stops,
                    np.array([-1 if o.logprobs is None else o.logprobs for o in options], np.int32),
                    np.array(adapters if adapters is not None else [0] * len(options), np.int32))
 

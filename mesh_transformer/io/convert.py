@@ -18,6 +18,7 @@ import numpy as np
 from mesh_transformer.config import Config, ConfigError, ModelConfig, config_from_dict, load_config
 from mesh_transformer.io import storage
 from mesh_transformer.io.checkpoint import CheckpointError, CheckpointManager
+from mesh_transformer.io.tokenizer import copy_model_files
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16",
           "float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
@@ -84,7 +85,7 @@ def cast(params, dtype: str):
 
 def save_params(params, config: Config, out: str, dtype: str, source: str) -> None:
     """Write `params` (our tree, any mesh) as a params-only checkpoint of ours at step 0, in `dtype`,
-    with `config` and the tokenizer files found beside `source`."""
+    with `config` and the tokenizer and generation config found beside `source`."""
     from mesh_transformer.io import mtj_v1
 
     if storage.exists(out) and storage.isdir(out) and storage.list_files(out):
@@ -93,7 +94,7 @@ def save_params(params, config: Config, out: str, dtype: str, source: str) -> No
     with CheckpointManager(out, config=config, async_save=False) as ckpt:
         ckpt.save(0, {"params": params}, extras={"converted_from": str(source)}, wait=True)
     step_dir = mtj_v1.find(source)
-    mtj_v1.copy_tokenizer_files(step_dir if step_dir is not None else str(source).rstrip("/"), out)
+    copy_model_files(mtj_v1.tokenizer_dirs(step_dir) if step_dir is not None else [str(source).rstrip("/")], out)
 
 
 def checkpoint_bytes(path: str, step: Optional[int] = None) -> int:

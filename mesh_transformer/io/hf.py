@@ -18,7 +18,9 @@ import numpy as np
 
 from mesh_transformer import models
 from mesh_transformer.config import ConfigError, ModelConfig
-from mesh_transformer.io.tokenizer import TOKENIZER_FILES
+from mesh_transformer.io.tokenizer import GENERATION_CONFIG, TOKENIZER_FILES, copy_model_files
+
+SPECIAL_TOKENS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
 def config_from_hf(hf: dict, **overrides) -> ModelConfig:
@@ -258,12 +260,12 @@ def save_hf(params, config: ModelConfig, path: str | os.PathLike, dtype: str = "
 
 
 def hf_to_checkpoint(hf_dir: str, ckpt_dir: str, train=None) -> int:
-    """Import a HF model directory as a params-only checkpoint (step 0) with its config and tokenizer.
+    """Import a HF model directory as a params-only checkpoint (step 0) with its config, tokenizer and
+    generation config.
 
     `train`: the TrainConfig to record beside the model (defaults otherwise). Returns the parameter count.
     """
     import jax
-    from mesh_transformer.io import storage
     from mesh_transformer.io.checkpoint import CheckpointManager
     from mesh_transformer.config import Config, TrainConfig
 
@@ -273,10 +275,7 @@ def hf_to_checkpoint(hf_dir: str, ckpt_dir: str, train=None) -> int:
     params = jax.tree.map(lambda x: jax.device_put(x, cpu), params)
     with CheckpointManager(ckpt_dir, config=config, async_save=False) as ckpt:
         ckpt.save(0, {"params": params}, extras={"imported_from": str(hf_dir)}, wait=True)
-    for name in TOKENIZER_FILES:
-        source = Path(hf_dir) / name
-        if source.exists():
-            storage.write_bytes(storage.join(ckpt_dir, name), source.read_bytes())
+    copy_model_files([hf_dir], ckpt_dir)
     return model_config.n_params()
 
 
@@ -309,7 +308,7 @@ def checkpoint_to_hf(ckpt_dir: str, out_dir: str, dtype: str = "fp16", step=None
         else:
             out = save_hf(lora.restore_merged(ckpt, full, 1, step), config, out_dir, dtype=dtype,
                           max_shard_bytes=max_shard_bytes)
-        _copy_tokenizer(ckpt_dir, out)
+        _copy_model_files(ckpt_dir, out)
         return out
     cpu = SingleDeviceSharding(jax.devices("cpu")[0])
     # The vocabulary padding the checkpoint was saved with (it depends on the mp it trained with).
@@ -319,13 +318,33 @@ def checkpoint_to_hf(ckpt_dir: str, out_dir: str, dtype: str = "fp16", step=None
     params = ckpt.restore_params(step, abstract_params=abstract, target_shardings=jax.tree.map(lambda _: cpu, abstract),
                                  check_config=False)
     out = save_hf(params, config, out_dir, dtype=dtype, max_shard_bytes=max_shard_bytes)
-    _copy_tokenizer(ckpt_dir, out)
+    _copy_model_files(ckpt_dir, out)
     return out
 
 
-def _copy_tokenizer(ckpt_dir: str, out: Path) -> None:
-    from mesh_transformer.io import storage
-    for name in TOKENIZER_FILES:
-        source = storage.join(ckpt_dir, name)
-        if storage.exists(source):
-            (Path(out) / name).write_bytes(storage.read_bytes(source))
+def _copy_model_files(ckpt_dir: str, out: Path) -> None:
+    """The tokenizer and generation config kept beside the checkpoint, then config.json's special
+    tokens named from them (not the family's class defaults: Llama's 1/2 are '"' and '#' in Llama 3)."""
+    copy_model_files([ckpt_dir], str(out))
+    if (Path(out) / "config.json").exists():  # not for a PEFT adapter directory
+        name_special_tokens(out)
+
+
+def name_special_tokens(directory: str | os.PathLike) -> None:
+    """Set config.json's bos/eos/pad ids from the tokenizer and generation config beside it."""
+    config_file = Path(directory) / "config.json"
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), **special_token_ids(directory)}, indent=2))
+
+
+def special_token_ids(directory: str | os.PathLike) -> dict:
+    """The bos/eos/pad ids a model directory's files set: its tokenizer's, overridden by its
+    generation_config.json's (which may list several eos ids); ids neither sets are left out."""
+    directory, ids = Path(directory), {}
+    if any((directory / name).exists() for name in TOKENIZER_FILES):
+        from transformers import AutoTokenizer
+        tokenizer = AutoTokenizer.from_pretrained(str(directory))
+        ids.update({key: getattr(tokenizer, key, None) for key in SPECIAL_TOKENS})
+    if (directory / GENERATION_CONFIG).exists():
+        generation = json.loads((directory / GENERATION_CONFIG).read_text())
+        ids.update({key: generation[key] for key in SPECIAL_TOKENS if generation.get(key) is not None})
+    return {key: value for key, value in ids.items() if value is not None}

@@ -41,6 +41,7 @@ import numpy as np
 from mesh_transformer.config import Config, ConfigError, ModelConfig, TrainConfig, config_from_dict
 from mesh_transformer.io import storage
 from mesh_transformer.io.checkpoint import CheckpointError
+from mesh_transformer.io.tokenizer import copy_model_files
 
 PIECES = 16  # files per shard (the original's checkpoint.py)
 ROOT = "causal_transformer_shard/~/"
@@ -821,7 +822,8 @@ def export_hf(ckpt: V1Checkpoint, out_dir: str, dtype: str = "fp16", max_shard_b
         config = hf.config_to_hf(m, _SAFETENSORS_DTYPES[dtype][2])
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(config, f, indent=2)
-        copy_tokenizer_files(ckpt.step_dir, tmp)
+        copy_model_files(tokenizer_dirs(ckpt.step_dir), tmp)
+        hf.name_special_tokens(tmp)
         if os.path.isdir(out_dir):
             shutil.rmtree(out_dir)
         os.replace(tmp, out_dir)
@@ -837,13 +839,4 @@ def tokenizer_dirs(step_dir: str) -> list[str]:
     return [step_dir] + ([parent] if parent and re.search(r"step_\d+$", step_dir.rstrip("/")) else [])
 
 
-def copy_tokenizer_files(step_dir: str, out_dir: str) -> None:
-    from mesh_transformer.io.tokenizer import TOKENIZER_FILES
-
-    for directory in tokenizer_dirs(step_dir):
-        found = [n for n in TOKENIZER_FILES if storage.exists(storage.join(directory, n))]
-        for name in found:
-            storage.write_bytes(storage.join(out_dir, name), storage.read_bytes(storage.join(directory, name)))
-        if found:
-            return
 

@@ -32,7 +32,7 @@ import collections
 import logging
 import threading
 import time
-from typing import Iterable, Optional
+from typing import Iterable, Optional, Sequence as Seq
 
 import numpy as np
 
@@ -111,14 +111,19 @@ class Engine:
     decode, once per step for all of them, instead of holding copies (`generate.Batch`).
     host_adapters: served LoRA adapters whose leaves stay in host memory (None: all; vLLM's
     --max-cpu-loras), the others read from their directories again when named (`serve.adapters`).
+    eos_token_ids: what ends a request's generation unless it asks `ignore_eos` (default: the
+    tokenizer's EOS; `loading.LoadedModel.eos_token_ids` adds a generation config's).
     """
 
     def __init__(self, generator: Generator, tokenizer, max_batch: int = 16, slots: Optional[int] = None,
                  chunk: int = 8, max_queue: int = 100, metrics: Optional[Metrics] = None,
                  prefix_cache_tokens: Optional[int] = None, prefix_block: int = DEFAULT_BLOCK,
                  batch_invariant: bool = False, join_chunk: int = 1, admit_tokens: int = 4096,
-                 gather: float = DEFAULT_GATHER, share_prefix: bool = True, host_adapters: Optional[int] = None):
+                 gather: float = DEFAULT_GATHER, share_prefix: bool = True, host_adapters: Optional[int] = None,
+                 eos_token_ids: Optional[Seq[int]] = None):
         self.gen, self.tokenizer = generator, tokenizer
+        eos = getattr(tokenizer, "eos_token_id", None)
+        self.eos_token_ids = tuple(eos_token_ids) if eos_token_ids is not None else () if eos is None else (eos,)
         self.adapters = AdapterSlots(generator, host_adapters) if generator.adapters is not None else None
         slots = slots or generator.config.seq
         if prefix_cache_tokens is None:

@@ -195,7 +195,7 @@ def options(engine: Engine, ignore_eos: bool = False, **given) -> SamplingOption
     `ignore_eos` (vLLM's): generate past the end-of-text token (benchmarks)."""
     names = {"max_tokens": "max_new_tokens"}
     fields = {names.get(k, k): v for k, v in given.items() if v is not None}
-    fields.setdefault("eos_token_id", getattr(engine.tokenizer, "eos_token_id", None))
+    fields.setdefault("eos_token_id", engine.eos_token_ids or None)
     if ignore_eos:
         fields["eos_token_id"] = None
     max_new = fields.get("max_new_tokens", 16)

@@ -123,6 +123,17 @@ def keep_tokenizer(directory: str, spec: str) -> None:
                     storage.write_bytes(storage.join(directory, name), f.read())
 
 
+def keep_generation_config(directory: str, source: str) -> None:
+    """Copy the generation_config.json of the model a run fine-tunes (a HF directory or a checkpoint)
+    beside the run's checkpoints, so an export names the same special tokens and stop ids."""
+    from mesh_transformer.io import storage
+    from mesh_transformer.io.tokenizer import GENERATION_CONFIG
+
+    kept, found = storage.join(directory, GENERATION_CONFIG), storage.join(source, GENERATION_CONFIG)
+    if jax.process_index() == 0 and not storage.exists(kept) and storage.exists(found):
+        storage.write_bytes(kept, storage.read_bytes(found))
+
+
 class TrainHost:
     """The part of a run that every host holds: mesh, compiled step, checkpoints, start-up, saving.
 
@@ -159,6 +170,8 @@ class TrainHost:
             if tr.lora is not None:
                 self._load_base(extras.get(lora.BASE_KEY), extras.get(lora.FINGERPRINT_KEY))
             return state, extras.get("train_loader") or {}
+        if o.hf or o.tune_model_path:
+            keep_generation_config(self.ckpt.directory, o.hf or o.tune_model_path)
         if o.hf:
             from mesh_transformer.io import hf
             hf_config, params = hf.load_hf(o.hf, mp=tr.mp)
