@@ -82,12 +82,14 @@ class Tiny:
                                   eos_token_id=tokenizer.eos_token_id)
         self.path, self.tokenizer, self.eos = path, tokenizer, tokenizer.eos_token_id
 
-    def hf_greedy(self, prompt: list[int], new: int = NEW, eos: bool = False):
-        """(tokens, log p of each) from transformers' generate(do_sample=False)."""
+    def hf_greedy(self, prompt: list[int], new: int = NEW, eos: bool = False, **generate):
+        """(tokens, log p of each) from transformers' generate(do_sample=False), with `generate`'s
+        further arguments (sequence_bias, min_new_tokens, eos_token_id ...)."""
         import torch
+        kw = dict(do_sample=False, max_new_tokens=new, eos_token_id=self.eos if eos else None, pad_token_id=self.eos,
+                  output_scores=True, return_dict_in_generate=True)
         out = self.torch.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                                  do_sample=False, max_new_tokens=new, eos_token_id=self.eos if eos else None,
-                                  pad_token_id=self.eos, output_scores=True, return_dict_in_generate=True)
+                                  **{**kw, **generate})
         tokens = out.sequences[0, len(prompt):].tolist()
         scores = torch.stack(out.scores, 1)[0].log_softmax(-1)
         return tokens, scores[torch.arange(len(tokens)), torch.tensor(tokens)].numpy()

@@ -337,6 +337,33 @@ def test_eos_and_stop_tokens_end_rows_early(tiny, gen):
         greedy(eos_token_id=tuple(range(9))).validate(64)
 
 
+def test_logit_bias_and_min_new_tokens_continue_as_transformers_does(tiny, gen):
+    """OpenAI's logit_bias is transformers' sequence_bias of single tokens, and min_new_tokens its
+    MinNewTokensLengthLogitsProcessor: greedy continuations equal generate's with them, per row."""
+    reference = [s.tokens for s in gen.generate(PROMPTS, greedy())]
+    banned = {(t,): -100.0 for t in reference[0][:3]}  # its first three choices, ruled out
+    boosted = {(reference[1][0],): -5.0, (97,): 7.5}  # a nudge, not a rule
+    ends = [reference[2][1], reference[2][4]]  # would end the row at its second token
+    options = [greedy(logit_bias=tuple((t, b) for (t,), b in banned.items())),
+               greedy(logit_bias=tuple((t, b) for (t,), b in boosted.items())),
+               greedy(eos_token_id=tuple(ends), min_new_tokens=6),
+               greedy(eos_token_id=tuple(ends))]
+    seqs = gen.generate(PROMPTS[:3] + PROMPTS[2:3], options)
+    expected = [tiny.hf_greedy(PROMPTS[0], sequence_bias=banned)[0],
+                tiny.hf_greedy(PROMPTS[1], sequence_bias=boosted)[0],
+                tiny.hf_greedy(PROMPTS[2], eos_token_id=ends, min_new_tokens=6)[0],
+                tiny.hf_greedy(PROMPTS[2], eos_token_id=ends)[0]]
+    assert [s.tokens for s in seqs[:3]] == expected[:3]
+    assert not set(seqs[0].tokens) & set(reference[0][:3]) and seqs[1].tokens != reference[1]
+    assert len(seqs[2].tokens) > 6 and not set(seqs[2].tokens[:6]) & set(ends)
+    assert seqs[3].tokens == reference[2][:2] == expected[3] and seqs[3].finish_reason == "stop"
+    for bad, match in [(dict(logit_bias=((5, 101.0),)), r"logit_bias must map token ids to biases in \[-100, 100\]"),
+                       (dict(logit_bias=((5, 1.0), (5, 2.0))), "logit_bias names a token twice"),
+                       (dict(min_new_tokens=NEW + 1), "min_new_tokens must be an integer in")]:
+        with pytest.raises(ValueError, match=match):
+            greedy(**bad).validate(64)
+
+
 def test_stop_strings_cut_the_text(tiny, gen):
     tok = tiny.tokenizer
     prompts = [tok.encode(p) for p in ("The quick", "Pack my box", "def main", "How vexingly")]

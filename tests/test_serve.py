@@ -219,6 +219,10 @@ BAD = [
     ("/v1/completions", {"prompt": "hi", "n": 0}, "n"),
     ("/v1/completions", {"prompt": "hi", "logprobs": 10}, "logprobs"),
     ("/v1/completions", {"prompt": "hi", "stop": ["a", "b", "c", "d", "e", "f", "g", "h", "i"]}, "stop"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"99999": 1}}, "logit_bias: token id 99999 is not in"),
+    ("/v1/completions", {"prompt": "hi", "stop_token_ids": [99999]}, "stop_token_ids: token ids must be in [0, 300)"),
+    ("/v1/completions", {"prompt": "hi", "stop_token_ids": list(range(1, 9))}, "stop_token_ids: at most 7 ids"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {str(t): 1 for t in range(301)}}, "at most 300 tokens"),
     ("/v1/completions", {"prompt": "hi", "echo": True, "stream": True}, "stream is not supported with echo"),
     ("/v1/completions", {"prompt": "hi", "echo": True, "max_tokens": -1}, "max_tokens must not be negative"),
     ("/v1/completions", {"prompt": [5] * 30, "echo": True, "max_tokens": 4}, "with echo, prompt + max_tokens (4)"),
@@ -244,10 +248,11 @@ def test_bad_requests_get_a_clear_4xx_and_the_server_stays_up(url):
     assert httpx.get(f"{url}/health").json()["status"] == "ok"
 
 
-def test_a_generation_configs_eos_ids_end_requests_as_the_tokenizers_does(gen, tiny):
+def test_a_generation_configs_eos_ids_end_requests_as_the_tokenizers_does(gen, tiny, client):
     """Chat models end a turn with a token only their generation_config.json names (Llama 3's
     <|eot_id|>, Gemma's <end_of_turn>); an engine given those ids (`LoadedModel.eos_token_ids`, as
-    device_serve.py does) stops there like vLLM, the id not in the text, unless `ignore_eos`."""
+    device_serve.py does) stops there like vLLM, the id not in the text, unless `ignore_eos` or
+    before vLLM's `min_tokens`. A request's own `stop_token_ids` (vLLM's) end it the same way."""
     from openai import OpenAI
     prompt = "The quick brown"
     reference = gen.generate([tiny.tokenizer.encode(prompt)] * 4, SamplingOptions(max_new_tokens=NEW, temperature=0.0))[0].tokens
@@ -262,6 +267,15 @@ def test_a_generation_configs_eos_ids_end_requests_as_the_tokenizers_does(gen, t
         assert r.text == tiny.tokenizer.decode(reference[:ends]) and r.finish_reason == "stop"
         r = api.completions.create(extra_body={"ignore_eos": True}, **kw).choices[0]
         assert r.text == tiny.tokenizer.decode(reference) and r.finish_reason == "length"
+        later = gen.generate([tiny.tokenizer.encode(prompt)] * 4, SamplingOptions(
+            max_new_tokens=NEW, temperature=0.0, eos_token_id=(tiny.eos, turn_end), min_new_tokens=ends + 2),
+            tokenizer=tiny.tokenizer)[0]
+        assert len(later.tokens) > ends + 2
+        r = api.completions.create(extra_body={"min_tokens": ends + 2}, **kw).choices[0]
+        assert r.text == later.text and r.finish_reason == later.finish_reason
+        for extra in ({"stop_token_ids": [turn_end]}, {"stop_token_ids": [turn_end], "ignore_eos": True}):
+            r = client.completions.create(extra_body=extra, **kw).choices[0]  # the tokenizer's EOS only
+            assert r.text == tiny.tokenizer.decode(reference[:ends]) and r.finish_reason == "stop"
     finally:
         server.should_exit = True
         served.stop()

@@ -107,6 +107,33 @@ def test_chat_n_seed_stop_and_logprobs(client):
     assert cut.message.content == text[: text.index(stop)] and cut.finish_reason == "stop"
 
 
+def test_tokenize_and_detokenize_are_vllms(url, client, tiny):
+    """vLLM's /tokenize counts what a request would send: a prompt as /v1/completions encodes it,
+    chat messages as /v1/chat/completions renders them (its usage.prompt_tokens); /detokenize inverts."""
+    headers = {"Authorization": f"Bearer {KEY}"}
+    with httpx.Client(base_url=url, headers=headers, timeout=30) as http:
+        r = http.post("/tokenize", json={"model": "tiny", "prompt": "Pack my box", "return_token_strs": True}).json()
+        ids = tiny.tokenizer.encode("Pack my box")
+        assert r == {"count": len(ids), "max_model_len": 32, "tokens": ids,
+                     "token_strs": tiny.tokenizer.convert_ids_to_tokens(ids)}
+        chat = http.post("/tokenize", json={"messages": HI}).json()
+        usage = client.chat.completions.create(model="tiny", messages=HI, max_tokens=2, temperature=0).usage
+        assert chat["tokens"] == tiny.tokenizer.encode(HI_TEXT) and chat["count"] == usage.prompt_tokens
+        bare = http.post("/tokenize", json={"messages": HI, "add_generation_prompt": False}).json()
+        assert bare["tokens"] == tiny.tokenizer.encode("User: hi\n\n") and chat["token_strs"] is None
+        assert http.post("/detokenize", json={"tokens": ids}).json() == {"prompt": "Pack my box"}
+        for path, body, param, message in [
+                ("/tokenize", {"prompt": "hi", "messages": HI}, "prompt", "exactly one of prompt or messages"),
+                ("/tokenize", {}, "prompt", "exactly one of prompt or messages"),
+                ("/tokenize", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role", "must be one of"),
+                ("/detokenize", {"tokens": [5, 99999]}, "tokens", "token ids must be in [0, 300)"),
+                ("/detokenize", {"tokens": "abc"}, "tokens", "tokens")]:
+            answer = http.post(path, json=body)
+            assert answer.status_code == 400 and answer.json()["error"]["param"] == param, answer.text
+            assert message in answer.json()["error"]["message"], answer.text
+    assert httpx.post(f"{url}/tokenize", json={"prompt": "hi"}).status_code == 401  # the API key guards it
+
+
 BAD = [
     ({}, "messages", "messages: Field required"),
     ({"messages": []}, "messages", "messages"),
@@ -130,6 +157,10 @@ BAD = [
     ({"messages": HI, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "not supported"),
     ({"messages": HI, "response_format": {"type": "json_object"}}, "response_format", "not supported"),
     ({"messages": HI, "stream": "yes"}, "stream", "stream"),
+    ({"messages": HI, "logit_bias": {"x": 1}}, "logit_bias", "keys must be token ids, got 'x'"),
+    ({"messages": HI, "logit_bias": {"5": 101}}, "logit_bias", "biases in [-100, 100]"),
+    ({"messages": HI, "max_tokens": 4, "min_tokens": 5}, "min_tokens",
+     "min_tokens must be an integer in [0, max_tokens=4]"),
 ]
 
 

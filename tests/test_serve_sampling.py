@@ -86,6 +86,18 @@ def test_sampling_options_over_v1_completions_equal_the_librarys(client, gen, ti
     assert [s.text for s in baseline] != [s.text for s in ours]
 
 
+def test_logit_bias_over_v1_completions_equals_the_librarys(client, gen, tiny):
+    """OpenAI's {"token id": bias}: the greedy tokens it rules out never come, a boost takes over."""
+    plain = library(gen, tiny, PROMPTS, [SamplingOptions(max_new_tokens=8, temperature=0)] * len(PROMPTS))
+    ruled_out = {s.tokens[0] for s in plain}
+    bias = {**{str(t): -100 for t in ruled_out}, "97": 4.5}
+    r = client.completions.create(model="tiny", prompt=PROMPTS, max_tokens=8, temperature=0, logit_bias=bias)
+    options = SamplingOptions(max_new_tokens=8, temperature=0, logit_bias=tuple((int(t), b) for t, b in bias.items()))
+    ours = library(gen, tiny, PROMPTS, [options] * len(PROMPTS))
+    assert [c.text for c in r.choices] == [s.text for s in ours]
+    assert not any(ruled_out & set(s.tokens) for s in ours) and [s.text for s in ours] != [s.text for s in plain]
+
+
 def test_original_complete_endpoint_passes_temp_top_k_top_p_and_length(url, gen, tiny):
     """/complete has no seed: a very hot temperature with top_k=1, or with a tiny nucleus, must still be
     the greedy text; at temp 0 it is greedy whatever top_p says; `length` is the token count."""

@@ -10,6 +10,6 @@
 """
 from mesh_transformer.generate.batching import Batch, Sequence  # noqa: F401
 from mesh_transformer.generate.decode import (DecodeState, Emitted, Generator, bucket, state_specs)  # noqa: F401
-from mesh_transformer.generate.sampling import (FINISH_REASONS, MAX_EOS, MAX_STOPS, STOP_TOKENS, TOP_LOGPROBS,  # noqa: F401
-                                                RowOptions, SamplingOptions, argmax, categorical, choose,
-                                                top_k_top_p)
+from mesh_transformer.generate.sampling import (FINISH_REASONS, MAX_EOS, MAX_LOGIT_BIAS, MAX_STOPS,  # noqa: F401
+                                                STOP_TOKENS, TOP_LOGPROBS, RowOptions, SamplingOptions, argmax,
+                                                categorical, choose, top_k_top_p)

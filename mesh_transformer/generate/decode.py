@@ -40,9 +40,9 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from mesh_transformer import host_memory, kernels, lora, models, parallel
 from mesh_transformer.config import ModelConfig
-from mesh_transformer.generate.sampling import (EOS, LENGTH, MAX_EOS, MAX_STOPS, RUNNING, STOP, STOP_TOKENS, TOP_LOGPROBS,
-                                                RowOptions, SamplingOptions, choose, log_probs, stop_hit, _none,
-                                                penalize)
+from mesh_transformer.generate.sampling import (EOS, LENGTH, MAX_EOS, MAX_LOGIT_BIAS, MAX_STOPS, RUNNING, STOP,
+                                                STOP_TOKENS, TOP_LOGPROBS, RowOptions, SamplingOptions, choose,
+                                                log_probs, penalize, steer, stop_hit, _none)
 from mesh_transformer.models.core import KVCache, SharedPrefix, unstacked_modules
 from mesh_transformer.models.layers import FUSED, dynamic_slice, update_slice
 
@@ -141,6 +141,8 @@ def emit(state: DecodeState, logits, active) -> tuple[DecodeState, Emitted]:
     rows = state.rows
     penalized = (rows.repetition_penalty != 1) | (rows.frequency_penalty != 0) | (rows.presence_penalty != 0)
     scores = jax.lax.cond(jnp.any(penalized), lambda: penalize(logits, state.counts, state.seen, rows), lambda: logits)
+    steered = jnp.any(rows.bias_ids >= 0) | jnp.any(state.n_generated < rows.min_new)
+    scores = jax.lax.cond(steered, lambda: steer(scores, rows, state.n_generated), lambda: scores)
     token = choose(scores, rows, state.n_generated)
     b = jnp.arange(token.shape[0])
     logprob, top_logprobs, top_ids = jax.lax.cond(
@@ -180,7 +182,8 @@ def state_specs(layers: int) -> DecodeState:
     row, row2, kv = P(parallel.DP), P(parallel.DP, None), (KV_SPEC,) * layers
     return DecodeState(
         cache=KVCache(kv, kv, row, P(), row),
-        rows=RowOptions(**{**dict.fromkeys(RowOptions._fields, row), "eos": row2, "stops": P(parallel.DP, None, None)}),
+        rows=RowOptions(**{**dict.fromkeys(RowOptions._fields, row), "eos": row2, "bias_ids": row2, "bias": row2,
+                           "stops": P(parallel.DP, None, None)}),
         last=row, done=row, n_generated=row, reason=row, counts=row2, seen=row2, recent=row2)
 
 
@@ -563,7 +566,9 @@ class Generator:
                           presence_penalty=jnp.zeros(batch), seed=jnp.zeros(batch, jnp.uint32), max_new=i32(1),
                           eos=jnp.full((batch, MAX_EOS), -1, jnp.int32),
                           stops=jnp.full((batch, MAX_STOPS, STOP_TOKENS), -1, jnp.int32),
-                          top_logprobs=i32(-1), adapter=i32())
+                          top_logprobs=i32(-1), adapter=i32(),
+                          bias_ids=jnp.full((batch, MAX_LOGIT_BIAS), -1, jnp.int32),
+                          bias=jnp.zeros((batch, MAX_LOGIT_BIAS), jnp.float32), min_new=i32())
         cache = KVCache.zeros(self.config, batch, slots, mp=self.mp)._replace(offset=i32())
         return DecodeState(cache, rows, i32(),
                            jnp.ones(batch, bool), i32(), i32(), jnp.zeros((batch, vocab), jnp.int32),

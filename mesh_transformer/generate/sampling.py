@@ -1,8 +1,9 @@
 """Sampling: per-request options and small pure functions over [B, V] float32 logits.
 
 Greedy, temperature, top-k, top-p and min-p (exact thresholds, no sort of the vocabulary: a CPU kernel),
-HF's repetition and OpenAI's frequency/presence penalties, seeded per row so results do not depend
-on the batch, stop sequences checked on device, log-probabilities only when a row asks.
+HF's repetition and OpenAI's frequency/presence penalties, OpenAI's logit bias, a minimum length
+before an end-of-text id may be chosen, seeded per row so results do not depend on the batch, stop
+sequences checked on device, log-probabilities only when a row asks.
 """
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ MAX_STOPS = 4  # stop sequences per request checked on device (OpenAI allows 4)
 STOP_TOKENS = 8  # longest stop sequence (in tokens) checked on device; longer ones are checked as text
 TOP_LOGPROBS = 5  # alternatives reported per token (OpenAI's completions limit)
 MAX_EOS = 8  # end-of-text ids per request (a generation config's list: Llama 3.1 names 3, Gemma 2)
+MAX_LOGIT_BIAS = 300  # logit_bias entries per request (OpenAI's limit)
+LOGIT_BIAS_RANGE = 100.0  # OpenAI's: each bias in [-100, 100]
 
 RUNNING, EOS, STOP, LENGTH = 0, 1, 2, 3
 FINISH_REASONS = {EOS: "stop", STOP: "stop", LENGTH: "length"}
@@ -44,6 +47,8 @@ class SamplingOptions:
     eos_token_id: Optional[int | tuple[int, ...]] = None  # ends the row (returned, not part of the text); or several
     stop: tuple[str, ...] = ()  # text that ends the row (not part of the text)
     stop_token_ids: tuple[tuple[int, ...], ...] = ()  # token sequences that end the row on device
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit) pairs (OpenAI's)
+    min_new_tokens: int = 0  # no end-of-text id is chosen before this many tokens (HF's; vLLM's min_tokens)
     logprobs: Optional[int] = None  # None: none; n: the chosen token's log p and the n most likely (n <= 5)
 
     def validate(self, context: int) -> None:
@@ -67,6 +72,13 @@ class SamplingOptions:
         need(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
         need(len(self.eos_ids) <= MAX_EOS and all(isinstance(t, (int, np.integer)) and t >= 0 for t in self.eos_ids),
              "eos_token_id", f"must be a token id or at most {MAX_EOS} of them")
+        need(len(self.logit_bias) <= MAX_LOGIT_BIAS, "logit_bias", f"allows at most {MAX_LOGIT_BIAS} tokens")
+        need(len({t for t, _ in self.logit_bias}) == len(self.logit_bias), "logit_bias", "names a token twice")
+        need(all(isinstance(t, (int, np.integer)) and t >= 0 and -LOGIT_BIAS_RANGE <= b <= LOGIT_BIAS_RANGE
+                 for t, b in self.logit_bias), "logit_bias",
+             f"must map token ids to biases in [{-LOGIT_BIAS_RANGE:g}, {LOGIT_BIAS_RANGE:g}]")
+        need(isinstance(self.min_new_tokens, int) and 0 <= self.min_new_tokens <= self.max_new_tokens,
+             "min_new_tokens", f"must be an integer in [0, max_new_tokens={self.max_new_tokens}]")
 
     @property
     def eos_ids(self) -> tuple[int, ...]:
@@ -92,16 +104,23 @@ class RowOptions(NamedTuple):
     stops: Any  # [B, MAX_STOPS, STOP_TOKENS] right-aligned token ids, -1 = padding
     top_logprobs: Any  # alternatives wanted (0..TOP_LOGPROBS); -1 = no log-probabilities at all
     adapter: Any  # the row's entry in the generator's bank of LoRA adapters (0: the base alone)
+    bias_ids: Any  # [B, MAX_LOGIT_BIAS] token ids whose logits get `bias`, -1 = padding
+    bias: Any  # [B, MAX_LOGIT_BIAS] float32
+    min_new: Any  # tokens before an eos id may be chosen
 
     @classmethod
     def stack(cls, options: Seq[SamplingOptions], seeds: Seq[int], adapters: Optional[Seq[int]] = None) -> "RowOptions":
         stops = np.full((len(options), MAX_STOPS, STOP_TOKENS), -1, np.int32)
         eos = np.full((len(options), MAX_EOS), -1, np.int32)
+        bias_ids = np.full((len(options), MAX_LOGIT_BIAS), -1, np.int32)
+        bias = np.zeros((len(options), MAX_LOGIT_BIAS), np.float32)
         for i, o in enumerate(options):
             usable = [s for s in o.stop_token_ids if 0 < len(s) <= STOP_TOKENS][:MAX_STOPS]
             for j, s in enumerate(usable):
                 stops[i, j, STOP_TOKENS - len(s):] = s
             eos[i, :len(o.eos_ids)] = o.eos_ids
+            for j, (token, value) in enumerate(o.logit_bias):
+                bias_ids[i, j], bias[i, j] = token, value
 
         def col(name, dtype):
             return np.array([getattr(o, name) for o in options], dtype)
@@ -111,7 +130,8 @@ class RowOptions(NamedTuple):
                    np.array(seeds, np.uint32), col("max_new_tokens", np.int32),
                    eos, stops,
                    np.array([-1 if o.logprobs is None else o.logprobs for o in options], np.int32),
-                   np.array(adapters if adapters is not None else [0] * len(options), np.int32))
+                   np.array(adapters if adapters is not None else [0] * len(options), np.int32),
+                   bias_ids, bias, col("min_new_tokens", np.int32))
 
 
 # --------------------------------------------------------------------------------------------
@@ -124,6 +144,16 @@ def penalize(logits, counts, seen, rows: RowOptions):
     logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
     counts = counts.astype(jnp.float32)
     return logits - counts * rows.frequency_penalty[:, None] - (counts > 0) * rows.presence_penalty[:, None]
+
+
+def steer(logits, rows: RowOptions, n_generated):
+    """OpenAI's logit bias added; each row's eos ids made impossible while it has generated fewer
+    than its `min_new` tokens (HF's MinNewTokensLengthLogitsProcessor)."""
+    b = jnp.arange(logits.shape[0])[:, None]
+    logits = logits.at[b, jnp.maximum(rows.bias_ids, 0)].add(jnp.where(rows.bias_ids >= 0, rows.bias, 0.0),
+                                                               mode="drop")
+    early = (n_generated < rows.min_new)[:, None] & (rows.eos >= 0)
+    return logits.at[b, jnp.maximum(rows.eos, 0)].min(jnp.where(early, -jnp.inf, jnp.inf), mode="drop")
 
 
 def top_k_top_p(logits, top_k, top_p, min_p=None):

@@ -1,7 +1,8 @@
 """The FastAPI app over a started `Engine`, and `run`: uvicorn with a graceful shutdown.
 
 Routes: `GET /` (the playground page), `POST /complete`, `POST /v1/completions`,
-`POST /v1/chat/completions`, `GET /v1/models`, `GET /health`, `GET /metrics` (Prometheus), and with
+`POST /v1/chat/completions`, `POST /tokenize` and `POST /detokenize` (vLLM's), `GET /v1/models`,
+`GET /health`, `GET /metrics` (Prometheus), and with
 runtime LoRA loading `POST /v1/load_lora_adapter`, `POST /v1/unload_lora_adapter` (vLLM's).
 """
 from __future__ import annotations
@@ -21,6 +22,7 @@ from fastapi import Request as HttpRequest
 
 from mesh_transformer.serve import chat as chat_api
 from mesh_transformer.serve import openai as oa
+from mesh_transformer.serve import tokens as tokens_api
 from mesh_transformer.serve.engine import Engine
 from mesh_transformer.serve.metrics import CONTENT_TYPE
 
@@ -30,8 +32,8 @@ API_KEY_ENV = "MESH_TRANSFORMER_API_KEY"
 RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"  # vLLM's switch for the runtime LoRA routes (device_serve.py)
 PAGE = pathlib.Path(__file__).with_name("page.html")
 OPEN_PATHS = ("/", "/health", "/metrics")  # answered without the API key (no model output, no secrets)
-ENDPOINTS = ("/", "/complete", "/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics",
-             "/v1/load_lora_adapter", "/v1/unload_lora_adapter")
+ENDPOINTS = ("/", "/complete", "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize", "/v1/models",
+             "/health", "/metrics", "/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 
 
 def create_app(engine: Engine, model_name: str = "mesh-transformer", api_key: Optional[str] = None,
@@ -94,7 +96,8 @@ def create_app(engine: Engine, model_name: str = "mesh-transformer", api_key: Op
                                                     for name in known]}
 
     posts = {"/complete": oa.complete, "/v1/completions": oa.completions,
-             "/v1/chat/completions": chat_api.chat_completions}
+             "/v1/chat/completions": chat_api.chat_completions, "/tokenize": tokens_api.tokenize,
+             "/detokenize": tokens_api.detokenize}
     if runtime_lora:
         posts.update({"/v1/load_lora_adapter": oa.load_lora_adapter, "/v1/unload_lora_adapter": oa.unload_lora_adapter})
     for path, handler in posts.items():

@@ -45,7 +45,8 @@ class ChatMessage(oa._Strict):
 
 
 class ChatRequest(oa._Strict):
-    """OpenAI's /v1/chat/completions body (plus top_k, min_p, repetition_penalty and ignore_eos, as vLLM takes them)."""
+    """OpenAI's /v1/chat/completions body (plus top_k, min_p, repetition_penalty, min_tokens, stop_token_ids
+    and ignore_eos, as vLLM takes them)."""
 
     model: Optional[str] = None
     messages: list[ChatMessage] = Field(min_length=1)
@@ -66,6 +67,9 @@ class ChatRequest(oa._Strict):
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
     ignore_eos: bool = False
+    min_tokens: int = 0
+    stop_token_ids: Optional[list[int]] = None
+    logit_bias: Optional[dict[str, float]] = None
     tools: Optional[list] = None
     response_format: Optional[dict] = None
     user: Optional[str] = None
@@ -87,19 +91,20 @@ class ChatTemplate:
         with open(path, encoding="utf-8") as f:
             return cls(tokenizer, f.read())
 
-    def render(self, messages: list[dict]) -> str:
-        """The prompt text (ending where the assistant's reply starts); ValueError if the template refuses."""
+    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """The prompt text (ending where the assistant's reply starts, with `add_generation_prompt`);
+        ValueError if the template refuses."""
         try:
             return self.tokenizer.apply_chat_template(messages, chat_template=self.template, tokenize=False,
-                                                      add_generation_prompt=True)
+                                                      add_generation_prompt=add_generation_prompt)
         except Exception as e:  # noqa: BLE001 - jinja errors and templates' raise_exception(...)
             raise ValueError(f"the chat template cannot render these messages ({type(e).__name__}: {e})") from None
 
 
-def _messages(body: ChatRequest) -> list[dict]:
+def _messages(messages: list[ChatMessage]) -> list[dict]:
     """The messages as the template sees them: roles checked, content as one string."""
     out = []
-    for i, m in enumerate(body.messages):
+    for i, m in enumerate(messages):
         if m.role not in ROLES:
             raise oa.ApiError(400, f"messages[{i}].role: must be one of {', '.join(ROLES)}, got {m.role!r}",
                               param=f"messages[{i}].role")
@@ -119,14 +124,21 @@ def _messages(body: ChatRequest) -> list[dict]:
 
 
 def prompt_ids(s: oa.Settings, body: ChatRequest) -> list[int]:
-    try:
-        text = s.chat.render(_messages(body))
-    except ValueError as e:
-        raise oa.ApiError(400, f"messages: {e}", param="messages") from None
-    ids = oa.encode(s.engine, text, "messages", add_special_tokens=False)
+    ids = encoded_messages(s, body.messages)
     if not ids:
         raise oa.ApiError(400, "messages: the rendered prompt is empty", param="messages")
     return ids
+
+
+def encoded_messages(s: oa.Settings, messages: list[ChatMessage], add_generation_prompt: bool = True,
+                     add_special_tokens: bool = False) -> list[int]:
+    """`messages` rendered by the chat template and tokenized (no special tokens added by default: a
+    template writes the ones it wants); a 400 naming the message at fault."""
+    try:
+        text = s.chat.render(_messages(messages), add_generation_prompt)
+    except ValueError as e:
+        raise oa.ApiError(400, f"messages: {e}", param="messages") from None
+    return oa.encode(s.engine, text, "messages", add_special_tokens=add_special_tokens)
 
 
 async def chat_completions(s: oa.Settings, http: HttpRequest):

@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from mesh_transformer import lora
 from mesh_transformer.config import ConfigError
-from mesh_transformer.generate import SamplingOptions, Sequence
+from mesh_transformer.generate import MAX_EOS, MAX_LOGIT_BIAS, SamplingOptions, Sequence
 from mesh_transformer.serve.adapters import NameTaken
 from mesh_transformer.serve.engine import Draining, Engine, QueueFull, Request
 
@@ -77,7 +77,8 @@ class CompleteRequest(_Strict):
 
 
 class CompletionRequest(_Strict):
-    """OpenAI's /v1/completions body (plus vLLM's top_k, min_p, repetition_penalty and ignore_eos)."""
+    """OpenAI's /v1/completions body (plus vLLM's top_k, min_p, repetition_penalty, min_tokens, stop_token_ids
+    and ignore_eos)."""
 
     model: Optional[str] = None
     prompt: Union[str, list[str], list[int], list[list[int]]]
@@ -96,6 +97,9 @@ class CompletionRequest(_Strict):
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0  # extension (HF's)
     ignore_eos: bool = False  # extension (vLLM's)
+    min_tokens: int = 0  # extension (vLLM's): no end-of-text before this many tokens
+    stop_token_ids: Optional[list[int]] = None  # extension (vLLM's): ids that end the text as EOS does
+    logit_bias: Optional[dict[str, float]] = None  # token id (as a string) -> bias in [-100, 100]
     echo: bool = False
     best_of: Optional[int] = None
     suffix: Optional[str] = None
@@ -180,8 +184,9 @@ def stop_list(stop, field: str = "stop") -> tuple[str, ...]:
     return tuple(stops)
 
 
+# What /v1/completions and /v1/chat/completions share
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty",
-                   "repetition_penalty", "ignore_eos")  # what /v1/completions and /v1/chat/completions share
+                   "repetition_penalty", "ignore_eos", "min_tokens", "stop_token_ids", "logit_bias")
 
 
 def body_options(engine: Engine, body, max_tokens: int, stop, logprobs) -> SamplingOptions:
@@ -190,14 +195,15 @@ def body_options(engine: Engine, body, max_tokens: int, stop, logprobs) -> Sampl
     return options(engine, max_tokens=max_tokens, stop=stop, logprobs=logprobs, **shared)
 
 
-def options(engine: Engine, ignore_eos: bool = False, **given) -> SamplingOptions:
+def options(engine: Engine, ignore_eos: bool = False, stop_token_ids=None, **given) -> SamplingOptions:
     """SamplingOptions from the request's fields (None: the default); 400 names a bad one.
-    `ignore_eos` (vLLM's): generate past the end-of-text token (benchmarks)."""
-    names = {"max_tokens": "max_new_tokens"}
+    `ignore_eos` (vLLM's): generate past the model's end-of-text ids (benchmarks); `stop_token_ids`
+    (vLLM's): more ids that end the text as they do (not part of it), whatever `ignore_eos` says."""
+    names = {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens"}
     fields = {names.get(k, k): v for k, v in given.items() if v is not None}
-    fields.setdefault("eos_token_id", engine.eos_token_ids or None)
-    if ignore_eos:
-        fields["eos_token_id"] = None
+    if "logit_bias" in fields:
+        fields["logit_bias"] = logit_bias(fields["logit_bias"], engine.gen.config.n_vocab)
+    fields["eos_token_id"] = end_ids(engine, () if ignore_eos else engine.eos_token_ids, stop_token_ids or ())
     max_new = fields.get("max_new_tokens", 16)
     if max_new < 1:
         raise ApiError(400, f"max_tokens must be at least 1, got {max_new}", param="max_tokens")
@@ -208,8 +214,37 @@ def options(engine: Engine, ignore_eos: bool = False, **given) -> SamplingOption
     try:
         result.validate(engine.context)
     except ValueError as e:
-        raise ApiError(400, str(e).replace("max_new_tokens", "max_tokens"), param=str(e).split()[0]) from None
+        message = str(e).replace("max_new_tokens", "max_tokens").replace("min_new_tokens", "min_tokens")
+        raise ApiError(400, message, param=message.split()[0]) from None
     return result
+
+
+def end_ids(engine: Engine, model_ids, requested) -> Optional[tuple[int, ...]]:
+    """The model's end-of-text ids and a request's stop_token_ids, at most MAX_EOS together."""
+    vocab = engine.gen.config.n_vocab
+    if any(not 0 <= t < vocab for t in requested):
+        raise ApiError(400, f"stop_token_ids: token ids must be in [0, {vocab})", param="stop_token_ids")
+    ids = tuple(dict.fromkeys((*model_ids, *requested)))
+    if len(ids) > MAX_EOS:
+        raise ApiError(400, f"stop_token_ids: at most {MAX_EOS - len(model_ids)} ids besides the model's "
+                            f"{len(model_ids)} end-of-text ids, got {len(requested)}", param="stop_token_ids")
+    return ids or None
+
+
+def logit_bias(given: dict[str, float], vocab: int) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"token id": bias} as (id, bias) pairs; too many, or a key that is not a token id, is a 400."""
+    if len(given) > MAX_LOGIT_BIAS:
+        raise ApiError(400, f"logit_bias allows at most {MAX_LOGIT_BIAS} tokens, got {len(given)}", param="logit_bias")
+    pairs = []
+    for key, value in given.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise ApiError(400, f"logit_bias: keys must be token ids, got {key!r}", param="logit_bias") from None
+        if not 0 <= token < vocab:
+            raise ApiError(400, f"logit_bias: token id {token} is not in [0, {vocab})", param="logit_bias")
+        pairs.append((token, float(value)))
+    return tuple(pairs)
 
 
 def adapter(s: Settings, model: Optional[str]) -> Optional[str]:
