@@ -220,8 +220,12 @@ def end_of_text_ids(tokenizer, weights_dir) -> tuple[int, ...]:
     for directory in _directories(weights_dir):
         path = storage.join(directory, GENERATION_CONFIG)
         if storage.exists(path):
-            listed = json.loads(storage.read_bytes(path)).get("eos_token_id")
-            ids += listed if isinstance(listed, list) else [] if listed is None else [listed]
+            try:
+                listed = json.loads(storage.read_bytes(path)).get("eos_token_id")
+                listed = [] if listed is None else [int(i) for i in (listed if isinstance(listed, list) else [listed])]
+            except (ValueError, TypeError, AttributeError) as e:
+                raise ConfigError(f"{path}: eos_token_id must be a token id or a list of them ({e})") from None
+            ids += listed
             break
     unique = tuple(dict.fromkeys(int(i) for i in ids))
     if len(unique) > MAX_EOS:

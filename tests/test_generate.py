@@ -55,10 +55,17 @@ def test_loading_adds_the_eos_ids_a_generation_config_lists(tiny, tmp_path):
         os.symlink(tiny.path / name, tmp_path / name)
     (tmp_path / "generation_config.json").unlink()
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, tiny.eos, 9]}))
-    assert loading.load(hf=str(tmp_path), mp=1, dp=1).eos_token_ids == (tiny.eos, 7, 9)
+    model = loading.load(hf=str(tmp_path), mp=1, dp=1, dtype="float32")
+    assert model.eos_token_ids == (tiny.eos, 7, 9)
+    from mesh_transformer.evaluate.lm import MeshLM
+    evaluated = MeshLM.from_loaded(model)  # eval_harness.py's generate_until stops there too, as HFLM's generate
+    assert evaluated._sampling_options({"max_gen_toks": 4}, ["\n"]).eos_ids == (tiny.eos, 7, 9)
     assert loading.end_of_text_ids(tiny.tokenizer, [str(tmp_path / "none"), str(tmp_path)]) == (tiny.eos, 7, 9)
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": list(range(20, 28))}))
     with pytest.raises(ConfigError, match="generation_config.json: eos_token_id lists 9 ids"):
+        loading.end_of_text_ids(tiny.tokenizer, str(tmp_path))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": "</s>"}))
+    with pytest.raises(ConfigError, match="generation_config.json: eos_token_id must be a token id or a list"):
         loading.end_of_text_ids(tiny.tokenizer, str(tmp_path))
 
 
@@ -338,19 +345,20 @@ def test_eos_and_stop_tokens_end_rows_early(tiny, gen):
 
 
 def test_logit_bias_and_min_new_tokens_continue_as_transformers_does(tiny, gen):
-    """OpenAI's logit_bias is transformers' sequence_bias of single tokens, and min_new_tokens its
-    MinNewTokensLengthLogitsProcessor: greedy continuations equal generate's with them, per row."""
+    """OpenAI's logit_bias is transformers' sequence_bias of single tokens (applied before the
+    repetition penalty, as there), and min_new_tokens its MinNewTokensLengthLogitsProcessor: greedy
+    continuations equal generate's with them, per row."""
     reference = [s.tokens for s in gen.generate(PROMPTS, greedy())]
     banned = {(t,): -100.0 for t in reference[0][:3]}  # its first three choices, ruled out
     boosted = {(reference[1][0],): -5.0, (97,): 7.5}  # a nudge, not a rule
     ends = [reference[2][1], reference[2][4]]  # would end the row at its second token
     options = [greedy(logit_bias=tuple((t, b) for (t,), b in banned.items())),
-               greedy(logit_bias=tuple((t, b) for (t,), b in boosted.items())),
+               greedy(logit_bias=tuple((t, b) for (t,), b in boosted.items()), repetition_penalty=1.3),
                greedy(eos_token_id=tuple(ends), min_new_tokens=6),
                greedy(eos_token_id=tuple(ends))]
     seqs = gen.generate(PROMPTS[:3] + PROMPTS[2:3], options)
     expected = [tiny.hf_greedy(PROMPTS[0], sequence_bias=banned)[0],
-                tiny.hf_greedy(PROMPTS[1], sequence_bias=boosted)[0],
+                tiny.hf_greedy(PROMPTS[1], sequence_bias=boosted, repetition_penalty=1.3)[0],
                 tiny.hf_greedy(PROMPTS[2], eos_token_id=ends, min_new_tokens=6)[0],
                 tiny.hf_greedy(PROMPTS[2], eos_token_id=ends)[0]]
     assert [s.tokens for s in seqs[:3]] == expected[:3]
@@ -362,6 +370,20 @@ def test_logit_bias_and_min_new_tokens_continue_as_transformers_does(tiny, gen):
                        (dict(min_new_tokens=NEW + 1), "min_new_tokens must be an integer in")]:
         with pytest.raises(ValueError, match=match):
             greedy(**bad).validate(64)
+
+
+def test_min_new_tokens_holds_stop_strings_back(tiny, gen):
+    """vLLM's min_tokens: a stop string ends the text only where it ends after the first
+    min_new_tokens tokens' text (an earlier occurrence does not count)."""
+    tok = tiny.tokenizer
+    prompts = [tok.encode(p) for p in ("The quick", "The quick", "def main", "How vexingly")]
+    [plain] = gen.generate(prompts, greedy(), tokenizer=tok)[:1]
+    text, held = plain.text, len(tok.decode(plain.tokens[:6]))
+    stop = next(c for c in text[:held] if text.find(c, held) >= 0)  # occurs before the 6th token and after
+    seqs = gen.generate(prompts, [greedy(stop=(stop,), min_new_tokens=6), greedy(stop=(stop,)), greedy(), greedy()],
+                        tokenizer=tok)
+    assert seqs[0].text == text[:text.index(stop, held)] and seqs[0].finish_reason == "stop"
+    assert seqs[1].text == text[:text.index(stop)] != seqs[0].text
 
 
 def test_stop_strings_cut_the_text(tiny, gen):

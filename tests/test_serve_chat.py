@@ -158,7 +158,7 @@ BAD = [
     ({"messages": HI, "response_format": {"type": "json_object"}}, "response_format", "not supported"),
     ({"messages": HI, "stream": "yes"}, "stream", "stream"),
     ({"messages": HI, "logit_bias": {"x": 1}}, "logit_bias", "keys must be token ids, got 'x'"),
-    ({"messages": HI, "logit_bias": {"5": 101}}, "logit_bias", "biases in [-100, 100]"),
+    ({"messages": HI, "logit_bias": {"5": 101}}, "logit_bias", "logit_bias['5']: the bias must be in [-100, 100]"),
     ({"messages": HI, "max_tokens": 4, "min_tokens": 5}, "min_tokens",
      "min_tokens must be an integer in [0, max_tokens=4]"),
 ]

@@ -2,6 +2,7 @@
 import json
 
 import numpy as np
+import pytest
 
 import from_hf_weights
 import to_hf_weights
@@ -50,6 +51,14 @@ def test_export_names_the_special_tokens_of_the_model_it_came_from(tmp_path):
     assert to_hf_weights.main(["--input-ckpt", str(tmp_path / "ckpt"), "--output-path", str(tmp_path / "out2"),
                                "--dtype", "fp32"]) == 0
     assert _special(tmp_path / "out2")["eos_token_id"] == 0  # the tokenizer's, not LlamaConfig's 2
+
+    # A tokenizer that does not load costs its ids, not the export.
+    (tmp_path / "ckpt" / "generation_config.json").write_bytes(generation)
+    (tmp_path / "ckpt" / "tokenizer.json").write_text("{")
+    with pytest.warns(UserWarning, match="the tokenizer beside the weights does not load"):
+        assert to_hf_weights.main(["--input-ckpt", str(tmp_path / "ckpt"), "--output-path", str(tmp_path / "out3"),
+                                   "--dtype", "fp32"]) == 0
+    assert _special(tmp_path / "out3") == SPECIAL
 
 
 def test_gcs_paths_both_ways(tmp_path, gcs_bucket):

@@ -34,13 +34,16 @@ class MeshLM(TemplateLM):
     `generator`: a Generator, or a function that makes one. `batch_size`: prompts per forward pass / generation batch (default: as many as fit
     `scoring.DEFAULT_BATCH_TOKENS` positions for scoring, 16 for generation). `adapter`: a LoRA
     adapter of the generator's bank (`lora.ServedAdapter`) every request runs with, unmerged
-    (`under`); None: the base."""
+    (`under`); None: the base. `eos_token_ids`: what ends a generation (default: the tokenizer's
+    EOS; `loading.LoadedModel.eos_token_ids` adds a generation config's, as HF `generate` stops)."""
 
     def __init__(self, scorer: Scorer, tokenizer, generator=None, batch_size: Optional[int] = None,
                  max_length: Optional[int] = None, add_bos_token: Optional[bool] = None,
-                 max_gen_toks: int = DEFAULT_MAX_GEN_TOKS, adapter=None):
+                 max_gen_toks: int = DEFAULT_MAX_GEN_TOKS, adapter=None, eos_token_ids: Optional[tuple] = None):
         super().__init__()
         self.scorer, self.tokenizer, self._generator, self.adapter = scorer, tokenizer, generator, adapter
+        eos = getattr(tokenizer, "eos_token_id", None)
+        self.eos_token_ids = tuple(eos_token_ids) if eos_token_ids is not None else () if eos is None else (eos,)
         self.batch_size = batch_size
         self.max_length = max_length or scorer.seq
         if self.max_length > scorer.seq:
@@ -54,7 +57,8 @@ class MeshLM(TemplateLM):
         generation use (held once on the devices). `adapters`: [(name, PEFT adapter directory)]
         served beside the base in a bank of one entry, for `under(name)`."""
         gen = model.generator(adapters=list(adapters), slots=1) if adapters else model.generator()
-        return cls.from_generator(gen, model.tokenizer, batch_size=batch_size, **kw)
+        return cls.from_generator(gen, model.tokenizer, batch_size=batch_size,
+                                  **{"eos_token_ids": model.eos_token_ids or None, **kw})
 
     def under(self, name: Optional[str]) -> "MeshLM":
         """This model with the LoRA adapter called `name` from the generator's bank (None: the base):
@@ -67,7 +71,7 @@ class MeshLM(TemplateLM):
                 raise ValueError(f"adapter {name!r} is not one of this model's ({', '.join(known) or 'none'})")
             found = known[name]
         return MeshLM(self.scorer, self.tokenizer, self._generator, self.batch_size, self.max_length,
-                      self.add_bos_token, self.max_gen_toks, adapter=found)
+                      self.add_bos_token, self.max_gen_toks, adapter=found, eos_token_ids=self.eos_token_ids)
 
     @classmethod
     def from_generator(cls, gen, tokenizer, batch_size: Optional[int] = None, **kw) -> "MeshLM":
@@ -166,7 +170,7 @@ class MeshLM(TemplateLM):
         stops = tuple(s for s in until if s)[:MAX_STOPS]
         return SamplingOptions(max_new_tokens=max_new, temperature=temperature, top_p=float(kwargs.get("top_p", 1.0)),
                                top_k=int(kwargs.get("top_k", 0) or 0), min_p=float(kwargs.get("min_p", 0.0) or 0.0),
-                               stop=stops, eos_token_id=self.eot_token_id,
+                               stop=stops, eos_token_id=self.eos_token_ids or None,
                                seed=int(kwargs.get("seed", 1234)))
 
     def _generate(self, prompts: list[list[int]], options: SamplingOptions) -> list[str]:

@@ -58,6 +58,7 @@ class Sequence:
         self.finish_reason: Optional[str] = None
         self.cancelled = False
         self._text_end: Optional[int] = None  # where a stop string cut the text
+        self._min_text: Optional[int] = None  # characters of the first min_new_tokens tokens (`_stops_from`)
         self._sent = 0
 
     @property
@@ -73,8 +74,9 @@ class Sequence:
             self.logprobs.extend(float(lp) for lp in logprobs)
             self.top_logprobs.extend([(int(i), float(p)) for i, p in zip(ids[:n_top], lps[:n_top])]
                                      for ids, lps in zip(top_ids, top_logprobs))
-        if self.tokenizer is not None and self.options.stop and tokens is not None and len(tokens):
-            cut = _find_stop(self._decoded(), self.options.stop)
+        if self.tokenizer is not None and self.options.stop and tokens is not None and len(tokens) and \
+                len(self.tokens) >= self.options.min_new_tokens:
+            cut = _find_stop(self._decoded(), self.options.stop, self._stops_from())
             if cut is not None:
                 self._text_end = cut
                 self.finish_reason = "stop"
@@ -90,12 +92,21 @@ class Sequence:
     def _decoded(self) -> str:
         return self.tokenizer.decode(self._text_tokens())
 
+    def _stops_from(self) -> int:
+        """Where in the text a stop string may end at the earliest: after the text of the first
+        min_new_tokens tokens (vLLM's min_tokens holds stop strings back too)."""
+        if self.options.min_new_tokens == 0:
+            return 0
+        if self._min_text is None:
+            self._min_text = len(self.tokenizer.decode(self.tokens[:self.options.min_new_tokens]))
+        return self._min_text
+
     @property
     def text(self) -> str:
         """The completion text (without EOS or the stop string); needs a tokenizer."""
         text = self._decoded()
         if self._text_end is None and self.finished and self.options.stop:
-            self._text_end = _find_stop(text, self.options.stop)  # a device-side stop-token hit
+            self._text_end = _find_stop(text, self.options.stop, self._stops_from())  # a device-side stop hit
         return text if self._text_end is None else text[: self._text_end]
 
     @property
@@ -128,8 +139,9 @@ class Sequence:
         return len(self.tokens)
 
 
-def _find_stop(text: str, stops: Seq[str]) -> Optional[int]:
-    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+def _find_stop(text: str, stops: Seq[str], ends_after: int = 0) -> Optional[int]:
+    """Where the first stop string ending after character `ends_after` starts in `text`, or None."""
+    hits = [i for i in (text.find(s, max(0, ends_after - len(s) + 1)) for s in stops) if i >= 0]
     return min(hits) if hits else None
 
 

@@ -136,13 +136,15 @@ class Emitted(NamedTuple):
 def emit(state: DecodeState, logits, active) -> tuple[DecodeState, Emitted]:
     """Sample a token for each `active` row from its full-vocabulary logits [B, V]; update the row.
 
-    Work over [B, V] that no row asked for (penalties, top log-probs) is skipped (`lax.cond`).
+    Work over [B, V] that no row asked for (bias, penalties, top log-probs) is skipped (`lax.cond`).
+    The bias comes before the penalties, as in transformers and vLLM (a repetition penalty scales it).
     """
     rows = state.rows
+    steered = jnp.any(active[:, None] & (rows.bias_ids >= 0)) | jnp.any(active & (state.n_generated < rows.min_new))
+    scores = jax.lax.cond(steered, lambda: steer(logits, rows, state.n_generated), lambda: logits)
     penalized = (rows.repetition_penalty != 1) | (rows.frequency_penalty != 0) | (rows.presence_penalty != 0)
-    scores = jax.lax.cond(jnp.any(penalized), lambda: penalize(logits, state.counts, state.seen, rows), lambda: logits)
-    steered = jnp.any(rows.bias_ids >= 0) | jnp.any(state.n_generated < rows.min_new)
-    scores = jax.lax.cond(steered, lambda: steer(scores, rows, state.n_generated), lambda: scores)
+    scores = jax.lax.cond(jnp.any(active & penalized), lambda: penalize(scores, state.counts, state.seen, rows),
+                          lambda: scores)
     token = choose(scores, rows, state.n_generated)
     b = jnp.arange(token.shape[0])
     logprob, top_logprobs, top_ids = jax.lax.cond(
@@ -152,7 +154,7 @@ def emit(state: DecodeState, logits, active) -> tuple[DecodeState, Emitted]:
     n_generated = state.n_generated + active
     recent = jnp.where(active[:, None], jnp.concatenate([state.recent[:, 1:], token[:, None]], 1), state.recent)
     why = jnp.where(jnp.any(token[:, None] == state.rows.eos, axis=-1), EOS,
-                    jnp.where(stop_hit(recent, state.rows.stops), STOP,
+                    jnp.where(stop_hit(recent, state.rows.stops) & (n_generated >= rows.min_new), STOP,
                               jnp.where(n_generated >= state.rows.max_new, LENGTH, RUNNING)))
     finished = active & (why != RUNNING)
     state = state._replace(

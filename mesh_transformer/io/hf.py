@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import warnings
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -342,8 +343,13 @@ def special_token_ids(directory: str | os.PathLike) -> dict:
     directory, ids = Path(directory), {}
     if any((directory / name).exists() for name in TOKENIZER_FILES):
         from transformers import AutoTokenizer
-        tokenizer = AutoTokenizer.from_pretrained(str(directory))
-        ids.update({key: getattr(tokenizer, key, None) for key in SPECIAL_TOKENS})
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(directory))
+        except Exception as e:  # noqa: BLE001 - the export stands; only the tokenizer's ids are missing
+            warnings.warn(f"{directory}: the tokenizer beside the weights does not load ({type(e).__name__}: {e}); "
+                          f"config.json's special tokens come from {GENERATION_CONFIG} alone")
+        else:
+            ids.update({key: getattr(tokenizer, key, None) for key in SPECIAL_TOKENS})
     if (directory / GENERATION_CONFIG).exists():
         generation = json.loads((directory / GENERATION_CONFIG).read_text())
         ids.update({key: generation[key] for key in SPECIAL_TOKENS if generation.get(key) is not None})

@@ -837,6 +837,3 @@ def tokenizer_dirs(step_dir: str) -> list[str]:
     """Where tokenizer files of a v1 checkpoint may be: the step directory, then its model directory."""
     parent = storage.dirname(step_dir.rstrip("/"))
     return [step_dir] + ([parent] if parent and re.search(r"step_\d+$", step_dir.rstrip("/")) else [])
-
-
-

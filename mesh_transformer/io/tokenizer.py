@@ -16,19 +16,21 @@ GPT2 = "gpt2"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "special_tokens_map.json")
 GENERATION_CONFIG = "generation_config.json"  # HF's: the eos ids `generate` stops on, sampling defaults
 MODEL_FILES = TOKENIZER_FILES + (GENERATION_CONFIG,)  # travel with the weights: import, fine-tune, slim, export
+GPT2_EOS = 50256
 
 
 def copy_model_files(directories, out_dir: str) -> None:
-    """Copy the MODEL_FILES of the first of `directories` that holds any into `out_dir` (local or gs://)."""
+    """Copy the tokenizer files of the first of `directories` that holds any, and the generation
+    config of the first that holds one, into `out_dir` (each local or gs://)."""
     from mesh_transformer.io import storage
 
-    for directory in directories:
-        found = [name for name in MODEL_FILES if storage.exists(storage.join(str(directory), name))]
-        for name in found:
-            storage.write_bytes(storage.join(str(out_dir), name), storage.read_bytes(storage.join(str(directory), name)))
-        if found:
-            return
-GPT2_EOS = 50256
+    for group in (TOKENIZER_FILES, (GENERATION_CONFIG,)):
+        for directory in map(str, directories):
+            found = [name for name in group if storage.exists(storage.join(directory, name))]
+            for name in found:
+                storage.write_bytes(storage.join(str(out_dir), name), storage.read_bytes(storage.join(directory, name)))
+            if found:
+                break
 
 
 def _gpt2_files() -> tuple[pathlib.Path, pathlib.Path]:

@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from mesh_transformer import lora
 from mesh_transformer.config import ConfigError
 from mesh_transformer.generate import MAX_EOS, MAX_LOGIT_BIAS, SamplingOptions, Sequence
+from mesh_transformer.generate.sampling import LOGIT_BIAS_RANGE
 from mesh_transformer.serve.adapters import NameTaken
 from mesh_transformer.serve.engine import Draining, Engine, QueueFull, Request
 
@@ -243,6 +244,9 @@ def logit_bias(given: dict[str, float], vocab: int) -> tuple[tuple[int, float], 
             raise ApiError(400, f"logit_bias: keys must be token ids, got {key!r}", param="logit_bias") from None
         if not 0 <= token < vocab:
             raise ApiError(400, f"logit_bias: token id {token} is not in [0, {vocab})", param="logit_bias")
+        if not -LOGIT_BIAS_RANGE <= value <= LOGIT_BIAS_RANGE:
+            raise ApiError(400, f"logit_bias[{key!r}]: the bias must be in [{-LOGIT_BIAS_RANGE:g}, "
+                                f"{LOGIT_BIAS_RANGE:g}], got {value}", param="logit_bias")
         pairs.append((token, float(value)))
     return tuple(pairs)
 

@@ -51,4 +51,8 @@ async def detokenize(s: oa.Settings, http: HttpRequest):
     vocab = s.engine.gen.config.n_vocab
     if any(t < 0 or t >= vocab for t in body.tokens):
         raise oa.ApiError(400, f"tokens: token ids must be in [0, {vocab})", param="tokens")
-    return {"prompt": s.engine.tokenizer.decode(body.tokens)}
+    try:
+        return {"prompt": s.engine.tokenizer.decode(body.tokens)}
+    except Exception as e:  # noqa: BLE001 - ids of the model's padded vocabulary the tokenizer lacks
+        raise oa.ApiError(400, f"tokens: the tokenizer cannot decode them ({type(e).__name__}: {e})",
+                          param="tokens") from None

@@ -123,15 +123,16 @@ def keep_tokenizer(directory: str, spec: str) -> None:
                     storage.write_bytes(storage.join(directory, name), f.read())
 
 
-def keep_generation_config(directory: str, source: str) -> None:
-    """Copy the generation_config.json of the model a run fine-tunes (a HF directory or a checkpoint)
-    beside the run's checkpoints, so an export names the same special tokens and stop ids."""
+def keep_generation_config(directory: str, sources: list[str]) -> None:
+    """Copy the generation_config.json of the model a run starts fine-tuning from (the first of
+    `sources`, directories, that has one) beside the run's checkpoints, so an export names the same
+    special tokens and a server stops at the same ids. Called once the weights were read."""
     from mesh_transformer.io import storage
     from mesh_transformer.io.tokenizer import GENERATION_CONFIG
 
-    kept, found = storage.join(directory, GENERATION_CONFIG), storage.join(source, GENERATION_CONFIG)
-    if jax.process_index() == 0 and not storage.exists(kept) and storage.exists(found):
-        storage.write_bytes(kept, storage.read_bytes(found))
+    found = next((path for path in (storage.join(s, GENERATION_CONFIG) for s in sources) if storage.exists(path)), None)
+    if jax.process_index() == 0 and found is not None:
+        storage.write_bytes(storage.join(directory, GENERATION_CONFIG), storage.read_bytes(found))
 
 
 class TrainHost:
@@ -170,39 +171,48 @@ class TrainHost:
             if tr.lora is not None:
                 self._load_base(extras.get(lora.BASE_KEY), extras.get(lora.FINGERPRINT_KEY))
             return state, extras.get("train_loader") or {}
-        if o.hf or o.tune_model_path:
-            keep_generation_config(self.ckpt.directory, o.hf or o.tune_model_path)
         if o.hf:
             from mesh_transformer.io import hf
             hf_config, params = hf.load_hf(o.hf, mp=tr.mp)
             _check_same_architecture(hf_config, self.config, o.hf)
             self._base_ref = lora.base_reference(hf=o.hf)
+            keep_generation_config(self.ckpt.directory, [o.hf])
             return tr.state_from_params(params), {}
         if o.tune_model_path:
             from mesh_transformer.io import mtj_v1
+            started = self._tuned_state()
             v1_dir = mtj_v1.find(o.tune_model_path)
-            if v1_dir is not None:  # the original's format: a full one carries its Adam moments over
-                if tr.lora is not None:
-                    raise ConfigError(f"{o.tune_model_path}: LoRA on a mesh-transformer-jax v1 checkpoint: "
-                                      "convert it first (to_hf_weights.py, then --hf)")
-                v1 = mtj_v1.V1Checkpoint(v1_dir, self.config.model)
-                return mtj_v1.train_state(v1, tr, moments=v1.full and not o.fresh_opt), {}
-            source = CheckpointManager(o.tune_model_path, read_only=True)
-            if tr.lora is not None:
-                step = source.latest_step()
-                self._load_base(lora.base_reference(ckpt=o.tune_model_path, step=step))
-                return tr.init_state(self.config.train.seed), {}  # fresh adapters on the base just read
-            if o.fresh_opt or not source.holds_optimizer_state():  # from_hf_weights.py writes params only
-                params = source.restore_params(abstract_params=tr.abstract_state.params,
-                                               target_shardings=tr.state_shardings.params, check_config=False)
-                return tr.state_from_params(params), {}
-            state, _ = source.restore(abstract_state=tr.abstract_state, target_shardings=tr.state_shardings,
-                                      check_config=False)
-            return state._replace(step=jax.device_put(np.int32(0), tr.state_shardings.step)), {}
+            keep_generation_config(self.ckpt.directory,
+                                   mtj_v1.tokenizer_dirs(v1_dir) if v1_dir is not None else [o.tune_model_path])
+            return started
         if tr.lora is not None:  # LoRA on a random base: reproducible from the seed
             self._base_ref = lora.base_reference(seed=self.config.train.seed)
             tr.base = tr.init_base(self.config.train.seed)
         return tr.init_state(self.config.train.seed), {}
+
+    def _tuned_state(self) -> tuple[TrainState, dict]:
+        """The start of a fine-tune from `--tune-model-path`: ours, or the original's v1 format."""
+        from mesh_transformer.io import mtj_v1
+        tr, o = self.trainer, self.options
+        v1_dir = mtj_v1.find(o.tune_model_path)
+        if v1_dir is not None:  # the original's format: a full one carries its Adam moments over
+            if tr.lora is not None:
+                raise ConfigError(f"{o.tune_model_path}: LoRA on a mesh-transformer-jax v1 checkpoint: "
+                                  "convert it first (to_hf_weights.py, then --hf)")
+            v1 = mtj_v1.V1Checkpoint(v1_dir, self.config.model)
+            return mtj_v1.train_state(v1, tr, moments=v1.full and not o.fresh_opt), {}
+        source = CheckpointManager(o.tune_model_path, read_only=True)
+        if tr.lora is not None:
+            step = source.latest_step()
+            self._load_base(lora.base_reference(ckpt=o.tune_model_path, step=step))
+            return tr.init_state(self.config.train.seed), {}  # fresh adapters on the base just read
+        if o.fresh_opt or not source.holds_optimizer_state():  # from_hf_weights.py writes params only
+            params = source.restore_params(abstract_params=tr.abstract_state.params,
+                                           target_shardings=tr.state_shardings.params, check_config=False)
+            return tr.state_from_params(params), {}
+        state, _ = source.restore(abstract_state=tr.abstract_state, target_shardings=tr.state_shardings,
+                                  check_config=False)
+        return state._replace(step=jax.device_put(np.int32(0), tr.state_shardings.step)), {}
 
     def _load_base(self, ref: Optional[dict], expected: Optional[int] = None) -> None:
         """Read the LoRA base `ref` names onto the mesh (compute dtype); ConfigError if it changed.
