@@ -47,17 +47,19 @@ def main(argv=None) -> int:
         from mesh_transformer.train.metrics import plot_metrics
         print(f"loss curves: {plot_metrics(os.path.join(log_dir, 'metrics.jsonl'), args.plot)}")
     if args.sample:
-        from mesh_transformer.generate import Generator, SamplingOptions
-        from mesh_transformer.io.tokenizer import load_tokenizer
-        from mesh_transformer.loading import end_of_text_ids
-        tokenizer = load_tokenizer(run.tokenizer)  # the training data's
-        eos = end_of_text_ids(tokenizer, run.ckpt.directory) or None  # and a generation config kept from the base
-        options = [SamplingOptions(max_new_tokens=args.sample_tokens, temperature=0.7, top_p=0.9, seed=seed,
-                                   eos_token_id=eos) for seed in range(len(args.sample))]
-        generator = Generator(config.model, state.params, run.trainer.mesh)
-        for prompt, seq in zip(args.sample, generator.generate([tokenizer.encode(p) for p in args.sample],
-                                                               options, tokenizer=tokenizer)):
-            print(f"\n>>> {prompt}{seq.text}")
+        with cli.user_errors() as status:
+            from mesh_transformer.generate import Generator, SamplingOptions
+            from mesh_transformer.io.tokenizer import load_tokenizer
+            from mesh_transformer.loading import end_of_text_ids
+            tokenizer = load_tokenizer(run.tokenizer)  # the training data's
+            eos = end_of_text_ids(tokenizer, run.ckpt.directory) or None  # and a generation config kept from the base
+            options = [SamplingOptions(max_new_tokens=args.sample_tokens, temperature=0.7, top_p=0.9, seed=seed,
+                                       eos_token_id=eos) for seed in range(len(args.sample))]
+            generator = Generator(config.model, state.params, run.trainer.mesh)
+            for prompt, seq in zip(args.sample, generator.generate([tokenizer.encode(p) for p in args.sample],
+                                                                   options, tokenizer=tokenizer)):
+                print(f"\n>>> {prompt}{seq.text}")
+        return status.code
     return 0
 
 

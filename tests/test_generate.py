@@ -376,14 +376,20 @@ def test_min_new_tokens_holds_stop_strings_back(tiny, gen):
     """vLLM's min_tokens: a stop string ends the text only where it ends after the first
     min_new_tokens tokens' text (an earlier occurrence does not count)."""
     tok = tiny.tokenizer
-    prompts = [tok.encode(p) for p in ("The quick", "The quick", "def main", "How vexingly")]
+    prompts = [tok.encode(p) for p in ("The quick", "The quick", "The quick", "How vexingly")]
     [plain] = gen.generate(prompts, greedy(), tokenizer=tok)[:1]
     text, held = plain.text, len(tok.decode(plain.tokens[:6]))
     stop = next(c for c in text[:held] if text.find(c, held) >= 0)  # occurs before the 6th token and after
-    seqs = gen.generate(prompts, [greedy(stop=(stop,), min_new_tokens=6), greedy(stop=(stop,)), greedy(), greedy()],
-                        tokenizer=tok)
+    # A stop that is the m-th token itself, with min_new_tokens m, does not count there (device and host agree).
+    m = next(i for i in range(2, NEW) if plain.tokens[i - 1] != plain.tokens[i]
+             and tok.encode(tok.decode(plain.tokens[i - 1:i])) == plain.tokens[i - 1:i])
+    last, at_m = tok.decode(plain.tokens[m - 1:m]), len(tok.decode(plain.tokens[:m]))
+    seqs = gen.generate(prompts, [greedy(stop=(stop,), min_new_tokens=6), greedy(stop=(stop,)),
+                                  greedy(stop=(last,), min_new_tokens=m), greedy()], tokenizer=tok)
     assert seqs[0].text == text[:text.index(stop, held)] and seqs[0].finish_reason == "stop"
     assert seqs[1].text == text[:text.index(stop)] != seqs[0].text
+    later = text.find(last, at_m - len(last) + 1)
+    assert seqs[2].text == (text if later < 0 else text[:later]) and len(seqs[2].text) > at_m
 
 
 def test_stop_strings_cut_the_text(tiny, gen):

@@ -149,7 +149,7 @@ class MeshLM(TemplateLM):
         for i, req in enumerate(requests):
             groups[repr(sorted(req.args[1].items()))].append(i)
         out: list[Optional[str]] = [None] * len(requests)
-        eos = self.tokenizer.decode([self.eot_token_id])
+        eos = None if self.eot_token_id is None else self.tokenizer.decode([self.eot_token_id])
         for indices in groups.values():
             kwargs = normalize_gen_kwargs(dict(requests[indices[0]].args[1]), self.max_gen_toks)
             until = handle_stop_sequences(kwargs.pop("until", None), eos=eos)

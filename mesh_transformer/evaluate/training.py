@@ -32,14 +32,18 @@ class TrainingEvaluator:
 
     def __call__(self, params, tokenizer_spec: str) -> dict[str, float]:
         from mesh_transformer.evaluate.lm import MeshLM
+        from mesh_transformer.io.checkpoint import checkpoint_dir
         from mesh_transformer.io.tokenizer import load_tokenizer
+        from mesh_transformer.loading import end_of_text_ids
 
         if self.scorer is None:
             self.scorer = Scorer.for_trainer(self.trainer, params)
         self.scorer.use(params)
         if tokenizer_spec not in self._tokenizers:
             self._tokenizers[tokenizer_spec] = load_tokenizer(tokenizer_spec)
-        lm = MeshLM(self.scorer, self._tokenizers[tokenizer_spec], generator=lambda: self._generator_for(params))
+        tokenizer = self._tokenizers[tokenizer_spec]
+        lm = MeshLM(self.scorer, tokenizer, generator=lambda: self._generator_for(params),
+                    eos_token_ids=end_of_text_ids(tokenizer, checkpoint_dir(self.config.train)) or None)
         try:
             results = harness.run(lm, self.names, self.manager, bootstrap_iters=0, seed=self.config.train.seed)
         finally:

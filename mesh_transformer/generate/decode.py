@@ -154,7 +154,7 @@ def emit(state: DecodeState, logits, active) -> tuple[DecodeState, Emitted]:
     n_generated = state.n_generated + active
     recent = jnp.where(active[:, None], jnp.concatenate([state.recent[:, 1:], token[:, None]], 1), state.recent)
     why = jnp.where(jnp.any(token[:, None] == state.rows.eos, axis=-1), EOS,
-                    jnp.where(stop_hit(recent, state.rows.stops) & (n_generated >= rows.min_new), STOP,
+                    jnp.where(stop_hit(recent, state.rows.stops) & (state.n_generated >= rows.min_new), STOP,
                               jnp.where(n_generated >= state.rows.max_new, LENGTH, RUNNING)))
     finished = active & (why != RUNNING)
     state = state._replace(

@@ -351,6 +351,9 @@ def special_token_ids(directory: str | os.PathLike) -> dict:
         else:
             ids.update({key: getattr(tokenizer, key, None) for key in SPECIAL_TOKENS})
     if (directory / GENERATION_CONFIG).exists():
-        generation = json.loads((directory / GENERATION_CONFIG).read_text())
+        try:
+            generation = json.loads((directory / GENERATION_CONFIG).read_text())
+        except ValueError as e:
+            raise ConfigError(f"{directory / GENERATION_CONFIG}: not valid JSON ({e})") from None
         ids.update({key: generation[key] for key in SPECIAL_TOKENS if generation.get(key) is not None})
     return {key: value for key, value in ids.items() if value is not None}

@@ -13,6 +13,7 @@ Start-up picks the first that applies:
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import os
 import signal
@@ -130,9 +131,16 @@ def keep_generation_config(directory: str, sources: list[str]) -> None:
     from mesh_transformer.io import storage
     from mesh_transformer.io.tokenizer import GENERATION_CONFIG
 
+    if jax.process_index() != 0:
+        return
     found = next((path for path in (storage.join(s, GENERATION_CONFIG) for s in sources) if storage.exists(path)), None)
-    if jax.process_index() == 0 and found is not None:
-        storage.write_bytes(storage.join(directory, GENERATION_CONFIG), storage.read_bytes(found))
+    if found is not None:
+        data = storage.read_bytes(found)
+        try:
+            json.loads(data)
+        except ValueError as e:
+            raise ConfigError(f"{found}: not valid JSON ({e})") from None
+        storage.write_bytes(storage.join(directory, GENERATION_CONFIG), data)
 
 
 class TrainHost:
@@ -180,8 +188,8 @@ class TrainHost:
             return tr.state_from_params(params), {}
         if o.tune_model_path:
             from mesh_transformer.io import mtj_v1
-            started = self._tuned_state()
             v1_dir = mtj_v1.find(o.tune_model_path)
+            started = self._tuned_state(v1_dir)
             keep_generation_config(self.ckpt.directory,
                                    mtj_v1.tokenizer_dirs(v1_dir) if v1_dir is not None else [o.tune_model_path])
             return started
@@ -190,11 +198,10 @@ class TrainHost:
             tr.base = tr.init_base(self.config.train.seed)
         return tr.init_state(self.config.train.seed), {}
 
-    def _tuned_state(self) -> tuple[TrainState, dict]:
-        """The start of a fine-tune from `--tune-model-path`: ours, or the original's v1 format."""
+    def _tuned_state(self, v1_dir: Optional[str]) -> tuple[TrainState, dict]:
+        """The start of a fine-tune from `--tune-model-path`: ours, or the original's v1 format (in `v1_dir`)."""
         from mesh_transformer.io import mtj_v1
         tr, o = self.trainer, self.options
-        v1_dir = mtj_v1.find(o.tune_model_path)
         if v1_dir is not None:  # the original's format: a full one carries its Adam moments over
             if tr.lora is not None:
                 raise ConfigError(f"{o.tune_model_path}: LoRA on a mesh-transformer-jax v1 checkpoint: "
