@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import json
 import os
 import tempfile
 from dataclasses import dataclass
@@ -27,7 +26,7 @@ from jax.sharding import Mesh
 
 from mesh_transformer import models, parallel
 from mesh_transformer.config import Config, ConfigError, ModelConfig, config_from_dict, load_config
-from mesh_transformer.io.tokenizer import GENERATION_CONFIG, TOKENIZER_FILES
+from mesh_transformer.io.tokenizer import GENERATION_CONFIG, TOKENIZER_FILES, read_generation_config
 
 
 
@@ -220,8 +219,9 @@ def end_of_text_ids(tokenizer, weights_dir) -> tuple[int, ...]:
     for directory in _directories(weights_dir):
         path = storage.join(directory, GENERATION_CONFIG)
         if storage.exists(path):
+            generation = read_generation_config(path)
             try:
-                listed = json.loads(storage.read_bytes(path)).get("eos_token_id")
+                listed = generation.get("eos_token_id")
                 listed = [] if listed is None else [int(i) for i in (listed if isinstance(listed, list) else [listed])]
             except (ValueError, TypeError, AttributeError) as e:
                 raise ConfigError(f"{path}: eos_token_id must be a token id or a list of them ({e})") from None

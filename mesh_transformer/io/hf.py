@@ -19,7 +19,7 @@ import numpy as np
 
 from mesh_transformer import models
 from mesh_transformer.config import ConfigError, ModelConfig
-from mesh_transformer.io.tokenizer import GENERATION_CONFIG, TOKENIZER_FILES, copy_model_files
+from mesh_transformer.io.tokenizer import GENERATION_CONFIG, TOKENIZER_FILES, copy_model_files, read_generation_config
 
 SPECIAL_TOKENS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
@@ -351,9 +351,6 @@ def special_token_ids(directory: str | os.PathLike) -> dict:
         else:
             ids.update({key: getattr(tokenizer, key, None) for key in SPECIAL_TOKENS})
     if (directory / GENERATION_CONFIG).exists():
-        try:
-            generation = json.loads((directory / GENERATION_CONFIG).read_text())
-        except ValueError as e:
-            raise ConfigError(f"{directory / GENERATION_CONFIG}: not valid JSON ({e})") from None
+        generation = read_generation_config(directory / GENERATION_CONFIG)
         ids.update({key: generation[key] for key in SPECIAL_TOKENS if generation.get(key) is not None})
     return {key: value for key, value in ids.items() if value is not None}

@@ -19,6 +19,17 @@ MODEL_FILES = TOKENIZER_FILES + (GENERATION_CONFIG,)  # travel with the weights:
 GPT2_EOS = 50256
 
 
+def read_generation_config(path: str) -> dict:
+    """A generation_config.json (local or gs://) as a dict; a ConfigError naming the file if it is not JSON."""
+    from mesh_transformer.config import ConfigError
+    from mesh_transformer.io import storage
+
+    try:
+        return json.loads(storage.read_bytes(str(path)))
+    except ValueError as e:
+        raise ConfigError(f"{path}: not valid JSON ({e})") from None
+
+
 def copy_model_files(directories, out_dir: str) -> None:
     """Copy the tokenizer files of the first of `directories` that holds any, and the generation
     config of the first that holds one, into `out_dir` (each local or gs://)."""

@@ -220,11 +220,16 @@ def options(engine: Engine, ignore_eos: bool = False, stop_token_ids=None, **giv
     return result
 
 
+def check_token_ids(engine: Engine, ids, field: str) -> None:
+    """A 400 naming `field` unless every id is in the model's vocabulary."""
+    vocab = engine.gen.config.n_vocab
+    if any(not 0 <= t < vocab for t in ids):
+        raise ApiError(400, f"{field}: token ids must be in [0, {vocab})", param=field)
+
+
 def end_ids(engine: Engine, model_ids, requested) -> Optional[tuple[int, ...]]:
     """The model's end-of-text ids and a request's stop_token_ids, at most MAX_EOS together."""
-    vocab = engine.gen.config.n_vocab
-    if any(not 0 <= t < vocab for t in requested):
-        raise ApiError(400, f"stop_token_ids: token ids must be in [0, {vocab})", param="stop_token_ids")
+    check_token_ids(engine, requested, "stop_token_ids")
     ids = tuple(dict.fromkeys((*model_ids, *requested)))
     if len(ids) > MAX_EOS:
         raise ApiError(400, f"stop_token_ids: at most {MAX_EOS - len(model_ids)} ids besides the model's "
@@ -405,12 +410,10 @@ def prompts(s: Settings, prompt) -> list[list[int]]:
         raise ApiError(400, f"at most {s.max_prompts} prompts per request, got {len(prompt)}", param="prompt")
     field = (lambda i: "prompt") if len(prompt) == 1 else (lambda i: f"prompt[{i}]")
     ids = [encode(engine, p, field(i)) if isinstance(p, str) else list(p) for i, p in enumerate(prompt)]
-    vocab = engine.gen.config.n_vocab
     for p in ids:
         if not p:
             raise ApiError(400, "prompt must not be empty", param="prompt")
-        if any(t < 0 or t >= vocab for t in p):
-            raise ApiError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
+        check_token_ids(engine, p, "prompt")
     return ids
 
 

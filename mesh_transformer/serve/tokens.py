@@ -48,9 +48,7 @@ async def tokenize(s: oa.Settings, http: HttpRequest):
 async def detokenize(s: oa.Settings, http: HttpRequest):
     body = oa.parse(await http.body(), DetokenizeRequest)
     oa.adapter(s, body.model)
-    vocab = s.engine.gen.config.n_vocab
-    if any(t < 0 or t >= vocab for t in body.tokens):
-        raise oa.ApiError(400, f"tokens: token ids must be in [0, {vocab})", param="tokens")
+    oa.check_token_ids(s.engine, body.tokens, "tokens")
     try:
         return {"prompt": s.engine.tokenizer.decode(body.tokens)}
     except Exception as e:  # noqa: BLE001 - ids of the model's padded vocabulary the tokenizer lacks

@@ -13,7 +13,6 @@ Start-up picks the first that applies:
 from __future__ import annotations
 
 import itertools
-import json
 import math
 import os
 import signal
@@ -129,18 +128,14 @@ def keep_generation_config(directory: str, sources: list[str]) -> None:
     `sources`, directories, that has one) beside the run's checkpoints, so an export names the same
     special tokens and a server stops at the same ids. Called once the weights were read."""
     from mesh_transformer.io import storage
-    from mesh_transformer.io.tokenizer import GENERATION_CONFIG
+    from mesh_transformer.io.tokenizer import GENERATION_CONFIG, read_generation_config
 
     if jax.process_index() != 0:
         return
     found = next((path for path in (storage.join(s, GENERATION_CONFIG) for s in sources) if storage.exists(path)), None)
     if found is not None:
-        data = storage.read_bytes(found)
-        try:
-            json.loads(data)
-        except ValueError as e:
-            raise ConfigError(f"{found}: not valid JSON ({e})") from None
-        storage.write_bytes(storage.join(directory, GENERATION_CONFIG), data)
+        read_generation_config(found)  # a file that is not JSON fails the start, not the run's end
+        storage.write_bytes(storage.join(directory, GENERATION_CONFIG), storage.read_bytes(found))
 
 
 class TrainHost:
