@@ -3,6 +3,7 @@
     python device_sample.py --hf ./gpt-j-6b --mp 8                      # interactive: one prompt per line
     echo "The meaning of life is" | python device_sample.py --ckpt gs://bucket/run --temperature 0
     python device_sample.py --hf ./gpt-j-6b --prompt "Hello" --max-new-tokens 64 --seed 1
+    python device_sample.py --hf ./llama --prompt "A user as JSON:" --json-schema user.schema.json
 
 Defaults are the original's: 512 tokens, top_p 0.9, temperature 0.75.
 """
@@ -29,15 +30,53 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-eos", action="store_true", help="do not stop at the end-of-text tokens (the tokenizer's EOS and "
                                                         "those the generation_config.json beside the weights lists)")
     g.add_argument("--chunk", type=int, default=8, help="tokens decoded between prints")
+    f = parser.add_argument_group("structured output (one of)").add_mutually_exclusive_group()
+    f.add_argument("--json-schema", help="the text is JSON matching this schema (a file, or the schema's JSON)")
+    f.add_argument("--json-object", action="store_true", help="the text is a JSON object")
+    f.add_argument("--regex", help="the text matches this regular expression")
+    f.add_argument("--choice", action="append", help="the text is one of these strings (repeatable)")
+    f.add_argument("--grammar", help="the text matches this Lark or GBNF grammar (a file)")
 
 
-def options_from_args(args, eos_token_ids) -> SamplingOptions:
+def grammar_from_args(args, tokenizer, vocab: int):
+    """The structured.Grammar the flags ask for (None: free text), checked against the tokenizer;
+    UserError naming the flag at fault."""
+    import json
+    import os
+    from mesh_transformer.generate import structured
+    from mesh_transformer.errors import UserError
+    flag, grammar = None, None
+    try:
+        if args.json_schema is not None:
+            flag, text = "--json-schema", args.json_schema
+            if os.path.isfile(text):
+                with open(text, encoding="utf-8") as f:
+                    text = f.read()
+            grammar = structured.Grammar.json_schema(json.loads(text))
+        elif args.json_object:
+            flag, grammar = "--json-object", structured.Grammar.json_object()
+        elif args.regex is not None:
+            flag, grammar = "--regex", structured.Grammar.regex(args.regex)
+        elif args.choice:
+            flag, grammar = "--choice", structured.Grammar.choice(args.choice)
+        elif args.grammar is not None:
+            flag = "--grammar"
+            with open(args.grammar, encoding="utf-8") as f:
+                grammar = structured.Grammar.lark(f.read())
+        if grammar is not None:
+            structured.check(grammar, tokenizer, vocab)
+    except (OSError, ValueError) as e:  # json.JSONDecodeError is a ValueError
+        raise UserError(f"{flag}: {e}") from None
+    return grammar
+
+
+def options_from_args(args, eos_token_ids, grammar=None) -> SamplingOptions:
     return SamplingOptions(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
         min_p=args.min_p,
         repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
         presence_penalty=args.presence_penalty, seed=args.seed, stop=tuple(args.stop),
-        eos_token_id=None if args.no_eos or not eos_token_ids else tuple(eos_token_ids))
+        eos_token_id=None if args.no_eos or not eos_token_ids else tuple(eos_token_ids), grammar=grammar)
 
 
 def prompts(args):
@@ -65,10 +104,11 @@ def main(argv=None):
 
     with cli.user_errors() as status:
         model = loading.from_args(args)
+        grammar = grammar_from_args(args, model.tokenizer, model.config.padded_vocab(model.mesh.shape["mp"]))
     if status.code:
         return status.code
     gen = model.generator(matvec=True)  # one prompt at a time; the weights held once
-    options = options_from_args(args, model.eos_token_ids)
+    options = options_from_args(args, model.eos_token_ids, grammar)
     for text in prompts(args):
         [seq] = gen.sequences([model.tokenizer.encode(text)], options, model.tokenizer)
         if seq.truncated:

@@ -155,7 +155,7 @@ BAD = [
     ({"messages": HI, "top_logprobs": 2}, "top_logprobs", "requires logprobs: true"),
     ({"messages": HI, "logprobs": True, "top_logprobs": 6}, "top_logprobs", "top_logprobs"),
     ({"messages": HI, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "not supported"),
-    ({"messages": HI, "response_format": {"type": "json_object"}}, "response_format", "not supported"),
+    ({"messages": HI, "response_format": {"type": "xml"}}, "response_format.type", "must be text, json_object or"),
     ({"messages": HI, "stream": "yes"}, "stream", "stream"),
     ({"messages": HI, "logit_bias": {"x": 1}}, "logit_bias", "keys must be token ids, got 'x'"),
     ({"messages": HI, "logit_bias": {"5": 101}}, "logit_bias", "logit_bias['5']: the bias must be in [-100, 100]"),

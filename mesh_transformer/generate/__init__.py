@@ -7,6 +7,7 @@
     sampling.py   per-request options and the sampling functions over [B, V] logits
     decode.py     the KV-cache state and the compiled prefill/decode programs (`Generator`)
     batching.py   requests joining and leaving the rows of a batch (`Sequence`, `Batch`)
+    structured.py grammars a row's text must match (JSON schema, regex, choices, Lark/GBNF) as per-step token masks
 """
 from mesh_transformer.generate.batching import Batch, Sequence  # noqa: F401
 from mesh_transformer.generate.decode import (DecodeState, Emitted, Generator, bucket, state_specs)  # noqa: F401

@@ -15,6 +15,7 @@ import jax
 import numpy as np
 
 from mesh_transformer import lora
+from mesh_transformer.generate import structured
 from mesh_transformer.generate.decode import Emitted, bucket, prefill_width, round_up, shared_layout, span_bucket
 from mesh_transformer.generate.sampling import FINISH_REASONS, SamplingOptions
 
@@ -33,14 +34,19 @@ class Sequence:
     tokens went). With a tokenizer, stop strings end the sequence and `pop_text` gives the text
     that is final so far (never a partial stop string or a partial UTF-8 character). `lora`: the
     LoRA adapter it runs with (a `lora.ServedAdapter`; None: the base alone), `adapter` the entry of
-    the generator's bank holding it (a server assigns it when it admits the sequence).
+    the generator's bank holding it (a server assigns it when it admits the sequence). With
+    `options.grammar`, `constraint` keeps its tokens inside the grammar (made here given `vocab`,
+    the model's padded vocabulary, so a request's thread compiles it; else when a batch admits
+    it); the text ends when the grammar admits nothing more.
     """
 
     def __init__(self, prompt: Seq[int], options: SamplingOptions, context: int, tokenizer=None,
-                 deadline: Optional[float] = None, adapter: int = 0, lora=None):
+                 deadline: Optional[float] = None, adapter: int = 0, lora=None, vocab: Optional[int] = None):
         options.validate(context)
         if len(prompt) == 0:
             raise ValueError("the prompt is empty (it needs at least one token)")
+        if options.grammar is not None and tokenizer is None:
+            raise ValueError("a grammar (structured output) needs the tokenizer")
         keep = context - options.max_new_tokens
         self.truncated = max(0, len(prompt) - keep)
         self.prompt = [int(t) for t in prompt[self.truncated:]]
@@ -52,6 +58,9 @@ class Sequence:
         self.seed = options.seed % 2**32 if options.seed is not None else secrets.randbits(32)
         self.deadline = deadline
         self.adapter, self.lora = adapter, lora
+        self.constraint: Optional[structured.Constraint] = None
+        if options.grammar is not None and vocab is not None:
+            self.constrain(vocab)
         self.tokens: list[int] = []
         self.logprobs: list[float] = []  # with options.logprobs set: log p of each token
         self.top_logprobs: list[list[tuple[int, float]]] = []  # and the options.logprobs most likely (id, log p)
@@ -60,6 +69,10 @@ class Sequence:
         self._text_end: Optional[int] = None  # where a stop string cut the text
         self._min_text: Optional[int] = None  # characters of the first min_new_tokens tokens (`_stops_from`)
         self._sent = 0
+
+    def constrain(self, vocab: int) -> None:
+        """Make the parser of `options.grammar` for a model of `vocab` (padded) ids; ValueError if it cannot be."""
+        self.constraint = structured.Constraint(self.options.grammar, self.tokenizer, vocab, self.options.eos_ids)
 
     @property
     def finished(self) -> bool:
@@ -74,6 +87,10 @@ class Sequence:
             self.logprobs.extend(float(lp) for lp in logprobs)
             self.top_logprobs.extend([(int(i), float(p)) for i, p in zip(ids[:n_top], lps[:n_top])]
                                      for ids, lps in zip(top_ids, top_logprobs))
+        if self.constraint is not None and len(tokens):
+            self.constraint.advance(tokens)
+            if self.constraint.done:
+                self.finish("stop")
         if self.tokenizer is not None and self.options.stop and tokens is not None and len(tokens) and \
                 len(self.tokens) >= self.options.min_new_tokens:
             cut = _find_stop(self._decoded(), self.options.stop, self._stops_from())
@@ -236,10 +253,14 @@ class Batch:
             self.state = self.gen.move(self.state, self._first_slot(active), self.index, index)
         self.start = [s + index - self.index for s in self.start]
         rows = self.free()[: len(seqs)]
+        for s in seqs:
+            if s.options.grammar is not None and s.constraint is None:
+                s.constrain(self.gen.vocab)
+        masks = structured.first_masks([s.constraint for s in seqs], len(seqs), self.gen.vocab)
         share = self.slots if self.share_prefix and self.prefix is not None else 0
         self.state, first, done, reason, reads = self.gen.admit(
             self.state, [s.prompt for s in seqs], [s.options for s in seqs], [s.seed for s in seqs], rows, index,
-            self.prefix, share, self._shared_slots(), [s.adapter for s in seqs])
+            self.prefix, share, self._shared_slots(), [s.adapter for s in seqs], masks)
         self.index = index
         for r, s, read in zip(rows, seqs, reads):
             self.rows[r] = s
@@ -251,7 +272,8 @@ class Batch:
 
     def step(self, limit: Optional[int] = None) -> list[Sequence]:
         """Retire cancelled or timed-out rows, then one decode call of `chunk` steps (at most `limit`:
-        the same compiled program stops early); returns the sequences that finished."""
+        the same compiled program stops early); returns the sequences that finished. While a row
+        follows a grammar, each call is one step: its parser gives the next token's mask from the last."""
         now = time.monotonic()
         for r in self.active():
             s = self.rows[r]
@@ -260,6 +282,13 @@ class Batch:
         finished = self._absorb(None, None, None)
         if not self.active():
             return finished
+        guided = [r for r in self.active() if self.rows[r].constraint is not None]
+        if guided:
+            masks = structured.no_mask(self.size, self.gen.vocab)
+            for r in guided:
+                self.rows[r].constraint.fill(masks[r])
+            self.state = self.gen.constrain(self.state, masks)
+            limit = 1
         self.state, out, done, reason, self.index = self.gen.decode(self.state, self.chunk, *self._window(), limit,
                                                                     shared=self._shared())
         return finished + self._absorb(out, done, reason)

@@ -40,9 +40,10 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from mesh_transformer import host_memory, kernels, lora, models, parallel
 from mesh_transformer.config import ModelConfig
+from mesh_transformer.generate import structured
 from mesh_transformer.generate.sampling import (EOS, LENGTH, MAX_EOS, MAX_LOGIT_BIAS, MAX_STOPS, RUNNING, STOP,
                                                 STOP_TOKENS, TOP_LOGPROBS, RowOptions, SamplingOptions, choose,
-                                                log_probs, penalize, steer, stop_hit, _none)
+                                                constrain, log_probs, penalize, steer, stop_hit, _none)
 from mesh_transformer.models.core import KVCache, SharedPrefix, unstacked_modules
 from mesh_transformer.models.layers import FUSED, dynamic_slice, update_slice
 
@@ -122,6 +123,7 @@ class DecodeState(NamedTuple):
     counts: Any  # [B, V] int32: each token's count in the output (frequency/presence penalties)
     seen: Any  # [B, V] bool: in the prompt or output (repetition penalty)
     recent: Any  # [B, STOP_TOKENS] last output tokens (stop sequences); -2 before any
+    allowed: Any  # [B, W] int32: a guided row's allowed next tokens, a bit each (`structured`); the host writes it
 
 
 class Emitted(NamedTuple):
@@ -136,14 +138,17 @@ class Emitted(NamedTuple):
 def emit(state: DecodeState, logits, active) -> tuple[DecodeState, Emitted]:
     """Sample a token for each `active` row from its full-vocabulary logits [B, V]; update the row.
 
-    Work over [B, V] that no row asked for (bias, penalties, top log-probs) is skipped (`lax.cond`).
-    The bias comes before the penalties, as in transformers and vLLM (a repetition penalty scales it).
+    Work over [B, V] that no row asked for (bias, penalties, a grammar, top log-probs) is skipped
+    (`lax.cond`). The bias comes before the penalties, as in transformers and vLLM (a repetition
+    penalty scales it); a grammar's mask after them, so no penalty can bring back a token it forbids.
     """
     rows = state.rows
     steered = jnp.any(active[:, None] & (rows.bias_ids >= 0)) | jnp.any(active & (state.n_generated < rows.min_new))
     scores = jax.lax.cond(steered, lambda: steer(logits, rows, state.n_generated), lambda: logits)
     penalized = (rows.repetition_penalty != 1) | (rows.frequency_penalty != 0) | (rows.presence_penalty != 0)
     scores = jax.lax.cond(jnp.any(active & penalized), lambda: penalize(scores, state.counts, state.seen, rows),
+                          lambda: scores)
+    scores = jax.lax.cond(jnp.any(active & rows.guided), lambda: constrain(scores, rows, state.allowed),
                           lambda: scores)
     token = choose(scores, rows, state.n_generated)
     b = jnp.arange(token.shape[0])
@@ -186,7 +191,7 @@ def state_specs(layers: int) -> DecodeState:
         cache=KVCache(kv, kv, row, P(), row),
         rows=RowOptions(**{**dict.fromkeys(RowOptions._fields, row), "eos": row2, "bias_ids": row2, "bias": row2,
                            "stops": P(parallel.DP, None, None)}),
-        last=row, done=row, n_generated=row, reason=row, counts=row2, seen=row2, recent=row2)
+        last=row, done=row, n_generated=row, reason=row, counts=row2, seen=row2, recent=row2, allowed=row2)
 
 
 def _write_entry(bank: dict, updates: dict, entry):
@@ -570,11 +575,13 @@ class Generator:
                           stops=jnp.full((batch, MAX_STOPS, STOP_TOKENS), -1, jnp.int32),
                           top_logprobs=i32(-1), adapter=i32(),
                           bias_ids=jnp.full((batch, MAX_LOGIT_BIAS), -1, jnp.int32),
-                          bias=jnp.zeros((batch, MAX_LOGIT_BIAS), jnp.float32), min_new=i32())
+                          bias=jnp.zeros((batch, MAX_LOGIT_BIAS), jnp.float32), min_new=i32(),
+                          guided=jnp.zeros(batch, bool))
         cache = KVCache.zeros(self.config, batch, slots, mp=self.mp)._replace(offset=i32())
         return DecodeState(cache, rows, i32(),
                            jnp.ones(batch, bool), i32(), i32(), jnp.zeros((batch, vocab), jnp.int32),
-                           jnp.zeros((batch, vocab), bool), jnp.full((batch, STOP_TOKENS), -2, jnp.int32))
+                           jnp.zeros((batch, vocab), bool), jnp.full((batch, STOP_TOKENS), -2, jnp.int32),
+                           jnp.zeros((batch, structured.mask_words(vocab)), jnp.int32))
 
     def _prefill_local(self, params, tokens, start, adapter, cached_k=None, cached_v=None, offset=None, shared=None):
         """tokens [n, T] left-padded -> (last logits [n, V], k, v: per layer [n, N, C+T, H] (k: H, C+T)).
@@ -596,7 +603,7 @@ class Generator:
         return parallel.all_gather_mp(logits[:, -1]), cache.k, cache.v
 
     def _admit_rows(self, params, state: DecodeState, pool: Optional[KVCache], tokens, lengths, row_ids,
-                    rows: RowOptions, index, read, write, offsets, shared_slots=None, shared_positions=None):
+                    rows: RowOptions, index, read, write, offsets, allowed, shared_slots=None, shared_positions=None):
         """Prefill `tokens` [n, W] into rows `row_ids` [n] (n >= batch: dropped) ending at slot `index`.
 
         Rows still running must already write at `index` (`move`): the cache is relabelled, not
@@ -609,7 +616,7 @@ class Generator:
         (a `SharedPrefix`) rather than from its own slots, which then start after them; with
         shared_slots [U] and shared_positions [n, U] (see `decode`), the prefill reads them that
         way too (once for all rows, not a gathered copy per row), and only the last W-C slots are
-        written to the rows.
+        written to the rows. allowed [n, W]: each guided row's grammar mask for its first token.
         """
         n, w = tokens.shape
         c = 0 if read is None else read.shape[1]
@@ -655,7 +662,7 @@ class Generator:
         admitted = DecodeState(
             None, rows, zeros, zeros.astype(bool), zeros, zeros + RUNNING, jnp.zeros((n, self.vocab), jnp.int32),
             jnp.zeros((n, self.vocab), bool).at[jnp.arange(n)[:, None], tokens].max(valid),
-            jnp.full((n, STOP_TOKENS), -2, jnp.int32))
+            jnp.full((n, STOP_TOKENS), -2, jnp.int32), allowed)
         admitted, first = emit(admitted, logits, row_ids < batch)
         state = jax.tree.map(lambda x, new: x.at[row_ids].set(new, mode="drop"), state._replace(cache=None), admitted)
         return state._replace(cache=cache), pool, first
@@ -731,7 +738,7 @@ class Generator:
 
     def admit(self, state, prompts: Seq[Seq[int]], options: Seq[SamplingOptions], seeds: Seq[int],
               row_ids: Seq[int], index: int, prefix: Optional["PrefixCache"] = None, share_limit: int = 0,
-              read_now: Seq[int] = (), adapters: Optional[Seq[int]] = None):
+              read_now: Seq[int] = (), adapters: Optional[Seq[int]] = None, masks: Optional[np.ndarray] = None):
         """Prefill `prompts` into rows `row_ids`, ending at cache slot `index` (the batch's new write index).
 
         With a `prefix` cache, prompt blocks found in it are read rather than computed and the
@@ -742,6 +749,8 @@ class Generator:
         number at most `share_limit`, the rows keep reading them from the pool while they decode
         (see `decode`'s `shared`) instead of holding copies in their own slots.
         `adapters`: each prompt's entry in the adapter bank (default: 0, the base alone).
+        `masks` [len(prompts), W]: the first token's grammar mask of each prompt with a grammar
+        (`structured.first_masks`; rows without one ignore theirs).
         Returns (state, first tokens Emitted [B], done [B], reason [B], the pool slots each prompt's
         row reads while it decodes: its positions 0, 1, .. (none: empty)).
         """
@@ -761,6 +770,9 @@ class Generator:
         batch = state.last.shape[0]
         ids = np.full(n, batch, np.int32)
         ids[: len(row_ids)] = row_ids
+        allowed = structured.no_mask(n, self.vocab)
+        if masks is not None:
+            allowed[: len(prompts)] = masks
         pad = [options[0]] * (n - len(options))
         rows = RowOptions.stack(list(options) + pad, list(seeds) + [0] * len(pad), adapters + [0] * len(pad))
         read = write = pool = None
@@ -778,7 +790,7 @@ class Generator:
                    shared=len(shared[0]) if shared else 0)
         try:
             state, pool, first = self._admit(self.params, state, pool, tokens, lengths, ids, rows, np.int32(index),
-                                             read, write, offsets, *shared)
+                                             read, write, offsets, allowed, *shared)
         except BaseException:
             if prefix is not None:
                 prefix.forget(plan)
@@ -886,6 +898,10 @@ class Generator:
             size = span_bucket(size + 1)
         return state
 
+    def constrain(self, state, masks: np.ndarray):
+        """`state` with each guided row's mask for its next token (masks [B, W]; `structured`)."""
+        return state._replace(allowed=jax.device_put(masks, self.shardings.allowed))
+
     def retire(self, state, rows: Seq[int]):
         mask = np.zeros(state.last.shape[0], bool)
         mask[list(rows)] = True
@@ -919,7 +935,7 @@ class Generator:
             raise ValueError(f"{len(prompts)} prompts but {len(options)} SamplingOptions and {len(adapters)} adapters")
         ids = [self.adapter_id(name) for name in adapters]
         from mesh_transformer.generate.batching import Sequence
-        return [Sequence(p, o, self.config.seq, tokenizer, adapter=a, lora=self.residents[a])
+        return [Sequence(p, o, self.config.seq, tokenizer, adapter=a, lora=self.residents[a], vocab=self.vocab)
                 for p, o, a in zip(prompts, options, ids)]
 
 

@@ -2,8 +2,9 @@
 
 Greedy, temperature, top-k, top-p and min-p (exact thresholds, no sort of the vocabulary: a CPU kernel),
 HF's repetition and OpenAI's frequency/presence penalties, OpenAI's logit bias, a minimum length
-before an end-of-text id may be chosen, seeded per row so results do not depend on the batch, stop
-sequences checked on device, log-probabilities only when a row asks.
+before an end-of-text id may be chosen, a grammar's allowed tokens (`structured`), seeded per row so
+results do not depend on the batch, stop sequences checked on device, log-probabilities only when a
+row asks.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mesh_transformer import kernels
+from mesh_transformer.generate.structured import Grammar, allowed
 
 MAX_STOPS = 4  # stop sequences per request checked on device (OpenAI allows 4)
 STOP_TOKENS = 8  # longest stop sequence (in tokens) checked on device; longer ones are checked as text
@@ -50,6 +52,7 @@ class SamplingOptions:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit) pairs (OpenAI's)
     min_new_tokens: int = 0  # no end-of-text id is chosen before this many tokens (HF's; vLLM's min_tokens)
     logprobs: Optional[int] = None  # None: none; n: the chosen token's log p and the n most likely (n <= 5)
+    grammar: Optional[Grammar] = None  # structured output: the text must match it (needs the tokenizer)
 
     def validate(self, context: int) -> None:
         """Raise ValueError naming the first bad field; `context` is the model's sequence length."""
@@ -79,6 +82,7 @@ class SamplingOptions:
              f"must map token ids to biases in [{-LOGIT_BIAS_RANGE:g}, {LOGIT_BIAS_RANGE:g}]")
         need(isinstance(self.min_new_tokens, int) and 0 <= self.min_new_tokens <= self.max_new_tokens,
              "min_new_tokens", f"must be an integer in [0, max_new_tokens={self.max_new_tokens}]")
+        need(self.grammar is None or isinstance(self.grammar, Grammar), "grammar", "must be a structured.Grammar")
 
     @property
     def eos_ids(self) -> tuple[int, ...]:
@@ -107,6 +111,7 @@ class RowOptions(NamedTuple):
     bias_ids: Any  # [B, MAX_LOGIT_BIAS] token ids whose logits get `bias`, -1 = padding
     bias: Any  # [B, MAX_LOGIT_BIAS] float32
     min_new: Any  # tokens before an eos id may be chosen
+    guided: Any  # bool: the row's tokens come from its grammar's mask (`DecodeState.allowed`)
 
     @classmethod
     def stack(cls, options: Seq[SamplingOptions], seeds: Seq[int], adapters: Optional[Seq[int]] = None) -> "RowOptions":
@@ -131,7 +136,8 @@ class RowOptions(NamedTuple):
                    eos, stops,
                    np.array([-1 if o.logprobs is None else o.logprobs for o in options], np.int32),
                    np.array(adapters if adapters is not None else [0] * len(options), np.int32),
-                   bias_ids, bias, col("min_new_tokens", np.int32))
+                   bias_ids, bias, col("min_new_tokens", np.int32),
+                   np.array([o.grammar is not None for o in options], bool))
 
 
 # --------------------------------------------------------------------------------------------
@@ -154,6 +160,12 @@ def steer(logits, rows: RowOptions, n_generated):
                                                                mode="drop")
     early = (n_generated < rows.min_new)[:, None] & (rows.eos >= 0)
     return logits.at[b, jnp.maximum(rows.eos, 0)].min(jnp.where(early, -jnp.inf, jnp.inf), mode="drop")
+
+
+def constrain(logits, rows: RowOptions, words):
+    """Guided rows' logits outside their grammar's allowed tokens (`words` [B, W] bitmasks) -> -inf."""
+    keep = allowed(words, logits.shape[-1]) | ~rows.guided[:, None]
+    return jnp.where(keep, logits, -jnp.inf)
 
 
 def top_k_top_p(logits, top_k, top_p, min_p=None):

@@ -44,7 +44,7 @@ class ChatMessage(oa._Strict):
     name: Optional[str] = None
 
 
-class ChatRequest(oa._Strict):
+class ChatRequest(oa.StructuredFields):
     """OpenAI's /v1/chat/completions body (plus top_k, min_p, repetition_penalty, min_tokens, stop_token_ids
     and ignore_eos, as vLLM takes them)."""
 
@@ -71,7 +71,6 @@ class ChatRequest(oa._Strict):
     stop_token_ids: Optional[list[int]] = None
     logit_bias: Optional[dict[str, float]] = None
     tools: Optional[list] = None
-    response_format: Optional[dict] = None
     user: Optional[str] = None
 
 
@@ -144,7 +143,6 @@ def encoded_messages(s: oa.Settings, messages: list[ChatMessage], add_generation
 async def chat_completions(s: oa.Settings, http: HttpRequest):
     body = oa.parse(await http.body(), ChatRequest)
     for name, bad in (("tools", bool(body.tools)),
-                      ("response_format", (body.response_format or {}).get("type", "text") != "text"),
                       ("top_logprobs", body.top_logprobs is not None and not body.logprobs)):
         if bad:
             why = "requires logprobs: true" if name == "top_logprobs" else "is not supported"

@@ -285,7 +285,8 @@ class Engine:
             raise ValueError(f"max_tokens must be at most {self.max_new_tokens} for this model "
                              f"(context {self.context} tokens), got {options.max_new_tokens}")
         deadline = time.monotonic() + timeout if timeout else None
-        return Sequence(prompt_ids, options, self.context, self.tokenizer, deadline=deadline, lora=lora)
+        return Sequence(prompt_ids, options, self.context, self.tokenizer, deadline=deadline, lora=lora,
+                        vocab=self.gen.vocab)
 
     def adapter(self, name: Optional[str]):
         """The known adapter called `name` (a `lora.ServedAdapter`; None for None); ValueError if none is."""

@@ -67,6 +67,17 @@ class StreamOptions(_Strict):
     continuous_usage_stats: bool = False  # vLLM's: `usage` so far in every chunk
 
 
+class StructuredFields(_Strict):
+    """Structured-output fields, /v1/completions' and /v1/chat/completions' alike (`formats`)."""
+
+    response_format: Optional[dict[str, Any]] = None
+    structured_outputs: Optional[dict[str, Any]] = None
+    guided_json: Optional[Any] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
+
+
 class CompleteRequest(_Strict):
     """The original endpoint's body."""
 
@@ -77,7 +88,7 @@ class CompleteRequest(_Strict):
     top_k: int = 0
 
 
-class CompletionRequest(_Strict):
+class CompletionRequest(StructuredFields):
     """OpenAI's /v1/completions body (plus vLLM's top_k, min_p, repetition_penalty, min_tokens, stop_token_ids
     and ignore_eos)."""
 
@@ -191,9 +202,12 @@ SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "frequency_penalty"
 
 
 def body_options(engine: Engine, body, max_tokens: int, stop, logprobs) -> SamplingOptions:
-    """`options` from an OpenAI body's SAMPLING_FIELDS, plus what the endpoint derives itself."""
+    """`options` from an OpenAI body's SAMPLING_FIELDS and structured-output fields, plus what the
+    endpoint derives itself."""
+    from mesh_transformer.serve import formats
     shared = {name: getattr(body, name) for name in SAMPLING_FIELDS}
-    return options(engine, max_tokens=max_tokens, stop=stop, logprobs=logprobs, **shared)
+    return options(engine, max_tokens=max_tokens, stop=stop, logprobs=logprobs, grammar=formats.grammar(engine, body),
+                   **shared)
 
 
 def options(engine: Engine, ignore_eos: bool = False, stop_token_ids=None, **given) -> SamplingOptions:

@@ -1,0 +1,182 @@
+"""Structured outputs: text that must match a JSON schema, a regular expression, one of a list of
+strings or a Lark/GBNF grammar (OpenAI's `response_format`, vLLM's `structured_outputs`).
+
+llguidance (the grammar engine behind vLLM's `guidance` backend and llama.cpp's) keeps one parser
+per row on the host; before each step it writes the tokens that keep the text inside the grammar as
+a bitmask (bit t of word t // 32 for token t), and the decode step sets every other logit to -inf
+(`sampling.constrain`), so the sampler, greedy or not, picks among the allowed tokens only.
+
+    Grammar.json_schema({"type": "object", ...})   Grammar.regex(r"\\d{3}")   Grammar.choice(["yes", "no"])
+"""
+from __future__ import annotations
+
+import json
+import weakref
+from dataclasses import dataclass
+from typing import Optional, Sequence as Seq
+
+import numpy as np
+
+KINDS = ("json", "json_object", "regex", "choice", "grammar")
+ANY_JSON = {"type": ["object", "array", "string", "number", "integer", "boolean", "null"]}
+JSON_OBJECT = {"type": "object"}
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """What a row's text must match. `spec`: the JSON schema (as JSON text), the regex, the choices
+    (a JSON list of strings) or the Lark/GBNF grammar text. `any_whitespace`: JSON may put any
+    whitespace between its tokens (vLLM's default); False: none (`{"a":1,"b":[2,3]}`), which also
+    keeps a small model from spending its tokens on blank space."""
+
+    kind: str
+    spec: str
+    any_whitespace: bool = True
+
+    @classmethod
+    def json_schema(cls, schema: dict | str, any_whitespace: bool = True) -> "Grammar":
+        return cls("json", schema if isinstance(schema, str) else json.dumps(schema), any_whitespace)
+
+    @classmethod
+    def json_object(cls, any_whitespace: bool = True) -> "Grammar":
+        """Any JSON object (OpenAI's `{"type": "json_object"}`)."""
+        return cls("json_object", json.dumps(JSON_OBJECT), any_whitespace)
+
+    @classmethod
+    def regex(cls, pattern: str) -> "Grammar":
+        return cls("regex", pattern)
+
+    @classmethod
+    def choice(cls, choices: Seq[str]) -> "Grammar":
+        return cls("choice", json.dumps(list(choices)))
+
+    @classmethod
+    def lark(cls, grammar: str) -> "Grammar":
+        """A Lark grammar (llguidance's dialect), or a GBNF one (llama.cpp's `root ::= ...`), converted."""
+        return cls("grammar", grammar)
+
+    def source(self) -> str:
+        """The grammar as llguidance takes it; ValueError naming what is wrong with the spec itself."""
+        import llguidance
+        if self.kind not in KINDS:
+            raise ValueError(f"grammar kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
+        if self.kind in ("json", "json_object"):
+            try:
+                schema = json.loads(self.spec)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"the JSON schema is not valid JSON ({e})") from None
+            if not isinstance(schema, (dict, bool)):
+                raise ValueError(f"a JSON schema must be an object, got {type(schema).__name__}")
+            layout = {} if self.any_whitespace else {"whitespace_flexible": False}
+            return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=layout or None)
+        if self.kind == "regex":
+            return llguidance.LLMatcher.grammar_from_regex(self.spec)
+        if self.kind == "choice":
+            choices = json.loads(self.spec)
+            if not choices or not all(isinstance(c, str) and c for c in choices):
+                raise ValueError("choices must be a non-empty list of non-empty strings")
+            return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in choices))
+        from llguidance.gbnf_to_lark import any_to_lark
+        try:
+            return llguidance.LLMatcher.grammar_from_lark(any_to_lark(self.spec))
+        except Exception as e:  # noqa: BLE001 - the GBNF converter's own complaint
+            raise ValueError(f"the grammar cannot be read ({type(e).__name__}: {e})") from None
+
+
+# --------------------------------------------------------------------------------------------
+# The host side: one parser per row
+# --------------------------------------------------------------------------------------------
+
+_TOKENIZERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def grammar_tokenizer(tokenizer, vocab: int):
+    """llguidance's view of a Hugging Face fast tokenizer, with `vocab` ids (the model's padded
+    vocabulary: ids past the tokenizer's are never allowed). Built once per tokenizer (about a
+    second for a 128k vocabulary)."""
+    import llguidance.hf
+    kept = _TOKENIZERS.setdefault(tokenizer, {})
+    if vocab not in kept:
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is None:
+            raise ValueError(f"structured outputs need a fast (Rust) Hugging Face tokenizer; this one is "
+                             f"{type(tokenizer).__name__}")
+        size = max(vocab, backend.get_vocab_size(with_added_tokens=True))
+        kept[vocab] = llguidance.hf.from_tokenizer(tokenizer, n_vocab=size)
+    return kept[vocab]
+
+
+def check(grammar: Grammar, tokenizer, vocab: int) -> None:
+    """ValueError with llguidance's message when `grammar` cannot be compiled for this tokenizer."""
+    import llguidance
+    error = llguidance.LLMatcher.validate_grammar(grammar.source(), grammar_tokenizer(tokenizer, vocab))
+    if error:
+        raise ValueError(error.strip())
+
+
+def mask_words(vocab: int) -> int:
+    """32-bit words of one row's bitmask."""
+    return (vocab + 31) // 32
+
+
+class Constraint:
+    """One row's parser: the tokens allowed next (`fill`), advanced by the tokens sampled (`advance`).
+
+    The grammar's own end is the tokenizer's EOS; the row's end-of-text ids (`eos_ids`: a generation
+    config's several, or none under `ignore_eos`) stand in for it in the mask, so the row ends as any
+    row does. A grammar that admits nothing more ends the row on the host (`done`)."""
+
+    def __init__(self, grammar: Grammar, tokenizer, vocab: int, eos_ids: Seq[int]):
+        import llguidance
+        self.tokenizer = grammar_tokenizer(tokenizer, vocab)
+        self.matcher = llguidance.LLMatcher(self.tokenizer, grammar.source(), log_level=0)
+        if self.matcher.is_error():
+            raise ValueError(self.matcher.get_error())
+        self.vocab, self.eos_ids = vocab, tuple(eos_ids)
+
+    @property
+    def done(self) -> bool:
+        """Nothing but the end may follow (or the parser failed: see `error`)."""
+        return self.matcher.is_stopped()
+
+    @property
+    def error(self) -> str:
+        return self.matcher.get_error() if self.matcher.is_error() else ""
+
+    def advance(self, tokens: Seq[int]) -> None:
+        """Feed the row's new tokens (an end-of-text id, which ends the row, is not fed)."""
+        self.matcher.consume_tokens([int(t) for t in tokens if int(t) not in self.eos_ids])
+
+    def fill(self, out: np.ndarray) -> None:
+        """Write the allowed next tokens into `out` [mask_words(vocab)] int32."""
+        import llguidance.numpy as lgnp
+        words = lgnp.allocate_token_bitmask(1, self.tokenizer.vocab_size)
+        lgnp.fill_next_token_bitmask(self.matcher, words, 0)
+        bits = np.unpackbits(words.view(np.uint8), bitorder="little")[: self.vocab]
+        may_end = any(bits[t] for t in self.tokenizer.eos_tokens if t < self.vocab)
+        bits[[t for t in self.tokenizer.eos_tokens if t < self.vocab]] = 0
+        if may_end:
+            bits[[t for t in self.eos_ids if t < self.vocab]] = 1
+        out[:] = 0
+        out.view(np.uint8)[: (len(bits) + 7) // 8] = np.packbits(bits, bitorder="little")
+
+
+def allowed(words, vocab: int):
+    """[B, W] int32 bitmasks -> [B, vocab] bool (device side)."""
+    import jax
+    import jax.numpy as jnp
+    bytes_ = jax.lax.bitcast_convert_type(words, jnp.uint8).reshape(words.shape[0], -1)  # little-endian words
+    return jnp.unpackbits(bytes_, axis=-1, bitorder="little")[:, :vocab].astype(bool)
+
+
+def no_mask(rows: int, vocab: int) -> np.ndarray:
+    return np.zeros((rows, mask_words(vocab)), np.int32)
+
+
+def first_masks(constraints: Seq[Optional[Constraint]], rows: int, vocab: int) -> np.ndarray:
+    """[rows, W]: each constrained row's mask for its first token (zeros elsewhere: not read)."""
+    masks = no_mask(rows, vocab)
+    for i, c in enumerate(constraints):
+        if c is not None:
+            c.fill(masks[i])
+    return masks

@@ -1,0 +1,106 @@
+"""Structured outputs over HTTP: the request fields that ask for text of a given form, as one
+`structured.Grammar` (or None), on /v1/completions and /v1/chat/completions alike.
+
+- OpenAI's `response_format`: `{"type": "text"}`, `{"type": "json_object"}`, or
+  `{"type": "json_schema", "json_schema": {"name": .., "schema": {..}, "strict": ..}}`;
+- vLLM's `structured_outputs`: exactly one of `json` (a schema), `regex`, `choice` (strings),
+  `grammar` (Lark or GBNF), `json_object: true`; with `disable_any_whitespace`;
+- vLLM's older top-level `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`.
+
+A request may use one of the three. Anything wrong, the grammar included (llguidance compiles it
+here, before the request queues), is a 400 naming the field.
+"""
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+from mesh_transformer.generate.structured import Grammar, check
+from mesh_transformer.serve import openai as oa
+
+KINDS = ("json", "regex", "choice", "grammar", "json_object")  # structured_outputs' keys, one of them
+GUIDED = {f"guided_{k}": k for k in ("json", "regex", "choice", "grammar")}  # vLLM's older fields
+
+
+def grammar(engine, body: oa.StructuredFields) -> Optional[Grammar]:
+    """The grammar the request asks for (None: free text), compiled once to check it."""
+    asked = [(name, value) for name, value in (("response_format", _response_format(body.response_format)),
+                                               ("structured_outputs", _structured(body.structured_outputs)),
+                                               *_guided(body)) if value is not None]
+    if not asked:
+        return None
+    if len(asked) > 1:
+        names = ", ".join(name for name, _ in asked)
+        raise oa.ApiError(400, f"{asked[1][0]}: ask for one structured output, got {names}", param=asked[1][0])
+    field, result = asked[0]
+    try:
+        check(result, engine.tokenizer, engine.gen.vocab)
+    except ValueError as e:
+        raise oa.ApiError(400, f"{field}: {e}", param=field) from None
+    return result
+
+
+def _response_format(given: Optional[dict]) -> Optional[Grammar]:
+    if given is None:
+        return None
+    kind = given.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return Grammar.json_object()
+    if kind == "json_schema":
+        spec = given.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise oa.ApiError(400, "response_format.json_schema.schema: a JSON schema (an object) is required",
+                              param="response_format.json_schema.schema")
+        return Grammar.json_schema(schema)
+    raise oa.ApiError(400, f"response_format.type: must be text, json_object or json_schema, got {kind!r}",
+                      param="response_format.type")
+
+
+def _structured(given: Optional[dict]) -> Optional[Grammar]:
+    if given is None:
+        return None
+    unknown = sorted(set(given) - {*KINDS, "disable_any_whitespace"})
+    if unknown:
+        raise oa.ApiError(400, f"structured_outputs.{unknown[0]}: not supported (one of {', '.join(KINDS)}, "
+                               f"and disable_any_whitespace)", param=f"structured_outputs.{unknown[0]}")
+    kinds = [k for k in KINDS if given.get(k) not in (None, False)]
+    if len(kinds) != 1:
+        raise oa.ApiError(400, f"structured_outputs: give exactly one of {', '.join(KINDS)}, got "
+                               f"{', '.join(kinds) or 'none'}", param="structured_outputs")
+    flexible = not given.get("disable_any_whitespace", False)
+    return _of_kind(kinds[0], given[kinds[0]], f"structured_outputs.{kinds[0]}", flexible)
+
+
+def _guided(body: oa.StructuredFields) -> list[tuple[str, Optional[Grammar]]]:
+    return [(name, _of_kind(kind, getattr(body, name), name)) for name, kind in GUIDED.items()
+            if getattr(body, name) is not None]
+
+
+def _of_kind(kind: str, value, field: str, any_whitespace: bool = True) -> Grammar:
+    """One kind's value as a Grammar; a value of the wrong type is a 400 naming `field`."""
+    def need(ok: bool, what: str):
+        if not ok:
+            raise oa.ApiError(400, f"{field}: must be {what}, got {type(value).__name__}", param=field)
+    if kind == "json_object":
+        need(value is True, "true")
+        return Grammar.json_object(any_whitespace)
+    if kind == "json":
+        need(isinstance(value, (dict, str)), "a JSON schema (an object, or its JSON text)")
+        if isinstance(value, str):
+            try:
+                json.loads(value)
+            except json.JSONDecodeError as e:
+                raise oa.ApiError(400, f"{field}: the schema is not valid JSON ({e})", param=field) from None
+        return Grammar.json_schema(value, any_whitespace)
+    if kind == "choice":
+        need(isinstance(value, list) and value and all(isinstance(c, str) and c for c in value),
+             "a non-empty list of non-empty strings")
+        for i, c in enumerate(value):
+            oa.check_text(c, f"{field}[{i}]")
+        return Grammar.choice(value)
+    need(isinstance(value, str) and bool(value), "a non-empty string")
+    oa.check_text(value, field)
+    return Grammar.regex(value) if kind == "regex" else Grammar.lark(value)

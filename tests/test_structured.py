@@ -1,0 +1,199 @@
+"""Structured outputs: text held to a JSON schema, a regex, a list of choices or a grammar.
+
+The oracle for greedy decoding is transformers' logits with llguidance's own mask applied by hand,
+one step at a time (the token the model likes best among those the grammar allows); sampled texts
+are checked by `json.loads` and `jsonschema`. Over HTTP, the official openai client sends OpenAI's
+`response_format` and vLLM's `structured_outputs` / `guided_*` fields, and the answers equal the
+library's.
+"""
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import llguidance
+import llguidance.hf
+import numpy as np
+import pytest
+
+from mesh_transformer.generate import SamplingOptions
+from mesh_transformer.generate.structured import Grammar
+from tests.serving import KEY, client, engine, url  # noqa: F401 - fixtures
+
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"enum": [1, 2, 3]}},
+          "required": ["ok", "n"], "additionalProperties": False}
+COMPACT = {"whitespace_flexible": False}
+CASES = {  # (our grammar, llguidance's grammar built directly for the oracle)
+    "json_schema": (Grammar.json_schema(SCHEMA, any_whitespace=False),
+                    lambda: llguidance.LLMatcher.grammar_from_json_schema(SCHEMA, overrides=COMPACT)),
+    "regex": (Grammar.regex(r"[0-9]{3}-[a-z]{2,4}"), lambda: llguidance.LLMatcher.grammar_from_regex(r"[0-9]{3}-[a-z]{2,4}")),
+    "choice": (Grammar.choice(["yes", "no way", 'a "q"']),
+               lambda: llguidance.LLMatcher.grammar_from_lark('start: "yes" | "no way" | "a \\"q\\""')),
+    "gbnf": (Grammar.lark('root ::= "x" [0-9] [0-9]? "!"'),
+             lambda: llguidance.LLMatcher.grammar_from_lark('start: "x" /[0-9]/ /[0-9]/? "!"')),
+}
+PROMPTS = ["The lazy dog", "0123", "Pack my", "How vexingly"]
+
+
+def masked_greedy(tiny, prompt: list[int], grammar: str, new: int) -> list[int]:
+    """transformers' greedy choice among the tokens llguidance allows, until the grammar ends."""
+    matcher = llguidance.LLMatcher(llguidance.hf.from_tokenizer(tiny.tokenizer), grammar)
+    out = []
+    while len(out) < new and not matcher.is_stopped():
+        allowed = np.frombuffer(matcher.compute_logit_bias(), np.uint8)[: len(tiny.tokenizer)] > 0
+        logits = tiny.hf_logits(prompt + out)[-1][: len(tiny.tokenizer)]
+        token = int(np.argmax(np.where(allowed, logits, -np.inf)))
+        out.append(token)
+        if token == tiny.eos:
+            break
+        assert matcher.consume_token(token), matcher.get_error()
+    return out
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_greedy_under_a_grammar_is_transformers_best_allowed_token(gen, tiny, case):
+    ours, oracle = CASES[case]
+    ids = [tiny.tokenizer.encode(p) for p in PROMPTS]
+    opts = SamplingOptions(max_new_tokens=24, temperature=0.0, eos_token_id=tiny.eos, grammar=ours)
+    seqs = gen.generate(ids, opts, tiny.tokenizer)
+    for prompt, seq in zip(ids, seqs):
+        assert seq.tokens == masked_greedy(tiny, prompt, oracle(), 24)
+        assert seq.finish_reason == "stop", (seq.text, seq.finish_reason)
+    texts = [s.text for s in seqs]
+    if case == "json_schema":
+        for text in texts:
+            jsonschema.validate(json.loads(text), SCHEMA)
+    elif case == "choice":
+        assert set(texts) <= {"yes", "no way", 'a "q"'}
+    else:
+        pattern = {"regex": r"[0-9]{3}-[a-z]{2,4}", "gbnf": r"x[0-9][0-9]?!"}[case]
+        assert all(__import__("re").fullmatch(pattern, t) for t in texts), texts
+
+
+def test_a_grammar_holds_with_rows_over_dp_and_the_vocabulary_over_mp(gen, tiny):
+    """The masks travel with their rows over dp = 2 and cover a vocabulary padded for mp = 2."""
+    from mesh_transformer.generate import Generator
+    from mesh_transformer.io import hf
+    from tests.helpers import mesh
+    config, params = hf.load_hf(tiny.path, mp=2, compute_dtype="float32")
+    sharded = Generator(config, params, mesh(2, 2))
+    ids = [tiny.tokenizer.encode(p) for p in PROMPTS]
+    opts = [SamplingOptions(max_new_tokens=24, temperature=0.0, eos_token_id=tiny.eos, grammar=CASES[case][0])
+            for case in ("json_schema", "regex", "choice", "gbnf")]
+    ours = sharded.generate(ids, opts, tiny.tokenizer)
+    for prompt, seq, case in zip(ids, ours, CASES):
+        assert seq.tokens == masked_greedy(tiny, prompt, CASES[case][1](), 24), case
+
+
+def test_sampled_json_always_validates_and_free_rows_beside_it_are_unchanged(gen, tiny):
+    ids = [tiny.tokenizer.encode(p) for p in PROMPTS]
+    free = SamplingOptions(max_new_tokens=20, temperature=1.0, seed=5, eos_token_id=tiny.eos)
+    alone = gen.generate(ids, free, tiny.tokenizer)
+    texts = []
+    for seed in range(3):
+        guided = SamplingOptions(max_new_tokens=24, temperature=1.0, seed=seed, eos_token_id=tiny.eos,
+                                 grammar=Grammar.json_schema(SCHEMA, any_whitespace=False))
+        seqs = gen.generate(ids, [guided, free, guided, free], tiny.tokenizer)
+        for s in seqs[::2]:
+            assert s.finish_reason == "stop"
+            jsonschema.validate(json.loads(s.text), SCHEMA)
+            texts.append(s.text)
+        assert [s.tokens for s in seqs[1::2]] == [alone[1].tokens, alone[3].tokens]
+    assert len(set(texts)) > 1  # samples, not one forced answer
+
+
+def test_a_grammar_without_a_tokenizer_or_with_a_bad_spec_is_a_clear_error(gen, tiny):
+    with pytest.raises(ValueError, match="needs the tokenizer"):
+        gen.generate([[1, 2]], SamplingOptions(max_new_tokens=4, grammar=Grammar.regex("a+")))
+    with pytest.raises(ValueError, match="not valid JSON"):
+        Grammar.json_schema("{oops").source()
+    with pytest.raises(ValueError, match="non-empty list"):
+        Grammar.choice([]).source()
+
+
+# --------------------------------------------------------------------------------------------
+# Over HTTP
+# --------------------------------------------------------------------------------------------
+
+def library(gen, tiny, prompt: str, grammar: Grammar, new: int = 24) -> str:
+    opts = SamplingOptions(max_new_tokens=new, temperature=0.0, eos_token_id=tiny.eos, grammar=grammar)
+    return gen.generate([tiny.tokenizer.encode(prompt)] * 4, opts, tiny.tokenizer)[0].text
+
+
+@pytest.mark.parametrize("extra,grammar", [
+    ({"structured_outputs": {"json": SCHEMA, "disable_any_whitespace": True}}, Grammar.json_schema(SCHEMA, False)),
+    ({"structured_outputs": {"regex": r"[0-9]{3}-[a-z]{2,4}"}}, Grammar.regex(r"[0-9]{3}-[a-z]{2,4}")),
+    ({"guided_choice": ["yes", "no way"]}, Grammar.choice(["yes", "no way"])),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "r", "schema": SCHEMA}}},
+     Grammar.json_schema(SCHEMA)),
+], ids=["structured_outputs.json", "structured_outputs.regex", "guided_choice", "response_format"])
+def test_completions_follow_the_requested_format_as_the_library_does(client, gen, tiny, extra, grammar):  # noqa: F811
+    r = client.completions.create(model="tiny", prompt="The lazy dog", max_tokens=24, temperature=0, extra_body=extra)
+    assert r.choices[0].text == library(gen, tiny, "The lazy dog", grammar)
+    streamed = client.completions.create(model="tiny", prompt="The lazy dog", max_tokens=24, temperature=0,
+                                         stream=True, extra_body=extra)
+    assert "".join(c.choices[0].text for c in streamed) == r.choices[0].text
+
+
+ANSWER = {"enum": ["yes", "no", 7]}  # short: the tiny model's context is 32 tokens, the chat prompt 19 of them
+
+
+def test_chat_response_format_json_schema_gives_json_of_that_schema(client, engine, gen, tiny):  # noqa: F811
+    messages = [{"role": "user", "content": "ok"}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER, "strict": True}}
+    r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0,
+                                       response_format=fmt)
+    assert r.choices[0].message.content == library(gen, tiny, "User: ok\n\nAssistant:", Grammar.json_schema(ANSWER),
+                                                   new=12)
+    assert r.choices[0].finish_reason == "stop" and json.loads(r.choices[0].message.content) in ANSWER["enum"]
+    sampled = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=1, n=3,
+                                             seed=3, response_format={"type": "json_object"})
+    for choice in sampled.choices:  # any JSON object, or cut short by max_tokens
+        if choice.finish_reason == "stop":
+            assert isinstance(json.loads(choice.message.content), dict)
+        else:
+            assert choice.message.content.startswith("{")
+
+
+BAD = [
+    ({"structured_outputs": {"regex": "a(b"}}, "structured_outputs", "unclosed group"),
+    ({"structured_outputs": {"json": {"type": "foo"}}}, "structured_outputs", "foo"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "exactly one of"),
+    ({"structured_outputs": {}}, "structured_outputs", "got none"),
+    ({"structured_outputs": {"json_schema": {}}}, "structured_outputs.json_schema", "not supported"),
+    ({"structured_outputs": {"choice": []}}, "structured_outputs.choice", "non-empty list"),
+    ({"structured_outputs": {"json": "{oops"}}, "structured_outputs.json", "not valid JSON"),
+    ({"structured_outputs": {"grammar": "start: foo"}}, "structured_outputs", "foo"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.json_schema.schema",
+     "is required"),
+    ({"response_format": {"type": "yaml"}}, "response_format.type", "got 'yaml'"),
+    ({"guided_regex": "a+", "response_format": {"type": "json_object"}}, "guided_regex", "ask for one"),
+]
+
+
+@pytest.mark.parametrize("extra,param,message", BAD, ids=[f"{b[1]}-{i}" for i, b in enumerate(BAD)])
+def test_a_bad_format_is_a_400_naming_the_field(url, extra, param, message):  # noqa: F811
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 4, **extra},
+                   headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and message in error["message"], error
+
+
+# --------------------------------------------------------------------------------------------
+# device_sample.py
+# --------------------------------------------------------------------------------------------
+
+def test_device_sample_follows_a_choice_and_names_a_bad_flag(gen, tiny, capsys):
+    import device_sample
+    argv = ["--hf", str(tiny.path), "--dtype", "float32", "--prompt", "The lazy dog", "--temperature", "0",
+            "--max-new-tokens", "12"]
+    assert device_sample.main(argv + ["--choice", "yes", "--choice", "no way"]) in (None, 0)
+    printed = capsys.readouterr().out
+    assert printed.startswith(library(gen, tiny, "The lazy dog", Grammar.choice(["yes", "no way"]), new=12) + "\n[")
+    assert "finish: stop" in printed
+    assert device_sample.main(argv + ["--regex", "a(b"]) == 2
+    assert "--regex: " in capsys.readouterr().err
+    assert device_sample.main(argv + ["--json-schema", "{oops"]) == 2
+    assert "--json-schema: " in capsys.readouterr().err
