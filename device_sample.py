@@ -38,36 +38,47 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     f.add_argument("--grammar", help="the text matches this Lark or GBNF grammar (a file)")
 
 
-def grammar_from_args(args, tokenizer, vocab: int):
-    """The structured.Grammar the flags ask for (None: free text), checked against the tokenizer;
-    UserError naming the flag at fault."""
+def grammar_from_args(args):
+    """(the flag, the structured.Grammar it asks for), or (None, None): read before the model loads,
+    so a bad schema or a missing file is one error line at once (UserError naming the flag)."""
     import json
     import os
-    from mesh_transformer.generate import structured
     from mesh_transformer.errors import UserError
-    flag, grammar = None, None
+    from mesh_transformer.generate.structured import Grammar
+    flag = None
     try:
         if args.json_schema is not None:
             flag, text = "--json-schema", args.json_schema
             if os.path.isfile(text):
                 with open(text, encoding="utf-8") as f:
                     text = f.read()
-            grammar = structured.Grammar.json_schema(json.loads(text))
-        elif args.json_object:
-            flag, grammar = "--json-object", structured.Grammar.json_object()
-        elif args.regex is not None:
-            flag, grammar = "--regex", structured.Grammar.regex(args.regex)
-        elif args.choice:
-            flag, grammar = "--choice", structured.Grammar.choice(args.choice)
-        elif args.grammar is not None:
+            elif not text.lstrip().startswith("{"):
+                raise ValueError(f"{text!r} is neither a file nor a JSON object")
+            return flag, Grammar.json_schema(json.loads(text))
+        if args.json_object:
+            return "--json-object", Grammar.json_object()
+        if args.regex is not None:
+            return "--regex", Grammar.regex(args.regex)
+        if args.choice:
+            return "--choice", Grammar.choice(args.choice)
+        if args.grammar is not None:
             flag = "--grammar"
             with open(args.grammar, encoding="utf-8") as f:
-                grammar = structured.Grammar.lark(f.read())
-        if grammar is not None:
-            structured.check(grammar, tokenizer, vocab)
+                return flag, Grammar.lark(f.read())
     except (OSError, ValueError) as e:  # json.JSONDecodeError is a ValueError
         raise UserError(f"{flag}: {e}") from None
-    return grammar
+    return None, None
+
+
+def check_grammar(flag, grammar, tokenizer, vocab: int) -> None:
+    """UserError naming the flag when the grammar does not compile for this model's tokenizer."""
+    from mesh_transformer.errors import UserError
+    from mesh_transformer.generate import structured
+    if grammar is not None:
+        try:
+            structured.check(grammar, tokenizer, vocab)
+        except ValueError as e:
+            raise UserError(f"{flag}: {e}") from None
 
 
 def options_from_args(args, eos_token_ids, grammar=None) -> SamplingOptions:
@@ -103,8 +114,9 @@ def main(argv=None):
     host_memory.keep_freed_memory()
 
     with cli.user_errors() as status:
+        flag, grammar = grammar_from_args(args)
         model = loading.from_args(args)
-        grammar = grammar_from_args(args, model.tokenizer, model.config.padded_vocab(model.mesh.shape["mp"]))
+        check_grammar(flag, grammar, model.tokenizer, model.config.padded_vocab(model.mesh.shape["mp"]))
     if status.code:
         return status.code
     gen = model.generator(matvec=True)  # one prompt at a time; the weights held once

@@ -55,7 +55,11 @@ def main(argv=None) -> int:
             eos = end_of_text_ids(tokenizer, run.ckpt.directory) or None  # and a generation config kept from the base
             options = [SamplingOptions(max_new_tokens=args.sample_tokens, temperature=0.7, top_p=0.9, seed=seed,
                                        eos_token_id=eos) for seed in range(len(args.sample))]
-            generator = Generator(config.model, state.params, run.trainer.mesh)
+            params = state.params
+            if config.train.lora is not None:  # the state holds the adapters alone: merged into the base
+                from mesh_transformer import lora, parallel
+                params = lora.restore_merged(run.ckpt, config, run.trainer.mesh.shape[parallel.MP])
+            generator = Generator(config.model, params, run.trainer.mesh)
             for prompt, seq in zip(args.sample, generator.generate([tokenizer.encode(p) for p in args.sample],
                                                                    options, tokenizer=tokenizer)):
                 print(f"\n>>> {prompt}{seq.text}")

@@ -355,8 +355,15 @@ def test_lora_kill_after_a_checkpoint_then_resume_matches_uninterrupted(quantize
     assert straight.returncode == 0, out
     killed_at = CheckpointManager(ckpt_dir, read_only=True).all_steps()[-1]
     assert 2 <= killed_at < 10  # the run really was cut short
-    code, out = device_train(config, "--hf", str(path))
+    code, out = device_train(config, "--hf", str(path), "--sample", "Snow had fallen", "--sample-tokens", "8")
     assert code == 0 and f"step {killed_at} of 10" in out, out
+    # --sample decodes with the adapters merged into the base, as the saved checkpoint loads
+    model = loading.load(ckpt=ckpt_dir, mp=1, dp=2, dtype="float32")
+    [expected] = Generator(model.config, model.params, model.mesh).generate(
+        [model.tokenizer.encode("Snow had fallen")], [SamplingOptions(
+            max_new_tokens=8, temperature=0.7, top_p=0.9, seed=0, eos_token_id=model.tokenizer.eos_token_id)],
+        tokenizer=model.tokenizer)
+    assert f"\n>>> Snow had fallen{expected.text}\n" in out + "\n", out[-2000:]
     ours, theirs = full_state(config, 10), full_state(reference, 10)
     assert set(ours.params) == set(theirs.params) and all("lora" in n for m in ours.params.values() for n in m)
     for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs)):

@@ -9,6 +9,7 @@ library's.
 from __future__ import annotations
 
 import json
+import threading
 
 import httpx
 import jsonschema
@@ -36,16 +37,24 @@ CASES = {  # (our grammar, llguidance's grammar built directly for the oracle)
 PROMPTS = ["The lazy dog", "0123", "Pack my", "How vexingly"]
 
 
-def masked_greedy(tiny, prompt: list[int], grammar: str, new: int) -> list[int]:
-    """transformers' greedy choice among the tokens llguidance allows, until the grammar ends."""
+def masked_greedy(tiny, prompt: list[int], grammar: str, new: int, ends=None, min_new: int = 0,
+                  bias: dict = {}) -> list[int]:  # noqa: B006 - read only
+    """transformers' greedy choice among the tokens llguidance allows, until the grammar ends; where
+    it allows the end, the row's own end ids `ends` (default: the tokenizer's EOS) instead, none of
+    them before `min_new` tokens; `bias`: {token: added to its logit}."""
+    ends = (tiny.eos,) if ends is None else ends
     matcher = llguidance.LLMatcher(llguidance.hf.from_tokenizer(tiny.tokenizer), grammar)
     out = []
     while len(out) < new and not matcher.is_stopped():
         allowed = np.frombuffer(matcher.compute_logit_bias(), np.uint8)[: len(tiny.tokenizer)] > 0
+        may_end, allowed[tiny.eos] = allowed[tiny.eos], False
+        allowed[list(ends)] = may_end and len(out) >= min_new
         logits = tiny.hf_logits(prompt + out)[-1][: len(tiny.tokenizer)]
+        for t, b in bias.items():
+            logits[t] += b
         token = int(np.argmax(np.where(allowed, logits, -np.inf)))
         out.append(token)
-        if token == tiny.eos:
+        if token in ends:
             break
         assert matcher.consume_token(token), matcher.get_error()
     return out
@@ -71,7 +80,49 @@ def test_greedy_under_a_grammar_is_transformers_best_allowed_token(gen, tiny, ca
         assert all(__import__("re").fullmatch(pattern, t) for t in texts), texts
 
 
-def test_a_grammar_holds_with_rows_over_dp_and_the_vocabulary_over_mp(gen, tiny):
+def test_the_rows_own_end_ids_stand_for_the_grammars_end_and_min_tokens_holds_them(gen, tiny):
+    """A generation config's end id (here the token of "Z", not the tokenizer's EOS, made likely by a
+    logit bias) ends a guided row as soon as the grammar may end, and not before min_tokens."""
+    z = tiny.tokenizer.encode("Z")[0]
+    regex = r"[0-9]{1,4}"
+    ids = [tiny.tokenizer.encode(p) for p in PROMPTS]
+    for min_new in (0, 3):
+        opts = SamplingOptions(max_new_tokens=12, temperature=0.0, eos_token_id=(z,), min_new_tokens=min_new,
+                               logit_bias=((z, 30.0),), grammar=Grammar.regex(regex))
+        oracle = llguidance.LLMatcher.grammar_from_regex(regex)
+        for prompt, seq in zip(ids, gen.generate(ids, opts, tiny.tokenizer)):
+            assert seq.tokens == masked_greedy(tiny, prompt, oracle, 12, ends=(z,), min_new=min_new, bias={z: 30.0})
+            assert seq.finish_reason == "stop" and __import__("re").fullmatch(regex, seq.text), seq.text
+            assert seq.tokens[-1] == z and len(seq.tokens) == max(2, min_new + 1) or seq.text.isdigit()
+
+
+def test_a_grammar_that_is_complete_with_no_end_id_finishes_on_the_host(gen, tiny):
+    """Without end ids (`ignore_eos`), a finished grammar ends the row where EOS would have; one
+    that admits only the empty text ends it before any token."""
+    ids = [tiny.tokenizer.encode(p) for p in PROMPTS]
+    seqs = gen.generate(ids, [SamplingOptions(max_new_tokens=12, temperature=0.0, grammar=Grammar.regex(r))
+                              for r in ("", "ab", "a|b", "")], tiny.tokenizer)
+    assert [s.finish_reason for s in seqs] == ["stop"] * 4
+    assert [s.text for s in seqs[:2]] == ["", "ab"] and seqs[2].text in ("a", "b") and seqs[0].tokens == []
+
+
+def test_a_tokenizer_without_an_eos_ends_its_grammar_at_a_special_token(tiny):
+    import copy
+    from mesh_transformer.generate import structured
+    bare = copy.deepcopy(tiny.tokenizer)
+    bare.eos_token, bare.pad_token = None, "<|endoftext|>"
+    assert bare.eos_token_id is None and bare.all_special_ids == [tiny.eos]
+    assert structured.Compiler(bare, 384).tokenizer.eos_token == tiny.eos
+    c = structured.Constraint(Grammar.regex("ab?"), bare, 384, ())
+    words = structured.no_mask(1, 384)
+    assert c.fill(words[0]) and not c.done
+    c.advance(tiny.tokenizer.encode("a"))
+    assert c.fill(words[0]) and not c.done  # "b" may follow; the row has no end id to choose instead
+    c.advance(tiny.tokenizer.encode("b"))
+    assert c.done
+
+
+def test_a_grammar_holds_with_rows_over_dp_and_a_vocabulary_padded_for_mp(gen, tiny):
     """The masks travel with their rows over dp = 2 and cover a vocabulary padded for mp = 2."""
     from mesh_transformer.generate import Generator
     from mesh_transformer.io import hf
@@ -125,9 +176,15 @@ def library(gen, tiny, prompt: str, grammar: Grammar, new: int = 24) -> str:
     ({"structured_outputs": {"json": SCHEMA, "disable_any_whitespace": True}}, Grammar.json_schema(SCHEMA, False)),
     ({"structured_outputs": {"regex": r"[0-9]{3}-[a-z]{2,4}"}}, Grammar.regex(r"[0-9]{3}-[a-z]{2,4}")),
     ({"guided_choice": ["yes", "no way"]}, Grammar.choice(["yes", "no way"])),
+    ({"guided_regex": "[a-c]{2}!?"}, Grammar.regex("[a-c]{2}!?")),
+    ({"guided_grammar": 'root ::= "x" [0-9]'}, Grammar.lark('root ::= "x" [0-9]')),
+    ({"guided_json": json.dumps(SCHEMA)}, Grammar.json_schema(SCHEMA)),
+    ({"structured_outputs": {"json_object": True, "disable_any_whitespace": True, "disable_fallback": False,
+                             "whitespace_pattern": None, "structural_tag": None}}, Grammar.json_object(False)),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "r", "schema": SCHEMA}}},
      Grammar.json_schema(SCHEMA)),
-], ids=["structured_outputs.json", "structured_outputs.regex", "guided_choice", "response_format"])
+], ids=["structured_outputs.json", "structured_outputs.regex", "guided_choice", "guided_regex", "guided_grammar",
+        "guided_json", "structured_outputs.json_object", "response_format"])
 def test_completions_follow_the_requested_format_as_the_library_does(client, gen, tiny, extra, grammar):  # noqa: F811
     r = client.completions.create(model="tiny", prompt="The lazy dog", max_tokens=24, temperature=0, extra_body=extra)
     assert r.choices[0].text == library(gen, tiny, "The lazy dog", grammar)
@@ -157,14 +214,19 @@ def test_chat_response_format_json_schema_gives_json_of_that_schema(client, engi
 
 
 BAD = [
-    ({"structured_outputs": {"regex": "a(b"}}, "structured_outputs", "unclosed group"),
-    ({"structured_outputs": {"json": {"type": "foo"}}}, "structured_outputs", "foo"),
+    ({"structured_outputs": {"regex": "a(b"}}, "structured_outputs.regex", "unclosed group"),
+    ({"structured_outputs": {"json": {"type": "foo"}}}, "structured_outputs.json", "foo"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}}},
+     "response_format.json_schema.schema", "foo"),
+    ({"guided_regex": "(("}, "guided_regex", "unclosed group"),
+    ({"structured_outputs": {"regex": "a", "disable_fallback": True}}, "structured_outputs.disable_fallback",
+     "not supported"),
     ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "exactly one of"),
     ({"structured_outputs": {}}, "structured_outputs", "got none"),
     ({"structured_outputs": {"json_schema": {}}}, "structured_outputs.json_schema", "not supported"),
     ({"structured_outputs": {"choice": []}}, "structured_outputs.choice", "non-empty list"),
     ({"structured_outputs": {"json": "{oops"}}, "structured_outputs.json", "not valid JSON"),
-    ({"structured_outputs": {"grammar": "start: foo"}}, "structured_outputs", "foo"),
+    ({"structured_outputs": {"grammar": "start: foo"}}, "structured_outputs.grammar", "foo"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.json_schema.schema",
      "is required"),
     ({"response_format": {"type": "yaml"}}, "response_format.type", "got 'yaml'"),
@@ -185,6 +247,25 @@ def test_a_bad_format_is_a_400_naming_the_field(url, extra, param, message):  # 
 # device_sample.py
 # --------------------------------------------------------------------------------------------
 
+def test_a_free_request_beside_a_guided_one_is_unchanged(client, gen, tiny):  # noqa: F811
+    """Through the engine at once: the guided request makes its batch step one token per call; the
+    free one beside it still gives the library's text (the engine fixture is batch-invariant)."""
+    answers = {}
+
+    def ask(name, **extra):
+        answers[name] = client.completions.create(model="tiny", prompt="The lazy dog", max_tokens=16, temperature=0,
+                                                  **extra).choices[0].text
+    threads = [threading.Thread(target=ask, args=("guided",), kwargs={"extra_body": {"guided_regex": "[a-z]{1,20}"}}),
+               threading.Thread(target=ask, args=("free",))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    from tests.serving import library_text
+    assert answers["free"] == library_text(gen, tiny, ["The lazy dog"])[0]
+    assert answers["guided"] == library(gen, tiny, "The lazy dog", Grammar.regex("[a-z]{1,20}"), new=16)
+
+
 def test_device_sample_follows_a_choice_and_names_a_bad_flag(gen, tiny, capsys):
     import device_sample
     argv = ["--hf", str(tiny.path), "--dtype", "float32", "--prompt", "The lazy dog", "--temperature", "0",
@@ -195,5 +276,8 @@ def test_device_sample_follows_a_choice_and_names_a_bad_flag(gen, tiny, capsys):
     assert "finish: stop" in printed
     assert device_sample.main(argv + ["--regex", "a(b"]) == 2
     assert "--regex: " in capsys.readouterr().err
-    assert device_sample.main(argv + ["--json-schema", "{oops"]) == 2
-    assert "--json-schema: " in capsys.readouterr().err
+    assert device_sample.main(argv + ["--json-schema", "no-such.schema.json"]) == 2
+    assert "--json-schema: 'no-such.schema.json' is neither a file nor a JSON object" in capsys.readouterr().err
+    # a bad schema is reported before the model loads (here there is none to load)
+    assert device_sample.main(["--hf", "/no/such/model", "--prompt", "x", "--json-schema", "{oops"]) == 2
+    assert capsys.readouterr().err.startswith("error: --json-schema: ")

@@ -7,6 +7,7 @@ add requests while others decode.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import secrets
 import time
 from typing import TYPE_CHECKING, Optional, Sequence as Seq
@@ -22,6 +23,8 @@ from mesh_transformer.generate.sampling import FINISH_REASONS, SamplingOptions
 if TYPE_CHECKING:
     from mesh_transformer.generate.decode import Generator
     from mesh_transformer.generate.prefix import PrefixCache
+
+log = logging.getLogger("mesh_transformer.generate")
 
 # --------------------------------------------------------------------------------------------
 # One request on the host: prompt, output so far, text and stop strings
@@ -89,7 +92,10 @@ class Sequence:
                                      for ids, lps in zip(top_ids, top_logprobs))
         if self.constraint is not None and len(tokens):
             self.constraint.advance(tokens)
-            if self.constraint.done:
+            if self.constraint.error:  # a token outside the grammar: a bug, not the request's fault
+                log.error("a guided row left its grammar: %s", self.constraint.error)
+                self.finish("error")
+            elif self.constraint.done:
                 self.finish("stop")
         if self.tokenizer is not None and self.options.stop and tokens is not None and len(tokens) and \
                 len(self.tokens) >= self.options.min_new_tokens:
@@ -241,10 +247,21 @@ class Batch:
         return self.gen.prefill_rows(n) * prefill_width(uncached)
 
     def admit(self, seqs: Seq[Sequence]) -> list[Sequence]:
-        """Prefill `seqs` into free rows if they fit now (see `plan`); returns those already finished.
+        """Prefill `seqs` into free rows if they fit now (see `plan`); returns those already finished
+        (a grammar that admits no first token finishes its sequence here, unadmitted).
 
-        Raises ValueError if they do not fit.
+        Raises ValueError if they do not fit, or if a sequence's grammar does not compile.
         """
+        for s in seqs:
+            if s.options.grammar is not None and s.constraint is None:
+                s.constrain(self.gen.vocab)
+        masks, startable = structured.first_masks([s.constraint for s in seqs], len(seqs), self.gen.vocab)
+        ended = [s for s, ok in zip(seqs, startable) if not ok]
+        for s in ended:
+            s.finish(s.constraint.end_reason())
+        seqs, masks = [s for s, ok in zip(seqs, startable) if ok], masks[np.array(startable, bool)]
+        if not seqs:
+            return ended
         index = self.plan(seqs)
         if index is None:
             raise ValueError("these sequences do not fit in the batch now (check `plan` first)")
@@ -253,10 +270,6 @@ class Batch:
             self.state = self.gen.move(self.state, self._first_slot(active), self.index, index)
         self.start = [s + index - self.index for s in self.start]
         rows = self.free()[: len(seqs)]
-        for s in seqs:
-            if s.options.grammar is not None and s.constraint is None:
-                s.constrain(self.gen.vocab)
-        masks = structured.first_masks([s.constraint for s in seqs], len(seqs), self.gen.vocab)
         share = self.slots if self.share_prefix and self.prefix is not None else 0
         self.state, first, done, reason, reads = self.gen.admit(
             self.state, [s.prompt for s in seqs], [s.options for s in seqs], [s.seed for s in seqs], rows, index,
@@ -268,7 +281,7 @@ class Batch:
             self.reads[r] = read
             if len(read):
                 self.prefix.pin(read)
-        return self._absorb(jax.tree.map(lambda x: x[:, None], first), done, reason)
+        return ended + self._absorb(jax.tree.map(lambda x: x[:, None], first), done, reason)
 
     def step(self, limit: Optional[int] = None) -> list[Sequence]:
         """Retire cancelled or timed-out rows, then one decode call of `chunk` steps (at most `limit`:
@@ -280,18 +293,30 @@ class Batch:
             if s.cancelled or (s.deadline is not None and now > s.deadline):
                 s.finish("cancelled" if s.cancelled else "timeout")
         finished = self._absorb(None, None, None)
+        masks = self._next_masks()
+        if masks is not None:
+            finished += self._absorb(None, None, None)  # rows their grammar left no token
         if not self.active():
             return finished
-        guided = [r for r in self.active() if self.rows[r].constraint is not None]
-        if guided:
-            masks = structured.no_mask(self.size, self.gen.vocab)
-            for r in guided:
-                self.rows[r].constraint.fill(masks[r])
+        if masks is not None:
             self.state = self.gen.constrain(self.state, masks)
             limit = 1
         self.state, out, done, reason, self.index = self.gen.decode(self.state, self.chunk, *self._window(), limit,
                                                                     shared=self._shared())
         return finished + self._absorb(out, done, reason)
+
+    def _next_masks(self) -> Optional[np.ndarray]:
+        """Each guided running row's mask for its next token ([B, W]; None: no row is guided); a row
+        its grammar leaves no token finishes."""
+        guided = [r for r in self.active() if self.rows[r].constraint is not None]
+        if not guided:
+            return None
+        masks = structured.no_mask(self.size, self.gen.vocab)
+        for r in guided:
+            s = self.rows[r]
+            if not s.constraint.fill(masks[r]):
+                s.finish(s.constraint.end_reason())
+        return masks
 
     def _shared_slots(self) -> np.ndarray:
         """The pool slots the running rows read (sorted, each once)."""

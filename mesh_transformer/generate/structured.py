@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import weakref
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Optional, Sequence as Seq
 
@@ -87,31 +88,57 @@ class Grammar:
 # The host side: one parser per row
 # --------------------------------------------------------------------------------------------
 
-_TOKENIZERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_COMPILED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # HF tokenizer -> {vocab: Compiler}
+KEPT_GRAMMARS = 64  # compiled grammars kept per tokenizer (a request's n choices, repeated schemas)
 
 
-def grammar_tokenizer(tokenizer, vocab: int):
-    """llguidance's view of a Hugging Face fast tokenizer, with `vocab` ids (the model's padded
-    vocabulary: ids past the tokenizer's are never allowed). Built once per tokenizer (about a
-    second for a 128k vocabulary)."""
-    import llguidance.hf
-    kept = _TOKENIZERS.setdefault(tokenizer, {})
-    if vocab not in kept:
+class Compiler:
+    """llguidance's view of one Hugging Face fast tokenizer with `vocab` ids (the model's padded
+    vocabulary; ids past the tokenizer's are never allowed), and the grammars compiled for it:
+    each once, every row getting a copy of the fresh parser. Building the view takes about a
+    second for a 128k vocabulary: `compiler` keeps one per tokenizer and vocabulary."""
+
+    def __init__(self, tokenizer, vocab: int):
+        import llguidance.hf
         backend = getattr(tokenizer, "backend_tokenizer", None)
         if backend is None:
             raise ValueError(f"structured outputs need a fast (Rust) Hugging Face tokenizer; this one is "
                              f"{type(tokenizer).__name__}")
         size = max(vocab, backend.get_vocab_size(with_added_tokens=True))
-        kept[vocab] = llguidance.hf.from_tokenizer(tokenizer, n_vocab=size)
+        # The grammar's end needs an id of the tokenizer's own (rows end at their own ids, which take
+        # its place in the mask): its EOS, else a special token (else llguidance takes id 0, which
+        # then never appears in a guided text).
+        specials = list(getattr(tokenizer, "all_special_ids", None) or [])
+        end = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else (specials or [None])[0]
+        self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=size, eos_token=end)
+        self.vocab = vocab
+        self._parsers: OrderedDict = OrderedDict()
+
+    def parser(self, grammar: Grammar):
+        """A fresh parser of `grammar`; ValueError with llguidance's message if it does not compile."""
+        import llguidance
+        fresh = self._parsers.get(grammar)
+        if fresh is None:
+            fresh = llguidance.LLMatcher(self.tokenizer, grammar.source(), log_level=0)
+            if fresh.is_error():
+                raise ValueError(fresh.get_error().strip())
+            self._parsers[grammar] = fresh
+            if len(self._parsers) > KEPT_GRAMMARS:
+                self._parsers.popitem(last=False)
+        self._parsers.move_to_end(grammar)
+        return fresh.deep_copy()
+
+
+def compiler(tokenizer, vocab: int) -> Compiler:
+    kept = _COMPILED.setdefault(tokenizer, {})
+    if vocab not in kept:
+        kept[vocab] = Compiler(tokenizer, vocab)
     return kept[vocab]
 
 
 def check(grammar: Grammar, tokenizer, vocab: int) -> None:
-    """ValueError with llguidance's message when `grammar` cannot be compiled for this tokenizer."""
-    import llguidance
-    error = llguidance.LLMatcher.validate_grammar(grammar.source(), grammar_tokenizer(tokenizer, vocab))
-    if error:
-        raise ValueError(error.strip())
+    """ValueError naming what is wrong when `grammar` cannot be compiled for this tokenizer."""
+    compiler(tokenizer, vocab).parser(grammar)
 
 
 def mask_words(vocab: int) -> int:
@@ -124,14 +151,13 @@ class Constraint:
 
     The grammar's own end is the tokenizer's EOS; the row's end-of-text ids (`eos_ids`: a generation
     config's several, or none under `ignore_eos`) stand in for it in the mask, so the row ends as any
-    row does. A grammar that admits nothing more ends the row on the host (`done`)."""
+    row does. A grammar that admits nothing more ends the row on the host (`done`), as does one
+    that leaves a row no token (`fill` says so: the grammar is complete and the row has no end id,
+    or it allows only ids past the model's vocabulary)."""
 
     def __init__(self, grammar: Grammar, tokenizer, vocab: int, eos_ids: Seq[int]):
-        import llguidance
-        self.tokenizer = grammar_tokenizer(tokenizer, vocab)
-        self.matcher = llguidance.LLMatcher(self.tokenizer, grammar.source(), log_level=0)
-        if self.matcher.is_error():
-            raise ValueError(self.matcher.get_error())
+        found = compiler(tokenizer, vocab)
+        self.tokenizer, self.matcher = found.tokenizer, found.parser(grammar)
         self.vocab, self.eos_ids = vocab, tuple(eos_ids)
 
     @property
@@ -141,24 +167,31 @@ class Constraint:
 
     @property
     def error(self) -> str:
+        """Why the parser failed (a token it did not allow was fed to it), or ""."""
         return self.matcher.get_error() if self.matcher.is_error() else ""
+
+    def end_reason(self) -> str:
+        """The finish reason of a row its grammar leaves no token: "stop" where the text is complete."""
+        return "stop" if self.matcher.is_accepting() and not self.matcher.is_error() else "error"
 
     def advance(self, tokens: Seq[int]) -> None:
         """Feed the row's new tokens (an end-of-text id, which ends the row, is not fed)."""
         self.matcher.consume_tokens([int(t) for t in tokens if int(t) not in self.eos_ids])
 
-    def fill(self, out: np.ndarray) -> None:
-        """Write the allowed next tokens into `out` [mask_words(vocab)] int32."""
+    def fill(self, out: np.ndarray) -> bool:
+        """Write the allowed next tokens into `out` [mask_words(vocab)] int32; False if there are none."""
         import llguidance.numpy as lgnp
         words = lgnp.allocate_token_bitmask(1, self.tokenizer.vocab_size)
         lgnp.fill_next_token_bitmask(self.matcher, words, 0)
         bits = np.unpackbits(words.view(np.uint8), bitorder="little")[: self.vocab]
-        may_end = any(bits[t] for t in self.tokenizer.eos_tokens if t < self.vocab)
-        bits[[t for t in self.tokenizer.eos_tokens if t < self.vocab]] = 0
+        ends = [t for t in self.tokenizer.eos_tokens if t < self.vocab]
+        may_end = any(bits[t] for t in ends) or self.matcher.is_accepting()
+        bits[ends] = 0
         if may_end:
             bits[[t for t in self.eos_ids if t < self.vocab]] = 1
         out[:] = 0
         out.view(np.uint8)[: (len(bits) + 7) // 8] = np.packbits(bits, bitorder="little")
+        return bool(bits.any())
 
 
 def allowed(words, vocab: int):
@@ -173,10 +206,8 @@ def no_mask(rows: int, vocab: int) -> np.ndarray:
     return np.zeros((rows, mask_words(vocab)), np.int32)
 
 
-def first_masks(constraints: Seq[Optional[Constraint]], rows: int, vocab: int) -> np.ndarray:
-    """[rows, W]: each constrained row's mask for its first token (zeros elsewhere: not read)."""
+def first_masks(constraints: Seq[Optional[Constraint]], rows: int, vocab: int) -> tuple[np.ndarray, list[bool]]:
+    """[rows, W]: each constrained row's mask for its first token (zeros elsewhere: not read), and
+    whether each row has a token to choose (`Constraint.fill`)."""
     masks = no_mask(rows, vocab)
-    for i, c in enumerate(constraints):
-        if c is not None:
-            c.fill(masks[i])
-    return masks
+    return masks, [c is None or c.fill(masks[i]) for i, c in enumerate(constraints)]

@@ -37,7 +37,7 @@ from typing import Iterable, Optional, Sequence as Seq
 import numpy as np
 
 from mesh_transformer import host_memory
-from mesh_transformer.generate import Batch, Generator, SamplingOptions, Sequence, bucket
+from mesh_transformer.generate import Batch, Generator, SamplingOptions, Sequence, bucket, structured
 from mesh_transformer.generate.decode import computed_and_read
 from mesh_transformer.generate.prefix import DEFAULT_BLOCK, PrefixCache, default_tokens
 from mesh_transformer.lora import ServedAdapter
@@ -158,7 +158,16 @@ class Engine:
 
     def start(self) -> "Engine":
         self._thread.start()
+        threading.Thread(target=self._prepare_grammars, name="grammar-tokenizer", daemon=True).start()
         return self
+
+    def _prepare_grammars(self) -> None:
+        """Build llguidance's view of the tokenizer (about a second for a 128k vocabulary) before the
+        first structured-output request needs it, so it never holds up the server's event loop."""
+        try:
+            structured.compiler(self.tokenizer, self.gen.vocab)
+        except Exception as e:  # noqa: BLE001 - such requests will get the error themselves
+            log.info("structured outputs unavailable: %s", e)
 
     def warmup(self, prompt_tokens: Iterable[int] = (16,), shared_prefix: int = 0) -> None:
         """Compile prefill for every group size (1, 2, 4, .. rows, up to what `admit_tokens` admits)
@@ -299,6 +308,9 @@ class Engine:
         return found
 
     def submit(self, seqs: list[Sequence], loop: Optional[asyncio.AbstractEventLoop] = None) -> Request:
+        for s in seqs:  # a grammar compiles on the caller's thread (ValueError here), not the engine's
+            if s.options.grammar is not None and s.constraint is None:
+                s.constrain(self.gen.vocab)
         request = Request(seqs, loop)
         with self._cv:
             if self.draining:

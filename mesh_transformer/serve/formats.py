@@ -19,19 +19,22 @@ from mesh_transformer.generate.structured import Grammar, check
 from mesh_transformer.serve import openai as oa
 
 KINDS = ("json", "regex", "choice", "grammar", "json_object")  # structured_outputs' keys, one of them
+UNSET_ONLY = ("disable_fallback", "disable_additional_properties", "whitespace_pattern", "structural_tag",
+              "backend")  # vLLM's other keys: taken when null or false (as its clients send them), else a 400
 GUIDED = {f"guided_{k}": k for k in ("json", "regex", "choice", "grammar")}  # vLLM's older fields
 
 
 def grammar(engine, body: oa.StructuredFields) -> Optional[Grammar]:
-    """The grammar the request asks for (None: free text), compiled once to check it."""
-    asked = [(name, value) for name, value in (("response_format", _response_format(body.response_format)),
-                                               ("structured_outputs", _structured(body.structured_outputs)),
-                                               *_guided(body)) if value is not None]
+    """The grammar the request asks for (None: free text), compiled once to check it (llguidance
+    keeps it: the request's rows copy the compiled parser)."""
+    asked = [found for found in (_response_format(body.response_format), _structured(body.structured_outputs),
+                                 *_guided(body)) if found is not None]
     if not asked:
         return None
     if len(asked) > 1:
-        names = ", ".join(name for name, _ in asked)
-        raise oa.ApiError(400, f"{asked[1][0]}: ask for one structured output, got {names}", param=asked[1][0])
+        names = ", ".join(field.split(".")[0] for field, _ in asked)
+        second = asked[1][0].split(".")[0]
+        raise oa.ApiError(400, f"{second}: ask for one structured output, got {names}", param=second)
     field, result = asked[0]
     try:
         check(result, engine.tokenizer, engine.gen.vocab)
@@ -40,29 +43,31 @@ def grammar(engine, body: oa.StructuredFields) -> Optional[Grammar]:
     return result
 
 
-def _response_format(given: Optional[dict]) -> Optional[Grammar]:
+def _response_format(given: Optional[dict]) -> Optional[tuple[str, Grammar]]:
+    """(the field a compile error names, the grammar), or None."""
     if given is None:
         return None
     kind = given.get("type")
     if kind == "text":
         return None
     if kind == "json_object":
-        return Grammar.json_object()
+        return "response_format", Grammar.json_object()
     if kind == "json_schema":
         spec = given.get("json_schema")
         schema = spec.get("schema") if isinstance(spec, dict) else None
         if not isinstance(schema, dict):
             raise oa.ApiError(400, "response_format.json_schema.schema: a JSON schema (an object) is required",
                               param="response_format.json_schema.schema")
-        return Grammar.json_schema(schema)
+        return "response_format.json_schema.schema", Grammar.json_schema(schema)
     raise oa.ApiError(400, f"response_format.type: must be text, json_object or json_schema, got {kind!r}",
                       param="response_format.type")
 
 
-def _structured(given: Optional[dict]) -> Optional[Grammar]:
+def _structured(given: Optional[dict]) -> Optional[tuple[str, Grammar]]:
     if given is None:
         return None
-    unknown = sorted(set(given) - {*KINDS, "disable_any_whitespace"})
+    unknown = sorted(k for k in set(given) - {*KINDS, "disable_any_whitespace"}
+                     if k not in UNSET_ONLY or given[k] not in (None, False))
     if unknown:
         raise oa.ApiError(400, f"structured_outputs.{unknown[0]}: not supported (one of {', '.join(KINDS)}, "
                                f"and disable_any_whitespace)", param=f"structured_outputs.{unknown[0]}")
@@ -70,11 +75,11 @@ def _structured(given: Optional[dict]) -> Optional[Grammar]:
     if len(kinds) != 1:
         raise oa.ApiError(400, f"structured_outputs: give exactly one of {', '.join(KINDS)}, got "
                                f"{', '.join(kinds) or 'none'}", param="structured_outputs")
-    flexible = not given.get("disable_any_whitespace", False)
-    return _of_kind(kinds[0], given[kinds[0]], f"structured_outputs.{kinds[0]}", flexible)
+    field = f"structured_outputs.{kinds[0]}"
+    return field, _of_kind(kinds[0], given[kinds[0]], field, not given.get("disable_any_whitespace", False))
 
 
-def _guided(body: oa.StructuredFields) -> list[tuple[str, Optional[Grammar]]]:
+def _guided(body: oa.StructuredFields) -> list[tuple[str, Grammar]]:
     return [(name, _of_kind(kind, getattr(body, name), name)) for name, kind in GUIDED.items()
             if getattr(body, name) is not None]
 
