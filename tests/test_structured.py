@@ -8,8 +8,10 @@ library's.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
+import time
 
 import httpx
 import jsonschema
@@ -93,7 +95,10 @@ def test_the_rows_own_end_ids_stand_for_the_grammars_end_and_min_tokens_holds_th
         for prompt, seq in zip(ids, gen.generate(ids, opts, tiny.tokenizer)):
             assert seq.tokens == masked_greedy(tiny, prompt, oracle, 12, ends=(z,), min_new=min_new, bias={z: 30.0})
             assert seq.finish_reason == "stop" and __import__("re").fullmatch(regex, seq.text), seq.text
-            assert seq.tokens[-1] == z and len(seq.tokens) == max(2, min_new + 1) or seq.text.isdigit()
+            if min_new == 0:  # the first digit token makes the text complete: the biased end id comes next
+                assert seq.tokens[-1] == z and len(seq.tokens) == 2
+            else:  # never among the first 3 tokens (the grammar may end first, at 4 digits)
+                assert z not in seq.tokens[:min_new]
 
 
 def test_a_grammar_that_is_complete_with_no_end_id_finishes_on_the_host(gen, tiny):
@@ -104,15 +109,21 @@ def test_a_grammar_that_is_complete_with_no_end_id_finishes_on_the_host(gen, tin
                               for r in ("", "ab", "a|b", "")], tiny.tokenizer)
     assert [s.finish_reason for s in seqs] == ["stop"] * 4
     assert [s.text for s in seqs[:2]] == ["", "ab"] and seqs[2].text in ("a", "b") and seqs[0].tokens == []
+    # with end ids but min_tokens: the end may not be chosen yet and nothing else may follow
+    [held] = gen.generate(ids[:1], SamplingOptions(max_new_tokens=12, temperature=0.0, eos_token_id=tiny.eos,
+                                                   min_new_tokens=2, grammar=Grammar.regex("x")), tiny.tokenizer)
+    assert (held.text, held.finish_reason) == ("x", "stop") and held.tokens == tiny.tokenizer.encode("x")
 
 
 def test_a_tokenizer_without_an_eos_ends_its_grammar_at_a_special_token(tiny):
     import copy
     from mesh_transformer.generate import structured
     bare = copy.deepcopy(tiny.tokenizer)
-    bare.eos_token, bare.pad_token = None, "<|endoftext|>"
-    assert bare.eos_token_id is None and bare.all_special_ids == [tiny.eos]
-    assert structured.Compiler(bare, 384).tokenizer.eos_token == tiny.eos
+    bare.add_special_tokens({"pad_token": "<pad>"})
+    bare.eos_token = None
+    pad = bare.pad_token_id
+    assert bare.eos_token_id is None and pad not in (None, 0)  # llguidance's own fallback would be 0
+    assert structured.Compiler(bare, 384).tokenizer.eos_token in bare.all_special_ids
     c = structured.Constraint(Grammar.regex("ab?"), bare, 384, ())
     words = structured.no_mask(1, 384)
     assert c.fill(words[0]) and not c.done
@@ -244,27 +255,61 @@ def test_a_bad_format_is_a_400_naming_the_field(url, extra, param, message):  # 
 
 
 # --------------------------------------------------------------------------------------------
-# device_sample.py
+# In the engine, and the compiled grammars it shares
 # --------------------------------------------------------------------------------------------
 
-def test_a_free_request_beside_a_guided_one_is_unchanged(client, gen, tiny):  # noqa: F811
-    """Through the engine at once: the guided request makes its batch step one token per call; the
-    free one beside it still gives the library's text (the engine fixture is batch-invariant)."""
-    answers = {}
+def test_a_free_request_beside_a_guided_one_in_the_engine_is_unchanged(engine, gen, tiny):  # noqa: F811
+    """One submission, so both share the engine's batch: the guided row makes it step one token per
+    call; the free row still gives the library's text (the engine fixture is batch-invariant)."""
+    from tests.serving import library_text, wait_idle
+    ids = tiny.tokenizer.encode("The lazy dog")
+    guided = SamplingOptions(max_new_tokens=16, temperature=0.0, eos_token_id=tiny.eos,
+                             grammar=Grammar.regex("[a-z]{1,20}"))
+    seqs = [engine.sequence(ids, guided, 60), engine.sequence(ids, dataclasses.replace(guided, grammar=None), 60)]
+    request = engine.submit(seqs)
+    deadline = time.monotonic() + 60
+    while not request.finished:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert seqs[1].text == library_text(gen, tiny, ["The lazy dog"])[0]
+    assert seqs[0].text == library(gen, tiny, "The lazy dog", Grammar.regex("[a-z]{1,20}"), new=16)
+    wait_idle(engine)
 
-    def ask(name, **extra):
-        answers[name] = client.completions.create(model="tiny", prompt="The lazy dog", max_tokens=16, temperature=0,
-                                                  **extra).choices[0].text
-    threads = [threading.Thread(target=ask, args=("guided",), kwargs={"extra_body": {"guided_regex": "[a-z]{1,20}"}}),
-               threading.Thread(target=ask, args=("free",))]
+
+def test_a_request_its_grammar_ends_at_once_finishes_without_a_row(url, engine):  # noqa: F811
+    from tests.serving import wait_idle
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 4, "ignore_eos": True,
+                                                  "guided_regex": ""}, headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert (choice["text"], choice["finish_reason"], r.json()["usage"]["completion_tokens"]) == ("", "stop", 0)
+    wait_idle(engine)
+
+
+def test_grammars_compile_once_and_survive_threads_evicting_each_other(tiny, monkeypatch):
+    from mesh_transformer.generate import structured
+    monkeypatch.setattr(structured, "KEPT_GRAMMARS", 2)
+    failures = []
+
+    def work(k):
+        try:
+            for i in range(30):
+                structured.check(Grammar.regex(f"a{{{1 + (i + k) % 7}}}"), tiny.tokenizer, 384)
+        except Exception as e:  # noqa: BLE001 - collected for the assertion
+            failures.append(e)
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    from tests.serving import library_text
-    assert answers["free"] == library_text(gen, tiny, ["The lazy dog"])[0]
-    assert answers["guided"] == library(gen, tiny, "The lazy dog", Grammar.regex("[a-z]{1,20}"), new=16)
+    assert failures == []
+    compiled = structured.compiler(tiny.tokenizer, 384)
+    assert compiled is structured.compiler(tiny.tokenizer, 384) and len(compiled._parsers) <= 2
 
+
+# --------------------------------------------------------------------------------------------
+# device_sample.py
+# --------------------------------------------------------------------------------------------
 
 def test_device_sample_follows_a_choice_and_names_a_bad_flag(gen, tiny, capsys):
     import device_sample

@@ -77,6 +77,14 @@ class Sequence:
         """Make the parser of `options.grammar` for a model of `vocab` (padded) ids; ValueError if it cannot be."""
         self.constraint = structured.Constraint(self.options.grammar, self.tokenizer, vocab, self.options.eos_ids)
 
+    def end_by_grammar(self) -> None:
+        """Finish: the grammar leaves no token to choose ("stop" where the text is complete)."""
+        reason = self.constraint.end_reason()
+        if reason == "error":
+            log.error("a guided row cannot go on: %s",
+                      self.constraint.error or "its grammar allows only ids past the model's vocabulary")
+        self.finish(reason)
+
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -258,7 +266,7 @@ class Batch:
         masks, startable = structured.first_masks([s.constraint for s in seqs], len(seqs), self.gen.vocab)
         ended = [s for s, ok in zip(seqs, startable) if not ok]
         for s in ended:
-            s.finish(s.constraint.end_reason())
+            s.end_by_grammar()
         seqs, masks = [s for s, ok in zip(seqs, startable) if ok], masks[np.array(startable, bool)]
         if not seqs:
             return ended
@@ -298,7 +306,7 @@ class Batch:
             finished += self._absorb(None, None, None)  # rows their grammar left no token
         if not self.active():
             return finished
-        if masks is not None:
+        if any(self.rows[r].constraint is not None for r in self.active()):
             self.state = self.gen.constrain(self.state, masks)
             limit = 1
         self.state, out, done, reason, self.index = self.gen.decode(self.state, self.chunk, *self._window(), limit,
@@ -315,7 +323,7 @@ class Batch:
         for r in guided:
             s = self.rows[r]
             if not s.constraint.fill(masks[r]):
-                s.finish(s.constraint.end_reason())
+                s.end_by_grammar()
         return masks
 
     def _shared_slots(self) -> np.ndarray:

@@ -11,6 +11,7 @@ a bitmask (bit t of word t // 32 for token t), and the decode step sets every ot
 from __future__ import annotations
 
 import json
+import threading
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -90,6 +91,7 @@ class Grammar:
 
 _COMPILED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # HF tokenizer -> {vocab: Compiler}
 KEPT_GRAMMARS = 64  # compiled grammars kept per tokenizer (a request's n choices, repeated schemas)
+_LOCK = threading.Lock()  # request threads, the engine's and its start-up thread share the caches
 
 
 class Compiler:
@@ -117,28 +119,37 @@ class Compiler:
     def parser(self, grammar: Grammar):
         """A fresh parser of `grammar`; ValueError with llguidance's message if it does not compile."""
         import llguidance
-        fresh = self._parsers.get(grammar)
-        if fresh is None:
+        with _LOCK:
+            fresh = self._parsers.get(grammar)
+            if fresh is not None:
+                self._parsers.move_to_end(grammar)
+        if fresh is None:  # compiled outside the lock (llguidance lets other threads run meanwhile)
             fresh = llguidance.LLMatcher(self.tokenizer, grammar.source(), log_level=0)
             if fresh.is_error():
                 raise ValueError(fresh.get_error().strip())
-            self._parsers[grammar] = fresh
-            if len(self._parsers) > KEPT_GRAMMARS:
-                self._parsers.popitem(last=False)
-        self._parsers.move_to_end(grammar)
+            with _LOCK:
+                self._parsers[grammar] = fresh
+                while len(self._parsers) > KEPT_GRAMMARS:
+                    self._parsers.popitem(last=False)
         return fresh.deep_copy()
 
 
 def compiler(tokenizer, vocab: int) -> Compiler:
-    kept = _COMPILED.setdefault(tokenizer, {})
-    if vocab not in kept:
-        kept[vocab] = Compiler(tokenizer, vocab)
-    return kept[vocab]
+    """The Compiler of `tokenizer` for `vocab` ids, built on first use (one at a time)."""
+    if tokenizer is None:
+        raise ValueError("structured outputs need the model's tokenizer")
+    with _LOCK:
+        kept = _COMPILED.setdefault(tokenizer, {})
+        if vocab not in kept:
+            kept[vocab] = Compiler(tokenizer, vocab)
+        return kept[vocab]
 
 
 def check(grammar: Grammar, tokenizer, vocab: int) -> None:
-    """ValueError naming what is wrong when `grammar` cannot be compiled for this tokenizer."""
-    compiler(tokenizer, vocab).parser(grammar)
+    """ValueError naming what is wrong when `grammar` cannot be compiled for this tokenizer. Its
+    first mask is computed too: llguidance builds the lexer for it then (once for all copies, up to
+    tenths of a second for a big grammar), here rather than in the decode loop."""
+    Constraint(grammar, tokenizer, vocab, ()).fill(no_mask(1, vocab)[0])
 
 
 def mask_words(vocab: int) -> int:
@@ -179,7 +190,9 @@ class Constraint:
         self.matcher.consume_tokens([int(t) for t in tokens if int(t) not in self.eos_ids])
 
     def fill(self, out: np.ndarray) -> bool:
-        """Write the allowed next tokens into `out` [mask_words(vocab)] int32; False if there are none."""
+        """Write the allowed next tokens into `out` [mask_words(vocab)] int32; False if the row cannot
+        go on: nothing but the end may follow (the row ends on the host, as at `done`), the grammar
+        allows only ids past the model's vocabulary, or llguidance failed (`error`)."""
         import llguidance.numpy as lgnp
         words = lgnp.allocate_token_bitmask(1, self.tokenizer.vocab_size)
         lgnp.fill_next_token_bitmask(self.matcher, words, 0)
@@ -187,11 +200,13 @@ class Constraint:
         ends = [t for t in self.tokenizer.eos_tokens if t < self.vocab]
         may_end = any(bits[t] for t in ends) or self.matcher.is_accepting()
         bits[ends] = 0
+        if not bits.any() or self.matcher.is_error():
+            return False
         if may_end:
             bits[[t for t in self.eos_ids if t < self.vocab]] = 1
         out[:] = 0
         out.view(np.uint8)[: (len(bits) + 7) // 8] = np.packbits(bits, bitorder="little")
-        return bool(bits.any())
+        return True
 
 
 def allowed(words, vocab: int):

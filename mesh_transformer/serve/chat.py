@@ -156,7 +156,7 @@ async def chat_completions(s: oa.Settings, http: HttpRequest):
         raise oa.ApiError(400, f"messages: the prompt is {len(ids)} tokens; with {field} {max_tokens} it does not fit "
                                f"the model's context of {engine.context} tokens", param="messages")
     try:
-        opts = oa.body_options(engine, body, max_tokens, oa.stop_list(body.stop),
+        opts = await oa.body_options(engine, body, max_tokens, oa.stop_list(body.stop),
                                (body.top_logprobs or 0) if body.logprobs else None)
     except oa.ApiError as e:
         if e.param == "max_tokens":

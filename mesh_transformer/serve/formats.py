@@ -24,6 +24,11 @@ UNSET_ONLY = ("disable_fallback", "disable_additional_properties", "whitespace_p
 GUIDED = {f"guided_{k}": k for k in ("json", "regex", "choice", "grammar")}  # vLLM's older fields
 
 
+def asked(body: oa.StructuredFields) -> bool:
+    """Whether the body names any structured-output field (else `grammar` is None at once)."""
+    return any(getattr(body, name) is not None for name in oa.StructuredFields.model_fields)
+
+
 def grammar(engine, body: oa.StructuredFields) -> Optional[Grammar]:
     """The grammar the request asks for (None: free text), compiled once to check it (llguidance
     keeps it: the request's rows copy the compiled parser)."""
@@ -67,7 +72,7 @@ def _structured(given: Optional[dict]) -> Optional[tuple[str, Grammar]]:
     if given is None:
         return None
     unknown = sorted(k for k in set(given) - {*KINDS, "disable_any_whitespace"}
-                     if k not in UNSET_ONLY or given[k] not in (None, False))
+                     if k not in UNSET_ONLY or not (given[k] is None or given[k] is False))
     if unknown:
         raise oa.ApiError(400, f"structured_outputs.{unknown[0]}: not supported (one of {', '.join(KINDS)}, "
                                f"and disable_any_whitespace)", param=f"structured_outputs.{unknown[0]}")
@@ -76,7 +81,11 @@ def _structured(given: Optional[dict]) -> Optional[tuple[str, Grammar]]:
         raise oa.ApiError(400, f"structured_outputs: give exactly one of {', '.join(KINDS)}, got "
                                f"{', '.join(kinds) or 'none'}", param="structured_outputs")
     field = f"structured_outputs.{kinds[0]}"
-    return field, _of_kind(kinds[0], given[kinds[0]], field, not given.get("disable_any_whitespace", False))
+    compact = given.get("disable_any_whitespace", False)
+    if not isinstance(compact, bool):
+        raise oa.ApiError(400, f"structured_outputs.disable_any_whitespace: must be true or false, got "
+                               f"{type(compact).__name__}", param="structured_outputs.disable_any_whitespace")
+    return field, _of_kind(kinds[0], given[kinds[0]], field, not compact)
 
 
 def _guided(body: oa.StructuredFields) -> list[tuple[str, Grammar]]:
@@ -88,7 +97,8 @@ def _of_kind(kind: str, value, field: str, any_whitespace: bool = True) -> Gramm
     """One kind's value as a Grammar; a value of the wrong type is a 400 naming `field`."""
     def need(ok: bool, what: str):
         if not ok:
-            raise oa.ApiError(400, f"{field}: must be {what}, got {type(value).__name__}", param=field)
+            got = "an empty string" if value == "" else type(value).__name__
+            raise oa.ApiError(400, f"{field}: must be {what}, got {got}", param=field)
     if kind == "json_object":
         need(value is True, "true")
         return Grammar.json_object(any_whitespace)
@@ -106,6 +116,7 @@ def _of_kind(kind: str, value, field: str, any_whitespace: bool = True) -> Gramm
         for i, c in enumerate(value):
             oa.check_text(c, f"{field}[{i}]")
         return Grammar.choice(value)
-    need(isinstance(value, str) and bool(value), "a non-empty string")
+    need(isinstance(value, str) and (bool(value) or kind == "regex"), "a string" if kind == "regex" else
+         "a non-empty string")
     oa.check_text(value, field)
     return Grammar.regex(value) if kind == "regex" else Grammar.lark(value)

@@ -201,13 +201,13 @@ SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "frequency_penalty"
                    "repetition_penalty", "ignore_eos", "min_tokens", "stop_token_ids", "logit_bias")
 
 
-def body_options(engine: Engine, body, max_tokens: int, stop, logprobs) -> SamplingOptions:
+async def body_options(engine: Engine, body, max_tokens: int, stop, logprobs) -> SamplingOptions:
     """`options` from an OpenAI body's SAMPLING_FIELDS and structured-output fields, plus what the
-    endpoint derives itself."""
+    endpoint derives itself. A grammar compiles in a worker thread: the event loop keeps serving."""
     from mesh_transformer.serve import formats
+    grammar = await asyncio.to_thread(formats.grammar, engine, body) if formats.asked(body) else None
     shared = {name: getattr(body, name) for name in SAMPLING_FIELDS}
-    return options(engine, max_tokens=max_tokens, stop=stop, logprobs=logprobs, grammar=formats.grammar(engine, body),
-                   **shared)
+    return options(engine, max_tokens=max_tokens, stop=stop, logprobs=logprobs, grammar=grammar, **shared)
 
 
 def options(engine: Engine, ignore_eos: bool = False, stop_token_ids=None, **given) -> SamplingOptions:
@@ -460,7 +460,7 @@ async def completions(s: Settings, http: HttpRequest):
     if body.echo:
         return await _echo_completions(s, body, ids)
     max_tokens = body.max_tokens if body.max_tokens is not None else room(s.engine, ids)
-    opts = body_options(s.engine, body, max_tokens, stop_list(body.stop), body.logprobs)
+    opts = await body_options(s.engine, body, max_tokens, stop_list(body.stop), body.logprobs)
     seqs = await sequences(s, ids, opts, body.n, body.seed, body.model)
     head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
             "model": body.model or s.model_name}
@@ -580,7 +580,7 @@ async def _echo_completions(s: Settings, body: CompletionRequest, ids: list[list
     texts = _prompt_texts(engine, body.prompt, ids)
     seqs: list[Optional[Sequence]] = [None] * (len(ids) * body.n)
     if max_tokens > 0:
-        opts = body_options(engine, body, max_tokens, stop_list(body.stop), body.logprobs)
+        opts = await body_options(engine, body, max_tokens, stop_list(body.stop), body.logprobs)
         seqs = await sequences(s, ids, opts, body.n, body.seed, body.model)
         submit_and_wait = wait(engine, seqs, s.timeout)
     else:
