@@ -62,7 +62,7 @@ class Sequence:
         self.deadline = deadline
         self.adapter, self.lora = adapter, lora
         self.constraint: Optional[structured.Constraint] = None
-        if options.grammar is not None and vocab is not None:
+        if vocab is not None:
             self.constrain(vocab)
         self.tokens: list[int] = []
         self.logprobs: list[float] = []  # with options.logprobs set: log p of each token
@@ -74,8 +74,10 @@ class Sequence:
         self._sent = 0
 
     def constrain(self, vocab: int) -> None:
-        """Make the parser of `options.grammar` for a model of `vocab` (padded) ids; ValueError if it cannot be."""
-        self.constraint = structured.Constraint(self.options.grammar, self.tokenizer, vocab, self.options.eos_ids)
+        """Make the parser of `options.grammar` (if any, once) for a model of `vocab` (padded) ids;
+        ValueError if it cannot be."""
+        if self.options.grammar is not None and self.constraint is None:
+            self.constraint = structured.Constraint(self.options.grammar, self.tokenizer, vocab, self.options.eos_ids)
 
     def end_by_grammar(self) -> None:
         """Finish: the grammar leaves no token to choose ("stop" where the text is complete)."""
@@ -261,8 +263,7 @@ class Batch:
         Raises ValueError if they do not fit, or if a sequence's grammar does not compile.
         """
         for s in seqs:
-            if s.options.grammar is not None and s.constraint is None:
-                s.constrain(self.gen.vocab)
+            s.constrain(self.gen.vocab)
         masks, startable = structured.first_masks([s.constraint for s in seqs], len(seqs), self.gen.vocab)
         ended = [s for s, ok in zip(seqs, startable) if not ok]
         for s in ended:

@@ -311,8 +311,7 @@ class Engine:
 
     def submit(self, seqs: list[Sequence], loop: Optional[asyncio.AbstractEventLoop] = None) -> Request:
         for s in seqs:  # a grammar compiles on the caller's thread (ValueError here), not the engine's
-            if s.options.grammar is not None and s.constraint is None:
-                s.constrain(self.gen.vocab)
+            s.constrain(self.gen.vocab)
         request = Request(seqs, loop)
         with self._cv:
             if self.draining:
