@@ -65,7 +65,7 @@ CORPUS = ["The quick brown fox jumps over the lazy dog.", "Pack my box with five
 class Tiny:
     """A random tiny GPT-J with its own byte-level BPE tokenizer saved beside the weights."""
 
-    def __init__(self, path):
+    def __init__(self, path, n_positions: int = 32):
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
         from transformers import PreTrainedTokenizerFast
 
@@ -77,7 +77,7 @@ class Tiny:
         tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>")
         tokenizer.save_pretrained(path)
         # initializer_range 0.2: peaked logits, so greedy choices are not near-ties that 1e-7 noise could flip
-        self.torch = make_hf_gptj(path, vocab_size=len(tokenizer), n_positions=32, n_embd=32, n_layer=2, n_head=4,
+        self.torch = make_hf_gptj(path, vocab_size=len(tokenizer), n_positions=n_positions, n_embd=32, n_layer=2, n_head=4,
                                   rotary_dim=4, initializer_range=0.2, bos_token_id=tokenizer.eos_token_id,
                                   eos_token_id=tokenizer.eos_token_id)
         self.path, self.tokenizer, self.eos = path, tokenizer, tokenizer.eos_token_id

@@ -54,9 +54,10 @@ def wait_until_up(proc: subprocess.Popen, url: str) -> None:
 
 @pytest.fixture(scope="module")
 def servers(tiny):
-    """Two servers started together: the batching flags, and a 1 ms --timeout (every request expires)."""
+    """Two servers started together: the batching flags (and a tool-call parser), and a 1 ms --timeout
+    (every request expires)."""
     started = [launch(tiny.path, "--max-batch", str(MAX_BATCH), "--chunk", str(CHUNK), "--join-chunk", str(JOIN_CHUNK),
-                      "--slots", str(SLOTS)),
+                      "--slots", str(SLOTS), "--tool-call-parser", "hermes"),
                launch(tiny.path, "--timeout", "0.001")]
     try:
         for proc, url in started:
@@ -200,3 +201,16 @@ def test_timeout_flag_answers_504(servers):
     headers = {"Authorization": f"Bearer {KEY}"}
     r = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 8}, headers=headers, timeout=120)
     assert r.status_code == 504 and "timed out after 0.001 s" in r.json()["error"]["message"]
+
+
+def test_tool_call_parser_flag_lets_auto_tool_choice_through(servers):
+    """With --tool-call-parser, "auto" (the default with tools) passes; the tiny model's 32-token
+    context is then what refuses the prompt that lists the tool. Without it, "auto" is refused."""
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+            "tools": [{"type": "function", "function": {"name": "now"}}]}
+    params = []
+    for _, url in servers:
+        r = httpx.post(f"{url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+        assert r.status_code == 400, r.text
+        params.append(r.json()["error"]["param"])
+    assert params == ["messages", "tool_choice"]

@@ -22,6 +22,7 @@ import numpy as np
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 ANY_JSON = {"type": ["object", "array", "string", "number", "integer", "boolean", "null"]}
 JSON_OBJECT = {"type": "object"}
+JSON_DUMPS = (", ", ": ")  # Python's json.dumps separators (item, key), as transformers' `tojson` writes JSON
 
 
 @dataclass(frozen=True)
@@ -29,15 +30,19 @@ class Grammar:
     """What a row's text must match. `spec`: the JSON schema (as JSON text), the regex, the choices
     (a JSON list of strings) or the Lark/GBNF grammar text. `any_whitespace`: JSON may put any
     whitespace between its tokens (vLLM's default); False: none (`{"a":1,"b":[2,3]}`), which also
-    keeps a small model from spending its tokens on blank space."""
+    keeps a small model from spending its tokens on blank space, or exactly `separators` (item, key)
+    where given: `JSON_DUMPS`'s `{"a": 1, "b": [2, 3]}` is the layout chat templates write calls in."""
 
     kind: str
     spec: str
     any_whitespace: bool = True
+    separators: Optional[tuple[str, str]] = None
 
     @classmethod
-    def json_schema(cls, schema: dict | str, any_whitespace: bool = True) -> "Grammar":
-        return cls("json", schema if isinstance(schema, str) else json.dumps(schema), any_whitespace)
+    def json_schema(cls, schema: dict | str, any_whitespace: bool = True,
+                    separators: Optional[tuple[str, str]] = None) -> "Grammar":
+        return cls("json", schema if isinstance(schema, str) else json.dumps(schema), any_whitespace and not separators,
+                   separators)
 
     @classmethod
     def json_object(cls, any_whitespace: bool = True) -> "Grammar":
@@ -70,6 +75,8 @@ class Grammar:
             if not isinstance(schema, (dict, bool)):
                 raise ValueError(f"a JSON schema must be an object, got {type(schema).__name__}")
             layout = {} if self.any_whitespace else {"whitespace_flexible": False}
+            if self.separators:
+                layout.update(item_separator=self.separators[0], key_separator=self.separators[1])
             return llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=layout or None)
         if self.kind == "regex":
             return llguidance.LLMatcher.grammar_from_regex(self.spec)

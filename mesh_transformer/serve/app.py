@@ -23,6 +23,7 @@ from fastapi import Request as HttpRequest
 from mesh_transformer.serve import chat as chat_api
 from mesh_transformer.serve import openai as oa
 from mesh_transformer.serve import tokens as tokens_api
+from mesh_transformer.serve import tools as tools_api
 from mesh_transformer.serve.engine import Engine
 from mesh_transformer.serve.metrics import CONTENT_TYPE
 
@@ -38,9 +39,10 @@ ENDPOINTS = ("/", "/complete", "/v1/completions", "/v1/chat/completions", "/toke
 
 def create_app(engine: Engine, model_name: str = "mesh-transformer", api_key: Optional[str] = None,
                timeout: float = 300.0, max_request_bytes: int = 1 << 20, max_prompts: int = 64,
-               chat_template: Optional[str] = None, runtime_lora: bool = False):
+               chat_template: Optional[str] = None, runtime_lora: bool = False, tool_parser: Optional[str] = None):
     """The app over a started `engine`. `api_key` (or $MESH_TRANSFORMER_API_KEY) protects all but
     `OPEN_PATHS`; `chat_template`: Jinja source overriding the tokenizer's (see `chat`);
+    `tool_parser`: how `tool_choice: "auto"` reads calls from the model's text (`tools.PARSERS`);
     `runtime_lora`: the routes that load and unload LoRA adapters (the engine's generator needs a
     bank: `Generator(adapters=...)`; they read directories on the server's disk, so the API key
     should be set wherever clients are not trusted)."""
@@ -50,7 +52,10 @@ def create_app(engine: Engine, model_name: str = "mesh-transformer", api_key: Op
     api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
     app = FastAPI(title="mesh-transformer", version="0.1.0", docs_url=None, redoc_url=None)
     app.add_middleware(_Guard, limit=max_request_bytes, api_key=api_key, metrics=engine.metrics)
-    settings = oa.Settings(engine, model_name, timeout, max_prompts, chat_api.ChatTemplate(engine.tokenizer, chat_template))
+    if tool_parser is not None and tool_parser not in tools_api.PARSERS:
+        raise ValueError(f"tool_parser: one of {', '.join(tools_api.PARSERS)}, got {tool_parser!r}")
+    settings = oa.Settings(engine, model_name, timeout, max_prompts, chat_api.ChatTemplate(engine.tokenizer, chat_template),
+                           tool_parser)
     created = int(time.time())
     if runtime_lora and engine.adapters is None:
         raise ValueError("runtime_lora needs a generator with a bank of adapter entries (Generator(adapters=...))")

@@ -14,9 +14,17 @@ which renders
 a `developer` message counts as `system`). The rendered text is tokenized without adding special
 tokens (a template writes the ones it wants). No stop strings are implied: pass `stop` (e.g.
 ["\\n\\nUser:"]) to end a base model's turn.
+
+With `tools`, the template also gets them (`tools=`), and the reply may be calls (`serve.tools`):
+assistant messages carry `tool_calls` (their `arguments` JSON text, given to the template as an
+object, as transformers' templates expect) and `tool` messages the results. The plain template
+lists the tools in a first paragraph and writes calls as Hermes' `<tool_call>{..}</tool_call>`
+(what `--tool-call-parser hermes` reads).
 """
 from __future__ import annotations
 
+import asyncio
+import json
 import time
 import uuid
 from typing import Optional, Union
@@ -25,12 +33,19 @@ from fastapi import Request as HttpRequest
 from pydantic import Field
 
 from mesh_transformer.generate import Sequence
+from mesh_transformer.generate.structured import Grammar, check
 from mesh_transformer.serve import openai as oa
+from mesh_transformer.serve import tools as tool_calls
 from mesh_transformer.serve.engine import Engine
 
-PLAIN_TEMPLATE = ("{% for message in messages %}{{ message['role'] | capitalize }}: {{ message['content'] }}\n\n"
-                  "{% endfor %}{% if add_generation_prompt %}Assistant:{% endif %}")
-ROLES = ("system", "developer", "user", "assistant")
+PLAIN_TEMPLATE = (  # no text right after a block tag: transformers renders with trim_blocks
+    "{% if tools %}Tools (to call one, write <tool_call>{\"name\": .., \"arguments\": {..}}</tool_call>):"
+    "{% for tool in tools %}{{ '\\n' }}{{ tool['function'] | tojson }}{% endfor %}{{ '\\n\\n' }}{% endif %}"
+    "{% for message in messages %}{{ message['role'] | capitalize }}: {{ message['content'] }}"
+    "{% for call in message['tool_calls'] or [] %}<tool_call>"
+    "{{ {'name': call['function']['name'], 'arguments': call['function']['arguments']} | tojson }}</tool_call>"
+    "{% endfor %}{{ '\\n\\n' }}{% endfor %}{% if add_generation_prompt %}Assistant:{% endif %}")
+ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 class ContentPart(oa._Strict):
@@ -42,11 +57,13 @@ class ChatMessage(oa._Strict):
     role: str
     content: Optional[Union[str, list[ContentPart]]] = None
     name: Optional[str] = None
+    tool_calls: Optional[list] = None  # an assistant's calls: [{"id", "type": "function", "function": {"name", "arguments"}}]
+    tool_call_id: Optional[str] = None  # a tool message's: the call it answers
 
 
 class ChatRequest(oa.StructuredFields):
     """OpenAI's /v1/chat/completions body (plus top_k, min_p, repetition_penalty, min_tokens, stop_token_ids
-    and ignore_eos, as vLLM takes them)."""
+    and ignore_eos, as vLLM takes them). `tools`, `tool_choice`, `parallel_tool_calls`: `serve.tools`."""
 
     model: Optional[str] = None
     messages: list[ChatMessage] = Field(min_length=1)
@@ -71,6 +88,10 @@ class ChatRequest(oa.StructuredFields):
     stop_token_ids: Optional[list[int]] = None
     logit_bias: Optional[dict[str, float]] = None
     tools: Optional[list] = None
+    tool_choice: Optional[Union[str, dict]] = None
+    parallel_tool_calls: bool = True
+    functions: Optional[list] = None  # OpenAI's deprecated forms of tools and tool_choice: a 400 saying so
+    function_call: Optional[Union[str, dict]] = None
     user: Optional[str] = None
 
 
@@ -90,18 +111,19 @@ class ChatTemplate:
         with open(path, encoding="utf-8") as f:
             return cls(tokenizer, f.read())
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def render(self, messages: list[dict], add_generation_prompt: bool = True, tools: Optional[list] = None) -> str:
         """The prompt text (ending where the assistant's reply starts, with `add_generation_prompt`);
-        ValueError if the template refuses."""
+        `tools`: their specs (`tools.Tool.spec`). ValueError if the template refuses."""
         try:
             return self.tokenizer.apply_chat_template(messages, chat_template=self.template, tokenize=False,
-                                                      add_generation_prompt=add_generation_prompt)
+                                                      add_generation_prompt=add_generation_prompt, tools=tools)
         except Exception as e:  # noqa: BLE001 - jinja errors and templates' raise_exception(...)
             raise ValueError(f"the chat template cannot render these messages ({type(e).__name__}: {e})") from None
 
 
 def _messages(messages: list[ChatMessage]) -> list[dict]:
-    """The messages as the template sees them: roles checked, content as one string."""
+    """The messages as the template sees them: roles checked, content as one string, an assistant's
+    tool calls with their arguments as objects."""
     out = []
     for i, m in enumerate(messages):
         if m.role not in ROLES:
@@ -118,37 +140,85 @@ def _messages(messages: list[ChatMessage]) -> list[dict]:
         message = {"role": "system" if m.role == "developer" else m.role, "content": content}
         if m.name is not None:
             message["name"] = oa.check_text(m.name, f"messages[{i}].name")
+        if m.tool_calls:
+            if m.role != "assistant":
+                raise oa.ApiError(400, f"messages[{i}].tool_calls: only assistant messages make calls",
+                                  param=f"messages[{i}].tool_calls")
+            message["tool_calls"] = [_call(call, f"messages[{i}].tool_calls[{j}]") for j, call in enumerate(m.tool_calls)]
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = oa.check_text(m.tool_call_id, f"messages[{i}].tool_call_id")
         out.append(message)
     return out
 
 
-def prompt_ids(s: oa.Settings, body: ChatRequest) -> list[int]:
-    ids = encoded_messages(s, body.messages)
+def _call(call, where: str) -> dict:
+    """An assistant message's tool call as templates take it: `arguments` decoded to an object."""
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise oa.ApiError(400, f"{where}.function: an object with the function's name and arguments is required",
+                          param=f"{where}.function")
+    arguments = fn.get("arguments", "{}")
+    try:
+        decoded = json.loads(arguments) if isinstance(arguments, str) else None
+    except json.JSONDecodeError as e:
+        decoded, arguments = None, f"not JSON ({e})"
+    if not isinstance(decoded, dict):
+        raise oa.ApiError(400, f"{where}.function.arguments: the JSON text of an object is required, got "
+                               f"{arguments if isinstance(arguments, str) else type(arguments).__name__}",
+                          param=f"{where}.function.arguments")
+    out = {"type": "function", "function": {"name": oa.check_text(fn["name"], f"{where}.function.name"),
+                                            "arguments": decoded}}
+    if isinstance(call.get("id"), str):
+        out["id"] = call["id"]
+    return out
+
+
+def prompt_ids(s: oa.Settings, body: ChatRequest, plan: Optional[tool_calls.Plan]) -> list[int]:
+    ids = encoded_messages(s, body.messages, tools=plan.specs() if plan else None)
     if not ids:
         raise oa.ApiError(400, "messages: the rendered prompt is empty", param="messages")
     return ids
 
 
 def encoded_messages(s: oa.Settings, messages: list[ChatMessage], add_generation_prompt: bool = True,
-                     add_special_tokens: bool = False) -> list[int]:
-    """`messages` rendered by the chat template and tokenized (no special tokens added by default: a
-    template writes the ones it wants); a 400 naming the message at fault."""
+                     add_special_tokens: bool = False, tools: Optional[list] = None) -> list[int]:
+    """`messages` (and the specs of `tools`) rendered by the chat template and tokenized (no special
+    tokens added by default: a template writes the ones it wants); a 400 naming the message at fault."""
     try:
-        text = s.chat.render(_messages(messages), add_generation_prompt)
+        text = s.chat.render(_messages(messages), add_generation_prompt, tools)
     except ValueError as e:
         raise oa.ApiError(400, f"messages: {e}", param="messages") from None
     return oa.encode(s.engine, text, "messages", add_special_tokens=add_special_tokens)
 
 
+def _tool_grammar(engine: Engine, plan: tool_calls.Plan) -> Grammar:
+    """The grammar a named or required tool choice holds the reply to, compiled once to check it; a
+    400 naming the tool whose parameters do not compile."""
+    where, grammar = plan.grammar()
+    try:
+        check(grammar, engine.tokenizer, engine.gen.vocab)
+        return grammar
+    except ValueError as e:
+        error = e
+    if where == "tools":  # "required"'s array of every tool: name the tool that fails alone
+        for alone_where, alone in plan.parameter_grammars():
+            try:
+                check(alone, engine.tokenizer, engine.gen.vocab)
+            except ValueError as e:
+                raise oa.ApiError(400, f"{alone_where}: {e}", param=alone_where) from None
+    raise oa.ApiError(400, f"{where}: {error}", param=where)
+
+
 async def chat_completions(s: oa.Settings, http: HttpRequest):
     body = oa.parse(await http.body(), ChatRequest)
-    for name, bad in (("tools", bool(body.tools)),
-                      ("top_logprobs", body.top_logprobs is not None and not body.logprobs)):
-        if bad:
-            why = "requires logprobs: true" if name == "top_logprobs" else "is not supported"
-            raise oa.ApiError(400, f"{name} {why}", param=name)
+    if body.top_logprobs is not None and not body.logprobs:
+        raise oa.ApiError(400, "top_logprobs requires logprobs: true", param="top_logprobs")
+    for old, new in (("functions", "tools"), ("function_call", "tool_choice")):
+        if getattr(body, old) is not None:
+            raise oa.ApiError(400, f"{old}: OpenAI's deprecated form is not supported; use {new}", param=old)
     engine = s.engine
-    ids = prompt_ids(s, body)
+    plan = tool_calls.plan(body, s.tool_parser)
+    ids = prompt_ids(s, body, plan)
     given = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     max_tokens = given if given is not None else engine.context - len(ids)
@@ -156,8 +226,9 @@ async def chat_completions(s: oa.Settings, http: HttpRequest):
         raise oa.ApiError(400, f"messages: the prompt is {len(ids)} tokens; with {field} {max_tokens} it does not fit "
                                f"the model's context of {engine.context} tokens", param="messages")
     try:
+        forced = await asyncio.to_thread(_tool_grammar, engine, plan) if plan and plan.grammar() else None
         opts = await oa.body_options(engine, body, max_tokens, oa.stop_list(body.stop),
-                               (body.top_logprobs or 0) if body.logprobs else None)
+                                     (body.top_logprobs or 0) if body.logprobs else None, forced, "tool_choice")
     except oa.ApiError as e:
         if e.param == "max_tokens":
             e.param, e.message = field, e.message.replace("max_tokens", field)
@@ -167,12 +238,17 @@ async def chat_completions(s: oa.Settings, http: HttpRequest):
             "model": body.model or s.model_name}
     if body.stream:
         request = oa.submit(engine, seqs)
-        return oa.streaming_response(_events(engine, request, head, body.n, body.stream_options))
+        return oa.streaming_response(_events(engine, request, head, body.n, body.stream_options, plan))
     await oa.wait(engine, seqs, s.timeout)
-    choices = [{"index": i, "message": {"role": "assistant", "content": seq.text},
-                "logprobs": _logprobs(engine, seq, 0, seq.kept_tokens()), "finish_reason": seq.finish_reason}
-               for i, seq in enumerate(seqs)]
-    return {**head, "choices": choices, "usage": oa.usage(seqs, body.n)}
+    return {**head, "choices": [_choice(engine, i, seq, plan) for i, seq in enumerate(seqs)],
+            "usage": oa.usage(seqs, body.n)}
+
+
+def _choice(engine: Engine, index: int, seq: Sequence, plan: Optional[tool_calls.Plan]) -> dict:
+    message, finish_reason = ({"role": "assistant", "content": seq.text}, seq.finish_reason) if plan is None \
+        else plan.reply(seq.text, seq.finish_reason)
+    return {"index": index, "message": message, "logprobs": _logprobs(engine, seq, 0, seq.kept_tokens()),
+            "finish_reason": finish_reason}
 
 
 def _logprobs(engine: Engine, seq: Sequence, lo: int, hi: int) -> Optional[dict]:
@@ -187,9 +263,10 @@ def _logprobs(engine: Engine, seq: Sequence, lo: int, hi: int) -> Optional[dict]
                         for t, lp, alts in zip(seq.tokens[lo:hi], seq.logprobs[lo:hi], seq.top_logprobs[lo:hi])]}
 
 
-async def _events(engine: Engine, request, head: dict, n: int, stream_options: Optional[oa.StreamOptions]):
-    """Server-sent `chat.completion.chunk` events: the role first, then content as it is generated,
-    the finish reason with the last piece, then (with include_usage) the usage, then [DONE]."""
+async def _events(engine: Engine, request, head: dict, n: int, stream_options: Optional[oa.StreamOptions],
+                  plan: Optional[tool_calls.Plan]):
+    """Server-sent `chat.completion.chunk` events: the role first, then content (and tool calls) as it
+    is generated, the finish reason with the last piece, then (with include_usage) the usage, then [DONE]."""
     so = stream_options or oa.StreamOptions()
     head = {**head, "object": "chat.completion.chunk"}
 
@@ -201,10 +278,17 @@ async def _events(engine: Engine, request, head: dict, n: int, stream_options: O
     yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
                  for i in range(len(request.seqs))])
     try:
+        readers = [plan.reader() for _ in request.seqs] if plan else None
         async for d in oa.deltas(request):
             lp = _logprobs(engine, request.seqs[d.index], d.lo, d.hi) if d.hi > d.lo else None
-            delta = {"content": d.text} if d.text else {}
-            yield chunk([{"index": d.index, "delta": delta, "logprobs": lp, "finish_reason": d.finish_reason}])
+            finish_reason, finished = d.finish_reason, d.finish_reason is not None
+            if readers is None:
+                delta = {"content": d.text} if d.text else {}
+            else:
+                delta = readers[d.index].feed(d.text, finished)
+                finish_reason = readers[d.index].finish_reason(finish_reason)
+            if delta or lp or finished:
+                yield chunk([{"index": d.index, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}])
     except oa.StreamFailed as e:
         yield oa.error_event(e)
         return

@@ -56,6 +56,7 @@ class Settings:
     timeout: float
     max_prompts: int
     chat: Any = None  # chat.ChatTemplate
+    tool_parser: Optional[str] = None  # tools.PARSERS' key: how "auto" tool choice reads calls from text
 
 
 class _Strict(BaseModel):
@@ -201,11 +202,18 @@ SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "frequency_penalty"
                    "repetition_penalty", "ignore_eos", "min_tokens", "stop_token_ids", "logit_bias")
 
 
-async def body_options(engine: Engine, body, max_tokens: int, stop, logprobs) -> SamplingOptions:
+async def body_options(engine: Engine, body, max_tokens: int, stop, logprobs, grammar=None,
+                       grammar_field: str = "") -> SamplingOptions:
     """`options` from an OpenAI body's SAMPLING_FIELDS and structured-output fields, plus what the
-    endpoint derives itself. A grammar compiles in a worker thread: the event loop keeps serving."""
+    endpoint derives itself. A grammar compiles in a worker thread: the event loop keeps serving.
+    `grammar`: one the endpoint derived from `grammar_field` (a forced tool call), which a
+    structured-output field may not also ask for."""
     from mesh_transformer.serve import formats
-    grammar = await asyncio.to_thread(formats.grammar, engine, body) if formats.asked(body) else None
+    asked = await asyncio.to_thread(formats.grammar, engine, body) if formats.asked(body) else None
+    if grammar is not None and asked is not None:
+        other = next(name for name in StructuredFields.model_fields if getattr(body, name) is not None)
+        raise ApiError(400, f"{other}: the reply is already held to {grammar_field}'s format", param=other)
+    grammar = grammar if grammar is not None else asked
     shared = {name: getattr(body, name) for name in SAMPLING_FIELDS}
     return options(engine, max_tokens=max_tokens, stop=stop, logprobs=logprobs, grammar=grammar, **shared)
 

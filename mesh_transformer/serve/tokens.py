@@ -2,8 +2,8 @@
 
 Clients count a prompt's tokens before they send it (against `max_model_len`), or build prompts of
 an exact length. `/tokenize` takes a `prompt` (special tokens added, as /v1/completions encodes
-it) or chat `messages` (rendered and encoded exactly as /v1/chat/completions does, so `count` is
-that request's `usage.prompt_tokens`); `/detokenize` turns `tokens` back into text.
+it) or chat `messages` with any `tools` (rendered and encoded exactly as /v1/chat/completions does, so
+`count` is that request's `usage.prompt_tokens`); `/detokenize` turns `tokens` back into text.
 """
 from __future__ import annotations
 
@@ -13,12 +13,14 @@ from fastapi import Request as HttpRequest
 
 from mesh_transformer.serve import chat
 from mesh_transformer.serve import openai as oa
+from mesh_transformer.serve import tools
 
 
 class TokenizeRequest(oa._Strict):
     model: Optional[str] = None
     prompt: Optional[str] = None
     messages: Optional[list[chat.ChatMessage]] = None
+    tools: Optional[list] = None  # with messages: shown to the template, as /v1/chat/completions does
     add_special_tokens: Optional[bool] = None  # default: true for a prompt, false for messages (the template's own)
     add_generation_prompt: bool = True  # messages: end where the assistant's reply starts
     return_token_strs: bool = False
@@ -40,7 +42,8 @@ async def tokenize(s: oa.Settings, http: HttpRequest):
     else:
         if not body.messages:
             raise oa.ApiError(400, "messages must not be empty", param="messages")
-        ids = chat.encoded_messages(s, body.messages, body.add_generation_prompt, bool(body.add_special_tokens))
+        specs = [t.spec() for t in tools.read_tools(body.tools)] or None
+        ids = chat.encoded_messages(s, body.messages, body.add_generation_prompt, bool(body.add_special_tokens), specs)
     strs = s.engine.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
     return {"count": len(ids), "max_model_len": s.engine.context, "tokens": ids, "token_strs": strs}
 

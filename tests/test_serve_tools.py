@@ -1,0 +1,297 @@
+"""Tool calling on /v1/chat/completions: `tools`, `tool_choice` and `parallel_tool_calls`.
+
+Oracles: transformers' `apply_chat_template(tools=...)` for the prompt; the library's generation
+under the grammar a forced choice implies for the reply; `jsonschema` for the arguments; the
+official openai client, whose stream accumulator (`chat.completions.stream`) rebuilds the calls
+from the chunks, for the answer's shape. A tiny GPT-J with a 768-token context (tool schemas are
+long in its 300-token vocabulary) and the plain template, which lists the tools.
+"""
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from mesh_transformer.generate import Generator, SamplingOptions
+from mesh_transformer.generate.structured import JSON_DUMPS, Grammar
+from mesh_transformer.serve import PLAIN_TEMPLATE, Engine, create_app
+from mesh_transformer.serve import tools
+from tests.helpers import Tiny
+from tests.serving import KEY, start_server
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}, "days": {"enum": [1, 2, 3]}},
+                   "required": ["city", "days"], "additionalProperties": False}}}
+CLOCK = {"type": "function", "function": {"name": "now", "parameters": {
+    "type": "object", "properties": {}, "additionalProperties": False}}}
+TOOLS = [WEATHER, CLOCK]
+ASK = [{"role": "user", "content": "Weather?"}]
+
+
+@pytest.fixture(scope="module")
+def tiny_long(tmp_path_factory):
+    from mesh_transformer import loading
+    tiny = Tiny(tmp_path_factory.mktemp("tiny_tools"), n_positions=768)
+    model = loading.load(hf=str(tiny.path), mp=1, dp=1, dtype="float32")
+    return tiny, Generator(model.config, model.params, model.mesh)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_long):
+    tiny, gen = tiny_long
+    engine = Engine(gen, tiny.tokenizer, max_batch=4, chunk=4, max_queue=64, batch_invariant=True).start()
+    yield engine
+    engine.stop()
+
+
+@pytest.fixture(scope="module")
+def servers(engine):
+    """{parser name or None: base url}, each app over the one engine."""
+    started = {parser: start_server(create_app(engine, model_name="tiny", api_key=KEY, tool_parser=parser))
+               for parser in (None, *tools.PARSERS)}
+    yield {parser: base for parser, (_, base) in started.items()}
+    for server, _ in started.values():
+        server.should_exit = True
+
+
+def client(base: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{base}/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+def prompt_ids(tiny, messages: list[dict], tool_specs: list[dict]) -> list[int]:
+    """transformers' rendering and encoding of the conversation (the oracle for the server's prompt)."""
+    return tiny.tokenizer.apply_chat_template(messages, tools=tool_specs, chat_template=PLAIN_TEMPLATE,
+                                              add_generation_prompt=True, tokenize=True, return_dict=False)
+
+
+def library(tiny_long, ids: list[int], grammar: Grammar, new: int) -> tuple[str, str]:
+    tiny, gen = tiny_long
+    opts = SamplingOptions(max_new_tokens=new, temperature=0.0, eos_token_id=tiny.eos, grammar=grammar)
+    seq = gen.generate([ids] * 4, opts, tiny.tokenizer)[0]
+    return seq.text, seq.finish_reason
+
+
+def streamed(c: openai.OpenAI, **kw):
+    """The completion the openai client's stream accumulator builds from the chunks."""
+    with c.chat.completions.stream(**kw) as stream:
+        return stream.get_final_completion()
+
+
+# --------------------------------------------------------------------------------------------
+# Reading calls from text: each parser, whole and streamed in pieces
+# --------------------------------------------------------------------------------------------
+
+TEXTS = [  # (parser, model text, content, [(name, arguments)])
+    ("hermes", 'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}\n'
+               '</tool_call>\n<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>',
+     "Let me look.\n\n", [("get_weather", '{"city": "Oslo", "days": 2}'), ("now", "{}")]),
+    ("hermes", '<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>\n', None, [("now", "{}")]),
+    ("hermes", '<tool_call>{"name": "now", "arguments": {"tz": "ütc"}}', None, [("now", '{"tz": "ütc"}')]),  # unclosed at the end
+    ("hermes", "a <tool_call>not json</tool_call> b <tool_", "a <tool_call>not json</tool_call> b <tool_", []),
+    ("hermes", "The weather is fine.", "The weather is fine.", []),
+    ("llama3_json", '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "days": 1}}; '
+                    '{"name": "now", "parameters": {}}', None,
+     [("get_weather", '{"city": "Paris", "days": 1}'), ("now", "{}")]),
+    ("llama3_json", ' {"name": "now", "parameters": {}}', None, [("now", "{}")]),
+    ("llama3_json", '{"answer": 42}', '{"answer": 42}', []),
+    ("llama3_json", "It is {sunny}.", "It is {sunny}.", []),
+    ("mistral", 'Sure. [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Oslo", "days": 3}}, '
+                '{"name": "now", "arguments": {}}]', "Sure. ",
+     [("get_weather", '{"city": "Oslo", "days": 3}'), ("now", "{}")]),
+    ("mistral", "[TOOL_CALLS] [oops", "[TOOL_CALLS] [oops", []),
+    ("mistral", "No tools [TOOL", "No tools [TOOL", []),
+]
+
+
+@pytest.mark.parametrize("parser,text,content,calls", TEXTS, ids=[f"{t[0]}-{i}" for i, t in enumerate(TEXTS)])
+def test_a_parser_reads_its_models_calls_whole_and_in_any_pieces(parser, text, content, calls):
+    plan = tools.Plan(tuple(tools.read_tools(TOOLS)), "auto", parser=parser)
+    message, finish = plan.reply(text, "stop")
+    assert message["content"] == content
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in message.get("tool_calls", [])] == calls
+    assert finish == ("tool_calls" if calls else "stop")
+    if parser == "mistral":  # Mistral's templates take 9-character ids only
+        assert all(len(c["id"]) == 9 and c["id"].isalnum() for c in message.get("tool_calls", []))
+    for size in (1, 2, 3, 7, len(text)):  # streamed: the same content and calls, calls whole, content never taken back
+        reader, got, deltas = plan.reader(), {"content": "", "calls": []}, []
+        pieces = [text[i:i + size] for i in range(0, len(text), size)]
+        for i, piece in enumerate(pieces):
+            delta = reader.feed(piece, i == len(pieces) - 1)
+            deltas.append(delta)
+            got["content"] += delta.get("content", "")
+            got["calls"] += [(c["function"]["name"], c["function"]["arguments"]) for c in delta.get("tool_calls", [])]
+        assert got == {"content": content or "", "calls": calls}, size
+        assert reader.finish_reason("stop") == finish
+        if "<tool_call>" in text and size == 1:  # no part of a call's text was sent as content
+            assert "<tool_c" not in got["content"] or "not json" in text
+
+
+def test_a_named_and_a_required_choice_read_the_reply_held_to_their_grammar():
+    named = tools.Plan(tuple(tools.read_tools(TOOLS)), tools.read_tools(TOOLS)[0])
+    message, finish = named.reply('{"city": "Oslo", "days": 1}', "stop")
+    assert message["content"] is None and finish == "stop"  # OpenAI ends a named call "stop"
+    assert message["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo", "days": 1}'}
+    reader = named.reader()
+    first, second, last = reader.feed('{"city"', False), reader.feed(': "Oslo"}', False), reader.feed("", True)
+    assert first["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city"'}
+    assert first["tool_calls"][0]["id"].startswith("call_") and "id" not in second["tool_calls"][0]
+    assert second["tool_calls"][0]["function"] == {"arguments": ': "Oslo"}'} and last == {}
+    required = tools.Plan(tuple(tools.read_tools(TOOLS)), "required")
+    message, finish = required.reply('[{"name": "now", "parameters": {}}, {"name": "get_weather", '
+                                     '"parameters": {"city": "Paris", "days": 3}}]', "stop")
+    assert [c["function"] for c in message["tool_calls"]] == [
+        {"name": "now", "arguments": "{}"}, {"name": "get_weather", "arguments": '{"city": "Paris", "days": 3}'}]
+    assert finish == "tool_calls" and message["content"] is None
+    message, finish = required.reply('[{"name": "now", "param', "length")  # cut short: the text, as content
+    assert message == {"role": "assistant", "content": '[{"name": "now", "param'} and finish == "length"
+
+
+# --------------------------------------------------------------------------------------------
+# Over HTTP
+# --------------------------------------------------------------------------------------------
+
+def test_tools_and_a_conversation_with_calls_render_as_transformers_renders_them(servers, tiny_long):
+    tiny, _ = tiny_long
+    messages = [*ASK, {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "call_1", "type": "function",
+                     "function": {"name": "get_weather", "arguments": '{"city": "Oslo", "days": 1}'}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "Snow."}]
+    r = httpx.post(f"{servers[None]}/tokenize", json={"messages": messages, "tools": TOOLS},
+                   headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
+    hf_messages = [*ASK, {"role": "assistant", "content": "", "tool_calls": [
+                       {"id": "call_1", "type": "function",
+                        "function": {"name": "get_weather", "arguments": {"city": "Oslo", "days": 1}}}]},
+                   {"role": "tool", "tool_call_id": "call_1", "content": "Snow."}]
+    assert r.status_code == 200, r.text
+    assert r.json()["tokens"] == prompt_ids(tiny, hf_messages, TOOLS)
+    assert tiny.tokenizer.decode(r.json()["tokens"]) == (
+        'Tools (to call one, write <tool_call>{"name": .., "arguments": {..}}</tool_call>):\n'
+        + json.dumps(WEATHER["function"]) + "\n" + json.dumps(CLOCK["function"]) + "\n\n"
+        'User: Weather?\n\nAssistant: <tool_call>{"name": "get_weather", "arguments": {"city": "Oslo", "days": 1}}'
+        "</tool_call>\n\nTool: Snow.\n\nAssistant:")
+
+
+def test_a_named_tool_choice_returns_that_call_with_arguments_of_its_schema(servers, tiny_long):
+    tiny, _ = tiny_long
+    c = client(servers[None])
+    kw = dict(model="tiny", messages=ASK, tools=TOOLS, max_tokens=48, temperature=0,
+              tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    r = c.chat.completions.create(**kw)
+    [choice] = r.choices
+    grammar = Grammar.json_schema(WEATHER["function"]["parameters"], separators=JSON_DUMPS)
+    text, finish = library(tiny_long, prompt_ids(tiny, ASK, TOOLS), grammar, 48)
+    [call] = choice.message.tool_calls
+    assert (call.function.name, call.function.arguments, choice.finish_reason) == ("get_weather", text, finish)
+    assert finish == "stop" and choice.message.content is None and call.id.startswith("call_")
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    whole = streamed(c, **kw)  # the arguments streamed as generated, rebuilt by the client
+    [again] = whole.choices[0].message.tool_calls
+    assert (again.function.name, again.function.arguments) == ("get_weather", text)
+    assert whole.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_a_required_tool_choice_returns_calls_of_the_given_tools(servers, tiny_long, parallel):
+    tiny, _ = tiny_long
+    c = client(servers[None])
+    kw = dict(model="tiny", messages=ASK, tools=TOOLS, max_tokens=120, temperature=0, tool_choice="required",
+              parallel_tool_calls=parallel)
+    r = c.chat.completions.create(**kw)
+    [choice] = r.choices
+    grammar = tools.Plan(tuple(tools.read_tools(TOOLS)), "required", parallel).grammar()[1]
+    text, finish = library(tiny_long, prompt_ids(tiny, ASK, TOOLS), grammar, 120)
+    assert finish == "stop", text
+    expected = json.loads(text)
+    assert [(t.function.name, json.loads(t.function.arguments)) for t in choice.message.tool_calls] == [
+        (e["name"], e["parameters"]) for e in expected]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    for call in choice.message.tool_calls:
+        jsonschema.validate(json.loads(call.function.arguments),
+                            {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}[call.function.name])
+    assert len({t.id for t in choice.message.tool_calls}) == len(choice.message.tool_calls)
+    whole = streamed(c, **kw)
+    assert [(t.function.name, t.function.arguments) for t in whole.choices[0].message.tool_calls] == [
+        (t.function.name, t.function.arguments) for t in choice.message.tool_calls]
+    sampled = c.chat.completions.create(**{**kw, "temperature": 1.0, "n": 4, "seed": 5})
+    for s in sampled.choices:  # sampled: still calls of the tools given, one at most without parallel calls
+        if s.finish_reason == "tool_calls":
+            assert s.message.tool_calls and {t.function.name for t in s.message.tool_calls} <= {"get_weather", "now"}
+            assert parallel or len(s.message.tool_calls) == 1
+
+
+AUTO_TEXTS = {  # what a model of each format writes when it calls (forced here: the tiny model is random)
+    "hermes": 'On it.<tool_call>{"name": "now", "arguments": {}}</tool_call>',
+    "llama3_json": '{"name": "now", "parameters": {}}',
+    "mistral": 'On it.[TOOL_CALLS][{"name": "now", "arguments": {}}]',
+}
+
+
+@pytest.mark.parametrize("parser", tools.PARSERS)
+def test_auto_reads_the_calls_the_server_parser_finds_in_the_text(servers, parser):
+    c = client(servers[parser])
+    kw = dict(model="tiny", messages=ASK, tools=TOOLS, max_tokens=60, temperature=0,
+              extra_body={"structured_outputs": {"choice": [AUTO_TEXTS[parser]]}})
+    r = c.chat.completions.create(**kw)
+    [choice] = r.choices
+    assert choice.finish_reason == "tool_calls"
+    assert [(t.function.name, t.function.arguments) for t in choice.message.tool_calls] == [("now", "{}")]
+    assert choice.message.content == (None if parser == "llama3_json" else "On it.")
+    whole = streamed(c, **kw)
+    assert [(t.function.name, t.function.arguments) for t in whole.choices[0].message.tool_calls] == [("now", "{}")]
+    assert (whole.choices[0].message.content or None) == choice.message.content
+    assert whole.choices[0].finish_reason == "tool_calls"
+    plain = c.chat.completions.create(**{**kw, "tool_choice": "none"})  # "none": the text stays text
+    assert plain.choices[0].message.content == AUTO_TEXTS[parser] and not plain.choices[0].message.tool_calls
+    assert plain.choices[0].finish_reason == "stop"
+
+
+def test_auto_without_a_call_in_the_text_is_plain_content(servers):
+    c = client(servers["hermes"])
+    r = c.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, max_tokens=6, temperature=0)
+    free = c.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, max_tokens=6, temperature=0,
+                                     tool_choice="none")
+    assert r.choices[0].message.content == free.choices[0].message.content and not r.choices[0].message.tool_calls
+    assert r.choices[0].finish_reason == free.choices[0].finish_reason
+
+
+BAD = [
+    ({"tools": [{"type": "retrieval"}], "tool_choice": "none"}, "tools[0].type", "only function tools"),
+    ({"tools": [{"type": "function", "function": {"name": "a b"}}], "tool_choice": "none"}, "tools[0].function.name",
+     "letters, digits"),
+    ({"tools": [CLOCK, CLOCK], "tool_choice": "none"}, "tools[1].function.name", "earlier tool"),
+    ({"tools": [{"type": "function", "function": {"name": "x", "parameters": [1]}}], "tool_choice": "none"},
+     "tools[0].function.parameters", "JSON schema"),
+    ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice", "got 'sometimes'"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "later"}}}, "tool_choice.function.name",
+     "no tool is named 'later' (tools: get_weather, now)"),
+    ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+    ({"tools": TOOLS}, "tool_choice", "--tool-call-parser"),
+    ({"tools": [CLOCK, {"type": "function", "function": {"name": "bad", "parameters": {"type": "foo"}}}],
+      "tool_choice": "required"}, "tools[1].function.parameters", "foo"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format",
+     "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "none", "messages": [*ASK, {"role": "assistant", "tool_calls": [
+        {"id": "1", "type": "function", "function": {"name": "now", "arguments": "{oops"}}]}]},
+     "messages[1].tool_calls[0].function.arguments", "not JSON"),
+    ({"functions": [CLOCK["function"]]}, "functions", "use tools"),
+    ({"messages": [{"role": "user", "content": "x", "tool_calls": [{"function": {"name": "now", "arguments": "{}"}}]}]},
+     "messages[0].tool_calls", "only assistant"),
+]
+
+
+@pytest.mark.parametrize("extra,param,message", BAD, ids=[f"{b[1]}-{i}" for i, b in enumerate(BAD)])
+def test_a_bad_tool_request_is_a_400_naming_the_field(servers, extra, param, message):
+    r = httpx.post(f"{servers[None]}/v1/chat/completions", json={"messages": ASK, "max_tokens": 4, **extra},
+                   headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and message in error["message"], error
+
+
+def test_an_unknown_tool_parser_is_refused_when_the_app_is_made(engine):
+    with pytest.raises(ValueError, match="tool_parser: one of hermes, llama3_json, mistral, got 'qwen'"):
+        create_app(engine, tool_parser="qwen")
