@@ -134,6 +134,37 @@ def test_tokenize_and_detokenize_are_vllms(url, client, tiny):
     assert httpx.post(f"{url}/tokenize", json={"prompt": "hi"}).status_code == 401  # the API key guards it
 
 
+SHOUTING = "{% for m in messages %}{{ m['content'] }}{% if shout %}!{% endif %}|{% endfor %}"
+
+
+def test_continue_final_message_and_template_kwargs_render_as_transformers_does(url, client, gen, tiny, engine):
+    """vLLM's fields beside `messages`: the reply goes on with the last message (no new turn), and
+    `chat_template_kwargs` are the template's variables (as `enable_thinking` is Qwen 3's)."""
+    started = [("plain", url, PLAIN_TEMPLATE, {}),
+               ("kwargs", start_server(create_app(engine, model_name="tiny", api_key=KEY, chat_template=SHOUTING)),
+                SHOUTING, {"shout": True})]
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Pack my"}]
+    try:
+        for name, base, template, variables in started:
+            base = base if isinstance(base, str) else base[1]
+            fields = {"add_generation_prompt": False, "continue_final_message": True,
+                      **({"chat_template_kwargs": variables} if variables else {})}
+            expected = tiny.tokenizer.apply_chat_template(messages, chat_template=template, tokenize=True,
+                                                          return_dict=False, continue_final_message=True, **variables)
+            r = httpx.post(f"{base}/tokenize", json={"messages": messages, **fields},
+                           headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
+            assert r.json()["tokens"] == expected, name
+            assert tiny.tokenizer.decode(expected) == {"plain": "User: hi\n\nAssistant: Pack my",
+                                                       "kwargs": "hi!|Pack my"}[name]
+            c = openai.OpenAI(base_url=f"{base}/v1", api_key=KEY, max_retries=0, timeout=60)
+            answer = c.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0,
+                                               extra_body=fields)
+            assert answer.choices[0].message.content == library_text(gen, tiny, [expected], max_new_tokens=6)[0]
+            assert answer.usage.prompt_tokens == len(expected)
+    finally:
+        started[1][1][0].should_exit = True
+
+
 BAD = [
     ({}, "messages", "messages: Field required"),
     ({"messages": []}, "messages", "messages"),
@@ -162,6 +193,10 @@ BAD = [
     ({"messages": HI, "logit_bias": {"5": 101}}, "logit_bias", "logit_bias['5']: the bias must be in [-100, 100]"),
     ({"messages": HI, "max_tokens": 4, "min_tokens": 5}, "min_tokens",
      "min_tokens must be an integer in [0, max_tokens=4]"),
+    ({"messages": HI, "continue_final_message": True}, "continue_final_message", "add_generation_prompt to false"),
+    ({"messages": HI, "chat_template_kwargs": {"tools": []}}, "chat_template_kwargs.tools", "set by the server"),
+    ({"messages": HI, "chat_template_kwargs": {"messages": []}}, "chat_template_kwargs.messages", "set by the server"),
+    ({"messages": HI, "chat_template_kwargs": ["x"]}, "chat_template_kwargs", "dictionary"),
 ]
 
 

@@ -24,13 +24,16 @@ lists the tools in a first paragraph and writes calls as Hermes' `<tool_call>{..
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import time
 import uuid
-from typing import Optional, Union
+from dataclasses import dataclass
+from typing import Any, Optional, Union
 
 from fastapi import Request as HttpRequest
 from pydantic import Field
+from transformers import PreTrainedTokenizerBase
 
 from mesh_transformer.generate import Sequence
 from mesh_transformer.generate.structured import Grammar, check
@@ -61,7 +64,38 @@ class ChatMessage(oa._Strict):
     tool_call_id: Optional[str] = None  # a tool message's: the call it answers
 
 
-class ChatRequest(oa.StructuredFields):
+class TemplateFields(oa._Strict):
+    """vLLM's fields beside `messages` that say how the template renders them."""
+
+    add_generation_prompt: bool = True  # end where the assistant's reply starts
+    continue_final_message: bool = False  # end inside the last message, for the model to go on with it
+    chat_template_kwargs: Optional[dict[str, Any]] = None  # more variables for the template (enable_thinking ..)
+
+
+RESERVED = frozenset(inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters) | {"messages"}
+
+
+@dataclass(frozen=True)
+class Rendering:
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    variables: tuple[tuple[str, Any], ...] = ()  # chat_template_kwargs
+
+
+def rendering(body: TemplateFields) -> Rendering:
+    """The body's template fields, checked; a 400 naming the one at fault."""
+    if body.add_generation_prompt and body.continue_final_message:
+        raise oa.ApiError(400, "continue_final_message: the reply would continue the last message, so set "
+                               "add_generation_prompt to false", param="continue_final_message")
+    given = body.chat_template_kwargs or {}
+    for key in given:
+        if key in RESERVED:
+            raise oa.ApiError(400, f"chat_template_kwargs.{key}: set by the server (or by its own request field)",
+                              param=f"chat_template_kwargs.{key}")
+    return Rendering(body.add_generation_prompt, body.continue_final_message, tuple(given.items()))
+
+
+class ChatRequest(oa.StructuredFields, TemplateFields):
     """OpenAI's /v1/chat/completions body (plus top_k, min_p, repetition_penalty, min_tokens, stop_token_ids
     and ignore_eos, as vLLM takes them). `tools`, `tool_choice`, `parallel_tool_calls`: `serve.tools`."""
 
@@ -111,12 +145,14 @@ class ChatTemplate:
         with open(path, encoding="utf-8") as f:
             return cls(tokenizer, f.read())
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True, tools: Optional[list] = None) -> str:
-        """The prompt text (ending where the assistant's reply starts, with `add_generation_prompt`);
+    def render(self, messages: list[dict], how: Rendering = Rendering(), tools: Optional[list] = None) -> str:
+        """The prompt text (ending where the assistant's reply starts, unless `how` says otherwise);
         `tools`: their specs (`tools.Tool.spec`). ValueError if the template refuses."""
         try:
             return self.tokenizer.apply_chat_template(messages, chat_template=self.template, tokenize=False,
-                                                      add_generation_prompt=add_generation_prompt, tools=tools)
+                                                      add_generation_prompt=how.add_generation_prompt,
+                                                      continue_final_message=how.continue_final_message, tools=tools,
+                                                      **dict(how.variables))
         except Exception as e:  # noqa: BLE001 - jinja errors and templates' raise_exception(...)
             raise ValueError(f"the chat template cannot render these messages ({type(e).__name__}: {e})") from None
 
@@ -174,18 +210,18 @@ def _call(call, where: str) -> dict:
 
 
 def prompt_ids(s: oa.Settings, body: ChatRequest, plan: Optional[tool_calls.Plan]) -> list[int]:
-    ids = encoded_messages(s, body.messages, tools=plan.specs() if plan else None)
+    ids = encoded_messages(s, body.messages, rendering(body), tools=plan.specs() if plan else None)
     if not ids:
         raise oa.ApiError(400, "messages: the rendered prompt is empty", param="messages")
     return ids
 
 
-def encoded_messages(s: oa.Settings, messages: list[ChatMessage], add_generation_prompt: bool = True,
+def encoded_messages(s: oa.Settings, messages: list[ChatMessage], how: Rendering = Rendering(),
                      add_special_tokens: bool = False, tools: Optional[list] = None) -> list[int]:
     """`messages` (and the specs of `tools`) rendered by the chat template and tokenized (no special
     tokens added by default: a template writes the ones it wants); a 400 naming the message at fault."""
     try:
-        text = s.chat.render(_messages(messages), add_generation_prompt, tools)
+        text = s.chat.render(_messages(messages), how, tools)
     except ValueError as e:
         raise oa.ApiError(400, f"messages: {e}", param="messages") from None
     return oa.encode(s.engine, text, "messages", add_special_tokens=add_special_tokens)

@@ -16,13 +16,12 @@ from mesh_transformer.serve import openai as oa
 from mesh_transformer.serve import tools
 
 
-class TokenizeRequest(oa._Strict):
+class TokenizeRequest(chat.TemplateFields):
     model: Optional[str] = None
     prompt: Optional[str] = None
     messages: Optional[list[chat.ChatMessage]] = None
     tools: Optional[list] = None  # with messages: shown to the template, as /v1/chat/completions does
     add_special_tokens: Optional[bool] = None  # default: true for a prompt, false for messages (the template's own)
-    add_generation_prompt: bool = True  # messages: end where the assistant's reply starts
     return_token_strs: bool = False
 
 
@@ -43,7 +42,7 @@ async def tokenize(s: oa.Settings, http: HttpRequest):
         if not body.messages:
             raise oa.ApiError(400, "messages must not be empty", param="messages")
         specs = [t.spec() for t in tools.read_tools(body.tools)] or None
-        ids = chat.encoded_messages(s, body.messages, body.add_generation_prompt, bool(body.add_special_tokens), specs)
+        ids = chat.encoded_messages(s, body.messages, chat.rendering(body), bool(body.add_special_tokens), specs)
     strs = s.engine.tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
     return {"count": len(ids), "max_model_len": s.engine.context, "tokens": ids, "token_strs": strs}
 
