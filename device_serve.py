@@ -14,7 +14,7 @@ import sys
 
 from mesh_transformer import cli, host_memory, loading, lora, serve
 from mesh_transformer.config import ConfigError
-from mesh_transformer.serve.tools import PARSERS
+from mesh_transformer.serve import reasoning, tools
 
 
 def main(argv=None):
@@ -59,10 +59,13 @@ def main(argv=None):
     parser.add_argument("--chat-template", metavar="FILE",
                         help="Jinja chat template for /v1/chat/completions (default: the tokenizer's, else a "
                              "plain 'Role: content' template; see mesh_transformer/serve/chat.py)")
-    parser.add_argument("--tool-call-parser", choices=sorted(PARSERS),
+    parser.add_argument("--tool-call-parser", choices=sorted(tools.PARSERS),
                         help="read tool calls from the model's text under tool_choice \"auto\" (vLLM's names): hermes "
                              "(Qwen 2.5/3, Hermes), llama3_json (Llama 3.1+), mistral; without it, \"auto\" is a 400 "
                              "(\"required\" and named tool choices need no parser)")
+    parser.add_argument("--reasoning-parser", choices=reasoning.PARSERS,
+                        help="return a reasoning model's <think> block as the chat message's reasoning (vLLM's names): "
+                             "deepseek_r1 (R1 and its distills), qwen3 (Qwen 3, QwQ)")
     parser.add_argument("--warmup", type=int, nargs="*", metavar="PROMPT_TOKENS",
                         help="compile prefill for every batch-size bucket at these prompt lengths (default 16) "
                              "and decode, before listening")
@@ -160,7 +163,7 @@ def main(argv=None):
     app = serve.create_app(engine, model_name=model_name, api_key=args.api_key,
                            timeout=args.timeout, max_request_bytes=args.max_request_bytes,
                            chat_template=chat_template, runtime_lora=args.enable_runtime_lora,
-                           tool_parser=args.tool_call_parser)
+                           tool_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
     try:
         serve.run(app, engine, host=args.host, port=args.port, drain_timeout=args.drain_timeout)
     finally:

@@ -186,7 +186,7 @@ BAD = [
     ({"messages": HI, "top_logprobs": 2}, "top_logprobs", "requires logprobs: true"),
     ({"messages": HI, "logprobs": True, "top_logprobs": 6}, "top_logprobs", "top_logprobs"),
     ({"messages": HI, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice",
-     "--tool-call-parser"),  # "auto" by default; more in tests/test_serve_tools.py
+     "--tool-call-parser"),  # "auto" by default; more in tests/test_serve_replies.py
     ({"messages": HI, "response_format": {"type": "xml"}}, "response_format.type", "must be text, json_object or"),
     ({"messages": HI, "stream": "yes"}, "stream", "stream"),
     ({"messages": HI, "logit_bias": {"x": 1}}, "logit_bias", "keys must be token ids, got 'x'"),

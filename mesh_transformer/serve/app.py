@@ -22,6 +22,7 @@ from fastapi import Request as HttpRequest
 
 from mesh_transformer.serve import chat as chat_api
 from mesh_transformer.serve import openai as oa
+from mesh_transformer.serve import reasoning as reasoning_api
 from mesh_transformer.serve import tokens as tokens_api
 from mesh_transformer.serve import tools as tools_api
 from mesh_transformer.serve.engine import Engine
@@ -39,10 +40,12 @@ ENDPOINTS = ("/", "/complete", "/v1/completions", "/v1/chat/completions", "/toke
 
 def create_app(engine: Engine, model_name: str = "mesh-transformer", api_key: Optional[str] = None,
                timeout: float = 300.0, max_request_bytes: int = 1 << 20, max_prompts: int = 64,
-               chat_template: Optional[str] = None, runtime_lora: bool = False, tool_parser: Optional[str] = None):
+               chat_template: Optional[str] = None, runtime_lora: bool = False, tool_parser: Optional[str] = None,
+               reasoning_parser: Optional[str] = None):
     """The app over a started `engine`. `api_key` (or $MESH_TRANSFORMER_API_KEY) protects all but
     `OPEN_PATHS`; `chat_template`: Jinja source overriding the tokenizer's (see `chat`);
     `tool_parser`: how `tool_choice: "auto"` reads calls from the model's text (`tools.PARSERS`);
+    `reasoning_parser`: how a reasoning model's thinking is told from its answer (`reasoning.PARSERS`);
     `runtime_lora`: the routes that load and unload LoRA adapters (the engine's generator needs a
     bank: `Generator(adapters=...)`; they read directories on the server's disk, so the API key
     should be set wherever clients are not trusted)."""
@@ -54,8 +57,10 @@ def create_app(engine: Engine, model_name: str = "mesh-transformer", api_key: Op
     app.add_middleware(_Guard, limit=max_request_bytes, api_key=api_key, metrics=engine.metrics)
     if tool_parser is not None and tool_parser not in tools_api.PARSERS:
         raise ValueError(f"tool_parser: one of {', '.join(tools_api.PARSERS)}, got {tool_parser!r}")
+    if reasoning_parser is not None and reasoning_parser not in reasoning_api.PARSERS:
+        raise ValueError(f"reasoning_parser: one of {', '.join(reasoning_api.PARSERS)}, got {reasoning_parser!r}")
     settings = oa.Settings(engine, model_name, timeout, max_prompts, chat_api.ChatTemplate(engine.tokenizer, chat_template),
-                           tool_parser)
+                           tool_parser, reasoning_parser)
     created = int(time.time())
     if runtime_lora and engine.adapters is None:
         raise ValueError("runtime_lora needs a generator with a bank of adapter entries (Generator(adapters=...))")

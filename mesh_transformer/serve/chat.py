@@ -38,6 +38,7 @@ from transformers import PreTrainedTokenizerBase
 from mesh_transformer.generate import Sequence
 from mesh_transformer.generate.structured import Grammar, check
 from mesh_transformer.serve import openai as oa
+from mesh_transformer.serve import reasoning
 from mesh_transformer.serve import tools as tool_calls
 from mesh_transformer.serve.engine import Engine
 
@@ -62,6 +63,8 @@ class ChatMessage(oa._Strict):
     name: Optional[str] = None
     tool_calls: Optional[list] = None  # an assistant's calls: [{"id", "type": "function", "function": {"name", "arguments"}}]
     tool_call_id: Optional[str] = None  # a tool message's: the call it answers
+    reasoning: Optional[str] = None  # an assistant's earlier thinking (vLLM's name; `reasoning_content`, DeepSeek's)
+    reasoning_content: Optional[str] = None
 
 
 class TemplateFields(oa._Strict):
@@ -181,6 +184,9 @@ def _messages(messages: list[ChatMessage]) -> list[dict]:
                 raise oa.ApiError(400, f"messages[{i}].tool_calls: only assistant messages make calls",
                                   param=f"messages[{i}].tool_calls")
             message["tool_calls"] = [_call(call, f"messages[{i}].tool_calls[{j}]") for j, call in enumerate(m.tool_calls)]
+        thought = m.reasoning if m.reasoning is not None else m.reasoning_content
+        if thought is not None:  # templates that show earlier thinking read it here (Qwen 3's)
+            message["reasoning_content"] = oa.check_text(thought, f"messages[{i}].reasoning")
         if m.tool_call_id is not None:
             message["tool_call_id"] = oa.check_text(m.tool_call_id, f"messages[{i}].tool_call_id")
         out.append(message)
@@ -272,17 +278,59 @@ async def chat_completions(s: oa.Settings, http: HttpRequest):
     seqs = await oa.sequences(s, [ids], opts, body.n, body.seed, body.model)
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
             "model": body.model or s.model_name}
+    thinks = s.reasoning_parser is not None and opts.grammar is None  # a grammar holds the reply from its first token
+    shape = Shape(plan, reasoning.Thinking.of(s.reasoning_parser, engine.tokenizer.decode(ids[-16:])) if thinks else None)
     if body.stream:
         request = oa.submit(engine, seqs)
-        return oa.streaming_response(_events(engine, request, head, body.n, body.stream_options, plan))
+        return oa.streaming_response(_events(engine, request, head, body.n, body.stream_options, shape))
     await oa.wait(engine, seqs, s.timeout)
-    return {**head, "choices": [_choice(engine, i, seq, plan) for i, seq in enumerate(seqs)],
+    return {**head, "choices": [_choice(engine, i, seq, shape) for i, seq in enumerate(seqs)],
             "usage": oa.usage(seqs, body.n)}
 
 
-def _choice(engine: Engine, index: int, seq: Sequence, plan: Optional[tool_calls.Plan]) -> dict:
-    message, finish_reason = ({"role": "assistant", "content": seq.text}, seq.finish_reason) if plan is None \
-        else plan.reply(seq.text, seq.finish_reason)
+@dataclass(frozen=True)
+class Shape:
+    """What a reply's text becomes: reasoning (`reasoning.Thinking`) and an answer, the answer's text
+    and tool calls (`tools.Plan`)."""
+
+    plan: Optional[tool_calls.Plan] = None
+    thinking: Optional[reasoning.Thinking] = None
+
+    def message(self, text: str, finish_reason: Optional[str]) -> tuple[dict, Optional[str]]:
+        """A whole reply's message and finish reason."""
+        thought, answer = self.thinking.split(text, final=True) if self.thinking else ("", text)
+        message, finish_reason = ({"role": "assistant", "content": answer}, finish_reason) if self.plan is None \
+            else self.plan.reply(answer, finish_reason)
+        if self.thinking is not None:
+            message = {**message, **reasoning.fields(thought or None), "content": message["content"] or None}
+        return message, finish_reason
+
+
+class StreamedReply:
+    """One streamed choice of a `Shape`: text in as generated, chat deltas out."""
+
+    def __init__(self, shape: Shape):
+        self.thinking = reasoning.Reader(shape.thinking) if shape.thinking else None
+        self.tools = shape.plan.reader() if shape.plan else None
+
+    def feed(self, piece: str, finished: bool) -> dict:
+        delta = {}
+        if self.thinking is not None:
+            thought, piece = self.thinking.feed(piece, finished)
+            if thought:
+                delta.update(reasoning.fields(thought))
+        if self.tools is not None:
+            delta.update(self.tools.feed(piece, finished))
+        elif piece:
+            delta["content"] = piece
+        return delta
+
+    def finish_reason(self, reason: Optional[str]) -> Optional[str]:
+        return self.tools.finish_reason(reason) if self.tools else reason
+
+
+def _choice(engine: Engine, index: int, seq: Sequence, shape: Shape) -> dict:
+    message, finish_reason = shape.message(seq.text, seq.finish_reason)
     return {"index": index, "message": message, "logprobs": _logprobs(engine, seq, 0, seq.kept_tokens()),
             "finish_reason": finish_reason}
 
@@ -300,9 +348,10 @@ def _logprobs(engine: Engine, seq: Sequence, lo: int, hi: int) -> Optional[dict]
 
 
 async def _events(engine: Engine, request, head: dict, n: int, stream_options: Optional[oa.StreamOptions],
-                  plan: Optional[tool_calls.Plan]):
-    """Server-sent `chat.completion.chunk` events: the role first, then content (and tool calls) as it
-    is generated, the finish reason with the last piece, then (with include_usage) the usage, then [DONE]."""
+                  shape: Shape):
+    """Server-sent `chat.completion.chunk` events: the role first, then reasoning, content and tool
+    calls as they are generated, the finish reason with the last piece, then (with include_usage)
+    the usage, then [DONE]."""
     so = stream_options or oa.StreamOptions()
     head = {**head, "object": "chat.completion.chunk"}
 
@@ -314,15 +363,12 @@ async def _events(engine: Engine, request, head: dict, n: int, stream_options: O
     yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
                  for i in range(len(request.seqs))])
     try:
-        readers = [plan.reader() for _ in request.seqs] if plan else None
+        replies = [StreamedReply(shape) for _ in request.seqs]
         async for d in oa.deltas(request):
             lp = _logprobs(engine, request.seqs[d.index], d.lo, d.hi) if d.hi > d.lo else None
-            finish_reason, finished = d.finish_reason, d.finish_reason is not None
-            if readers is None:
-                delta = {"content": d.text} if d.text else {}
-            else:
-                delta = readers[d.index].feed(d.text, finished)
-                finish_reason = readers[d.index].finish_reason(finish_reason)
+            finished = d.finish_reason is not None
+            delta = replies[d.index].feed(d.text, finished)
+            finish_reason = replies[d.index].finish_reason(d.finish_reason)
             if delta or lp or finished:
                 yield chunk([{"index": d.index, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}])
     except oa.StreamFailed as e:

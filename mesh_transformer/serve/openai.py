@@ -57,6 +57,7 @@ class Settings:
     max_prompts: int
     chat: Any = None  # chat.ChatTemplate
     tool_parser: Optional[str] = None  # tools.PARSERS' key: how "auto" tool choice reads calls from text
+    reasoning_parser: Optional[str] = None  # reasoning.PARSERS' item: how replies' thinking is told from answers
 
 
 class _Strict(BaseModel):

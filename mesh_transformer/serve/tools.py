@@ -100,7 +100,7 @@ def _calls(values: Optional[list], arguments_keys: tuple[str, ...], new_id) -> O
     return calls if calls and all(calls) else None
 
 
-def _without_marker_start(text: str, marker: str) -> str:
+def without_marker_start(text: str, marker: str) -> str:
     """`text` less a last part that may be the start of `marker` (held until the next text says)."""
     for n in range(min(len(marker) - 1, len(text)), 0, -1):
         if text.endswith(marker[:n]):
@@ -117,7 +117,7 @@ def hermes(text: str, final: bool, new_id=_openai_id) -> tuple[str, list[Call]]:
         start = text.find(open_, pos)
         if start < 0:
             rest = text[pos:]
-            content.append(rest if final else _without_marker_start(rest, open_))
+            content.append(rest if final else without_marker_start(rest, open_))
             return "".join(content), calls
         content.append(text[pos:start])
         end = text.find(close, start)
@@ -162,7 +162,7 @@ def mistral(text: str, final: bool, new_id=_mistral_id) -> tuple[str, list[Call]
     `{"name": .., "arguments": {..}}` (the marker is a special token the text keeps)."""
     start = text.find(TOOL_CALLS)
     if start < 0:
-        return (text if final else _without_marker_start(text, TOOL_CALLS)), []
+        return (text if final else without_marker_start(text, TOOL_CALLS)), []
     if not final:
         return text[:start], []
     values = _objects(text[start + len(TOOL_CALLS):])

@@ -1,4 +1,5 @@
-"""Tool calling on /v1/chat/completions: `tools`, `tool_choice` and `parallel_tool_calls`.
+"""What a chat reply's text becomes: tool calls (`tools`, `tool_choice`, `parallel_tool_calls`)
+and a reasoning model's thinking apart from its answer (`--reasoning-parser`).
 
 Oracles: transformers' `apply_chat_template(tools=...)` for the prompt; the library's generation
 under the grammar a forced choice implies for the reply; `jsonschema` for the arguments; the
@@ -17,8 +18,8 @@ import pytest
 
 from mesh_transformer.generate import Generator, SamplingOptions
 from mesh_transformer.generate.structured import JSON_DUMPS, Grammar
-from mesh_transformer.serve import PLAIN_TEMPLATE, Engine, create_app
-from mesh_transformer.serve import tools
+from mesh_transformer.serve import PLAIN_TEMPLATE, Engine, create_app, reasoning, tools
+from mesh_transformer.serve.chat import Shape, StreamedReply
 from tests.helpers import Tiny
 from tests.serving import KEY, start_server
 
@@ -73,6 +74,11 @@ def library(tiny_long, ids: list[int], grammar: Grammar, new: int) -> tuple[str,
     opts = SamplingOptions(max_new_tokens=new, temperature=0.0, eos_token_id=tiny.eos, grammar=grammar)
     seq = gen.generate([ids] * 4, opts, tiny.tokenizer)[0]
     return seq.text, seq.finish_reason
+
+
+def field(obj, name: str):
+    """A message's or delta's field the openai client may not declare (then in `model_extra`)."""
+    return getattr(obj, name, None) if name in type(obj).model_fields else (obj.model_extra or {}).get(name)
 
 
 def streamed(c: openai.OpenAI, **kw):
@@ -292,6 +298,97 @@ def test_a_bad_tool_request_is_a_400_naming_the_field(servers, extra, param, mes
     assert error["param"] == param and message in error["message"], error
 
 
-def test_an_unknown_tool_parser_is_refused_when_the_app_is_made(engine):
+def test_an_unknown_parser_is_refused_when_the_app_is_made(engine):
     with pytest.raises(ValueError, match="tool_parser: one of hermes, llama3_json, mistral, got 'qwen'"):
         create_app(engine, tool_parser="qwen")
+    with pytest.raises(ValueError, match="reasoning_parser: one of deepseek_r1, qwen3, got 'o1'"):
+        create_app(engine, reasoning_parser="o1")
+
+
+# --------------------------------------------------------------------------------------------
+# Reasoning apart from the answer
+# --------------------------------------------------------------------------------------------
+
+THOUGHTS = [  # (parser, the prompt opens the block, reply, reasoning, answer)
+    ("deepseek_r1", True, "Two and two.\n</think>\n\nFour.", "Two and two.\n", "\n\nFour."),
+    ("deepseek_r1", False, "<think>\nsum\n</think>Four", "\nsum\n", "Four"),
+    ("deepseek_r1", True, "Still thinking about </thi", "Still thinking about </thi", ""),  # cut short
+    ("qwen3", False, "<think>sum</think>\n\nFour.", "sum", "\n\nFour."),
+    ("qwen3", False, "Four.", "", "Four."),  # enable_thinking false: the empty block is in the prompt
+    ("qwen3", True, "sum</think>Four", "sum", "Four"),  # a template that opens the block
+    ("qwen3", False, "<thinker> is a word", "", "<thinker> is a word"),
+    ("qwen3", False, "  <think>cut", "cut", ""),
+]
+
+
+@pytest.mark.parametrize("parser,opens,text,thought,answer", THOUGHTS,
+                         ids=[f"{t[0]}-{i}" for i, t in enumerate(THOUGHTS)])
+def test_reasoning_is_told_from_the_answer_whole_and_in_any_pieces(parser, opens, text, thought, answer):
+    thinking = reasoning.Thinking.of(parser, "<|Assistant|><think>\n" if opens else "<|im_start|>assistant\n")
+    assert thinking.prompt_opens == opens
+    assert thinking.split(text, final=True) == (thought, answer)
+    for size in (1, 2, 5, len(text)):
+        reader, got = reasoning.Reader(thinking), ["", ""]
+        pieces = [text[i:i + size] for i in range(0, len(text), size)]
+        for i, piece in enumerate(pieces):
+            new = reader.feed(piece, i == len(pieces) - 1)
+            got = [got[0] + new[0], got[1] + new[1]]
+        assert tuple(got) == (thought, answer), size
+
+
+def test_tool_calls_are_read_from_the_answer_after_the_reasoning():
+    shape = Shape(tools.Plan(tuple(tools.read_tools(TOOLS)), "auto", parser="hermes"),
+                  reasoning.Thinking("deepseek_r1", prompt_opens=True))
+    text = 'They want <tool_call>s.</think>Checking.<tool_call>{"name": "now", "arguments": {}}</tool_call>'
+    message, finish = shape.message(text, "stop")
+    assert message["reasoning"] == message["reasoning_content"] == "They want <tool_call>s."  # not read for calls
+    assert message["content"] == "Checking." and finish == "tool_calls"
+    assert [c["function"] for c in message["tool_calls"]] == [{"name": "now", "arguments": "{}"}]
+    reply, got = StreamedReply(shape), {"reasoning": "", "content": "", "calls": []}
+    for i in range(0, len(text), 3):
+        delta = reply.feed(text[i:i + 3], i + 3 >= len(text))
+        assert delta.get("reasoning") == delta.get("reasoning_content")
+        got["reasoning"] += delta.get("reasoning", "")
+        got["content"] += delta.get("content", "")
+        got["calls"] += [c["function"] for c in delta.get("tool_calls", [])]
+    assert got == {"reasoning": "They want <tool_call>s.", "content": "Checking.",
+                   "calls": [{"name": "now", "arguments": "{}"}]}
+    assert reply.finish_reason("stop") == "tool_calls"
+    thinking_only = Shape(None, reasoning.Thinking("deepseek_r1")).message("Hmm", "length")
+    assert thinking_only == ({"role": "assistant", "content": None, "reasoning": "Hmm", "reasoning_content": "Hmm"},
+                             "length")
+
+
+OPENS = "{% for m in messages %}{{ m['content'] }}|{% endfor %}<think>\n"  # as R1's template ends the prompt
+
+
+@pytest.mark.parametrize("parser", reasoning.PARSERS)
+def test_a_reasoning_parser_returns_the_thinking_as_reasoning(engine, tiny_long, parser):
+    """The tiny model never closes the block the template opens: all of its reply is reasoning
+    (cut short by max_tokens), under either parser; a grammar's reply is all answer."""
+    tiny, _ = tiny_long
+    server, base = start_server(create_app(engine, model_name="tiny", api_key=KEY, chat_template=OPENS,
+                                           reasoning_parser=parser))
+    try:
+        c = client(base)
+        kw = dict(model="tiny", messages=ASK, max_tokens=12, temperature=0)
+        r = c.chat.completions.create(**kw)
+        [choice] = r.choices
+        ids = tiny.tokenizer.apply_chat_template(ASK, chat_template=OPENS, tokenize=True, return_dict=False)
+        assert tiny.tokenizer.decode(ids) == "Weather?|<think>"  # (Jinja drops the template's last newline)
+        expected = tiny_long[1].generate([ids] * 4, SamplingOptions(max_new_tokens=12, temperature=0.0,
+                                                                   eos_token_id=tiny.eos), tiny.tokenizer)[0].text
+        assert "</think>" not in expected and choice.finish_reason == "length"
+        assert choice.message.content is None
+        assert field(choice.message, "reasoning") == field(choice.message, "reasoning_content") == expected
+        chunks = list(c.chat.completions.create(stream=True, **kw))
+        pieces = [field(ch.choices[0].delta, "reasoning") or "" for ch in chunks if ch.choices]
+        assert "".join(pieces) == expected and len([p for p in pieces if p]) > 1
+        assert all(not ch.choices[0].delta.content for ch in chunks if ch.choices)
+        held = c.chat.completions.create(**kw, extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+        assert held.choices[0].message.content in ("yes", "no") and field(held.choices[0].message, "reasoning") is None
+        earlier = [*ASK, {"role": "assistant", "content": "Sunny.", "reasoning": "Look it up."}, *ASK]
+        assert c.chat.completions.create(**{**kw, "messages": earlier}).usage.prompt_tokens == len(
+            tiny.tokenizer.encode("Weather?|Sunny.|Weather?|<think>"))
+    finally:
+        server.should_exit = True
