@@ -13,6 +13,8 @@ import json
 
 import httpx
 import jsonschema
+import llguidance
+import llguidance.hf
 import openai
 import pytest
 
@@ -110,6 +112,16 @@ TEXTS = [  # (parser, model text, content, [(name, arguments)])
      [("get_weather", '{"city": "Oslo", "days": 3}'), ("now", "{}")]),
     ("mistral", "[TOOL_CALLS] [oops", "[TOOL_CALLS] [oops", []),
     ("mistral", "No tools [TOOL", "No tools [TOOL", []),
+    ("mistral", '[TOOL_CALLS][{"name": "now", "arguments": {}}]\n\nDone.', "\n\nDone.", [("now", "{}")]),
+    ("mistral", 'Sure.[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo", "days": 1}[TOOL_CALLS]now[ARGS]{}', "Sure.",
+     [("get_weather", '{"city": "Oslo", "days": 1}'), ("now", "{}")]),  # tokenizer v11's form
+    ("mistral", "[TOOL_CALLS]now[ARGS]soon", "[TOOL_CALLS]now[ARGS]soon", []),
+    ("hermes", '<tool_call>{"name": "now", "arguments": "{\\"tz\\": \\"utc\\"}"}</tool_call>', None,
+     [("now", '{"tz": "utc"}')]),  # arguments as JSON text of an object, taken
+    ("hermes", '<tool_call>{"name": "now", "arguments": "soon"}</tool_call>',
+     '<tool_call>{"name": "now", "arguments": "soon"}</tool_call>', []),  # not an object: not a call
+    ("hermes", '<tool_call>{"name": "now", "arguments": {"t": NaN}}</tool_call>',
+     '<tool_call>{"name": "now", "arguments": {"t": NaN}}</tool_call>', []),  # JSON has no NaN
 ]
 
 
@@ -132,8 +144,43 @@ def test_a_parser_reads_its_models_calls_whole_and_in_any_pieces(parser, text, c
             got["calls"] += [(c["function"]["name"], c["function"]["arguments"]) for c in delta.get("tool_calls", [])]
         assert got == {"content": content or "", "calls": calls}, size
         assert reader.finish_reason("stop") == finish
-        if "<tool_call>" in text and size == 1:  # no part of a call's text was sent as content
-            assert "<tool_c" not in got["content"] or "not json" in text
+
+
+def test_without_parallel_calls_auto_keeps_the_first_call():
+    plan = tools.Plan(tuple(tools.read_tools(TOOLS)), "auto", parallel=False, parser="hermes")
+    text = '<tool_call>{"name": "now", "arguments": {}}</tool_call><tool_call>{"name": "get_weather", "arguments": {}}'
+    message, finish = plan.reply(text + "</tool_call>", "stop")
+    assert [c["function"]["name"] for c in message["tool_calls"]] == ["now"] and finish == "tool_calls"
+    reader = plan.reader()
+    deltas = [reader.feed(text, False), reader.feed("</tool_call>", True)]
+    assert [c["function"]["name"] for d in deltas for c in d.get("tool_calls", [])] == ["now"]
+
+
+def test_tools_without_parameters_take_none_and_others_take_objects():
+    [bare] = tools.read_tools([{"type": "function", "function": {"name": "now"}}])
+    assert bare.parameters == {"type": "object", "properties": {}, "additionalProperties": False}
+    [typed] = tools.read_tools([{"type": "function", "function": {"name": "f", "parameters": {"properties": {}}}}])
+    assert typed.parameters == {"type": "object", "properties": {}}  # a call's arguments are an object
+    [mcp] = tools.read_tools([{"type": "function", "function": {"name": "github.create_issue"}}])  # MCP's names
+    assert mcp.name == "github.create_issue"
+
+
+def test_required_shares_the_tools_definitions_at_the_root_of_its_schema(tiny_long):
+    """Each tool's `$defs` move to the root of "required"'s one schema, where `#/$defs/..` points."""
+    tiny, _ = tiny_long
+    person = {"type": "object", "properties": {"name": {"enum": ["Ada", "Alan"]}}, "required": ["name"],
+              "additionalProperties": False}
+    book = {"type": "function", "function": {"name": "book", "parameters": {
+        "type": "object", "properties": {"who": {"$ref": "#/$defs/Person"}}, "required": ["who"],
+        "additionalProperties": False, "$defs": {"Person": person}}}}
+    plan = tools.Plan(tuple(tools.read_tools([book, CLOCK])), "required")
+    grammar = plan.grammar()[1]
+    matcher = llguidance.LLMatcher(llguidance.hf.from_tokenizer(tiny.tokenizer), grammar.source())
+    text = '[{"name": "book", "parameters": {"who": {"name": "Ada"}}}]'
+    assert not matcher.is_error() and all(matcher.consume_token(t) for t in tiny.tokenizer.encode(text))
+    assert matcher.is_accepting()
+    bad = llguidance.LLMatcher(llguidance.hf.from_tokenizer(tiny.tokenizer), grammar.source())
+    assert not all(bad.consume_token(t) for t in tiny.tokenizer.encode('[{"name": "book", "parameters": {"who": "Eve"'))
 
 
 def test_a_named_and_a_required_choice_read_the_reply_held_to_their_grammar():
@@ -194,10 +241,19 @@ def test_a_named_tool_choice_returns_that_call_with_arguments_of_its_schema(serv
     assert (call.function.name, call.function.arguments, choice.finish_reason) == ("get_weather", text, finish)
     assert finish == "stop" and choice.message.content is None and call.id.startswith("call_")
     jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    assert call.function.arguments == json.dumps(json.loads(call.function.arguments))  # json.dumps' layout
     whole = streamed(c, **kw)  # the arguments streamed as generated, rebuilt by the client
     [again] = whole.choices[0].message.tool_calls
     assert (again.function.name, again.function.arguments) == ("get_weather", text)
     assert whole.choices[0].finish_reason == "stop"
+    with httpx.stream("POST", f"{servers[None]}/v1/chat/completions", timeout=60, headers={"Authorization": f"Bearer {KEY}"},
+                      json={**kw, "stream": True}) as raw:  # the chunks themselves: OpenAI's shape
+        events = [json.loads(line[6:]) for line in raw.iter_lines() if line.startswith("data: {")]
+    deltas = [e["choices"][0]["delta"]["tool_calls"][0] for e in events if e["choices"][0]["delta"].get("tool_calls")]
+    assert len(deltas) > 1 and deltas[0]["index"] == 0 and deltas[0]["type"] == "function"
+    assert deltas[0]["id"].startswith("call_") and deltas[0]["function"]["name"] == "get_weather"
+    assert all(set(d) == {"index", "function"} and set(d["function"]) == {"arguments"} for d in deltas[1:])
+    assert "".join(d["function"]["arguments"] for d in deltas) == text
 
 
 @pytest.mark.parametrize("parallel", [True, False])
@@ -222,11 +278,14 @@ def test_a_required_tool_choice_returns_calls_of_the_given_tools(servers, tiny_l
     whole = streamed(c, **kw)
     assert [(t.function.name, t.function.arguments) for t in whole.choices[0].message.tool_calls] == [
         (t.function.name, t.function.arguments) for t in choice.message.tool_calls]
+    for call in choice.message.tool_calls:
+        assert call.function.arguments == json.dumps(json.loads(call.function.arguments))  # json.dumps' layout
     sampled = c.chat.completions.create(**{**kw, "temperature": 1.0, "n": 4, "seed": 5})
-    for s in sampled.choices:  # sampled: still calls of the tools given, one at most without parallel calls
-        if s.finish_reason == "tool_calls":
-            assert s.message.tool_calls and {t.function.name for t in s.message.tool_calls} <= {"get_weather", "now"}
-            assert parallel or len(s.message.tool_calls) == 1
+    called = [s for s in sampled.choices if s.finish_reason == "tool_calls"]
+    assert called  # (others may be cut short by max_tokens)
+    for s in called:  # sampled: still calls of the tools given, one at most without parallel calls
+        assert s.message.tool_calls and {t.function.name for t in s.message.tool_calls} <= {"get_weather", "now"}
+        assert parallel or len(s.message.tool_calls) == 1
 
 
 AUTO_TEXTS = {  # what a model of each format writes when it calls (forced here: the tiny model is random)
@@ -255,6 +314,33 @@ def test_auto_reads_the_calls_the_server_parser_finds_in_the_text(servers, parse
     assert plain.choices[0].finish_reason == "stop"
 
 
+NINE = ("{% for m in messages %}{% for c in m['tool_calls'] or [] %}{% if c['id'] | length != 9 %}"
+        "{{ raise_exception('Tool call IDs should be alphanumeric strings with length 9!') }}{% endif %}"
+        "[{{ c['id'] }}]{% endfor %}{{ m['content'] }}|{% endfor %}")  # as Mistral's templates check
+
+
+def test_a_mistral_servers_calls_come_back_to_its_template_in_the_next_turn(engine):
+    server, base = start_server(create_app(engine, model_name="tiny", api_key=KEY, chat_template=NINE,
+                                           tool_parser="mistral"))
+    try:
+        c = client(base)
+        kw = dict(model="tiny", tools=TOOLS, max_tokens=80, temperature=0)
+        for choice in ("required", {"type": "function", "function": {"name": "now"}}):
+            r = c.chat.completions.create(messages=ASK, tool_choice=choice, **kw)
+            [call, *_] = r.choices[0].message.tool_calls
+            assert len(call.id) == 9 and call.id.isalnum()
+            turn = [*ASK, r.choices[0].message.model_dump(exclude_none=True),
+                    {"role": "tool", "tool_call_id": call.id, "content": "noon"}]
+            again = c.chat.completions.create(messages=turn, tool_choice="none", **{**kw, "max_tokens": 4})
+            assert again.choices[0].finish_reason in ("stop", "length")
+        with pytest.raises(openai.BadRequestError, match="length 9"):  # what another server's ids would meet
+            c.chat.completions.create(messages=[*ASK, {"role": "assistant", "tool_calls": [
+                {"id": "call_0123456789", "type": "function", "function": {"name": "now", "arguments": "{}"}}]}],
+                tool_choice="none", **kw)
+    finally:
+        server.should_exit = True
+
+
 def test_auto_without_a_call_in_the_text_is_plain_content(servers):
     c = client(servers["hermes"])
     r = c.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, max_tokens=6, temperature=0)
@@ -276,7 +362,7 @@ BAD = [
      "no tool is named 'later' (tools: get_weather, now)"),
     ({"tool_choice": "required"}, "tool_choice", "needs tools"),
     ({"tools": TOOLS}, "tool_choice", "--tool-call-parser"),
-    ({"tools": [CLOCK, {"type": "function", "function": {"name": "bad", "parameters": {"type": "foo"}}}],
+    ({"tools": [CLOCK, {"type": "function", "function": {"name": "bad", "parameters": {"properties": {"x": {"type": "foo"}}}}}],
       "tool_choice": "required"}, "tools[1].function.parameters", "foo"),
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format",
      "tool_choice"),
@@ -284,6 +370,11 @@ BAD = [
         {"id": "1", "type": "function", "function": {"name": "now", "arguments": "{oops"}}]}]},
      "messages[1].tool_calls[0].function.arguments", "not JSON"),
     ({"functions": [CLOCK["function"]]}, "functions", "use tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}],
+      "tool_choice": "none"}, "tools[0].function.parameters.type", "arguments are an object"),
+    ({"tools": [{"type": "function", "function": {"name": "a", "parameters": {"$defs": {"X": {"type": "string"}}}}},
+                {"type": "function", "function": {"name": "b", "parameters": {"$defs": {"X": {"type": "integer"}}}}}],
+      "tool_choice": "required"}, "tools[1].function.parameters.$defs.X", "an earlier tool defines it otherwise"),
     ({"messages": [{"role": "user", "content": "x", "tool_calls": [{"function": {"name": "now", "arguments": "{}"}}]}]},
      "messages[0].tool_calls", "only assistant"),
 ]
@@ -359,6 +450,7 @@ def test_tool_calls_are_read_from_the_answer_after_the_reasoning():
                              "length")
 
 
+YES_NO = ["yes", "no"]
 OPENS = "{% for m in messages %}{{ m['content'] }}|{% endfor %}<think>\n"  # as R1's template ends the prompt
 
 
@@ -385,10 +477,36 @@ def test_a_reasoning_parser_returns_the_thinking_as_reasoning(engine, tiny_long,
         pieces = [field(ch.choices[0].delta, "reasoning") or "" for ch in chunks if ch.choices]
         assert "".join(pieces) == expected and len([p for p in pieces if p]) > 1
         assert all(not ch.choices[0].delta.content for ch in chunks if ch.choices)
-        held = c.chat.completions.create(**kw, extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
-        assert held.choices[0].message.content in ("yes", "no") and field(held.choices[0].message, "reasoning") is None
+        # a grammar holds the answer after the thinking: the library's text under it, split the same way
+        held = c.chat.completions.create(**{**kw, "max_tokens": 40}, extra_body={"structured_outputs": {"choice": YES_NO}})
+        thinking = reasoning.Thinking(parser, prompt_opens=True)
+        text, finish = library(tiny_long, ids, thinking.hold(Grammar.choice(YES_NO)), 40)
+        thought, answer = thinking.split(text, final=True)
+        assert (field(held.choices[0].message, "reasoning"), held.choices[0].message.content) == (thought, answer or None)
+        assert held.choices[0].finish_reason == finish
         earlier = [*ASK, {"role": "assistant", "content": "Sunny.", "reasoning": "Look it up."}, *ASK]
         assert c.chat.completions.create(**{**kw, "messages": earlier}).usage.prompt_tokens == len(
             tiny.tokenizer.encode("Weather?|Sunny.|Weather?|<think>"))
+    finally:
+        server.should_exit = True
+
+
+def test_a_grammar_may_follow_a_block_the_reply_opens_itself(engine, tiny_long):
+    """qwen3 with a template that does not open the block: the reply may open one; the grammar holds
+    what follows it (or the whole reply, if it does not think)."""
+    tiny, _ = tiny_long
+    server, base = start_server(create_app(engine, model_name="tiny", api_key=KEY, reasoning_parser="qwen3"))
+    try:
+        kw = dict(model="tiny", messages=ASK, max_tokens=60, temperature=0)
+        r = client(base).chat.completions.create(**kw, extra_body={"structured_outputs": {"choice": YES_NO}})
+        ids = prompt_ids(tiny, ASK, None)
+        thinking = reasoning.Thinking("qwen3")
+        text, finish = library(tiny_long, ids, thinking.hold(Grammar.choice(YES_NO)), 60)
+        thought, answer = thinking.split(text, final=True)
+        message = r.choices[0].message
+        assert (field(message, "reasoning"), message.content, r.choices[0].finish_reason) == (
+            thought or None, answer or None, finish)
+        if finish == "stop":
+            assert answer.strip() in YES_NO
     finally:
         server.should_exit = True

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from mesh_transformer.generate import SamplingOptions
-from mesh_transformer.generate.structured import Grammar
+from mesh_transformer.generate.structured import JSON_DUMPS, Grammar
 from tests.serving import KEY, client, engine, url  # noqa: F401 - fixtures
 
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"enum": [1, 2, 3]}},
@@ -163,6 +163,33 @@ def test_sampled_json_always_validates_and_free_rows_beside_it_are_unchanged(gen
             texts.append(s.text)
         assert [s.tokens for s in seqs[1::2]] == [alone[1].tokens, alone[3].tokens]
     assert len(set(texts)) > 1  # samples, not one forced answer
+
+
+AFTER = [  # (grammar, an answer it takes, one it refuses)
+    (Grammar.json_schema(SCHEMA, separators=JSON_DUMPS), '{"ok": true, "n": 2}', '{"ok":true,"n":2}'),
+    (Grammar.regex("[0-9]{3}"), "123", "12a"),
+    (Grammar.choice(["yes", "no"]), "no", "maybe"),
+    (Grammar.lark('root ::= "x" [0-9]'), "x5", "y5"),
+]
+
+
+@pytest.mark.parametrize("grammar,good,bad", AFTER, ids=[g[0].kind for g in AFTER])
+def test_a_grammar_after_thinking_holds_the_answer_not_the_thinking(tiny, grammar, good, bad):
+    """A reasoning model's reply: free text up to "</think>" (any, the grammar's own syntax too),
+    blank space, then the grammar. Without an opener the reply starts inside the block; with one,
+    the block is optional and starts with it. llguidance's own matcher is the judge."""
+    view = llguidance.hf.from_tokenizer(tiny.tokenizer)
+
+    def takes(g: Grammar, text: str) -> bool:
+        matcher = llguidance.LLMatcher(view, g.source())
+        assert not matcher.is_error(), matcher.get_error()
+        return all(matcher.consume_token(t) for t in tiny.tokenizer.encode(text)) and matcher.is_accepting()
+
+    inside, optional = grammar.after_thinking("</think>"), grammar.after_thinking("</think>", "<think>")
+    assert takes(inside, f"{bad} {{ not yet\n</think>\n\n{good}") and takes(optional, f"<think>{bad}</think>{good}")
+    assert takes(optional, good) and not takes(inside, good)  # the block is optional only with an opener
+    assert not takes(inside, f"hmm</think>{bad}") and not takes(optional, f"<think>hmm</think>{bad}")
+    assert takes(grammar, good) and not takes(grammar, f"<think>hmm</think>{good}")  # unchanged by itself
 
 
 def test_a_grammar_without_a_tokenizer_or_with_a_bad_spec_is_a_clear_error(gen, tiny):

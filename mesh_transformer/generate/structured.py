@@ -10,6 +10,7 @@ a bitmask (bit t of word t // 32 for token t), and the decode step sets every ot
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 import weakref
@@ -37,6 +38,7 @@ class Grammar:
     spec: str
     any_whitespace: bool = True
     separators: Optional[tuple[str, str]] = None
+    thinking: tuple[str, ...] = ()  # (opener, closer): free text first (`after_thinking`)
 
     @classmethod
     def json_schema(cls, schema: dict | str, any_whitespace: bool = True,
@@ -62,8 +64,28 @@ class Grammar:
         """A Lark grammar (llguidance's dialect), or a GBNF one (llama.cpp's `root ::= ...`), converted."""
         return cls("grammar", grammar)
 
+    def after_thinking(self, closer: str, opener: str = "") -> "Grammar":
+        """This grammar after a reasoning model's thinking: free text up to the first `closer` (e.g.
+        "</think>") and any blank space, then this grammar. With `opener`, the thinking is optional
+        and, when there, starts with it (a reply that may open its own block); without, the reply
+        starts inside the block (its template opened it in the prompt)."""
+        return dataclasses.replace(self, thinking=(opener, closer))
+
     def source(self) -> str:
         """The grammar as llguidance takes it; ValueError naming what is wrong with the spec itself."""
+        if not self.thinking:
+            return self._source()
+        inner = self._source()  # llguidance's grammar list (the first is the start), or Lark text
+        top = json.loads(inner) if inner.lstrip().startswith("{") else {"grammars": [{"lark_grammar": inner}]}
+        top["grammars"][0]["name"] = "answer"
+        opener, closer = self.thinking
+        think = (f'think[lazy]: {json.dumps(opener)} TEXT {json.dumps(closer)}' if opener
+                 else f"think[lazy]: TEXT {json.dumps(closer)}")
+        lark = "\n".join(("%llguidance {}", f"start: {'(think GAP)?' if opener else 'think GAP'} @answer", think,
+                          "TEXT: /(.|\\n)*/", "GAP: /[ \\t\\r\\n]*/", ""))
+        return json.dumps({**top, "grammars": [{"name": "thinking", "lark_grammar": lark}, *top["grammars"]]})
+
+    def _source(self) -> str:
         import llguidance
         if self.kind not in KINDS:
             raise ValueError(f"grammar kind must be one of {', '.join(KINDS)}, got {self.kind!r}")

@@ -24,6 +24,7 @@ lists the tools in a first paragraph and writes calls as Hermes' `<tool_call>{..
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import inspect
 import json
 import time
@@ -126,7 +127,7 @@ class ChatRequest(oa.StructuredFields, TemplateFields):
     logit_bias: Optional[dict[str, float]] = None
     tools: Optional[list] = None
     tool_choice: Optional[Union[str, dict]] = None
-    parallel_tool_calls: bool = True
+    parallel_tool_calls: Optional[bool] = None  # default (null too): true
     functions: Optional[list] = None  # OpenAI's deprecated forms of tools and tool_choice: a 400 saying so
     function_call: Optional[Union[str, dict]] = None
     user: Optional[str] = None
@@ -201,11 +202,11 @@ def _call(call, where: str) -> dict:
                           param=f"{where}.function")
     arguments = fn.get("arguments", "{}")
     try:
-        decoded = json.loads(arguments) if isinstance(arguments, str) else None
+        decoded = json.loads(arguments) if isinstance(arguments, str) else arguments  # (vLLM takes an object too)
     except json.JSONDecodeError as e:
         decoded, arguments = None, f"not JSON ({e})"
     if not isinstance(decoded, dict):
-        raise oa.ApiError(400, f"{where}.function.arguments: the JSON text of an object is required, got "
+        raise oa.ApiError(400, f"{where}.function.arguments: an object (or its JSON text) is required, got "
                                f"{arguments if isinstance(arguments, str) else type(arguments).__name__}",
                           param=f"{where}.function.arguments")
     out = {"type": "function", "function": {"name": oa.check_text(fn["name"], f"{where}.function.name"),
@@ -275,11 +276,15 @@ async def chat_completions(s: oa.Settings, http: HttpRequest):
         if e.param == "max_tokens":
             e.param, e.message = field, e.message.replace("max_tokens", field)
         raise
+    thinking = reasoning.Thinking.of(s.reasoning_parser, engine.tokenizer.decode(ids[-16:])) \
+        if s.reasoning_parser else None
+    if thinking is not None and opts.grammar is not None:  # the grammar holds the answer, after the thinking
+        opts = dataclasses.replace(opts, grammar=thinking.hold(opts.grammar))
+        await asyncio.to_thread(check, opts.grammar, engine.tokenizer, engine.gen.vocab)
+    shape = Shape(plan, thinking)
     seqs = await oa.sequences(s, [ids], opts, body.n, body.seed, body.model)
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
             "model": body.model or s.model_name}
-    thinks = s.reasoning_parser is not None and opts.grammar is None  # a grammar holds the reply from its first token
-    shape = Shape(plan, reasoning.Thinking.of(s.reasoning_parser, engine.tokenizer.decode(ids[-16:])) if thinks else None)
     if body.stream:
         request = oa.submit(engine, seqs)
         return oa.streaming_response(_events(engine, request, head, body.n, body.stream_options, shape))

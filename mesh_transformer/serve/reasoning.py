@@ -13,8 +13,9 @@ which is also where tool calls are looked for. Streamed, chunks carry `delta.rea
   one (templates that open it, e.g. the 2507 Thinking models'); otherwise it is all answer (as
   with `chat_template_kwargs: {"enable_thinking": false}`, whose empty block is in the prompt).
 
-A reply held to a grammar (structured outputs, a named or required tool choice) has no block to
-read: its text is the answer, from its first token.
+A grammar (structured outputs, a named or required tool choice) holds the answer, not the
+thinking: the reply may think freely until `</think>` (`Grammar.after_thinking`), as vLLM's
+structured outputs do with a reasoning parser.
 """
 from __future__ import annotations
 
@@ -38,6 +39,15 @@ class Thinking:
         """`prompt_tail`: the prompt's last few tokens as text."""
         return cls(parser, prompt_tail.rstrip().endswith(OPEN))
 
+    @property
+    def starts_inside(self) -> bool:
+        """Whether a reply starts inside the block without writing `<think>` (else it may write it)."""
+        return self.parser == "deepseek_r1" or self.prompt_opens
+
+    def hold(self, grammar):
+        """`grammar` (a `structured.Grammar`) for the answer, after the thinking."""
+        return grammar.after_thinking(CLOSE, "" if self.starts_inside else OPEN)
+
     def split(self, text: str, final: bool) -> tuple[str, str]:
         """(reasoning, answer) in the reply so far (`final`: all of it); each only grows as text does,
         so a stream sends what is new of each."""
@@ -47,7 +57,7 @@ class Thinking:
         elif not final and OPEN.startswith(head):
             return "", ""  # nothing yet, or the start of "<think>"
         else:
-            inside, body = self.parser == "deepseek_r1" or self.prompt_opens, text
+            inside, body = self.starts_inside, text
         if not inside:
             return "", text
         end = body.find(CLOSE)

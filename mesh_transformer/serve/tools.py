@@ -32,7 +32,7 @@ from typing import Callable, Optional, Union
 from mesh_transformer.generate.structured import JSON_DUMPS, Grammar
 from mesh_transformer.serve import openai as oa
 
-NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for a function's name
+NAME = re.compile(r"[A-Za-z0-9_.:-]{1,128}")  # OpenAI's letters, digits, _ and -, and MCP tools' . and :
 CHOICES = ("none", "auto", "required")
 
 
@@ -57,6 +57,11 @@ def _mistral_id() -> str:  # Mistral's templates refuse ids that are not 9 lette
     return "".join(secrets.choice("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789") for _ in range(9))
 
 
+def id_maker(parser: Optional[str]) -> Callable[[], str]:
+    """New call ids as the server's models take them back in later turns."""
+    return _mistral_id if parser == "mistral" else _openai_id
+
+
 @dataclass(frozen=True)
 class Call:
     name: str
@@ -71,12 +76,22 @@ class Call:
 # Reading calls from a model's text (tool_choice "auto")
 # --------------------------------------------------------------------------------------------
 
+def _arguments(args) -> Optional[str]:
+    """Arguments as a call's JSON text of an object (None: not an object; a string is taken if its
+    JSON is one)."""
+    try:
+        decoded = json.loads(args) if isinstance(args, str) else args
+        return json.dumps(decoded, ensure_ascii=False, allow_nan=False) if isinstance(decoded, dict) else None
+    except ValueError:  # not JSON, or NaN / Infinity, which JSON does not have
+        return None
+
+
 def _call(obj, arguments_keys: tuple[str, ...], new_id: Callable[[], str]) -> Optional[Call]:
     """A decoded `{"name": .., <arguments key>: {..}}` as a Call (None: not a call)."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
         return None
-    args = next((obj[k] for k in arguments_keys if k in obj), {})
-    return Call(obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False), new_id())
+    args = _arguments(next((obj[k] for k in arguments_keys if k in obj), {}))
+    return Call(obj["name"], args, new_id()) if args is not None else None
 
 
 def _objects(text: str, separator: str = "") -> Optional[list]:
@@ -154,21 +169,49 @@ def llama3_json(text: str, final: bool, new_id=_openai_id) -> tuple[str, list[Ca
     return ("", calls) if calls else (text, [])
 
 
-TOOL_CALLS = "[TOOL_CALLS]"
+TOOL_CALLS, ARGS = "[TOOL_CALLS]", "[ARGS]"
 
 
 def mistral(text: str, final: bool, new_id=_mistral_id) -> tuple[str, list[Call]]:
-    """Mistral 7B v0.3 / Nemo / Small: content, then `[TOOL_CALLS]` and a JSON array of
-    `{"name": .., "arguments": {..}}` (the marker is a special token the text keeps)."""
+    """Mistral: content, then `[TOOL_CALLS]` and a JSON array of `{"name": .., "arguments": {..}}`
+    (7B v0.3, Nemo, Small 3), or `[TOOL_CALLS]name[ARGS]{..}` per call (tokenizer v11 and later:
+    Magistral, Devstral); the markers are special tokens the text keeps. Text after the calls is
+    content too."""
     start = text.find(TOOL_CALLS)
     if start < 0:
         return (text if final else without_marker_start(text, TOOL_CALLS)), []
     if not final:
         return text[:start], []
-    values = _objects(text[start + len(TOOL_CALLS):])
-    array = values[0] if values and len(values) == 1 and isinstance(values[0], list) else None
-    calls = _calls(array, ("arguments", "parameters"), new_id)
-    return (text[:start], calls) if calls else (text, [])
+    rest = text[start + len(TOOL_CALLS):]
+    found = _mistral_array(rest, new_id) or _mistral_args(rest, new_id)
+    return (text[:start] + found[1], found[0]) if found else (text, [])
+
+
+def _mistral_array(rest: str, new_id) -> Optional[tuple[list[Call], str]]:
+    """(calls, the text after them) of `[{..}, ..]` at the start of `rest`."""
+    try:
+        array, end = json.JSONDecoder().raw_decode(rest, len(rest) - len(rest.lstrip()))
+    except json.JSONDecodeError:
+        return None
+    calls = _calls(array if isinstance(array, list) else None, ("arguments", "parameters"), new_id)
+    return (calls, rest[end:] if rest[end:].strip() else "") if calls else None
+
+
+def _mistral_args(rest: str, new_id) -> Optional[tuple[list[Call], str]]:
+    """(calls, the text after them) of `name[ARGS]{..}[TOOL_CALLS]name[ARGS]{..}`."""
+    calls, tail = [], ""
+    for part in rest.split(TOOL_CALLS):
+        name, marker, args = part.partition(ARGS)
+        try:
+            value, end = json.JSONDecoder().raw_decode(args, len(args) - len(args.lstrip())) if marker else (None, 0)
+        except json.JSONDecodeError:
+            return None
+        call = _call({"name": name.strip(), "arguments": value}, ("arguments",), new_id) if marker else None
+        if call is None:
+            return None
+        calls.append(call)
+        tail = args[end:] if args[end:].strip() else ""
+    return calls, tail
 
 
 PARSERS = {"hermes": hermes, "llama3_json": llama3_json, "mistral": mistral}  # --tool-call-parser
@@ -199,15 +242,36 @@ def read_tools(given: Optional[list]) -> list[Tool]:
         if any(t.name == name for t in tools):
             _bad(f"{where}.function.name", f"{name!r} names an earlier tool too")
         parameters = fn.get("parameters")
-        if parameters is None:
-            parameters = {"type": "object", "properties": {}}
+        if parameters is None:  # no parameters: OpenAI's empty parameter list
+            parameters = {"type": "object", "properties": {}, "additionalProperties": False}
         if not isinstance(parameters, dict):
             _bad(f"{where}.function.parameters", f"a JSON schema (an object), got {type(parameters).__name__}")
+        parameters = {"type": "object", **parameters}  # what a call's arguments are, said where a schema leaves it
+        if parameters["type"] != "object":
+            _bad(f"{where}.function.parameters.type", f"a function's arguments are an object, got "
+                                                       f"{parameters['type']!r}")
         description = fn.get("description")
         if description is not None and not isinstance(description, str):
             _bad(f"{where}.function.description", f"a string, got {type(description).__name__}")
         tools.append(Tool(name, parameters, description))
     return tools
+
+
+def _shared_definitions(tools: tuple[Tool, ...]) -> tuple[list[dict], dict]:
+    """Each tool's parameters without its `$defs` / `definitions`, and those gathered at the root of
+    "required"'s one schema, where its `#/$defs/..` references point; two tools defining one name
+    differently is a 400 naming the second."""
+    shared: dict = {}
+    parameters = []
+    for i, tool in enumerate(tools):
+        own = dict(tool.parameters)
+        for key in ("$defs", "definitions"):
+            for name, schema in (own.pop(key, None) or {}).items():
+                if shared.setdefault(key, {}).setdefault(name, schema) != schema:
+                    _bad(f"tools[{i}].function.parameters.{key}.{name}", "an earlier tool defines it otherwise; "
+                         "\"required\" holds all the tools to one schema, whose definitions they share")
+        parameters.append(own)
+    return parameters, shared
 
 
 @dataclass(frozen=True)
@@ -226,6 +290,10 @@ class Plan:
     def specs(self) -> list[dict]:
         return [t.spec() for t in self.tools]
 
+    @property
+    def new_id(self) -> Callable[[], str]:
+        return id_maker(self.parser)
+
     def grammar(self) -> Optional[tuple[str, Grammar]]:
         """(the field a compile error names, the grammar) the reply is held to; None for free text."""
         if self.named is not None:
@@ -233,9 +301,12 @@ class Plan:
                     Grammar.json_schema(self.named.parameters, separators=JSON_DUMPS))
         if self.choice != "required":
             return None
-        items = [{"type": "object", "properties": {"name": {"const": t.name}, "parameters": t.parameters},
-                  "required": ["name", "parameters"], "additionalProperties": False} for t in self.tools]
-        schema = {"type": "array", "items": {"anyOf": items}, "minItems": 1, **({} if self.parallel else {"maxItems": 1})}
+        parameters, definitions = _shared_definitions(self.tools)
+        items = [{"type": "object", "properties": {"name": {"const": t.name}, "parameters": p},
+                  "required": ["name", "parameters"], "additionalProperties": False}
+                 for t, p in zip(self.tools, parameters)]
+        schema = {"type": "array", "items": {"anyOf": items}, "minItems": 1,
+                  **({} if self.parallel else {"maxItems": 1}), **definitions}
         return "tools", Grammar.json_schema(schema, separators=JSON_DUMPS)
 
     def parameter_grammars(self) -> list[tuple[str, Grammar]]:
@@ -247,16 +318,17 @@ class Plan:
         """(content, calls) in the text so far (`final`: all of it). Content only grows as text does;
         calls are whole when they appear."""
         if self.named is not None:
-            return "", [Call(self.named.name, text)] if final else []
+            return "", [Call(self.named.name, text, self.new_id())] if final else []
         if self.choice == "required":
             if not final:
                 return "", []
             values = _objects(text)
             array = values[0] if values and len(values) == 1 and isinstance(values[0], list) else None
-            calls = _calls(array, ("parameters",), _openai_id)
+            calls = _calls(array, ("parameters",), self.new_id)
             return ("", calls) if calls else (text, [])
         if self.choice == "auto":
-            return PARSERS[self.parser](text, final)
+            content, calls = PARSERS[self.parser](text, final, self.new_id)
+            return content, calls if self.parallel else calls[:1]  # one call at most: the first
         return text, []
 
     def reply(self, text: str, finish_reason: Optional[str]) -> tuple[dict, Optional[str]]:
@@ -282,7 +354,7 @@ class Reader:
 
     def __init__(self, plan: Plan):
         self.plan, self.text, self.sent, self.calls = plan, "", 0, 0
-        self.named_id = _openai_id()
+        self.named_id = plan.new_id()
 
     def feed(self, piece: str, finished: bool) -> dict:
         """The delta for `piece` (the text since the last call); `finished`: the choice's last."""
@@ -343,4 +415,4 @@ def plan(body, parser: Optional[str]) -> Optional[Plan]:
                             "or \"none\" instead")
     if not tools:
         return None
-    return Plan(tuple(tools), choice, body.parallel_tool_calls, parser)
+    return Plan(tuple(tools), choice, body.parallel_tool_calls is not False, parser)
