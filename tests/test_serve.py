@@ -225,6 +225,7 @@ BAD = [
     ("/v1/completions", {"prompt": "hi", "logit_bias": {str(t): 1 for t in range(301)}}, "at most 300 tokens"),
     ("/v1/completions", {"prompt": "hi", "echo": True, "stream": True}, "stream is not supported with echo"),
     ("/v1/completions", {"prompt": "hi", "echo": True, "max_tokens": -1}, "max_tokens must not be negative"),
+    ("/v1/completions", {"prompt": "hi", "echo": True, "max_tokens": 0, "temperature": -1}, "temperature"),
     ("/v1/completions", {"prompt": [5] * 30, "echo": True, "max_tokens": 4}, "with echo, prompt + max_tokens (4)"),
     ("/v1/completions", [1, 2], "must be a JSON object"),
     ("/complete", {"temp": 0.5}, "context"),

@@ -588,8 +588,8 @@ async def _echo_completions(s: Settings, body: CompletionRequest, ids: list[list
                                 f"fit the model's context of {engine.context} tokens", param=field)
     texts = _prompt_texts(engine, body.prompt, ids)
     seqs: list[Optional[Sequence]] = [None] * (len(ids) * body.n)
-    if max_tokens > 0:
-        opts = await body_options(engine, body, max_tokens, stop_list(body.stop), body.logprobs)
+    opts = await body_options(engine, body, max(max_tokens, 1), stop_list(body.stop), body.logprobs)  # checked even
+    if max_tokens > 0:                                                # when nothing is generated
         seqs = await sequences(s, ids, opts, body.n, body.seed, body.model)
         submit_and_wait = wait(engine, seqs, s.timeout)
     else:
