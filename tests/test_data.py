@@ -342,6 +342,79 @@ def test_create_finetune_dataset_cli_flags_reach_the_build(tok, tmp_path):
     np.testing.assert_array_equal(all_rows(ds)[0], kept)
 
 
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n"  # {% generation %}: transformers' own assistant mask
+          "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }}<|im_end|>\n{% endgeneration %}"
+          "{% else %}{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CHAT = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "4, naïvely."}, {"role": "user", "content": "And 3+5?"},
+        {"role": "assistant", "content": "8"}]
+
+
+def test_a_conversation_trains_on_the_assistant_turns_transformers_marks(tok):
+    """Our spans (the template's rendering up to each assistant turn and through it) mark the tokens
+    transformers' `return_assistant_tokens_mask` marks from a template's `{% generation %}` blocks."""
+    from mesh_transformer.data import conversations
+    from mesh_transformer.io.chat_template import ChatTemplate
+    ids, mask = conversations.encode(ChatTemplate(tok, CHATML), conversations.read({"messages": CHAT}, "x"))
+    hf = tok.apply_chat_template(CHAT, chat_template=CHATML, tokenize=True, return_dict=True,
+                                 return_assistant_tokens_mask=True)
+    assert ids == hf["input_ids"] and mask.tolist() == hf["assistant_masks"]
+    assert tok.decode(np.array(ids)[mask == 1]) == "4, naïvely.<|im_end|>\n8<|im_end|>\n"
+
+
+def test_a_chat_dataset_is_packed_whole_and_masked_with_the_plain_or_a_given_template(tok, tmp_path):
+    with open(tmp_path / "chat.jsonl", "w") as f:
+        f.write(json.dumps({"messages": CHAT}) + "\n")
+        f.write(json.dumps({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}]}) + "\n")
+        f.write(json.dumps({"messages": [{"role": "user", "content": "long " * 140},
+                                         {"role": "assistant", "content": "x"}]}) + "\n")
+    ds = build(tmp_path / "chat.jsonl", tmp_path / "out", seq=48)
+    tokens, mask = all_rows(ds)
+    assert ds.has_mask and ds.has_segments and ds.index["stats"]["conversations"] == 3
+    assert ds.index["stats"]["conversations_dropped_too_long"] == 1
+    trained = tokens[:, 1:][mask == 1]  # the plain template (the gpt2 tokenizer has none): "Role: content"
+    assert tok.decode(trained) == " 4, naïvely.\n\n 8\n\n Yo\n\n"
+    first = tok.encode("System: Answer briefly.\n\nUser: 2+2?\n\nAssistant: 4, naïvely.\n\n"
+                       "User: And 3+5?\n\nAssistant: 8\n\n")
+    assert tokens[0, :len(first)].tolist() == first  # whole, from the row's start
+    (tmp_path / "chatml.jinja").write_text(CHATML)
+    out = tmp_path / "out2"
+    assert create_finetune_dataset.main([str(tmp_path / "chat.jsonl"), "ds", "--output-dir", str(out), "--seq", "128",
+                                         "--chat-template", str(tmp_path / "chatml.jinja"),
+                                         "--preserve-data-order"]) == 0
+    given = Dataset.open(str(out / "ds.index.json"))
+    tokens, mask = all_rows(given)
+    assert tok.decode(tokens[:, 1:][mask == 1]) == "4, naïvely.<|im_end|>\n8<|im_end|>\nYo<|im_end|>\n"
+
+
+@pytest.mark.parametrize("record, message", [
+    ({"messages": []}, "line 1: field 'messages' must be a non-empty list"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, "line 1: messages[0].role must be one of"),
+    ({"messages": [{"role": "user", "content": 5}]}, "line 1: messages[0].content must be a string, got int"),
+    ({"messages": [{"role": "user", "content": "x"}]}, "line 1: no assistant message: nothing to train on"),
+    ({"messages": CHAT, "tools": "none"}, "line 1: field 'tools' must be a list"),
+])
+def test_a_bad_conversation_exits_2_naming_the_line_and_field(tmp_path, capsys, record, message):
+    (tmp_path / "chat.jsonl").write_text(json.dumps(record) + "\n")
+    out = tmp_path / "out"
+    assert create_finetune_dataset.main([str(tmp_path / "chat.jsonl"), "ds", "--output-dir", str(out)]) == 2
+    assert f"chat.jsonl {message}" in capsys.readouterr().err and not out.exists()
+
+
+def test_a_template_that_rewrites_earlier_turns_is_refused_by_name(tmp_path, capsys):
+    (tmp_path / "chat.jsonl").write_text(json.dumps({"messages": CHAT}) + "\n")
+    (tmp_path / "last.jinja").write_text("{{ messages[-1]['content'] }}")  # the latest turn only
+    out = tmp_path / "out"
+    assert create_finetune_dataset.main([str(tmp_path / "chat.jsonl"), "ds", "--output-dir", str(out),
+                                         "--chat-template", str(tmp_path / "last.jinja")]) == 2
+    err = capsys.readouterr().err
+    assert "chat.jsonl line 1: the chat template does not render messages[2]" in err and not out.exists()
+    assert create_finetune_dataset.main([str(tmp_path / "chat.jsonl"), "ds", "--output-dir", str(out),
+                                         "--chat-template", str(tmp_path / "nowhere.jinja")]) == 2
+    assert "--chat-template" in capsys.readouterr().err and not out.exists()
+
+
 @pytest.mark.parametrize("suffix, compress", [(".xz", "lzma"), (".bz2", "bz2")])
 def test_xz_and_bz2_inputs(tok, tmp_path, suffix, compress):
     import importlib

@@ -4,7 +4,7 @@ A dataset is a directory (local or gs://) holding
 
     <name>.index.json          written last: a dataset without its index does not exist
     <name>-00000.tokens.npy    uint16 (vocab <= 65536) or uint32, [n, seq+1]
-    <name>-00000.mask.npy      uint8 [n, seq], only when prompt/completion examples were given
+    <name>-00000.mask.npy      uint8 [n, seq], only when prompt/completion examples or conversations were given
     <name>-00000.segments.npy  uint16 [n, seq+1], with the mask (version 2): which document or
                                example of its row each token belongs to (0, 1, ... per row)
     ...
@@ -19,6 +19,11 @@ remainder is carried into the next repack epoch and dropped at the end. A prompt
 example (``{"in_text", "out_text"}``) is never split: it goes whole into the current row, or the
 row is closed with EOS padding (mask 0) and the example starts the next one. Its loss mask is 1 on
 the completion and its EOS only.
+
+A conversation (``{"messages": [{"role", "content"}, ..], "tools": [..]}``, OpenAI's fine-tuning
+format) is rendered by the chat template the server uses (the tokenizer's, ``--chat-template``, or
+the plain one; ``data.conversations``), packed whole as an example is, and trained on its
+assistant turns only (each with what the template writes after it, e.g. its end-of-turn token).
 
 Segments: version 2 stores each token's segment with prompt/completion data, so packed examples
 stay apart even where a prompt itself contains the EOS id. Datasets without stored segments (plain
@@ -46,8 +51,10 @@ from typing import Iterator, NamedTuple
 import numpy as np
 import zstandard
 
+from mesh_transformer.data import conversations
 from mesh_transformer.errors import UserError
 from mesh_transformer.io import storage
+from mesh_transformer.io.chat_template import ChatTemplate
 
 FORMAT = "mesh-transformer-dataset"
 VERSION = 2  # 2: segments stored with prompt/completion data
@@ -108,7 +115,7 @@ def _open_text(path: str, compression: str | None) -> Iterator[io.TextIOBase]:
         yield io.TextIOWrapper(raw, encoding="utf-8")
 
 
-def _jsonl_records(f, path: str, key: str) -> Iterator[Text | Example]:
+def _jsonl_records(f, path: str, key: str) -> Iterator[Text | Example | conversations.Conversation]:
     for lineno, line in enumerate(f, 1):
         if not line.strip():
             continue
@@ -123,8 +130,14 @@ def _jsonl_records(f, path: str, key: str) -> Iterator[Text | Example]:
             fields = (key,)
         elif "in_text" in obj and "out_text" in obj:
             fields = ("in_text", "out_text")
+        elif "messages" in obj:
+            try:
+                yield conversations.read(obj, where)
+            except ValueError as e:
+                raise DatasetError(f"{where}: {e}") from None
+            continue
         else:
-            raise DatasetError(f"{where}: no {key!r} field and no 'in_text'/'out_text' pair "
+            raise DatasetError(f"{where}: no {key!r} field, no 'in_text'/'out_text' pair and no 'messages' "
                                f"(keys: {sorted(obj)}); use --json-key to name the text field")
         for field in fields:
             if not isinstance(obj[field], str):
@@ -132,7 +145,7 @@ def _jsonl_records(f, path: str, key: str) -> Iterator[Text | Example]:
         yield Text(obj[key]) if len(fields) == 1 else Example(obj["in_text"], obj["out_text"])
 
 
-def read_records(path: str, json_key: str = "text") -> Iterator[Text | Example]:
+def read_records(path: str, json_key: str = "text") -> Iterator[Text | Example | conversations.Conversation]:
     """Records of one input file; a .txt file is one record (split on EOT later)."""
     kind, compression = _kind(path, explicit=True)
     try:
@@ -182,6 +195,7 @@ class BuildConfig:
     preserve_data_order: bool = False
     sequences_per_shard: int = 16384
     overwrite: bool = False
+    chat_template: str | None = None  # a Jinja file for "messages" records (default: the tokenizer's, else plain)
     verbose: bool = False
     progress: bool = False
 
@@ -231,8 +245,8 @@ class _Stats(dict):
         self[key] = self.get(key, 0) + n
 
 
-def _pieces(records, tok, cfg: BuildConfig, stats: _Stats, batch_chars=1 << 20):
-    """(ids, token mask, whole) per document/example, tokenizing in batches for speed."""
+def _pieces(records, tok, cfg: BuildConfig, stats: _Stats, chat: ChatTemplate | None = None, batch_chars=1 << 20):
+    """(ids, token mask, whole) per document/example/conversation, tokenizing in batches for speed."""
     import ftfy
 
     def clean(s):
@@ -253,6 +267,15 @@ def _pieces(records, tok, cfg: BuildConfig, stats: _Stats, batch_chars=1 << 20):
             if isinstance(item, str):
                 ids = next(doc_ids) + [tok.eos_token_id]
                 yield np.asarray(ids, np.int64), np.ones(len(ids), np.uint8), False
+            elif isinstance(item, conversations.Conversation):
+                try:
+                    ids, mask = conversations.encode(chat or ChatTemplate(tok), item)
+                except ValueError as e:
+                    raise DatasetError(f"{item.where}: {e}") from None
+                if len(ids) > cfg.seq + 1:
+                    stats.add("conversations_dropped_too_long")
+                    continue
+                yield np.asarray(ids, np.int64), mask, True
             else:
                 p, c = next(prompt_ids), next(completion_ids) + [tok.eos_token_id]
                 if len(p) + len(c) > cfg.seq + 1:
@@ -261,11 +284,17 @@ def _pieces(records, tok, cfg: BuildConfig, stats: _Stats, batch_chars=1 << 20):
                 mask = np.r_[np.zeros(len(p), np.uint8), np.ones(len(c), np.uint8)]
                 yield np.asarray(p + c, np.int64), mask, True
 
-    def items():  # documents (str) and examples, cleaned
+    def items():  # documents (str), examples and conversations, cleaned
         for record in records:
             if isinstance(record, Example):
                 stats.add("examples")
                 yield Example(clean(record.prompt), clean(record.completion))
+                continue
+            if isinstance(record, conversations.Conversation):
+                stats.add("conversations")
+                yield dataclasses.replace(record, messages=tuple(
+                    {**m, "content": clean(m["content"])} if isinstance(m.get("content"), str) else m
+                    for m in record.messages))
                 continue
             for doc in [record.text] if cfg.treat_eot_as_text else record.text.split(EOT):
                 if doc.strip():  # as the original, minus blank documents
@@ -275,7 +304,8 @@ def _pieces(records, tok, cfg: BuildConfig, stats: _Stats, batch_chars=1 << 20):
     batch, chars = [], 0
     for item in items():
         batch.append(item)
-        chars += len(item) if isinstance(item, str) else len(item.prompt) + len(item.completion)
+        chars += len(item) if isinstance(item, str) else len(item.prompt) + len(item.completion) \
+            if isinstance(item, Example) else sum(len(m.get("content") or "") for m in item.messages)
         if chars >= batch_chars:
             yield from flush(batch)
             batch, chars = [], 0
@@ -288,7 +318,20 @@ def _progress(cfg: BuildConfig, **kw):
     return tqdm(disable=not cfg.progress, mininterval=1, smoothing=0.1, **kw)
 
 
-def _pack_all(cfg: BuildConfig, tok, files: list[str], raw_tokens, raw_mask, raw_segments, stats: _Stats):
+def _template_text(path: str) -> str:
+    try:
+        return storage.read_text(path)
+    except (OSError, UnicodeDecodeError) as e:
+        raise DatasetError(f"--chat-template {path}: cannot read it ({e})") from None
+
+
+def _masked(stats) -> bool:
+    """Whether the data trains on part of its tokens: prompt/completion examples or conversations."""
+    return bool(stats.get("examples") or stats.get("conversations"))
+
+
+def _pack_all(cfg: BuildConfig, tok, files: list[str], raw_tokens, raw_mask, raw_segments, stats: _Stats,
+              chat: ChatTemplate | None = None):
     """Pass 1: read, tokenize and pack every repack epoch into raw row files. -> rows per epoch."""
     rng = np.random.default_rng([cfg.seed, 0])
     packer = _Packer(cfg.seq + 1, tok.eos_token_id)
@@ -305,13 +348,13 @@ def _pack_all(cfg: BuildConfig, tok, files: list[str], raw_tokens, raw_mask, raw
         order = sorted(files) if cfg.preserve_data_order else [files[i] for i in rng.permutation(len(files))]
         rows = 0
         for path in order:
-            for ids, mask, whole in _pieces(read_records(path, cfg.json_key), tok, cfg, stats):
+            for ids, mask, whole in _pieces(read_records(path, cfg.json_key), tok, cfg, stats, chat):
                 rows += write(*packer.add(ids, mask, whole))
                 stats.add("tokens", len(ids))
                 bar.update(1)
         rows_per_epoch.append(rows)
     bar.close()
-    if stats.get("examples", 0) and len(packer.tokens):  # masked datasets keep their last row
+    if _masked(stats) and len(packer.tokens):  # masked datasets keep their last row
         packer.close_row()
         rows_per_epoch[-1] += write(*packer._emit())
     stats["trailing_tokens_dropped"] = len(packer.tokens)
@@ -412,13 +455,14 @@ def build_dataset(cfg: BuildConfig) -> str:
         tok = load_tokenizer(cfg.tokenizer)
     except ValueError as e:
         raise DatasetError(str(e)) from None
+    chat = ChatTemplate(tok, _template_text(cfg.chat_template)) if cfg.chat_template else None
     width, dtype, stats = cfg.seq + 1, _dtype(tok), _Stats(files=len(files))
     with tempfile.TemporaryDirectory(prefix="mesh-transformer-dataset-") as tmp:
         raw_tokens, raw_mask, raw_segments = (os.path.join(tmp, f"{k}.raw") for k in ("tokens", "mask", "segments"))
         with open(raw_tokens, "wb") as ft, open(raw_mask, "wb") as fm, open(raw_segments, "wb") as fs:
-            rows_per_epoch = _pack_all(cfg, tok, files, ft, fm, fs, stats)
-        if not stats.get("documents") and not stats.get("examples"):
-            raise DatasetError(f"{cfg.input_path}: empty input (no documents or examples found)")
+            rows_per_epoch = _pack_all(cfg, tok, files, ft, fm, fs, stats, chat)
+        if not stats.get("documents") and not _masked(stats):
+            raise DatasetError(f"{cfg.input_path}: empty input (no documents, examples or conversations found)")
         n_rows = sum(rows_per_epoch)
         if n_rows == 0:
             raise DatasetError(f"{cfg.input_path}: only {stats.get('tokens', 0)} tokens, fewer than one "
@@ -433,13 +477,13 @@ def build_dataset(cfg: BuildConfig) -> str:
         storage.makedirs(cfg.output_dir)
         if old:  # from here until the new index lands, no index points at half-replaced shards
             storage.remove(out_index)
-        shards = _write_shards(cfg, order, tokens, masks, segments, bool(stats.get("examples")))
+        shards = _write_shards(cfg, order, tokens, masks, segments, _masked(stats))
         del tokens, masks, segments
     index = {
         "format": FORMAT, "version": VERSION, "name": cfg.name, "seq": cfg.seq, "dtype": dtype.name,
         "tokenizer": cfg.tokenizer, "vocab_size": len(tok), "eos_id": tok.eos_token_id,
         "n_sequences": int(len(order)), "n_tokens": int(len(order) * width),
-        "has_mask": bool(stats.get("examples")), "has_segments": bool(stats.get("examples")), "shards": shards, "stats": dict(stats),
+        "has_mask": _masked(stats), "has_segments": _masked(stats), "shards": shards, "stats": dict(stats),
         "options": {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("verbose", "progress")},
     }
     storage.write_text(out_index, json.dumps(index, indent=1))

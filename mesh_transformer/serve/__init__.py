@@ -5,12 +5,12 @@
     run(app, engine, port=5000, drain_timeout=30)          # uvicorn; SIGTERM drains, then returns
 
 Files: `engine` (dynamic batching on the device), `openai` (OpenAI's shapes: /v1/completions,
-the original /complete, errors, streaming), `chat` (/v1/chat/completions and chat templates),
+the original /complete, errors, streaming), `chat` (/v1/chat/completions over `io.chat_template`), `tools` (tool calls), `reasoning` (thinking apart from answers),
 `metrics` (Prometheus), `app` (routes, API key and size limits, graceful shutdown), `adapters`
 (the LoRA adapters known by name and the bank entries they take), `page.html` (the playground at GET /).
 """
+from mesh_transformer.io.chat_template import PLAIN_TEMPLATE, ChatTemplate
 from mesh_transformer.serve.app import API_KEY_ENV, RUNTIME_LORA_ENV, create_app, run
-from mesh_transformer.serve.chat import PLAIN_TEMPLATE, ChatTemplate
 from mesh_transformer.serve.engine import DEFAULT_GATHER, Draining, Engine, QueueFull, Request
 from mesh_transformer.serve.metrics import Metrics
 from mesh_transformer.serve.openai import ApiError

@@ -20,6 +20,7 @@ from typing import Optional
 
 from fastapi import Request as HttpRequest
 
+from mesh_transformer.io.chat_template import ChatTemplate
 from mesh_transformer.serve import chat as chat_api
 from mesh_transformer.serve import openai as oa
 from mesh_transformer.serve import reasoning as reasoning_api
@@ -59,7 +60,7 @@ def create_app(engine: Engine, model_name: str = "mesh-transformer", api_key: Op
         raise ValueError(f"tool_parser: one of {', '.join(tools_api.PARSERS)}, got {tool_parser!r}")
     if reasoning_parser is not None and reasoning_parser not in reasoning_api.PARSERS:
         raise ValueError(f"reasoning_parser: one of {', '.join(reasoning_api.PARSERS)}, got {reasoning_parser!r}")
-    settings = oa.Settings(engine, model_name, timeout, max_prompts, chat_api.ChatTemplate(engine.tokenizer, chat_template),
+    settings = oa.Settings(engine, model_name, timeout, max_prompts, ChatTemplate(engine.tokenizer, chat_template),
                            tool_parser, reasoning_parser)
     created = int(time.time())
     if runtime_lora and engine.adapters is None:

@@ -1,31 +1,20 @@
 """`POST /v1/chat/completions`: OpenAI's chat API over the completion engine.
 
-`messages` become one prompt through a chat template (Jinja, as Hugging Face tokenizers carry in
-`chat_template`): `--chat-template FILE` if given, else the tokenizer's own, else `PLAIN_TEMPLATE`,
-which renders
-
-    System: You are terse.
-
-    User: Hi!
-
-    Assistant:
-
-(each message as "Role: content" and a blank line, then "Assistant:" for the model to continue;
-a `developer` message counts as `system`). The rendered text is tokenized without adding special
-tokens (a template writes the ones it wants). No stop strings are implied: pass `stop` (e.g.
-["\\n\\nUser:"]) to end a base model's turn.
+`messages` become one prompt through a chat template (`io.chat_template`): `--chat-template FILE`
+if given, else the tokenizer's own, else `PLAIN_TEMPLATE` ("Role: content" paragraphs, then
+"Assistant:"; a `developer` message counts as `system`). The rendered text is tokenized without
+adding special tokens (a template writes the ones it wants). No stop strings are implied: pass
+`stop` (e.g. ["\\n\\nUser:"]) to end a base model's turn.
 
 With `tools`, the template also gets them (`tools=`), and the reply may be calls (`serve.tools`):
 assistant messages carry `tool_calls` (their `arguments` JSON text, given to the template as an
-object, as transformers' templates expect) and `tool` messages the results. The plain template
-lists the tools in a first paragraph and writes calls as Hermes' `<tool_call>{..}</tool_call>`
-(what `--tool-call-parser hermes` reads).
+object, as transformers' templates expect) and `tool` messages the results. With a reasoning
+parser, the reply's thinking comes back apart from its answer (`serve.reasoning`).
 """
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import inspect
 import json
 import time
 import uuid
@@ -34,22 +23,15 @@ from typing import Any, Optional, Union
 
 from fastapi import Request as HttpRequest
 from pydantic import Field
-from transformers import PreTrainedTokenizerBase
 
 from mesh_transformer.generate import Sequence
 from mesh_transformer.generate.structured import Grammar, check
+from mesh_transformer.io.chat_template import RESERVED, Rendering
 from mesh_transformer.serve import openai as oa
 from mesh_transformer.serve import reasoning
 from mesh_transformer.serve import tools as tool_calls
 from mesh_transformer.serve.engine import Engine
 
-PLAIN_TEMPLATE = (  # no text right after a block tag: transformers renders with trim_blocks
-    "{% if tools %}Tools (to call one, write <tool_call>{\"name\": .., \"arguments\": {..}}</tool_call>):"
-    "{% for tool in tools %}{{ '\\n' }}{{ tool['function'] | tojson }}{% endfor %}{{ '\\n\\n' }}{% endif %}"
-    "{% for message in messages %}{{ message['role'] | capitalize }}: {{ message['content'] }}"
-    "{% for call in message['tool_calls'] or [] %}<tool_call>"
-    "{{ {'name': call['function']['name'], 'arguments': call['function']['arguments']} | tojson }}</tool_call>"
-    "{% endfor %}{{ '\\n\\n' }}{% endfor %}{% if add_generation_prompt %}Assistant:{% endif %}")
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
@@ -74,16 +56,6 @@ class TemplateFields(oa._Strict):
     add_generation_prompt: bool = True  # end where the assistant's reply starts
     continue_final_message: bool = False  # end inside the last message, for the model to go on with it
     chat_template_kwargs: Optional[dict[str, Any]] = None  # more variables for the template (enable_thinking ..)
-
-
-RESERVED = frozenset(inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters) | {"messages"}
-
-
-@dataclass(frozen=True)
-class Rendering:
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    variables: tuple[tuple[str, Any], ...] = ()  # chat_template_kwargs
 
 
 def rendering(body: TemplateFields) -> Rendering:
@@ -131,34 +103,6 @@ class ChatRequest(oa.StructuredFields, TemplateFields):
     functions: Optional[list] = None  # OpenAI's deprecated forms of tools and tool_choice: a 400 saying so
     function_call: Optional[Union[str, dict]] = None
     user: Optional[str] = None
-
-
-class ChatTemplate:
-    """Renders `messages` to the prompt text. `template`: Jinja source (default: the tokenizer's, else plain)."""
-
-    def __init__(self, tokenizer, template: Optional[str] = None):
-        own = getattr(tokenizer, "chat_template", None)
-        self.tokenizer = tokenizer
-        self.source = "file" if template else "tokenizer" if isinstance(own, str) and own else "plain"
-        self.template = template or (own if self.source == "tokenizer" else PLAIN_TEMPLATE)
-
-    @classmethod
-    def from_file(cls, tokenizer, path: Optional[str]) -> "ChatTemplate":
-        if path is None:
-            return cls(tokenizer)
-        with open(path, encoding="utf-8") as f:
-            return cls(tokenizer, f.read())
-
-    def render(self, messages: list[dict], how: Rendering = Rendering(), tools: Optional[list] = None) -> str:
-        """The prompt text (ending where the assistant's reply starts, unless `how` says otherwise);
-        `tools`: their specs (`tools.Tool.spec`). ValueError if the template refuses."""
-        try:
-            return self.tokenizer.apply_chat_template(messages, chat_template=self.template, tokenize=False,
-                                                      add_generation_prompt=how.add_generation_prompt,
-                                                      continue_final_message=how.continue_final_message, tools=tools,
-                                                      **dict(how.variables))
-        except Exception as e:  # noqa: BLE001 - jinja errors and templates' raise_exception(...)
-            raise ValueError(f"the chat template cannot render these messages ({type(e).__name__}: {e})") from None
 
 
 def _messages(messages: list[ChatMessage]) -> list[dict]:
