@@ -24,7 +24,7 @@ from tests.helpers import make_hf_model
 
 TOL = 1e-4
 CASES = ("gptj", "gpt_neox", "llama_gqa2_llama3_rope", "gpt2", "opt_projected", "phi3_window_partial",
-         "gemma3_local_rope", "mixtral_window")  # a family each
+         "gemma3_local_rope", "mixtral_window", "olmo2_gqa", "phi_gqa_yarn", "starcoder2_window")  # a family each
 SERVED = ("gptj", "llama_gqa2_llama3_rope", "mixtral_window")  # also checked through the OpenAI API
 MESH = {"gptj": (2, 2)}  # (dp, mp); others (1, 2)
 FAMILY_TASKS = {"gptj": TASKS}  # others skip the rolling-window task (the same code for every family)
