@@ -65,7 +65,7 @@ CORPUS = ["The quick brown fox jumps over the lazy dog.", "Pack my box with five
 class Tiny:
     """A random tiny GPT-J with its own byte-level BPE tokenizer saved beside the weights."""
 
-    def __init__(self, path, n_positions: int = 32):
+    def __init__(self, path, n_positions: int = 32, specials: tuple = ()):
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
         from transformers import PreTrainedTokenizerFast
 
@@ -73,7 +73,7 @@ class Tiny:
         bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         bpe.decoder = decoders.ByteLevel()
         bpe.train_from_iterator(CORPUS, trainers.BpeTrainer(
-            vocab_size=300, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+            vocab_size=300, special_tokens=["<|endoftext|>", *specials], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
         tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>")
         tokenizer.save_pretrained(path)
         # initializer_range 0.2: peaked logits, so greedy choices are not near-ties that 1e-7 noise could flip

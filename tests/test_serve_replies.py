@@ -10,6 +10,7 @@ long in its 300-token vocabulary) and the plain template, which lists the tools.
 from __future__ import annotations
 
 import json
+from typing import Optional
 
 import httpx
 import jsonschema
@@ -35,10 +36,15 @@ TOOLS = [WEATHER, CLOCK]
 ASK = [{"role": "user", "content": "Weather?"}]
 
 
+COMMA = 14  # "," in the tiny vocabulary
+THINK_ID, END_THINK_ID = 1, 2  # the reasoning markers: one token each (special), as in Qwen 3's and R1's vocabularies
+
+
 @pytest.fixture(scope="module")
 def tiny_long(tmp_path_factory):
     from mesh_transformer import loading
-    tiny = Tiny(tmp_path_factory.mktemp("tiny_tools"), n_positions=768)
+    tiny = Tiny(tmp_path_factory.mktemp("tiny_tools"), n_positions=768, specials=("<think>", "</think>"))
+    assert tiny.tokenizer.convert_tokens_to_ids(["<think>", "</think>", ","]) == [THINK_ID, END_THINK_ID, COMMA]
     model = loading.load(hf=str(tiny.path), mp=1, dp=1, dtype="float32")
     return tiny, Generator(model.config, model.params, model.mesh)
 
@@ -71,9 +77,9 @@ def prompt_ids(tiny, messages: list[dict], tool_specs: list[dict]) -> list[int]:
                                               add_generation_prompt=True, tokenize=True, return_dict=False)
 
 
-def library(tiny_long, ids: list[int], grammar: Grammar, new: int) -> tuple[str, str]:
+def library(tiny_long, ids: list[int], grammar: Optional[Grammar], new: int, **kw) -> tuple[str, str]:
     tiny, gen = tiny_long
-    opts = SamplingOptions(max_new_tokens=new, temperature=0.0, eos_token_id=tiny.eos, grammar=grammar)
+    opts = SamplingOptions(max_new_tokens=new, temperature=0.0, eos_token_id=tiny.eos, grammar=grammar, **kw)
     seq = gen.generate([ids] * 4, opts, tiny.tokenizer)[0]
     return seq.text, seq.finish_reason
 
@@ -165,22 +171,33 @@ def test_tools_without_parameters_take_none_and_others_take_objects():
     assert mcp.name == "github.create_issue"
 
 
-def test_required_shares_the_tools_definitions_at_the_root_of_its_schema(tiny_long):
-    """Each tool's `$defs` move to the root of "required"'s one schema, where `#/$defs/..` points."""
+def test_required_keeps_each_tools_own_references_pointing_into_its_parameters(tiny_long):
+    """"required" holds all the tools to one schema: each tool's parameters sit in its `$defs`, their
+    local references (`#/$defs/..`, `#/properties/..`, `#` itself) rewritten to point there, so two
+    tools may define one name differently and a recursive tool stays recursive."""
     tiny, _ = tiny_long
-    person = {"type": "object", "properties": {"name": {"enum": ["Ada", "Alan"]}}, "required": ["name"],
+    def tool(name, parameters):
+        return {"type": "function", "function": {"name": name, "parameters": {
+            "type": "object", "required": sorted(parameters["properties"]), "additionalProperties": False,
+            **parameters}}}
+    person = {"type": "object", "properties": {"name": {"enum": ["Ada"]}}, "required": ["name"],
               "additionalProperties": False}
-    book = {"type": "function", "function": {"name": "book", "parameters": {
-        "type": "object", "properties": {"who": {"$ref": "#/$defs/Person"}}, "required": ["who"],
-        "additionalProperties": False, "$defs": {"Person": person}}}}
-    plan = tools.Plan(tuple(tools.read_tools([book, CLOCK])), "required")
-    grammar = plan.grammar()[1]
-    matcher = llguidance.LLMatcher(llguidance.hf.from_tokenizer(tiny.tokenizer), grammar.source())
-    text = '[{"name": "book", "parameters": {"who": {"name": "Ada"}}}]'
-    assert not matcher.is_error() and all(matcher.consume_token(t) for t in tiny.tokenizer.encode(text))
-    assert matcher.is_accepting()
-    bad = llguidance.LLMatcher(llguidance.hf.from_tokenizer(tiny.tokenizer), grammar.source())
-    assert not all(bad.consume_token(t) for t in tiny.tokenizer.encode('[{"name": "book", "parameters": {"who": "Eve"'))
+    given = [tool("book", {"properties": {"who": {"$ref": "#/$defs/Person"}}, "$defs": {"Person": person}}),
+             tool("pay", {"properties": {"who": {"$ref": "#/$defs/Person"}}, "$defs": {"Person": {"enum": [5]}}}),
+             tool("tree", {"properties": {"kids": {"type": "array", "items": {"$ref": "#"}}}}),
+             tool("same", {"properties": {"a": {"enum": [1, 2]}, "b": {"$ref": "#/properties/a"}}})]
+    source = tools.Plan(tuple(tools.read_tools(given)), "required").grammar()[1].source()
+    view = llguidance.hf.from_tokenizer(tiny.tokenizer)
+
+    def takes(text: str) -> bool:
+        matcher = llguidance.LLMatcher(view, source)
+        assert not matcher.is_error(), matcher.get_error()
+        return all(matcher.consume_token(t) for t in tiny.tokenizer.encode(text)) and matcher.is_accepting()
+    assert takes('[{"name": "book", "parameters": {"who": {"name": "Ada"}}}, {"name": "pay", "parameters": {"who": 5}}]')
+    assert takes('[{"name": "tree", "parameters": {"kids": [{"kids": []}]}}]')
+    assert takes('[{"name": "same", "parameters": {"a": 1, "b": 2}}]')
+    assert not takes('[{"name": "pay", "parameters": {"who": {"name": "Ada"}}}]')
+    assert not takes('[{"name": "tree", "parameters": {"kids": [[]]}}]')  # "#" is the tool's parameters, not the array
 
 
 def test_a_named_and_a_required_choice_read_the_reply_held_to_their_grammar():
@@ -260,12 +277,13 @@ def test_a_named_tool_choice_returns_that_call_with_arguments_of_its_schema(serv
 def test_a_required_tool_choice_returns_calls_of_the_given_tools(servers, tiny_long, parallel):
     tiny, _ = tiny_long
     c = client(servers[None])
+    one = {str(COMMA): -100}  # greedy, the random model calls again and again: a comma only where the grammar must
     kw = dict(model="tiny", messages=ASK, tools=TOOLS, max_tokens=120, temperature=0, tool_choice="required",
-              parallel_tool_calls=parallel)
+              parallel_tool_calls=parallel, logit_bias=one)
     r = c.chat.completions.create(**kw)
     [choice] = r.choices
     grammar = tools.Plan(tuple(tools.read_tools(TOOLS)), "required", parallel).grammar()[1]
-    text, finish = library(tiny_long, prompt_ids(tiny, ASK, TOOLS), grammar, 120)
+    text, finish = library(tiny_long, prompt_ids(tiny, ASK, TOOLS), grammar, 120, logit_bias=((COMMA, -100.0),))
     assert finish == "stop", text
     expected = json.loads(text)
     assert [(t.function.name, json.loads(t.function.arguments)) for t in choice.message.tool_calls] == [
@@ -280,7 +298,7 @@ def test_a_required_tool_choice_returns_calls_of_the_given_tools(servers, tiny_l
         (t.function.name, t.function.arguments) for t in choice.message.tool_calls]
     for call in choice.message.tool_calls:
         assert call.function.arguments == json.dumps(json.loads(call.function.arguments))  # json.dumps' layout
-    sampled = c.chat.completions.create(**{**kw, "temperature": 1.0, "n": 4, "seed": 5})
+    sampled = c.chat.completions.create(**{**kw, "temperature": 1.0, "n": 4, "seed": 5, "logit_bias": None})
     called = [s for s in sampled.choices if s.finish_reason == "tool_calls"]
     assert called  # (others may be cut short by max_tokens)
     for s in called:  # sampled: still calls of the tools given, one at most without parallel calls
@@ -324,7 +342,7 @@ def test_a_mistral_servers_calls_come_back_to_its_template_in_the_next_turn(engi
                                            tool_parser="mistral"))
     try:
         c = client(base)
-        kw = dict(model="tiny", tools=TOOLS, max_tokens=80, temperature=0)
+        kw = dict(model="tiny", tools=TOOLS, max_tokens=80, temperature=0, parallel_tool_calls=False)
         for choice in ("required", {"type": "function", "function": {"name": "now"}}):
             r = c.chat.completions.create(messages=ASK, tool_choice=choice, **kw)
             [call, *_] = r.choices[0].message.tool_calls
@@ -372,9 +390,6 @@ BAD = [
     ({"functions": [CLOCK["function"]]}, "functions", "use tools"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}],
       "tool_choice": "none"}, "tools[0].function.parameters.type", "arguments are an object"),
-    ({"tools": [{"type": "function", "function": {"name": "a", "parameters": {"$defs": {"X": {"type": "string"}}}}},
-                {"type": "function", "function": {"name": "b", "parameters": {"$defs": {"X": {"type": "integer"}}}}}],
-      "tool_choice": "required"}, "tools[1].function.parameters.$defs.X", "an earlier tool defines it otherwise"),
     ({"messages": [{"role": "user", "content": "x", "tool_calls": [{"function": {"name": "now", "arguments": "{}"}}]}]},
      "messages[0].tool_calls", "only assistant"),
 ]
@@ -400,23 +415,29 @@ def test_an_unknown_parser_is_refused_when_the_app_is_made(engine):
 # Reasoning apart from the answer
 # --------------------------------------------------------------------------------------------
 
-THOUGHTS = [  # (parser, the prompt opens the block, reply, reasoning, answer)
-    ("deepseek_r1", True, "Two and two.\n</think>\n\nFour.", "Two and two.\n", "\n\nFour."),
-    ("deepseek_r1", False, "<think>\nsum\n</think>Four", "\nsum\n", "Four"),
-    ("deepseek_r1", True, "Still thinking about </thi", "Still thinking about </thi", ""),  # cut short
-    ("qwen3", False, "<think>sum</think>\n\nFour.", "sum", "\n\nFour."),
-    ("qwen3", False, "Four.", "", "Four."),  # enable_thinking false: the empty block is in the prompt
-    ("qwen3", True, "sum</think>Four", "sum", "Four"),  # a template that opens the block
-    ("qwen3", False, "<thinker> is a word", "", "<thinker> is a word"),
-    ("qwen3", False, "  <think>cut", "cut", ""),
+R1 = "<｜Assistant｜><think>\n"  # generation prompts: R1's opens the block,
+QWEN3 = "<|im_start|>assistant\n"  # Qwen 3's lets the reply open one,
+QWEN3_OFF = "<|im_start|>assistant\n<think>\n\n</think>\n\n"  # and with enable_thinking false closes it
+THOUGHTS = [  # (parser, the text before the reply, reply, reasoning, answer)
+    ("deepseek_r1", R1, "Two and two.\n</think>\n\nFour.", "Two and two.\n", "\n\nFour."),
+    ("deepseek_r1", QWEN3, "<think>\nsum\n</think>Four", "\nsum\n", "Four"),
+    ("deepseek_r1", QWEN3, "sum</think>Four", "sum", "Four"),  # R1 may leave out <think>
+    ("deepseek_r1", R1, "Still thinking about </thi", "Still thinking about </thi", ""),  # cut short
+    ("deepseek_r1", QWEN3_OFF, '{"a": 1}', "", '{"a": 1}'),  # thinking off: all answer
+    ("qwen3", QWEN3, "<think>sum</think>\n\nFour.", "sum", "\n\nFour."),
+    ("qwen3", QWEN3_OFF, "Four.", "", "Four."),
+    ("qwen3", QWEN3, "Four.", "", "Four."),
+    ("qwen3", R1, "sum</think>Four", "sum", "Four"),  # a template that opens the block
+    ("qwen3", QWEN3, "<thinker> is a word", "", "<thinker> is a word"),
+    ("qwen3", QWEN3, "  <think>cut", "cut", ""),
 ]
 
 
-@pytest.mark.parametrize("parser,opens,text,thought,answer", THOUGHTS,
+@pytest.mark.parametrize("parser,start,text,thought,answer", THOUGHTS,
                          ids=[f"{t[0]}-{i}" for i, t in enumerate(THOUGHTS)])
-def test_reasoning_is_told_from_the_answer_whole_and_in_any_pieces(parser, opens, text, thought, answer):
-    thinking = reasoning.Thinking.of(parser, "<|Assistant|><think>\n" if opens else "<|im_start|>assistant\n")
-    assert thinking.prompt_opens == opens
+def test_reasoning_is_told_from_the_answer_whole_and_in_any_pieces(parser, start, text, thought, answer):
+    thinking = reasoning.Thinking.of(parser, start)
+    assert thinking.prompt == {R1: "opened", QWEN3: "", QWEN3_OFF: "closed"}[start]
     assert thinking.split(text, final=True) == (thought, answer)
     for size in (1, 2, 5, len(text)):
         reader, got = reasoning.Reader(thinking), ["", ""]
@@ -425,11 +446,13 @@ def test_reasoning_is_told_from_the_answer_whole_and_in_any_pieces(parser, opens
             new = reader.feed(piece, i == len(pieces) - 1)
             got = [got[0] + new[0], got[1] + new[1]]
         assert tuple(got) == (thought, answer), size
+    grammar = Grammar.choice(YES_NO)
+    assert (thinking.hold(grammar) == grammar) == (start == QWEN3_OFF)  # no thinking: the grammar from the start
 
 
 def test_tool_calls_are_read_from_the_answer_after_the_reasoning():
-    shape = Shape(tools.Plan(tuple(tools.read_tools(TOOLS)), "auto", parser="hermes"),
-                  reasoning.Thinking("deepseek_r1", prompt_opens=True))
+    opened = reasoning.Thinking("deepseek_r1", "opened")
+    shape = Shape(tools.Plan(tuple(tools.read_tools(TOOLS)), "auto", parser="hermes"), opened)
     text = 'They want <tool_call>s.</think>Checking.<tool_call>{"name": "now", "arguments": {}}</tool_call>'
     message, finish = shape.message(text, "stop")
     assert message["reasoning"] == message["reasoning_content"] == "They want <tool_call>s."  # not read for calls
@@ -445,31 +468,53 @@ def test_tool_calls_are_read_from_the_answer_after_the_reasoning():
     assert got == {"reasoning": "They want <tool_call>s.", "content": "Checking.",
                    "calls": [{"name": "now", "arguments": "{}"}]}
     assert reply.finish_reason("stop") == "tool_calls"
-    thinking_only = Shape(None, reasoning.Thinking("deepseek_r1")).message("Hmm", "length")
+    thinking_only = Shape(None, opened).message("Hmm", "length")
     assert thinking_only == ({"role": "assistant", "content": None, "reasoning": "Hmm", "reasoning_content": "Hmm"},
                              "length")
 
 
+def test_a_named_call_after_thinking_starts_with_its_arguments():
+    named = Shape(tools.Plan(tuple(tools.read_tools(TOOLS)), tools.read_tools(TOOLS)[1]),
+                  reasoning.Thinking("deepseek_r1", "opened"))
+    message, finish = named.message("Time?</think>\n\n{}", "stop")
+    assert message["tool_calls"][0]["function"] == {"name": "now", "arguments": "{}"} and finish == "stop"
+    assert message["reasoning"] == "Time?"
+    reply = StreamedReply(named)
+    thinking = [reply.feed("Time?", False), reply.feed("</think>\n", False)]
+    assert all("tool_calls" not in d for d in thinking)  # no call before its arguments begin
+    assert reply.feed("\n{}", True)["tool_calls"][0]["function"] == {"name": "now", "arguments": "{}"}
+    cut = named.message("Still thinking", "length")  # cut short while thinking: no call
+    assert cut == ({"role": "assistant", "content": None, "reasoning": "Still thinking",
+                    "reasoning_content": "Still thinking"}, "length")
+
+
 YES_NO = ["yes", "no"]
-OPENS = "{% for m in messages %}{{ m['content'] }}|{% endfor %}<think>\n"  # as R1's template ends the prompt
+THINKS = ("{% for m in messages %}{% if m['reasoning_content'] %}({{ m['reasoning_content'] }}){% endif %}"
+          "{{ m['content'] }}|{% endfor %}{% if add_generation_prompt %}{% if enable_thinking is defined and "
+          "not enable_thinking %}<think></think>{% else %}<think>{% endif %}{% endif %}")  # R1's / Qwen 3's way
+
+
+def hf_ids(tiny, messages, **variables) -> list[int]:
+    return tiny.tokenizer.apply_chat_template(messages, chat_template=THINKS, tokenize=True, return_dict=False,
+                                              add_generation_prompt=True, **variables)
 
 
 @pytest.mark.parametrize("parser", reasoning.PARSERS)
 def test_a_reasoning_parser_returns_the_thinking_as_reasoning(engine, tiny_long, parser):
-    """The tiny model never closes the block the template opens: all of its reply is reasoning
-    (cut short by max_tokens), under either parser; a grammar's reply is all answer."""
-    tiny, _ = tiny_long
-    server, base = start_server(create_app(engine, model_name="tiny", api_key=KEY, chat_template=OPENS,
+    """The template opens the block and the tiny model never closes it: all of its reply is
+    reasoning (cut short by max_tokens). Made to close it at once (a logit bias on the `</think>`
+    token), a grammar holds the answer after it. With thinking off, all of the reply is answer."""
+    tiny, gen = tiny_long
+    server, base = start_server(create_app(engine, model_name="tiny", api_key=KEY, chat_template=THINKS,
                                            reasoning_parser=parser))
     try:
         c = client(base)
         kw = dict(model="tiny", messages=ASK, max_tokens=12, temperature=0)
         r = c.chat.completions.create(**kw)
         [choice] = r.choices
-        ids = tiny.tokenizer.apply_chat_template(ASK, chat_template=OPENS, tokenize=True, return_dict=False)
-        assert tiny.tokenizer.decode(ids) == "Weather?|<think>"  # (Jinja drops the template's last newline)
-        expected = tiny_long[1].generate([ids] * 4, SamplingOptions(max_new_tokens=12, temperature=0.0,
-                                                                   eos_token_id=tiny.eos), tiny.tokenizer)[0].text
+        ids = hf_ids(tiny, ASK)
+        assert tiny.tokenizer.decode(ids) == "Weather?|<think>" and ids[-1] == THINK_ID  # the marker: one token
+        expected, _ = library(tiny_long, ids, None, 12)
         assert "</think>" not in expected and choice.finish_reason == "length"
         assert choice.message.content is None
         assert field(choice.message, "reasoning") == field(choice.message, "reasoning_content") == expected
@@ -477,36 +522,56 @@ def test_a_reasoning_parser_returns_the_thinking_as_reasoning(engine, tiny_long,
         pieces = [field(ch.choices[0].delta, "reasoning") or "" for ch in chunks if ch.choices]
         assert "".join(pieces) == expected and len([p for p in pieces if p]) > 1
         assert all(not ch.choices[0].delta.content for ch in chunks if ch.choices)
-        # a grammar holds the answer after the thinking: the library's text under it, split the same way
-        held = c.chat.completions.create(**{**kw, "max_tokens": 40}, extra_body={"structured_outputs": {"choice": YES_NO}})
-        thinking = reasoning.Thinking(parser, prompt_opens=True)
-        text, finish = library(tiny_long, ids, thinking.hold(Grammar.choice(YES_NO)), 40)
-        thought, answer = thinking.split(text, final=True)
-        assert (field(held.choices[0].message, "reasoning"), held.choices[0].message.content) == (thought, answer or None)
-        assert held.choices[0].finish_reason == finish
+
+        closing = {str(END_THINK_ID): 100}  # the model closes the block at once; the grammar holds what follows
+        held = c.chat.completions.create(**{**kw, "max_tokens": 20}, logit_bias=closing,
+                                         extra_body={"structured_outputs": {"choice": YES_NO}})
+        thinking = reasoning.Thinking.of(parser, "<think>", tiny.tokenizer)
+        assert (thinking.prompt, thinking.closer_id) == ("opened", END_THINK_ID)
+        text, finish = library(tiny_long, ids, thinking.hold(Grammar.choice(YES_NO)), 20,
+                               logit_bias=((END_THINK_ID, 100.0),))
+        assert text.startswith("</think>") and text[len("</think>"):].strip() in YES_NO and finish == "stop"
+        assert (field(held.choices[0].message, "reasoning"), held.choices[0].message.content) == (
+            None, text[len("</think>"):])
+        assert held.choices[0].finish_reason == "stop"
+
+        off = {"chat_template_kwargs": {"enable_thinking": False}}  # the prompt closes the block: no reasoning
+        plain = c.chat.completions.create(**kw, extra_body=off)
+        closed_ids = hf_ids(tiny, ASK, enable_thinking=False)
+        assert plain.choices[0].message.content == library(tiny_long, closed_ids, None, 12)[0]
+        assert field(plain.choices[0].message, "reasoning") is None
+        answer = c.chat.completions.create(**kw, extra_body={**off, "structured_outputs": {"choice": YES_NO}})
+        assert answer.choices[0].message.content == library(tiny_long, closed_ids, Grammar.choice(YES_NO), 12)[0]
+
         earlier = [*ASK, {"role": "assistant", "content": "Sunny.", "reasoning": "Look it up."}, *ASK]
+        hf_earlier = [*ASK, {"role": "assistant", "content": "Sunny.", "reasoning_content": "Look it up."}, *ASK]
         assert c.chat.completions.create(**{**kw, "messages": earlier}).usage.prompt_tokens == len(
-            tiny.tokenizer.encode("Weather?|Sunny.|Weather?|<think>"))
+            hf_ids(tiny, hf_earlier)) == len(tiny.tokenizer.encode("Weather?|(Look it up.)Sunny.|Weather?|")) + 1
     finally:
         server.should_exit = True
 
 
-def test_a_grammar_may_follow_a_block_the_reply_opens_itself(engine, tiny_long):
-    """qwen3 with a template that does not open the block: the reply may open one; the grammar holds
-    what follows it (or the whole reply, if it does not think)."""
+def test_a_reply_may_open_its_own_block_or_answer_at_once_under_a_grammar(engine, tiny_long):
+    """qwen3 with a template that does not open the block: the reply may open one (the grammar then
+    holds what follows it) or answer at once (here: made to, a bias against `<think>`)."""
     tiny, _ = tiny_long
     server, base = start_server(create_app(engine, model_name="tiny", api_key=KEY, reasoning_parser="qwen3"))
     try:
-        kw = dict(model="tiny", messages=ASK, max_tokens=60, temperature=0)
-        r = client(base).chat.completions.create(**kw, extra_body={"structured_outputs": {"choice": YES_NO}})
+        kw = dict(model="tiny", messages=ASK, max_tokens=20, temperature=0,
+                  extra_body={"structured_outputs": {"choice": YES_NO}})
         ids = prompt_ids(tiny, ASK, None)
-        thinking = reasoning.Thinking("qwen3")
-        text, finish = library(tiny_long, ids, thinking.hold(Grammar.choice(YES_NO)), 60)
-        thought, answer = thinking.split(text, final=True)
-        message = r.choices[0].message
-        assert (field(message, "reasoning"), message.content, r.choices[0].finish_reason) == (
-            thought or None, answer or None, finish)
-        if finish == "stop":
-            assert answer.strip() in YES_NO
+        thinking = reasoning.Thinking.of("qwen3", "Assistant:", tiny.tokenizer)
+        for bias in (-100.0, 100.0):
+            r = client(base).chat.completions.create(**kw, logit_bias={str(THINK_ID): bias})
+            text, finish = library(tiny_long, ids, thinking.hold(Grammar.choice(YES_NO)), 20,
+                                   logit_bias=((THINK_ID, bias),))
+            thought, answer = thinking.split(text, final=True)
+            message = r.choices[0].message
+            assert (field(message, "reasoning"), message.content, r.choices[0].finish_reason) == (
+                thought or None, answer or None, finish)
+            if bias < 0:
+                assert answer in YES_NO and finish == "stop" and not thought
+            else:
+                assert text.startswith("<think>")  # opened: thinking until `max_tokens` (the model never closes it)
     finally:
         server.should_exit = True

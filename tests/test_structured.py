@@ -8,6 +8,7 @@ library's.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import threading
@@ -173,19 +174,32 @@ AFTER = [  # (grammar, an answer it takes, one it refuses)
 ]
 
 
+@pytest.mark.parametrize("markers", ["text", "tokens", "special tokens"])
 @pytest.mark.parametrize("grammar,good,bad", AFTER, ids=[g[0].kind for g in AFTER])
-def test_a_grammar_after_thinking_holds_the_answer_not_the_thinking(tiny, grammar, good, bad):
+def test_a_grammar_after_thinking_holds_the_answer_not_the_thinking(tiny, grammar, good, bad, markers):
     """A reasoning model's reply: free text up to "</think>" (any, the grammar's own syntax too),
     blank space, then the grammar. Without an opener the reply starts inside the block; with one,
-    the block is optional and starts with it. llguidance's own matcher is the judge."""
-    view = llguidance.hf.from_tokenizer(tiny.tokenizer)
+    the block is optional and starts with it. The markers are text, or tokens of their own as in
+    Qwen 3's and R1's vocabularies (added, special or not: llguidance takes either for special).
+    llguidance's own matcher is the judge."""
+    from tokenizers import AddedToken
+    tok = tiny.tokenizer
+    if markers != "text":
+        tok = copy.deepcopy(tok)
+        special = markers == "special tokens"
+        tok.add_tokens([AddedToken(m, special=special, normalized=False) for m in ("<think>", "</think>")],
+                       special_tokens=special)
+    view = llguidance.hf.from_tokenizer(tok)
+    ids = [-1, -1] if markers == "text" else tok.convert_tokens_to_ids(["<think>", "</think>"])
+    assert ids == [-1, -1] or (len(tok.encode("<think>")) == 1 and len(tok.encode("</think>")) == 1)
 
     def takes(g: Grammar, text: str) -> bool:
         matcher = llguidance.LLMatcher(view, g.source())
         assert not matcher.is_error(), matcher.get_error()
-        return all(matcher.consume_token(t) for t in tiny.tokenizer.encode(text)) and matcher.is_accepting()
+        return all(matcher.consume_token(t) for t in tok.encode(text)) and matcher.is_accepting()
 
-    inside, optional = grammar.after_thinking("</think>"), grammar.after_thinking("</think>", "<think>")
+    inside = grammar.after_thinking("</think>", closer_id=ids[1])
+    optional = grammar.after_thinking("</think>", "<think>", ids[1], ids[0])
     assert takes(inside, f"{bad} {{ not yet\n</think>\n\n{good}") and takes(optional, f"<think>{bad}</think>{good}")
     assert takes(optional, good) and not takes(inside, good)  # the block is optional only with an opener
     assert not takes(inside, f"hmm</think>{bad}") and not takes(optional, f"<think>hmm</think>{bad}")

@@ -38,7 +38,7 @@ class Grammar:
     spec: str
     any_whitespace: bool = True
     separators: Optional[tuple[str, str]] = None
-    thinking: tuple[str, ...] = ()  # (opener, closer): free text first (`after_thinking`)
+    thinking: tuple = ()  # (opener, closer, opener's token, closer's token): free text first (`after_thinking`)
 
     @classmethod
     def json_schema(cls, schema: dict | str, any_whitespace: bool = True,
@@ -64,12 +64,14 @@ class Grammar:
         """A Lark grammar (llguidance's dialect), or a GBNF one (llama.cpp's `root ::= ...`), converted."""
         return cls("grammar", grammar)
 
-    def after_thinking(self, closer: str, opener: str = "") -> "Grammar":
+    def after_thinking(self, closer: str, opener: str = "", closer_id: int = -1, opener_id: int = -1) -> "Grammar":
         """This grammar after a reasoning model's thinking: free text up to the first `closer` (e.g.
         "</think>") and any blank space, then this grammar. With `opener`, the thinking is optional
         and, when there, starts with it (a reply that may open its own block); without, the reply
-        starts inside the block (its template opened it in the prompt)."""
-        return dataclasses.replace(self, thinking=(opener, closer))
+        starts inside the block (its template opened it in the prompt). `closer_id` / `opener_id`:
+        the marker's own token where the tokenizer has one (llguidance takes an added `<..>` token
+        for a special one, which its text alone does not match); else the marker is text."""
+        return dataclasses.replace(self, thinking=(opener, closer, opener_id, closer_id))
 
     def source(self) -> str:
         """The grammar as llguidance takes it; ValueError naming what is wrong with the spec itself."""
@@ -78,10 +80,12 @@ class Grammar:
         inner = self._source()  # llguidance's grammar list (the first is the start), or Lark text
         top = json.loads(inner) if inner.lstrip().startswith("{") else {"grammars": [{"lark_grammar": inner}]}
         top["grammars"][0]["name"] = "answer"
-        opener, closer = self.thinking
-        think = (f'think[lazy]: {json.dumps(opener)} TEXT {json.dumps(closer)}' if opener
-                 else f"think[lazy]: TEXT {json.dumps(closer)}")
-        lark = "\n".join(("%llguidance {}", f"start: {'(think GAP)?' if opener else 'think GAP'} @answer", think,
+        opener, closer, opener_id, closer_id = self.thinking
+        marker = lambda text, token: f"<[{token}]>" if token >= 0 else json.dumps(text)  # noqa: E731
+        lazy = "" if closer_id >= 0 else "[lazy]"  # text: up to the first closer; a token ends TEXT itself
+        opening = f"{marker(opener, opener_id)} " if opener else ""
+        lark = "\n".join(("%llguidance {}", f"start: {'(think GAP)?' if opener else 'think GAP'} @answer",
+                          f"think{lazy}: {opening}TEXT {marker(closer, closer_id)}",
                           "TEXT: /(.|\\n)*/", "GAP: /[ \\t\\r\\n]*/", ""))
         return json.dumps({**top, "grammars": [{"name": "thinking", "lark_grammar": lark}, *top["grammars"]]})
 

@@ -32,7 +32,8 @@ PLAIN_TEMPLATE = (  # no text right after a block tag: transformers renders with
     "{{ {'name': call['function']['name'], 'arguments': call['function']['arguments']} | tojson }}</tool_call>"
     "{% endfor %}{{ '\\n\\n' }}{% endfor %}{% if add_generation_prompt %}Assistant:{% endif %}")
 
-RESERVED = frozenset(inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters) | {"messages"}
+RESERVED = frozenset(inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters) | {
+    "messages", "conversations"}  # what transformers passes the template itself
 
 
 @dataclass(frozen=True)

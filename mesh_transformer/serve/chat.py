@@ -178,6 +178,23 @@ def encoded_messages(s: oa.Settings, messages: list[ChatMessage], how: Rendering
     return oa.encode(s.engine, text, "messages", add_special_tokens=add_special_tokens)
 
 
+def _reply_start(s: oa.Settings, body: ChatRequest, plan: Optional[tool_calls.Plan]) -> str:
+    """The text the template puts just before the reply: the final message it continues, or the
+    generation prompt (the rendering with it less the rendering without)."""
+    how, messages = rendering(body), _messages(body.messages)
+    if how.continue_final_message:
+        return messages[-1]["content"]
+    if not how.add_generation_prompt:
+        return ""
+    tools = plan.specs() if plan else None
+    cue = s.chat.render(messages, how, tools)
+    try:
+        bare = s.chat.render(messages, dataclasses.replace(how, add_generation_prompt=False), tools)
+    except ValueError:
+        bare = ""
+    return cue[len(bare):] if bare and cue.startswith(bare) else cue[-256:]
+
+
 def _tool_grammar(engine: Engine, plan: tool_calls.Plan) -> Grammar:
     """The grammar a named or required tool choice holds the reply to, compiled once to check it; a
     400 naming the tool whose parameters do not compile."""
@@ -220,7 +237,7 @@ async def chat_completions(s: oa.Settings, http: HttpRequest):
         if e.param == "max_tokens":
             e.param, e.message = field, e.message.replace("max_tokens", field)
         raise
-    thinking = reasoning.Thinking.of(s.reasoning_parser, engine.tokenizer.decode(ids[-16:])) \
+    thinking = reasoning.Thinking.of(s.reasoning_parser, _reply_start(s, body, plan), engine.tokenizer) \
         if s.reasoning_parser else None
     if thinking is not None and opts.grammar is not None:  # the grammar holds the answer, after the thinking
         opts = dataclasses.replace(opts, grammar=thinking.hold(opts.grammar))

@@ -7,11 +7,14 @@ message's `reasoning` (vLLM's field, as OpenAI advises for chains of thought) an
 which is also where tool calls are looked for. Streamed, chunks carry `delta.reasoning` /
 `delta.reasoning_content` and then `delta.content`.
 
-- `deepseek_r1`: the reply starts inside the block (R1's template opens it in the prompt, and the
-  model may omit `<think>`); no `</think>`: all of it is reasoning (the thinking was cut short).
-- `qwen3`: the reply starts inside the block if it begins with `<think>` or the prompt ends with
-  one (templates that open it, e.g. the 2507 Thinking models'); otherwise it is all answer (as
-  with `chat_template_kwargs: {"enable_thinking": false}`, whose empty block is in the prompt).
+Where the reply starts is read from the text the template puts just before it: a last `<think>`
+there (R1's templates, Qwen 3's 2507 Thinking models') starts it inside the block; a last
+`</think>` (Qwen 3 with `chat_template_kwargs: {"enable_thinking": false}`, DeepSeek V3.1's
+non-thinking mode) means no thinking: all of the reply is answer. With neither:
+
+- `deepseek_r1`: the reply starts inside the block (R1 may omit `<think>`); no `</think>`: all of
+  it is reasoning (the thinking was cut short).
+- `qwen3`: the reply thinks if it begins with `<think>`; otherwise it is all answer.
 
 A grammar (structured outputs, a named or required tool choice) holds the answer, not the
 thinking: the reply may think freely until `</think>` (`Grammar.after_thinking`), as vLLM's
@@ -32,25 +35,43 @@ class Thinking:
     """How one request's replies split into reasoning and answer."""
 
     parser: str
-    prompt_opens: bool = False  # the rendered prompt ends inside a block its template opened
+    prompt: str = ""  # "opened": the prompt leaves the reply inside a block; "closed": it closed it (no thinking)
+    opener_id: int = -1  # the markers' own tokens, where the tokenizer has them (-1: text)
+    closer_id: int = -1
 
     @classmethod
-    def of(cls, parser: str, prompt_tail: str) -> "Thinking":
-        """`prompt_tail`: the prompt's last few tokens as text."""
-        return cls(parser, prompt_tail.rstrip().endswith(OPEN))
+    def of(cls, parser: str, reply_start: str, tokenizer=None) -> "Thinking":
+        """`reply_start`: the text the template puts just before the reply (its generation prompt, or
+        the final message a reply continues). Its last marker says where the reply starts: inside a
+        block (R1's `<think>\n`), after one (Qwen 3's `enable_thinking: false`, an empty closed
+        block), or neither."""
+        opened, closed = reply_start.rfind(OPEN), reply_start.rfind(CLOSE)
+        state = "opened" if opened > closed else "closed" if closed > opened else ""
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        token = lambda marker: -1 if backend is None or backend.token_to_id(marker) is None \
+            else backend.token_to_id(marker)  # noqa: E731
+        return cls(parser, state, token(OPEN), token(CLOSE))
+
+    @property
+    def thinks(self) -> bool:
+        return self.prompt != "closed"
 
     @property
     def starts_inside(self) -> bool:
         """Whether a reply starts inside the block without writing `<think>` (else it may write it)."""
-        return self.parser == "deepseek_r1" or self.prompt_opens
+        return self.prompt == "opened" or (self.prompt == "" and self.parser == "deepseek_r1")
 
     def hold(self, grammar):
-        """`grammar` (a `structured.Grammar`) for the answer, after the thinking."""
-        return grammar.after_thinking(CLOSE, "" if self.starts_inside else OPEN)
+        """`grammar` (a `structured.Grammar`) for the answer, after any thinking."""
+        if not self.thinks:
+            return grammar
+        return grammar.after_thinking(CLOSE, "" if self.starts_inside else OPEN, self.closer_id, self.opener_id)
 
     def split(self, text: str, final: bool) -> tuple[str, str]:
         """(reasoning, answer) in the reply so far (`final`: all of it); each only grows as text does,
         so a stream sends what is new of each."""
+        if not self.thinks:
+            return "", text
         head = text.lstrip()
         if head.startswith(OPEN):
             inside, body = True, head[len(OPEN):]

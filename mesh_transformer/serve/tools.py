@@ -80,7 +80,7 @@ def _arguments(args) -> Optional[str]:
     """Arguments as a call's JSON text of an object (None: not an object; a string is taken if its
     JSON is one)."""
     try:
-        decoded = json.loads(args) if isinstance(args, str) else args
+        decoded = {} if args is None else json.loads(args) if isinstance(args, str) else args
         return json.dumps(decoded, ensure_ascii=False, allow_nan=False) if isinstance(decoded, dict) else None
     except ValueError:  # not JSON, or NaN / Infinity, which JSON does not have
         return None
@@ -198,7 +198,7 @@ def _mistral_array(rest: str, new_id) -> Optional[tuple[list[Call], str]]:
 
 
 def _mistral_args(rest: str, new_id) -> Optional[tuple[list[Call], str]]:
-    """(calls, the text after them) of `name[ARGS]{..}[TOOL_CALLS]name[ARGS]{..}`."""
+    """(calls, the text after and between them) of `name[ARGS]{..}[TOOL_CALLS]name[ARGS]{..}`."""
     calls, tail = [], ""
     for part in rest.split(TOOL_CALLS):
         name, marker, args = part.partition(ARGS)
@@ -210,7 +210,7 @@ def _mistral_args(rest: str, new_id) -> Optional[tuple[list[Call], str]]:
         if call is None:
             return None
         calls.append(call)
-        tail = args[end:] if args[end:].strip() else ""
+        tail += args[end:] if args[end:].strip() else ""
     return calls, tail
 
 
@@ -257,21 +257,14 @@ def read_tools(given: Optional[list]) -> list[Tool]:
     return tools
 
 
-def _shared_definitions(tools: tuple[Tool, ...]) -> tuple[list[dict], dict]:
-    """Each tool's parameters without its `$defs` / `definitions`, and those gathered at the root of
-    "required"'s one schema, where its `#/$defs/..` references point; two tools defining one name
-    differently is a 400 naming the second."""
-    shared: dict = {}
-    parameters = []
-    for i, tool in enumerate(tools):
-        own = dict(tool.parameters)
-        for key in ("$defs", "definitions"):
-            for name, schema in (own.pop(key, None) or {}).items():
-                if shared.setdefault(key, {}).setdefault(name, schema) != schema:
-                    _bad(f"tools[{i}].function.parameters.{key}.{name}", "an earlier tool defines it otherwise; "
-                         "\"required\" holds all the tools to one schema, whose definitions they share")
-        parameters.append(own)
-    return parameters, shared
+def _rooted(schema, at: str):
+    """`schema` with each local reference (`#..`) made to point into it where it now sits, `at`."""
+    if isinstance(schema, dict):
+        return {k: at + v[1:] if k == "$ref" and isinstance(v, str) and v.startswith("#") else _rooted(v, at)
+                for k, v in schema.items()}
+    if isinstance(schema, list):
+        return [_rooted(v, at) for v in schema]
+    return schema
 
 
 @dataclass(frozen=True)
@@ -301,12 +294,12 @@ class Plan:
                     Grammar.json_schema(self.named.parameters, separators=JSON_DUMPS))
         if self.choice != "required":
             return None
-        parameters, definitions = _shared_definitions(self.tools)
-        items = [{"type": "object", "properties": {"name": {"const": t.name}, "parameters": p},
-                  "required": ["name", "parameters"], "additionalProperties": False}
-                 for t, p in zip(self.tools, parameters)]
+        # each tool's parameters sit in the root's $defs, their own references (`#/$defs/..`, `#`) rewritten
+        definitions = {f"tool_{i}": _rooted(t.parameters, f"#/$defs/tool_{i}") for i, t in enumerate(self.tools)}
+        items = [{"type": "object", "properties": {"name": {"const": t.name}, "parameters": {"$ref": f"#/$defs/tool_{i}"}},
+                  "required": ["name", "parameters"], "additionalProperties": False} for i, t in enumerate(self.tools)]
         schema = {"type": "array", "items": {"anyOf": items}, "minItems": 1,
-                  **({} if self.parallel else {"maxItems": 1}), **definitions}
+                  **({} if self.parallel else {"maxItems": 1}), "$defs": definitions}
         return "tools", Grammar.json_schema(schema, separators=JSON_DUMPS)
 
     def parameter_grammars(self) -> list[tuple[str, Grammar]]:
@@ -317,8 +310,8 @@ class Plan:
     def split(self, text: str, final: bool) -> tuple[str, list[Call]]:
         """(content, calls) in the text so far (`final`: all of it). Content only grows as text does;
         calls are whole when they appear."""
-        if self.named is not None:
-            return "", [Call(self.named.name, text, self.new_id())] if final else []
+        if self.named is not None:  # (blank space before the arguments is the thinking's, when there is one)
+            return "", [Call(self.named.name, text.lstrip(), self.new_id())] if final and text.strip() else []
         if self.choice == "required":
             if not final:
                 return "", []
@@ -375,7 +368,9 @@ class Reader:
         return delta
 
     def _named(self, piece: str) -> dict:
-        if not piece and self.calls:
+        if not self.calls:
+            piece = piece.lstrip()  # the call starts with its arguments' first character
+        if not piece:
             return {}
         first = not self.calls
         self.calls = 1
