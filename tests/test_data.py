@@ -373,10 +373,10 @@ def test_a_chat_dataset_is_packed_whole_and_masked_with_the_plain_or_a_given_tem
     tokens, mask = all_rows(ds)
     assert ds.has_mask and ds.has_segments and ds.index["stats"]["conversations"] == 3
     assert ds.index["stats"]["conversations_dropped_too_long"] == 1
-    trained = tokens[:, 1:][mask == 1]  # the plain template (the gpt2 tokenizer has none): "Role: content"
-    assert tok.decode(trained) == " 4, naïvely.\n\n 8\n\n Yo\n\n"
-    first = tok.encode("System: Answer briefly.\n\nUser: 2+2?\n\nAssistant: 4, naïvely.\n\n"
-                       "User: And 3+5?\n\nAssistant: 8\n\n")
+    trained = tokens[:, 1:][mask == 1]  # the plain template (the gpt2 tokenizer has none), an EOS after each turn
+    assert tok.decode(trained) == " 4, naïvely.\n\n<|endoftext|> 8\n\n<|endoftext|> Yo\n\n<|endoftext|>"
+    first = (tok.encode("System: Answer briefly.\n\nUser: 2+2?\n\nAssistant:") + tok.encode(" 4, naïvely.\n\n")
+             + [EOS] + tok.encode("User: And 3+5?\n\nAssistant:") + tok.encode(" 8\n\n") + [EOS])
     assert tokens[0, :len(first)].tolist() == first  # whole, from the row's start
     (tmp_path / "chatml.jinja").write_text(CHATML)
     out = tmp_path / "out2"
@@ -388,12 +388,49 @@ def test_a_chat_dataset_is_packed_whole_and_masked_with_the_plain_or_a_given_tem
     assert tok.decode(tokens[:, 1:][mask == 1]) == "4, naïvely.<|im_end|>\n8<|im_end|>\nYo<|im_end|>\n"
 
 
+def test_a_conversation_is_rendered_as_the_server_renders_a_request(tok):
+    """The same message and tool handling as /v1/chat/completions: a call's `arguments` (JSON text)
+    reach the template as an object, `developer` is `system`, text parts are joined, tools get their
+    object type; `weight: 0` turns are not trained, nor a first message of the assistant's (where it
+    starts cannot be told)."""
+    from mesh_transformer.data import conversations
+    from mesh_transformer.io.chat_template import PLAIN_TEMPLATE, ChatTemplate
+    messages = [{"role": "developer", "content": [{"type": "text", "text": "Be "}, {"type": "text", "text": "brief."}]},
+                {"role": "user", "content": "Weather?"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "c1", "type": "function", "function": {"name": "w", "arguments": '{"city": "Oslo"}'}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "Snow."},
+                {"role": "assistant", "content": "Snow.", "weight": 0}]
+    tools = [{"type": "function", "function": {"name": "w", "parameters": {"properties": {"city": {"type": "string"}}}}}]
+    conv = conversations.read({"messages": messages, "tools": tools}, "x")
+    ids, mask = conversations.encode(ChatTemplate(tok), conv)
+    hf_messages = [{"role": "system", "content": "Be brief."}, messages[1],
+                   {"role": "assistant", "content": "", "tool_calls": [
+                       {"id": "c1", "type": "function", "function": {"name": "w", "arguments": {"city": "Oslo"}}}]},
+                   messages[3], {"role": "assistant", "content": "Snow."}]
+    hf_tools = [{"type": "function", "function": {"name": "w", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}]
+    text = tok.apply_chat_template(hf_messages, tools=hf_tools, chat_template=PLAIN_TEMPLATE, tokenize=False)
+    assert tok.decode(ids) == text.replace('</tool_call>\n\n', '</tool_call>\n\n<|endoftext|>', 1)
+    assert tok.decode(np.array(ids)[mask == 1]) == ' <tool_call>{"name": "w", "arguments": {"city": "Oslo"}}</tool_call>' \
+        "\n\n<|endoftext|>"  # the weight-0 turn is not trained
+    lead = conversations.read({"messages": [{"role": "assistant", "content": "Hi!"}, {"role": "user", "content": "Yo"},
+                                            {"role": "assistant", "content": "Ok"}]}, "x")
+    ids, mask = conversations.encode(ChatTemplate(tok, CHATML), lead)
+    assert tok.decode(np.array(ids)[mask == 1]) == "Ok<|im_end|>\n"
+    assert tok.decode(ids).startswith("<|im_start|>assistant\nHi!<|im_end|>")  # rendered, not trained
+
+
 @pytest.mark.parametrize("record, message", [
     ({"messages": []}, "line 1: field 'messages' must be a non-empty list"),
-    ({"messages": [{"role": "wizard", "content": "x"}]}, "line 1: messages[0].role must be one of"),
-    ({"messages": [{"role": "user", "content": 5}]}, "line 1: messages[0].content must be a string, got int"),
-    ({"messages": [{"role": "user", "content": "x"}]}, "line 1: no assistant message: nothing to train on"),
-    ({"messages": CHAT, "tools": "none"}, "line 1: field 'tools' must be a list"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, "line 1: messages[0].role: must be one of"),
+    ({"messages": [{"role": "user", "content": 5}]}, "line 1: messages[0].content: must be a string, got int"),
+    ({"messages": [{"role": "user", "content": "x"}]}, "line 1: no assistant message to train on"),
+    ({"messages": CHAT, "tools": "none"}, "line 1: tools: a list of tools"),
+    ({"messages": CHAT, "tools": [{"type": "retrieval"}]}, "line 1: tools[0].type: only function tools"),
+    ({"messages": [*CHAT[:2], {"role": "assistant", "tool_calls": [{"function": {"name": "w", "arguments": "{oops"}}]}]},
+     "line 1: messages[2].tool_calls[0].function.arguments: an object (or its JSON text) is required, got not JSON"),
+    ({"messages": [*CHAT[:2], {**CHAT[2], "weight": 0.5}]}, "line 1: messages[2].weight must be 0 or 1"),
 ])
 def test_a_bad_conversation_exits_2_naming_the_line_and_field(tmp_path, capsys, record, message):
     (tmp_path / "chat.jsonl").write_text(json.dumps(record) + "\n")

@@ -172,9 +172,9 @@ def test_tools_without_parameters_take_none_and_others_take_objects():
 
 
 def test_required_keeps_each_tools_own_references_pointing_into_its_parameters(tiny_long):
-    """"required" holds all the tools to one schema: each tool's parameters sit in its `$defs`, their
-    local references (`#/$defs/..`, `#/properties/..`, `#` itself) rewritten to point there, so two
-    tools may define one name differently and a recursive tool stays recursive."""
+    """"required" holds all the tools to one schema: each tool's parameters sit in its `$defs` under an
+    `$id` of their own, so their local references (`#/$defs/..`, `#/properties/..`, `#`, `#anchor`)
+    resolve inside them: two tools may define one name differently, a recursive tool stays recursive."""
     tiny, _ = tiny_long
     def tool(name, parameters):
         return {"type": "function", "function": {"name": name, "parameters": {
@@ -185,7 +185,10 @@ def test_required_keeps_each_tools_own_references_pointing_into_its_parameters(t
     given = [tool("book", {"properties": {"who": {"$ref": "#/$defs/Person"}}, "$defs": {"Person": person}}),
              tool("pay", {"properties": {"who": {"$ref": "#/$defs/Person"}}, "$defs": {"Person": {"enum": [5]}}}),
              tool("tree", {"properties": {"kids": {"type": "array", "items": {"$ref": "#"}}}}),
-             tool("same", {"properties": {"a": {"enum": [1, 2]}, "b": {"$ref": "#/properties/a"}}})]
+             tool("same", {"properties": {"a": {"enum": [1, 2]}, "b": {"$ref": "#/properties/a"}}}),
+             tool("anchored", {"properties": {"x": {"$ref": "#A"}}, "$defs": {"a": {"$anchor": "A", "enum": [7]}}}),
+             tool("owned", {"$id": "https://example.com/t.json", "properties": {"x": {"$ref": "#/$defs/a"}},
+                            "$defs": {"a": {"enum": [8]}}})]
     source = tools.Plan(tuple(tools.read_tools(given)), "required").grammar()[1].source()
     view = llguidance.hf.from_tokenizer(tiny.tokenizer)
 
@@ -196,6 +199,7 @@ def test_required_keeps_each_tools_own_references_pointing_into_its_parameters(t
     assert takes('[{"name": "book", "parameters": {"who": {"name": "Ada"}}}, {"name": "pay", "parameters": {"who": 5}}]')
     assert takes('[{"name": "tree", "parameters": {"kids": [{"kids": []}]}}]')
     assert takes('[{"name": "same", "parameters": {"a": 1, "b": 2}}]')
+    assert takes('[{"name": "anchored", "parameters": {"x": 7}}, {"name": "owned", "parameters": {"x": 8}}]')
     assert not takes('[{"name": "pay", "parameters": {"who": {"name": "Ada"}}}]')
     assert not takes('[{"name": "tree", "parameters": {"kids": [[]]}}]')  # "#" is the tool's parameters, not the array
 

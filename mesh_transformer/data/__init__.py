@@ -412,7 +412,7 @@ def _save_npy(path: str, array: np.ndarray) -> str:
 
 
 def _write_shards(cfg, order, tokens, masks, segments, has_mask) -> list[dict]:
-    """Shards of rows ``order``; with ``has_mask`` (prompt/completion data) masks and segments too."""
+    """Shards of rows ``order``; with ``has_mask`` (examples, conversations) masks and segments too."""
     shards = []
     bar = _progress(cfg, desc="writing shards", unit="seq", total=len(order))
     for i, start in enumerate(range(0, len(order), cfg.sequences_per_shard)):

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import time
 import uuid
 from dataclasses import dataclass
@@ -26,13 +25,12 @@ from pydantic import Field
 
 from mesh_transformer.generate import Sequence
 from mesh_transformer.generate.structured import Grammar, check
-from mesh_transformer.io.chat_template import RESERVED, Rendering
+from mesh_transformer.io.chat_template import RESERVED, FieldError, Rendering, template_messages
 from mesh_transformer.serve import openai as oa
 from mesh_transformer.serve import reasoning
 from mesh_transformer.serve import tools as tool_calls
 from mesh_transformer.serve.engine import Engine
 
-ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 class ContentPart(oa._Strict):
@@ -106,58 +104,11 @@ class ChatRequest(oa.StructuredFields, TemplateFields):
 
 
 def _messages(messages: list[ChatMessage]) -> list[dict]:
-    """The messages as the template sees them: roles checked, content as one string, an assistant's
-    tool calls with their arguments as objects."""
-    out = []
-    for i, m in enumerate(messages):
-        if m.role not in ROLES:
-            raise oa.ApiError(400, f"messages[{i}].role: must be one of {', '.join(ROLES)}, got {m.role!r}",
-                              param=f"messages[{i}].role")
-        content = m.content or ""
-        if isinstance(content, list):
-            for j, part in enumerate(content):
-                if part.type != "text" or part.text is None:
-                    raise oa.ApiError(400, f"messages[{i}].content[{j}]: only text parts are supported, got "
-                                           f"type {part.type!r}", param=f"messages[{i}].content[{j}].type")
-            content = "".join(part.text for part in content)
-        oa.check_text(content, f"messages[{i}].content")
-        message = {"role": "system" if m.role == "developer" else m.role, "content": content}
-        if m.name is not None:
-            message["name"] = oa.check_text(m.name, f"messages[{i}].name")
-        if m.tool_calls:
-            if m.role != "assistant":
-                raise oa.ApiError(400, f"messages[{i}].tool_calls: only assistant messages make calls",
-                                  param=f"messages[{i}].tool_calls")
-            message["tool_calls"] = [_call(call, f"messages[{i}].tool_calls[{j}]") for j, call in enumerate(m.tool_calls)]
-        thought = m.reasoning if m.reasoning is not None else m.reasoning_content
-        if thought is not None:  # templates that show earlier thinking read it here (Qwen 3's)
-            message["reasoning_content"] = oa.check_text(thought, f"messages[{i}].reasoning")
-        if m.tool_call_id is not None:
-            message["tool_call_id"] = oa.check_text(m.tool_call_id, f"messages[{i}].tool_call_id")
-        out.append(message)
-    return out
-
-
-def _call(call, where: str) -> dict:
-    """An assistant message's tool call as templates take it: `arguments` decoded to an object."""
-    fn = call.get("function") if isinstance(call, dict) else None
-    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-        raise oa.ApiError(400, f"{where}.function: an object with the function's name and arguments is required",
-                          param=f"{where}.function")
-    arguments = fn.get("arguments", "{}")
+    """The messages as the template sees them (`template_messages`); a 400 naming the field at fault."""
     try:
-        decoded = json.loads(arguments) if isinstance(arguments, str) else arguments  # (vLLM takes an object too)
-    except json.JSONDecodeError as e:
-        decoded, arguments = None, f"not JSON ({e})"
-    if not isinstance(decoded, dict):
-        raise oa.ApiError(400, f"{where}.function.arguments: an object (or its JSON text) is required, got "
-                               f"{arguments if isinstance(arguments, str) else type(arguments).__name__}",
-                          param=f"{where}.function.arguments")
-    out = {"type": "function", "function": {"name": oa.check_text(fn["name"], f"{where}.function.name"),
-                                            "arguments": decoded}}
-    if isinstance(call.get("id"), str):
-        out["id"] = call["id"]
-    return out
+        return template_messages([m.model_dump(exclude_none=True) for m in messages])
+    except FieldError as e:
+        raise oa.ApiError(400, str(e), param=e.field) from None
 
 
 def prompt_ids(s: oa.Settings, body: ChatRequest, plan: Optional[tool_calls.Plan]) -> list[int]:
@@ -192,7 +143,10 @@ def _reply_start(s: oa.Settings, body: ChatRequest, plan: Optional[tool_calls.Pl
         bare = s.chat.render(messages, dataclasses.replace(how, add_generation_prompt=False), tools)
     except ValueError:
         bare = ""
-    return cue[len(bare):] if bare and cue.startswith(bare) else cue[-256:]
+    if bare and cue.startswith(bare):
+        return cue[len(bare):]
+    end = cue.rstrip()  # the cue cannot be told apart: only a marker it ends with counts
+    return next((m for m in (reasoning.OPEN, reasoning.CLOSE) if end.endswith(m)), "")
 
 
 def _tool_grammar(engine: Engine, plan: tool_calls.Plan) -> Grammar:

@@ -23,30 +23,17 @@ in one chunk once its text is complete, and text that may begin a call is held u
 from __future__ import annotations
 
 import json
-import re
 import secrets
 import uuid
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Union
 
 from mesh_transformer.generate.structured import JSON_DUMPS, Grammar
+from mesh_transformer.io import chat_template
+from mesh_transformer.io.chat_template import Tool
 from mesh_transformer.serve import openai as oa
 
-NAME = re.compile(r"[A-Za-z0-9_.:-]{1,128}")  # OpenAI's letters, digits, _ and -, and MCP tools' . and :
 CHOICES = ("none", "auto", "required")
-
-
-@dataclass(frozen=True)
-class Tool:
-    name: str
-    parameters: dict  # a JSON schema of the arguments object
-    description: Optional[str] = None
-
-    def spec(self) -> dict:
-        """The tool as chat templates take it (transformers' `apply_chat_template(tools=...)`)."""
-        function = {"name": self.name, **({"description": self.description} if self.description else {}),
-                    "parameters": self.parameters}
-        return {"type": "function", "function": function}
 
 
 def _openai_id() -> str:
@@ -226,45 +213,20 @@ def _bad(field_name: str, why: str):
 
 
 def read_tools(given: Optional[list]) -> list[Tool]:
-    """The request's `tools`; a 400 naming the first thing wrong."""
-    tools: list[Tool] = []
-    for i, item in enumerate(given or ()):
-        where = f"tools[{i}]"
-        kind = item.get("type") if isinstance(item, dict) else None
-        if kind != "function":
-            _bad(f"{where}.type", f"only function tools are supported, got {kind!r}")
-        fn = item.get("function")
-        if not isinstance(fn, dict):
-            _bad(f"{where}.function", "an object with the function's name and parameters is required")
-        name = fn.get("name")
-        if not isinstance(name, str) or not NAME.fullmatch(name):
-            _bad(f"{where}.function.name", f"1 to 64 letters, digits, underscores or dashes, got {name!r}")
-        if any(t.name == name for t in tools):
-            _bad(f"{where}.function.name", f"{name!r} names an earlier tool too")
-        parameters = fn.get("parameters")
-        if parameters is None:  # no parameters: OpenAI's empty parameter list
-            parameters = {"type": "object", "properties": {}, "additionalProperties": False}
-        if not isinstance(parameters, dict):
-            _bad(f"{where}.function.parameters", f"a JSON schema (an object), got {type(parameters).__name__}")
-        parameters = {"type": "object", **parameters}  # what a call's arguments are, said where a schema leaves it
-        if parameters["type"] != "object":
-            _bad(f"{where}.function.parameters.type", f"a function's arguments are an object, got "
-                                                       f"{parameters['type']!r}")
-        description = fn.get("description")
-        if description is not None and not isinstance(description, str):
-            _bad(f"{where}.function.description", f"a string, got {type(description).__name__}")
-        tools.append(Tool(name, parameters, description))
-    return tools
+    """The request's `tools` (`io.chat_template.read_tools`); a 400 naming the first thing wrong."""
+    try:
+        return chat_template.read_tools(given)
+    except chat_template.FieldError as e:
+        raise oa.ApiError(400, str(e), param=e.field) from None
 
 
-def _rooted(schema, at: str):
-    """`schema` with each local reference (`#..`) made to point into it where it now sits, `at`."""
-    if isinstance(schema, dict):
-        return {k: at + v[1:] if k == "$ref" and isinstance(v, str) and v.startswith("#") else _rooted(v, at)
-                for k, v in schema.items()}
-    if isinstance(schema, list):
-        return [_rooted(v, at) for v in schema]
-    return schema
+def _identified(schema: dict, i: int) -> tuple[str, dict]:
+    """(its id, the schema with it): the tool's own `$id`, else one made for it. Its local
+    references (`#`, `#/$defs/..`, `#anchor`) then resolve inside it wherever it sits."""
+    if isinstance(schema.get("$id"), str):
+        return schema["$id"], schema
+    own = f"urn:mesh-transformer:tool-{i}"
+    return own, {"$id": own, **schema}
 
 
 @dataclass(frozen=True)
@@ -294,10 +256,12 @@ class Plan:
                     Grammar.json_schema(self.named.parameters, separators=JSON_DUMPS))
         if self.choice != "required":
             return None
-        # each tool's parameters sit in the root's $defs, their own references (`#/$defs/..`, `#`) rewritten
-        definitions = {f"tool_{i}": _rooted(t.parameters, f"#/$defs/tool_{i}") for i, t in enumerate(self.tools)}
-        items = [{"type": "object", "properties": {"name": {"const": t.name}, "parameters": {"$ref": f"#/$defs/tool_{i}"}},
-                  "required": ["name", "parameters"], "additionalProperties": False} for i, t in enumerate(self.tools)]
+        # each tool's parameters sit in the root's $defs under an id of their own (see `_identified`)
+        identified = [_identified(t.parameters, i) for i, t in enumerate(self.tools)]
+        definitions = {f"tool_{i}": schema for i, (_, schema) in enumerate(identified)}
+        items = [{"type": "object", "properties": {"name": {"const": t.name}, "parameters": {"$ref": ref}},
+                  "required": ["name", "parameters"], "additionalProperties": False}
+                 for t, (ref, _) in zip(self.tools, identified)]
         schema = {"type": "array", "items": {"anyOf": items}, "minItems": 1,
                   **({} if self.parallel else {"maxItems": 1}), "$defs": definitions}
         return "tools", Grammar.json_schema(schema, separators=JSON_DUMPS)
