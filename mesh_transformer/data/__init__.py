@@ -245,7 +245,7 @@ class _Stats(dict):
         self[key] = self.get(key, 0) + n
 
 
-def _pieces(records, tok, cfg: BuildConfig, stats: _Stats, chat: ChatTemplate | None = None, batch_chars=1 << 20):
+def _pieces(records, tok, cfg: BuildConfig, stats: _Stats, chat: ChatTemplate, batch_chars=1 << 20):
     """(ids, token mask, whole) per document/example/conversation, tokenizing in batches for speed."""
     import ftfy
 
@@ -269,7 +269,7 @@ def _pieces(records, tok, cfg: BuildConfig, stats: _Stats, chat: ChatTemplate | 
                 yield np.asarray(ids, np.int64), np.ones(len(ids), np.uint8), False
             elif isinstance(item, conversations.Conversation):
                 try:
-                    ids, mask = conversations.encode(chat or ChatTemplate(tok), item)
+                    ids, mask = conversations.encode(chat, item)
                 except ValueError as e:
                     raise DatasetError(f"{item.where}: {e}") from None
                 if len(ids) > cfg.seq + 1:
@@ -331,7 +331,7 @@ def _masked(stats) -> bool:
 
 
 def _pack_all(cfg: BuildConfig, tok, files: list[str], raw_tokens, raw_mask, raw_segments, stats: _Stats,
-              chat: ChatTemplate | None = None):
+              chat: ChatTemplate):
     """Pass 1: read, tokenize and pack every repack epoch into raw row files. -> rows per epoch."""
     rng = np.random.default_rng([cfg.seed, 0])
     packer = _Packer(cfg.seq + 1, tok.eos_token_id)
@@ -455,7 +455,7 @@ def build_dataset(cfg: BuildConfig) -> str:
         tok = load_tokenizer(cfg.tokenizer)
     except ValueError as e:
         raise DatasetError(str(e)) from None
-    chat = ChatTemplate(tok, _template_text(cfg.chat_template)) if cfg.chat_template else None
+    chat = ChatTemplate(tok, _template_text(cfg.chat_template) if cfg.chat_template else None)
     width, dtype, stats = cfg.seq + 1, _dtype(tok), _Stats(files=len(files))
     with tempfile.TemporaryDirectory(prefix="mesh-transformer-dataset-") as tmp:
         raw_tokens, raw_mask, raw_segments = (os.path.join(tmp, f"{k}.raw") for k in ("tokens", "mask", "segments"))

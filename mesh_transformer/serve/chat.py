@@ -111,34 +111,32 @@ def _messages(messages: list[ChatMessage]) -> list[dict]:
         raise oa.ApiError(400, str(e), param=e.field) from None
 
 
-def prompt_ids(s: oa.Settings, body: ChatRequest, plan: Optional[tool_calls.Plan]) -> list[int]:
-    ids = encoded_messages(s, body.messages, rendering(body), tools=plan.specs() if plan else None)
-    if not ids:
-        raise oa.ApiError(400, "messages: the rendered prompt is empty", param="messages")
-    return ids
+def _rendered(s: oa.Settings, messages: list[ChatMessage], how: Rendering,
+              tools: Optional[list]) -> tuple[list[dict], str]:
+    """(the messages as the template sees them, the text it renders of them and the specs of
+    `tools`); a 400 naming the message at fault."""
+    seen = _messages(messages)
+    try:
+        return seen, s.chat.render(seen, how, tools)
+    except ValueError as e:
+        raise oa.ApiError(400, f"messages: {e}", param="messages") from None
 
 
 def encoded_messages(s: oa.Settings, messages: list[ChatMessage], how: Rendering = Rendering(),
                      add_special_tokens: bool = False, tools: Optional[list] = None) -> list[int]:
-    """`messages` (and the specs of `tools`) rendered by the chat template and tokenized (no special
-    tokens added by default: a template writes the ones it wants); a 400 naming the message at fault."""
-    try:
-        text = s.chat.render(_messages(messages), how, tools)
-    except ValueError as e:
-        raise oa.ApiError(400, f"messages: {e}", param="messages") from None
+    """`messages` rendered (`_rendered`) and tokenized (no special tokens added by default: a
+    template writes the ones it wants)."""
+    _, text = _rendered(s, messages, how, tools)
     return oa.encode(s.engine, text, "messages", add_special_tokens=add_special_tokens)
 
 
-def _reply_start(s: oa.Settings, body: ChatRequest, plan: Optional[tool_calls.Plan]) -> str:
+def _reply_start(s: oa.Settings, messages: list[dict], how: Rendering, tools: Optional[list], cue: str) -> str:
     """The text the template puts just before the reply: the final message it continues, or the
-    generation prompt (the rendering with it less the rendering without)."""
-    how, messages = rendering(body), _messages(body.messages)
+    generation prompt (`cue`, the rendering with it, less the rendering without)."""
     if how.continue_final_message:
         return messages[-1]["content"]
     if not how.add_generation_prompt:
         return ""
-    tools = plan.specs() if plan else None
-    cue = s.chat.render(messages, how, tools)
     try:
         bare = s.chat.render(messages, dataclasses.replace(how, add_generation_prompt=False), tools)
     except ValueError:
@@ -149,10 +147,9 @@ def _reply_start(s: oa.Settings, body: ChatRequest, plan: Optional[tool_calls.Pl
     return next((m for m in (reasoning.OPEN, reasoning.CLOSE) if end.endswith(m)), "")
 
 
-def _tool_grammar(engine: Engine, plan: tool_calls.Plan) -> Grammar:
-    """The grammar a named or required tool choice holds the reply to, compiled once to check it; a
-    400 naming the tool whose parameters do not compile."""
-    where, grammar = plan.grammar()
+def _tool_grammar(engine: Engine, plan: tool_calls.Plan, where: str, grammar: Grammar) -> Grammar:
+    """`grammar`, the one a named or required tool choice holds the reply to (`plan.grammar()`),
+    compiled once to check it; a 400 naming the tool whose parameters do not compile."""
     try:
         check(grammar, engine.tokenizer, engine.gen.vocab)
         return grammar
@@ -176,7 +173,11 @@ async def chat_completions(s: oa.Settings, http: HttpRequest):
             raise oa.ApiError(400, f"{old}: OpenAI's deprecated form is not supported; use {new}", param=old)
     engine = s.engine
     plan = tool_calls.plan(body, s.tool_parser)
-    ids = prompt_ids(s, body, plan)
+    how, specs = rendering(body), plan.specs() if plan else None
+    messages, text = _rendered(s, body.messages, how, specs)
+    ids = oa.encode(engine, text, "messages", add_special_tokens=False)
+    if not ids:
+        raise oa.ApiError(400, "messages: the rendered prompt is empty", param="messages")
     given = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     max_tokens = given if given is not None else engine.context - len(ids)
@@ -184,15 +185,16 @@ async def chat_completions(s: oa.Settings, http: HttpRequest):
         raise oa.ApiError(400, f"messages: the prompt is {len(ids)} tokens; with {field} {max_tokens} it does not fit "
                                f"the model's context of {engine.context} tokens", param="messages")
     try:
-        forced = await asyncio.to_thread(_tool_grammar, engine, plan) if plan and plan.grammar() else None
+        held = plan.grammar() if plan else None
+        forced = await asyncio.to_thread(_tool_grammar, engine, plan, *held) if held else None
         opts = await oa.body_options(engine, body, max_tokens, oa.stop_list(body.stop),
                                      (body.top_logprobs or 0) if body.logprobs else None, forced, "tool_choice")
     except oa.ApiError as e:
         if e.param == "max_tokens":
             e.param, e.message = field, e.message.replace("max_tokens", field)
         raise
-    thinking = reasoning.Thinking.of(s.reasoning_parser, _reply_start(s, body, plan), engine.tokenizer) \
-        if s.reasoning_parser else None
+    thinking = reasoning.Thinking.of(s.reasoning_parser, _reply_start(s, messages, how, specs, text),
+                                     engine.tokenizer) if s.reasoning_parser else None
     if thinking is not None and opts.grammar is not None:  # the grammar holds the answer, after the thinking
         opts = dataclasses.replace(opts, grammar=thinking.hold(opts.grammar))
         await asyncio.to_thread(check, opts.grammar, engine.tokenizer, engine.gen.vocab)

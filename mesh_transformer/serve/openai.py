@@ -23,6 +23,7 @@ from mesh_transformer import lora
 from mesh_transformer.config import ConfigError
 from mesh_transformer.generate import MAX_EOS, MAX_LOGIT_BIAS, SamplingOptions, Sequence
 from mesh_transformer.generate.sampling import LOGIT_BIAS_RANGE
+from mesh_transformer.io import chat_template
 from mesh_transformer.serve.adapters import NameTaken
 from mesh_transformer.serve.engine import Draining, Engine, QueueFull, Request
 
@@ -171,14 +172,11 @@ def field_name(loc) -> str:
 
 
 def check_text(text: str, field: str) -> str:
-    """`text` if it is valid Unicode (JSON allows lone UTF-16 surrogates such as "\\ud800", which no
-    tokenizer can encode); else a 400 naming `field`."""
+    """`text` if it is valid Unicode (`chat_template.text`); else a 400 naming `field`."""
     try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise ApiError(400, f"{field}: character {text[e.start]!r} at position {e.start} is not valid Unicode "
-                            f"({e.reason}) and cannot be tokenized", param=field) from None
-    return text
+        return chat_template.text(text, field)
+    except chat_template.FieldError as e:
+        raise ApiError(400, str(e), param=e.field) from None
 
 
 def encode(engine: Engine, text: str, field: str, **kw) -> list[int]:

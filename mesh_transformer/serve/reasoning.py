@@ -48,9 +48,8 @@ class Thinking:
         opened, closed = reply_start.rfind(OPEN), reply_start.rfind(CLOSE)
         state = "opened" if opened > closed else "closed" if closed > opened else ""
         backend = getattr(tokenizer, "backend_tokenizer", None)
-        token = lambda marker: -1 if backend is None or backend.token_to_id(marker) is None \
-            else backend.token_to_id(marker)  # noqa: E731
-        return cls(parser, state, token(OPEN), token(CLOSE))
+        ids = [backend.token_to_id(marker) if backend is not None else None for marker in (OPEN, CLOSE)]
+        return cls(parser, state, *(-1 if i is None else i for i in ids))
 
     @property
     def thinks(self) -> bool:
