@@ -14,7 +14,7 @@ import sys
 
 from mesh_transformer import cli, host_memory, loading, lora, serve
 from mesh_transformer.config import ConfigError
-from mesh_transformer.serve import reasoning, tools
+from mesh_transformer.serve import reasoning, responses, tools
 
 
 def main(argv=None):
@@ -66,6 +66,9 @@ def main(argv=None):
     parser.add_argument("--reasoning-parser", choices=reasoning.PARSERS,
                         help="return a reasoning model's <think> block as the chat message's reasoning (vLLM's names): "
                              "deepseek_r1 (R1 and its distills), qwen3 (Qwen 3, QwQ)")
+    parser.add_argument("--responses-kept", type=int, default=responses.KEPT, metavar="N",
+                        help="/v1/responses answers kept in memory for previous_response_id and GET "
+                             "/v1/responses/{id} (the newest N; 0: none)")
     parser.add_argument("--warmup", type=int, nargs="*", metavar="PROMPT_TOKENS",
                         help="compile prefill for every batch-size bucket at these prompt lengths (default 16) "
                              "and decode, before listening")
@@ -163,7 +166,8 @@ def main(argv=None):
     app = serve.create_app(engine, model_name=model_name, api_key=args.api_key,
                            timeout=args.timeout, max_request_bytes=args.max_request_bytes,
                            chat_template=chat_template, runtime_lora=args.enable_runtime_lora,
-                           tool_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
+                           tool_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
+                           responses_kept=args.responses_kept)
     try:
         serve.run(app, engine, host=args.host, port=args.port, drain_timeout=args.drain_timeout)
     finally:

@@ -94,6 +94,19 @@ def gen(tiny):
     return Generator(model.config, model.params, model.mesh)
 
 
+@pytest.fixture(scope="session")
+def tiny_long(tmp_path_factory):
+    """(a tiny GPT-J with a 768-token context and `<think>`, `</think>` special tokens, its
+    Generator): the chat replies' tests (tool schemas are long in its 300-token vocabulary)."""
+    from mesh_transformer import loading
+    from mesh_transformer.generate import Generator
+    from tests.helpers import COMMA, END_THINK_ID, THINK_ID, Tiny
+    tiny = Tiny(tmp_path_factory.mktemp("tiny_tools"), n_positions=768, specials=("<think>", "</think>"))
+    assert tiny.tokenizer.convert_tokens_to_ids(["<think>", "</think>", ","]) == [THINK_ID, END_THINK_ID, COMMA]
+    model = loading.load(hf=str(tiny.path), mp=1, dp=1, dtype="float32")
+    return tiny, Generator(model.config, model.params, model.mesh)
+
+
 MAPS_KEPT = 0.5  # of vm.max_map_count: past it, JAX's caches are cleared after a test module
 
 

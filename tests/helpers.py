@@ -62,6 +62,10 @@ CORPUS = ["The quick brown fox jumps over the lazy dog.", "Pack my box with five
           "def main():\n    return 42\n", "0123456789 naïve café — ünïcödé"] * 20
 
 
+COMMA = 14  # "," in tiny_long's vocabulary (tests/conftest.py)
+THINK_ID, END_THINK_ID = 1, 2  # its reasoning markers: one token each (special), as in Qwen 3's and R1's vocabularies
+
+
 class Tiny:
     """A random tiny GPT-J with its own byte-level BPE tokenizer saved beside the weights."""
 

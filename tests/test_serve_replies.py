@@ -19,11 +19,11 @@ import llguidance.hf
 import openai
 import pytest
 
-from mesh_transformer.generate import Generator, SamplingOptions
+from mesh_transformer.generate import SamplingOptions
 from mesh_transformer.generate.structured import JSON_DUMPS, Grammar
 from mesh_transformer.serve import PLAIN_TEMPLATE, Engine, create_app, reasoning, tools
 from mesh_transformer.serve.chat import Shape, StreamedReply
-from tests.helpers import Tiny
+from tests.helpers import COMMA, END_THINK_ID, THINK_ID  # tiny_long's vocabulary (tests/conftest.py)
 from tests.serving import KEY, start_server
 
 WEATHER = {"type": "function", "function": {
@@ -34,19 +34,6 @@ CLOCK = {"type": "function", "function": {"name": "now", "parameters": {
     "type": "object", "properties": {}, "additionalProperties": False}}}
 TOOLS = [WEATHER, CLOCK]
 ASK = [{"role": "user", "content": "Weather?"}]
-
-
-COMMA = 14  # "," in the tiny vocabulary
-THINK_ID, END_THINK_ID = 1, 2  # the reasoning markers: one token each (special), as in Qwen 3's and R1's vocabularies
-
-
-@pytest.fixture(scope="module")
-def tiny_long(tmp_path_factory):
-    from mesh_transformer import loading
-    tiny = Tiny(tmp_path_factory.mktemp("tiny_tools"), n_positions=768, specials=("<think>", "</think>"))
-    assert tiny.tokenizer.convert_tokens_to_ids(["<think>", "</think>", ","]) == [THINK_ID, END_THINK_ID, COMMA]
-    model = loading.load(hf=str(tiny.path), mp=1, dp=1, dtype="float32")
-    return tiny, Generator(model.config, model.params, model.mesh)
 
 
 @pytest.fixture(scope="module")

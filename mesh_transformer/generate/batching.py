@@ -68,6 +68,7 @@ class Sequence:
         self.logprobs: list[float] = []  # with options.logprobs set: log p of each token
         self.top_logprobs: list[list[tuple[int, float]]] = []  # and the options.logprobs most likely (id, log p)
         self.finish_reason: Optional[str] = None
+        self.cached_tokens = 0  # of the prompt, read from the prefix cache rather than computed (set when admitted)
         self.cancelled = False
         self._text_end: Optional[int] = None  # where a stop string cut the text
         self._min_text: Optional[int] = None  # characters of the first min_new_tokens tokens (`_stops_from`)
@@ -280,12 +281,13 @@ class Batch:
         self.start = [s + index - self.index for s in self.start]
         rows = self.free()[: len(seqs)]
         share = self.slots if self.share_prefix and self.prefix is not None else 0
-        self.state, first, done, reason, reads = self.gen.admit(
+        self.state, first, done, reason, reads, reused = self.gen.admit(
             self.state, [s.prompt for s in seqs], [s.options for s in seqs], [s.seed for s in seqs], rows, index,
             self.prefix, share, self._shared_slots(), [s.adapter for s in seqs], masks)
         self.index = index
-        for r, s, read in zip(rows, seqs, reads):
+        for r, s, read, cached in zip(rows, seqs, reads, reused):
             self.rows[r] = s
+            s.cached_tokens = cached
             self.start[r] = index - len(s.prompt) + len(read)
             self.reads[r] = read
             if len(read):

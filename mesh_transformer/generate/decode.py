@@ -752,7 +752,8 @@ class Generator:
         `masks` [len(prompts), W]: the first token's grammar mask of each prompt with a grammar
         (`structured.first_masks`; rows without one ignore theirs).
         Returns (state, first tokens Emitted [B], done [B], reason [B], the pool slots each prompt's
-        row reads while it decodes: its positions 0, 1, .. (none: empty)).
+        row reads while it decodes: its positions 0, 1, .. (none: empty), the tokens of each prompt
+        read from the prefix cache rather than computed).
         """
         n = self.prefill_rows(len(prompts))
         adapters = list(adapters) if adapters is not None else [0] * len(prompts)
@@ -799,7 +800,7 @@ class Generator:
             if prefix is not None and prefix.pool is None:
                 prefix.pool = pool
         first, done, reason = jax.device_get((first, state.done, state.reason))
-        return state, _by_row(first, ids, batch), done, reason, reads
+        return state, _by_row(first, ids, batch), done, reason, reads, [int(r) for r in reuse[: len(prompts)]]
 
     def adapter_id(self, name: Optional[str]) -> int:
         """The bank entry holding the adapter called `name` (None: 0, the base); ValueError if none does."""

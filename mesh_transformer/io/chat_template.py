@@ -153,6 +153,8 @@ def _call(call, where: str) -> dict:
         decoded = json.loads(arguments) if isinstance(arguments, str) else arguments  # (vLLM takes an object too)
     except json.JSONDecodeError as e:
         decoded, arguments = None, f"not JSON ({e})"
+    except RecursionError:
+        decoded, arguments = None, "JSON nested too deeply"
     if not isinstance(decoded, dict):
         raise FieldError(f"{where}.function.arguments", f"an object (or its JSON text) is required, got "
                                                          f"{arguments if isinstance(arguments, str) else type(arguments).__name__}")

@@ -5,7 +5,9 @@
     run(app, engine, port=5000, drain_timeout=30)          # uvicorn; SIGTERM drains, then returns
 
 Files: `engine` (dynamic batching on the device), `openai` (OpenAI's shapes: /v1/completions,
-the original /complete, errors, streaming), `chat` (/v1/chat/completions over `io.chat_template`), `tools` (tool calls), `reasoning` (thinking apart from answers),
+the original /complete, errors, streaming), `chat` (/v1/chat/completions over `io.chat_template`),
+`responses` (/v1/responses, OpenAI's Responses API, over `chat`), `tools` (tool calls), `reasoning`
+(thinking apart from answers),
 `metrics` (Prometheus), `app` (routes, API key and size limits, graceful shutdown), `adapters`
 (the LoRA adapters known by name and the bank entries they take), `page.html` (the playground at GET /).
 """

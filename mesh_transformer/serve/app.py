@@ -1,7 +1,7 @@
 """The FastAPI app over a started `Engine`, and `run`: uvicorn with a graceful shutdown.
 
 Routes: `GET /` (the playground page), `POST /complete`, `POST /v1/completions`,
-`POST /v1/chat/completions`, `POST /tokenize` and `POST /detokenize` (vLLM's), `GET /v1/models`,
+`POST /v1/chat/completions`, `POST /v1/responses` (with `GET` and `DELETE /v1/responses/{id}`), `POST /tokenize` and `POST /detokenize` (vLLM's), `GET /v1/models`,
 `GET /health`, `GET /metrics` (Prometheus), and with
 runtime LoRA loading `POST /v1/load_lora_adapter`, `POST /v1/unload_lora_adapter` (vLLM's).
 """
@@ -24,6 +24,7 @@ from mesh_transformer.io.chat_template import ChatTemplate
 from mesh_transformer.serve import chat as chat_api
 from mesh_transformer.serve import openai as oa
 from mesh_transformer.serve import reasoning as reasoning_api
+from mesh_transformer.serve import responses as responses_api
 from mesh_transformer.serve import tokens as tokens_api
 from mesh_transformer.serve import tools as tools_api
 from mesh_transformer.serve.engine import Engine
@@ -34,19 +35,21 @@ log = logging.getLogger("mesh_transformer.serve")
 API_KEY_ENV = "MESH_TRANSFORMER_API_KEY"
 RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"  # vLLM's switch for the runtime LoRA routes (device_serve.py)
 PAGE = pathlib.Path(__file__).with_name("page.html")
+KEPT_RESPONSE = "/v1/responses/{id}"  # the metrics' name for GET and DELETE of a kept response
 OPEN_PATHS = ("/", "/health", "/metrics")  # answered without the API key (no model output, no secrets)
-ENDPOINTS = ("/", "/complete", "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize", "/v1/models",
+ENDPOINTS = ("/", "/complete", "/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize", "/detokenize", "/v1/models",
              "/health", "/metrics", "/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 
 
 def create_app(engine: Engine, model_name: str = "mesh-transformer", api_key: Optional[str] = None,
                timeout: float = 300.0, max_request_bytes: int = 1 << 20, max_prompts: int = 64,
                chat_template: Optional[str] = None, runtime_lora: bool = False, tool_parser: Optional[str] = None,
-               reasoning_parser: Optional[str] = None):
+               reasoning_parser: Optional[str] = None, responses_kept: int = responses_api.KEPT):
     """The app over a started `engine`. `api_key` (or $MESH_TRANSFORMER_API_KEY) protects all but
     `OPEN_PATHS`; `chat_template`: Jinja source overriding the tokenizer's (see `chat`);
     `tool_parser`: how `tool_choice: "auto"` reads calls from the model's text (`tools.PARSERS`);
     `reasoning_parser`: how a reasoning model's thinking is told from its answer (`reasoning.PARSERS`);
+    `responses_kept`: how many /v1/responses answers are kept for `previous_response_id` and GET;
     `runtime_lora`: the routes that load and unload LoRA adapters (the engine's generator needs a
     bank: `Generator(adapters=...)`; they read directories on the server's disk, so the API key
     should be set wherever clients are not trusted)."""
@@ -61,7 +64,7 @@ def create_app(engine: Engine, model_name: str = "mesh-transformer", api_key: Op
     if reasoning_parser is not None and reasoning_parser not in reasoning_api.PARSERS:
         raise ValueError(f"reasoning_parser: one of {', '.join(reasoning_api.PARSERS)}, got {reasoning_parser!r}")
     settings = oa.Settings(engine, model_name, timeout, max_prompts, ChatTemplate(engine.tokenizer, chat_template),
-                           tool_parser, reasoning_parser)
+                           tool_parser, reasoning_parser, responses_api.Store(responses_kept))
     created = int(time.time())
     if runtime_lora and engine.adapters is None:
         raise ValueError("runtime_lora needs a generator with a bank of adapter entries (Generator(adapters=...))")
@@ -107,12 +110,15 @@ def create_app(engine: Engine, model_name: str = "mesh-transformer", api_key: Op
                                                     for name in known]}
 
     posts = {"/complete": oa.complete, "/v1/completions": oa.completions,
-             "/v1/chat/completions": chat_api.chat_completions, "/tokenize": tokens_api.tokenize,
+             "/v1/chat/completions": chat_api.chat_completions, "/v1/responses": responses_api.create,
+             "/tokenize": tokens_api.tokenize,
              "/detokenize": tokens_api.detokenize}
     if runtime_lora:
         posts.update({"/v1/load_lora_adapter": oa.load_lora_adapter, "/v1/unload_lora_adapter": oa.unload_lora_adapter})
     for path, handler in posts.items():
         app.add_api_route(path, _handler(handler, settings), methods=["POST"])
+    app.add_api_route("/v1/responses/{response_id}", _handler(responses_api.retrieve, settings), methods=["GET"])
+    app.add_api_route("/v1/responses/{response_id}", _handler(responses_api.delete, settings), methods=["DELETE"])
     return app
 
 
@@ -137,7 +143,7 @@ class _Guard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path = scope.get("path", "")
-        endpoint = path if path in ENDPOINTS else "other"
+        endpoint = path if path in ENDPOINTS else KEPT_RESPONSE if path.startswith("/v1/responses/") else "other"
 
         async def counted(message):
             if message["type"] == "http.response.start":

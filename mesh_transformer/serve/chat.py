@@ -23,7 +23,7 @@ from typing import Any, Optional, Union
 from fastapi import Request as HttpRequest
 from pydantic import Field
 
-from mesh_transformer.generate import Sequence
+from mesh_transformer.generate import SamplingOptions, Sequence
 from mesh_transformer.generate.structured import Grammar, check
 from mesh_transformer.io.chat_template import RESERVED, FieldError, Rendering, template_messages
 from mesh_transformer.serve import openai as oa
@@ -111,22 +111,21 @@ def _messages(messages: list[ChatMessage]) -> list[dict]:
         raise oa.ApiError(400, str(e), param=e.field) from None
 
 
-def _rendered(s: oa.Settings, messages: list[ChatMessage], how: Rendering,
-              tools: Optional[list]) -> tuple[list[dict], str]:
-    """(the messages as the template sees them, the text it renders of them and the specs of
-    `tools`); a 400 naming the message at fault."""
-    seen = _messages(messages)
+def render(s: oa.Settings, messages: list[dict], how: Rendering, specs: Optional[list],
+           field: str = "messages") -> str:
+    """The text the chat template renders of `messages` (as templates take them) and the tools'
+    `specs`; a 400 naming `field` if it refuses."""
     try:
-        return seen, s.chat.render(seen, how, tools)
+        return s.chat.render(messages, how, specs)
     except ValueError as e:
-        raise oa.ApiError(400, f"messages: {e}", param="messages") from None
+        raise oa.ApiError(400, f"{field}: {e}", param=field) from None
 
 
 def encoded_messages(s: oa.Settings, messages: list[ChatMessage], how: Rendering = Rendering(),
                      add_special_tokens: bool = False, tools: Optional[list] = None) -> list[int]:
-    """`messages` rendered (`_rendered`) and tokenized (no special tokens added by default: a
+    """`messages` rendered (`render`) and tokenized (no special tokens added by default: a
     template writes the ones it wants)."""
-    _, text = _rendered(s, messages, how, tools)
+    text = render(s, _messages(messages), how, tools)
     return oa.encode(s.engine, text, "messages", add_special_tokens=add_special_tokens)
 
 
@@ -173,41 +172,63 @@ async def chat_completions(s: oa.Settings, http: HttpRequest):
             raise oa.ApiError(400, f"{old}: OpenAI's deprecated form is not supported; use {new}", param=old)
     engine = s.engine
     plan = tool_calls.plan(body, s.tool_parser)
-    how, specs = rendering(body), plan.specs() if plan else None
-    messages, text = _rendered(s, body.messages, how, specs)
-    ids = oa.encode(engine, text, "messages", add_special_tokens=False)
-    if not ids:
-        raise oa.ApiError(400, "messages: the rendered prompt is empty", param="messages")
-    given = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-    max_tokens = given if given is not None else engine.context - len(ids)
+    reply = await prepare(s, body, _messages(body.messages), rendering(body), plan, getattr(body, field), field,
+                          oa.stop_list(body.stop), (body.top_logprobs or 0) if body.logprobs else None)
+    seqs = await oa.sequences(s, [reply.ids], reply.opts, body.n, body.seed, body.model)
+    head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+            "model": body.model or s.model_name}
+    if body.stream:
+        request = oa.submit(engine, seqs)
+        return oa.streaming_response(_events(engine, request, head, body.n, body.stream_options, reply.shape))
+    await oa.wait(engine, seqs, s.timeout)
+    return {**head, "choices": [_choice(engine, i, seq, reply.shape) for i, seq in enumerate(seqs)],
+            "usage": oa.usage(seqs, body.n)}
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A chat-shaped request ready to run: its prompt, its sampling options, what its replies become."""
+
+    ids: list[int]
+    opts: SamplingOptions
+    shape: "Shape"
+
+
+async def prepare(s: oa.Settings, body, messages: list[dict], how: Rendering, plan: Optional[tool_calls.Plan],
+                  max_tokens: Optional[int], max_field: str, stop: tuple[str, ...], logprobs: Optional[int],
+                  grammar: Optional[Grammar] = None, grammar_field: str = "",
+                  messages_field: str = "messages") -> Prepared:
+    """What /v1/chat/completions and /v1/responses share: `messages` (as templates take them)
+    rendered and tokenized, `max_tokens` checked against the context (None: what it leaves), the
+    sampling options (`body`'s, `oa.body_options`) with the grammar the reply is held to (a forced
+    tool choice's, else `grammar`, which `grammar_field` asked for), and the reply's `Shape`. A 400
+    names the field at fault (`messages_field` for the conversation, `max_field` for the length)."""
+    engine = s.engine
+    specs = plan.specs() if plan else None
+    text = render(s, messages, how, specs, messages_field)
+    ids = oa.encode(engine, text, messages_field, add_special_tokens=False)
+    if not ids:
+        raise oa.ApiError(400, f"{messages_field}: the rendered prompt is empty", param=messages_field)
+    max_tokens = max_tokens if max_tokens is not None else engine.context - len(ids)
     if len(ids) + max(max_tokens, 1) > engine.context:
-        raise oa.ApiError(400, f"messages: the prompt is {len(ids)} tokens; with {field} {max_tokens} it does not fit "
-                               f"the model's context of {engine.context} tokens", param="messages")
+        raise oa.ApiError(400, f"{messages_field}: the prompt is {len(ids)} tokens; with {max_field} {max_tokens} it "
+                               f"does not fit the model's context of {engine.context} tokens", param=messages_field)
     try:
         held = plan.grammar() if plan else None
-        forced = await asyncio.to_thread(_tool_grammar, engine, plan, *held) if held else None
-        opts = await oa.body_options(engine, body, max_tokens, oa.stop_list(body.stop),
-                                     (body.top_logprobs or 0) if body.logprobs else None, forced, "tool_choice")
+        if held:
+            grammar, grammar_field = await asyncio.to_thread(_tool_grammar, engine, plan, *held), "tool_choice"
+        opts = await oa.body_options(engine, body, max_tokens, stop, logprobs, grammar, grammar_field)
     except oa.ApiError as e:
         if e.param == "max_tokens":
-            e.param, e.message = field, e.message.replace("max_tokens", field)
+            e.param, e.message = max_field, e.message.replace("max_tokens", max_field)
         raise
     thinking = reasoning.Thinking.of(s.reasoning_parser, _reply_start(s, messages, how, specs, text),
                                      engine.tokenizer) if s.reasoning_parser else None
     if thinking is not None and opts.grammar is not None:  # the grammar holds the answer, after the thinking
         opts = dataclasses.replace(opts, grammar=thinking.hold(opts.grammar))
         await asyncio.to_thread(check, opts.grammar, engine.tokenizer, engine.gen.vocab)
-    shape = Shape(plan, thinking)
-    seqs = await oa.sequences(s, [ids], opts, body.n, body.seed, body.model)
-    head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-            "model": body.model or s.model_name}
-    if body.stream:
-        request = oa.submit(engine, seqs)
-        return oa.streaming_response(_events(engine, request, head, body.n, body.stream_options, shape))
-    await oa.wait(engine, seqs, s.timeout)
-    return {**head, "choices": [_choice(engine, i, seq, shape) for i, seq in enumerate(seqs)],
-            "usage": oa.usage(seqs, body.n)}
+    return Prepared(ids, opts, Shape(plan, thinking))
 
 
 @dataclass(frozen=True)
@@ -253,11 +274,11 @@ class StreamedReply:
 
 def _choice(engine: Engine, index: int, seq: Sequence, shape: Shape) -> dict:
     message, finish_reason = shape.message(seq.text, seq.finish_reason)
-    return {"index": index, "message": message, "logprobs": _logprobs(engine, seq, 0, seq.kept_tokens()),
+    return {"index": index, "message": message, "logprobs": token_logprobs(engine, seq, 0, seq.kept_tokens()),
             "finish_reason": finish_reason}
 
 
-def _logprobs(engine: Engine, seq: Sequence, lo: int, hi: int) -> Optional[dict]:
+def token_logprobs(engine: Engine, seq: Sequence, lo: int, hi: int) -> Optional[dict]:
     """OpenAI's chat logprobs ({"content": [{token, logprob, bytes, top_logprobs}]}) of output tokens lo..hi."""
     if seq.options.logprobs is None:
         return None
@@ -287,7 +308,7 @@ async def _events(engine: Engine, request, head: dict, n: int, stream_options: O
     try:
         replies = [StreamedReply(shape) for _ in request.seqs]
         async for d in oa.deltas(request):
-            lp = _logprobs(engine, request.seqs[d.index], d.lo, d.hi) if d.hi > d.lo else None
+            lp = token_logprobs(engine, request.seqs[d.index], d.lo, d.hi) if d.hi > d.lo else None
             finished = d.finish_reason is not None
             delta = replies[d.index].feed(d.text, finished)
             finish_reason = replies[d.index].finish_reason(d.finish_reason)

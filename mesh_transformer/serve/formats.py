@@ -24,23 +24,44 @@ UNSET_ONLY = ("disable_fallback", "disable_additional_properties", "whitespace_p
 GUIDED = {f"guided_{k}": k for k in ("json", "regex", "choice", "grammar")}  # vLLM's older fields
 
 
-def asked(body: oa.StructuredFields) -> bool:
-    """Whether the body names any structured-output field (else `grammar` is None at once)."""
-    return any(getattr(body, name) is not None for name in oa.StructuredFields.model_fields)
+def asked(body) -> bool:
+    """Whether the body names any structured-output field (else `grammar` is None at once); a body
+    may have some of `oa.StructuredFields` (/v1/responses takes `structured_outputs` alone)."""
+    return any(getattr(body, name, None) is not None for name in oa.StructuredFields.model_fields)
 
 
-def grammar(engine, body: oa.StructuredFields) -> Optional[Grammar]:
+def grammar(engine, body) -> Optional[Grammar]:
     """The grammar the request asks for (None: free text), compiled once to check it (llguidance
     keeps it: the request's rows copy the compiled parser)."""
-    asked = [found for found in (_response_format(body.response_format), _structured(body.structured_outputs),
-                                 *_guided(body)) if found is not None]
+    asked = [found for found in (_response_format(getattr(body, "response_format", None)),
+                                 _structured(getattr(body, "structured_outputs", None)), *_guided(body))
+             if found is not None]
     if not asked:
         return None
     if len(asked) > 1:
         names = ", ".join(field.split(".")[0] for field, _ in asked)
         second = asked[1][0].split(".")[0]
         raise oa.ApiError(400, f"{second}: ask for one structured output, got {names}", param=second)
-    field, result = asked[0]
+    return _checked(engine, *asked[0])
+
+
+def text_format(engine, given: Optional[dict]) -> Optional[Grammar]:
+    """The Responses API's `text`: `{"format": {"type": "text"}}`, `{"type": "json_object"}` or
+    `{"type": "json_schema", "name": .., "schema": {..}, "strict": ..}`, as a grammar (None: free
+    text), compiled once to check it; a 400 naming the field at fault."""
+    if given is None:
+        return None
+    fmt = given.get("format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict):
+        raise oa.ApiError(400, f"text.format: an object, got {type(fmt).__name__}", param="text.format")
+    found = _format(fmt.get("type"), fmt.get("schema"), "text.format", "text.format.schema")
+    return _checked(engine, *found) if found else None
+
+
+def _checked(engine, field: str, result: Grammar) -> Grammar:
+    """`result`, compiled once to check it; a 400 naming `field` if llguidance cannot."""
     try:
         check(result, engine.tokenizer, engine.gen.vocab)
     except ValueError as e:
@@ -52,20 +73,24 @@ def _response_format(given: Optional[dict]) -> Optional[tuple[str, Grammar]]:
     """(the field a compile error names, the grammar), or None."""
     if given is None:
         return None
-    kind = given.get("type")
+    spec = given.get("json_schema")
+    return _format(given.get("type"), spec.get("schema") if isinstance(spec, dict) else None, "response_format",
+                   "response_format.json_schema.schema")
+
+
+def _format(kind, schema, field: str, schema_field: str) -> Optional[tuple[str, Grammar]]:
+    """OpenAI's text formats (`type` text, json_object, json_schema with `schema`) -> (the field a
+    compile error names, the grammar), or None for text."""
     if kind == "text":
         return None
     if kind == "json_object":
-        return "response_format", Grammar.json_object()
+        return field, Grammar.json_object()
     if kind == "json_schema":
-        spec = given.get("json_schema")
-        schema = spec.get("schema") if isinstance(spec, dict) else None
         if not isinstance(schema, dict):
-            raise oa.ApiError(400, "response_format.json_schema.schema: a JSON schema (an object) is required",
-                              param="response_format.json_schema.schema")
-        return "response_format.json_schema.schema", Grammar.json_schema(schema)
-    raise oa.ApiError(400, f"response_format.type: must be text, json_object or json_schema, got {kind!r}",
-                      param="response_format.type")
+            raise oa.ApiError(400, f"{schema_field}: a JSON schema (an object) is required", param=schema_field)
+        return schema_field, Grammar.json_schema(schema)
+    raise oa.ApiError(400, f"{field}.type: must be text, json_object or json_schema, got {kind!r}",
+                      param=f"{field}.type")
 
 
 def _structured(given: Optional[dict]) -> Optional[tuple[str, Grammar]]:
@@ -90,7 +115,7 @@ def _structured(given: Optional[dict]) -> Optional[tuple[str, Grammar]]:
 
 def _guided(body: oa.StructuredFields) -> list[tuple[str, Grammar]]:
     return [(name, _of_kind(kind, getattr(body, name), name)) for name, kind in GUIDED.items()
-            if getattr(body, name) is not None]
+            if getattr(body, name, None) is not None]
 
 
 def _of_kind(kind: str, value, field: str, any_whitespace: bool = True) -> Grammar:

@@ -34,12 +34,13 @@ FAILED = {"timeout": "request timed out", "error": "generation failed (see the s
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: Optional[str] = None):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: Optional[str] = None,
+                 code: Optional[str] = None):
         super().__init__(message)
-        self.status, self.message, self.kind, self.param = status, message, kind, param
+        self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": None}}
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
 def busy(e: Exception) -> ApiError:
@@ -59,6 +60,7 @@ class Settings:
     chat: Any = None  # chat.ChatTemplate
     tool_parser: Optional[str] = None  # tools.PARSERS' key: how "auto" tool choice reads calls from text
     reasoning_parser: Optional[str] = None  # reasoning.PARSERS' item: how replies' thinking is told from answers
+    responses: Any = None  # responses.Store: the kept responses of /v1/responses
 
 
 class _Strict(BaseModel):
@@ -147,6 +149,8 @@ def parse(raw: bytes, schema: type[BaseModel]):
         data = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ApiError(400, f"request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise ApiError(400, "request body is nested too deeply") from None
     if not isinstance(data, dict):
         raise ApiError(400, f"request body must be a JSON object, got {type(data).__name__}")
     try:
@@ -205,15 +209,15 @@ async def body_options(engine: Engine, body, max_tokens: int, stop, logprobs, gr
                        grammar_field: str = "") -> SamplingOptions:
     """`options` from an OpenAI body's SAMPLING_FIELDS and structured-output fields, plus what the
     endpoint derives itself. A grammar compiles in a worker thread: the event loop keeps serving.
-    `grammar`: one the endpoint derived from `grammar_field` (a forced tool call), which a
+    `grammar`: one the endpoint derived from `grammar_field` (a forced tool call, `text.format`), which a
     structured-output field may not also ask for."""
     from mesh_transformer.serve import formats
     asked = await asyncio.to_thread(formats.grammar, engine, body) if formats.asked(body) else None
     if grammar is not None and asked is not None:
-        other = next(name for name in StructuredFields.model_fields if getattr(body, name) is not None)
+        other = next(name for name in StructuredFields.model_fields if getattr(body, name, None) is not None)
         raise ApiError(400, f"{other}: the reply is already held to {grammar_field}'s format", param=other)
     grammar = grammar if grammar is not None else asked
-    shared = {name: getattr(body, name) for name in SAMPLING_FIELDS}
+    shared = {name: getattr(body, name, None) for name in SAMPLING_FIELDS}  # (a body without one: the default)
     return options(engine, max_tokens=max_tokens, stop=stop, logprobs=logprobs, grammar=grammar, **shared)
 
 
@@ -352,9 +356,12 @@ async def wait(engine: Engine, seqs: list[Sequence], timeout: float) -> None:
 
 
 def usage(seqs: list[Sequence], n: int) -> dict:
+    """OpenAI's usage of a request's sequences (`n` per prompt, each prompt counted once), with the
+    prompt tokens read from the prefix cache rather than computed (`prompt_tokens_details`)."""
     prompt = sum(len(seq.prompt) for seq in seqs[::n])
     completion = sum(seq.kept_tokens() if seq.finished else len(seq.tokens) for seq in seqs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(seq.cached_tokens for seq in seqs[::n])}}
 
 
 @dataclass
