@@ -107,6 +107,17 @@ def tiny_long(tmp_path_factory):
     return tiny, Generator(model.config, model.params, model.mesh)
 
 
+@pytest.fixture(scope="module")
+def long_engine(tiny_long):
+    """A started Engine over `tiny_long` (4 rows, 4-token decode chunks, batch-invariant: answers
+    equal the library's), one per test module."""
+    from mesh_transformer.serve import Engine
+    tiny, gen = tiny_long
+    engine = Engine(gen, tiny.tokenizer, max_batch=4, chunk=4, max_queue=64, batch_invariant=True).start()
+    yield engine
+    engine.stop()
+
+
 MAPS_KEPT = 0.5  # of vm.max_map_count: past it, JAX's caches are cleared after a test module
 
 

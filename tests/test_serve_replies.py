@@ -21,7 +21,7 @@ import pytest
 
 from mesh_transformer.generate import SamplingOptions
 from mesh_transformer.generate.structured import JSON_DUMPS, Grammar
-from mesh_transformer.serve import PLAIN_TEMPLATE, Engine, create_app, reasoning, tools
+from mesh_transformer.serve import PLAIN_TEMPLATE, create_app, reasoning, tools
 from mesh_transformer.serve.chat import Shape, StreamedReply
 from tests.helpers import COMMA, END_THINK_ID, THINK_ID  # tiny_long's vocabulary (tests/conftest.py)
 from tests.serving import KEY, start_server
@@ -37,17 +37,9 @@ ASK = [{"role": "user", "content": "Weather?"}]
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_long):
-    tiny, gen = tiny_long
-    engine = Engine(gen, tiny.tokenizer, max_batch=4, chunk=4, max_queue=64, batch_invariant=True).start()
-    yield engine
-    engine.stop()
-
-
-@pytest.fixture(scope="module")
-def servers(engine):
+def servers(long_engine):
     """{parser name or None: base url}, each app over the one engine."""
-    started = {parser: start_server(create_app(engine, model_name="tiny", api_key=KEY, tool_parser=parser))
+    started = {parser: start_server(create_app(long_engine, model_name="tiny", api_key=KEY, tool_parser=parser))
                for parser in (None, *tools.PARSERS)}
     yield {parser: base for parser, (_, base) in started.items()}
     for server, _ in started.values():
@@ -328,8 +320,8 @@ NINE = ("{% for m in messages %}{% for c in m['tool_calls'] or [] %}{% if c['id'
         "[{{ c['id'] }}]{% endfor %}{{ m['content'] }}|{% endfor %}")  # as Mistral's templates check
 
 
-def test_a_mistral_servers_calls_come_back_to_its_template_in_the_next_turn(engine):
-    server, base = start_server(create_app(engine, model_name="tiny", api_key=KEY, chat_template=NINE,
+def test_a_mistral_servers_calls_come_back_to_its_template_in_the_next_turn(long_engine):
+    server, base = start_server(create_app(long_engine, model_name="tiny", api_key=KEY, chat_template=NINE,
                                            tool_parser="mistral"))
     try:
         c = client(base)
@@ -395,11 +387,11 @@ def test_a_bad_tool_request_is_a_400_naming_the_field(servers, extra, param, mes
     assert error["param"] == param and message in error["message"], error
 
 
-def test_an_unknown_parser_is_refused_when_the_app_is_made(engine):
+def test_an_unknown_parser_is_refused_when_the_app_is_made(long_engine):
     with pytest.raises(ValueError, match="tool_parser: one of hermes, llama3_json, mistral, got 'qwen'"):
-        create_app(engine, tool_parser="qwen")
+        create_app(long_engine, tool_parser="qwen")
     with pytest.raises(ValueError, match="reasoning_parser: one of deepseek_r1, qwen3, got 'o1'"):
-        create_app(engine, reasoning_parser="o1")
+        create_app(long_engine, reasoning_parser="o1")
 
 
 # --------------------------------------------------------------------------------------------
@@ -491,12 +483,12 @@ def hf_ids(tiny, messages, **variables) -> list[int]:
 
 
 @pytest.mark.parametrize("parser", reasoning.PARSERS)
-def test_a_reasoning_parser_returns_the_thinking_as_reasoning(engine, tiny_long, parser):
+def test_a_reasoning_parser_returns_the_thinking_as_reasoning(long_engine, tiny_long, parser):
     """The template opens the block and the tiny model never closes it: all of its reply is
     reasoning (cut short by max_tokens). Made to close it at once (a logit bias on the `</think>`
     token), a grammar holds the answer after it. With thinking off, all of the reply is answer."""
     tiny, gen = tiny_long
-    server, base = start_server(create_app(engine, model_name="tiny", api_key=KEY, chat_template=THINKS,
+    server, base = start_server(create_app(long_engine, model_name="tiny", api_key=KEY, chat_template=THINKS,
                                            reasoning_parser=parser))
     try:
         c = client(base)
@@ -542,11 +534,11 @@ def test_a_reasoning_parser_returns_the_thinking_as_reasoning(engine, tiny_long,
         server.should_exit = True
 
 
-def test_a_reply_may_open_its_own_block_or_answer_at_once_under_a_grammar(engine, tiny_long):
+def test_a_reply_may_open_its_own_block_or_answer_at_once_under_a_grammar(long_engine, tiny_long):
     """qwen3 with a template that does not open the block: the reply may open one (the grammar then
     holds what follows it) or answer at once (here: made to, a bias against `<think>`)."""
     tiny, _ = tiny_long
-    server, base = start_server(create_app(engine, model_name="tiny", api_key=KEY, reasoning_parser="qwen3"))
+    server, base = start_server(create_app(long_engine, model_name="tiny", api_key=KEY, reasoning_parser="qwen3"))
     try:
         kw = dict(model="tiny", messages=ASK, max_tokens=20, temperature=0,
                   extra_body={"structured_outputs": {"choice": YES_NO}})

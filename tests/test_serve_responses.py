@@ -18,7 +18,7 @@ import pytest
 
 from mesh_transformer.generate import SamplingOptions
 from mesh_transformer.generate.structured import JSON_DUMPS, Grammar
-from mesh_transformer.serve import PLAIN_TEMPLATE, Engine, create_app, reasoning, responses, tools
+from mesh_transformer.serve import PLAIN_TEMPLATE, create_app, reasoning, responses, tools
 from mesh_transformer.serve.chat import Shape, StreamedReply
 from tests.helpers import END_THINK_ID
 from tests.serving import KEY, start_server
@@ -36,19 +36,11 @@ THINKS = ("{% for m in messages %}{% if m['reasoning_content'] %}({{ m['reasonin
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_long):
-    tiny, gen = tiny_long
-    engine = Engine(gen, tiny.tokenizer, max_batch=4, chunk=4, max_queue=64, batch_invariant=True).start()
-    yield engine
-    engine.stop()
-
-
-@pytest.fixture(scope="module")
-def servers(engine):
+def servers(long_engine):
     """{"plain", "hermes" (its tool parser), "r1" (R1's template and reasoning parser): base url}."""
-    started = {"plain": start_server(create_app(engine, model_name="tiny", api_key=KEY, responses_kept=3)),
-               "hermes": start_server(create_app(engine, model_name="tiny", api_key=KEY, tool_parser="hermes")),
-               "r1": start_server(create_app(engine, model_name="tiny", api_key=KEY, chat_template=THINKS,
+    started = {"plain": start_server(create_app(long_engine, model_name="tiny", api_key=KEY, responses_kept=3)),
+               "hermes": start_server(create_app(long_engine, model_name="tiny", api_key=KEY, tool_parser="hermes")),
+               "r1": start_server(create_app(long_engine, model_name="tiny", api_key=KEY, chat_template=THINKS,
                                              reasoning_parser="deepseek_r1"))}
     yield {name: base for name, (_, base) in started.items()}
     for server, _ in started.values():
@@ -469,7 +461,7 @@ def test_a_bad_request_is_a_400_naming_the_field(servers, extra, param, message)
     assert error["param"] == param and message in error["message"], error
 
 
-def test_a_stream_that_fails_ends_with_response_failed(servers, engine):
+def test_a_stream_that_fails_ends_with_response_failed(servers, long_engine):
     """The server ends the running sequences (here `abort`, as a shutdown's drain timeout does):
     the open item closes incomplete and `response.failed` carries the error."""
     with httpx.stream("POST", f"{servers['plain']}/v1/responses", timeout=60, headers={"Authorization": f"Bearer {KEY}"},
@@ -479,7 +471,7 @@ def test_a_stream_that_fails_ends_with_response_failed(servers, engine):
             if line.startswith("data: "):
                 data.append(json.loads(line[len("data: "):]))
                 if data[-1]["type"] == "response.output_text.delta" and len(data) == 5:
-                    engine.abort("shutdown")
+                    long_engine.abort("shutdown")
     assert [d["type"] for d in data[-4:]] == ["response.output_text.done", "response.content_part.done",
                                               "response.output_item.done", "response.failed"]
     failed = data[-1]["response"]
