@@ -206,6 +206,23 @@ def test_text_format_holds_the_reply_to_a_json_schema(servers, tiny_long):
 # Conversations: items, kept responses
 # --------------------------------------------------------------------------------------------
 
+def test_reasoning_effort_and_template_variables_reach_the_template(long_engine, tiny_long):
+    tiny, _ = tiny_long
+    template = "{{ reasoning_effort | default('none') }}|{% for m in messages %}{{ m['content'] }}|{% endfor %}"
+    server, base = start_server(create_app(long_engine, model_name="tiny", api_key=KEY, chat_template=template))
+    try:
+        c = client(base)
+        for extra, effort in (({}, "none"), ({"reasoning": {"effort": "high"}}, "high"),
+                              ({"reasoning": {"effort": "high"}, "extra_body": {
+                                  "chat_template_kwargs": {"reasoning_effort": "low"}}}, "low")):
+            r = c.responses.create(model="tiny", input="Hi", max_output_tokens=2, **extra)
+            ids = tiny.tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], chat_template=template,
+                                                     tokenize=True, return_dict=False, reasoning_effort=effort)
+            assert r.usage.input_tokens == len(ids) == len(tiny.tokenizer.encode(f"{effort}|Hi|"))
+    finally:
+        server.should_exit = True
+
+
 def test_items_with_calls_and_their_outputs_render_as_the_chat_conversation(servers, tiny_long):
     """A message, a reasoning item, an assistant's text and two calls, their outputs: the template
     sees the chat conversation transformers would be given."""
@@ -442,6 +459,7 @@ BAD = [
     ({"input": [{"type": "function_call", "call_id": "c", "name": "now", "arguments": "[" * 100000}]},
      "input[0].arguments", "JSON text of an object"),
     ({"conversation": "conv_1"}, "conversation", "previous_response_id"),
+    ({"reasoning": {"effort": 3}}, "reasoning.effort", "a string"),
     ({"prompt": {"id": "pmpt_1"}}, "prompt", "not supported"),
     ({"tools": TOOLS, "tool_choice": "required", "text": {"format": {"type": "xml"}}}, "text.format.type",
      "json_schema"),

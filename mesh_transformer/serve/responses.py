@@ -325,6 +325,17 @@ def _check_logprobs(s: oa.Settings, body: ResponsesRequest) -> Optional[int]:
     return body.top_logprobs or 0
 
 
+def _template_variables(body: ResponsesRequest) -> Optional[dict]:
+    """`chat_template_kwargs`, with `reasoning.effort` as `reasoning_effort` (the variable templates
+    of models with effort levels read, gpt-oss's among them) unless they set it themselves."""
+    effort = (body.reasoning or {}).get("effort")
+    if effort is None:
+        return body.chat_template_kwargs
+    if not isinstance(effort, str):
+        _bad("reasoning.effort", f"a string (low, medium, high ..), got {type(effort).__name__}")
+    return {"reasoning_effort": effort, **(body.chat_template_kwargs or {})}
+
+
 def _conversation(store: Store, body: ResponsesRequest) -> tuple[list[dict], list[dict]]:
     """(the conversation's items: the previous response's, then this request's input; the
     messages the template renders: the instructions, then those items)."""
@@ -354,7 +365,7 @@ async def create(s: oa.Settings, http: HttpRequest):
         text_grammar = await asyncio.to_thread(formats.text_format, s.engine, body.text) if body.text else None
         if plan is not None and plan.grammar() is not None:
             text_grammar = None  # a forced call: no text for the format to hold
-        how = chat.rendering(chat.TemplateFields(chat_template_kwargs=body.chat_template_kwargs))
+        how = chat.rendering(chat.TemplateFields(chat_template_kwargs=_template_variables(body)))
         logprobs = _check_logprobs(s, body)
         reply = await chat.prepare(s, body, messages, how, plan, body.max_output_tokens, "max_output_tokens", (),
                                    logprobs, text_grammar, "text.format", "input")
