@@ -107,6 +107,11 @@ TEXTS = [  # (parser, model text, content, [(name, arguments)])
      '<tool_call>{"name": "now", "arguments": "soon"}</tool_call>', []),  # not an object: not a call
     ("hermes", '<tool_call>{"name": "now", "arguments": {"t": NaN}}</tool_call>',
      '<tool_call>{"name": "now", "arguments": {"t": NaN}}</tool_call>', []),  # JSON has no NaN
+    *[(parser, text, text, []) for parser, text in (  # nested deeper than Python's JSON reader goes: text
+        ("hermes", "<tool_call>" + "[" * 3000 + "</tool_call>"),
+        ("hermes", '<tool_call>{"name": "now", "arguments": ' + "[" * 3000 + "]" * 3000 + "}</tool_call>"),
+        ("llama3_json", '{"name": "now", "parameters": ' + "[" * 3000),
+        ("mistral", "[TOOL_CALLS]" + "[" * 3000), ("mistral", "[TOOL_CALLS]now[ARGS]" + "[" * 3000))],
 ]
 
 

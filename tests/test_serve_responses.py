@@ -338,15 +338,39 @@ def test_a_named_tool_choice_is_a_function_call_item_streamed_as_argument_deltas
     assert (done.arguments, done.item_id) == (expected.text, final.output[0].id)
 
 
-def test_calls_read_from_text_become_items_whole_and_streamed_in_any_pieces():
-    """"auto" with a parser: the same items whether the text comes whole or in pieces."""
+def test_a_named_call_cut_short_is_incomplete_and_left_out_of_the_next_turn(servers, tiny_long):
+    """Cut by max_output_tokens or by a stop id, a named call's arguments are no object: the call
+    is "incomplete", the response kept, and continuing it leaves the call out."""
+    tiny, _ = tiny_long
+    c = client(servers["plain"])
+    kw = dict(model="tiny", input="Weather?", tools=TOOLS, temperature=0,
+              tool_choice={"type": "function", "name": "get_weather"})
+    ids = template_ids(tiny, [{"role": "user", "content": "Weather?"}], CHAT_TOOLS)
+    whole = library(tiny_long, ids, 48, Grammar.json_schema(WEATHER_PARAMETERS, separators=JSON_DUMPS))
+    third = whole.tokens[2]
+    for extra, status in (({"max_output_tokens": 2}, "incomplete"),
+                          ({"max_output_tokens": 48, "extra_body": {"stop_token_ids": [third]}}, "completed")):
+        for r in (c.responses.create(**kw, **extra), streamed(c, **kw, **extra)[0]):
+            [call] = r.output
+            assert (r.status, call.status, call.arguments) == (
+                status, "incomplete", tiny.tokenizer.decode(whole.tokens[:2]))
+            again = c.responses.create(model="tiny", input="Again", previous_response_id=r.id, max_output_tokens=2)
+            assert again.usage.input_tokens == len(template_ids(tiny, [{"role": "user", "content": "Weather?"},
+                                                                       {"role": "user", "content": "Again"}]))
+
+
+@pytest.mark.parametrize("finish", ["stop", "length"])
+def test_calls_read_from_text_become_items_whole_and_streamed_in_any_pieces(finish):
+    """"auto" with a parser: the same items whether the text comes whole or in pieces; cut
+    short, the message is the item being written (the calls read are whole)."""
     text = 'Looking.<tool_call>{"name": "now", "arguments": {}}</tool_call> and <tool_call>{"name": "get_weather", ' \
            '"arguments": {"city": "Oslo", "days": 2}}</tool_call>\n'
     plan = tools.Plan(tuple(tools.read_tools(CHAT_TOOLS)), "auto", parser="hermes")
     response = responses.Response(None, responses.ResponsesRequest(input="x"), Shape(plan), "resp_1")
-    seq = SimpleNamespace(text=text, finish_reason="stop", options=SamplingOptions(), kept_tokens=lambda: 0)
+    seq = SimpleNamespace(text=text, finish_reason=finish, options=SamplingOptions(), kept_tokens=lambda: 0)
     whole = [{k: v for k, v in item.items() if k not in ("id", "call_id")} for item in response.items(seq)]
     assert [item["type"] for item in whole] == ["message", "function_call", "function_call"]
+    assert [item["status"] for item in whole] == ["incomplete" if finish == "length" else "completed"] + ["completed"] * 2
     assert whole[0]["content"][0]["text"] == "Looking. and \n"  # the text around the calls: one message
     assert [(item["name"], item["arguments"]) for item in whole[1:]] == [
         ("now", "{}"), ("get_weather", '{"city": "Oslo", "days": 2}')]
@@ -355,7 +379,7 @@ def test_calls_read_from_text_become_items_whole_and_streamed_in_any_pieces():
         pieces = [text[i:i + size] for i in range(0, len(text), size)]
         events = [e for i, piece in enumerate(pieces)
                   for e in responses._delta_events(writer, reply.feed(piece, i == len(pieces) - 1), [])]
-        events += writer.end("completed")
+        events += writer.end("incomplete" if finish == "length" else "completed")
         assert [{k: v for k, v in item.items() if k not in ("id", "call_id")} for item in writer.items] == whole
         kinds = [json.loads(e.split(b"data: ", 1)[1])["type"] for e in events]
         assert kinds.count("response.output_item.added") == kinds.count("response.output_item.done") == 3
@@ -460,6 +484,7 @@ BAD = [
      "input[0].arguments", "JSON text of an object"),
     ({"conversation": "conv_1"}, "conversation", "previous_response_id"),
     ({"reasoning": {"effort": 3}}, "reasoning.effort", "a string"),
+    ({"input": [{"role": "user", "content": [{"type": "input_text"}]}]}, "input[0].content[0].text", "a string"),
     ({"prompt": {"id": "pmpt_1"}}, "prompt", "not supported"),
     ({"tools": TOOLS, "tool_choice": "required", "text": {"format": {"type": "xml"}}}, "text.format.type",
      "json_schema"),
@@ -477,6 +502,16 @@ def test_a_bad_request_is_a_400_naming_the_field(servers, extra, param, message)
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == param and message in error["message"], error
+
+
+def test_a_kept_response_is_read_whole_and_a_wrong_method_is_an_openai_error(servers):
+    c = client(servers["plain"])
+    r = c.responses.create(model="tiny", input="Hi", max_output_tokens=2)
+    headers = {"Authorization": f"Bearer {KEY}"}
+    again = httpx.get(f"{servers['plain']}/v1/responses/{r.id}", params={"stream": "true"}, headers=headers, timeout=30)
+    assert again.status_code == 400 and again.json()["error"]["param"] == "stream"
+    wrong = httpx.post(f"{servers['plain']}/v1/responses/{r.id}", json={}, headers=headers, timeout=30)
+    assert wrong.status_code == 405 and "does not take POST" in wrong.json()["error"]["message"]
 
 
 def test_a_stream_that_fails_ends_with_response_failed(servers, long_engine):
@@ -508,7 +543,7 @@ def test_input_items_become_the_chat_conversation():
              {"type": "reasoning", "summary": [{"type": "summary_text", "text": "T1."}], "id": "rs_1"},
              {"role": "assistant", "content": [{"type": "output_text", "text": "a2", "annotations": []}], "id": "m"},
              {"type": "reasoning", "content": [{"type": "reasoning_text", "text": "T2."}]},
-             {"type": "function_call", "call_id": "c1", "name": "now", "arguments": "{}", "status": "completed"},
+             {"type": "function_call", "call_id": "c1", "name": "now", "arguments": "", "status": "completed"},
              {"type": "function_call", "call_id": "c2", "name": "now", "arguments": '{"t', "status": "incomplete"}]
     messages, sources, kept = responses.chat_messages(items, [f"input[{i}]" for i in range(len(items))])
     assert messages == [{"role": "user", "content": "u1"}, {"role": "user", "content": "u2"},

@@ -87,6 +87,10 @@ def create_app(engine: Engine, model_name: str = "mesh-transformer", api_key: Op
         return JSONResponse(oa.ApiError(404, f"no such endpoint: {http.method} {http.url.path}",
                                         "not_found_error").body(), 404)
 
+    @app.exception_handler(405)
+    async def _wrong_method(http, _):
+        return JSONResponse(oa.ApiError(405, f"{http.url.path} does not take {http.method}").body(), 405)
+
     @app.get("/", include_in_schema=False)
     async def playground():
         return HTMLResponse(page, headers={"Cache-Control": "no-cache"})

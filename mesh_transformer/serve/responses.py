@@ -148,8 +148,10 @@ def _text_of(content, where: str) -> str:
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         key = "refusal" if kind == "refusal" else "text"
-        if (kind not in TEXT_PARTS and kind != "refusal") or not isinstance(part.get(key), str):
+        if kind not in TEXT_PARTS and kind != "refusal":
             _bad(f"{where}[{j}].type", f"only text parts ({', '.join(TEXT_PARTS[:2])}) are supported, got {kind!r}")
+        if not isinstance(part.get(key), str):
+            _bad(f"{where}[{j}].{key}", f"a string is required, got {type(part.get(key)).__name__}")
         pieces.append(oa.check_text(part[key], f"{where}[{j}].{key}"))
     return "".join(pieces)
 
@@ -201,7 +203,7 @@ def chat_messages(items: list, labels: list[str]) -> tuple[list[dict], list[str]
             kept.append({"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": text}]})
             continue
         if kind == "function_call":
-            arguments = item.get("arguments", "{}")
+            arguments = item.get("arguments") or "{}"  # (some clients send "" for no arguments)
             if not isinstance(arguments, str) or not isinstance(_json(arguments), dict):
                 if item.get("status") == "incomplete":
                     continue
@@ -386,11 +388,13 @@ def _keep(store: Store, body: ResponsesRequest, response: dict, history: list) -
     """`response` kept (unless the request said not to, or it failed) with its conversation's
     items: `history` (the earlier ones and this request's input), then its output."""
     if body.store is not False and response["status"] != "failed":
-        output = response["output"]
+        output = response["output"]  # (its cut calls are "incomplete": left out of the conversation)
         store.put(Kept(response, history + chat_messages(output, ["output"] * len(output))[2]))
 
 
 async def retrieve(s: oa.Settings, http: HttpRequest):
+    if http.query_params.get("stream", "false").lower() not in ("false", "0"):
+        _bad("stream", "a kept response is answered whole: its events are not kept to stream again")
     return s.responses.get(http.path_params["response_id"]).response
 
 
@@ -445,7 +449,9 @@ class Response:
             fn = call["function"]
             out.append(call_item(_item_id("fc"), call["id"], fn["name"], fn["arguments"], "completed"))
         if finish == "length":
-            out[-1]["status"] = "incomplete"  # the item being written when max_output_tokens cut the reply
+            cut_item(out)["status"] = "incomplete"
+        for item in out:
+            finished_call(item)
         return out
 
     def logprobs(self, seq: Sequence, lo: int = 0, hi: Optional[int] = None) -> list:
@@ -472,6 +478,19 @@ class Response:
                 "output_tokens_details": {"reasoning_tokens": reasoning_tokens(self.s.engine.tokenizer, seq, output)
                                           if thought else 0},
                 "total_tokens": len(seq.prompt) + output}
+
+
+def cut_item(items: list[dict]) -> dict:
+    """The item being written when `max_output_tokens` cut a reply: its message (calls read from
+    the text are whole, and come after it), else its last item."""
+    return next((item for item in items if item["type"] == "message"), items[-1])
+
+
+def finished_call(item: dict) -> None:
+    """A call whose arguments are not an object (a named call cut short, by a stop id too) is
+    "incomplete": it cannot be answered, and a later turn leaves it out."""
+    if item["type"] == "function_call" and not isinstance(_json(item["arguments"]), dict):
+        item["status"] = "incomplete"
 
 
 def reasoning_tokens(tokenizer, seq: Sequence, output: int) -> int:
@@ -552,6 +571,8 @@ class EventWriter:
         part = self.open["content"][0]
         part["text"] += delta
         index = len(self.items) - 1
+        if not delta and not self.held and not logprobs:
+            return out  # (an empty reply: its message, no delta)
         if kind == "reasoning":
             out.append(self.event("response.reasoning_text.delta", item_id=self.open["id"], output_index=index,
                                   content_index=0, delta=delta))
@@ -568,9 +589,10 @@ class EventWriter:
         the others "completed"."""
         deferred, self.deferred = self.deferred or [], None
         out = self.text("message", "", []) if (not self.items and not deferred) or self.held else []
-        out += self.close(status if not deferred else "completed")
+        message = any(item["type"] == "message" for item in self.items)  # the item cut, if there is one (`cut_item`)
+        out += self.close(status if message or not deferred else "completed")
         for i, entry in enumerate(deferred):
-            out += self.call(entry) + self.close(status if i == len(deferred) - 1 else "completed")
+            out += self.call(entry) + self.close(status if i == len(deferred) - 1 and not message else "completed")
         return out
 
     def call(self, entry: dict) -> list[bytes]:
@@ -594,6 +616,7 @@ class EventWriter:
         if item is None:
             return []
         item["status"] = status
+        finished_call(item)
         index, out = len(self.items) - 1, []
         if item["type"] == "function_call":
             out.append(self.event("response.function_call_arguments.done", item_id=item["id"], output_index=index,

@@ -69,7 +69,7 @@ def _arguments(args) -> Optional[str]:
     try:
         decoded = {} if args is None else json.loads(args) if isinstance(args, str) else args
         return json.dumps(decoded, ensure_ascii=False, allow_nan=False) if isinstance(decoded, dict) else None
-    except ValueError:  # not JSON, or NaN / Infinity, which JSON does not have
+    except (ValueError, RecursionError):  # not JSON, NaN / Infinity (which JSON does not have), too deep
         return None
 
 
@@ -92,7 +92,7 @@ def _objects(text: str, separator: str = "") -> Optional[list]:
             return values or None
         try:
             value, pos = decoder.raw_decode(text, pos)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             return None
         values.append(value)
 
@@ -178,7 +178,7 @@ def _mistral_array(rest: str, new_id) -> Optional[tuple[list[Call], str]]:
     """(calls, the text after them) of `[{..}, ..]` at the start of `rest`."""
     try:
         array, end = json.JSONDecoder().raw_decode(rest, len(rest) - len(rest.lstrip()))
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):
         return None
     calls = _calls(array if isinstance(array, list) else None, ("arguments", "parameters"), new_id)
     return (calls, rest[end:] if rest[end:].strip() else "") if calls else None
@@ -191,7 +191,7 @@ def _mistral_args(rest: str, new_id) -> Optional[tuple[list[Call], str]]:
         name, marker, args = part.partition(ARGS)
         try:
             value, end = json.JSONDecoder().raw_decode(args, len(args) - len(args.lstrip())) if marker else (None, 0)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             return None
         call = _call({"name": name.strip(), "arguments": value}, ("arguments",), new_id) if marker else None
         if call is None:
