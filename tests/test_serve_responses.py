@@ -545,10 +545,9 @@ def test_input_items_become_the_chat_conversation():
              {"type": "reasoning", "content": [{"type": "reasoning_text", "text": "T2."}]},
              {"type": "function_call", "call_id": "c1", "name": "now", "arguments": "", "status": "completed"},
              {"type": "function_call", "call_id": "c2", "name": "now", "arguments": '{"t', "status": "incomplete"}]
-    messages, sources, kept = responses.chat_messages(items, [f"input[{i}]" for i in range(len(items))])
+    messages, kept = responses.chat_messages(items, [f"input[{i}]" for i in range(len(items))])
     assert messages == [{"role": "user", "content": "u1"}, {"role": "user", "content": "u2"},
                         {"role": "assistant", "content": "a2", "reasoning": "T1.T2.", "tool_calls": [
                             {"id": "c1", "type": "function", "function": {"name": "now", "arguments": "{}"}}]}]
-    assert sources == ["input[0]", "input[2]", "input[4]"]
     assert kept[4] == {"type": "message", "role": "assistant", "content": "a2"} and len(kept) == 7
 

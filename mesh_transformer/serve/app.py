@@ -1,8 +1,9 @@
 """The FastAPI app over a started `Engine`, and `run`: uvicorn with a graceful shutdown.
 
 Routes: `GET /` (the playground page), `POST /complete`, `POST /v1/completions`,
-`POST /v1/chat/completions`, `POST /v1/responses` (with `GET` and `DELETE /v1/responses/{id}`), `POST /tokenize` and `POST /detokenize` (vLLM's), `GET /v1/models`,
-`GET /health`, `GET /metrics` (Prometheus), and with
+`POST /v1/chat/completions`, `POST /v1/responses` (with `GET` and `DELETE /v1/responses/{id}`),
+`POST /tokenize` and `POST /detokenize` (vLLM's), `GET /v1/models`, `GET /health`, `GET /metrics`
+(Prometheus), and with
 runtime LoRA loading `POST /v1/load_lora_adapter`, `POST /v1/unload_lora_adapter` (vLLM's).
 """
 from __future__ import annotations
@@ -37,8 +38,8 @@ RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"  # vLLM's switch for the r
 PAGE = pathlib.Path(__file__).with_name("page.html")
 KEPT_RESPONSE = "/v1/responses/{id}"  # the metrics' name for GET and DELETE of a kept response
 OPEN_PATHS = ("/", "/health", "/metrics")  # answered without the API key (no model output, no secrets)
-ENDPOINTS = ("/", "/complete", "/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize", "/detokenize", "/v1/models",
-             "/health", "/metrics", "/v1/load_lora_adapter", "/v1/unload_lora_adapter")
+ENDPOINTS = ("/", "/complete", "/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize", "/detokenize",
+             "/v1/models", "/health", "/metrics", "/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 
 
 def create_app(engine: Engine, model_name: str = "mesh-transformer", api_key: Optional[str] = None,
@@ -147,7 +148,8 @@ class _Guard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path = scope.get("path", "")
-        endpoint = path if path in ENDPOINTS else KEPT_RESPONSE if path.startswith("/v1/responses/") else "other"
+        kept = path.startswith("/v1/responses/")
+        endpoint = path if path in ENDPOINTS else KEPT_RESPONSE if kept else "other"
 
         async def counted(message):
             if message["type"] == "http.response.start":

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import time
 import uuid
 from collections import OrderedDict
@@ -182,15 +181,14 @@ def _json(text: str):
         return None
 
 
-def chat_messages(items: list, labels: list[str]) -> tuple[list[dict], list[str], list[dict]]:
-    """Responses input items as OpenAI chat messages, the field each came from (`labels[i]` names
-    item i), and the items with only what the conversation keeps of them (what a kept response
-    holds). A function call joins the assistant message just before it (or starts one); a
+def chat_messages(items: list, labels: list[str]) -> tuple[list[dict], list[dict]]:
+    """Responses input items (`labels[i]` names item i in errors) as OpenAI chat messages, and the
+    items with only what the conversation keeps of them (what a kept response holds). A function call joins the assistant message just before it (or starts one); a
     reasoning item's text goes to the next assistant message (dropped if a user or tool message
     comes first: a reply cut while thinking); a call's output is a `tool` message; a call that was
     cut short (`status` "incomplete", its arguments not an object) is left out: it cannot be
     answered. A 400 names the item's field at fault."""
-    messages, sources, kept, thought, joinable = [], [], [], None, False
+    messages, kept, thought, joinable = [], [], None, False
     for item, where in zip(items, labels):
         if not isinstance(item, dict):
             _bad(where, f"an input item (an object), got {type(item).__name__}")
@@ -211,7 +209,6 @@ def chat_messages(items: list, labels: list[str]) -> tuple[list[dict], list[str]
             call_id, name = _string(item, "call_id", where), _string(item, "name", where)
             if not joinable:
                 messages.append({"role": "assistant", "content": ""})
-                sources.append(where)
             messages[-1].setdefault("tool_calls", []).append(
                 {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}})
             kept.append({"type": "function_call", "call_id": call_id, "name": name, "arguments": arguments})
@@ -219,7 +216,6 @@ def chat_messages(items: list, labels: list[str]) -> tuple[list[dict], list[str]
         elif kind == "function_call_output":
             call_id, output = _string(item, "call_id", where), _text_of(item.get("output"), f"{where}.output")
             messages.append({"role": "tool", "tool_call_id": call_id, "content": output})
-            sources.append(where)
             kept.append({"type": "function_call_output", "call_id": call_id, "output": output})
             joinable = False
         else:
@@ -228,7 +224,6 @@ def chat_messages(items: list, labels: list[str]) -> tuple[list[dict], list[str]
                 _bad(f"{where}.role", f"one of {', '.join(INPUT_ROLES)}, got {role!r}")
             content = _text_of(item.get("content"), f"{where}.content")
             messages.append({"role": role, "content": content})
-            sources.append(where)
             kept.append({"type": "message", "role": role, "content": content})
             joinable = role == "assistant"
         if messages[-1]["role"] != "assistant":
@@ -236,20 +231,7 @@ def chat_messages(items: list, labels: list[str]) -> tuple[list[dict], list[str]
         elif thought is not None:
             earlier = messages[-1].get("reasoning", "")
             messages[-1]["reasoning"], thought = earlier + thought, None
-    return messages, sources, kept
-
-
-_MESSAGE_FIELD = re.compile(r"messages\[(\d+)\](.*)")
-
-
-def template_view(messages: list[dict], sources: list[str]) -> list[dict]:
-    """`template_messages`, its 400s naming the input item at fault."""
-    try:
-        return template_messages(messages)
-    except FieldError as e:
-        found = _MESSAGE_FIELD.fullmatch(e.field)
-        where = sources[int(found.group(1))] + found.group(2) if found else e.field
-        raise oa.ApiError(400, f"{where}: {str(e).split(': ', 1)[1]}", param=where) from None
+    return messages, kept
 
 
 def _flat_tools(given: Optional[list]) -> Optional[list]:
@@ -350,10 +332,13 @@ def _conversation(store: Store, body: ResponsesRequest) -> tuple[list[dict], lis
         if body.previous_response_id is not None else []
     labels = ["previous_response_id"] * len(earlier) + (
         ["input"] if isinstance(body.input, str) else [f"input[{i}]" for i in range(len(given))])
-    messages, sources, kept = chat_messages(earlier + given, labels)
+    messages, kept = chat_messages(earlier + given, labels)
     if body.instructions is not None:
-        messages, sources = [{"role": "system", "content": body.instructions}] + messages, ["instructions"] + sources
-    return kept, template_view(messages, sources)
+        messages = [{"role": "system", "content": body.instructions}] + messages
+    try:
+        return kept, template_messages(messages)
+    except FieldError as e:  # (not expected: `chat_messages` checked every field it passes on)
+        raise oa.ApiError(400, f"input: {e}", param="input") from None
 
 
 async def create(s: oa.Settings, http: HttpRequest):
@@ -364,9 +349,8 @@ async def create(s: oa.Settings, http: HttpRequest):
     try:
         plan = tool_calls.plan(SimpleNamespace(tools=_flat_tools(body.tools), tool_choice=_flat_choice(body.tool_choice),
                                                parallel_tool_calls=body.parallel_tool_calls), s.tool_parser)
+        # (checked even where a forced call, which `prepare` holds to its own grammar, leaves it no text)
         text_grammar = await asyncio.to_thread(formats.text_format, s.engine, body.text) if body.text else None
-        if plan is not None and plan.grammar() is not None:
-            text_grammar = None  # a forced call: no text for the format to hold
         how = chat.rendering(chat.TemplateFields(chat_template_kwargs=_template_variables(body)))
         logprobs = _check_logprobs(s, body)
         reply = await chat.prepare(s, body, messages, how, plan, body.max_output_tokens, "max_output_tokens", (),
@@ -389,7 +373,7 @@ def _keep(store: Store, body: ResponsesRequest, response: dict, history: list) -
     items: `history` (the earlier ones and this request's input), then its output."""
     if body.store is not False and response["status"] != "failed":
         output = response["output"]  # (its cut calls are "incomplete": left out of the conversation)
-        store.put(Kept(response, history + chat_messages(output, ["output"] * len(output))[2]))
+        store.put(Kept(response, history + chat_messages(output, ["output"] * len(output))[1]))
 
 
 async def retrieve(s: oa.Settings, http: HttpRequest):
@@ -535,7 +519,7 @@ class EventWriter:
     """Numbered server-sent events, and the output items they open, fill and close."""
 
     def __init__(self, response: Response):
-        self.response, self.number, self.items = response, 0, []
+        self.number, self.items = 0, []
         self.open: Optional[dict] = None  # the item being written
         self.held: list = []  # token logprobs of text not yet sent (a partial character)
         plan = response.shape.plan
