@@ -13,11 +13,21 @@ import time
 import pytest
 
 from mesh_transformer.generate import SamplingOptions
-from mesh_transformer.serve import Engine, create_app
+from mesh_transformer.serve import PLAIN_TEMPLATE, Engine, create_app
 from tests.helpers import NEW
 
 KEY = "test-key"
 LIMIT = 4096
+
+# Two tools in chat's form, for the APIs that render tools (chat, Responses, Messages)
+WEATHER_PARAMETERS = {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}, "days": {"enum": [1, 2, 3]}},
+                      "required": ["city", "days"], "additionalProperties": False}
+CHAT_TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                                "parameters": WEATHER_PARAMETERS}},
+              {"type": "function", "function": {"name": "now", "parameters": {
+                  "type": "object", "properties": {}, "additionalProperties": False}}}]
+THINKS = ("{% for m in messages %}{% if m['reasoning_content'] %}({{ m['reasoning_content'] }}){% endif %}"
+          "{{ m['content'] }}|{% endfor %}{% if add_generation_prompt %}<think>{% endif %}")  # R1's way
 
 
 def start_server(app):
@@ -45,6 +55,21 @@ def library_text(gen, tiny, prompts, max_new_tokens=NEW, **kw):
         group = ids[i:i + 4]
         out += [s.text for s in gen.generate(group + [group[0]] * (4 - len(group)), opts, tiny.tokenizer)[:len(group)]]
     return out
+
+
+def template_ids(tiny, messages: list[dict], tool_specs=None, template: str = PLAIN_TEMPLATE, **kw) -> list[int]:
+    """transformers' rendering and encoding of a conversation (the oracle for a chat server's prompt)."""
+    kw.setdefault("add_generation_prompt", True)
+    return tiny.tokenizer.apply_chat_template(messages, tools=tool_specs, chat_template=template, tokenize=True,
+                                              return_dict=False, **kw)
+
+
+def library(tiny_long, ids: list[int], new: int, grammar=None, **kw):
+    """The library's greedy reply to `ids` on `tiny_long` (in a batch of 4, as the engine runs it)."""
+    tiny, gen = tiny_long
+    opts = SamplingOptions(**{"max_new_tokens": new, "temperature": 0.0, "eos_token_id": tiny.eos, "grammar": grammar,
+                              **kw})
+    return gen.generate([ids] * 4, opts, tiny.tokenizer)[0]
 
 
 def wait_idle(engine, timeout: float = 30) -> None:

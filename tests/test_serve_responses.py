@@ -18,21 +18,12 @@ import pytest
 
 from mesh_transformer.generate import SamplingOptions
 from mesh_transformer.generate.structured import JSON_DUMPS, Grammar
-from mesh_transformer.serve import PLAIN_TEMPLATE, create_app, reasoning, responses, tools
+from mesh_transformer.serve import create_app, reasoning, responses, tools
 from mesh_transformer.serve.chat import Shape, StreamedReply
 from tests.helpers import END_THINK_ID
-from tests.serving import KEY, start_server
+from tests.serving import CHAT_TOOLS, KEY, THINKS, WEATHER_PARAMETERS, library, start_server, template_ids
 
-WEATHER_PARAMETERS = {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}, "days": {"enum": [1, 2, 3]}},
-                      "required": ["city", "days"], "additionalProperties": False}
-WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city",
-           "parameters": WEATHER_PARAMETERS}
-CLOCK = {"type": "function", "name": "now", "parameters": {"type": "object", "properties": {},
-                                                            "additionalProperties": False}}
-TOOLS = [WEATHER, CLOCK]
-CHAT_TOOLS = [{"type": "function", "function": {k: v for k, v in t.items() if k != "type"}} for t in TOOLS]
-THINKS = ("{% for m in messages %}{% if m['reasoning_content'] %}({{ m['reasoning_content'] }}){% endif %}"
-          "{{ m['content'] }}|{% endfor %}{% if add_generation_prompt %}<think>{% endif %}")  # R1's way
+TOOLS = [{"type": "function", **t["function"]} for t in CHAT_TOOLS]  # Responses' flat function tools
 
 
 @pytest.fixture(scope="module")
@@ -49,18 +40,6 @@ def servers(long_engine):
 
 def client(base: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{base}/v1", api_key=KEY, max_retries=0, timeout=120)
-
-
-def template_ids(tiny, messages: list[dict], tool_specs=None, template: str = PLAIN_TEMPLATE) -> list[int]:
-    """transformers' rendering and encoding of a conversation (the oracle for the server's prompt)."""
-    return tiny.tokenizer.apply_chat_template(messages, tools=tool_specs, chat_template=template,
-                                              add_generation_prompt=True, tokenize=True, return_dict=False)
-
-
-def library(tiny_long, ids: list[int], new: int, grammar=None, **kw):
-    tiny, gen = tiny_long
-    opts = SamplingOptions(max_new_tokens=new, temperature=0.0, eos_token_id=tiny.eos, grammar=grammar, **kw)
-    return gen.generate([ids] * 4, opts, tiny.tokenizer)[0]
 
 
 def streamed(c: openai.OpenAI, **kw):

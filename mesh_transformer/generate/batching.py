@@ -144,6 +144,15 @@ class Sequence:
         return text if self._text_end is None else text[: self._text_end]
 
     @property
+    def stop_string(self) -> Optional[str]:
+        """The stop string that ended the text (None: it ended otherwise, or has not)."""
+        self.text  # (finds where a stop the device saw starts)
+        if self._text_end is None:
+            return None
+        decoded = self._decoded()
+        return next((s for s in self.options.stop if decoded.startswith(s, self._text_end)), None)
+
+    @property
     def adapter_key(self) -> int:
         """What a prefix cache keys its prompt by (`lora.prefix_key`)."""
         return lora.prefix_key(self.lora)

@@ -2,6 +2,7 @@
 
 Routes: `GET /` (the playground page), `POST /complete`, `POST /v1/completions`,
 `POST /v1/chat/completions`, `POST /v1/responses` (with `GET` and `DELETE /v1/responses/{id}`),
+`POST /v1/messages` and `POST /v1/messages/count_tokens` (Anthropic's),
 `POST /tokenize` and `POST /detokenize` (vLLM's), `GET /v1/models`, `GET /health`, `GET /metrics`
 (Prometheus), and with
 runtime LoRA loading `POST /v1/load_lora_adapter`, `POST /v1/unload_lora_adapter` (vLLM's).
@@ -23,6 +24,7 @@ from fastapi import Request as HttpRequest
 
 from mesh_transformer.io.chat_template import ChatTemplate
 from mesh_transformer.serve import chat as chat_api
+from mesh_transformer.serve import messages as messages_api
 from mesh_transformer.serve import openai as oa
 from mesh_transformer.serve import reasoning as reasoning_api
 from mesh_transformer.serve import responses as responses_api
@@ -38,8 +40,10 @@ RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"  # vLLM's switch for the r
 PAGE = pathlib.Path(__file__).with_name("page.html")
 KEPT_RESPONSE = "/v1/responses/{id}"  # the metrics' name for GET and DELETE of a kept response
 OPEN_PATHS = ("/", "/health", "/metrics")  # answered without the API key (no model output, no secrets)
-ENDPOINTS = ("/", "/complete", "/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize", "/detokenize",
-             "/v1/models", "/health", "/metrics", "/v1/load_lora_adapter", "/v1/unload_lora_adapter")
+ENDPOINTS = ("/", "/complete", "/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages",
+             "/v1/messages/count_tokens", "/tokenize", "/detokenize", "/v1/models", "/health", "/metrics",
+             "/v1/load_lora_adapter", "/v1/unload_lora_adapter")
+ANTHROPIC_PATHS = ("/v1/messages", "/v1/messages/count_tokens")  # errors in Anthropic's shape
 
 
 def create_app(engine: Engine, model_name: str = "mesh-transformer", api_key: Optional[str] = None,
@@ -116,6 +120,7 @@ def create_app(engine: Engine, model_name: str = "mesh-transformer", api_key: Op
 
     posts = {"/complete": oa.complete, "/v1/completions": oa.completions,
              "/v1/chat/completions": chat_api.chat_completions, "/v1/responses": responses_api.create,
+             "/v1/messages": messages_api.create, "/v1/messages/count_tokens": messages_api.count_tokens,
              "/tokenize": tokens_api.tokenize,
              "/detokenize": tokens_api.detokenize}
     if runtime_lora:
@@ -161,11 +166,11 @@ class _Guard:
             given = headers.get(b"authorization", b"").decode("latin-1")
             given = given[7:] if given.lower().startswith("bearer ") else headers.get(b"x-api-key", b"").decode("latin-1")
             if not secrets.compare_digest(given.encode(), self.api_key.encode()):
-                return await _send_error(counted, 401, "missing or wrong API key (Authorization: Bearer KEY)",
-                                         "authentication_error")
+                return await _send_error(counted, 401, "missing or wrong API key (Authorization: Bearer KEY, or "
+                                         "x-api-key: KEY)", "authentication_error", path)
         length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.limit:
-            return await self._refuse(counted)
+            return await self._refuse(counted, path)
         body, more = b"", True
         while more:
             message = await receive()
@@ -174,7 +179,7 @@ class _Guard:
             body += message.get("body", b"")
             more = message.get("more_body", False)
             if len(body) > self.limit:
-                return await self._refuse(counted)
+                return await self._refuse(counted, path)
         replayed = False
 
         async def replay():
@@ -186,12 +191,15 @@ class _Guard:
 
         await self.app(scope, replay, counted)
 
-    async def _refuse(self, send):
-        await _send_error(send, 413, f"request body larger than {self.limit} bytes")
+    async def _refuse(self, send, path: str):
+        await _send_error(send, 413, f"request body larger than {self.limit} bytes", path=path)
 
 
-async def _send_error(send, status: int, message: str, kind: str = "invalid_request_error") -> None:
-    payload = json.dumps({"error": {"message": message, "type": kind, "param": None, "code": None}}).encode()
+async def _send_error(send, status: int, message: str, kind: str = "invalid_request_error", path: str = "") -> None:
+    """An error before the app: in Anthropic's shape on its paths, else in OpenAI's."""
+    error = messages_api.error_body(status, message) if path in ANTHROPIC_PATHS else \
+        {"error": {"message": message, "type": kind, "param": None, "code": None}}
+    payload = json.dumps(error).encode()
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]})
     await send({"type": "http.response.body", "body": payload})

@@ -198,19 +198,23 @@ class Prepared:
 async def prepare(s: oa.Settings, body, messages: list[dict], how: Rendering, plan: Optional[tool_calls.Plan],
                   max_tokens: Optional[int], max_field: str, stop: tuple[str, ...], logprobs: Optional[int],
                   grammar: Optional[Grammar] = None, grammar_field: str = "",
-                  messages_field: str = "messages") -> Prepared:
-    """What /v1/chat/completions and /v1/responses share: `messages` (as templates take them)
-    rendered and tokenized, `max_tokens` checked against the context (None: what it leaves), the
-    sampling options (`body`'s, `oa.body_options`) with the grammar the reply is held to (a forced
-    tool choice's, else `grammar`, which `grammar_field` asked for), and the reply's `Shape`. A 400
-    names the field at fault (`messages_field` for the conversation, `max_field` for the length)."""
+                  messages_field: str = "messages", fit: bool = False) -> Prepared:
+    """What /v1/chat/completions, /v1/responses and /v1/messages share: `messages` (as templates
+    take them) rendered and tokenized, `max_tokens` checked against the context (None: what it
+    leaves; with `fit`, a cap lowered to what it leaves, as Anthropic's clients ask for more than a
+    small model's context holds), the sampling options (`body`'s, `oa.body_options`) with the
+    grammar the reply is held to (a forced tool choice's, else `grammar`, which `grammar_field`
+    asked for), and the reply's `Shape`. A 400 names the field at fault (`messages_field` for the
+    conversation, `max_field` for the length)."""
     engine = s.engine
     specs = plan.specs() if plan else None
     text = render(s, messages, how, specs, messages_field)
     ids = oa.encode(engine, text, messages_field, add_special_tokens=False)
     if not ids:
         raise oa.ApiError(400, f"{messages_field}: the rendered prompt is empty", param=messages_field)
-    max_tokens = max_tokens if max_tokens is not None else engine.context - len(ids)
+    room = engine.context - len(ids)
+    if max_tokens is None or (fit and max_tokens > room > 0):
+        max_tokens = room
     if len(ids) + max(max_tokens, 1) > engine.context:
         raise oa.ApiError(400, f"{messages_field}: the prompt is {len(ids)} tokens; with {max_field} {max_tokens} it "
                                f"does not fit the model's context of {engine.context} tokens", param=messages_field)

@@ -45,18 +45,20 @@ def grammar(engine, body) -> Optional[Grammar]:
     return _checked(engine, *asked[0])
 
 
-def text_format(engine, given: Optional[dict]) -> Optional[Grammar]:
-    """The Responses API's `text`: `{"format": {"type": "text"}}`, `{"type": "json_object"}` or
-    `{"type": "json_schema", "name": .., "schema": {..}, "strict": ..}`, as a grammar (None: free
-    text), compiled once to check it; a 400 naming the field at fault."""
+def text_format(engine, given: Optional[dict], field: str = "text") -> Optional[Grammar]:
+    """The Responses API's `text` (and Anthropic's `output_config`, `field`):
+    `{"format": {"type": "text"}}`, `{"type": "json_object"}` or `{"type": "json_schema", "name":
+    .., "schema": {..}, "strict": ..}`, as a grammar (None: free text), compiled once to check it;
+    a 400 naming the field at fault."""
     if given is None:
         return None
     fmt = given.get("format")
     if fmt is None:
         return None
+    where = f"{field}.format"
     if not isinstance(fmt, dict):
-        raise oa.ApiError(400, f"text.format: an object, got {type(fmt).__name__}", param="text.format")
-    found = _format(fmt.get("type"), fmt.get("schema"), "text.format", "text.format.schema")
+        raise oa.ApiError(400, f"{where}: an object, got {type(fmt).__name__}", param=where)
+    found = _format(fmt.get("type"), fmt.get("schema"), where, f"{where}.schema")
     return _checked(engine, *found) if found else None
 
 
