@@ -357,6 +357,32 @@ def test_a_reasoning_parser_makes_a_thinking_block(servers, tiny_long):
     assert [(b.type, b.text) for b in answered.content] == [("text", thinking.split(expected.text, final=True)[1])]
 
 
+def test_a_thinking_budget_ends_the_thinking_after_that_many_tokens(servers, tiny_long):
+    """Anthropic's `thinking.budget_tokens` and vLLM's `thinking_token_budget` (chat): the reply
+    thinks as the model would for that many tokens, then `</think>` is forced and it answers as the
+    model goes on from there. (A prompt whose greedy thought and answer are whole characters: the
+    grammar that holds the budget admits text, and this tiny model also writes stray bytes.)"""
+    tiny, _ = tiny_long
+    ids = template_ids(tiny, user("Why?"), template=THINKS)
+    free = library(tiny_long, ids, 12)
+    assert END_THINK_ID not in free.tokens  # (unheld, it thinks past the budget)
+    forced = free.tokens[:2] + [END_THINK_ID]
+    after = library(tiny_long, ids + forced, 8)
+    thought, answer = reasoning.Thinking.of("deepseek_r1", "<think>", tiny.tokenizer).split(
+        tiny.tokenizer.decode(forced + after.tokens), final=True)
+    assert thought == tiny.tokenizer.decode(free.tokens[:2]) and answer and "\ufffd" not in thought + answer
+    m = client(servers["r1"]).messages.create(model="tiny", messages=user("Why?"), max_tokens=11,
+                                              thinking={"type": "enabled", "budget_tokens": 2}, extra_body=GREEDY)
+    assert [(b.type, getattr(b, "thinking", None) or b.text) for b in m.content] == [("thinking", thought),
+                                                                                    ("text", answer)]
+    chat = openai.OpenAI(base_url=f"{servers['r1']}/v1", api_key=KEY, max_retries=0).chat.completions.create(
+        model="tiny", messages=user("Why?"), max_tokens=11, temperature=0, extra_body={"thinking_token_budget": 2})
+    assert (chat.choices[0].message.reasoning, chat.choices[0].message.content) == (thought, answer)
+    with pytest.raises(openai.BadRequestError, match="thinking_token_budget: needs the server started with"):
+        openai.OpenAI(base_url=f"{servers['plain']}/v1", api_key=KEY, max_retries=0).chat.completions.create(
+            model="tiny", messages=user("Hi"), max_tokens=2, extra_body={"thinking_token_budget": 3})
+
+
 def test_tool_input_reads_as_much_json_as_is_whole_as_the_sdk_does():
     text = '{"city": "Oslo", "days": [1, 2], "note": "a \\"b\\" c"}'
     for end in range(len(text) + 1):

@@ -193,10 +193,12 @@ def test_a_grammar_after_thinking_holds_the_answer_not_the_thinking(tiny, gramma
     ids = [-1, -1] if markers == "text" else tok.convert_tokens_to_ids(["<think>", "</think>"])
     assert ids == [-1, -1] or (len(tok.encode("<think>")) == 1 and len(tok.encode("</think>")) == 1)
 
-    def takes(g: Grammar, text: str) -> bool:
+    def takes(g: Grammar, text) -> bool:
+        """Whether `g` takes `text` (or these token ids)."""
         matcher = llguidance.LLMatcher(view, g.source())
         assert not matcher.is_error(), matcher.get_error()
-        return all(matcher.consume_token(t) for t in tok.encode(text)) and matcher.is_accepting()
+        tokens = tok.encode(text) if isinstance(text, str) else text
+        return all(matcher.consume_token(t) for t in tokens) and matcher.is_accepting()
 
     inside = grammar.after_thinking("</think>", closer_id=ids[1])
     optional = grammar.after_thinking("</think>", "<think>", ids[1], ids[0])
@@ -204,6 +206,15 @@ def test_a_grammar_after_thinking_holds_the_answer_not_the_thinking(tiny, gramma
     assert takes(optional, good) and not takes(inside, good)  # the block is optional only with an opener
     assert not takes(inside, f"hmm</think>{bad}") and not takes(optional, f"<think>hmm</think>{bad}")
     assert takes(grammar, good) and not takes(grammar, f"<think>hmm</think>{good}")  # unchanged by itself
+
+    if markers == "text":  # a budget forces the closer: it must be a token
+        with pytest.raises(ValueError, match="needs the closer as a token"):
+            grammar.after_thinking("</think>", budget=2)
+        return
+    capped, thought = grammar.after_thinking("</think>", closer_id=ids[1], budget=2), tok.encode("hmm, not yet")
+    assert len(thought) > 2
+    assert takes(capped, thought[:2] + [ids[1]] + tok.encode(good)) and takes(capped, [ids[1]] + tok.encode(good))
+    assert not takes(capped, thought[:3] + [ids[1]] + tok.encode(good))  # a third token of thinking: refused
 
 
 def test_a_grammar_without_a_tokenizer_or_with_a_bad_spec_is_a_clear_error(gen, tiny):

@@ -38,7 +38,7 @@ class Grammar:
     spec: str
     any_whitespace: bool = True
     separators: Optional[tuple[str, str]] = None
-    thinking: tuple = ()  # (opener, closer, opener's token, closer's token): free text first (`after_thinking`)
+    thinking: tuple = ()  # (opener, closer, their tokens, a budget): free text first (`after_thinking`)
 
     @classmethod
     def json_schema(cls, schema: dict | str, any_whitespace: bool = True,
@@ -64,14 +64,18 @@ class Grammar:
         """A Lark grammar (llguidance's dialect), or a GBNF one (llama.cpp's `root ::= ...`), converted."""
         return cls("grammar", grammar)
 
-    def after_thinking(self, closer: str, opener: str = "", closer_id: int = -1, opener_id: int = -1) -> "Grammar":
+    def after_thinking(self, closer: str, opener: str = "", closer_id: int = -1, opener_id: int = -1,
+                       budget: int = 0) -> "Grammar":
         """This grammar after a reasoning model's thinking: free text up to the first `closer` (e.g.
         "</think>") and any blank space, then this grammar. With `opener`, the thinking is optional
         and, when there, starts with it (a reply that may open its own block); without, the reply
         starts inside the block (its template opened it in the prompt). `closer_id` / `opener_id`:
         the marker's own token where the tokenizer has one (llguidance takes an added `<..>` token
-        for a special one, which its text alone does not match); else the marker is text."""
-        return dataclasses.replace(self, thinking=(opener, closer, opener_id, closer_id))
+        for a special one, which its text alone does not match); else the marker is text. `budget`
+        (with a `closer_id`): the thinking's tokens at most, the closer forced after them."""
+        if budget and closer_id < 0:
+            raise ValueError("a thinking budget needs the closer as a token of its own (its text may be split)")
+        return dataclasses.replace(self, thinking=(opener, closer, opener_id, closer_id, budget))
 
     def source(self) -> str:
         """The grammar as llguidance takes it; ValueError naming what is wrong with the spec itself."""
@@ -80,12 +84,14 @@ class Grammar:
         inner = self._source()  # llguidance's grammar list (the first is the start), or Lark text
         top = json.loads(inner) if inner.lstrip().startswith("{") else {"grammars": [{"lark_grammar": inner}]}
         top["grammars"][0]["name"] = "answer"
-        opener, closer, opener_id, closer_id = self.thinking
+        opener, closer, opener_id, closer_id, budget = self.thinking
         marker = lambda text, token: f"<[{token}]>" if token >= 0 else json.dumps(text)  # noqa: E731
         lazy = "" if closer_id >= 0 else "[lazy]"  # text: up to the first closer; a token ends TEXT itself
         opening = f"{marker(opener, opener_id)} " if opener else ""
+        # a budget caps the thought's tokens (llguidance's max_tokens on a lexeme's rule): the closer must follow
+        thought = ("thought", f"thought[max_tokens={budget}]: /(.|\\n)*/") if budget else ("TEXT", "")
         lark = "\n".join(("%llguidance {}", f"start: {'(think GAP)?' if opener else 'think GAP'} @answer",
-                          f"think{lazy}: {opening}TEXT {marker(closer, closer_id)}",
+                          f"think{lazy}: {opening}{thought[0]} {marker(closer, closer_id)}", thought[1],
                           "TEXT: /(.|\\n)*/", "GAP: /[ \\t\\r\\n]*/", ""))
         return json.dumps({**top, "grammars": [{"name": "thinking", "lark_grammar": lark}, *top["grammars"]]})
 

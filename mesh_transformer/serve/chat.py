@@ -98,6 +98,7 @@ class ChatRequest(oa.StructuredFields, TemplateFields):
     tools: Optional[list] = None
     tool_choice: Optional[Union[str, dict]] = None
     parallel_tool_calls: Optional[bool] = None  # default (null too): true
+    thinking_token_budget: Optional[int] = Field(None, ge=1)  # vLLM's: the thinking's tokens at most
     functions: Optional[list] = None  # OpenAI's deprecated forms of tools and tool_choice: a 400 saying so
     function_call: Optional[Union[str, dict]] = None
     user: Optional[str] = None
@@ -170,11 +171,15 @@ async def chat_completions(s: oa.Settings, http: HttpRequest):
     for old, new in (("functions", "tools"), ("function_call", "tool_choice")):
         if getattr(body, old) is not None:
             raise oa.ApiError(400, f"{old}: OpenAI's deprecated form is not supported; use {new}", param=old)
+    if body.thinking_token_budget is not None and not s.reasoning_parser:
+        raise oa.ApiError(400, "thinking_token_budget: needs the server started with --reasoning-parser, which tells "
+                               "the thinking apart", param="thinking_token_budget")
     engine = s.engine
     plan = tool_calls.plan(body, s.tool_parser)
     field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     reply = await prepare(s, body, _messages(body.messages), rendering(body), plan, getattr(body, field), field,
-                          oa.stop_list(body.stop), (body.top_logprobs or 0) if body.logprobs else None)
+                          oa.stop_list(body.stop), (body.top_logprobs or 0) if body.logprobs else None,
+                          thinking_budget=body.thinking_token_budget or 0)
     seqs = await oa.sequences(s, [reply.ids], reply.opts, body.n, body.seed, body.model)
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
             "model": body.model or s.model_name}
@@ -198,14 +203,15 @@ class Prepared:
 async def prepare(s: oa.Settings, body, messages: list[dict], how: Rendering, plan: Optional[tool_calls.Plan],
                   max_tokens: Optional[int], max_field: str, stop: tuple[str, ...], logprobs: Optional[int],
                   grammar: Optional[Grammar] = None, grammar_field: str = "",
-                  messages_field: str = "messages", fit: bool = False) -> Prepared:
+                  messages_field: str = "messages", fit: bool = False, thinking_budget: int = 0) -> Prepared:
     """What /v1/chat/completions, /v1/responses and /v1/messages share: `messages` (as templates
     take them) rendered and tokenized, `max_tokens` checked against the context (None: what it
     leaves; with `fit`, a cap lowered to what it leaves, as Anthropic's clients ask for more than a
     small model's context holds), the sampling options (`body`'s, `oa.body_options`) with the
     grammar the reply is held to (a forced tool choice's, else `grammar`, which `grammar_field`
-    asked for), and the reply's `Shape`. A 400 names the field at fault (`messages_field` for the
-    conversation, `max_field` for the length)."""
+    asked for), and the reply's `Shape`. With a reasoning parser, `thinking_budget` caps the
+    thinking's tokens where it can (`reasoning.Thinking.can_cap`): a grammar then ends it. A 400
+    names the field at fault (`messages_field` for the conversation, `max_field` for the length)."""
     engine = s.engine
     specs = plan.specs() if plan else None
     text = render(s, messages, how, specs, messages_field)
@@ -229,8 +235,9 @@ async def prepare(s: oa.Settings, body, messages: list[dict], how: Rendering, pl
         raise
     thinking = reasoning.Thinking.of(s.reasoning_parser, _reply_start(s, messages, how, specs, text),
                                      engine.tokenizer) if s.reasoning_parser else None
-    if thinking is not None and opts.grammar is not None:  # the grammar holds the answer, after the thinking
-        opts = dataclasses.replace(opts, grammar=thinking.hold(opts.grammar))
+    budget = thinking_budget if thinking is not None and thinking.can_cap else 0
+    if thinking is not None and (opts.grammar is not None or budget):  # the grammar holds the answer, after the thinking
+        opts = dataclasses.replace(opts, grammar=thinking.hold(opts.grammar or reasoning.ANY_ANSWER, budget))
         await asyncio.to_thread(check, opts.grammar, engine.tokenizer, engine.gen.vocab)
     return Prepared(ids, opts, Shape(plan, thinking))
 

@@ -14,7 +14,8 @@ A final assistant message is a prefill: the reply continues it (the template's
 
 `tools` (`name`, `description`, `input_schema`) and `tool_choice` (`auto`, `any`, `tool`, `none`;
 `disable_parallel_tool_use`) mean what chat's do (`serve.tools`). `thinking` sets the template's
-`enable_thinking` (the variable Qwen 3-style templates read), `output_config.effort` its
+`enable_thinking` (the variable Qwen 3-style templates read) and its `budget_tokens` caps the
+thinking (`chat.prepare`), `output_config.effort` its
 `reasoning_effort`, and `output_config.format` holds the reply to a JSON schema. The reply comes
 back as content blocks: `thinking` (with `--reasoning-parser`), `text`, and a `tool_use` per call,
 with `stop_reason` `end_turn`, `max_tokens`, `stop_sequence` (and the `stop_sequence` that ended
@@ -30,7 +31,7 @@ whole.
 
 Errors are Anthropic's `{"type": "error", "error": {"type", "message"}}`; a 400's message starts
 with the field at fault. Not here: images and documents, server tools (web search, code execution,
-MCP servers), citations, and a thinking budget enforced apart from `max_tokens`.
+MCP servers), citations.
 """
 from __future__ import annotations
 
@@ -298,6 +299,13 @@ def _check_fields(body: CountRequest) -> None:
         _bad("thinking.budget_tokens", f"a whole number from 1 to below max_tokens, got {budget!r}")
 
 
+def _budget(body: MessagesRequest) -> int:
+    """`thinking.budget_tokens` where thinking is on (0: none); `chat.prepare` holds the thinking to it
+    where it can (a reasoning parser, `</think>` a token)."""
+    thinking = body.thinking or {}
+    return thinking.get("budget_tokens") or 0 if thinking.get("type") == "enabled" else 0
+
+
 class _Parsed(SimpleNamespace):
     """What a request renders: its messages, how, and its tool plan."""
 
@@ -341,7 +349,7 @@ async def _create(s: oa.Settings, http: HttpRequest):
         if body.output_config else None
     reply = await chat.prepare(s, body, parsed.messages, parsed.how, parsed.plan, body.max_tokens, "max_tokens",
                                oa.stop_list(body.stop_sequences, "stop_sequences"), None, grammar,
-                               "output_config.format", fit=True)
+                               "output_config.format", fit=True, thinking_budget=_budget(body))
     seqs = await oa.sequences(s, [reply.ids], reply.opts, 1, body.seed, body.model)
     message = Message(f"msg_{uuid.uuid4().hex}", body.model or s.model_name, reply.shape, body.max_tokens)
     if body.stream:

@@ -24,9 +24,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mesh_transformer.generate.structured import Grammar
 from mesh_transformer.serve.tools import without_marker_start
 
 OPEN, CLOSE = "<think>", "</think>"
+ANY_ANSWER = Grammar.regex(r"(.|\n)*")  # what a thinking budget holds a free answer to: anything
 PARSERS = ("deepseek_r1", "qwen3")
 
 
@@ -60,11 +62,19 @@ class Thinking:
         """Whether a reply starts inside the block without writing `<think>` (else it may write it)."""
         return self.prompt == "opened" or (self.prompt == "" and self.parser == "deepseek_r1")
 
-    def hold(self, grammar):
-        """`grammar` (a `structured.Grammar`) for the answer, after any thinking."""
+    @property
+    def can_cap(self) -> bool:
+        """Whether a thinking budget can be held to: the reply may think, and `</think>` is a token of
+        its own (a budget forces it)."""
+        return self.thinks and self.closer_id >= 0
+
+    def hold(self, grammar, budget: int = 0):
+        """`grammar` (a `structured.Grammar`) for the answer, after any thinking (of at most
+        `budget` tokens, where given: see `can_cap`)."""
         if not self.thinks:
             return grammar
-        return grammar.after_thinking(CLOSE, "" if self.starts_inside else OPEN, self.closer_id, self.opener_id)
+        return grammar.after_thinking(CLOSE, "" if self.starts_inside else OPEN, self.closer_id, self.opener_id,
+                                      budget)
 
     def split(self, text: str, final: bool) -> tuple[str, str]:
         """(reasoning, answer) in the reply so far (`final`: all of it); each only grows as text does,
