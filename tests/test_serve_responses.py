@@ -268,6 +268,30 @@ def test_a_kept_response_continues_by_its_id_and_can_be_read_and_deleted(servers
     assert 'endpoint="/v1/responses/{id}",status="200"' in metrics
 
 
+def test_input_tokens_counts_what_a_response_would_read(servers, tiny_long):
+    """`responses.input_tokens.count`: the conversation (a kept response's, the input) and the
+    tools, rendered as /v1/responses renders them; the input may be left out after a kept response."""
+    tiny, _ = tiny_long
+    c = client(servers["plain"])
+    first = c.responses.create(model="tiny", input="Hi", instructions="Be brief.", max_output_tokens=5, temperature=0)
+    kw = dict(model="tiny", previous_response_id=first.id, tools=TOOLS, tool_choice="none")
+    counted = c.responses.input_tokens.count(input="Again", **kw)
+    conversation = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": first.output_text}]
+    assert counted.object == "response.input_tokens"
+    assert counted.input_tokens == len(template_ids(tiny, [*conversation, {"role": "user", "content": "Again"}],
+                                                    CHAT_TOOLS))
+    assert c.responses.create(input="Again", max_output_tokens=2, **kw).usage.input_tokens == counted.input_tokens
+    assert c.responses.input_tokens.count(model="tiny", previous_response_id=first.id).input_tokens == len(
+        template_ids(tiny, conversation))
+    with pytest.raises(openai.BadRequestError) as unknown:
+        c.responses.input_tokens.count(model="tiny", input="x", previous_response_id="resp_gone")
+    assert unknown.value.code == "previous_response_not_found"
+    for bad, param in (({}, "input"), ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type")):
+        with pytest.raises(openai.BadRequestError) as refused:
+            c.responses.input_tokens.count(model="tiny", **bad)
+        assert refused.value.param == param
+
+
 def test_a_store_keeps_the_newest_responses():
     store = responses.Store(2)
     for i in range(3):

@@ -1,7 +1,8 @@
 """The FastAPI app over a started `Engine`, and `run`: uvicorn with a graceful shutdown.
 
 Routes: `GET /` (the playground page), `POST /complete`, `POST /v1/completions`,
-`POST /v1/chat/completions`, `POST /v1/responses` (with `GET` and `DELETE /v1/responses/{id}`),
+`POST /v1/chat/completions`, `POST /v1/responses` (with `GET` and `DELETE /v1/responses/{id}`,
+`POST /v1/responses/input_tokens`),
 `POST /v1/messages` and `POST /v1/messages/count_tokens` (Anthropic's),
 `POST /tokenize` and `POST /detokenize` (vLLM's), `GET /v1/models`, `GET /health`, `GET /metrics`
 (Prometheus), and with
@@ -40,7 +41,8 @@ RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"  # vLLM's switch for the r
 PAGE = pathlib.Path(__file__).with_name("page.html")
 KEPT_RESPONSE = "/v1/responses/{id}"  # the metrics' name for GET and DELETE of a kept response
 OPEN_PATHS = ("/", "/health", "/metrics")  # answered without the API key (no model output, no secrets)
-ENDPOINTS = ("/", "/complete", "/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages",
+ENDPOINTS = ("/", "/complete", "/v1/completions", "/v1/chat/completions", "/v1/responses",
+             "/v1/responses/input_tokens", "/v1/messages",
              "/v1/messages/count_tokens", "/tokenize", "/detokenize", "/v1/models", "/health", "/metrics",
              "/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 ANTHROPIC_PATHS = ("/v1/messages", "/v1/messages/count_tokens")  # errors in Anthropic's shape
@@ -120,6 +122,7 @@ def create_app(engine: Engine, model_name: str = "mesh-transformer", api_key: Op
 
     posts = {"/complete": oa.complete, "/v1/completions": oa.completions,
              "/v1/chat/completions": chat_api.chat_completions, "/v1/responses": responses_api.create,
+             "/v1/responses/input_tokens": responses_api.input_tokens,
              "/v1/messages": messages_api.create, "/v1/messages/count_tokens": messages_api.count_tokens,
              "/tokenize": tokens_api.tokenize,
              "/detokenize": tokens_api.detokenize}

@@ -91,6 +91,13 @@ class ResponsesRequest(oa._Strict):
     prompt: Optional[Any] = None
 
 
+class InputTokensRequest(ResponsesRequest):
+    """/v1/responses/input_tokens: what a /v1/responses request would render (its input may be
+    left out where `previous_response_id` gives the conversation)."""
+
+    input: Optional[Union[str, list[Any]]] = None
+
+
 @dataclass
 class Kept:
     """A kept response and the items its conversation holds (input, then output) for the next one."""
@@ -325,8 +332,9 @@ def _conversation(store: Store, body: ResponsesRequest) -> tuple[list[dict], lis
     messages the template renders: the instructions, then those items)."""
     if isinstance(body.input, str):
         oa.check_text(body.input, "input")
-    given = [{"type": "message", "role": "user", "content": body.input}] if isinstance(body.input, str) else body.input
-    if not given:
+    given = [{"type": "message", "role": "user", "content": body.input}] if isinstance(body.input, str) else \
+        body.input or []
+    if not given and (body.input is not None or body.previous_response_id is None):
         _bad("input", "at least one input item is required")
     earlier = store.get(body.previous_response_id, "previous_response_id").items \
         if body.previous_response_id is not None else []
@@ -341,17 +349,41 @@ def _conversation(store: Store, body: ResponsesRequest) -> tuple[list[dict], lis
         raise oa.ApiError(400, f"input: {e}", param="input") from None
 
 
+def _plan(s: oa.Settings, body: ResponsesRequest) -> Optional[tool_calls.Plan]:
+    """The request's tools and tool choice, as chat's (`tools.plan`)."""
+    return tool_calls.plan(SimpleNamespace(tools=_flat_tools(body.tools), tool_choice=_flat_choice(body.tool_choice),
+                                           parallel_tool_calls=body.parallel_tool_calls), s.tool_parser)
+
+
+def _rendering(body: ResponsesRequest):
+    return chat.rendering(chat.TemplateFields(chat_template_kwargs=_template_variables(body)))
+
+
+async def input_tokens(s: oa.Settings, http: HttpRequest):
+    """`POST /v1/responses/input_tokens`: the tokens a request's conversation (its previous
+    response's, its instructions, its input) and tools make, as /v1/responses would count them."""
+    body = oa.parse(await http.body(), InputTokensRequest)
+    _check_fields(body)
+    _, messages = _conversation(s.responses, body)
+    try:
+        plan = _plan(s, body)
+        text = chat.render(s, messages, _rendering(body), plan.specs() if plan else None, "input")
+    except oa.ApiError as e:
+        raise _flat_error(e) from None
+    return {"object": "response.input_tokens", "input_tokens": len(oa.encode(s.engine, text, "input",
+                                                                              add_special_tokens=False))}
+
+
 async def create(s: oa.Settings, http: HttpRequest):
     body = oa.parse(await http.body(), ResponsesRequest)
     _check_fields(body)
     store: Store = s.responses
     history, messages = _conversation(store, body)
     try:
-        plan = tool_calls.plan(SimpleNamespace(tools=_flat_tools(body.tools), tool_choice=_flat_choice(body.tool_choice),
-                                               parallel_tool_calls=body.parallel_tool_calls), s.tool_parser)
+        plan = _plan(s, body)
         # (checked even where a forced call, which `prepare` holds to its own grammar, leaves it no text)
         text_grammar = await asyncio.to_thread(formats.text_format, s.engine, body.text) if body.text else None
-        how = chat.rendering(chat.TemplateFields(chat_template_kwargs=_template_variables(body)))
+        how = _rendering(body)
         logprobs = _check_logprobs(s, body)
         reply = await chat.prepare(s, body, messages, how, plan, body.max_output_tokens, "max_output_tokens", (),
                                    logprobs, text_grammar, "text.format", "input")
