@@ -6,6 +6,7 @@ served by uvicorn in a thread on a free 127.0.0.1 port with API key `KEY`.
 """
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
@@ -43,6 +44,21 @@ def start_server(app):
         assert time.monotonic() < deadline, "server did not start"
         time.sleep(0.01)
     return server, f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
+@contextlib.contextmanager
+def chat_servers(engine, **plain):
+    """Three servers over `engine`: {"plain" (`plain`'s create_app arguments), "hermes" (its tool
+    parser), "r1" (R1's template and reasoning parser): base url}, stopped at the end."""
+    started = {"plain": start_server(create_app(engine, model_name="tiny", api_key=KEY, **plain)),
+               "hermes": start_server(create_app(engine, model_name="tiny", api_key=KEY, tool_parser="hermes")),
+               "r1": start_server(create_app(engine, model_name="tiny", api_key=KEY, chat_template=THINKS,
+                                             reasoning_parser="deepseek_r1"))}
+    try:
+        yield {name: base for name, (_, base) in started.items()}
+    finally:
+        for server, _ in started.values():
+            server.should_exit = True
 
 
 def library_text(gen, tiny, prompts, max_new_tokens=NEW, **kw):

@@ -21,21 +21,16 @@ from mesh_transformer.generate.structured import JSON_DUMPS, Grammar
 from mesh_transformer.serve import create_app, reasoning, responses, tools
 from mesh_transformer.serve.chat import Shape, StreamedReply
 from tests.helpers import END_THINK_ID
-from tests.serving import CHAT_TOOLS, KEY, THINKS, WEATHER_PARAMETERS, library, start_server, template_ids
+from tests.serving import (CHAT_TOOLS, KEY, THINKS, WEATHER_PARAMETERS, chat_servers, library, start_server,
+                           template_ids)
 
 TOOLS = [{"type": "function", **t["function"]} for t in CHAT_TOOLS]  # Responses' flat function tools
 
 
 @pytest.fixture(scope="module")
 def servers(long_engine):
-    """{"plain", "hermes" (its tool parser), "r1" (R1's template and reasoning parser): base url}."""
-    started = {"plain": start_server(create_app(long_engine, model_name="tiny", api_key=KEY, responses_kept=3)),
-               "hermes": start_server(create_app(long_engine, model_name="tiny", api_key=KEY, tool_parser="hermes")),
-               "r1": start_server(create_app(long_engine, model_name="tiny", api_key=KEY, chat_template=THINKS,
-                                             reasoning_parser="deepseek_r1"))}
-    yield {name: base for name, (_, base) in started.items()}
-    for server, _ in started.values():
-        server.should_exit = True
+    with chat_servers(long_engine, responses_kept=3) as bases:
+        yield bases
 
 
 def client(base: str) -> openai.OpenAI:

@@ -61,8 +61,9 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "
 STREAM_ERRORS = {"timeout": "timeout_error", "shutdown": "overloaded_error", "error": "api_error"}
 
 
-class CountRequest(oa._Strict):
-    """Anthropic's /v1/messages/count_tokens body: what a message request renders."""
+class CountRequest(oa.SamplingExtensions):
+    """Anthropic's /v1/messages/count_tokens body: what a message request renders (with vLLM's
+    extensions, which /v1/messages takes)."""
 
     model: Optional[str] = None
     messages: list[Any] = Field(min_length=1)
@@ -71,32 +72,20 @@ class CountRequest(oa._Strict):
     tool_choice: Optional[dict[str, Any]] = None
     thinking: Optional[dict[str, Any]] = None
     output_config: Optional[dict[str, Any]] = None
-    chat_template_kwargs: Optional[dict[str, Any]] = None  # vLLM's: more variables for the template
     mcp_servers: Optional[list] = None  # server-side features: a 400 when asked for
     container: Optional[Any] = None
 
 
 class MessagesRequest(CountRequest):
-    """Anthropic's /v1/messages body (plus vLLM's sampling extensions, as chat takes them)."""
+    """Anthropic's /v1/messages body."""
 
     max_tokens: int
     stop_sequences: Optional[list[str]] = None
     stream: bool = False
     temperature: Optional[float] = None
     top_p: Optional[float] = None
-    top_k: Optional[int] = None
     metadata: Optional[dict[str, Any]] = None
     service_tier: Optional[str] = None
-    seed: Optional[int] = None
-    min_p: Optional[float] = None
-    frequency_penalty: Optional[float] = None
-    presence_penalty: Optional[float] = None
-    repetition_penalty: Optional[float] = None
-    ignore_eos: bool = False
-    min_tokens: Optional[int] = None
-    stop_token_ids: Optional[list[int]] = None
-    logit_bias: Optional[dict[str, float]] = None
-    structured_outputs: Optional[dict[str, Any]] = None  # vLLM's (`serve.formats`), instead of output_config.format
 
 
 def error_response(e: oa.ApiError) -> JSONResponse:

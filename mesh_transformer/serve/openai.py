@@ -83,6 +83,24 @@ class StructuredFields(_Strict):
     guided_grammar: Optional[str] = None
 
 
+class SamplingExtensions(_Strict):
+    """vLLM's sampling fields, as the chat-shaped APIs whose own bodies lack them (Responses,
+    Anthropic's Messages) take them too (None: the default)."""
+
+    seed: Optional[int] = None
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    presence_penalty: Optional[float] = None
+    repetition_penalty: Optional[float] = None
+    ignore_eos: bool = False
+    min_tokens: Optional[int] = None
+    stop_token_ids: Optional[list[int]] = None
+    logit_bias: Optional[dict[str, float]] = None
+    structured_outputs: Optional[dict[str, Any]] = None  # (`serve.formats`), instead of the API's own format field
+    chat_template_kwargs: Optional[dict[str, Any]] = None  # more variables for the chat template
+
+
 class CompleteRequest(_Strict):
     """The original endpoint's body."""
 

@@ -52,7 +52,7 @@ KNOWN_INCLUDES = (LOGPROBS, "reasoning.encrypted_content")  # (encrypted reasoni
 KEPT = 1000  # responses kept for previous_response_id and GET, by default
 
 
-class ResponsesRequest(oa._Strict):
+class ResponsesRequest(oa.SamplingExtensions):
     """OpenAI's /v1/responses body (plus vLLM's sampling extensions, as chat takes them)."""
 
     model: Optional[str] = None
@@ -75,18 +75,6 @@ class ResponsesRequest(oa._Strict):
     user: Optional[str] = None
     truncation: Optional[str] = None
     background: Optional[bool] = None
-    seed: Optional[int] = None
-    top_k: Optional[int] = None
-    min_p: Optional[float] = None
-    frequency_penalty: Optional[float] = None
-    presence_penalty: Optional[float] = None
-    repetition_penalty: Optional[float] = None
-    ignore_eos: bool = False
-    min_tokens: Optional[int] = None
-    stop_token_ids: Optional[list[int]] = None
-    logit_bias: Optional[dict[str, float]] = None
-    chat_template_kwargs: Optional[dict[str, Any]] = None
-    structured_outputs: Optional[dict[str, Any]] = None  # vLLM's (`serve.formats`), instead of text.format
     conversation: Optional[Any] = None  # OpenAI's Conversations API and stored prompts: not here (a 400)
     prompt: Optional[Any] = None
 
