@@ -283,6 +283,32 @@ class StreamedReply:
         return self.tools.finish_reason(reason) if self.tools else reason
 
 
+class CallEvents:
+    """What the typed-event streams (Responses', Anthropic's) share: calls read whole from the text
+    wait for the end, after the text, where a whole reply has them, so streamed and whole replies
+    have the same items (a named call's arguments stream as generated: its reply is the call).
+    Subclasses write a call's events (`write_call`)."""
+
+    def __init__(self, shape: Shape):
+        plan = shape.plan
+        self.deferred: Optional[list] = [] if plan is not None and plan.named is None else None
+
+    def call(self, entry: dict) -> list[bytes]:
+        """A chat delta's tool call entry (`StreamedReply.feed`): its events now, or at the end."""
+        if self.deferred is not None:
+            self.deferred.append(entry)
+            return []
+        return self.write_call(entry)
+
+    def write_call(self, entry: dict) -> list[bytes]:
+        raise NotImplementedError
+
+    def take_deferred(self) -> list[dict]:
+        """The calls held back; later calls are written as they come."""
+        deferred, self.deferred = self.deferred or [], None
+        return deferred
+
+
 def _choice(engine: Engine, index: int, seq: Sequence, shape: Shape) -> dict:
     message, finish_reason = shape.message(seq.text, seq.finish_reason)
     return {"index": index, "message": message, "logprobs": token_logprobs(engine, seq, 0, seq.kept_tokens()),

@@ -423,15 +423,12 @@ def event(kind: str, **fields) -> bytes:
     return f"event: {kind}\ndata: {json.dumps({'type': kind, **fields})}\n\n".encode()
 
 
-class BlockWriter:
+class BlockWriter(chat.CallEvents):
     """The content blocks of one streamed reply, opened, filled and closed as events."""
 
     def __init__(self, shape: chat.Shape):
+        super().__init__(shape)
         self.count, self.open = 0, None  # blocks started; the kind of the one being written
-        plan = shape.plan
-        # calls read whole from the text wait for the end, after the text, where a whole reply has
-        # them (a named tool's input streams as generated: its reply is the call)
-        self.deferred: Optional[list] = [] if plan is not None and plan.named is None else None
 
     def _start(self, block: dict) -> list[bytes]:
         out = self.close()
@@ -448,11 +445,8 @@ class BlockWriter:
             {"type": "text_delta", "text": delta}
         return out + [event("content_block_delta", index=self.count - 1, delta=body)]
 
-    def call(self, entry: dict) -> list[bytes]:
-        """A chat delta's tool call entry: a new call (with its id), or more of the open one's input."""
-        if self.deferred is not None:
-            self.deferred.append(entry)
-            return []
+    def write_call(self, entry: dict) -> list[bytes]:
+        """A new call (with its id), or more of the open one's input."""
         out, fn = [], entry.get("function", {})
         if "id" in entry:
             out += self._start({"type": "tool_use", "id": entry["id"], "name": fn["name"], "input": {}})
@@ -471,9 +465,8 @@ class BlockWriter:
 
     def end(self) -> list[bytes]:
         """The open block closed, then the calls read from the text, each whole."""
-        deferred, self.deferred = self.deferred or [], None
         out = []
-        for entry in deferred:
+        for entry in self.take_deferred():
             out += self.call(entry)
         return out + self.close()
 

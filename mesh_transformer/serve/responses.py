@@ -535,17 +535,14 @@ def call_item(item_id: str, call_id: str, name: str, arguments: str, status: str
 # Streaming: typed events
 # --------------------------------------------------------------------------------------------
 
-class EventWriter:
+class EventWriter(chat.CallEvents):
     """Numbered server-sent events, and the output items they open, fill and close."""
 
     def __init__(self, response: Response):
+        super().__init__(response.shape)
         self.number, self.items = 0, []
         self.open: Optional[dict] = None  # the item being written
         self.held: list = []  # token logprobs of text not yet sent (a partial character)
-        plan = response.shape.plan
-        # calls read whole from the text wait for the end, after the message, where a whole
-        # reply has them (a named call's arguments stream as generated: its reply is the call)
-        self.deferred: Optional[list] = [] if plan is not None and plan.named is None else None
 
     def event(self, kind: str, **fields) -> bytes:
         payload = {"type": kind, "sequence_number": self.number, **fields}
@@ -591,7 +588,7 @@ class EventWriter:
         """The last events before the response's: the open item closed (an empty reply is an
         empty message), then the calls read from the text; the last item ends with `status`,
         the others "completed"."""
-        deferred, self.deferred = self.deferred or [], None
+        deferred = self.take_deferred()
         out = self.text("message", "", []) if (not self.items and not deferred) or self.held else []
         message = any(item["type"] == "message" for item in self.items)  # the item cut, if there is one (`cut_item`)
         out += self.close(status if message or not deferred else "completed")
@@ -599,11 +596,8 @@ class EventWriter:
             out += self.call(entry) + self.close(status if i == len(deferred) - 1 and not message else "completed")
         return out
 
-    def call(self, entry: dict) -> list[bytes]:
-        """A chat delta's tool call entry: a new call (with its id), or more of the open one's arguments."""
-        if self.deferred is not None:
-            self.deferred.append(entry)
-            return []
+    def write_call(self, entry: dict) -> list[bytes]:
+        """A new call (with its id), or more of the open one's arguments."""
         out, fn = [], entry.get("function", {})
         if "id" in entry:
             out += self._start(call_item(_item_id("fc"), entry["id"], fn["name"], "", "completed"), None)
