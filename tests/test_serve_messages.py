@@ -320,7 +320,8 @@ def blocks_of(events: list[bytes]) -> list[dict]:
             if delta["type"] == "input_json_delta":
                 inputs[e["index"]] = inputs.get(e["index"], "") + delta["partial_json"]
             else:
-                key = {"text_delta": "text", "thinking_delta": "thinking", "signature_delta": "signature"}[delta["type"]]
+                key = {"text_delta": "text", "thinking_delta": "thinking",
+                       "signature_delta": "signature"}[delta["type"]]
                 block[key] = block[key] + delta[key] if key != "signature" else delta[key]
         elif e["type"] == "content_block_stop" and e["index"] in inputs:
             blocks[e["index"]]["input"] = json.loads(inputs[e["index"]])
@@ -401,7 +402,8 @@ BAD = [
      "messages[0].content[0].type"),
     ({"messages": [*user("Hi"), {"role": "assistant", "content": [
         {"type": "tool_use", "id": "t", "name": "now", "input": "{}"}]}, *user("Ok")]}, "messages[1].content[0].input"),
-    ({"messages": [*user("Hi"), ASSISTANT_CALL, {"role": "user", "content": [{"type": "tool_result", "content": "x"}]}]},
+    ({"messages": [*user("Hi"), ASSISTANT_CALL,
+                   {"role": "user", "content": [{"type": "tool_result", "content": "x"}]}]},
      "messages[2].content[0].tool_use_id"),
     ({"messages": [*user("Hi"), ASSISTANT_CALL]}, "messages[1]"),
     ({"messages": [{"role": "assistant", "content": "Hi"}]}, "messages"),

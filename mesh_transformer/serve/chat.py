@@ -236,7 +236,7 @@ async def prepare(s: oa.Settings, body, messages: list[dict], how: Rendering, pl
     thinking = reasoning.Thinking.of(s.reasoning_parser, _reply_start(s, messages, how, specs, text),
                                      engine.tokenizer) if s.reasoning_parser else None
     budget = thinking_budget if thinking is not None and thinking.can_cap else 0
-    if thinking is not None and (opts.grammar is not None or budget):  # the grammar holds the answer, after the thinking
+    if thinking is not None and (opts.grammar is not None or budget):  # a grammar holds the answer, after the thinking
         opts = dataclasses.replace(opts, grammar=thinking.hold(opts.grammar or reasoning.ANY_ANSWER, budget))
         await asyncio.to_thread(check, opts.grammar, engine.tokenizer, engine.gen.vocab)
     return Prepared(ids, opts, Shape(plan, thinking))

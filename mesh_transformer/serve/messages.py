@@ -205,26 +205,18 @@ def _add_block(turns: _Turns, role: str, block, where: str) -> None:
         message["reasoning"] = message.get("reasoning", "") + _text(block, "thinking", where)
 
 
-def _flat_tools(given: Optional[list]) -> Optional[list]:
-    """Anthropic's client tools (`name`, `description`, `input_schema`) in chat's form."""
-    if given is None:
-        return None
-    if not isinstance(given, list):
-        _bad("tools", f"a list of tools, got {type(given).__name__}")
-    out = []
-    for i, tool in enumerate(given):
-        if not isinstance(tool, dict):
-            _bad(f"tools[{i}]", f"a tool (an object), got {type(tool).__name__}")
-        if tool.get("type") not in (None, "custom"):
-            _bad(f"tools[{i}].type", f"only client tools (type \"custom\", or none) are supported: server tools "
-                                     f"run at Anthropic; got {tool['type']!r}")
-        if "input_schema" not in tool:
-            _bad(f"tools[{i}].input_schema", "a JSON schema of the tool's input is required")
-        function = {"name": tool.get("name"), "parameters": tool["input_schema"]}
-        if "description" in tool:
-            function["description"] = tool["description"]
-        out.append({"type": "function", "function": function})
-    return out
+def _function(i: int, tool) -> dict:
+    """An Anthropic client tool's fields (`name`, `description`, `input_schema`) as chat's
+    `function` holds them (`tools.chat_tools`)."""
+    if not isinstance(tool, dict):
+        _bad(f"tools[{i}]", f"a tool (an object), got {type(tool).__name__}")
+    if tool.get("type") not in (None, "custom"):
+        _bad(f"tools[{i}].type", f"only client tools (type \"custom\", or none) are supported: server tools "
+                                 f"run at Anthropic; got {tool['type']!r}")
+    if "input_schema" not in tool:
+        _bad(f"tools[{i}].input_schema", "a JSON schema of the tool's input is required")
+    function = {"name": tool.get("name"), "parameters": tool["input_schema"]}
+    return function | ({"description": tool["description"]} if "description" in tool else {})
 
 
 def _flat_choice(given: Optional[dict]):
@@ -307,8 +299,9 @@ def _parsed(s: oa.Settings, body: CountRequest) -> _Parsed:
     except FieldError as e:  # (not expected: `chat_messages` checked every field it passes on)
         raise oa.ApiError(400, f"messages: {e}", param="messages") from None
     choice, parallel = _flat_choice(body.tool_choice)
-    plan = tool_calls.plan(SimpleNamespace(tools=_flat_tools(body.tools), tool_choice=choice,
-                                           parallel_tool_calls=parallel), s.tool_parser)
+    tools = tool_calls.chat_tools(body.tools, _function)
+    plan = tool_calls.plan(SimpleNamespace(tools=tools, tool_choice=choice, parallel_tool_calls=parallel),
+                           s.tool_parser)
     how = chat.rendering(chat.TemplateFields(add_generation_prompt=not prefill, continue_final_message=prefill,
                                              chat_template_kwargs=_template_variables(body)))
     return _Parsed(messages=messages, plan=plan, how=how)

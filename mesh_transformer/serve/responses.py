@@ -229,22 +229,14 @@ def chat_messages(items: list, labels: list[str]) -> tuple[list[dict], list[dict
     return messages, kept
 
 
-def _flat_tools(given: Optional[list]) -> Optional[list]:
-    """Responses' function tools (`{"type": "function", "name", "description", "parameters",
-    "strict"}`) in chat's form (the function's fields under `function`)."""
-    if given is None:
-        return None
-    if not isinstance(given, list):
-        _bad("tools", f"a list of tools, got {type(given).__name__}")
-    out = []
-    for i, tool in enumerate(given):
-        kind = tool.get("type") if isinstance(tool, dict) else None
-        if kind != "function":
-            _bad(f"tools[{i}].type", f"only function tools are supported (hosted tools such as web_search run at "
-                                     f"OpenAI), got {kind!r}")
-        out.append({"type": "function", "function": {k: tool[k] for k in ("name", "description", "parameters")
-                                                     if k in tool}})
-    return out
+def _function(i: int, tool) -> dict:
+    """A Responses function tool's (`{"type": "function", "name", "description", "parameters",
+    "strict"}`) fields, as chat's `function` holds them (`tools.chat_tools`)."""
+    kind = tool.get("type") if isinstance(tool, dict) else None
+    if kind != "function":
+        _bad(f"tools[{i}].type", f"only function tools are supported (hosted tools such as web_search run at "
+                                 f"OpenAI), got {kind!r}")
+    return {k: tool[k] for k in ("name", "description", "parameters") if k in tool}
 
 
 def _flat_choice(given):
@@ -339,7 +331,8 @@ def _conversation(store: Store, body: ResponsesRequest) -> tuple[list[dict], lis
 
 def _plan(s: oa.Settings, body: ResponsesRequest) -> Optional[tool_calls.Plan]:
     """The request's tools and tool choice, as chat's (`tools.plan`)."""
-    return tool_calls.plan(SimpleNamespace(tools=_flat_tools(body.tools), tool_choice=_flat_choice(body.tool_choice),
+    tools = tool_calls.chat_tools(body.tools, _function)
+    return tool_calls.plan(SimpleNamespace(tools=tools, tool_choice=_flat_choice(body.tool_choice),
                                            parallel_tool_calls=body.parallel_tool_calls), s.tool_parser)
 
 

@@ -212,6 +212,16 @@ def _bad(field_name: str, why: str):
     raise oa.ApiError(400, f"{field_name}: {why}", param=field_name)
 
 
+def chat_tools(given, function_of) -> Optional[list]:
+    """Another API's `tools` (Responses', Anthropic's) in chat's form, `function_of(i, tool)` giving
+    each one's function fields (or a 400 naming the field at fault); None where there are none."""
+    if given is None:
+        return None
+    if not isinstance(given, list):
+        _bad("tools", f"a list of tools, got {type(given).__name__}")
+    return [{"type": "function", "function": function_of(i, tool)} for i, tool in enumerate(given)]
+
+
 def read_tools(given: Optional[list]) -> list[Tool]:
     """The request's `tools` (`io.chat_template.read_tools`); a 400 naming the first thing wrong."""
     try:
