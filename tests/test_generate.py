@@ -390,6 +390,7 @@ def test_min_new_tokens_holds_stop_strings_back(tiny, gen):
     assert seqs[1].text == text[:text.index(stop)] != seqs[0].text
     later = text.find(last, at_m - len(last) + 1)
     assert seqs[2].text == (text if later < 0 else text[:later]) and len(seqs[2].text) > at_m
+    assert [s.stop_string for s in seqs] == [stop, stop, None if later < 0 else last, None]
 
 
 def test_stop_strings_cut_the_text(tiny, gen):
@@ -399,10 +400,15 @@ def test_stop_strings_cut_the_text(tiny, gen):
     text = plain[0].text
     stop = text[6:8]
     cut = text.index(stop)
-    seqs = gen.generate(prompts, [greedy(stop=(stop,)), greedy(), greedy(), greedy()], tokenizer=tok)
+    overlapping = (text[cut:cut + 5], "never said", stop)  # two start where the text ends: the shorter ended it
+    seqs = gen.generate(prompts, [greedy(stop=(stop,)), greedy(), greedy(stop=overlapping), greedy()], tokenizer=tok)
     assert seqs[0].text == text[:cut] and seqs[0].finish_reason == "stop"
     assert len(seqs[0].tokens) < NEW or cut + len(stop) > len(tok.decode(plain[0].tokens[:-1]))
     assert seqs[1].text == plain[1].text
+    assert [s.stop_string for s in seqs] == [stop, None, None, None]
+    prompts[2] = prompts[0]
+    again = gen.generate(prompts, [greedy(), greedy(), greedy(stop=overlapping), greedy()], tokenizer=tok)[2]
+    assert (again.text, again.stop_string) == (text[:cut], stop)
 
 
 def test_streamed_text_adds_up_to_the_final_text(tiny, gen):

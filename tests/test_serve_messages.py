@@ -162,6 +162,17 @@ def test_a_final_assistant_message_is_a_prefill_the_reply_continues(servers, tin
     assert m.content[0].text == library(tiny_long, ids, 8).text  # the prefill is not repeated
     assert c.messages.count_tokens(model="tiny", messages=conversation).input_tokens == len(ids)
 
+    # With a reasoning parser, a prefill is answer (prefilling "{" to get JSON is common), unless it
+    # opened a block it has not closed: then the reply goes on thinking.
+    c = client(servers["r1"])
+    for prefill, kinds in (("The answer:", ["text"]), ("<think>Let me see", ["thinking"])):
+        conversation[1]["content"] = prefill
+        ids = template_ids(tiny, conversation, template=THINKS, add_generation_prompt=False,
+                           continue_final_message=True)
+        m = c.messages.create(model="tiny", messages=conversation, max_tokens=8, extra_body=GREEDY)
+        assert [b.type for b in m.content] == kinds
+        assert (m.content[0].text if kinds == ["text"] else m.content[0].thinking) == library(tiny_long, ids, 8).text
+
 
 def test_max_tokens_is_a_cap_the_context_lowers(servers, tiny_long, long_engine):
     """Anthropic's clients ask for more tokens than a small model's context holds (Claude Code:
@@ -205,7 +216,7 @@ def test_thinking_and_effort_reach_the_template(long_engine, tiny_long):
     server, base = start_server(create_app(long_engine, model_name="tiny", api_key=KEY, chat_template=template))
     try:
         c = client(base)
-        for extra, variables in (({}, {}), ({"thinking": {"type": "enabled", "budget_tokens": 1024}},
+        for extra, variables in (({}, {}), ({"thinking": {"type": "enabled", "budget_tokens": 1}},
                                             {"enable_thinking": True}),
                                  ({"thinking": {"type": "disabled"}}, {"enable_thinking": False}),
                                  ({"output_config": {"effort": "high"}}, {"reasoning_effort": "high"}),
@@ -214,9 +225,9 @@ def test_thinking_and_effort_reach_the_template(long_engine, tiny_long):
             ids = tiny.tokenizer.apply_chat_template(user("Hi"), chat_template=template, tokenize=True,
                                                      return_dict=False, add_generation_prompt=True, **variables)
             assert c.messages.count_tokens(model="tiny", messages=user("Hi"), **extra).input_tokens == len(ids)
-            if not extra.get("thinking", {}).get("budget_tokens"):
-                m = c.messages.create(model="tiny", messages=user("Hi"), max_tokens=2, **extra)
-                assert m.usage.input_tokens + m.usage.cache_read_input_tokens == len(ids)
+            extra["extra_body"] = {**extra.get("extra_body", {}), **GREEDY}
+            m = c.messages.create(model="tiny", messages=user("Hi"), max_tokens=6, **extra)  # (the prompt, through
+            assert m.content[0].text == library(tiny_long, ids, 6).text  # the reply it makes: not just its length)
     finally:
         server.should_exit = True
 
@@ -259,6 +270,38 @@ def test_a_named_tool_is_a_tool_use_block_whose_input_streams(servers, tiny_long
     assert (cut.stop_reason, cut.content[0].input) == (
         "max_tokens", jiter.from_json(tiny.tokenizer.decode(expected.tokens[:3]).encode(), partial_mode=True))
     assert dumped(streamed(c, **{**kw, "max_tokens": 3})[0]) == dumped(cut)
+
+
+def test_a_tool_cut_by_a_stop_sequence_is_not_a_finished_call(servers, tiny_long):
+    """A stop sequence ends a named tool's input: the reply stopped for it, not to run the tool."""
+    tiny, _ = tiny_long
+    c = client(servers["plain"])
+    ids = template_ids(tiny, user("Weather?"), CHAT_TOOLS)
+    whole = library(tiny_long, ids, 48, Grammar.json_schema(WEATHER_PARAMETERS, separators=JSON_DUMPS)).text
+    stop = next(city for city in ("Paris", "Oslo") if city in whole)
+    kw = dict(model="tiny", messages=user("Weather?"), tools=TOOLS, max_tokens=48, stop_sequences=[stop],
+              tool_choice={"type": "tool", "name": "get_weather"}, extra_body=GREEDY)
+    for m in (c.messages.create(**kw), streamed(c, **kw)[0]):
+        assert (m.stop_reason, m.stop_sequence) == ("stop_sequence", stop)
+        assert m.content[0].input == jiter.from_json(whole[:whole.index(stop)].encode(), partial_mode=True)
+
+
+def test_any_holds_the_reply_to_calls_of_the_tools(servers, tiny_long):
+    """`tool_choice: any` (chat's "required"): a JSON array of calls under a grammar, here one at
+    most (`disable_parallel_tool_use`; this tiny model, left to it, writes calls until cut); the
+    calls come back as tool_use blocks."""
+    tiny, _ = tiny_long
+    plan = tools.Plan(tuple(tools.read_tools(CHAT_TOOLS)), "required", parallel=False)
+    expected = library(tiny_long, template_ids(tiny, user("Weather?"), CHAT_TOOLS), 80, plan.grammar()[1])
+    calls = plan.split(expected.text, final=True)[1]
+    assert expected.finish_reason == "stop" and len(calls) == 1
+    c = client(servers["plain"])
+    kw = dict(model="tiny", messages=user("Weather?"), tools=TOOLS, max_tokens=80, extra_body=GREEDY,
+              tool_choice={"type": "any", "disable_parallel_tool_use": True})
+    m = c.messages.create(**kw)
+    assert [(b.type, b.name, b.input) for b in m.content] == [("tool_use", call.name, json.loads(call.arguments))
+                                                             for call in calls]
+    assert m.stop_reason == "tool_use" and dumped(streamed(c, **kw)[0]) == dumped(m)
 
 
 def test_auto_with_the_servers_parser_returns_tool_use_and_takes_its_result(servers, tiny_long):
@@ -413,7 +456,14 @@ BAD = [
     ({"tools": [{"name": "", "input_schema": {"type": "object"}}]}, "tools[0].name"),
     ({"tools": TOOLS, "tool_choice": {"type": "tool", "name": "nope"}}, "tool_choice.name"),
     ({"tools": TOOLS, "tool_choice": {"type": "sometimes"}}, "tool_choice.type"),
-    ({"tools": TOOLS, "tool_choice": {"type": "auto"}}, "tool_choice"),  # (no --tool-call-parser on this server)
+    ({"tools": TOOLS, "tool_choice": {"type": ["auto"]}}, "tool_choice.type"),
+    ({"tool_choice": {"type": "any"}}, "tool_choice"),
+    ({"tools": [{"type": "bash_20250124", "name": "bash"}]}, "tools[0].type"),
+    ({"messages": [*user("Hi"), ASSISTANT_CALL, {"role": "user", "content": [
+        {"type": "text", "text": "Here:"}, {"type": "tool_result", "tool_use_id": "t1", "content": "x"}]}]},
+     "messages[2].content[1].type"),
+    ({"output_config": {"format": {"type": "json_object"}}}, "output_config.format.type"),
+    ({"tools": TOOLS}, "tool_choice"),  # ("auto", the default: no --tool-call-parser on this server)
     ({"stop_sequences": ["a", "b", "c", "d", "e"]}, "stop_sequences"),
     ({"thinking": {"type": "sometimes"}}, "thinking.type"),
     ({"thinking": {"type": "enabled", "budget_tokens": 8}}, "thinking.budget_tokens"),
@@ -444,6 +494,11 @@ def test_auth_size_and_sdk_errors_are_anthropics(servers):
     big = httpx.post(f"{servers['plain']}/v1/messages/count_tokens", headers={"x-api-key": KEY}, timeout=30,
                      json={"model": "tiny", "messages": user("x" * 60_000)})
     assert big.status_code == 413 and big.json()["error"]["type"] == "request_too_large"
+    for method, path, status in (("GET", "/v1/messages", 405), ("POST", "/v1/messages/batches", 404)):
+        r = httpx.request(method, f"{servers['plain']}{path}", headers={"x-api-key": KEY}, timeout=30)
+        assert r.status_code == status and r.json()["type"] == "error", r.text
+    with pytest.raises(anthropic.BadRequestError, match='ask for "any", a named tool or "none"'):
+        client(servers["plain"]).messages.create(model="tiny", max_tokens=2, messages=user("Hi"), tools=TOOLS)
     metrics = httpx.get(f"{servers['plain']}/metrics", timeout=30).text
     assert 'endpoint="/v1/messages",status="401"' in metrics and 'endpoint="/v1/messages",status="200"' in metrics
 
@@ -458,7 +513,7 @@ def test_a_stream_that_fails_ends_with_an_error_event(servers, long_engine):
         for line in r.iter_lines():
             if line.startswith("data: "):
                 events.append(json.loads(line[len("data: "):]))
-                if events[-1]["type"] == "content_block_delta" and len(events) == 4:
+                if [e["type"] for e in events].count("content_block_delta") == 1:  # once, at the first text
                     long_engine.abort("shutdown")
     assert events[-1] == {"type": "error", "error": {"type": "overloaded_error",
                                                      "message": "the server is shutting down"}}

@@ -135,22 +135,28 @@ class Sequence:
             self._min_text = len(self.tokenizer.decode(self.tokens[:self.options.min_new_tokens]))
         return self._min_text
 
+    def _cut(self, decoded: str) -> Optional[int]:
+        """Where a stop string cut the `decoded` text: found as tokens arrived, or, once finished,
+        where a stop the device saw starts."""
+        if self._text_end is None and self.finished and self.options.stop:
+            self._text_end = _find_stop(decoded, self.options.stop, self._stops_from())
+        return self._text_end
+
     @property
     def text(self) -> str:
         """The completion text (without EOS or the stop string); needs a tokenizer."""
         text = self._decoded()
-        if self._text_end is None and self.finished and self.options.stop:
-            self._text_end = _find_stop(text, self.options.stop, self._stops_from())  # a device-side stop hit
-        return text if self._text_end is None else text[: self._text_end]
+        end = self._cut(text)
+        return text if end is None else text[:end]
 
     @property
     def stop_string(self) -> Optional[str]:
-        """The stop string that ended the text (None: it ended otherwise, or has not)."""
-        self.text  # (finds where a stop the device saw starts)
-        if self._text_end is None:
-            return None
+        """The stop string that ended the text (None: it ended otherwise, or has not): of those that
+        start where the text ends, the one completed first (the shortest)."""
         decoded = self._decoded()
-        return next((s for s in self.options.stop if decoded.startswith(s, self._text_end)), None)
+        end = self._cut(decoded)
+        found = [s for s in self.options.stop if end is not None and decoded.startswith(s, end)]
+        return min(found, key=len) if found else None
 
     @property
     def adapter_key(self) -> int:

@@ -45,7 +45,11 @@ ENDPOINTS = ("/", "/complete", "/v1/completions", "/v1/chat/completions", "/v1/r
              "/v1/responses/input_tokens", "/v1/messages",
              "/v1/messages/count_tokens", "/tokenize", "/detokenize", "/v1/models", "/health", "/metrics",
              "/v1/load_lora_adapter", "/v1/unload_lora_adapter")
-ANTHROPIC_PATHS = ("/v1/messages", "/v1/messages/count_tokens")  # errors in Anthropic's shape
+ANTHROPIC = "/v1/messages"  # this path and those under it answer errors in Anthropic's shape
+
+
+def anthropic_path(path: str) -> bool:
+    return path == ANTHROPIC or path.startswith(ANTHROPIC + "/")
 
 
 def create_app(engine: Engine, model_name: str = "mesh-transformer", api_key: Optional[str] = None,
@@ -89,14 +93,16 @@ def create_app(engine: Engine, model_name: str = "mesh-transformer", api_key: Op
     async def _api_error(_, e: oa.ApiError):
         return JSONResponse(e.body(), e.status)
 
+    def error(http, e: oa.ApiError):
+        return messages_api.error_response(e) if anthropic_path(http.url.path) else JSONResponse(e.body(), e.status)
+
     @app.exception_handler(404)
     async def _not_found(http, _):
-        return JSONResponse(oa.ApiError(404, f"no such endpoint: {http.method} {http.url.path}",
-                                        "not_found_error").body(), 404)
+        return error(http, oa.ApiError(404, f"no such endpoint: {http.method} {http.url.path}", "not_found_error"))
 
     @app.exception_handler(405)
     async def _wrong_method(http, _):
-        return JSONResponse(oa.ApiError(405, f"{http.url.path} does not take {http.method}").body(), 405)
+        return error(http, oa.ApiError(405, f"{http.url.path} does not take {http.method}"))
 
     @app.get("/", include_in_schema=False)
     async def playground():
@@ -200,7 +206,7 @@ class _Guard:
 
 async def _send_error(send, status: int, message: str, kind: str = "invalid_request_error", path: str = "") -> None:
     """An error before the app: in Anthropic's shape on its paths, else in OpenAI's."""
-    error = messages_api.error_body(status, message) if path in ANTHROPIC_PATHS else \
+    error = messages_api.error_body(status, message) if anthropic_path(path) else \
         {"error": {"message": message, "type": kind, "param": None, "code": None}}
     payload = json.dumps(error).encode()
     await send({"type": "http.response.start", "status": status,

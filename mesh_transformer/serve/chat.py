@@ -191,6 +191,17 @@ async def chat_completions(s: oa.Settings, http: HttpRequest):
             "usage": oa.usage(seqs, body.n)}
 
 
+def prompt(s: oa.Settings, messages: list[dict], how: Rendering, specs: Optional[list],
+           field: str = "messages") -> tuple[str, list[int]]:
+    """The text the template renders of `messages` and the tools' `specs`, and its token ids (none
+    added: a template writes the ones it wants); a 400 naming `field` where it is empty."""
+    text = render(s, messages, how, specs, field)
+    ids = oa.encode(s.engine, text, field, add_special_tokens=False)
+    if not ids:
+        raise oa.ApiError(400, f"{field}: the rendered prompt is empty", param=field)
+    return text, ids
+
+
 @dataclass(frozen=True)
 class Prepared:
     """A chat-shaped request ready to run: its prompt, its sampling options, what its replies become."""
@@ -214,10 +225,7 @@ async def prepare(s: oa.Settings, body, messages: list[dict], how: Rendering, pl
     names the field at fault (`messages_field` for the conversation, `max_field` for the length)."""
     engine = s.engine
     specs = plan.specs() if plan else None
-    text = render(s, messages, how, specs, messages_field)
-    ids = oa.encode(engine, text, messages_field, add_special_tokens=False)
-    if not ids:
-        raise oa.ApiError(400, f"{messages_field}: the rendered prompt is empty", param=messages_field)
+    text, ids = prompt(s, messages, how, specs, messages_field)
     room = engine.context - len(ids)
     if max_tokens is None or (fit and max_tokens > room > 0):
         max_tokens = room
@@ -234,7 +242,7 @@ async def prepare(s: oa.Settings, body, messages: list[dict], how: Rendering, pl
             e.param, e.message = max_field, e.message.replace("max_tokens", max_field)
         raise
     thinking = reasoning.Thinking.of(s.reasoning_parser, _reply_start(s, messages, how, specs, text),
-                                     engine.tokenizer) if s.reasoning_parser else None
+                                     engine.tokenizer, how.continue_final_message) if s.reasoning_parser else None
     budget = thinking_budget if thinking is not None and thinking.can_cap else 0
     if thinking is not None and (opts.grammar is not None or budget):  # a grammar holds the answer, after the thinking
         opts = dataclasses.replace(opts, grammar=thinking.hold(opts.grammar or reasoning.ANY_ANSWER, budget))

@@ -46,7 +46,7 @@ def grammar(engine, body) -> Optional[Grammar]:
 
 
 def text_format(engine, given: Optional[dict], field: str = "text") -> Optional[Grammar]:
-    """The Responses API's `text` (and Anthropic's `output_config`, `field`):
+    """The Responses API's `text` (`field`; Anthropic's `output_config` has the same shape):
     `{"format": {"type": "text"}}`, `{"type": "json_object"}` or `{"type": "json_schema", "name":
     .., "schema": {..}, "strict": ..}`, as a grammar (None: free text), compiled once to check it;
     a 400 naming the field at fault."""

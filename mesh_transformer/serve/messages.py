@@ -38,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
+from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, Optional, Union
 
@@ -47,7 +48,7 @@ from fastapi.responses import JSONResponse
 from pydantic import Field
 
 from mesh_transformer.generate import Sequence
-from mesh_transformer.io.chat_template import FieldError, template_messages
+from mesh_transformer.io.chat_template import FieldError, Rendering, template_messages
 from mesh_transformer.serve import chat
 from mesh_transformer.serve import formats
 from mesh_transformer.serve import openai as oa
@@ -97,10 +98,6 @@ def error_body(status: int, message: str) -> dict:
     return {"type": "error", "error": {"type": ERROR_TYPES.get(status, "api_error"), "message": message}}
 
 
-def _bad(where: str, why: str):
-    raise oa.ApiError(400, f"{where}: {why}", param=where)
-
-
 # --------------------------------------------------------------------------------------------
 # system and messages -> chat messages
 # --------------------------------------------------------------------------------------------
@@ -110,21 +107,14 @@ def _block_list(content, where: str) -> list:
     if isinstance(content, str):
         return [{"type": "text", "text": content}]
     if not isinstance(content, list):
-        _bad(where, f"a string or a list of content blocks, got {type(content).__name__}")
+        oa.bad(where, f"a string or a list of content blocks, got {type(content).__name__}")
     return content
 
 
 def _text(block: dict, key: str, where: str) -> str:
     value = block.get(key)
     if not isinstance(value, str):
-        _bad(f"{where}.{key}", f"a string is required, got {type(value).__name__}")
-    return oa.check_text(value, f"{where}.{key}")
-
-
-def _name(block: dict, key: str, where: str) -> str:
-    value = block.get(key)
-    if not isinstance(value, str) or not value:
-        _bad(f"{where}.{key}", f"a non-empty string is required, got {value!r}")
+        oa.bad(f"{where}.{key}", f"a string is required, got {type(value).__name__}")
     return oa.check_text(value, f"{where}.{key}")
 
 
@@ -134,7 +124,7 @@ def _texts(content, where: str) -> str:
     for j, block in enumerate(_block_list(content, where)):
         kind = block.get("type") if isinstance(block, dict) else None
         if kind != "text":
-            _bad(f"{where}[{j}].type", f"only text blocks are supported here, got {kind!r}")
+            oa.bad(f"{where}[{j}].type", f"only text blocks are supported here, got {kind!r}")
         pieces.append(_text(block, "text", f"{where}[{j}]"))
     return JOIN.join(pieces)
 
@@ -144,6 +134,11 @@ class _Turns:
 
     def __init__(self):
         self.messages: list[dict] = []
+        self.open_index = -1  # the message the current input message opened (-1: none yet)
+
+    def start(self) -> None:
+        """A new input message begins."""
+        self.open_index = len(self.messages)
 
     def open(self, role: str) -> dict:
         if not self.messages or self.messages[-1]["role"] != role:
@@ -165,7 +160,8 @@ def chat_messages(system, messages: list) -> tuple[list[dict], bool]:
         where = f"messages[{i}]"
         role = message.get("role") if isinstance(message, dict) else None
         if role not in ROLES:
-            _bad(f"{where}.role", f"one of {', '.join(ROLES)}, got {role!r}")
+            oa.bad(f"{where}.role", f"one of {', '.join(ROLES)}, got {role!r}")
+        turns.start()
         for j, block in enumerate(_block_list(message.get("content"), f"{where}.content")):
             _add_block(turns, role, block, f"{where}.content[{j}]")
         if role == "assistant":
@@ -173,10 +169,10 @@ def chat_messages(system, messages: list) -> tuple[list[dict], bool]:
     out = turns.messages
     prefill = bool(out) and out[-1]["role"] == "assistant"
     if prefill and out[-1].get("tool_calls"):
-        _bad(f"messages[{len(messages) - 1}]", "a final assistant message is a prefill the reply continues; it "
+        oa.bad(f"messages[{len(messages) - 1}]", "a final assistant message is a prefill the reply continues; it "
                                                "cannot end in tool_use (answer the calls in a user message)")
     if not any(m["role"] in ("user", "tool") for m in out):
-        _bad("messages", "at least one user message is required")
+        oa.bad("messages", "at least one user message is required")
     return out, prefill
 
 
@@ -186,69 +182,75 @@ def _add_block(turns: _Turns, role: str, block, where: str) -> None:
     if kind not in allowed[role]:
         known = "image and document blocks are not supported (text models)" if kind in ("image", "document") \
             else f"a {role} message holds {', '.join(allowed[role])} blocks"
-        _bad(f"{where}.type", f"{known}; got {kind!r}")
+        oa.bad(f"{where}.type", f"{known}; got {kind!r}")
     if kind == "text":
         turns.text(role, _text(block, "text", where))
     elif kind == "tool_use":
         given = block.get("input")
         if not isinstance(given, dict):
-            _bad(f"{where}.input", f"an object is required, got {type(given).__name__}")
-        call = {"id": _name(block, "id", where), "type": "function",
-                "function": {"name": _name(block, "name", where), "arguments": json.dumps(given)}}
+            oa.bad(f"{where}.input", f"an object is required, got {type(given).__name__}")
+        call = {"id": oa.required_text(block, "id", where), "type": "function",
+                "function": {"name": oa.required_text(block, "name", where), "arguments": json.dumps(given)}}
         turns.open("assistant").setdefault("tool_calls", []).append(call)
     elif kind == "tool_result":
+        if turns.messages and turns.messages[-1]["role"] == "user" and turns.open_index == len(turns.messages) - 1:
+            oa.bad(f"{where}.type", "tool_result blocks come first in a user message, before its text")
         content = block.get("content", "")
-        turns.messages.append({"role": "tool", "tool_call_id": _name(block, "tool_use_id", where),
+        turns.messages.append({"role": "tool", "tool_call_id": oa.required_text(block, "tool_use_id", where),
                                "content": _texts(content, f"{where}.content")})
     elif kind == "thinking":
-        message = turns.open("assistant")
-        message["reasoning"] = message.get("reasoning", "") + _text(block, "thinking", where)
+        message, thought = turns.open("assistant"), _text(block, "thinking", where)
+        message["reasoning"] = f"{message['reasoning']}{JOIN}{thought}" if message.get("reasoning") else thought
 
 
 def _function(i: int, tool) -> dict:
     """An Anthropic client tool's fields (`name`, `description`, `input_schema`) as chat's
     `function` holds them (`tools.chat_tools`)."""
     if not isinstance(tool, dict):
-        _bad(f"tools[{i}]", f"a tool (an object), got {type(tool).__name__}")
+        oa.bad(f"tools[{i}]", f"a tool (an object), got {type(tool).__name__}")
     if tool.get("type") not in (None, "custom"):
-        _bad(f"tools[{i}].type", f"only client tools (type \"custom\", or none) are supported: server tools "
-                                 f"run at Anthropic; got {tool['type']!r}")
+        oa.bad(f"tools[{i}].type", f"only custom tools (type \"custom\", or none, with an input_schema) are "
+                                 f"supported; not Anthropic's server tools, nor its tools whose schema it defines "
+                                 f"(bash, text_editor, computer: declare them as custom tools); got {tool['type']!r}")
     if "input_schema" not in tool:
-        _bad(f"tools[{i}].input_schema", "a JSON schema of the tool's input is required")
+        oa.bad(f"tools[{i}].input_schema", "a JSON schema of the tool's input is required")
     function = {"name": tool.get("name"), "parameters": tool["input_schema"]}
     return function | ({"description": tool["description"]} if "description" in tool else {})
 
 
-def _flat_choice(given: Optional[dict]):
-    """Anthropic's `tool_choice` as chat's (and whether it allows more than one call)."""
-    if given is None:
+CHOICES = {"auto": "auto", "any": "required", "none": "none"}  # Anthropic's tool choices -> chat's (and "tool")
+
+
+def _flat_choice(s: oa.Settings, given: Optional[dict], tools: Optional[list]):
+    """Anthropic's `tool_choice` as chat's (and whether it allows more than one call); a 400 in
+    Anthropic's words where it cannot be had."""
+    kind = "auto" if given is None else given.get("type")
+    if not isinstance(kind, str) or (kind not in CHOICES and kind != "tool"):
+        oa.bad("tool_choice.type", f"one of auto, any, tool, none; got {kind!r}")
+    if given is None and not tools:
         return None, True
-    kind = given.get("type")
-    parallel = given.get("disable_parallel_tool_use") is not True
+    if kind != "none" and not tools:
+        oa.bad("tool_choice", f"{kind} needs tools")
+    if kind == "auto" and s.tool_parser is None:
+        oa.bad("tool_choice", "\"auto\" (the default with tools) needs the server started with --tool-call-parser, "
+                              "which reads the model's calls from its text; ask for \"any\", a named tool or \"none\"")
+    parallel = (given or {}).get("disable_parallel_tool_use") is not True
     if kind == "tool":
         if not isinstance(given.get("name"), str):
-            _bad("tool_choice.name", "the name of the tool to use is required")
+            oa.bad("tool_choice.name", "the name of the tool to use is required")
         return {"type": "function", "function": {"name": given["name"]}}, parallel
-    choices = {"auto": "auto", "any": "required", "none": "none"}
-    if kind not in choices:
-        _bad("tool_choice.type", f"one of auto, any, tool, none; got {kind!r}")
-    return choices[kind], parallel
+    return CHOICES[kind], parallel
 
 
-FIELD_NAMES = ((".function.parameters", ".input_schema"), (".function.", "."), ("tool_choice.function", "tool_choice"))
+CHAT_NAMES = ((".function.parameters", ".input_schema"), (".function.", "."), ("tool_choice.function", "tool_choice"))
 
 
 def _renamed(e: oa.ApiError) -> oa.ApiError:
     """A chat-shaped 400 with Anthropic's field names (`tools[0].function.parameters` ->
     `tools[0].input_schema`, `stop` -> `stop_sequences`)."""
-    if e.param and (e.param.startswith("tools[") or e.param.startswith("tool_choice")):
-        flat = e.param
-        for old, new in FIELD_NAMES:
-            flat = flat.replace(old, new)
-        e.message, e.param = e.message.replace(e.param, flat, 1), flat
-    elif e.param == "stop":
+    if e.param == "stop":
         e.message, e.param = e.message.replace("stop", "stop_sequences", 1), "stop_sequences"
-    return e
+    return tool_calls.renamed(e, CHAT_NAMES)
 
 
 def _template_variables(body: CountRequest) -> Optional[dict]:
@@ -258,26 +260,37 @@ def _template_variables(body: CountRequest) -> Optional[dict]:
     if body.thinking is not None:
         kind = body.thinking.get("type")
         if kind not in ("enabled", "adaptive", "disabled"):
-            _bad("thinking.type", f"one of enabled, adaptive, disabled; got {kind!r}")
+            oa.bad("thinking.type", f"one of enabled, adaptive, disabled; got {kind!r}")
         derived["enable_thinking"] = kind != "disabled"
     effort = (body.output_config or {}).get("effort")
     if effort is not None:
         if not isinstance(effort, str):
-            _bad("output_config.effort", f"a string (low, medium, high ..), got {type(effort).__name__}")
+            oa.bad("output_config.effort", f"a string (low, medium, high ..), got {type(effort).__name__}")
         derived["reasoning_effort"] = effort
     return {**derived, **(body.chat_template_kwargs or {})} or None
 
 
 def _check_fields(body: CountRequest) -> None:
     if body.mcp_servers:
-        _bad("mcp_servers", "MCP servers are not reached from here: run the tools on the client")
+        oa.bad("mcp_servers", "MCP servers are not reached from here: run the tools on the client")
     if body.container is not None:
-        _bad("container", "code-execution containers are Anthropic's: not here")
+        oa.bad("container", "code-execution containers are Anthropic's: not here")
     budget = (body.thinking or {}).get("budget_tokens")
     max_tokens = getattr(body, "max_tokens", None)
     if budget is not None and (not isinstance(budget, int) or budget < 1 or
                                (max_tokens is not None and budget >= max_tokens)):
-        _bad("thinking.budget_tokens", f"a whole number from 1 to below max_tokens, got {budget!r}")
+        oa.bad("thinking.budget_tokens", f"a whole number from 1 to below max_tokens, got {budget!r}")
+
+
+def _output_format(engine, config: Optional[dict]):
+    """`output_config.format` (`{"type": "json_schema", "schema": {..}}`, the one kind Anthropic
+    has) as a grammar, or None."""
+    fmt = (config or {}).get("format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema":
+        oa.bad("output_config.format.type", f"\"json_schema\" (with a schema), got {fmt!r}")
+    return formats.text_format(engine, config, "output_config")
 
 
 def _budget(body: MessagesRequest) -> int:
@@ -287,32 +300,38 @@ def _budget(body: MessagesRequest) -> int:
     return thinking.get("budget_tokens") or 0 if thinking.get("type") == "enabled" else 0
 
 
-class _Parsed(SimpleNamespace):
-    """What a request renders: its messages, how, and its tool plan."""
+@dataclass(frozen=True)
+class Rendered:
+    """What a request renders: its messages (as templates take them), how, and its tool plan."""
+
+    messages: list[dict]
+    plan: Optional[tool_calls.Plan]
+    how: Rendering
 
 
-def _parsed(s: oa.Settings, body: CountRequest) -> _Parsed:
+def _parsed(s: oa.Settings, body: CountRequest) -> Rendered:
     _check_fields(body)
     messages, prefill = chat_messages(body.system, body.messages)
     try:
         messages = template_messages(messages)
     except FieldError as e:  # (not expected: `chat_messages` checked every field it passes on)
         raise oa.ApiError(400, f"messages: {e}", param="messages") from None
-    choice, parallel = _flat_choice(body.tool_choice)
     tools = tool_calls.chat_tools(body.tools, _function)
+    tool_calls.read_tools(tools)  # (each tool checked first: a 400 names one at fault before the choice)
+    choice, parallel = _flat_choice(s, body.tool_choice, tools)
     plan = tool_calls.plan(SimpleNamespace(tools=tools, tool_choice=choice, parallel_tool_calls=parallel),
                            s.tool_parser)
     how = chat.rendering(chat.TemplateFields(add_generation_prompt=not prefill, continue_final_message=prefill,
                                              chat_template_kwargs=_template_variables(body)))
-    return _Parsed(messages=messages, plan=plan, how=how)
+    return Rendered(messages, plan, how)
 
 
 async def count_tokens(s: oa.Settings, http: HttpRequest):
     try:
         body = oa.parse(await http.body(), CountRequest)
         parsed = _parsed(s, body)
-        text = chat.render(s, parsed.messages, parsed.how, parsed.plan.specs() if parsed.plan else None)
-        return {"input_tokens": len(oa.encode(s.engine, text, "messages", add_special_tokens=False))}
+        _, ids = chat.prompt(s, parsed.messages, parsed.how, parsed.plan.specs() if parsed.plan else None)
+        return {"input_tokens": len(ids)}
     except oa.ApiError as e:
         return error_response(_renamed(e))
 
@@ -327,8 +346,7 @@ async def create(s: oa.Settings, http: HttpRequest):
 async def _create(s: oa.Settings, http: HttpRequest):
     body = oa.parse(await http.body(), MessagesRequest)
     parsed = _parsed(s, body)
-    grammar = await asyncio.to_thread(formats.text_format, s.engine, body.output_config, "output_config") \
-        if body.output_config else None
+    grammar = await asyncio.to_thread(_output_format, s.engine, body.output_config)
     reply = await chat.prepare(s, body, parsed.messages, parsed.how, parsed.plan, body.max_tokens, "max_tokens",
                                oa.stop_list(body.stop_sequences, "stop_sequences"), None, grammar,
                                "output_config.format", fit=True, thinking_budget=_budget(body))
@@ -395,10 +413,10 @@ def stop_reason(seq: Sequence, called: bool, max_tokens: int) -> tuple[str, Opti
     context ended, before `max_tokens`, is "model_context_window_exceeded"."""
     if seq.finish_reason == "length":
         return "max_tokens" if len(seq.tokens) >= max_tokens else "model_context_window_exceeded", None
-    if called:
-        return "tool_use", None
-    stop = seq.stop_string
-    return ("stop_sequence", stop) if stop is not None else ("end_turn", None)
+    stop = seq.stop_string  # (before the calls: a call a stop sequence cut short is not to be run)
+    if stop is not None:
+        return "stop_sequence", stop
+    return ("tool_use" if called else "end_turn"), None
 
 
 def usage(seq: Sequence, output_tokens: int) -> dict:

@@ -193,6 +193,19 @@ def field_name(loc) -> str:
     return out
 
 
+def bad(field: str, why: str):
+    """A 400 naming `field` (first in the message too)."""
+    raise ApiError(400, f"{field}: {why}", param=field)
+
+
+def required_text(obj: dict, key: str, where: str) -> str:
+    """`obj[key]`, a non-empty string of valid Unicode; else a 400 naming `where.key`."""
+    value = obj.get(key)
+    if not isinstance(value, str) or not value:
+        bad(f"{where}.{key}", f"a non-empty string is required, got {value!r}")
+    return check_text(value, f"{where}.{key}")
+
+
 def check_text(text: str, field: str) -> str:
     """`text` if it is valid Unicode (`chat_template.text`); else a 400 naming `field`."""
     try:

@@ -42,13 +42,14 @@ class Thinking:
     closer_id: int = -1
 
     @classmethod
-    def of(cls, parser: str, reply_start: str, tokenizer=None) -> "Thinking":
+    def of(cls, parser: str, reply_start: str, tokenizer=None, continued: bool = False) -> "Thinking":
         """`reply_start`: the text the template puts just before the reply (its generation prompt, or
         the final message a reply continues). Its last marker says where the reply starts: inside a
         block (R1's `<think>\n`), after one (Qwen 3's `enable_thinking: false`, an empty closed
-        block), or neither."""
+        block), or neither. `continued`: it is the message the reply goes on with (a prefill), which
+        is answer unless it opened a block it has not closed."""
         opened, closed = reply_start.rfind(OPEN), reply_start.rfind(CLOSE)
-        state = "opened" if opened > closed else "closed" if closed > opened else ""
+        state = "opened" if opened > closed else "closed" if closed > opened or continued else ""
         backend = getattr(tokenizer, "backend_tokenizer", None)
         ids = [backend.token_to_id(marker) if backend is not None else None for marker in (OPEN, CLOSE)]
         return cls(parser, state, *(-1 if i is None else i for i in ids))

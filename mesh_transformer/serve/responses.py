@@ -128,33 +128,22 @@ class Store:
 # Input items -> chat messages
 # --------------------------------------------------------------------------------------------
 
-def _bad(where: str, why: str):
-    raise oa.ApiError(400, f"{where}: {why}", param=where)
-
-
 def _text_of(content, where: str) -> str:
     """A message's or output's content (a string, or text parts) as one string of valid Unicode."""
     if isinstance(content, str):
         return oa.check_text(content, where)
     if not isinstance(content, list):
-        _bad(where, f"a string or a list of text parts, got {type(content).__name__}")
+        oa.bad(where, f"a string or a list of text parts, got {type(content).__name__}")
     pieces = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         key = "refusal" if kind == "refusal" else "text"
         if kind not in TEXT_PARTS and kind != "refusal":
-            _bad(f"{where}[{j}].type", f"only text parts ({', '.join(TEXT_PARTS[:2])}) are supported, got {kind!r}")
+            oa.bad(f"{where}[{j}].type", f"only text parts ({', '.join(TEXT_PARTS[:2])}) are supported, got {kind!r}")
         if not isinstance(part.get(key), str):
-            _bad(f"{where}[{j}].{key}", f"a string is required, got {type(part.get(key)).__name__}")
+            oa.bad(f"{where}[{j}].{key}", f"a string is required, got {type(part.get(key)).__name__}")
         pieces.append(oa.check_text(part[key], f"{where}[{j}].{key}"))
     return "".join(pieces)
-
-
-def _string(item: dict, key: str, where: str) -> str:
-    value = item.get(key)
-    if not isinstance(value, str) or not value:
-        _bad(f"{where}.{key}", f"a non-empty string is required, got {value!r}")
-    return oa.check_text(value, f"{where}.{key}")
 
 
 def _reasoning_text(item: dict, where: str) -> str:
@@ -164,7 +153,7 @@ def _reasoning_text(item: dict, where: str) -> str:
         if parts:
             if not isinstance(parts, list) or not all(isinstance(p, dict) and isinstance(p.get("text"), str)
                                                       for p in parts):
-                _bad(f"{where}.{key}", "a list of {\"type\", \"text\"} parts is required")
+                oa.bad(f"{where}.{key}", "a list of {\"type\", \"text\"} parts is required")
             return "".join(oa.check_text(p["text"], f"{where}.{key}[{j}].text") for j, p in enumerate(parts))
     return ""
 
@@ -186,10 +175,10 @@ def chat_messages(items: list, labels: list[str]) -> tuple[list[dict], list[dict
     messages, kept, thought, joinable = [], [], None, False
     for item, where in zip(items, labels):
         if not isinstance(item, dict):
-            _bad(where, f"an input item (an object), got {type(item).__name__}")
+            oa.bad(where, f"an input item (an object), got {type(item).__name__}")
         kind = item.get("type", "message")
         if kind not in ITEM_TYPES:
-            _bad(f"{where}.type", f"one of {', '.join(ITEM_TYPES)}, got {kind!r}")
+            oa.bad(f"{where}.type", f"one of {', '.join(ITEM_TYPES)}, got {kind!r}")
         if kind == "reasoning":
             text = _reasoning_text(item, where)
             thought = (thought or "") + text
@@ -200,8 +189,8 @@ def chat_messages(items: list, labels: list[str]) -> tuple[list[dict], list[dict
             if not isinstance(arguments, str) or not isinstance(_json(arguments), dict):
                 if item.get("status") == "incomplete":
                     continue
-                _bad(f"{where}.arguments", f"the JSON text of an object is required, got {arguments!r}")
-            call_id, name = _string(item, "call_id", where), _string(item, "name", where)
+                oa.bad(f"{where}.arguments", f"the JSON text of an object is required, got {arguments!r}")
+            call_id, name = oa.required_text(item, "call_id", where), oa.required_text(item, "name", where)
             if not joinable:
                 messages.append({"role": "assistant", "content": ""})
             messages[-1].setdefault("tool_calls", []).append(
@@ -209,14 +198,14 @@ def chat_messages(items: list, labels: list[str]) -> tuple[list[dict], list[dict
             kept.append({"type": "function_call", "call_id": call_id, "name": name, "arguments": arguments})
             joinable = True
         elif kind == "function_call_output":
-            call_id, output = _string(item, "call_id", where), _text_of(item.get("output"), f"{where}.output")
+            call_id, output = oa.required_text(item, "call_id", where), _text_of(item.get("output"), f"{where}.output")
             messages.append({"role": "tool", "tool_call_id": call_id, "content": output})
             kept.append({"type": "function_call_output", "call_id": call_id, "output": output})
             joinable = False
         else:
             role = item.get("role")
             if role not in INPUT_ROLES:
-                _bad(f"{where}.role", f"one of {', '.join(INPUT_ROLES)}, got {role!r}")
+                oa.bad(f"{where}.role", f"one of {', '.join(INPUT_ROLES)}, got {role!r}")
             content = _text_of(item.get("content"), f"{where}.content")
             messages.append({"role": role, "content": content})
             kept.append({"type": "message", "role": role, "content": content})
@@ -234,7 +223,7 @@ def _function(i: int, tool) -> dict:
     "strict"}`) fields, as chat's `function` holds them (`tools.chat_tools`)."""
     kind = tool.get("type") if isinstance(tool, dict) else None
     if kind != "function":
-        _bad(f"tools[{i}].type", f"only function tools are supported (hosted tools such as web_search run at "
+        oa.bad(f"tools[{i}].type", f"only function tools are supported (hosted tools such as web_search run at "
                                  f"OpenAI), got {kind!r}")
     return {k: tool[k] for k in ("name", "description", "parameters") if k in tool}
 
@@ -246,18 +235,12 @@ def _flat_choice(given):
         return given
     name = given.get("name") if isinstance(given, dict) else None
     if not isinstance(given, dict) or given.get("type") != "function" or not isinstance(name, str):
-        _bad("tool_choice", f"none, auto, required, or a named function: {{\"type\": \"function\", \"name\": ..}}; "
+        oa.bad("tool_choice", f"none, auto, required, or a named function: {{\"type\": \"function\", \"name\": ..}}; "
                             f"got {given!r}")
     return {"type": "function", "function": {"name": name}}
 
 
-def _flat_error(e: oa.ApiError) -> oa.ApiError:
-    """A chat-shaped 400 about tools with Responses' field names (`tools[0].function.name` ->
-    `tools[0].name`)."""
-    if e.param and (e.param.startswith("tools[") or e.param.startswith("tool_choice")):
-        flat = e.param.replace(".function.", ".").replace("tool_choice.function", "tool_choice")
-        e.message, e.param = e.message.replace(e.param, flat, 1), flat
-    return e
+CHAT_NAMES = ((".function.", "."), ("tool_choice.function", "tool_choice"))  # chat's field names -> Responses'
 
 
 # --------------------------------------------------------------------------------------------
@@ -266,19 +249,19 @@ def _flat_error(e: oa.ApiError) -> oa.ApiError:
 
 def _check_fields(body: ResponsesRequest) -> None:
     if body.background:
-        _bad("background", "background responses are not supported (ask without it, or stream)")
+        oa.bad("background", "background responses are not supported (ask without it, or stream)")
     if body.conversation is not None:
-        _bad("conversation", "conversations are not kept here: continue a kept response with previous_response_id")
+        oa.bad("conversation", "conversations are not kept here: continue a kept response with previous_response_id")
     if body.prompt is not None:
-        _bad("prompt", "stored prompts (prompt templates) are not supported: send input and instructions")
+        oa.bad("prompt", "stored prompts (prompt templates) are not supported: send input and instructions")
     if body.truncation not in (None, "disabled"):
-        _bad("truncation", f"only \"disabled\" is supported (a conversation longer than the context is a 400), "
+        oa.bad("truncation", f"only \"disabled\" is supported (a conversation longer than the context is a 400), "
                            f"got {body.truncation!r}")
     for i, name in enumerate(body.include or ()):
         if name not in KNOWN_INCLUDES:
-            _bad(f"include[{i}]", f"one of {', '.join(KNOWN_INCLUDES)}, got {name!r}")
+            oa.bad(f"include[{i}]", f"one of {', '.join(KNOWN_INCLUDES)}, got {name!r}")
     if body.top_logprobs and LOGPROBS not in (body.include or ()):
-        _bad("top_logprobs", f"needs include: [\"{LOGPROBS}\"]")
+        oa.bad("top_logprobs", f"needs include: [\"{LOGPROBS}\"]")
     if body.instructions is not None:
         oa.check_text(body.instructions, "instructions")
 
@@ -291,7 +274,7 @@ def _check_logprobs(s: oa.Settings, body: ResponsesRequest) -> Optional[int]:
         return None
     if body.tools or s.reasoning_parser:
         where = "tools" if body.tools else "the server's --reasoning-parser"
-        _bad("include", f"{LOGPROBS} covers replies that are all text; with {where} part of a reply may be "
+        oa.bad("include", f"{LOGPROBS} covers replies that are all text; with {where} part of a reply may be "
                         f"calls or thinking")
     return body.top_logprobs or 0
 
@@ -303,7 +286,7 @@ def _template_variables(body: ResponsesRequest) -> Optional[dict]:
     if effort is None:
         return body.chat_template_kwargs
     if not isinstance(effort, str):
-        _bad("reasoning.effort", f"a string (low, medium, high ..), got {type(effort).__name__}")
+        oa.bad("reasoning.effort", f"a string (low, medium, high ..), got {type(effort).__name__}")
     return {"reasoning_effort": effort, **(body.chat_template_kwargs or {})}
 
 
@@ -315,7 +298,7 @@ def _conversation(store: Store, body: ResponsesRequest) -> tuple[list[dict], lis
     given = [{"type": "message", "role": "user", "content": body.input}] if isinstance(body.input, str) else \
         body.input or []
     if not given and (body.input is not None or body.previous_response_id is None):
-        _bad("input", "at least one input item is required")
+        oa.bad("input", "at least one input item is required")
     earlier = store.get(body.previous_response_id, "previous_response_id").items \
         if body.previous_response_id is not None else []
     labels = ["previous_response_id"] * len(earlier) + (
@@ -348,11 +331,10 @@ async def input_tokens(s: oa.Settings, http: HttpRequest):
     _, messages = _conversation(s.responses, body)
     try:
         plan = _plan(s, body)
-        text = chat.render(s, messages, _rendering(body), plan.specs() if plan else None, "input")
+        _, ids = chat.prompt(s, messages, _rendering(body), plan.specs() if plan else None, "input")
     except oa.ApiError as e:
-        raise _flat_error(e) from None
-    return {"object": "response.input_tokens", "input_tokens": len(oa.encode(s.engine, text, "input",
-                                                                              add_special_tokens=False))}
+        raise tool_calls.renamed(e, CHAT_NAMES) from None
+    return {"object": "response.input_tokens", "input_tokens": len(ids)}
 
 
 async def create(s: oa.Settings, http: HttpRequest):
@@ -369,7 +351,7 @@ async def create(s: oa.Settings, http: HttpRequest):
         reply = await chat.prepare(s, body, messages, how, plan, body.max_output_tokens, "max_output_tokens", (),
                                    logprobs, text_grammar, "text.format", "input")
     except oa.ApiError as e:
-        raise _flat_error(e) from None
+        raise tool_calls.renamed(e, CHAT_NAMES) from None
     seqs = await oa.sequences(s, [reply.ids], reply.opts, 1, body.seed, body.model)
     response = Response(s, body, reply.shape, f"resp_{uuid.uuid4().hex}")
     if body.stream:
@@ -391,7 +373,7 @@ def _keep(store: Store, body: ResponsesRequest, response: dict, history: list) -
 
 async def retrieve(s: oa.Settings, http: HttpRequest):
     if http.query_params.get("stream", "false").lower() not in ("false", "0"):
-        _bad("stream", "a kept response is answered whole: its events are not kept to stream again")
+        oa.bad("stream", "a kept response is answered whole: its events are not kept to stream again")
     return s.responses.get(http.path_params["response_id"]).response
 
 

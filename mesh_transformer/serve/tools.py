@@ -208,8 +208,15 @@ PARSERS = {"hermes": hermes, "llama3_json": llama3_json, "mistral": mistral}  # 
 # The request: which tools, which choice, and the answer's shape
 # --------------------------------------------------------------------------------------------
 
-def _bad(field_name: str, why: str):
-    raise oa.ApiError(400, f"{field_name}: {why}", param=field_name)
+def renamed(e: oa.ApiError, names: tuple[tuple[str, str], ...]) -> oa.ApiError:
+    """A chat-shaped 400 about tools with another API's field names: each (chat's, theirs) in
+    `names` replaced in turn in its field (`tools[0].function.name` -> Responses' `tools[0].name`)."""
+    if e.param and (e.param.startswith("tools[") or e.param.startswith("tool_choice")):
+        theirs = e.param
+        for old, new in names:
+            theirs = theirs.replace(old, new)
+        e.message, e.param = e.message.replace(e.param, theirs, 1), theirs
+    return e
 
 
 def chat_tools(given, function_of) -> Optional[list]:
@@ -218,7 +225,7 @@ def chat_tools(given, function_of) -> Optional[list]:
     if given is None:
         return None
     if not isinstance(given, list):
-        _bad("tools", f"a list of tools, got {type(given).__name__}")
+        oa.bad("tools", f"a list of tools, got {type(given).__name__}")
     return [{"type": "function", "function": function_of(i, tool)} for i, tool in enumerate(given)]
 
 
@@ -364,22 +371,22 @@ def plan(body, parser: Optional[str]) -> Optional[Plan]:
         choice: Union[str, Tool] = "auto" if tools else "none"
     elif isinstance(given, str):
         if given not in CHOICES:
-            _bad("tool_choice", f"must be none, auto, required or {{\"type\": \"function\", \"function\": "
+            oa.bad("tool_choice", f"must be none, auto, required or {{\"type\": \"function\", \"function\": "
                                 f"{{\"name\": ..}}}}, got {given!r}")
         choice = given
     else:
         fn = given.get("function") if isinstance(given, dict) else None
         name = fn.get("name") if isinstance(fn, dict) else None
         if given.get("type") != "function" or not isinstance(name, str):
-            _bad("tool_choice", "a named choice is {\"type\": \"function\", \"function\": {\"name\": ..}}")
+            oa.bad("tool_choice", "a named choice is {\"type\": \"function\", \"function\": {\"name\": ..}}")
         choice = next((t for t in tools if t.name == name), None)
         if choice is None:
             known = ", ".join(t.name for t in tools) or "none given"
-            _bad("tool_choice.function.name", f"no tool is named {name!r} (tools: {known})")
+            oa.bad("tool_choice.function.name", f"no tool is named {name!r} (tools: {known})")
     if choice != "none" and not tools:
-        _bad("tool_choice", f"{choice if isinstance(choice, str) else 'a named function'} needs tools")
+        oa.bad("tool_choice", f"{choice if isinstance(choice, str) else 'a named function'} needs tools")
     if choice == "auto" and parser is None:
-        _bad("tool_choice", f"\"auto\" needs the server started with --tool-call-parser ({', '.join(PARSERS)}), "
+        oa.bad("tool_choice", f"\"auto\" needs the server started with --tool-call-parser ({', '.join(PARSERS)}), "
                             "which reads the model's calls from its text; ask for \"required\", a named function "
                             "or \"none\" instead")
     if not tools:
