@@ -23,7 +23,7 @@ import pytest
 from mesh_transformer.generate.structured import JSON_DUMPS, Grammar
 from mesh_transformer.serve import create_app, messages, reasoning, tools
 from mesh_transformer.serve.chat import Shape, StreamedReply
-from tests.helpers import END_THINK_ID
+from tests.helpers import END_THINK_ID, THINK_ID
 from tests.serving import (CHAT_TOOLS, KEY, THINKS, WEATHER_PARAMETERS, chat_servers, library, start_server,
                            template_ids)
 
@@ -165,6 +165,8 @@ def test_a_final_assistant_message_is_a_prefill_the_reply_continues(servers, tin
     # With a reasoning parser, a prefill is answer (prefilling "{" to get JSON is common), unless it
     # opened a block it has not closed: then the reply goes on thinking.
     c = client(servers["r1"])
+    assert [reasoning.Thinking.of("deepseek_r1", text, continued=True).prompt for text in (
+        "The answer:", "<think>Let me see", "")] == ["closed", "opened", ""]  # (an empty prefill says nothing)
     for prefill, kinds in (("The answer:", ["text"]), ("<think>Let me see", ["thinking"])):
         conversation[1]["content"] = prefill
         ids = template_ids(tiny, conversation, template=THINKS, add_generation_prompt=False,
@@ -335,6 +337,10 @@ def test_calls_read_from_text_are_the_same_blocks_whole_and_streamed_in_any_piec
         {"type": "text", "text": "Looking. and \n"}, {"type": "tool_use", "name": "now", "input": {}},
         {"type": "tool_use", "name": "get_weather", "input": {"city": "Oslo", "days": 2}}]
     assert whole["stop_reason"] == ("tool_use" if finish == "stop" else "max_tokens")
+    if finish == "stop":  # whole calls are to be run, whatever ended the text after them
+        stopped = messages.Message("msg_2", "tiny", Shape(plan), 9).whole(SimpleNamespace(**{**vars(seq),
+                                                                                              "stop_string": "END"}))
+        assert (stopped["stop_reason"], stopped["stop_sequence"]) == ("tool_use", None)
     for size in (1, 3, 7, len(text)):
         writer, reply = messages.BlockWriter(Shape(plan)), StreamedReply(Shape(plan))
         pieces = [text[i:i + size] for i in range(0, len(text), size)]
@@ -396,12 +402,13 @@ def test_a_reasoning_parser_makes_a_thinking_block(servers, tiny_long):
     assert [(b.type, b.text) for b in answered.content] == [("text", thinking.split(expected.text, final=True)[1])]
 
 
-def test_a_thinking_budget_ends_the_thinking_after_that_many_tokens(servers, tiny_long):
+def test_a_thinking_budget_ends_the_thinking_after_that_many_tokens(servers, tiny_long, request):
     """Anthropic's `thinking.budget_tokens` and vLLM's `thinking_token_budget` (chat): the reply
     thinks as the model would for that many tokens, then `</think>` is forced and it answers as the
     model goes on from there. (A prompt whose greedy thought and answer are whole characters: the
     grammar that holds the budget admits text, and this tiny model also writes stray bytes.)"""
     tiny, _ = tiny_long
+    plain_tiny = request.getfixturevalue("tiny")
     ids = template_ids(tiny, user("Why?"), template=THINKS)
     free = library(tiny_long, ids, 12)
     assert END_THINK_ID not in free.tokens  # (unheld, it thinks past the budget)
@@ -414,12 +421,17 @@ def test_a_thinking_budget_ends_the_thinking_after_that_many_tokens(servers, tin
                                               thinking={"type": "enabled", "budget_tokens": 2}, extra_body=GREEDY)
     assert [(b.type, getattr(b, "thinking", None) or b.text) for b in m.content] == [("thinking", thought),
                                                                                     ("text", answer)]
+    assert dumped(streamed(client(servers["r1"]), model="tiny", messages=user("Why?"), max_tokens=11,
+                           thinking={"type": "enabled", "budget_tokens": 2}, extra_body=GREEDY)[0]) == dumped(m)
     chat = openai.OpenAI(base_url=f"{servers['r1']}/v1", api_key=KEY, max_retries=0).chat.completions.create(
         model="tiny", messages=user("Why?"), max_tokens=11, temperature=0, extra_body={"thinking_token_budget": 2})
     assert (chat.choices[0].message.reasoning, chat.choices[0].message.content) == (thought, answer)
     with pytest.raises(openai.BadRequestError, match="thinking_token_budget: needs the server started with"):
         openai.OpenAI(base_url=f"{servers['plain']}/v1", api_key=KEY, max_retries=0).chat.completions.create(
             model="tiny", messages=user("Hi"), max_tokens=2, extra_body={"thinking_token_budget": 3})
+    # the closer must be a token of its own for a budget to force it (else chat's field is a 400)
+    assert reasoning.marker_ids(tiny.tokenizer) == (THINK_ID, END_THINK_ID)
+    assert reasoning.marker_ids(plain_tiny.tokenizer) == (-1, -1)  # (the suite's other tiny model: markers are text)
 
 
 def test_tool_input_reads_as_much_json_as_is_whole_as_the_sdk_does():
@@ -463,6 +475,12 @@ BAD = [
         {"type": "text", "text": "Here:"}, {"type": "tool_result", "tool_use_id": "t1", "content": "x"}]}]},
      "messages[2].content[1].type"),
     ({"output_config": {"format": {"type": "json_object"}}}, "output_config.format.type"),
+    ({"messages": [*user("Hi"), ASSISTANT_CALL, {"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "t1", "content": "x"}, {"type": "text", "text": "And:"},
+        {"type": "tool_result", "tool_use_id": "t1", "content": "y"}]}]}, "messages[2].content[2].type"),
+    ({"messages": [*user("Hi"), ASSISTANT_CALL, *user("Here:"), {"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "t1", "content": "x"}]}]}, "messages[3].content[0].type"),
+    ({"thinking": {"type": "enabled", "budget_tokens": True}}, "thinking.budget_tokens"),
     ({"tools": TOOLS}, "tool_choice"),  # ("auto", the default: no --tool-call-parser on this server)
     ({"stop_sequences": ["a", "b", "c", "d", "e"]}, "stop_sequences"),
     ({"thinking": {"type": "sometimes"}}, "thinking.type"),
@@ -497,6 +515,7 @@ def test_auth_size_and_sdk_errors_are_anthropics(servers):
     for method, path, status in (("GET", "/v1/messages", 405), ("POST", "/v1/messages/batches", 404)):
         r = httpx.request(method, f"{servers['plain']}{path}", headers={"x-api-key": KEY}, timeout=30)
         assert r.status_code == status and r.json()["type"] == "error", r.text
+        assert r.json()["error"]["type"] == {404: "not_found_error", 405: "invalid_request_error"}[status]
     with pytest.raises(anthropic.BadRequestError, match='ask for "any", a named tool or "none"'):
         client(servers["plain"]).messages.create(model="tiny", max_tokens=2, messages=user("Hi"), tools=TOOLS)
     metrics = httpx.get(f"{servers['plain']}/metrics", timeout=30).text

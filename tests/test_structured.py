@@ -23,6 +23,7 @@ import pytest
 
 from mesh_transformer.generate import SamplingOptions
 from mesh_transformer.generate.structured import JSON_DUMPS, Grammar
+from mesh_transformer.serve.reasoning import ANY_ANSWER
 from tests.serving import KEY, client, engine, url  # noqa: F401 - fixtures
 
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"enum": [1, 2, 3]}},
@@ -215,6 +216,8 @@ def test_a_grammar_after_thinking_holds_the_answer_not_the_thinking(tiny, gramma
     assert len(thought) > 2
     assert takes(capped, thought[:2] + [ids[1]] + tok.encode(good)) and takes(capped, [ids[1]] + tok.encode(good))
     assert not takes(capped, thought[:3] + [ids[1]] + tok.encode(good))  # a third token of thinking: refused
+    free = ANY_ANSWER.after_thinking("</think>", closer_id=ids[1], budget=2)  # a budget alone: any answer after it,
+    assert takes(free, thought[:2] + [ids[1], ids[0]] + tok.encode(good))  # special tokens too (a tool-call marker)
 
 
 def test_a_grammar_without_a_tokenizer_or_with_a_bad_spec_is_a_clear_error(gen, tiny):

@@ -152,7 +152,7 @@ class Sequence:
     @property
     def stop_string(self) -> Optional[str]:
         """The stop string that ended the text (None: it ended otherwise, or has not): of those that
-        start where the text ends, the one completed first (the shortest)."""
+        start where the text ends (the earliest start, `_find_stop`), the shortest."""
         decoded = self._decoded()
         end = self._cut(decoded)
         found = [s for s in self.options.stop if end is not None and decoded.startswith(s, end)]

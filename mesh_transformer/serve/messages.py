@@ -57,7 +57,7 @@ from mesh_transformer.serve import tools as tool_calls
 ROLES = ("user", "assistant")
 JOIN = "\n"  # between text blocks of one turn
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error",
+               404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error",
                504: "timeout_error"}  # Anthropic's error types by status (else api_error)
 STREAM_ERRORS = {"timeout": "timeout_error", "shutdown": "overloaded_error", "error": "api_error"}
 
@@ -134,11 +134,7 @@ class _Turns:
 
     def __init__(self):
         self.messages: list[dict] = []
-        self.open_index = -1  # the message the current input message opened (-1: none yet)
-
-    def start(self) -> None:
-        """A new input message begins."""
-        self.open_index = len(self.messages)
+        self.user_text = False  # the user's turn (its messages, combined) has text so far
 
     def open(self, role: str) -> dict:
         if not self.messages or self.messages[-1]["role"] != role:
@@ -146,6 +142,7 @@ class _Turns:
         return self.messages[-1]
 
     def text(self, role: str, text: str) -> None:
+        self.user_text = self.user_text or role == "user"
         message = self.open(role)
         message["content"] = f"{message['content']}{JOIN}{text}" if message["content"] else text
 
@@ -161,7 +158,8 @@ def chat_messages(system, messages: list) -> tuple[list[dict], bool]:
         role = message.get("role") if isinstance(message, dict) else None
         if role not in ROLES:
             oa.bad(f"{where}.role", f"one of {', '.join(ROLES)}, got {role!r}")
-        turns.start()
+        if role == "assistant":
+            turns.user_text = False
         for j, block in enumerate(_block_list(message.get("content"), f"{where}.content")):
             _add_block(turns, role, block, f"{where}.content[{j}]")
         if role == "assistant":
@@ -193,8 +191,8 @@ def _add_block(turns: _Turns, role: str, block, where: str) -> None:
                 "function": {"name": oa.required_text(block, "name", where), "arguments": json.dumps(given)}}
         turns.open("assistant").setdefault("tool_calls", []).append(call)
     elif kind == "tool_result":
-        if turns.messages and turns.messages[-1]["role"] == "user" and turns.open_index == len(turns.messages) - 1:
-            oa.bad(f"{where}.type", "tool_result blocks come first in a user message, before its text")
+        if turns.user_text:
+            oa.bad(f"{where}.type", "tool_result blocks come first in a user turn, before its text")
         content = block.get("content", "")
         turns.messages.append({"role": "tool", "tool_call_id": oa.required_text(block, "tool_use_id", where),
                                "content": _texts(content, f"{where}.content")})
@@ -277,7 +275,7 @@ def _check_fields(body: CountRequest) -> None:
         oa.bad("container", "code-execution containers are Anthropic's: not here")
     budget = (body.thinking or {}).get("budget_tokens")
     max_tokens = getattr(body, "max_tokens", None)
-    if budget is not None and (not isinstance(budget, int) or budget < 1 or
+    if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget < 1 or
                                (max_tokens is not None and budget >= max_tokens)):
         oa.bad("thinking.budget_tokens", f"a whole number from 1 to below max_tokens, got {budget!r}")
 
@@ -403,20 +401,21 @@ class Message:
             content.append(text_block(message["content"]))
         calls = message.get("tool_calls", ())
         content += [tool_use_block(c["id"], c["function"]["name"], c["function"]["arguments"]) for c in calls]
-        reason, stop = stop_reason(seq, bool(calls), self.max_tokens)
+        reason, stop = stop_reason(seq, [c["function"]["arguments"] for c in calls], self.max_tokens)
         return {**self.head(seq), "content": content, "stop_reason": reason, "stop_sequence": stop,
                 "usage": usage(seq, seq.kept_tokens())}
 
 
-def stop_reason(seq: Sequence, called: bool, max_tokens: int) -> tuple[str, Optional[str]]:
-    """(Anthropic's stop reason, the stop sequence that ended the reply). A reply cut where the
-    context ended, before `max_tokens`, is "model_context_window_exceeded"."""
+def stop_reason(seq: Sequence, arguments: list[str], max_tokens: int) -> tuple[str, Optional[str]]:
+    """(Anthropic's stop reason, the stop sequence that ended the reply), given its calls' `arguments`.
+    A reply cut where the context ended, before `max_tokens`, is "model_context_window_exceeded";
+    whole calls are "tool_use"; a call cut short (a named tool's input, by a stop) is not to be run."""
     if seq.finish_reason == "length":
         return "max_tokens" if len(seq.tokens) >= max_tokens else "model_context_window_exceeded", None
-    stop = seq.stop_string  # (before the calls: a call a stop sequence cut short is not to be run)
-    if stop is not None:
-        return "stop_sequence", stop
-    return ("tool_use" if called else "end_turn"), None
+    if arguments and all(isinstance(oa.json_value(a), dict) for a in arguments):
+        return "tool_use", None
+    stop = seq.stop_string
+    return ("stop_sequence", stop) if stop is not None else ("end_turn", None)
 
 
 def usage(seq: Sequence, output_tokens: int) -> dict:
@@ -488,7 +487,7 @@ async def _events(request, message: Message):
     try:
         await request.updated.wait()  # admitted (its cached prompt tokens known), or ended
         yield event("message_start", message=message.head(seq))
-        writer, reply, called = BlockWriter(message.shape), chat.StreamedReply(message.shape), False
+        writer, reply, arguments = BlockWriter(message.shape), chat.StreamedReply(message.shape), []
         try:
             async for d in oa.deltas(request):
                 delta = reply.feed(d.text, d.finish_reason is not None)
@@ -497,7 +496,8 @@ async def _events(request, message: Message):
                 for chunk in writer.text("text", delta.get("content") or ""):
                     yield chunk
                 for entry in delta.get("tool_calls", ()):
-                    called = True
+                    arguments += [""] if "id" in entry else []
+                    arguments[-1] += entry.get("function", {}).get("arguments", "")
                     for chunk in writer.call(entry):
                         yield chunk
         except oa.StreamFailed as e:
@@ -506,7 +506,7 @@ async def _events(request, message: Message):
             return
         for chunk in writer.end():
             yield chunk
-        reason, stop = stop_reason(seq, called, message.max_tokens)
+        reason, stop = stop_reason(seq, arguments, message.max_tokens)
         yield event("message_delta", delta={"stop_reason": reason, "stop_sequence": stop},
                     usage=usage(seq, seq.kept_tokens()))
         yield event("message_stop")

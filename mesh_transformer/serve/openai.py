@@ -206,6 +206,14 @@ def required_text(obj: dict, key: str, where: str) -> str:
     return check_text(value, f"{where}.{key}")
 
 
+def json_value(text: str):
+    """The JSON value `text` holds, or None where it holds none (or nests too deeply to read)."""
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        return None
+
+
 def check_text(text: str, field: str) -> str:
     """`text` if it is valid Unicode (`chat_template.text`); else a 400 naming `field`."""
     try:

@@ -16,6 +16,9 @@ non-thinking mode) means no thinking: all of the reply is answer. With neither:
   it is reasoning (the thinking was cut short).
 - `qwen3`: the reply thinks if it begins with `<think>`; otherwise it is all answer.
 
+A reply that continues a final message (a prefill, `continue_final_message`) is answer unless that
+message opened a block it did not close.
+
 A grammar (structured outputs, a named or required tool choice) holds the answer, not the
 thinking: the reply may think freely until `</think>` (`Grammar.after_thinking`), as vLLM's
 structured outputs do with a reasoning parser.
@@ -28,7 +31,8 @@ from mesh_transformer.generate.structured import Grammar
 from mesh_transformer.serve.tools import without_marker_start
 
 OPEN, CLOSE = "<think>", "</think>"
-ANY_ANSWER = Grammar.regex(r"(.|\n)*")  # what a thinking budget holds a free answer to: anything
+ANY_ANSWER = Grammar.lark("%llguidance {}\nstart: <[*]>*")  # a free answer under a thinking budget: any tokens
+# (special ones too: a regex would refuse a `<tool_call>` added token, or a stop id)
 PARSERS = ("deepseek_r1", "qwen3")
 
 
@@ -47,12 +51,11 @@ class Thinking:
         the final message a reply continues). Its last marker says where the reply starts: inside a
         block (R1's `<think>\n`), after one (Qwen 3's `enable_thinking: false`, an empty closed
         block), or neither. `continued`: it is the message the reply goes on with (a prefill), which
-        is answer unless it opened a block it has not closed."""
+        is answer unless it opened a block it has not closed (an empty one says nothing)."""
         opened, closed = reply_start.rfind(OPEN), reply_start.rfind(CLOSE)
-        state = "opened" if opened > closed else "closed" if closed > opened or continued else ""
-        backend = getattr(tokenizer, "backend_tokenizer", None)
-        ids = [backend.token_to_id(marker) if backend is not None else None for marker in (OPEN, CLOSE)]
-        return cls(parser, state, *(-1 if i is None else i for i in ids))
+        state = "opened" if opened > closed else "closed" if closed > opened or (continued and reply_start.strip()) \
+            else ""
+        return cls(parser, state, *marker_ids(tokenizer))
 
     @property
     def thinks(self) -> bool:
@@ -100,6 +103,13 @@ class Thinking:
 def fields(reasoning: str) -> dict:
     """The message's (or delta's) reasoning, under both names clients read."""
     return {"reasoning": reasoning, "reasoning_content": reasoning}
+
+
+def marker_ids(tokenizer) -> tuple[int, int]:
+    """The ids of `<think>` and `</think>` as tokens of their own (-1 where the tokenizer has none)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    ids = [backend.token_to_id(marker) if backend is not None else None for marker in (OPEN, CLOSE)]
+    return tuple(-1 if i is None else i for i in ids)
 
 
 class Reader:

@@ -158,13 +158,6 @@ def _reasoning_text(item: dict, where: str) -> str:
     return ""
 
 
-def _json(text: str):
-    try:
-        return json.loads(text)
-    except (ValueError, RecursionError):
-        return None
-
-
 def chat_messages(items: list, labels: list[str]) -> tuple[list[dict], list[dict]]:
     """Responses input items (`labels[i]` names item i in errors) as OpenAI chat messages, and the
     items with only what the conversation keeps of them (what a kept response holds). A function call joins the assistant message just before it (or starts one); a
@@ -186,7 +179,7 @@ def chat_messages(items: list, labels: list[str]) -> tuple[list[dict], list[dict
             continue
         if kind == "function_call":
             arguments = item.get("arguments") or "{}"  # (some clients send "" for no arguments)
-            if not isinstance(arguments, str) or not isinstance(_json(arguments), dict):
+            if not isinstance(arguments, str) or not isinstance(oa.json_value(arguments), dict):
                 if item.get("status") == "incomplete":
                     continue
                 oa.bad(f"{where}.arguments", f"the JSON text of an object is required, got {arguments!r}")
@@ -468,7 +461,7 @@ def cut_item(items: list[dict]) -> dict:
 def finished_call(item: dict) -> None:
     """A call whose arguments are not an object (a named call cut short, by a stop id too) is
     "incomplete": it cannot be answered, and a later turn leaves it out."""
-    if item["type"] == "function_call" and not isinstance(_json(item["arguments"]), dict):
+    if item["type"] == "function_call" and not isinstance(oa.json_value(item["arguments"]), dict):
         item["status"] = "incomplete"
 
 
