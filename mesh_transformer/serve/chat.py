@@ -172,7 +172,8 @@ async def chat_completions(s: oa.Settings, http: HttpRequest):
         if getattr(body, old) is not None:
             raise oa.ApiError(400, f"{old}: OpenAI's deprecated form is not supported; use {new}", param=old)
     if body.thinking_token_budget is not None and not s.reasoning_parser:
-        oa.bad("thinking_token_budget", "needs the server started with --reasoning-parser, which tells the thinking apart")
+        oa.bad("thinking_token_budget", "needs the server started with --reasoning-parser, which tells the thinking "
+                                        "apart")
     if body.thinking_token_budget is not None and reasoning.marker_ids(s.engine.tokenizer)[1] < 0:
         oa.bad("thinking_token_budget", f"the tokenizer has no {reasoning.CLOSE} token of its own to end the thinking "
                                         f"with (its text takes several)")

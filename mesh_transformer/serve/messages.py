@@ -57,7 +57,8 @@ from mesh_transformer.serve import tools as tool_calls
 ROLES = ("user", "assistant")
 JOIN = "\n"  # between text blocks of one turn
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error",
+               404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large", 429: "rate_limit_error",
+               503: "overloaded_error",
                504: "timeout_error"}  # Anthropic's error types by status (else api_error)
 STREAM_ERRORS = {"timeout": "timeout_error", "shutdown": "overloaded_error", "error": "api_error"}
 
