@@ -39,7 +39,6 @@ import asyncio
 import json
 import uuid
 from dataclasses import dataclass
-from types import SimpleNamespace
 from typing import Any, Optional, Union
 
 import pydantic_core
@@ -315,11 +314,9 @@ def _parsed(s: oa.Settings, body: CountRequest) -> Rendered:
         messages = template_messages(messages)
     except FieldError as e:  # (not expected: `chat_messages` checked every field it passes on)
         raise oa.ApiError(400, f"messages: {e}", param="messages") from None
-    tools = tool_calls.chat_tools(body.tools, _function)
-    tool_calls.read_tools(tools)  # (each tool checked first: a 400 names one at fault before the choice)
+    tools = tool_calls.read_tools(tool_calls.chat_tools(body.tools, _function))  # (a tool at fault: before the choice)
     choice, parallel = _flat_choice(s, body.tool_choice, tools)
-    plan = tool_calls.plan(SimpleNamespace(tools=tools, tool_choice=choice, parallel_tool_calls=parallel),
-                           s.tool_parser)
+    plan = tool_calls.plan_for(tools, choice, parallel, s.tool_parser)
     how = chat.rendering(chat.TemplateFields(add_generation_prompt=not prefill, continue_final_message=prefill,
                                              chat_template_kwargs=_template_variables(body)))
     return Rendered(messages, plan, how)

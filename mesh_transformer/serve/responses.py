@@ -30,7 +30,6 @@ import time
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 from typing import Any, Optional, Union
 
 from fastapi import Request as HttpRequest
@@ -160,8 +159,9 @@ def _reasoning_text(item: dict, where: str) -> str:
 
 def chat_messages(items: list, labels: list[str]) -> tuple[list[dict], list[dict]]:
     """Responses input items (`labels[i]` names item i in errors) as OpenAI chat messages, and the
-    items with only what the conversation keeps of them (what a kept response holds). A function call joins the assistant message just before it (or starts one); a
-    reasoning item's text goes to the next assistant message (dropped if a user or tool message
+    items with only what the conversation keeps of them (what a kept response holds). A function
+    call joins the assistant message just before it (or starts one); a reasoning item's text goes
+    to the next assistant message (dropped if a user or tool message
     comes first: a reply cut while thinking); a call's output is a `tool` message; a call that was
     cut short (`status` "incomplete", its arguments not an object) is left out: it cannot be
     answered. A 400 names the item's field at fault."""
@@ -306,10 +306,10 @@ def _conversation(store: Store, body: ResponsesRequest) -> tuple[list[dict], lis
 
 
 def _plan(s: oa.Settings, body: ResponsesRequest) -> Optional[tool_calls.Plan]:
-    """The request's tools and tool choice, as chat's (`tools.plan`)."""
+    """The request's tools and tool choice, as chat's (`tools.plan_for`)."""
     tools = tool_calls.chat_tools(body.tools, _function)
-    return tool_calls.plan(SimpleNamespace(tools=tools, tool_choice=_flat_choice(body.tool_choice),
-                                           parallel_tool_calls=body.parallel_tool_calls), s.tool_parser)
+    choice = _flat_choice(body.tool_choice)
+    return tool_calls.plan_for(tool_calls.read_tools(tools), choice, body.parallel_tool_calls, s.tool_parser)
 
 
 def _rendering(body: ResponsesRequest):

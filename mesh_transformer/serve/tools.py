@@ -364,15 +364,19 @@ class Reader:
 
 
 def plan(body, parser: Optional[str]) -> Optional[Plan]:
-    """The request's tool plan (None: no tools, no choice); a 400 naming the field at fault."""
-    tools = read_tools(body.tools)
-    given = body.tool_choice
+    """A chat request's tool plan (None: no tools, no choice); a 400 naming the field at fault."""
+    return plan_for(read_tools(body.tools), body.tool_choice, body.parallel_tool_calls, parser)
+
+
+def plan_for(tools: list[Tool], given, parallel: Optional[bool], parser: Optional[str]) -> Optional[Plan]:
+    """The plan of read `tools` under chat's `tool_choice` (`given`) and `parallel_tool_calls`
+    (null: true); a 400 naming the field at fault."""
     if given is None:
         choice: Union[str, Tool] = "auto" if tools else "none"
     elif isinstance(given, str):
         if given not in CHOICES:
             oa.bad("tool_choice", f"must be none, auto, required or {{\"type\": \"function\", \"function\": "
-                                f"{{\"name\": ..}}}}, got {given!r}")
+                                  f"{{\"name\": ..}}}}, got {given!r}")
         choice = given
     else:
         fn = given.get("function") if isinstance(given, dict) else None
@@ -387,8 +391,8 @@ def plan(body, parser: Optional[str]) -> Optional[Plan]:
         oa.bad("tool_choice", f"{choice if isinstance(choice, str) else 'a named function'} needs tools")
     if choice == "auto" and parser is None:
         oa.bad("tool_choice", f"\"auto\" needs the server started with --tool-call-parser ({', '.join(PARSERS)}), "
-                            "which reads the model's calls from its text; ask for \"required\", a named function "
-                            "or \"none\" instead")
+                              "which reads the model's calls from its text; ask for \"required\", a named function "
+                              "or \"none\" instead")
     if not tools:
         return None
-    return Plan(tuple(tools), choice, body.parallel_tool_calls is not False, parser)
+    return Plan(tuple(tools), choice, parallel is not False, parser)
