@@ -184,6 +184,7 @@ class TrainConfig:
     eval_every: Optional[int] = None  # steps between those evaluations; default val_every (0 = never)
     eval_include_path: Optional[str] = None  # a folder of task YAMLs the task names may refer to
     lora: Optional[dict] = None  # {"rank", "alpha", "dropout", "targets"}: train adapters only (mesh_transformer.lora)
+    dpo: Optional[dict] = None  # {"beta"}: train on preference pairs with DPO (train/preference.py)
     bf16_optimizer: bool = False  # Adam moments in bfloat16 (the original v2's key)
     fcm_max_ratio: float = 0.0  # forgetful causal masking: mask up to this fraction of keys (training only)
     fcm_min_ratio: float = 0.0
@@ -193,6 +194,12 @@ class TrainConfig:
     def eval_period(self) -> int:
         """Steps between runs of eval_harness_tasks: eval_every, else val_every (0 = never)."""
         return self.val_every if self.eval_every is None else self.eval_every
+
+    @property
+    def rows_per_replica(self) -> int:
+        """Sequences a dp replica takes a microbatch: per_replica_batch, or with `dpo` (where the
+        batch counts preference pairs, as TRL's does) twice that, each pair's chosen and rejected."""
+        return self.per_replica_batch * (2 if self.dpo is not None else 1)
 
 
 @dataclass(frozen=True)
@@ -316,3 +323,8 @@ def validate(config: Config) -> None:
     if t.lora is not None:
         from mesh_transformer import lora
         lora.resolve(m, lora.LoraConfig.from_dict(t.lora))
+    if t.dpo is not None:
+        from mesh_transformer.train import preference
+        preference.DpoConfig.from_dict(t.dpo)
+        for key in ("fcm_max_ratio", "z_loss"):  # terms of the language-model loss, which DPO replaces
+            require(not getattr(t, key), key, "applies to the language-model loss only; with 'dpo' set it to 0")

@@ -103,7 +103,7 @@ def plan(config: Config, dp: int, mp: int, zero: Optional[bool] = None, devices=
     trainer = Trainer(config, parallel.make_mesh(mp, dp, devices))
     state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                          trainer.abstract_state, trainer.state_shardings)
-    # LoRA: the frozen base (compute dtype, no gradient, no optimizer state) is an input of the step.
+    # LoRA's frozen base, or DPO's reference (compute dtype, no gradient, no optimizer state), is an input of the step.
     trainer.base = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                                 trainer.abstract_base, trainer.base_shardings)
     batch = trainer.abstract_batch()
@@ -116,8 +116,9 @@ def plan(config: Config, dp: int, mp: int, zero: Optional[bool] = None, devices=
     # The optimizer's moments plus the 4-byte step counter: the rest of the donated TrainState.
     opt_state = shard_bytes((trainer.abstract_state.opt_state, trainer.abstract_state.step),
                             (trainer.state_shardings.opt_state, trainer.state_shardings.step))
+    frozen = "reference" if trainer.holds_reference else "frozen_base"
     memory = {
-        **({"frozen_base": shard_bytes(trainer.abstract_base, trainer.base_shardings)} if trainer.lora else {}),
+        **({frozen: shard_bytes(trainer.abstract_base, trainer.base_shardings)} if trainer.base else {}),
         "params": params,
         "opt_state": opt_state,
         "batch": shard_bytes(batch, jax.tree.map(lambda b: b.sharding, batch)),
@@ -130,8 +131,8 @@ def plan(config: Config, dp: int, mp: int, zero: Optional[bool] = None, devices=
     m, t = config.model, config.train
     platform = trainer.mesh.devices.flat[0].platform
     itemsize = jax.numpy.dtype(m.compute_dtype).itemsize
-    upcast = (memory["frozen_base"] * 4 // itemsize  # (an int8 base is widened a layer at a time: no copy)
-              if trainer.lora and not trainer.quantize_base and platform == "cpu" and itemsize < 4 else 0)
+    upcast = (memory[frozen] * 4 // itemsize  # (an int8 base is widened a layer at a time: no copy)
+              if trainer.base and not trainer.quantize_base and platform == "cpu" and itemsize < 4 else 0)
     return Plan(
         n_params=trainer.model.n_params() if trainer.lora is None else models.build(m, mp).n_params(),
         n_trainable=(trainer.model.n_params() if trainer.lora is None
@@ -160,6 +161,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--lora-quantize-base", choices=("int8",),
                    help="with --lora-rank: the frozen base's matmul weights in int8 (lora.quantize_base)")
     p.add_argument("--bf16-optimizer", action="store_true", help="Adam moments in bfloat16 (config key bf16_optimizer)")
+    p.add_argument("--dpo", action="store_true", help="plan a DPO run (sets the config's 'dpo': per_replica_batch "
+                   "counts pairs, two sequences each; without LoRA a frozen reference copy)")
     p.add_argument("--device-memory", type=float, action="append", metavar="GIB",
                    help=f"report whether the step fits in GIB per device (repeatable; default {DEVICE_MEMORIES_GIB})")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
@@ -208,7 +211,7 @@ def format_plan(result: Plan, config_path: str, device_memories_gib: Sequence[fl
         ("per device", ""),
         *((f"  {k}", _bytes(v)) for k, v in b.items()),
         *([("  of which", f"{_bytes(result.cpu_upcast_bytes)} of the temporaries: XLA:CPU's float32 copy of the "
-                          f"frozen base (no bf16 matmul on CPU; GPU/TPU make none)"),
+                          f"{'reference' if 'reference' in b else 'frozen base'} (no bf16 matmul on CPU; GPU/TPU make none)"),
            ("  GPU/TPU", f"{_bytes(b['total'] - result.cpu_upcast_bytes)} total (what 'fits' compares)")]
           if result.cpu_upcast_bytes else []),
         ("fits", "   ".join(f"{g:g} GiB: {'yes' if result.fits(g) else 'no'}" for g in device_memories_gib)),
@@ -218,7 +221,7 @@ def format_plan(result: Plan, config_path: str, device_memories_gib: Sequence[fl
 
 
 def _with_flags(config: Config, args) -> Config:
-    """The config with --lora-rank / --bf16-optimizer applied (validated like the keys)."""
+    """The config with --lora-rank / --bf16-optimizer / --dpo applied (validated like the keys)."""
     from mesh_transformer.config import config_from_dict
     raw = config.to_json_dict()
     if args.lora_rank is not None:
@@ -227,6 +230,8 @@ def _with_flags(config: Config, args) -> Config:
                        **({"quantize_base": args.lora_quantize_base} if args.lora_quantize_base else {})}
     if args.bf16_optimizer:
         raw["bf16_optimizer"] = True
+    if args.dpo:
+        raw.setdefault("dpo", {})
     return config_from_dict(raw)
 
 

@@ -363,3 +363,40 @@ def test_eval_harness_tasks_on_two_hosts_match_eval_harness_on_the_checkpoint(ra
     assert logged.keys() == again.keys()
     for key, value in again.items():
         assert logged[key] == pytest.approx(value, rel=1e-4), key
+
+
+def test_dpo_on_two_hosts_equals_one_process(ray_local, data, tmp_path):
+    """DPO (full fine-tuning, its reference the seeded initial weights) through train.py on 2 Ray hosts:
+    every step's loss and reward accuracy, the validation's pair metrics and the final weights equal
+    device_train.py's loop in one process; the checkpoint names the reference."""
+    from mesh_transformer.data import BuildConfig, build_dataset
+    from mesh_transformer.train import preference
+    from tests.helpers import word_tokenizer
+    rng = np.random.default_rng(1)
+    words = lambda n: " ".join(f"w{i}" for i in rng.integers(1, VOCAB, n))  # noqa: E731
+    records = [{"prompt": words(12), "chosen": " " + words(int(rng.integers(3, 12))),
+                "rejected": " " + words(int(rng.integers(3, 12)))} for _ in range(20)]
+    (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    index = build_dataset(BuildConfig(str(tmp_path / "pairs.jsonl"), "pairs", str(tmp_path / "data"), seq=SEQ,
+                                      tokenizer=word_tokenizer(tmp_path / "tok", VOCAB)))
+    results = {}
+    for where in ("cluster", "process"):
+        config = make_config(data, tmp_path / f"{where}-ckpt", total_steps=3, ckpt_every=3, val_every=3,
+                             train_set=index, val_set={"val": index}, per_replica_batch=1, dpo={"beta": 0.5})
+        run = RunOptions(log_dir=str(tmp_path / f"{where}-logs"), tensorboard=False)
+        if where == "cluster":
+            cluster.ClusterRun(config, options(tmp_path, run=run)).train()
+        else:
+            TrainRun(config, run).train()
+        rows = {r["step"]: r for r in read_metrics(tmp_path / f"{where}-logs" / "metrics.jsonl")}
+        results[where] = rows, final_params(config, tmp_path / f"{where}-ckpt")
+    (cluster_rows, cluster_params), (process_rows, process_params) = results["cluster"], results["process"]
+    assert sorted(cluster_rows) == [1, 2, 3] and cluster_rows[1]["train/loss"] == pytest.approx(np.log(2), abs=1e-4)
+    for step, row in cluster_rows.items():
+        for key in ("train/loss", "train/rewards/accuracies", "train/rewards/margins"):
+            assert row[key] == pytest.approx(process_rows[step][key], rel=LOSS_RTOL, abs=1e-6), (step, key)
+    assert cluster_rows[3]["val/rewards/accuracies_val"] == process_rows[3]["val/rewards/accuracies_val"]
+    assert cluster_rows[3]["val/loss_val"] == pytest.approx(process_rows[3]["val/loss_val"], rel=LOSS_RTOL)
+    assert max_abs_diff(cluster_params, process_params) < PARAM_ATOL
+    extras = CheckpointManager(str(tmp_path / "cluster-ckpt"), read_only=True).extras(3)
+    assert extras[preference.REFERENCE_KEY] == {"init": 0}

@@ -25,6 +25,11 @@ format) is rendered by the chat template the server uses (the tokenizer's, ``--c
 the plain one; ``data.conversations``), packed whole as an example is, and trained on its
 assistant turns only (each with what the template writes after it, e.g. its end-of-turn token).
 
+Preference pairs (``{"prompt", "chosen", "rejected"}``, text or conversational; ``data.preferences``),
+the data of DPO, make a dataset of their own (version 3, ``"pairs": true`` in the index): each pair
+is two rows, chosen then rejected, each padded to the row and masked to its completion; shuffling
+(here and in the ``Loader``) moves whole pairs.
+
 Segments: version 2 stores each token's segment with prompt/completion data, so packed examples
 stay apart even where a prompt itself contains the EOS id. Datasets without stored segments (plain
 text, where every document ends at its only EOS, and version-1 datasets) get them from the EOS rule
@@ -51,14 +56,15 @@ from typing import Iterator, NamedTuple
 import numpy as np
 import zstandard
 
-from mesh_transformer.data import conversations
+from mesh_transformer.data import conversations, preferences
 from mesh_transformer.errors import UserError
 from mesh_transformer.io import storage
 from mesh_transformer.io.chat_template import ChatTemplate
 
 FORMAT = "mesh-transformer-dataset"
 VERSION = 2  # 2: segments stored with prompt/completion data
-READABLE_VERSIONS = (1, 2)
+PAIRS_VERSION = 3  # preference pairs; older readers, which would take the rows one by one, refuse them
+READABLE_VERSIONS = (1, 2, 3)
 EOT = "<|endoftext|>"
 INDEX_SUFFIX = ".index.json"
 _DECOMPRESS = {".gz": gzip.open, ".xz": lzma.open, ".bz2": bz2.open, ".zst": None}  # each reads a file object
@@ -115,7 +121,10 @@ def _open_text(path: str, compression: str | None) -> Iterator[io.TextIOBase]:
         yield io.TextIOWrapper(raw, encoding="utf-8")
 
 
-def _jsonl_records(f, path: str, key: str) -> Iterator[Text | Example | conversations.Conversation]:
+Record = Text | Example | conversations.Conversation | preferences.TextPair | preferences.ConversationPair
+
+
+def _jsonl_records(f, path: str, key: str) -> Iterator[Record]:
     for lineno, line in enumerate(f, 1):
         if not line.strip():
             continue
@@ -128,6 +137,12 @@ def _jsonl_records(f, path: str, key: str) -> Iterator[Text | Example | conversa
             raise DatasetError(f"{where}: expected a JSON object, got {type(obj).__name__}")
         if key in obj:
             fields = (key,)
+        elif preferences.is_pair(obj):
+            try:
+                yield preferences.read(obj, where)
+            except ValueError as e:
+                raise DatasetError(f"{where}: {e}") from None
+            continue
         elif "in_text" in obj and "out_text" in obj:
             fields = ("in_text", "out_text")
         elif "messages" in obj:
@@ -137,15 +152,15 @@ def _jsonl_records(f, path: str, key: str) -> Iterator[Text | Example | conversa
                 raise DatasetError(f"{where}: {e}") from None
             continue
         else:
-            raise DatasetError(f"{where}: no {key!r} field, no 'in_text'/'out_text' pair and no 'messages' "
-                               f"(keys: {sorted(obj)}); use --json-key to name the text field")
+            raise DatasetError(f"{where}: no {key!r} field, no 'in_text'/'out_text' pair, no 'messages' and no "
+                               f"'chosen'/'rejected' pair (keys: {sorted(obj)}); use --json-key to name the text field")
         for field in fields:
             if not isinstance(obj[field], str):
                 raise DatasetError(f"{where}: field {field!r} must be a string, got {type(obj[field]).__name__}")
         yield Text(obj[key]) if len(fields) == 1 else Example(obj["in_text"], obj["out_text"])
 
 
-def read_records(path: str, json_key: str = "text") -> Iterator[Text | Example | conversations.Conversation]:
+def read_records(path: str, json_key: str = "text") -> Iterator[Record]:
     """Records of one input file; a .txt file is one record (split on EOT later)."""
     kind, compression = _kind(path, explicit=True)
     try:
@@ -225,11 +240,14 @@ class _Packer:
         self.pieces = np.concatenate([self.pieces, np.full(len(ids), self.n_pieces, np.int64)])
         self.n_pieces += 1
 
-    def add(self, ids: np.ndarray, mask: np.ndarray, whole: bool):
-        """Append a piece; ``whole`` pieces never straddle two rows. Returns full rows [k, width]."""
-        if whole and len(self.tokens) + len(ids) > self.width:
+    def add(self, ids: np.ndarray, mask: np.ndarray, how: str):
+        """Append a piece: ``how`` "cut" (a document: may straddle rows), "whole" (never straddles
+        two rows), "row" (a row of its own, padded). Returns full rows [k, width]."""
+        if how == "row" or (how == "whole" and len(self.tokens) + len(ids) > self.width):
             self.close_row()
         self._append(ids, mask)
+        if how == "row":
+            self.close_row()
         return self._emit()
 
     def close_row(self):
@@ -246,7 +264,8 @@ class _Stats(dict):
 
 
 def _pieces(records, tok, cfg: BuildConfig, stats: _Stats, chat: ChatTemplate, batch_chars=1 << 20):
-    """(ids, token mask, whole) per document/example/conversation, tokenizing in batches for speed."""
+    """(ids, token mask, how `_Packer.add` places it) per document/example/conversation (a
+    preference pair: one per side), tokenizing in batches for speed."""
     import ftfy
 
     def clean(s):
@@ -257,34 +276,59 @@ def _pieces(records, tok, cfg: BuildConfig, stats: _Stats, chat: ChatTemplate, b
         return tok(texts, add_special_tokens=False, split_special_tokens=True,
                    return_attention_mask=False)["input_ids"] if texts else []
 
+    def completed(p, c):  # a prompt's and its completion's ids -> (ids, mask on the completion and its EOS)
+        c = c + [tok.eos_token_id]
+        return np.asarray(p + c, np.int64), np.r_[np.zeros(len(p), np.uint8), np.ones(len(c), np.uint8)]
+
+    def rendered(conversation):
+        try:
+            ids, mask = conversations.encode(chat, conversation)
+        except ValueError as e:
+            raise DatasetError(f"{conversation.where}: {e}") from None
+        return np.asarray(ids, np.int64), mask
+
     def flush(batch):
         docs = [s for s in batch if isinstance(s, str)]
         examples = [e for e in batch if isinstance(e, Example)]
+        text_pairs = [e for e in batch if isinstance(e, preferences.TextPair)]
         doc_ids = iter(encode(docs))
         prompt_ids = iter(encode([e.prompt for e in examples]))
         completion_ids = iter(encode([e.completion for e in examples]))
+        pair_ids = iter(zip(*(encode([getattr(e, k) for e in text_pairs]) for k in preferences.TextPair._fields)))
         for item in batch:
             if isinstance(item, str):
                 ids = next(doc_ids) + [tok.eos_token_id]
-                yield np.asarray(ids, np.int64), np.ones(len(ids), np.uint8), False
+                yield np.asarray(ids, np.int64), np.ones(len(ids), np.uint8), "cut"
             elif isinstance(item, conversations.Conversation):
-                try:
-                    ids, mask = conversations.encode(chat, item)
-                except ValueError as e:
-                    raise DatasetError(f"{item.where}: {e}") from None
+                ids, mask = rendered(item)
                 if len(ids) > cfg.seq + 1:
                     stats.add("conversations_dropped_too_long")
                     continue
-                yield np.asarray(ids, np.int64), mask, True
-            else:
-                p, c = next(prompt_ids), next(completion_ids) + [tok.eos_token_id]
-                if len(p) + len(c) > cfg.seq + 1:
+                yield ids, mask, "whole"
+            elif isinstance(item, Example):
+                ids, mask = completed(next(prompt_ids), next(completion_ids))
+                if len(ids) > cfg.seq + 1:
                     stats.add("examples_dropped_too_long")
                     continue
-                mask = np.r_[np.zeros(len(p), np.uint8), np.ones(len(c), np.uint8)]
-                yield np.asarray(p + c, np.int64), mask, True
+                yield ids, mask, "whole"
+            else:  # a preference pair: two rows, chosen then rejected
+                if isinstance(item, preferences.TextPair):
+                    p, chosen, rejected = next(pair_ids)
+                    sides = completed(p, chosen), completed(p, rejected)
+                else:
+                    sides = rendered(item.chosen), rendered(item.rejected)
+                if max(len(ids) for ids, _ in sides) > cfg.seq + 1:
+                    stats.add("pairs_dropped_too_long")
+                    continue
+                for ids, mask in sides:
+                    yield ids, mask, "row"
 
-    def items():  # documents (str), examples and conversations, cleaned
+    def cleaned(conversation):
+        return dataclasses.replace(conversation, messages=tuple(
+            {**m, "content": clean(m["content"])} if isinstance(m.get("content"), str) else m
+            for m in conversation.messages))
+
+    def items():  # documents (str), examples, conversations and preference pairs, cleaned
         for record in records:
             if isinstance(record, Example):
                 stats.add("examples")
@@ -292,9 +336,15 @@ def _pieces(records, tok, cfg: BuildConfig, stats: _Stats, chat: ChatTemplate, b
                 continue
             if isinstance(record, conversations.Conversation):
                 stats.add("conversations")
-                yield dataclasses.replace(record, messages=tuple(
-                    {**m, "content": clean(m["content"])} if isinstance(m.get("content"), str) else m
-                    for m in record.messages))
+                yield cleaned(record)
+                continue
+            if isinstance(record, preferences.TextPair):
+                stats.add("pairs")
+                yield preferences.TextPair(*map(clean, record))
+                continue
+            if isinstance(record, preferences.ConversationPair):
+                stats.add("pairs")
+                yield preferences.ConversationPair(cleaned(record.chosen), cleaned(record.rejected))
                 continue
             for doc in [record.text] if cfg.treat_eot_as_text else record.text.split(EOT):
                 if doc.strip():  # as the original, minus blank documents
@@ -304,12 +354,22 @@ def _pieces(records, tok, cfg: BuildConfig, stats: _Stats, chat: ChatTemplate, b
     batch, chars = [], 0
     for item in items():
         batch.append(item)
-        chars += len(item) if isinstance(item, str) else len(item.prompt) + len(item.completion) \
-            if isinstance(item, Example) else sum(len(m.get("content") or "") for m in item.messages)
+        chars += _chars(item)
         if chars >= batch_chars:
             yield from flush(batch)
             batch, chars = [], 0
     yield from flush(batch)
+
+
+def _chars(item) -> int:
+    """An item's text length (what `_pieces` batches tokenization by)."""
+    if isinstance(item, str):
+        return len(item)
+    if isinstance(item, (Example, preferences.TextPair)):
+        return sum(map(len, item))
+    if isinstance(item, preferences.ConversationPair):
+        return item.chars
+    return sum(len(m.get("content") or "") for m in item.messages)
 
 
 def _progress(cfg: BuildConfig, **kw):
@@ -326,8 +386,13 @@ def _template_text(path: str) -> str:
 
 
 def _masked(stats) -> bool:
-    """Whether the data trains on part of its tokens: prompt/completion examples or conversations."""
-    return bool(stats.get("examples") or stats.get("conversations"))
+    """Whether the data trains on part of its tokens: prompt/completion examples, conversations or pairs."""
+    return bool(stats.get("examples") or stats.get("conversations") or stats.get("pairs"))
+
+
+def _pairs(stats) -> bool:
+    """Whether the data is preference pairs (which make a dataset of their own)."""
+    return bool(stats.get("pairs"))
 
 
 def _pack_all(cfg: BuildConfig, tok, files: list[str], raw_tokens, raw_mask, raw_segments, stats: _Stats,
@@ -348,12 +413,16 @@ def _pack_all(cfg: BuildConfig, tok, files: list[str], raw_tokens, raw_mask, raw
         order = sorted(files) if cfg.preserve_data_order else [files[i] for i in rng.permutation(len(files))]
         rows = 0
         for path in order:
-            for ids, mask, whole in _pieces(read_records(path, cfg.json_key), tok, cfg, stats, chat):
-                rows += write(*packer.add(ids, mask, whole))
+            for ids, mask, how in _pieces(read_records(path, cfg.json_key), tok, cfg, stats, chat):
+                rows += write(*packer.add(ids, mask, how))
                 stats.add("tokens", len(ids))
                 bar.update(1)
         rows_per_epoch.append(rows)
     bar.close()
+    others = [k for k in ("documents", "examples", "conversations") if stats.get(k)]
+    if _pairs(stats) and others:
+        raise DatasetError(f"{cfg.input_path}: preference pairs ({{prompt, chosen, rejected}} records) mixed with "
+                           f"{others[0]}; DPO trains on a dataset of pairs only: give them a dataset of their own")
     if _masked(stats) and len(packer.tokens):  # masked datasets keep their last row
         packer.close_row()
         rows_per_epoch[-1] += write(*packer._emit())
@@ -372,15 +441,17 @@ def _unique_counts(rows: np.ndarray) -> np.ndarray:
 
 
 def _final_order(cfg: BuildConfig, tok, tokens: np.ndarray, rows_per_epoch, stats) -> np.ndarray:
-    """Pass 2 plan: row ids to write, shuffled within each repack epoch, low-diversity rows dropped."""
+    """Pass 2 plan: row ids to write, shuffled within each repack epoch, low-diversity rows dropped
+    (a preference pair's two rows move, and are dropped, together)."""
     rng = np.random.default_rng([cfg.seed, 1])
     order, start = [], 0
+    group = 2 if _pairs(stats) else 1
     for n in rows_per_epoch:
         ids = np.arange(start, start + n)
         if cfg.min_unique_tokens > 0 and n:
             counts = np.concatenate([_unique_counts(tokens[i:min(i + 4096, start + n)])
                                      for i in range(start, start + n, 4096)])
-            keep = counts >= cfg.min_unique_tokens
+            keep = np.repeat((counts >= cfg.min_unique_tokens).reshape(-1, group).all(axis=1), group)
             if cfg.verbose:
                 for i in ids[~keep]:
                     print(f"excluding row with {counts[i - start]} unique tokens:\n"
@@ -388,7 +459,9 @@ def _final_order(cfg: BuildConfig, tok, tokens: np.ndarray, rows_per_epoch, stat
             stats.add("sequences_below_min_unique", int((~keep).sum()))
             ids = ids[keep]
         start += n
-        order.append(ids if cfg.preserve_data_order else rng.permutation(ids))
+        if not cfg.preserve_data_order:  # (one row at a time as before pairs existed: the same orders)
+            ids = rng.permutation(ids) if group == 1 else rng.permutation(ids.reshape(-1, group)).reshape(-1)
+        order.append(ids)
     return np.concatenate(order) if order else np.zeros(0, np.int64)
 
 
@@ -411,8 +484,9 @@ def _save_npy(path: str, array: np.ndarray) -> str:
     return w.sha.hexdigest()
 
 
-def _write_shards(cfg, order, tokens, masks, segments, has_mask) -> list[dict]:
-    """Shards of rows ``order``; with ``has_mask`` (examples, conversations) masks and segments too."""
+def _write_shards(cfg, order, tokens, masks, segments, has_mask, has_segments) -> list[dict]:
+    """Shards of rows ``order``; with ``has_mask`` (examples, conversations, pairs) masks too, with
+    ``has_segments`` (packed examples and conversations) segments."""
     shards = []
     bar = _progress(cfg, desc="writing shards", unit="seq", total=len(order))
     for i, start in enumerate(range(0, len(order), cfg.sequences_per_shard)):
@@ -423,6 +497,7 @@ def _write_shards(cfg, order, tokens, masks, segments, has_mask) -> list[dict]:
         if has_mask:
             shard["mask"] = f"{cfg.name}-{i:05d}.mask.npy"
             shard["sha256"]["mask"] = _save_npy(storage.join(cfg.output_dir, shard["mask"]), masks[ids, 1:])
+        if has_segments:
             shard["segments"] = f"{cfg.name}-{i:05d}.segments.npy"
             shard["sha256"]["segments"] = _save_npy(storage.join(cfg.output_dir, shard["segments"]), segments[ids])
         shards.append(shard)
@@ -464,6 +539,8 @@ def build_dataset(cfg: BuildConfig) -> str:
         if not stats.get("documents") and not _masked(stats):
             raise DatasetError(f"{cfg.input_path}: empty input (no documents, examples or conversations found)")
         n_rows = sum(rows_per_epoch)
+        if n_rows == 0 and _pairs(stats):
+            raise DatasetError(f"{cfg.input_path}: every preference pair has a side longer than seq+1 = {width} tokens")
         if n_rows == 0:
             raise DatasetError(f"{cfg.input_path}: only {stats.get('tokens', 0)} tokens, fewer than one "
                                f"sequence of seq+1 = {width} tokens")
@@ -477,13 +554,15 @@ def build_dataset(cfg: BuildConfig) -> str:
         storage.makedirs(cfg.output_dir)
         if old:  # from here until the new index lands, no index points at half-replaced shards
             storage.remove(out_index)
-        shards = _write_shards(cfg, order, tokens, masks, segments, _masked(stats))
+        has_segments = _masked(stats) and not _pairs(stats)  # a pair's row holds one example
+        shards = _write_shards(cfg, order, tokens, masks, segments, _masked(stats), has_segments)
         del tokens, masks, segments
     index = {
-        "format": FORMAT, "version": VERSION, "name": cfg.name, "seq": cfg.seq, "dtype": dtype.name,
+        "format": FORMAT, "version": PAIRS_VERSION if _pairs(stats) else VERSION, "name": cfg.name, "seq": cfg.seq, "dtype": dtype.name,
         "tokenizer": cfg.tokenizer, "vocab_size": len(tok), "eos_id": tok.eos_token_id,
         "n_sequences": int(len(order)), "n_tokens": int(len(order) * width),
-        "has_mask": _masked(stats), "has_segments": _masked(stats), "shards": shards, "stats": dict(stats),
+        "has_mask": _masked(stats), "has_segments": has_segments, "pairs": _pairs(stats), "shards": shards,
+        "stats": dict(stats),
         "options": {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("verbose", "progress")},
     }
     storage.write_text(out_index, json.dumps(index, indent=1))
@@ -521,6 +600,7 @@ class Dataset:
         self._starts = np.cumsum([0] + [len(t) for t in tokens])
         self.seq, self.n_sequences = index["seq"], int(self._starts[-1])
         self.has_mask, self.eos_id = index["has_mask"], index["eos_id"]
+        self.pairs = bool(index.get("pairs"))  # rows 2i, 2i+1: a preference pair's chosen and rejected
         self.has_segments = all(s is not None for s in self._segments)  # stored; else the EOS rule
 
     def __len__(self) -> int:
@@ -528,10 +608,10 @@ class Dataset:
 
     @classmethod
     def from_arrays(cls, tokens: np.ndarray, mask: np.ndarray | None = None, eos_id: int = 50256,
-                    segments: np.ndarray | None = None) -> "Dataset":
+                    segments: np.ndarray | None = None, pairs: bool = False) -> "Dataset":
         """An in-memory dataset (tests, synthetic data): tokens [n, seq+1], mask [n, seq] or None,
-        segments [n, seq+1] or None (derived from EOS when read)."""
-        index = {"seq": tokens.shape[1] - 1, "has_mask": mask is not None, "eos_id": eos_id}
+        segments [n, seq+1] or None (derived from EOS when read); `pairs`: rows are preference pairs."""
+        index = {"seq": tokens.shape[1] - 1, "has_mask": mask is not None, "eos_id": eos_id, "pairs": pairs}
         return cls(index, [tokens], [mask], segments=[segments])
 
     @classmethod
@@ -630,6 +710,9 @@ class Loader:
 
     ``state()`` is the position after the last batch handed out; ``Loader(..., state=s)``
     continues exactly there (also with another process count or batch size).
+
+    A dataset of preference pairs is shuffled by pairs, so a batch (and each process's even slice
+    of it) holds whole pairs: rows 2i and 2i+1, chosen and rejected.
     """
 
     def __init__(self, dataset: Dataset, global_batch: int, seed: int = 0, *, process_index: int = 0,
@@ -649,6 +732,9 @@ class Loader:
             rows = (process_index * global_batch // process_count, (process_index + 1) * global_batch // process_count)
         if not 0 <= rows[0] < rows[1] <= global_batch:
             raise ValueError(f"rows={rows} are not a slice of a batch of {global_batch}")
+        if dataset.pairs and (global_batch % 2 or rows[0] % 2 or rows[1] % 2):
+            raise ValueError(f"{dataset.path or 'dataset'} holds preference pairs: a batch ({global_batch} rows) and "
+                             f"each process's rows {rows} must hold whole pairs (even counts)")
         self.local_batch = rows[1] - rows[0]
         self._columns = slice(*rows)
         self._position = self._resume(state) if state else 0  # stream index of the next sequence
@@ -675,8 +761,13 @@ class Loader:
         if epoch not in self._orders:
             n = len(self.dataset)
             self._orders = {e: o for e, o in self._orders.items() if e == epoch - 1}  # keep 2 at most
-            self._orders[epoch] = (np.random.default_rng([self.seed, epoch]).permutation(n)
-                                   if self.shuffle else np.arange(n))
+            rng = np.random.default_rng([self.seed, epoch])
+            if not self.shuffle:
+                self._orders[epoch] = np.arange(n)
+            elif self.dataset.pairs:  # a pair's rows stay together
+                self._orders[epoch] = (2 * rng.permutation(n // 2)[:, None] + np.arange(2)).reshape(-1)
+            else:
+                self._orders[epoch] = rng.permutation(n)
         return self._orders[epoch]
 
     def _ids(self, start: int, count: int) -> np.ndarray:

@@ -39,8 +39,9 @@ class Conversation:
     where: str = ""  # the file and line it came from, for errors
 
 
-def read(obj: dict, where: str) -> Conversation:
-    """A record's conversation; ValueError naming the field at fault."""
+def read(obj: dict, where: str, prompt_messages: int = 0) -> Conversation:
+    """A record's conversation; ValueError naming the field at fault. The first `prompt_messages`
+    messages are context only, never trained on (a preference pair's prompt)."""
     messages = obj["messages"]
     if not isinstance(messages, list) or not messages:
         raise ValueError("field 'messages' must be a non-empty list of {\"role\", \"content\"} objects")
@@ -54,7 +55,7 @@ def read(obj: dict, where: str) -> Conversation:
         weight = m.get("weight", 1)
         if weight not in (0, 1) or isinstance(weight, bool):
             raise ValueError(f"messages[{i}].weight must be 0 or 1, got {weight!r}")
-        trained.append(m["role"] == "assistant" and weight == 1)
+        trained.append(m["role"] == "assistant" and weight == 1 and i >= prompt_messages)
     if not any(trained):
         raise ValueError("no assistant message to train on")
     return Conversation(tuple(rendered), tuple(t.spec() for t in tools) or None, tuple(trained), where)

@@ -149,10 +149,9 @@ class Scorer:
     def for_trainer(cls, trainer, params, batch_tokens: int = DEFAULT_BATCH_TOKENS) -> "Scorer":
         """Score with a training run's current `params` (float32 master weights, stacked layers, sharded
         as training keeps them; with LoRA the adapters, joined to the trainer's frozen base)."""
-        from mesh_transformer import lora
         return cls(lambda p, tokens, positions: trainer.model.apply(p, tokens, logit_positions=positions)[0], params, trainer.model.param_specs(trainer.rules),
                    trainer.mesh, trainer.rules, trainer.config.model.seq, batch_tokens=batch_tokens,
-                   prepare=lambda p: lora.join(trainer.base, p))
+                   prepare=lambda p: trainer.policy(p, trainer.base))
 
     def use(self, params) -> None:
         """Score with `params` from now on (e.g. a training run's newer ones); the programs stay compiled."""

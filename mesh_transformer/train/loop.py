@@ -28,6 +28,7 @@ from mesh_transformer.io.checkpoint import CheckpointManager, checkpoint_dir
 from mesh_transformer.config import Config, ConfigError
 from mesh_transformer.errors import UserError
 from mesh_transformer.data import Dataset, Loader
+from mesh_transformer.train import preference
 from mesh_transformer.train.metrics import MetricsLogger
 from mesh_transformer.train.step import Trainer, TrainState
 
@@ -59,7 +60,8 @@ def require_keys(config: Config, *keys: str) -> None:
 
 
 def open_datasets(config: Config) -> tuple[Dataset, dict[str, Dataset]]:
-    """(train_set, {name: val_set}) of a config, each checked to hold sequences of at least `seq` tokens."""
+    """(train_set, {name: val_set}) of a config, each checked to hold sequences of at least `seq` tokens,
+    and to hold preference pairs exactly when the config trains with `dpo`."""
     t = config.train
     train = Dataset.open(t.train_set)
     val = {name: Dataset.open(path) for name, path in t.val_set.items()}
@@ -67,6 +69,12 @@ def open_datasets(config: Config) -> tuple[Dataset, dict[str, Dataset]]:
         if ds.seq < config.model.seq:
             raise ConfigError(f"config key 'seq': {config.model.seq} is longer than the sequences of "
                               f"{path} ({ds.seq} tokens)")
+        if ds.pairs and t.dpo is None:
+            raise ConfigError(f"{path} holds preference pairs: set the config key 'dpo' (e.g. {{\"beta\": 0.1}}) "
+                              "to train on them")
+        if t.dpo is not None and not ds.pairs:
+            raise ConfigError(f"config key 'dpo': {path} holds no preference pairs (create_finetune_dataset.py "
+                              "makes them from {prompt, chosen, rejected} records)")
     return train, val
 
 
@@ -80,8 +88,9 @@ def train_loader(config: Config, dataset: Dataset, global_batch: int, state: Opt
 
 
 def uses_segments(config: Config, dataset: Dataset) -> bool:
-    """Packed prompt/completion examples always stay apart; plain-text documents with `document_masking`."""
-    return bool(dataset.has_mask or config.train.document_masking)
+    """Packed prompt/completion examples always stay apart; plain-text documents with `document_masking`;
+    a preference pair's row holds one example."""
+    return bool((dataset.has_mask or config.train.document_masking) and not dataset.pairs)
 
 
 def val_loader(dataset: Dataset, global_batch: int, rows: Optional[tuple[int, int]] = None,
@@ -158,7 +167,7 @@ class TrainHost:
         if t.eval_harness_tasks and t.eval_period:
             from mesh_transformer.evaluate.training import TrainingEvaluator
             self.evaluator = TrainingEvaluator(config, self.trainer)
-        self._base_ref: Optional[dict] = None  # LoRA: where the frozen base came from
+        self._base_ref: Optional[dict] = None  # LoRA: where the frozen base came from (DPO: its reference)
         self._base_print: Optional[int] = None
 
     def start_state(self) -> tuple[TrainState, dict]:
@@ -166,13 +175,19 @@ class TrainHost:
 
         With LoRA the state holds the adapters; the frozen base is read from where the run's
         checkpoints say it came from (`lora.BASE_KEY` in their extras) and checked against the
-        fingerprint recorded with it."""
+        fingerprint recorded with it. DPO without LoRA keeps its reference (the weights the run
+        started from) the same way."""
         tr, o = self.trainer, self.options
         if self.ckpt.latest_step() is not None:
             state, extras = self.ckpt.restore(abstract_state=tr.abstract_state, target_shardings=tr.state_shardings)
             self._saved_step = int(state.step)
-            if tr.lora is not None:
-                self._load_base(extras.get(lora.BASE_KEY), extras.get(lora.FINGERPRINT_KEY))
+            if tr.lora is not None or tr.holds_reference:
+                where, fingerprint = self._frozen_keys()
+                if tr.holds_reference and where not in extras:
+                    raise ConfigError(f"{self.ckpt.directory}: its step {self._saved_step} is not a DPO run's (it names "
+                                      "no reference model); start DPO in a new model_dir with --tune-model-path "
+                                      f"{self.ckpt.directory}")
+                self._load_base(extras.get(where), extras.get(fingerprint))
             return state, extras.get("train_loader") or {}
         if o.hf:
             from mesh_transformer.io import hf
@@ -188,19 +203,25 @@ class TrainHost:
             keep_generation_config(self.ckpt.directory,
                                    mtj_v1.tokenizer_dirs(v1_dir) if v1_dir is not None else [o.tune_model_path])
             return started
-        if tr.lora is not None:  # LoRA on a random base: reproducible from the seed
+        if tr.lora is not None or tr.holds_reference:  # a random base (or reference): reproducible from the seed
             self._base_ref = lora.base_reference(seed=self.config.train.seed)
             tr.base = tr.init_base(self.config.train.seed)
         return tr.init_state(self.config.train.seed), {}
+
+    def _frozen_keys(self) -> tuple[str, str]:
+        """The checkpoint extras naming the frozen weights and their fingerprint: LoRA's base, or DPO's reference."""
+        if self.trainer.holds_reference:
+            return preference.REFERENCE_KEY, preference.REFERENCE_FINGERPRINT_KEY
+        return lora.BASE_KEY, lora.FINGERPRINT_KEY
 
     def _tuned_state(self, v1_dir: Optional[str]) -> tuple[TrainState, dict]:
         """The start of a fine-tune from `--tune-model-path`: ours, or the original's v1 format (in `v1_dir`)."""
         from mesh_transformer.io import mtj_v1
         tr, o = self.trainer, self.options
         if v1_dir is not None:  # the original's format: a full one carries its Adam moments over
-            if tr.lora is not None:
-                raise ConfigError(f"{o.tune_model_path}: LoRA on a mesh-transformer-jax v1 checkpoint: "
-                                  "convert it first (to_hf_weights.py, then --hf)")
+            if tr.lora is not None or tr.dpo is not None:
+                raise ConfigError(f"{o.tune_model_path}: {'LoRA' if tr.lora is not None else 'DPO'} on a "
+                                  "mesh-transformer-jax v1 checkpoint: convert it first (to_hf_weights.py, then --hf)")
             v1 = mtj_v1.V1Checkpoint(v1_dir, self.config.model)
             return mtj_v1.train_state(v1, tr, moments=v1.full and not o.fresh_opt), {}
         source = CheckpointManager(o.tune_model_path, read_only=True)
@@ -208,12 +229,16 @@ class TrainHost:
             step = source.latest_step()
             self._load_base(lora.base_reference(ckpt=o.tune_model_path, step=step))
             return tr.init_state(self.config.train.seed), {}  # fresh adapters on the base just read
+        if tr.holds_reference:  # DPO's reference: the weights the run starts from
+            self._base_ref = lora.base_reference(ckpt=o.tune_model_path, step=source.latest_step())
         if o.fresh_opt or not source.holds_optimizer_state():  # from_hf_weights.py writes params only
             params = source.restore_params(abstract_params=tr.abstract_state.params,
                                            target_shardings=tr.state_shardings.params, check_config=False)
             return tr.state_from_params(params), {}
         state, _ = source.restore(abstract_state=tr.abstract_state, target_shardings=tr.state_shardings,
                                   check_config=False)
+        if tr.holds_reference:
+            tr.set_base(state.params)
         return state._replace(step=jax.device_put(np.int32(0), tr.state_shardings.step)), {}
 
     def _load_base(self, ref: Optional[dict], expected: Optional[int] = None) -> None:
@@ -222,11 +247,12 @@ class TrainHost:
         the devices never hold the float base whole."""
         tr = self.trainer
         full = self.trainer.model.param_specs(self.trainer.rules)
-        shardings = None if tr.quantize_base else parallel.named(tr.mesh, tr.split(full)[1])
+        shardings = None if tr.quantize_base else parallel.named(tr.mesh, tr.frozen_part(full))
         tr.set_base(lora.base_params(ref, self.config.model, tr.mp, shardings=shardings))
         self._base_ref = ref
         if expected is not None and lora.fingerprint(tr.base) != expected:
-            raise ConfigError(f"the LoRA base {ref} is not the one this run was trained on (its weights changed)")
+            what = "DPO reference" if tr.holds_reference else "LoRA base"
+            raise ConfigError(f"the {what} {ref} is not the one this run was trained on (its weights changed)")
 
     def batch_rows(self) -> tuple[int, int]:
         """[start, stop) of the global batch's rows (axis 1 of [A, B, T+1]) that this process feeds.
@@ -253,7 +279,7 @@ class TrainHost:
 
         tr.step.lower(state, batch(t.gradient_accumulation_steps)).compile()  # jit keeps it for the real calls
         if t.val_every and t.val_set:
-            tr.eval_sums.lower(state.params, batch(1)).compile()
+            tr.eval_values.lower(state.params, batch(1)).compile()
 
     def device_batch(self, batch: dict) -> dict:
         """Crop a loader batch to the model's sequence length and place it on the mesh."""
@@ -274,19 +300,22 @@ class TrainHost:
             self.ckpt.wait()  # a save already started holds a good (finite-loss) state: let it land
             raise TrainingError(f"loss is {loss} at step {int(state.step)}; stopping without saving "
                                 f"(last good checkpoint: step {self.ckpt.latest_step()})")
-        return state, {"train/loss": loss, "grad_norm": float(metrics["grad_norm"]),
+        pairs = {f"train/{k}": float(metrics[k]) for k in self.trainer.metric_names if k != "loss"}  # DPO's
+        return state, {"train/loss": loss, **pairs, "grad_norm": float(metrics["grad_norm"]),
                        "learning_rate": float(metrics["lr"])}
 
     def val_losses(self, params, batches: Mapping[str, Iterable[dict]]) -> dict:
-        """val/loss_<name> over the first val_batches batches (all when 0) of each stream, in order."""
+        """val/loss_<name> over the first val_batches batches (all when 0) of each stream, in order
+        (with DPO: the preference loss, and val/<metric>_<name> for its other metrics)."""
         limit = self.config.train.val_batches or None
         out = {}
         for name, stream in batches.items():
-            nll = count = 0.0
+            sums, count = dict.fromkeys(self.trainer.metric_names, 0.0), 0.0
             for batch in itertools.islice(stream, limit):
-                batch_nll, batch_count = self.trainer.eval_sums(params, self.device_batch(batch))
-                nll, count = nll + float(batch_nll), count + float(batch_count)
-            out[f"val/loss_{name}"] = nll / max(count, 1.0)
+                batch_sums, batch_count = self.trainer.eval_values(params, self.device_batch(batch))
+                sums = {k: v + float(batch_sums[k]) for k, v in sums.items()}
+                count += float(batch_count)
+            out.update({f"val/{k}_{name}": v / max(count, 1.0) for k, v in sums.items()})
         return out
 
     def eval_metrics(self, params, tokenizer: str) -> dict:
@@ -300,10 +329,11 @@ class TrainHost:
         step = int(state.step)
         if step != self._saved_step:
             extras = {"train_loader": loader_state}
-            if self.trainer.lora is not None:  # the base by reference (README: "Fine-tune with LoRA")
-                if self._base_print is None:
+            if self.trainer.lora is not None or self.trainer.holds_reference:  # the base (or DPO's reference)
+                if self._base_print is None:                                      # by reference, not a copy
                     self._base_print = lora.fingerprint(self.trainer.base)
-                extras.update({lora.BASE_KEY: self._base_ref, lora.FINGERPRINT_KEY: self._base_print})
+                where, fingerprint = self._frozen_keys()
+                extras.update({where: self._base_ref, fingerprint: self._base_print})
             self.ckpt.save(step, state, extras=extras)
             self._saved_step = step
 

@@ -3,11 +3,11 @@
     state = Trainer(config, mesh).init_state(seed)
     state, metrics = trainer.step(state, {"tokens": int32 [A, B, T+1], "mask": [A, B, T] (optional)})
 
-A = gradient_accumulation_steps microbatches of B = per_replica_batch x dp sequences, scanned
-inside the step. Master parameters and optimizer state are float32 (sharded by the Megatron
+A = gradient_accumulation_steps microbatches of B = per_replica_batch x dp sequences (with `dpo`,
+that many preference pairs: twice the rows), scanned inside the step. Master parameters and optimizer state are float32 (sharded by the Megatron
 table, or by the ZeRO table when `zero` is set); the forward/backward pass runs in compute_dtype.
-The loss is token-weighted over all microbatches, so k microbatches equal one k-times-larger
-batch exactly.
+The loss is token-weighted over all microbatches (with `dpo`, pair-weighted), so k microbatches
+equal one k-times-larger batch exactly.
 """
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from mesh_transformer.train import loss as losses
+from mesh_transformer.train import preference
 from mesh_transformer import lora, models, parallel
 from mesh_transformer.config import Config, TrainConfig
 
@@ -114,6 +115,10 @@ class Trainer:
         m, t = self.config.model, self.config.train
         self.mp, self.dp = self.mesh.shape[parallel.MP], self.mesh.shape[parallel.DP]
         self.lora = lora.LoraConfig.from_dict(t.lora) if t.lora is not None else None
+        self.dpo = preference.DpoConfig.from_dict(t.dpo) if t.dpo is not None else None
+        # DPO's reference without LoRA: a frozen copy of every weight, held (and passed) as the base is.
+        self.holds_reference = self.dpo is not None and self.lora is None
+        self.metric_names = preference.METRICS if self.dpo is not None else ("loss",)
         self.model = models.build(m, self.mp, lora.plan(m, self.lora))
         self.model.check_mesh(self.mesh.shape, t.zero)
         self.rules = self.model.rules(t.zero, self.mp)
@@ -125,13 +130,15 @@ class Trainer:
         self.abstract_state = jax.eval_shape(self._init, jax.random.key(0))
         self.param_specs, self.base_specs = self.split(self.model.param_specs(self.rules))
         compute = jnp.dtype(m.compute_dtype)
+        if self.holds_reference:
+            self.base_specs = self.param_specs
         self.abstract_base = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, compute),
-                                          self.split(self.model.abstract_params)[1])
+                                          self.frozen_part(self.model.abstract_params))
         self.quantize_base = self.lora is not None and self.lora.quantize_base is not None
         if self.quantize_base:  # int8 matmul weights + float32 scales (QLoRA's idea at 8 bits)
             self.abstract_base, self.base_specs = lora.quantized_base(self.abstract_base, self.base_specs,
                                                                       self.split(self.model.infos)[1])
-        full_specs = lora.join(self.base_specs, self.param_specs)
+        full_specs = lora.join(self.base_specs, self.param_specs)  # the policy's (with LoRA: base and adapters)
         self.base_shardings = parallel.named(self.mesh, self.base_specs)
         self.base = {}
         opt_specs = optax.tree_map_params(self.optimizer, lambda _, spec: spec, self.abstract_state.opt_state,
@@ -144,6 +151,9 @@ class Trainer:
         self._sharded_loss = parallel.shard_map(
             self._local_loss, self.mesh, self.rules,
             in_specs=(full_specs, row, row, row, row, P()), out_specs=(P(), P(), P()))
+        self._sharded_pairs = parallel.shard_map(
+            self._local_pairs, self.mesh, self.rules,
+            in_specs=(full_specs, full_specs, row, row, P()), out_specs=(P(), P(), P()))
         self.init_state = jax.jit(self._init, out_shardings=self.state_shardings)
         self.init_base = jax.jit(self._init_base, out_shardings=self.base_shardings)
         bs = self.base_shardings
@@ -154,8 +164,8 @@ class Trainer:
             in_specs=(full_specs, row), out_specs=P(parallel.DP, None, parallel.MP))
         self.logits = _WithBase(jax.jit(self._logits, in_shardings=(self.state_shardings.params,
                                                                      NamedSharding(self.mesh, row), bs)), self)
-        self.eval_sums = _WithBase(jax.jit(self._eval_sums, in_shardings=(self.state_shardings.params,
-                                                                          self.batch_sharding, bs)), self)
+        self.eval_values = _WithBase(jax.jit(self._eval_values, in_shardings=(self.state_shardings.params,
+                                                                              self.batch_sharding, bs)), self)
         self.loss_and_grads = _WithBase(jax.jit(self._loss_and_grads, in_shardings=(
             self.state_shardings.params, self.batch_sharding, bs), out_shardings=(None, self.state_shardings.params)), self)
 
@@ -163,11 +173,17 @@ class Trainer:
         """A params-shaped tree -> (trainable part, frozen part); without LoRA (tree, {})."""
         return lora.split(tree, self.lora is not None)
 
+    def frozen_part(self, tree):
+        """What of a params-shaped tree the base holds: LoRA's frozen weights, DPO's whole reference
+        (without LoRA), else nothing."""
+        return tree if self.holds_reference else self.split(tree)[1]
+
     # ---- pieces -------------------------------------------------------------------------------
 
     @property
     def global_batch(self) -> int:
-        return self.config.train.per_replica_batch * self.dp
+        """Rows (sequences) of a microbatch over the whole mesh; with DPO, two per pair."""
+        return self.config.train.rows_per_replica * self.dp
 
     def _init(self, rng) -> TrainState:
         if isinstance(rng, int):
@@ -179,7 +195,7 @@ class Trainer:
         """A random frozen base (LoRA on a randomly initialised model: tests, benchmarks)."""
         if isinstance(rng, int):
             rng = jax.random.key(rng)
-        frozen = self.split(self.model.init(rng))[1]
+        frozen = self.frozen_part(self.model.init(rng))
         if self.quantize_base:
             return {m: {n: x for name, leaf in leaves.items() for n, x in self._base_leaf(m, name, leaf).items()}
                     for m, leaves in frozen.items()}
@@ -200,8 +216,9 @@ class Trainer:
         _, frozen = self.split(params) if any(parallel.is_adapter(n) for v in params.values() for n in v) else ({}, params)
         if not self.quantize_base:
             frozen = {m: {n: frozen[m][n] for n in leaves} for m, leaves in self.abstract_base.items()}
+            # a copy: DPO's reference is read from the params the state holds, and the step donates those
             self.base = jax.device_put(jax.tree.map(lambda x, a: np.asarray(x).astype(a.dtype)
-                                                    if isinstance(x, np.ndarray) else x.astype(a.dtype),
+                                                    if isinstance(x, np.ndarray) else jnp.array(x, a.dtype, copy=True),
                                                     frozen, self.abstract_base), self.base_shardings)
             return
         self.base = {}
@@ -220,19 +237,30 @@ class Trainer:
     def state_from_params(self, params) -> TrainState:
         """A fresh train state (step 0, new optimizer state) around given float32 params. With LoRA,
         `params` are the base's (they become `self.base`) and the adapters start fresh (A random, B 0)
-        from the config's seed."""
-        if self.lora is not None:
+        from the config's seed. With DPO and no LoRA they are also the reference (held apart as `self.base`)."""
+        if self.lora is not None or self.holds_reference:
             self.set_base(params)
+        if self.lora is not None:
             state = self.init_state(self.config.train.seed)
             return state
         params = jax.device_put(jax.tree.map(lambda x: x.astype(jnp.float32), params), self.state_shardings.params)
         opt_state = jax.jit(self.optimizer.init, out_shardings=self.state_shardings.opt_state)(params)
         return TrainState(jax.device_put(jnp.zeros((), jnp.int32), self.state_shardings.step), params, opt_state)
 
+    def policy(self, params, base):
+        """The weights being trained, whole: with LoRA the base joined to the adapters."""
+        return lora.join(base, params) if self.lora is not None else params
+
+    def _reference(self, params, base):
+        """DPO's reference: with LoRA the base with its adapters off (zero), else the frozen copy."""
+        if self.lora is not None:
+            return lora.join(base, jax.tree.map(jnp.zeros_like, jax.lax.stop_gradient(params)))
+        return base
+
     def _local_loss(self, params, tokens, mask, segments, key_keep, rng):
         """Per-device: tokens [b, T+1], mask [b, T], segments [b, T+1] or None, key_keep [b, T] or None
-        -> global (objective sum, nll sum, token count). A target in another segment than the token
-        before it is not trained (it would not be predicted with the examples one by one)."""
+        -> global (objective sum, {"loss": nll sum}, token count). A target in another segment than
+        the token before it is not trained (it would not be predicted with the examples one by one)."""
         inputs = segments[:, :-1] if segments is not None else None
         if segments is not None:
             mask = mask * (segments[:, 1:] == inputs)
@@ -243,14 +271,37 @@ class Trainer:
         if balance > 0:  # the mixture's load-balancing loss over the batch's tokens, weighted as a token mean is
             routers = jax.tree.map(parallel.psum_dp, out[2])
             total = total + balance * routers.balance_loss() * count
-        return total, nll, count
+        return total, {"loss": nll}, count
+
+    def _local_pairs(self, policy, reference, tokens, mask, rng):
+        """Per-device DPO: rows alternate a pair's chosen and rejected completion (tokens [b, T+1],
+        mask [b, T] on the completion's tokens) -> global (loss sum, metric sums, pair count)."""
+        balance = getattr(self.config.model, "router_aux_loss_coef", 0.0)
+        out = self.model.apply(policy, tokens[:, :-1], rng=rng, routers=balance > 0)
+        reference_logits = self.model.apply(reference, tokens[:, :-1])[0]
+        logps, reference_logps = (jnp.sum(losses.token_log_probs(logits, tokens[:, 1:]) * mask, axis=-1)
+                                  for logits in (out[0], reference_logits))
+        total, sums, count = preference.pair_sums(logps, reference_logps, jnp.sum(mask, axis=-1), self.dpo)
+        total, count, sums = parallel.psum_dp(total), parallel.psum_dp(count), jax.tree.map(parallel.psum_dp, sums)
+        if balance > 0:  # the mixture's load-balancing loss, added to the mean over pairs as TRL adds it
+            routers = jax.tree.map(parallel.psum_dp, out[2])
+            total = total + balance * routers.balance_loss() * count
+        return total, sums, count
+
+    def _objective_sums(self, params, base, micro):
+        """(objective sum, {metric: sum}, count) of one microbatch: the language-model loss over
+        trained tokens, or with DPO the preference loss over pairs."""
+        if self.dpo is None:
+            return self._sharded_loss(self.policy(params, base), *micro)
+        tokens, mask, _, _, rng = micro
+        return self._sharded_pairs(self.policy(params, base), self._reference(params, base), tokens, mask, rng)
 
     def _microbatch_grads(self, params, base, micro):
         def objective(p):
-            total, nll, count = self._sharded_loss(lora.join(base, p), *micro)
-            return total, (nll, count)
-        (_, (nll, count)), grads = jax.value_and_grad(objective, has_aux=True)(params)
-        return grads, nll, count
+            total, sums, count = self._objective_sums(p, base, micro)
+            return total, (sums, count)
+        (_, (sums, count)), grads = jax.value_and_grad(objective, has_aux=True)(params)
+        return grads, sums, count
 
     def _microbatches(self, batch, step):
         """The step's inputs per microbatch: (tokens, mask, segments, key_keep, rng), each with a leading [A]
@@ -273,35 +324,42 @@ class Trainer:
         return tokens, mask, segments, key_keep, rng
 
     def _accumulate(self, params, batch, base, step):
-        """Sum gradients over the A microbatches; return token-mean grads and mean nll."""
+        """Sum gradients over the A microbatches; return the mean grads and metrics (per trained
+        token, or with DPO per pair)."""
         def body(carry, micro):
-            grads, nll, count = self._microbatch_grads(params, base, micro)
-            carry = jax.tree.map(jnp.add, carry, (grads, nll, count))
+            grads, sums, count = self._microbatch_grads(params, base, micro)
+            carry = jax.tree.map(jnp.add, carry, (grads, sums, count))
             return carry, None
 
-        zeros = (jax.tree.map(jnp.zeros_like, params), jnp.zeros(()), jnp.zeros(()))
-        (grads, nll, count), _ = jax.lax.scan(body, zeros, self._microbatches(batch, step))
+        zeros = (jax.tree.map(jnp.zeros_like, params), {k: jnp.zeros(()) for k in self.metric_names}, jnp.zeros(()))
+        (grads, sums, count), _ = jax.lax.scan(body, zeros, self._microbatches(batch, step))
         count = jnp.maximum(count, 1.0)
-        return jax.tree.map(lambda g: g / count, grads), nll / count
+        return jax.tree.map(lambda g: g / count, grads), {k: v / count for k, v in sums.items()}
 
     def _loss_and_grads(self, params, batch, base):
-        grads, loss = self._accumulate(params, batch, base, 0)
-        return loss, grads
+        grads, means = self._accumulate(params, batch, base, 0)
+        return means["loss"], grads
 
     def _logits(self, params, tokens, base):
         """tokens [B, T] -> logits [B, T, n_vocab] float32 (padding dropped), sharded over dp and mp."""
-        return self._sharded_logits(lora.join(base, params), tokens)[..., : self.config.model.n_vocab]
+        return self._sharded_logits(self.policy(params, base), tokens)[..., : self.config.model.n_vocab]
 
-    def _eval_sums(self, params, batch, base):
-        """(nll sum, token count) of a batch shaped like a training batch ([A, B, T+1]); no update,
-        no FCM, no dropout."""
+    def _eval_values(self, params, batch, base):
+        """({metric: sum}, count) of a batch shaped like a training batch ([A, B, T+1]): the nll
+        summed over trained tokens (with DPO, the pair metrics over pairs); no update, no FCM, no dropout."""
         tokens = batch["tokens"].reshape(-1, batch["tokens"].shape[-1])
         mask = batch.get("mask")
         mask = jnp.ones(tokens[:, 1:].shape, jnp.float32) if mask is None else mask.reshape(tokens[:, 1:].shape)
         segments = batch.get("segments")
         segments = None if segments is None else segments.reshape(tokens.shape)
-        _, nll, count = self._sharded_loss(lora.join(base, params), tokens, mask, segments, None, None)
-        return nll, count
+        _, sums, count = self._objective_sums(params, base, (tokens, mask, segments, None, None))
+        return sums, count
+
+    def eval_sums(self, params, batch):
+        """(loss sum, count) of a batch: summed token nll and trained tokens (with DPO: the summed
+        preference loss and pairs)."""
+        sums, count = self.eval_values(params, batch)
+        return sums["loss"], count
 
     def eval_loss(self, params, batch) -> float:
         """Mean token negative log-likelihood of one batch."""
@@ -309,11 +367,11 @@ class Trainer:
         return float(nll) / max(float(count), 1.0)
 
     def _step(self, state: TrainState, batch, base):
-        grads, loss = self._accumulate(state.params, batch, base, state.step)
+        grads, means = self._accumulate(state.params, batch, base, state.step)
         updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
         lr = self.schedule(state.step)
         params = jax.tree.map(lambda p, u: p - lr * u, state.params, updates)
-        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": lr}
+        metrics = {**means, "grad_norm": optax.tree.norm(grads), "lr": lr}
         return TrainState(state.step + 1, params, opt_state), metrics
 
     # ---- helpers for callers ------------------------------------------------------------------

@@ -1,0 +1,237 @@
+"""DPO training throughput and memory: ours (full fine-tuning with a frozen reference copy, and LoRA,
+whose reference is the base) next to TRL's DPOTrainer on HF transformers + torch doing the same.
+
+    bash bench/setup_trl_venv.sh            # once: the peer's own venv, bench/.venv-trl
+    python bench/dpo_train.py [--family gptj --layers 4 --d-model 512 --heads 8 --vocab 50400
+                               --pairs 2 --prompt 128 --completion 128 --rank 16 --alpha 32
+                               --targets q_proj,v_proj --runs 3 --steps 5] [--json]
+
+Every measurement is a fresh subprocess (its own peak memory): ours and the peer, full and LoRA,
+in turn, `--runs` rounds. All train the family's benchmark shape (bench/families.py; the peer's
+model from our config through the library's HF export mapping) in fp32 with AdamW (weight decay
+0.1, clip 1.0, constant learning rate), DPO's sigmoid loss at beta 0.1, on `--pairs` pairs a step,
+each a prompt of `--prompt` tokens and two completions of `--completion` tokens (the last one
+EOS), so every row holds prompt + completion tokens and there is no padding. The peer is what a
+TRL user runs: `DPOTrainer` with a `ref_model` (full) or a `peft_config` (LoRA: the reference is
+the base with the adapter off), activation checkpointing off (ours: `remat` none), the pairs as
+text of a word-level tokenizer whose words are the token ids, so both sides see the same tokens;
+its steps are timed by a callback around each optimizer step. A run's rate is the tokens of a
+step (both completions of every pair, prompt included) / its median step time after 2 warm-up
+steps; reported: median and min–max over the runs, with peak RSS. Prints the machine, software
+and load (bench/machine.py).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+PEER_PYTHON = os.path.join(HERE, ".venv-trl", "bin", "python")
+sys.path.insert(0, HERE)
+import families  # noqa: E402
+import lora_train  # noqa: E402  (its workers' helpers: RSS, timing, the model's config, the summary)
+import machine  # noqa: E402
+KINDS = ("ours-full", "trl-full", "ours-lora", "trl-lora")
+NAMES = {"ours-full": "mesh-transformer, full", "trl-full": "TRL + transformers, full",
+         "ours-lora": "mesh-transformer, LoRA", "trl-lora": "TRL + PEFT, LoRA"}
+BETA = 0.1
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    families.add_arg(p)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--d-model", type=int, default=512)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--vocab", type=int, default=50400)
+    p.add_argument("--pairs", type=int, default=2, help="preference pairs a step (two rows each)")
+    p.add_argument("--prompt", type=int, default=128, help="prompt tokens")
+    p.add_argument("--completion", type=int, default=128, help="tokens of each completion, its EOS included")
+    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--alpha", type=float, default=32)
+    p.add_argument("--targets", default="q_proj,v_proj", help="LoRA's targets (HF module names)")
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--steps", type=int, default=5, help="timed steps per run, after 2 warm-up steps")
+    p.add_argument("--kinds", default=",".join(KINDS), help="which of " + ", ".join(KINDS))
+    p.add_argument("--peer-python", default=PEER_PYTHON)
+    machine.add_args(p)
+    p.add_argument("--worker", choices=KINDS, help=argparse.SUPPRESS)
+    p.add_argument("--hf-config", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    # what lora_train's helpers read: rows a step, tokens a row, one device, no dropout, fp32 base
+    args.batch, args.seq, args.mp, args.dropout, args.quantize_base = 2 * args.pairs, args.prompt + args.completion, 1, 0.0, None
+    return args
+
+
+def pairs(args):
+    """[2 * pairs, seq + 1] token ids (rows alternate chosen, rejected; each pair's prompt shared; ids
+    from 1, 0 being the EOS that ends each completion) and the [2 * pairs, seq] completion mask."""
+    import numpy as np
+    rng = np.random.RandomState(0)
+    rows = []
+    for _ in range(args.pairs):
+        prompt = rng.randint(1, args.vocab, args.prompt)
+        for _side in range(2):
+            rows.append(np.r_[prompt, rng.randint(1, args.vocab, args.completion - 1), 0, 0])  # + a pad target
+    tokens = np.stack(rows).astype(np.int32)[:, : args.seq + 1]
+    mask = np.zeros((len(rows), args.seq), np.float32)
+    mask[:, args.prompt - 1: args.seq - 1] = 1  # predicting each completion token, its EOS included
+    return tokens, mask
+
+
+def worker_ours(args, lora: bool) -> dict:
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    sys.path.insert(0, ROOT)
+    from mesh_transformer import host_memory
+    host_memory.keep_freed_memory()  # as device_train.py runs
+    import jax
+    from mesh_transformer import parallel
+    from mesh_transformer.config import config_from_dict
+    from mesh_transformer.train.step import Trainer
+    base_rss = lora_train.rss_mib()
+    keys = {**lora_train.config_keys(args, lora), "per_replica_batch": args.pairs, "dpo": {"beta": BETA},
+            "end_lr": 1e-4, "seq": args.seq}
+    trainer = Trainer(config_from_dict(keys), parallel.make_mesh(1, 1, jax.devices()[:1]))
+    trainer.base = trainer.init_base(0)  # LoRA's base, or the full run's reference: the initial weights
+    state = trainer.init_state(0)
+    tokens, mask = pairs(args)
+    batch = trainer.shard_batch({"tokens": tokens[None], "mask": mask[None]})
+    mem = trainer.step.lower(state, batch).compile().memory_analysis()
+    box = {"state": state}
+
+    def step():
+        box["state"], metrics = trainer.step(box["state"], batch)
+        jax.block_until_ready(metrics)
+    times = lora_train.timed(step, args)
+    return {"step_s": times, "rss_after_imports_mib": base_rss, "peak_rss_mib": lora_train.peak_rss_mib(),
+            "trainable_params": int(sum(x.size for x in jax.tree.leaves(state.params))),
+            "xla_arguments_mib": mem.argument_size_in_bytes / 2**20 if mem else None,
+            "xla_temporaries_mib": mem.temp_size_in_bytes / 2**20 if mem else None}
+
+
+def worker_trl(args, lora: bool) -> dict:
+    import datasets
+    import torch
+    import transformers
+    import trl
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    torch.set_num_threads(os.cpu_count() or 1)
+    base_rss = lora_train.rss_mib()
+    hf = json.loads(args.hf_config)
+    config = transformers.AutoConfig.for_model(hf.pop("model_type"), **hf)
+    for key, value in config.to_dict().items():  # dropout off, whatever the family calls it
+        if key.endswith(("pdrop", "dropout")) and isinstance(value, float):
+            setattr(config, key, 0.0)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    reference = None
+    if not lora:
+        reference = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        reference.load_state_dict(model.state_dict())
+    words = Tokenizer(models.WordLevel({f"w{i}": i for i in range(args.vocab)}, unk_token="w1"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=words, eos_token="w0", pad_token="w0")
+    tokens, _ = pairs(args)
+    text = lambda ids: " ".join(f"w{int(i)}" for i in ids)  # noqa: E731
+    record = lambda i: {"prompt": text(tokens[2 * i, : args.prompt]),  # noqa: E731
+                        "chosen": " " + text(tokens[2 * i, args.prompt: args.seq]),
+                        "rejected": " " + text(tokens[2 * i + 1, args.prompt: args.seq])}
+    steps = args.steps + 2
+    data = datasets.Dataset.from_list([record(i % args.pairs) for i in range(args.pairs * steps)])
+    times: list[float] = []
+
+    class Clock(transformers.TrainerCallback):
+        def on_step_begin(self, *a, **k):
+            self.start = time.perf_counter()
+
+        def on_step_end(self, *a, **k):
+            times.append(time.perf_counter() - self.start)
+
+    peft_config = None
+    if lora:
+        import peft
+        peft_config = peft.LoraConfig(r=args.rank, lora_alpha=args.alpha, lora_dropout=0.0, bias="none",
+                                      target_modules=args.targets.split(","), task_type="CAUSAL_LM")
+    with tempfile.TemporaryDirectory() as out:
+        trl_args = trl.DPOConfig(output_dir=out, per_device_train_batch_size=args.pairs, max_steps=steps, beta=BETA,
+                                 learning_rate=1e-4, lr_scheduler_type="constant", weight_decay=0.1, max_grad_norm=1.0,
+                                 gradient_checkpointing=False, bf16=False, use_cpu=True, report_to="none",
+                                 save_strategy="no", logging_steps=10**6, dataloader_num_workers=0, shuffle_dataset=False)
+        trainer = trl.DPOTrainer(model=model, ref_model=reference, args=trl_args, train_dataset=data,
+                                 processing_class=tokenizer, peft_config=peft_config, callbacks=[Clock()])
+        row = trainer.train_dataset[0]
+        assert len(row["prompt_ids"]) + len(row["chosen_ids"]) == args.seq, "the peer's rows are not the benchmark's"
+        trainer.train()
+    trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
+    import peft as peft_module
+    return {"step_s": times[2:], "rss_after_imports_mib": base_rss, "peak_rss_mib": lora_train.peak_rss_mib(),
+            "trainable_params": int(trainable),
+            "versions": {"torch": torch.__version__, "transformers": transformers.__version__, "trl": trl.__version__,
+                         "peft": peft_module.__version__}}
+
+
+def run_worker(args, kind: str, argv: list[str]) -> dict:
+    peer = kind.startswith("trl")
+    python = args.peer_python if peer else sys.executable
+    if peer and not os.path.exists(python):
+        sys.exit(f"{python} not found: run bash bench/setup_trl_venv.sh first")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} if peer else os.environ
+    extra = ["--hf-config", args.hf_config] if peer else []
+    proc = subprocess.run([python, os.path.abspath(__file__), *argv, "--worker", kind, *extra], capture_output=True,
+                          text=True, env=env, cwd=ROOT)
+    if proc.returncode:
+        sys.exit(f"{kind} failed:\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if args.worker:
+        lora = args.worker.endswith("lora")
+        result = worker_trl(args, lora) if args.worker.startswith("trl") else worker_ours(args, lora)
+        print(json.dumps(result))
+        return
+    kinds = [k for k in KINDS if k in args.kinds.split(",")]
+    sys.path.insert(0, ROOT)
+    args.hf_config = lora_train.peer_config(args)
+    description = machine.describe(("trl", "peft"))
+    runs: dict[str, list] = {k: [] for k in kinds}
+
+    def measure(kind):
+        def once() -> float:
+            runs[kind].append(run_worker(args, kind, argv))
+            return args.batch * args.seq / statistics.median(runs[kind][-1]["step_s"])
+        return once
+    machine.interleaved({k: measure(k) for k in kinds}, args.runs, progress=not args.json)
+    results = {k: lora_train.summary(args, v) for k, v in runs.items()}
+    skip = ("worker", "json", "peer_python", "hf_config", "batch", "seq", "mp", "dropout", "quantize_base")
+    result = {"config": {k: v for k, v in vars(args).items() if k not in skip}, "kinds": results}
+    for how in ("full", "lora"):
+        if f"ours-{how}" in results and f"trl-{how}" in results:
+            result[f"{how}_speedup_vs_trl"] = (results[f"ours-{how}"]["tokens_per_s"]["median"]
+                                               / results[f"trl-{how}"]["tokens_per_s"]["median"])
+    machine.report(description, result, args.json, lambda: text(result))
+
+
+def text(result):
+    print(f"{'':28s} {'trainable':>11s} {'tokens/s (median, min-max)':>28s} {'peak RSS':>9s} {'XLA args + temps':>17s}")
+    for kind, s in result["kinds"].items():
+        t = s["tokens_per_s"]
+        xla = f"{s['xla_arguments_mib']:.0f} + {s['xla_temporaries_mib']:.0f} MiB" if "xla_temporaries_mib" in s else ""
+        print(f"{NAMES[kind]:28s} {s['trainable_params']:11,d} {t['median']:9.0f} ({t['min']:.0f}-{t['max']:.0f}){'':8s} "
+              f"{s['peak_rss_mib']:6.0f} MiB {xla:>17s}")
+    for how in ("full", "lora"):
+        if f"{how}_speedup_vs_trl" in result:
+            print(f"{how}: {result[f'{how}_speedup_vs_trl']:.2f}x TRL")
+
+
+if __name__ == "__main__":
+    main()

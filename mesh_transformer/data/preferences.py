@@ -1,0 +1,78 @@
+"""Preference pairs: `{"prompt", "chosen", "rejected"}` records (TRL's preference datasets, the
+data of DPO, `train/preference.py`), each two completions of one prompt, the first preferred.
+
+Two forms, as TRL reads them:
+- text: three strings; a completion is trained on with the tokenizer's EOS after it (TRL adds it),
+  tokenized apart from its prompt as prompt/completion examples are;
+- conversational: `prompt` a list of messages, `chosen` and `rejected` the lists of messages that
+  follow it (usually one assistant message), optional `tools`. Each side is the conversation
+  prompt + completion, rendered by the chat template as chat data is (`conversations.encode`) and
+  trained on the completion's assistant turns only. Without `prompt` (TRL's "implicit prompt"),
+  the messages `chosen` and `rejected` start with in common are the prompt.
+
+A pair is stored as two rows, chosen then rejected, each padded to the row (never packed with
+others), so a batch that takes whole pairs holds each pair's two sides.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from mesh_transformer.data import conversations
+
+
+class TextPair(NamedTuple):
+    prompt: str
+    chosen: str
+    rejected: str
+
+
+@dataclass(frozen=True)
+class ConversationPair:
+    chosen: conversations.Conversation
+    rejected: conversations.Conversation
+
+    @property
+    def where(self) -> str:
+        return self.chosen.where
+
+    @property
+    def chars(self) -> int:
+        return sum(len(m.get("content") or "") for c in (self.chosen, self.rejected) for m in c.messages)
+
+
+def is_pair(obj: dict) -> bool:
+    return "chosen" in obj and "rejected" in obj
+
+
+def read(obj: dict, where: str) -> TextPair | ConversationPair:
+    """A record's pair; ValueError naming the field at fault."""
+    prompt, chosen, rejected = obj.get("prompt"), obj["chosen"], obj["rejected"]
+    if isinstance(chosen, str) and isinstance(rejected, str):
+        if not isinstance(prompt, str):
+            raise ValueError("field 'prompt' must be a string, the text 'chosen' and 'rejected' complete"
+                             + (f", got {type(prompt).__name__}" if prompt is not None else ""))
+        return TextPair(prompt, chosen, rejected)
+    for field, value in (("chosen", chosen), ("rejected", rejected)):
+        if not isinstance(value, list) or not value:
+            raise ValueError(f"field {field!r} must be a string (with 'prompt' a string) or a non-empty list of "
+                             f"messages (with 'prompt' a list of messages), got {type(value).__name__}")
+    if prompt is None:  # TRL's implicit prompt: what the two conversations share
+        shared = next((i for i, (a, b) in enumerate(zip(chosen, rejected)) if a != b), min(len(chosen), len(rejected)))
+        if shared == 0 or shared == len(chosen) or shared == len(rejected):
+            raise ValueError("no field 'prompt', and 'chosen' and 'rejected' do not start with shared messages "
+                             "followed by different ones")
+        prompt, chosen, rejected = chosen[:shared], chosen[shared:], rejected[shared:]
+    elif not isinstance(prompt, list) or not prompt:
+        raise ValueError(f"field 'prompt' must be a non-empty list of messages, as 'chosen' and 'rejected' are "
+                         f"lists, got {type(prompt).__name__}")
+    sides = []
+    for field, completion in (("chosen", chosen), ("rejected", rejected)):
+        record = {"messages": [*prompt, *completion], "tools": obj.get("tools")}
+        try:
+            sides.append(conversations.read(record, where, prompt_messages=len(prompt)))
+        except ValueError as e:
+            if "no assistant message" in str(e):
+                raise ValueError(f"field {field!r} has no assistant message to train on") from None
+            raise ValueError(f"prompt + {field}: {e}") from None
+    return ConversationPair(*sides)

@@ -1,0 +1,343 @@
+"""DPO (train/preference.py) against TRL's DPOTrainer, the reference implementation: the same pairs
+tokenized into the same rows and masks, and on one batch the same loss, metrics and gradients,
+for a full fine-tune (a reference model of its own) and for LoRA (the reference is the base with
+the adapters off), on text and on conversational pairs. Then the preference dataset and loader,
+and a whole run with `device_train.py`'s loop: it learns the preference, validates, and resumes
+exactly with its reference read back."""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from helpers import make_hf_gptj, make_hf_model, mesh
+from mesh_transformer import lora
+from mesh_transformer.config import Config, ConfigError, TrainConfig, config_from_dict
+from mesh_transformer.io.checkpoint import CheckpointManager
+from mesh_transformer.data import BuildConfig, Dataset, DatasetError, Loader, build_dataset
+from mesh_transformer.io import hf
+from mesh_transformer.io.tokenizer import load_tokenizer
+from mesh_transformer.train import preference
+from mesh_transformer.train.step import Trainer
+
+torch = pytest.importorskip("torch")
+trl = pytest.importorskip("trl")
+
+CASE = "llama_gqa2_llama3_rope"  # a tiny LLaMA (grouped-query attention), with GPT-2's vocabulary
+GPT2_VOCAB = 50257
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+TEXT_PAIRS = [{"prompt": f"Question {i}: which is red?\nAnswer:", "chosen": f" An apple{'!' * i}.",
+               "rejected": " The sky" + " at noon" * i + "."} for i in range(4)]
+CHAT_PAIRS = [{"prompt": [{"role": "user", "content": f"A red fruit ({i})?"}],
+               "chosen": [{"role": "assistant", "content": "A cherry" + "!" * i}],
+               "rejected": [{"role": "assistant", "content": "Blue" * (i + 1)}]} for i in range(4)]
+SEQ = 63  # rows of 64 tokens: the tiny models' max_position_embeddings
+
+
+def write_jsonl(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def tokenizer_dir(path, chat: bool):
+    tok = copy.deepcopy(load_tokenizer("gpt2"))  # load_tokenizer's are shared: never changed in place
+    if chat:
+        tok.chat_template = CHATML
+    tok.save_pretrained(path)
+    return str(path)
+
+
+def build(src, out, tokenizer="gpt2", seq=SEQ, **kw):
+    cfg = BuildConfig(input_path=str(src), name=kw.pop("name", "pairs"), output_dir=str(out), tokenizer=tokenizer,
+                      seq=seq, preserve_data_order=kw.pop("preserve_data_order", True), **kw)
+    return Dataset.open(build_dataset(cfg))
+
+
+def trl_trainer(tmp_path, model, ref_model, tokenizer, records, beta, peft_config=None):
+    import datasets
+    tok = copy.deepcopy(load_tokenizer(tokenizer))
+    tok.pad_token = tok.eos_token
+    args = trl.DPOConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=len(records), beta=beta,
+                         report_to="none", use_cpu=True, bf16=False)  # TRL's default autocasts to bf16
+    return trl.DPOTrainer(model=model, ref_model=ref_model, args=args, processing_class=tok, peft_config=peft_config,
+                          train_dataset=datasets.Dataset.from_list(records))
+
+
+def hf_grads_as_params(model, directory, peft_model=False, config=None):
+    """torch's gradients, written where the weights were and read back through our HF (or PEFT) import."""
+    for p in model.parameters():
+        if p.requires_grad:
+            p.data.copy_(p.grad)
+    model.save_pretrained(directory)
+    return lora.load_peft(str(directory), config)[1] if peft_model else hf.load_hf(str(directory))[1]
+
+
+@pytest.mark.parametrize("how", ["full-text", "lora-chat"])
+def test_dpo_equals_trl(how, tmp_path):
+    """The rows and masks are TRL's tokenization; the loss, TRL's logged metrics and every gradient
+    are TRL's (float32, mp=2; the full fine-tune also dp=2)."""
+    full, chat = how.startswith("full"), how.endswith("chat")
+    records, beta = (CHAT_PAIRS, 0.5) if chat else (TEXT_PAIRS, 0.3)
+    tokenizer = tokenizer_dir(tmp_path / "tok", chat)
+    policy = make_hf_model(tmp_path / "policy", CASE, seed=0, vocab_size=GPT2_VOCAB)
+    if full:
+        reference = make_hf_model(tmp_path / "reference", CASE, seed=1, vocab_size=GPT2_VOCAB)
+        theirs = trl_trainer(tmp_path, policy, reference, tokenizer, records, beta)
+    else:  # TRL adds a fresh adapter and takes the base (adapters off) as the reference; its B is then made random
+        import peft
+        adapter = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
+        theirs = trl_trainer(tmp_path, policy, None, tokenizer, records, beta, peft_config=adapter)
+        torch.manual_seed(2)
+        with torch.no_grad():
+            for name, p in theirs.model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(std=0.5)
+        theirs.model.save_pretrained(tmp_path / "adapter")
+
+    ds = build(write_jsonl(tmp_path / "pairs.jsonl", records), tmp_path / "data", tokenizer=tokenizer)
+    assert ds.pairs and len(ds) == 2 * len(records)
+    tokens, mask = ds.read(np.arange(len(ds)))
+    for i, row in enumerate(theirs.train_dataset):
+        for side, completion in enumerate((row["chosen_ids"], row["rejected_ids"])):
+            n = len(row["prompt_ids"]) + len(completion)
+            assert tokens[2 * i + side, :n].tolist() == row["prompt_ids"] + completion
+            assert mask[2 * i + side].tolist() == [0] * (len(row["prompt_ids"]) - 1) + [1] * len(completion) + [0] * (SEQ - n + 1)
+
+    batch = next(iter(theirs.get_train_dataloader()))
+    loss = theirs.compute_loss(theirs.model, batch)
+    loss.backward()
+    logged = {k: v[-1] for k, v in theirs._metrics["train" if theirs.model.training else "eval"].items()}
+
+    config, params = hf.load_hf(str(tmp_path / "policy"), mp=2)
+    config = dataclasses.replace(config, compute_dtype="float32", remat="none")
+    train = dict(per_replica_batch=len(records) // (2 if full else 1), dpo={"beta": beta}, cores_per_replica=2)
+    if full:
+        tr = Trainer(Config(config, TrainConfig(**train)), mesh(2, 2))
+        tr.set_base(hf.load_hf(str(tmp_path / "reference"), mp=2)[1])
+        expected = hf_grads_as_params(policy, tmp_path / "grads")
+    else:
+        spec, params = lora.load_peft(str(tmp_path / "adapter"), config)
+        tr = Trainer(Config(config, TrainConfig(**train, lora=spec.to_dict())), mesh(1, 2))
+        tr.set_base(hf.load_hf(str(tmp_path / "policy"), mp=2)[1])
+        expected = hf_grads_as_params(theirs.model, tmp_path / "grads", peft_model=True, config=config)
+    params = jax.device_put(params, tr.state_shardings.params)
+    batch = tr.shard_batch({"tokens": tokens[None], "mask": mask[None]})
+    sums, count = tr.eval_values(params, batch)
+    ours = {k: float(v) / float(count) for k, v in sums.items()}
+    assert float(count) == len(records)
+    assert abs(ours["loss"] - loss.item()) < 2e-5
+    for name in preference.METRICS[1:]:
+        assert abs(ours[name] - logged[name]) < 2e-4 * max(1.0, abs(logged[name])), name
+
+    ours_loss, grads = tr.loss_and_grads(params, batch)
+    assert abs(float(ours_loss) - loss.item()) < 2e-5
+    grads = jax.device_get(grads)
+    scale = max(float(np.abs(g).max()) for leaves in expected.values() for g in leaves.values())
+    assert scale > 1e-3  # the pairs move the weights
+    errors = {(m, n): float(np.abs(np.asarray(g)[tuple(slice(0, s) for s in expected[m][n].shape)]
+                                   - expected[m][n]).max()) for m, leaves in grads.items() for n, g in leaves.items()}
+    assert max(errors.values()) < 1e-4 * scale, max(errors.items(), key=lambda kv: kv[1])
+
+
+# ----------------------------------------------------------------------------- data
+
+def test_pairs_are_stored_as_adjacent_rows_and_shuffled_as_pairs(tmp_path):
+    """Each pair is two rows (chosen, rejected), padded, masked to the completion; shuffling, when the
+    dataset is built and when it is read, moves whole pairs; a batch must hold whole pairs."""
+    records = [{"prompt": f"Question {i}:", "chosen": f" yes {i}", "rejected": f" no {i}"} for i in range(12)]
+    src = write_jsonl(tmp_path / "p.jsonl", records)
+    ds = build(src, tmp_path / "out", seq=16, preserve_data_order=False)
+    index = json.loads((tmp_path / "out" / "pairs.index.json").read_text())
+    assert (index["version"], index["pairs"], index["has_segments"], index["stats"]["pairs"]) == (3, True, False, 12)
+    tok = load_tokenizer("gpt2")
+    tokens, mask = ds.read(np.arange(len(ds)))
+    texts = [tok.decode(row[: int(np.flatnonzero(m)[-1]) + 2]) for row, m in zip(tokens, mask)]
+    seen = sorted(int(a.split(":")[0].split()[1]) for a in texts[0::2])
+    assert seen == list(range(12)) and texts[0::2] != sorted(texts[0::2])  # shuffled, every pair once
+    for chosen, rejected in zip(texts[0::2], texts[1::2]):
+        i = chosen.split(":")[0].split()[1]
+        assert (chosen, rejected) == (f"Question {i}: yes {i}<|endoftext|>", f"Question {i}: no {i}<|endoftext|>")
+    loader = Loader(ds, 6, seed=3, accumulation=2, rows=(2, 6))
+    for _ in range(3):
+        batch = next(loader)
+        for rows in batch["tokens"]:
+            for chosen, rejected in zip(rows[0::2], rows[1::2]):
+                assert tok.decode(chosen).split(":")[0] == tok.decode(rejected).split(":")[0]
+    loader.close()
+    for bad in (dict(global_batch=5), dict(global_batch=6, rows=(1, 5))):
+        with pytest.raises(ValueError, match="preference pairs"):
+            Loader(ds, **bad)
+
+
+def test_implicit_prompt_and_dropped_pairs(tmp_path):
+    """Without 'prompt', the messages chosen and rejected share are the prompt (TRL's implicit
+    prompt); a pair with a side longer than the row is dropped whole and counted."""
+    prompt = [{"role": "user", "content": "Hi?"}]
+    explicit = [{"prompt": prompt, "chosen": [{"role": "assistant", "content": "Hello."}],
+                 "rejected": [{"role": "assistant", "content": "Go away."}]}]
+    implicit = [{"chosen": prompt + explicit[0]["chosen"], "rejected": prompt + explicit[0]["rejected"]}]
+    too_long = [{"prompt": "x", "chosen": " y" * 40, "rejected": " z"}]
+    a = build(write_jsonl(tmp_path / "a.jsonl", explicit + too_long), tmp_path / "a", seq=32)
+    b = build(write_jsonl(tmp_path / "b.jsonl", implicit + too_long), tmp_path / "b", seq=32)
+    assert len(a) == len(b) == 2
+    for x, y in zip(a.read(np.arange(2)), b.read(np.arange(2))):
+        np.testing.assert_array_equal(x, y)
+    index = json.loads((tmp_path / "a" / "pairs.index.json").read_text())
+    assert index["stats"]["pairs_dropped_too_long"] == 1
+
+
+@pytest.mark.parametrize("record, message", [
+    ({"chosen": "a", "rejected": "b"}, "line 1: field 'prompt' must be a string"),
+    ({"prompt": "p", "chosen": [], "rejected": "b"}, "line 1: field 'chosen' must be a string"),
+    ({"prompt": "p", "chosen": [{"role": "assistant", "content": "a"}], "rejected": [{"role": "assistant", "content": "b"}]},
+     "line 1: field 'prompt' must be a non-empty list of messages"),
+    ({"prompt": [{"role": "user", "content": "q"}], "chosen": [{"role": "user", "content": "a"}],
+      "rejected": [{"role": "assistant", "content": "b"}]}, "line 1: field 'chosen' has no assistant message"),
+    ({"chosen": [{"role": "user", "content": "a"}], "rejected": [{"role": "user", "content": "b"}]},
+     "line 1: no field 'prompt', and 'chosen' and 'rejected' do not start with shared messages"),
+])
+def test_bad_pairs_name_the_line_and_field(record, message, tmp_path):
+    with pytest.raises(DatasetError, match=message):
+        build(write_jsonl(tmp_path / "bad.jsonl", [record]), tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_pairs_and_other_records_do_not_mix(tmp_path):
+    src = write_jsonl(tmp_path / "mixed.jsonl", [{"prompt": "p", "chosen": " a", "rejected": " b"}, {"text": "a document"}])
+    with pytest.raises(DatasetError, match="preference pairs .* mixed with documents"):
+        build(src, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+# ----------------------------------------------------------------------------- config
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(dpo={"beta": 0}), "'dpo.beta' must be a positive number"),
+    (dict(dpo={"beta": True}), "'dpo.beta' must be a positive number"),
+    (dict(dpo={"beta": 0.1, "loss": "ipo"}), "'dpo.loss' is unknown"),
+    (dict(dpo=0.1), "'dpo' must be dict or null"),
+    (dict(dpo={}, fcm_max_ratio=0.2), "'fcm_max_ratio': applies to the language-model loss only"),
+    (dict(dpo={}, z_loss=1e-4), "'z_loss': applies to the language-model loss only"),
+])
+def test_bad_dpo_config_is_one_clear_error(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        config_from_dict({"layers": 1, "d_model": 8, "n_heads": 1, "n_vocab": 16, "seq": 8, **overrides})
+
+
+def test_per_replica_batch_counts_pairs():
+    config = config_from_dict({"layers": 1, "d_model": 8, "n_heads": 1, "n_vocab": 16, "seq": 8, "per_replica_batch": 3,
+                               "dpo": {}})
+    assert config.train.rows_per_replica == 6 and preference.DpoConfig.from_dict(config.train.dpo).beta == 0.1
+
+
+# ----------------------------------------------------------------------------- a run
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RUN = dict(layers=2, d_model=32, n_heads=4, n_vocab=50257, seq=32, pe_rotary_dims=4, compute_dtype="float32",
+           remat="none", cores_per_replica=2, tpu_size=8, per_replica_batch=2, warmup_steps=0, anneal_steps=8,
+           lr=3e-3, end_lr=3e-4, total_steps=6, ckpt_every=2, val_every=3, name="dpo", dpo={"beta": 0.5})
+SNOW = [{"prompt": f"Q{i}: is snow cold?\nA:", "chosen": " Yes, it is cold.", "rejected": f" No{'!' * (i % 3)} It is hot."}
+        for i in range(20)]
+
+
+def device_train(config_path, *args):
+    out = subprocess.run([sys.executable, "device_train.py", "--config", str(config_path), "--cpu-devices", "8",
+                          "--no-tensorboard", "--log-dir", str(config_path.parent / "logs"), *args],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    return out.returncode, out.stdout + out.stderr
+
+
+def run_config(path, data, **overrides):
+    path.mkdir()
+    config = {**RUN, "train_set": str(data / "pairs.index.json"), "val_set": {"held": str(data / "val.index.json")},
+              "model_dir": str(path / "ckpt"), **overrides}
+    (path / "config.json").write_text(json.dumps(config))
+    return path / "config.json"
+
+
+def logged(config_path) -> list[dict]:
+    return [json.loads(line) for line in (config_path.parent / "logs" / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_dpo_run_learns_the_preference_validates_and_resumes_exactly(tmp_path):
+    """device_train.py fine-tunes an HF model with DPO: the first step's loss is log 2 (the policy
+    is its reference), the rewards separate, validation reports the pair metrics, and a run stopped
+    at step 2 and resumed (its reference read back from the HF directory the checkpoint names)
+    ends with exactly the uninterrupted run's weights, optimizer state and losses."""
+    hf_dir = tmp_path / "hf"
+    make_hf_gptj(hf_dir, vocab_size=50257, n_embd=32, n_layer=2, n_head=4, rotary_dim=4, n_positions=64,
+                 initializer_range=0.2)
+    data = tmp_path / "data"
+    build(write_jsonl(tmp_path / "pairs.jsonl", SNOW[:16]), data, seq=32)
+    build(write_jsonl(tmp_path / "val.jsonl", SNOW[16:]), data, seq=32, name="val")
+    straight, stopped = run_config(tmp_path / "straight", data), run_config(tmp_path / "stopped", data)
+    code, out = device_train(straight, "--hf", str(hf_dir))
+    assert code == 0, out[-3000:]
+    code, out = device_train(stopped, "--hf", str(hf_dir), "--stop-after", "2")
+    assert code == 0, out[-3000:]
+    code, out = device_train(stopped, "--hf", str(hf_dir))
+    assert code == 0 and "step 2 of 6" in out, out[-3000:]
+
+    rows = {r["step"]: r for r in logged(straight)}
+    assert abs(rows[1]["train/loss"] - np.log(2)) < 1e-4
+    assert rows[6]["train/loss"] < 0.5 and rows[6]["train/rewards/accuracies"] == 1.0
+    assert rows[6]["train/rewards/margins"] == pytest.approx(rows[6]["train/rewards/chosen"] - rows[6]["train/rewards/rejected"],
+                                                             abs=1e-5)
+    assert rows[6]["val/loss_held"] < np.log(2) and rows[6]["val/rewards/accuracies_held"] == 1.0
+    resumed = {r["step"]: r["train/loss"] for r in logged(stopped)}
+    assert resumed == {s: r["train/loss"] for s, r in rows.items()}
+
+    manager = CheckpointManager(str(tmp_path / "stopped" / "ckpt"), read_only=True)
+    extras = manager.extras(6)
+    assert extras[preference.REFERENCE_KEY] == {"hf": str(hf_dir.resolve())} and preference.REFERENCE_FINGERPRINT_KEY in extras
+    config = config_from_dict(json.loads(straight.read_text()))
+    tr = Trainer(config, mesh(1, 1))
+    a, b = (CheckpointManager(str(p / "ckpt"), read_only=True).restore(
+        6, abstract_state=tr.abstract_state, target_shardings=tr.state_shardings)[0] for p in (tmp_path / "straight", tmp_path / "stopped"))
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+    # a plain-text dataset in a DPO run, and pairs in a run without 'dpo', are one clear line each
+    build(write_jsonl(tmp_path / "docs.jsonl", [{"text": "snow " * 80}]), data, seq=32, name="docs")
+    wrong = run_config(tmp_path / "wrong", data, train_set=str(data / "docs.index.json"))
+    code, out = device_train(wrong)
+    assert code == 2 and "config key 'dpo': " + str(data / "docs.index.json") + " holds no preference pairs" in out, out
+    plain = run_config(tmp_path / "plain", data, dpo=None)
+    code, out = device_train(plain)
+    assert code == 2 and "holds preference pairs: set the config key 'dpo'" in out, out
+
+
+def test_zero_accumulation_and_meshes_give_one_devices_step():
+    """A DPO step (full fine-tuning, a random reference) on dp2 x mp2 with ZeRO and two microbatches of
+    two pairs each gives the single device's one step on all four pairs: loss, metrics and weights."""
+    from helpers import tiny_config
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 250, (8, 17)).astype(np.int32)
+    tokens[1::2, :9] = tokens[0::2, :9]  # each pair's prompt
+    mask = np.zeros((8, 16), np.float32)
+    mask[:, 8:] = 1
+    mask[6:, 12:] = 0  # pairs of other lengths
+    results = []
+    for dp, mp, extra, shape in ((1, 1, {}, (1, 8)), (2, 2, dict(zero=True, gradient_accumulation_steps=2), (2, 4))):
+        config = tiny_config(dpo={"beta": 0.2}, per_replica_batch=4 // dp // (2 if extra else 1), cores_per_replica=mp,
+                             **extra)
+        tr = Trainer(config, mesh(dp, mp))
+        state = tr.init_state(0)
+        tr.base = tr.init_base(1)  # a reference other than the policy
+        batch = tr.shard_batch({"tokens": tokens.reshape(*shape, 17), "mask": mask.reshape(*shape, 16)})
+        state, metrics = tr.step(state, batch)
+        results.append((jax.device_get(metrics), jax.device_get(state.params)))
+    (m1, p1), (m2, p2) = results
+    assert m1["loss"] > 0.1 and abs(m1["rewards/margins"]) > 1e-3
+    for name in preference.METRICS:
+        assert abs(float(m1[name]) - float(m2[name])) < 1e-5 * max(1.0, abs(float(m1[name]))), name
+    for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p2)):
+        np.testing.assert_allclose(a, b, atol=2e-6)
