@@ -25,8 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -163,7 +161,7 @@ def worker_trl(args, lora: bool) -> dict:
         trl_args = trl.DPOConfig(output_dir=out, per_device_train_batch_size=args.pairs, max_steps=steps, beta=BETA,
                                  learning_rate=1e-4, lr_scheduler_type="constant", weight_decay=0.1, max_grad_norm=1.0,
                                  gradient_checkpointing=False, bf16=False, use_cpu=True, report_to="none",
-                                 save_strategy="no", logging_steps=10**6, dataloader_num_workers=0, shuffle_dataset=False)
+                                 save_strategy="no", logging_steps=10**6, dataloader_num_workers=0)
         trainer = trl.DPOTrainer(model=model, ref_model=reference, args=trl_args, train_dataset=data,
                                  processing_class=tokenizer, peft_config=peft_config, callbacks=[Clock()])
         row = trainer.train_dataset[0]
@@ -175,20 +173,6 @@ def worker_trl(args, lora: bool) -> dict:
             "trainable_params": int(trainable),
             "versions": {"torch": torch.__version__, "transformers": transformers.__version__, "trl": trl.__version__,
                          "peft": peft_module.__version__}}
-
-
-def run_worker(args, kind: str, argv: list[str]) -> dict:
-    peer = kind.startswith("trl")
-    python = args.peer_python if peer else sys.executable
-    if peer and not os.path.exists(python):
-        sys.exit(f"{python} not found: run bash bench/setup_trl_venv.sh first")
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} if peer else os.environ
-    extra = ["--hf-config", args.hf_config] if peer else []
-    proc = subprocess.run([python, os.path.abspath(__file__), *argv, "--worker", kind, *extra], capture_output=True,
-                          text=True, env=env, cwd=ROOT)
-    if proc.returncode:
-        sys.exit(f"{kind} failed:\n{proc.stderr[-4000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def main(argv=None):
@@ -203,14 +187,8 @@ def main(argv=None):
     sys.path.insert(0, ROOT)
     args.hf_config = lora_train.peer_config(args)
     description = machine.describe(("trl", "peft"))
-    runs: dict[str, list] = {k: [] for k in kinds}
-
-    def measure(kind):
-        def once() -> float:
-            runs[kind].append(run_worker(args, kind, argv))
-            return args.batch * args.seq / statistics.median(runs[kind][-1]["step_s"])
-        return once
-    machine.interleaved({k: measure(k) for k in kinds}, args.runs, progress=not args.json)
+    runs = lora_train.rounds(args, kinds, lambda kind: lora_train.run_worker(
+        args, kind, argv, peer=kind.startswith("trl"), script=__file__, setup="bench/setup_trl_venv.sh"))
     results = {k: lora_train.summary(args, v) for k, v in runs.items()}
     skip = ("worker", "json", "peer_python", "hf_config", "batch", "seq", "mp", "dropout", "quantize_base")
     result = {"config": {k: v for k, v in vars(args).items() if k not in skip}, "kinds": results}

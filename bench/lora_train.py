@@ -192,17 +192,33 @@ def worker_peft(args) -> dict:
 
 # ----------------------------------------------------------------------------- driver
 
-def run_worker(args, kind: str, argv: list[str]) -> dict:
-    python = args.peer_python if kind == "peft-lora" else sys.executable
-    if kind == "peft-lora" and not os.path.exists(python):
-        sys.exit(f"{python} not found: run bash bench/setup_peft_venv.sh first")
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} if kind == "peft-lora" else os.environ
-    extra = ["--hf-config", args.hf_config] if kind == "peft-lora" else []
-    proc = subprocess.run([python, os.path.abspath(__file__), *argv, "--worker", kind, *extra], capture_output=True,
+def run_worker(args, kind: str, argv: list[str], peer: bool, script: str = __file__,
+               setup: str = "bench/setup_peft_venv.sh") -> dict:
+    """`script --worker kind` in a process of its own (the peer's in its venv, given its model as
+    --hf-config) -> the JSON it prints last."""
+    python = args.peer_python if peer else sys.executable
+    if peer and not os.path.exists(python):
+        sys.exit(f"{python} not found: run bash {setup} first")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} if peer else os.environ
+    extra = ["--hf-config", args.hf_config] if peer else []
+    proc = subprocess.run([python, os.path.abspath(script), *argv, "--worker", kind, *extra], capture_output=True,
                           text=True, env=env, cwd=ROOT)
     if proc.returncode:
         sys.exit(f"{kind} failed:\n{proc.stderr[-4000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def rounds(args, kinds: list[str], run_one) -> dict[str, list]:
+    """`run_one(kind)` for every kind in turn, `args.runs` rounds (machine.interleaved) -> {kind: its runs}."""
+    runs: dict[str, list] = {k: [] for k in kinds}
+
+    def measure(kind):
+        def once() -> float:
+            runs[kind].append(run_one(kind))
+            return args.batch * args.seq / statistics.median(runs[kind][-1]["step_s"])
+        return once
+    machine.interleaved({k: measure(k) for k in kinds}, args.runs, progress=not args.json)
+    return runs
 
 
 def summary(args, runs: list[dict]) -> dict:
@@ -230,14 +246,7 @@ def main(argv=None):
     sys.path.insert(0, ROOT)
     args.hf_config = peer_config(args) if "peft-lora" in kinds else None
     description = machine.describe(("peft",))
-    runs: dict[str, list] = {k: [] for k in kinds}
-
-    def measure(kind):
-        def once() -> float:
-            runs[kind].append(run_worker(args, kind, argv))
-            return args.batch * args.seq / statistics.median(runs[kind][-1]["step_s"])
-        return once
-    machine.interleaved({k: measure(k) for k in kinds}, args.runs, progress=not args.json)
+    runs = rounds(args, kinds, lambda kind: run_worker(args, kind, argv, peer=kind == "peft-lora"))
     results = {k: summary(args, v) for k, v in runs.items()}
     result = {"config": {k: v for k, v in vars(args).items() if k not in ("worker", "json", "peer_python", "hf_config")},
               "kinds": results}

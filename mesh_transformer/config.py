@@ -294,6 +294,18 @@ def _check_type(key: str, value: Any, annotation: Any) -> Any:
     raise ConfigError(f"config key {key!r} must be {names}, got {json.dumps(value)} ({type(value).__name__})")
 
 
+def check_object(raw: Any, key: str, keys: typing.Sequence[str], shape: str) -> dict:
+    """A config key whose value is an object of `keys` (e.g. "lora", "dpo"): ConfigError naming the key
+    when it is not an object (`shape` says what it should look like) or naming `key.<name>` when it
+    holds a key not among `keys`."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config key {key!r} must be an object {shape}, got {json.dumps(raw)}")
+    unknown = sorted(set(raw) - set(keys))
+    if unknown:
+        raise ConfigError(f"config key '{key}.{unknown[0]}' is unknown ({key} takes {', '.join(keys)})")
+    return raw
+
+
 def require(condition: bool, key: str, message: str) -> None:
     if not condition:
         raise ConfigError(f"config key {key!r}: {message}")

@@ -31,7 +31,7 @@ from typing import Any, NamedTuple, Optional, Sequence, Union
 import numpy as np
 
 from mesh_transformer import parallel
-from mesh_transformer.config import ConfigError, ModelConfig
+from mesh_transformer.config import ConfigError, ModelConfig, check_object
 
 ALL_LINEAR = "all-linear"
 KEYS = ("rank", "alpha", "dropout", "targets", "quantize_base")
@@ -54,11 +54,7 @@ class LoraConfig:
     @classmethod
     def from_dict(cls, raw: Any) -> "LoraConfig":
         """Parse the config's "lora" object; ConfigError naming `lora.<key>`."""
-        if not isinstance(raw, dict):
-            raise ConfigError(f"config key 'lora' must be an object {{rank, alpha, dropout, targets}}, got {json.dumps(raw)}")
-        unknown = sorted(set(raw) - set(KEYS))
-        if unknown:
-            raise ConfigError(f"config key 'lora.{unknown[0]}' is unknown (lora takes {', '.join(KEYS)})")
+        check_object(raw, "lora", KEYS, "{rank, alpha, dropout, targets}")
         rank, alpha = raw.get("rank", 8), raw.get("alpha", raw.get("rank", 8))
         dropout, targets = raw.get("dropout", 0.0), raw.get("targets", ALL_LINEAR)
         if not isinstance(rank, int) or isinstance(rank, bool) or rank <= 0:
@@ -670,25 +666,29 @@ def base_params(ref: dict, model: ModelConfig, mp: int = 1, shardings=None):
     """Read the base `ref` points to -> plain params (no adapters; numpy float32, or placed by `shardings`)."""
     from mesh_transformer import models
     if not isinstance(ref, dict) or not ({"hf", "ckpt", "init"} & set(ref)):
-        raise ConfigError(f"this LoRA checkpoint names no base model ({BASE_KEY} = {ref!r})")
+        raise ConfigError(f"this checkpoint names no base (LoRA) or reference (DPO) model ({ref!r})")
     if "hf" in ref:
         from mesh_transformer.io import hf
         found, params = hf.load_hf(ref["hf"], mp=mp)
         if found.architecture() != model.architecture():
-            raise ConfigError(f"{ref['hf']}: the LoRA base's architecture is not the config's")
+            raise ConfigError(f"{ref['hf']}: its architecture is not the config's (a LoRA base or DPO reference "
+                              "is the model the config describes)")
         return params if shardings is None else _place(params, shardings)
     if "ckpt" in ref:
         import jax
         from mesh_transformer.io.checkpoint import CheckpointManager
         abstract = models.build(model, mp).abstract_params
-        if shardings is None:
+        host = shardings is None
+        if host:
             cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
             shardings = jax.tree.map(lambda _: cpu, abstract)
-        return CheckpointManager(ref["ckpt"], read_only=True).restore_params(
+        params = CheckpointManager(ref["ckpt"], read_only=True).restore_params(
             ref.get("step"), abstract_params=abstract, target_shardings=shardings, check_config=False)
+        return jax.device_get(params) if host else params  # host numpy, as the other sources give it
     import jax
-    params = models.build(model, mp).init(jax.random.key(ref["init"]))
-    return params if shardings is None else _place(params, shardings)
+    # jitted, as a run's first random init is (Trainer.init_state / init_base): eager init differs in the last bit
+    params = jax.jit(models.build(model, mp).init)(jax.random.key(ref["init"]))
+    return jax.device_get(params) if shardings is None else _place(params, shardings)
 
 
 def _place(params, shardings):

@@ -37,7 +37,7 @@ class Plan:
     """What one training step of `config` costs on a dp x mp mesh (memory per device, in bytes)."""
 
     n_params: int  # unique parameters of the model, unpadded vocabulary (HF's count)
-    flops_per_token: int  # model FLOPs per trained token (forward + backward, no remat)
+    flops_per_token: int  # model FLOPs per trained token (forward + backward, no remat; DPO: + the reference's forward)
     tokens_per_step: int
     dp: int
     mp: int
@@ -137,7 +137,8 @@ def plan(config: Config, dp: int, mp: int, zero: Optional[bool] = None, devices=
         n_params=trainer.model.n_params() if trainer.lora is None else models.build(m, mp).n_params(),
         n_trainable=(trainer.model.n_params() if trainer.lora is None
                      else sum(x.size for x in jax.tree.leaves(trainer.abstract_state.params))),
-        flops_per_token=trainer.model.flops_per_token(),
+        # DPO adds the reference's forward: a third of a forward + backward's (2 of 6 per parameter)
+        flops_per_token=trainer.model.flops_per_token() * (4 if trainer.dpo else 3) // 3,
         tokens_per_step=t.gradient_accumulation_steps * trainer.global_batch * m.seq,
         dp=dp, mp=mp, zero=config.train.zero,
         platform=platform, cpu_upcast_bytes=upcast,

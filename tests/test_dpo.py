@@ -36,6 +36,7 @@ CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 TEXT_PAIRS = [{"prompt": f"Question {i}: which is red?\nAnswer:", "chosen": f" An apple{'!' * i}.",
                "rejected": " The sky" + " at noon" * i + "."} for i in range(4)]
+TEXT_PAIRS[1]["chosen"] += "<|endoftext|>"  # ends with EOS's text already: no second EOS (TRL adds none either)
 CHAT_PAIRS = [{"prompt": [{"role": "user", "content": f"A red fruit ({i})?"}],
                "chosen": [{"role": "assistant", "content": "A cherry" + "!" * i}],
                "rejected": [{"role": "assistant", "content": "Blue" * (i + 1)}]} for i in range(4)]
@@ -177,13 +178,20 @@ def test_pairs_are_stored_as_adjacent_rows_and_shuffled_as_pairs(tmp_path):
             Loader(ds, **bad)
 
 
-def test_implicit_prompt_and_dropped_pairs(tmp_path):
-    """Without 'prompt', the messages chosen and rejected share are the prompt (TRL's implicit
-    prompt); a pair with a side longer than the row is dropped whole and counted."""
-    prompt = [{"role": "user", "content": "Hi?"}]
-    explicit = [{"prompt": prompt, "chosen": [{"role": "assistant", "content": "Hello."}],
-                 "rejected": [{"role": "assistant", "content": "Go away."}]}]
-    implicit = [{"chosen": prompt + explicit[0]["chosen"], "rejected": prompt + explicit[0]["rejected"]}]
+@pytest.mark.parametrize("form", ["conversational", "text"])
+def test_implicit_prompt_and_dropped_pairs(form, tmp_path):
+    """Without 'prompt', what chosen and rejected share is the prompt, split as TRL's own
+    `extract_prompt` splits it (messages; text, a space before they differ going with the
+    completions); a pair with a side longer than the row is dropped whole and counted."""
+    if form == "text":
+        implicit = [{"chosen": "Human: sky colour?\n\nAssistant: It is blue.",
+                     "rejected": "Human: sky colour?\n\nAssistant: It is green, I think."}]
+    else:
+        prompt = [{"role": "user", "content": "Hi?"}]
+        implicit = [{"chosen": prompt + [{"role": "assistant", "content": "Hello."}],
+                     "rejected": prompt + [{"role": "assistant", "content": "Go away."}]}]
+    explicit = [trl.extract_prompt(implicit[0])]
+    assert explicit[0]["prompt"] and explicit[0]["chosen"] != implicit[0]["chosen"]
     too_long = [{"prompt": "x", "chosen": " y" * 40, "rejected": " z"}]
     a = build(write_jsonl(tmp_path / "a.jsonl", explicit + too_long), tmp_path / "a", seq=32)
     b = build(write_jsonl(tmp_path / "b.jsonl", implicit + too_long), tmp_path / "b", seq=32)
@@ -195,7 +203,8 @@ def test_implicit_prompt_and_dropped_pairs(tmp_path):
 
 
 @pytest.mark.parametrize("record, message", [
-    ({"chosen": "a", "rejected": "b"}, "line 1: field 'prompt' must be a string"),
+    ({"prompt": 5, "chosen": "a", "rejected": "b"}, "line 1: field 'prompt' must be a string, .* got int"),
+    ({"chosen": "a", "rejected": "b"}, "line 1: no field 'prompt', and 'chosen' and 'rejected' do not start with shared text"),
     ({"prompt": "p", "chosen": [], "rejected": "b"}, "line 1: field 'chosen' must be a string"),
     ({"prompt": "p", "chosen": [{"role": "assistant", "content": "a"}], "rejected": [{"role": "assistant", "content": "b"}]},
      "line 1: field 'prompt' must be a non-empty list of messages"),
@@ -203,11 +212,20 @@ def test_implicit_prompt_and_dropped_pairs(tmp_path):
       "rejected": [{"role": "assistant", "content": "b"}]}, "line 1: field 'chosen' has no assistant message"),
     ({"chosen": [{"role": "user", "content": "a"}], "rejected": [{"role": "user", "content": "b"}]},
      "line 1: no field 'prompt', and 'chosen' and 'rejected' do not start with shared messages"),
+    ({"chosen": "same", "rejected": "same"}, "line 1: no field 'prompt', and 'chosen' and 'rejected' do not start "
+                                             "with shared text followed by different text"),
+    ({"prompt": "q", "chosen": "a", "rejected": None}, "line 1: field 'rejected' must be a string as 'chosen' is, "
+                                                       "got NoneType"),
 ])
 def test_bad_pairs_name_the_line_and_field(record, message, tmp_path):
     with pytest.raises(DatasetError, match=message):
         build(write_jsonl(tmp_path / "bad.jsonl", [record]), tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_pair_dataset_with_an_odd_row_count_is_refused():
+    with pytest.raises(DatasetError, match="odd number of rows"):
+        Dataset.from_arrays(np.zeros((3, 9), np.int32), np.ones((3, 8), np.float32), pairs=True)
 
 
 def test_pairs_and_other_records_do_not_mix(tmp_path):
@@ -341,3 +359,36 @@ def test_zero_accumulation_and_meshes_give_one_devices_step():
         assert abs(float(m1[name]) - float(m2[name])) < 1e-5 * max(1.0, abs(float(m1[name]))), name
     for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p2)):
         np.testing.assert_allclose(a, b, atol=2e-6)
+
+
+@pytest.mark.parametrize("how", ["full", "lora-int8"])
+def test_a_stopped_run_resumes_with_its_reference(how, tmp_path):
+    """A DPO run stopped after 2 steps and resumed in a new TrainRun reads its reference back (the
+    same weights: its fingerprint equal) and logs the uninterrupted run's losses. Full fine-tuning
+    from a seeded random init (the reference: a copy of those weights, re-made from the seed); LoRA
+    with an int8 base from `--tune-model-path` of our checkpoint (the base, re-read from it and
+    quantized again), on dp4 x mp2."""
+    from helpers import tiny_config, word_tokenizer
+    from mesh_transformer.train.loop import RunOptions, TrainRun
+    rng = np.random.default_rng(0)
+    words = lambda n: " ".join(f"w{i}" for i in rng.integers(1, 200, n))  # noqa: E731
+    records = [{"prompt": words(6), "chosen": " " + words(4), "rejected": " " + words(5)} for _ in range(12)]
+    build(write_jsonl(tmp_path / "p.jsonl", records), tmp_path / "data", tokenizer=word_tokenizer(tmp_path / "tok"), seq=16)
+    extra, start = {}, {}
+    if how != "full":
+        extra = {"lora": {"rank": 4, "alpha": 8, "targets": ["q_proj", "v_proj"], "quantize_base": "int8"}}
+        make_hf_gptj(tmp_path / "hf", vocab_size=250, n_embd=64, n_layer=3, n_head=8, rotary_dim=4, n_inner=128)
+        hf.hf_to_checkpoint(str(tmp_path / "hf"), str(tmp_path / "base"))
+        start = {"tune_model_path": str(tmp_path / "base")}
+    losses = {}
+    for name, stops in (("straight", [None]), ("stopped", [2, None])):
+        config = tiny_config(dpo={"beta": 0.5}, train_set=str(tmp_path / "data" / "pairs.index.json"), total_steps=4,
+                             ckpt_every=2, model_dir=str(tmp_path / name), cores_per_replica=2, per_replica_batch=1,
+                             **extra)
+        for stop in stops:
+            TrainRun(config, RunOptions(log_dir=str(tmp_path / f"{name}-logs"), tensorboard=False, stop_after=stop,
+                                        **start)).train()
+        rows = (json.loads(line) for line in (tmp_path / f"{name}-logs" / "metrics.jsonl").read_text().splitlines())
+        losses[name] = {r["step"]: r["train/loss"] for r in rows}
+    assert losses["stopped"] == losses["straight"] and len(losses["straight"]) == 4
+    assert abs(losses["straight"][1] - np.log(2)) < 1e-4

@@ -276,6 +276,10 @@ def _pieces(records, tok, cfg: BuildConfig, stats: _Stats, chat: ChatTemplate, b
         return tok(texts, add_special_tokens=False, split_special_tokens=True,
                    return_attention_mask=False)["input_ids"] if texts else []
 
+    def without_eos(completion: str) -> str:  # as TRL: a completion already ending with EOS's text gets no second
+        eos = tok.eos_token or ""
+        return completion[: -len(eos)] if eos and completion.endswith(eos) else completion
+
     def completed(p, c):  # a prompt's and its completion's ids -> (ids, mask on the completion and its EOS)
         c = c + [tok.eos_token_id]
         return np.asarray(p + c, np.int64), np.r_[np.zeros(len(p), np.uint8), np.ones(len(c), np.uint8)]
@@ -294,7 +298,8 @@ def _pieces(records, tok, cfg: BuildConfig, stats: _Stats, chat: ChatTemplate, b
         doc_ids = iter(encode(docs))
         prompt_ids = iter(encode([e.prompt for e in examples]))
         completion_ids = iter(encode([e.completion for e in examples]))
-        pair_ids = iter(zip(*(encode([getattr(e, k) for e in text_pairs]) for k in preferences.TextPair._fields)))
+        pair_ids = iter(zip(*(encode([without_eos(getattr(e, k)) if k != "prompt" else e.prompt for e in text_pairs])
+                              for k in preferences.TextPair._fields)))
         for item in batch:
             if isinstance(item, str):
                 ids = next(doc_ids) + [tok.eos_token_id]
@@ -601,6 +606,9 @@ class Dataset:
         self.seq, self.n_sequences = index["seq"], int(self._starts[-1])
         self.has_mask, self.eos_id = index["has_mask"], index["eos_id"]
         self.pairs = bool(index.get("pairs"))  # rows 2i, 2i+1: a preference pair's chosen and rejected
+        if self.pairs and self.n_sequences % 2:
+            raise DatasetError(f"{path or 'dataset'}: holds preference pairs but an odd number of rows "
+                               f"({self.n_sequences}); it is damaged: build it again")
         self.has_segments = all(s is not None for s in self._segments)  # stored; else the EOS rule
 
     def __len__(self) -> int:

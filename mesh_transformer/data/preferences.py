@@ -2,13 +2,18 @@
 data of DPO, `train/preference.py`), each two completions of one prompt, the first preferred.
 
 Two forms, as TRL reads them:
-- text: three strings; a completion is trained on with the tokenizer's EOS after it (TRL adds it),
-  tokenized apart from its prompt as prompt/completion examples are;
+- text: three strings; a completion is trained on with the tokenizer's EOS after it (TRL adds it;
+  a completion that ends with the EOS token's text already gets no second one), tokenized apart
+  from its prompt as prompt/completion examples are, so the prompt's tokens are those the server
+  gives the model (TRL tokenizes prompt + completion as one text, so where a token would span the
+  boundary, e.g. a prompt ending in a space, its completion starts differently);
 - conversational: `prompt` a list of messages, `chosen` and `rejected` the lists of messages that
   follow it (usually one assistant message), optional `tools`. Each side is the conversation
   prompt + completion, rendered by the chat template as chat data is (`conversations.encode`) and
-  trained on the completion's assistant turns only. Without `prompt` (TRL's "implicit prompt"),
-  the messages `chosen` and `rejected` start with in common are the prompt.
+  trained on the completion's assistant turns only.
+Without `prompt` (TRL's "implicit prompt", `trl.extract_prompt`), what `chosen` and `rejected` start
+with in common is the prompt: the shared messages, or for text the shared characters (a space just
+before they differ goes with the completions).
 
 A pair is stored as two rows, chosen then rejected, each padded to the row (never packed with
 others), so a batch that takes whole pairs holds each pair's two sides.
@@ -41,6 +46,17 @@ class ConversationPair:
         return sum(len(m.get("content") or "") for c in (self.chosen, self.rejected) for m in c.messages)
 
 
+def _shared_text(chosen: str, rejected: str) -> tuple[str, str, str]:
+    """(prompt, chosen, rejected) of a text pair without a prompt, split as `trl.extract_prompt` splits it."""
+    cut = next((i for i, (a, b) in enumerate(zip(chosen, rejected)) if a != b), None)
+    if cut is None or cut == 0:
+        raise ValueError("no field 'prompt', and 'chosen' and 'rejected' do not start with shared text "
+                         "followed by different text")
+    if chosen[cut - 1] == " ":
+        cut -= 1
+    return chosen[:cut], chosen[cut:], rejected[cut:]
+
+
 def is_pair(obj: dict) -> bool:
     return "chosen" in obj and "rejected" in obj
 
@@ -49,14 +65,19 @@ def read(obj: dict, where: str) -> TextPair | ConversationPair:
     """A record's pair; ValueError naming the field at fault."""
     prompt, chosen, rejected = obj.get("prompt"), obj["chosen"], obj["rejected"]
     if isinstance(chosen, str) and isinstance(rejected, str):
-        if not isinstance(prompt, str):
-            raise ValueError("field 'prompt' must be a string, the text 'chosen' and 'rejected' complete"
-                             + (f", got {type(prompt).__name__}" if prompt is not None else ""))
+        if prompt is None:
+            prompt, chosen, rejected = _shared_text(chosen, rejected)
+        elif not isinstance(prompt, str):
+            raise ValueError(f"field 'prompt' must be a string, the text 'chosen' and 'rejected' complete, "
+                             f"got {type(prompt).__name__}")
         return TextPair(prompt, chosen, rejected)
+    if isinstance(chosen, str) or isinstance(rejected, str):
+        field, other = ("rejected", "chosen") if isinstance(chosen, str) else ("chosen", "rejected")
+        raise ValueError(f"field {field!r} must be a string as {other!r} is, got {type(obj[field]).__name__}")
     for field, value in (("chosen", chosen), ("rejected", rejected)):
         if not isinstance(value, list) or not value:
-            raise ValueError(f"field {field!r} must be a string (with 'prompt' a string) or a non-empty list of "
-                             f"messages (with 'prompt' a list of messages), got {type(value).__name__}")
+            raise ValueError(f"field {field!r} must be a string or a non-empty list of messages, "
+                             f"got {type(value).__name__}{' (empty)' if value == [] else ''}")
     if prompt is None:  # TRL's implicit prompt: what the two conversations share
         shared = next((i for i, (a, b) in enumerate(zip(chosen, rejected)) if a != b), min(len(chosen), len(rejected)))
         if shared == 0 or shared == len(chosen) or shared == len(rejected):

@@ -203,9 +203,8 @@ class TrainHost:
             keep_generation_config(self.ckpt.directory,
                                    mtj_v1.tokenizer_dirs(v1_dir) if v1_dir is not None else [o.tune_model_path])
             return started
-        if tr.lora is not None or tr.holds_reference:  # a random base (or reference): reproducible from the seed
-            self._base_ref = lora.base_reference(seed=self.config.train.seed)
-            tr.base = tr.init_base(self.config.train.seed)
+        if tr.lora is not None or tr.holds_reference:  # a random base (or reference): reproducible from the seed,
+            self._load_base(lora.base_reference(seed=self.config.train.seed))  # read as a resume reads it
         return tr.init_state(self.config.train.seed), {}
 
     def _frozen_keys(self) -> tuple[str, str]:

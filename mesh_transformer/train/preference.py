@@ -27,7 +27,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from mesh_transformer.config import ConfigError
+from mesh_transformer.config import ConfigError, check_object
 
 KEYS = ("beta",)
 # What a checkpoint of a DPO run without LoRA records about its reference (as LoRA's about its base):
@@ -45,11 +45,7 @@ class DpoConfig:
     @classmethod
     def from_dict(cls, raw: Any) -> "DpoConfig":
         """Parse the config's "dpo" object; ConfigError naming `dpo.<key>`."""
-        if not isinstance(raw, dict):
-            raise ConfigError(f"config key 'dpo' must be an object {{\"beta\": number}}, got {json.dumps(raw)}")
-        unknown = sorted(set(raw) - set(KEYS))
-        if unknown:
-            raise ConfigError(f"config key 'dpo.{unknown[0]}' is unknown (dpo takes {', '.join(KEYS)})")
+        check_object(raw, "dpo", KEYS, '{"beta": number}')
         beta = raw.get("beta", cls.beta)
         if not isinstance(beta, (int, float)) or isinstance(beta, bool) or not beta > 0:
             raise ConfigError(f"config key 'dpo.beta' must be a positive number, got {json.dumps(beta)}")

@@ -195,7 +195,8 @@ class Trainer:
         """A random frozen base (LoRA on a randomly initialised model: tests, benchmarks)."""
         if isinstance(rng, int):
             rng = jax.random.key(rng)
-        frozen = self.frozen_part(self.model.init(rng))
+        # the plain model's init (no adapters drawn from the stream): the base `lora.base_params({"init": seed})` reads
+        frozen = self.frozen_part(models.build(self.config.model, self.mp).init(rng))
         if self.quantize_base:
             return {m: {n: x for name, leaf in leaves.items() for n, x in self._base_leaf(m, name, leaf).items()}
                     for m, leaves in frozen.items()}
