@@ -64,7 +64,8 @@ def parse_args(argv=None):
     p.add_argument("--hf-config", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     # what lora_train's helpers read: rows a step, tokens a row, one device, no dropout, fp32 base
-    args.batch, args.seq, args.mp, args.dropout, args.quantize_base = 2 * args.pairs, args.prompt + args.completion, 1, 0.0, None
+    args.batch, args.seq = 2 * args.pairs, args.prompt + args.completion
+    args.mp, args.dropout, args.quantize_base = 1, 0.0, None
     return args
 
 
@@ -204,8 +205,8 @@ def text(result):
     for kind, s in result["kinds"].items():
         t = s["tokens_per_s"]
         xla = f"{s['xla_arguments_mib']:.0f} + {s['xla_temporaries_mib']:.0f} MiB" if "xla_temporaries_mib" in s else ""
-        print(f"{NAMES[kind]:28s} {s['trainable_params']:11,d} {t['median']:9.0f} ({t['min']:.0f}-{t['max']:.0f}){'':8s} "
-              f"{s['peak_rss_mib']:6.0f} MiB {xla:>17s}")
+        rate = f"{t['median']:9.0f} ({t['min']:.0f}-{t['max']:.0f})"
+        print(f"{NAMES[kind]:28s} {s['trainable_params']:11,d} {rate:27s} {s['peak_rss_mib']:6.0f} MiB {xla:>17s}")
     for how in ("full", "lora"):
         if f"{how}_speedup_vs_trl" in result:
             print(f"{how}: {result[f'{how}_speedup_vs_trl']:.2f}x TRL")

@@ -212,7 +212,8 @@ def format_plan(result: Plan, config_path: str, device_memories_gib: Sequence[fl
         ("per device", ""),
         *((f"  {k}", _bytes(v)) for k, v in b.items()),
         *([("  of which", f"{_bytes(result.cpu_upcast_bytes)} of the temporaries: XLA:CPU's float32 copy of the "
-                          f"{'reference' if 'reference' in b else 'frozen base'} (no bf16 matmul on CPU; GPU/TPU make none)"),
+                          f"{'reference' if 'reference' in b else 'frozen base'} "
+                          "(no bf16 matmul on CPU; GPU/TPU make none)"),
            ("  GPU/TPU", f"{_bytes(b['total'] - result.cpu_upcast_bytes)} total (what 'fits' compares)")]
           if result.cpu_upcast_bytes else []),
         ("fits", "   ".join(f"{g:g} GiB: {'yes' if result.fits(g) else 'no'}" for g in device_memories_gib)),

@@ -563,8 +563,8 @@ def build_dataset(cfg: BuildConfig) -> str:
         shards = _write_shards(cfg, order, tokens, masks, segments, _masked(stats), has_segments)
         del tokens, masks, segments
     index = {
-        "format": FORMAT, "version": PAIRS_VERSION if _pairs(stats) else VERSION, "name": cfg.name, "seq": cfg.seq, "dtype": dtype.name,
-        "tokenizer": cfg.tokenizer, "vocab_size": len(tok), "eos_id": tok.eos_token_id,
+        "format": FORMAT, "version": PAIRS_VERSION if _pairs(stats) else VERSION, "name": cfg.name, "seq": cfg.seq,
+        "dtype": dtype.name, "tokenizer": cfg.tokenizer, "vocab_size": len(tok), "eos_id": tok.eos_token_id,
         "n_sequences": int(len(order)), "n_tokens": int(len(order) * width),
         "has_mask": _masked(stats), "has_segments": has_segments, "pairs": _pairs(stats), "shards": shards,
         "stats": dict(stats),

@@ -184,9 +184,9 @@ class TrainHost:
             if tr.lora is not None or tr.holds_reference:
                 where, fingerprint = self._frozen_keys()
                 if tr.holds_reference and where not in extras:
-                    raise ConfigError(f"{self.ckpt.directory}: its step {self._saved_step} is not a DPO run's (it names "
-                                      "no reference model); start DPO in a new model_dir with --tune-model-path "
-                                      f"{self.ckpt.directory}")
+                    raise ConfigError(f"{self.ckpt.directory}: its step {self._saved_step} is not a DPO run's "
+                                      "(it names no reference model); start DPO in a new model_dir with "
+                                      f"--tune-model-path {self.ckpt.directory}")
                 self._load_base(extras.get(where), extras.get(fingerprint))
             return state, extras.get("train_loader") or {}
         if o.hf:

@@ -4,8 +4,9 @@
     state, metrics = trainer.step(state, {"tokens": int32 [A, B, T+1], "mask": [A, B, T] (optional)})
 
 A = gradient_accumulation_steps microbatches of B = per_replica_batch x dp sequences (with `dpo`,
-that many preference pairs: twice the rows), scanned inside the step. Master parameters and optimizer state are float32 (sharded by the Megatron
-table, or by the ZeRO table when `zero` is set); the forward/backward pass runs in compute_dtype.
+that many preference pairs: twice the rows), scanned inside the step. Master parameters and
+optimizer state are float32 (sharded by the Megatron table, or by the ZeRO table when `zero` is
+set); the forward/backward pass runs in compute_dtype.
 The loss is token-weighted over all microbatches (with `dpo`, pair-weighted), so k microbatches
 equal one k-times-larger batch exactly.
 """
