@@ -16,6 +16,8 @@ import sys
 import jax
 import numpy as np
 import pytest
+import torch
+import trl  # the oracle (requirements-dev.txt)
 
 from helpers import make_hf_gptj, make_hf_model, mesh
 from mesh_transformer import lora
@@ -27,8 +29,6 @@ from mesh_transformer.io.tokenizer import load_tokenizer
 from mesh_transformer.train import preference
 from mesh_transformer.train.step import Trainer
 
-torch = pytest.importorskip("torch")
-trl = pytest.importorskip("trl")
 
 CASE = "llama_gqa2_llama3_rope"  # a tiny LLaMA (grouped-query attention), with GPT-2's vocabulary
 GPT2_VOCAB = 50257
@@ -392,3 +392,45 @@ def test_a_stopped_run_resumes_with_its_reference(how, tmp_path):
         losses[name] = {r["step"]: r["train/loss"] for r in rows}
     assert losses["stopped"] == losses["straight"] and len(losses["straight"]) == 4
     assert abs(losses["straight"][1] - np.log(2)) < 1e-4
+
+
+ONE_CASE_PER_FAMILY = ["gptj", "gpt_neox", "llama_gqa2_llama3_rope", "gpt2", "opt_projected", "phi3_window_partial",
+                       "gemma2_softcap_window", "mixtral_window", "qwen2_moe_shared", "olmo2_gqa", "phi_gqa_yarn",
+                       "starcoder2_window"]
+
+
+@pytest.mark.parametrize("case", ONE_CASE_PER_FAMILY)
+def test_every_family_scores_pairs_with_transformers_log_probs(case, tmp_path):
+    """For every family (full fine-tuning, dp=2): each completion's log-probability under the policy
+    and the reference is transformers' (two HF models of the family), and the rewards and loss follow
+    from them as DPO defines them."""
+    policy = make_hf_model(tmp_path / "policy", case, seed=0)
+    reference = make_hf_model(tmp_path / "reference", case, seed=1)
+    config, params = hf.load_hf(str(tmp_path / "policy"))
+    config = dataclasses.replace(config, compute_dtype="float32", remat="none")
+    tr = Trainer(Config(config, TrainConfig(per_replica_batch=2, dpo={"beta": 0.3})), mesh(2, 1))
+    tr.set_base(hf.load_hf(str(tmp_path / "reference"))[1])
+    tokens = np.random.RandomState(3).randint(0, config.n_vocab, (8, 13)).astype(np.int32)
+    tokens[1::2, :7] = tokens[0::2, :7]  # each pair's prompt
+    mask = np.zeros((8, 12), np.float32)
+    mask[:, 6:] = 1
+    mask[4:6, 10:] = 0  # a pair with shorter completions
+    sums, count = tr.eval_values(jax.device_put(params, tr.state_shardings.params),
+                                 tr.shard_batch({"tokens": tokens[None], "mask": mask[None]}))
+    ours = {k: float(v) / float(count) for k, v in sums.items()}
+
+    def log_probs(model):
+        t = torch.tensor(tokens, dtype=torch.long)
+        with torch.no_grad():
+            per_token = torch.log_softmax(model(t[:, :-1]).logits.double(), -1).gather(-1, t[:, 1:, None])[..., 0]
+        return (per_token * torch.tensor(mask, dtype=torch.float64)).sum(-1)
+    pol, ref = log_probs(policy), log_probs(reference)
+    rewards = 0.3 * (pol - ref)
+    margin = rewards[0::2] - rewards[1::2]
+    expected = {"logps/chosen": pol[0::2].mean(), "logps/rejected": pol[1::2].mean(),
+                "rewards/chosen": rewards[0::2].mean(), "rewards/rejected": rewards[1::2].mean(),
+                "rewards/margins": margin.mean(), "loss": -torch.nn.functional.logsigmoid(margin).mean()}
+    assert float(count) == 4 and abs(float(margin.mean())) > 1e-3
+    for name, value in expected.items():
+        assert abs(ours[name] - float(value)) < 1e-4 * max(1.0, abs(float(value))), (name, ours[name], float(value))
+    assert ours["rewards/accuracies"] == float((margin > 0).double().mean())
