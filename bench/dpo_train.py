@@ -44,11 +44,7 @@ BETA = 0.1
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    families.add_arg(p)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--d-model", type=int, default=512)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--vocab", type=int, default=50400)
+    families.add_shape_args(p, vocab=50400)
     p.add_argument("--pairs", type=int, default=2, help="preference pairs a step (two rows each)")
     p.add_argument("--prompt", type=int, default=128, help="prompt tokens")
     p.add_argument("--completion", type=int, default=128, help="tokens of each completion, its EOS included")

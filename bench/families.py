@@ -34,6 +34,15 @@ def add_arg(parser, default: str = "gptj") -> None:
                         help="model family (shape conventions: bench/families.py)")
 
 
+def add_shape_args(parser, vocab: int) -> None:
+    """--family and the benchmark model's shape: --layers, --d-model, --heads, --vocab."""
+    add_arg(parser)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--d-model", type=int, default=512)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--vocab", type=int, default=vocab)
+
+
 def family_keys(family: str, d_model: int, heads: int, layers: int) -> dict:
     """Config keys beyond layers/d_model/heads/vocab that make `family`'s usual shape (with the
     config's own "family" where a benchmark family is a variant of one: gemma2 is a gemma)."""

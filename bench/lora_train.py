@@ -43,11 +43,7 @@ KINDS = ("ours-lora", "peft-lora", "ours-full")
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    families.add_arg(p)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--d-model", type=int, default=512)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--vocab", type=int, default=50400)
+    families.add_shape_args(p, vocab=50400)
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--rank", type=int, default=16)

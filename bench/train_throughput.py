@@ -36,11 +36,7 @@ import machine  # noqa: E402
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    families.add_arg(p)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--d-model", type=int, default=512)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--vocab", type=int, default=50257)
+    families.add_shape_args(p, vocab=50257)
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--steps", type=int, default=4, help="timed steps per round (after 2 warm-up steps)")

@@ -266,29 +266,34 @@ class Trainer:
         inputs = segments[:, :-1] if segments is not None else None
         if segments is not None:
             mask = mask * (segments[:, 1:] == inputs)
-        balance = getattr(self.config.model, "router_aux_loss_coef", 0.0)
-        out = self.model.apply(params, tokens[:, :-1], segments=inputs, key_keep=key_keep, rng=rng, routers=balance > 0)
+        out = self.model.apply(params, tokens[:, :-1], segments=inputs, key_keep=key_keep, rng=rng,
+                               routers=self._balance > 0)
         sums = losses.cross_entropy_sums(out[0], tokens[:, 1:], mask, self.config.train.z_loss)
         total, nll, count = (parallel.psum_dp(s) for s in sums)
-        if balance > 0:  # the mixture's load-balancing loss over the batch's tokens, weighted as a token mean is
-            routers = jax.tree.map(parallel.psum_dp, out[2])
-            total = total + balance * routers.balance_loss() * count
-        return total, {"loss": nll}, count
+        return self._with_balance_loss(total, out, count), {"loss": nll}, count
+
+    @property
+    def _balance(self) -> float:
+        return getattr(self.config.model, "router_aux_loss_coef", 0.0)
+
+    def _with_balance_loss(self, total, out, count):
+        """A mixture's objective sum plus its load-balancing loss over the batch, weighted as the mean
+        (over trained tokens, or pairs) the sum becomes; `out`: the model's outputs, routers included."""
+        if self._balance <= 0:
+            return total
+        routers = jax.tree.map(parallel.psum_dp, out[2])
+        return total + self._balance * routers.balance_loss() * count
 
     def _local_pairs(self, policy, reference, tokens, mask, rng):
         """Per-device DPO: rows alternate a pair's chosen and rejected completion (tokens [b, T+1],
         mask [b, T] on the completion's tokens) -> global (loss sum, metric sums, pair count)."""
-        balance = getattr(self.config.model, "router_aux_loss_coef", 0.0)
-        out = self.model.apply(policy, tokens[:, :-1], rng=rng, routers=balance > 0)
+        out = self.model.apply(policy, tokens[:, :-1], rng=rng, routers=self._balance > 0)
         reference_logits = self.model.apply(reference, tokens[:, :-1])[0]
         logps, reference_logps = (jnp.sum(losses.token_log_probs(logits, tokens[:, 1:]) * mask, axis=-1)
                                   for logits in (out[0], reference_logits))
         total, sums, count = preference.pair_sums(logps, reference_logps, jnp.sum(mask, axis=-1), self.dpo)
         total, count, sums = parallel.psum_dp(total), parallel.psum_dp(count), jax.tree.map(parallel.psum_dp, sums)
-        if balance > 0:  # the mixture's load-balancing loss, added to the mean over pairs as TRL adds it
-            routers = jax.tree.map(parallel.psum_dp, out[2])
-            total = total + balance * routers.balance_loss() * count
-        return total, sums, count
+        return self._with_balance_loss(total, out, count), sums, count  # added to the mean over pairs, as TRL adds it
 
     def _objective_sums(self, params, base, micro):
         """(objective sum, {metric: sum}, count) of one microbatch: the language-model loss over
