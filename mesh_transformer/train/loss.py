@@ -33,6 +33,11 @@ def token_log_probs(logits, targets):
     return target_logits(logits, targets) - log_normalizer(logits)
 
 
+def log_sum_sq_probs(logits):
+    """log sum_v p(v)^2 for each position [B, T]: how peaked the next-token distribution is (WPO)."""
+    return log_normalizer(2 * logits) - 2 * log_normalizer(logits)
+
+
 def cross_entropy_sums(logits, targets, mask, z_loss: float = 0.0):
     """Sums over this device's tokens: (objective, negative log-likelihood, token count).
 

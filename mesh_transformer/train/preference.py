@@ -1,35 +1,45 @@
-"""Direct Preference Optimization (Rafailov et al. 2023, arXiv 2305.18290): training on pairs of
-completions of one prompt, one preferred ("chosen") and one not ("rejected"), against a frozen
-reference model, with no reward model and no sampling.
+"""Direct Preference Optimization (Rafailov et al. 2023, arXiv 2305.18290) and its variants:
+training on pairs of completions of one prompt, one preferred ("chosen") and one not ("rejected"),
+against a frozen reference model, with no reward model and no sampling.
 
 For a pair, with log pi(y|x) the summed log-probability of a completion's tokens under the policy
-and log ref(y|x) under the reference, each completion's implicit reward is
+and log ref(y|x) under the reference, each completion's log-ratio is h(y) = log pi(y|x) - log ref(y|x),
+its implicit reward beta * h(y), and DPO's loss is -log sigmoid(beta * (h(chosen) - h(rejected)))
+(the paper's eq. 7; TRL's "sigmoid" loss), averaged over pairs.
 
-    r(y) = beta * (log pi(y|x) - log ref(y|x))
+The config's `"dpo"` object takes TRL's `DPOConfig` names and meanings:
 
-and the loss is -log sigmoid(r(chosen) - r(rejected)) (the paper's eq. 7; TRL's "sigmoid" loss),
-averaged over pairs.
+- `beta` (0.1);
+- `loss_type`: one name or a list, `loss_weights` their weights (default 1 each; MPO is
+  ["sigmoid", "bco_pair", "sft"] with [0.8, 0.2, 1.0]). The names are the keys of `PAIR_LOSSES`,
+  plus "sft": the chosen completions' mean negative log-likelihood per token, over the batch;
+- `label_smoothing`: the flip probability of "robust" in [0, 0.5), EXO's epsilon in (0, 1);
+- `f_divergence_type` (f-DPO, arXiv 2309.16240): the log-ratios h become f'(exp h) before the
+  losses built on their difference; `f_alpha_divergence_coef` for "alpha_divergence";
+- `discopop_tau` (0.05): DiscoPOP's temperature;
+- `ld_alpha` (LD-DPO, arXiv 2409.06411): tokens past the shorter completion's length count alpha;
+- `use_weighting` (WPO, arXiv 2406.11827): each pair's loss weighted by the policy's
+  length-normalised probabilities of both completions (held constant in the gradient); not with "sft".
 
 Rows come in pairs: row 2i of a batch is pair i's chosen completion, row 2i+1 its rejected one
 (the dataset and loader keep them so; `data.Loader` with a preference dataset). A pair whose
 chosen row trains on no token (a padding pair of a validation pass) counts for nothing.
 
-The config's `"dpo"` object: {"beta": 0.1} (TRL's default). The
-reference is the model the run started from: with LoRA the base with the adapters off (no second
-copy of the weights), otherwise a frozen copy in the compute dtype.
+The reference is the model the run started from: with LoRA the base with the adapters off (no
+second copy of the weights), otherwise a frozen copy in the compute dtype.
 """
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
 
 from mesh_transformer.config import ConfigError, check_object
 
-KEYS = ("beta",)
 # What a checkpoint of a DPO run without LoRA records about its reference (as LoRA's about its base):
 # where it came from (`lora.base_reference`) and a fingerprint of its weights.
 REFERENCE_KEY, REFERENCE_FINGERPRINT_KEY = "dpo_reference", "dpo_reference_fingerprint"
@@ -39,35 +49,259 @@ METRICS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "
 
 
 @dataclass(frozen=True)
+class Pairs:
+    """A block of pairs, one value per pair: the completions' log-ratios h (policy minus reference
+    log-probability), their f-DPO scores f'(exp h) (h itself under reverse KL, plain DPO), and the
+    completions' trained-token counts (at least 1)."""
+    chosen_ratio: jax.Array
+    rejected_ratio: jax.Array
+    chosen_score: jax.Array
+    rejected_score: jax.Array
+    chosen_tokens: jax.Array
+    rejected_tokens: jax.Array
+
+    @property
+    def margin(self):
+        return self.chosen_score - self.rejected_score
+
+    @property
+    def mean_margin(self):
+        """The scores' difference per token of each completion (IPO's and "sigmoid_norm"'s)."""
+        return self.chosen_score / self.chosen_tokens - self.rejected_score / self.rejected_tokens
+
+
+# Each loss of one pair, as the papers (and TRL) write it.
+def _sigmoid(p: Pairs, c: "DpoConfig"):  # DPO, eq. 7
+    return -jax.nn.log_sigmoid(c.beta * p.margin)
+
+
+def _hinge(p: Pairs, c: "DpoConfig"):  # SLiC (arXiv 2305.10425)
+    return jax.nn.relu(1 - c.beta * p.margin)
+
+
+def _ipo(p: Pairs, c: "DpoConfig"):  # IPO (arXiv 2310.12036) eq. 17, beta as tau, per-token scores
+    return jnp.square(p.mean_margin - 1 / (2 * c.beta))
+
+
+def _exo_pair(p: Pairs, c: "DpoConfig"):  # EXO (arXiv 2402.00856) eq. 16 for two completions
+    z, eps = c.beta * p.margin, c.label_smoothing
+    return (jax.nn.sigmoid(z) * (jax.nn.log_sigmoid(z) - math.log1p(-eps))
+            + jax.nn.sigmoid(-z) * (jax.nn.log_sigmoid(-z) - math.log(eps)))
+
+
+def _nca_pair(p: Pairs, c: "DpoConfig"):  # NCA (arXiv 2402.05369)
+    chosen, rejected = c.beta * p.chosen_ratio, c.beta * p.rejected_ratio
+    return -jax.nn.log_sigmoid(chosen) - 0.5 * jax.nn.log_sigmoid(-chosen) - 0.5 * jax.nn.log_sigmoid(-rejected)
+
+
+def _robust(p: Pairs, c: "DpoConfig"):  # robust DPO (arXiv 2403.00409): labels flipped with probability eps
+    z, eps = c.beta * p.margin, c.label_smoothing
+    return (-(1 - eps) * jax.nn.log_sigmoid(z) + eps * jax.nn.log_sigmoid(-z)) / (1 - 2 * eps)
+
+
+def _bco_pair(p: Pairs, c: "DpoConfig"):  # BCO (arXiv 2404.04656), pairwise
+    return -jax.nn.log_sigmoid(c.beta * p.chosen_ratio) - jax.nn.log_sigmoid(-c.beta * p.rejected_ratio)
+
+
+def _sppo_hard(p: Pairs, c: "DpoConfig"):  # SPPO (arXiv 2405.00675), winner probability 1
+    return jnp.square(p.chosen_ratio - 0.5 / c.beta) + jnp.square(p.rejected_ratio + 0.5 / c.beta)
+
+
+def _apo_zero(p: Pairs, c: "DpoConfig"):  # APO (arXiv 2408.06266) eq. 7: chosen better than the model's own
+    return 1 - jax.nn.sigmoid(c.beta * p.chosen_ratio) + jax.nn.sigmoid(c.beta * p.rejected_ratio)
+
+
+def _apo_down(p: Pairs, c: "DpoConfig"):  # APO eq. 8: chosen worse than the model's own
+    return (jax.nn.sigmoid(c.beta * p.chosen_ratio)
+            + 1 - jax.nn.sigmoid(c.beta * (p.chosen_ratio - p.rejected_ratio)))
+
+
+def _discopop(p: Pairs, c: "DpoConfig"):  # DiscoPOP (arXiv 2406.08414) eq. 5
+    z = c.beta * p.margin
+    blend = jax.nn.sigmoid(z / c.discopop_tau)
+    return -jax.nn.log_sigmoid(z) * (1 - blend) + jnp.exp(-z) * blend
+
+
+def _sigmoid_norm(p: Pairs, c: "DpoConfig"):  # DPO on per-token scores
+    return -jax.nn.log_sigmoid(c.beta * p.mean_margin)
+
+
+PAIR_LOSSES: dict[str, Callable[[Pairs, "DpoConfig"], jax.Array]] = {
+    "sigmoid": _sigmoid, "hinge": _hinge, "ipo": _ipo, "exo_pair": _exo_pair, "nca_pair": _nca_pair,
+    "robust": _robust, "bco_pair": _bco_pair, "sppo_hard": _sppo_hard, "apo_zero": _apo_zero,
+    "apo_down": _apo_down, "discopop": _discopop, "sigmoid_norm": _sigmoid_norm}
+SFT = "sft"
+LOSS_TYPES = (*PAIR_LOSSES, SFT)
+# Losses built on the scores' difference, which f-DPO may change; the others use the log-ratios.
+F_DIVERGENCE_LOSSES = {"sigmoid", "sigmoid_norm", "hinge", "ipo", "exo_pair", "robust", "discopop", SFT}
+
+
+def _alpha_score(coef: float) -> Callable:
+    if abs(coef - 1.0) < 1e-6:  # the limit: f'(t) = log t
+        return lambda h: h
+    return lambda h: (jnp.exp(jnp.minimum((coef - 1) * h, 80.0)) - 1) / (coef - 1)
+
+
+# f'(t) at t = exp(h), for each f-divergence (f-DPO's Table 1).
+F_DIVERGENCES: dict[str, Callable[[float], Callable]] = {
+    "reverse_kl": lambda coef: lambda h: h,
+    "forward_kl": lambda coef: lambda h: 1 - jnp.exp(-h),
+    "js_divergence": lambda coef: lambda h: math.log(2) + jax.nn.log_sigmoid(h),
+    "alpha_divergence": _alpha_score,
+}
+KEYS = ("beta", "loss_type", "loss_weights", "label_smoothing", "f_divergence_type", "f_alpha_divergence_coef",
+        "discopop_tau", "ld_alpha", "use_weighting")
+SHAPE = '{"beta": number, "loss_type": name or [names], ...}'
+
+
+def _number(raw: dict, key: str, default: float, ok: Callable[[float], bool], what: str) -> float:
+    value = raw.get(key, default)
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not ok(value):
+        raise ConfigError(f"config key 'dpo.{key}' must be {what}, got {json.dumps(value)}")
+    return float(value)
+
+
+def _loss_types(raw: dict) -> tuple[str, ...]:
+    names = raw.get("loss_type", "sigmoid")
+    names = [names] if isinstance(names, str) else names
+    if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
+        raise ConfigError(f"config key 'dpo.loss_type' must be a loss name or a non-empty list of them, "
+                          f"got {json.dumps(raw.get('loss_type'))}")
+    for name in names:
+        if name in ("aot", "aot_unpaired"):
+            raise ConfigError(f"config key 'dpo.loss_type': {name!r} is not supported (it sorts log-ratios across "
+                              f"each device's batch, so its loss depends on how the batch is split)")
+        if name not in LOSS_TYPES:
+            raise ConfigError(f"config key 'dpo.loss_type': unknown loss {name!r} (one of {', '.join(LOSS_TYPES)})")
+    if len(set(names)) != len(names):
+        raise ConfigError(f"config key 'dpo.loss_type' names a loss twice: {json.dumps(names)}")
+    return tuple(names)
+
+
+def _loss_weights(raw: dict, types: tuple[str, ...]) -> tuple[float, ...]:
+    weights = raw.get("loss_weights")
+    if weights is None:
+        return (1.0,) * len(types)
+    if (not isinstance(weights, list) or len(weights) != len(types)
+            or not all(isinstance(w, (int, float)) and not isinstance(w, bool) for w in weights)):
+        raise ConfigError(f"config key 'dpo.loss_weights' must be a list of {len(types)} numbers, one per "
+                          f"'dpo.loss_type', got {json.dumps(weights)}")
+    return tuple(float(w) for w in weights)
+
+
+def _label_smoothing(raw: dict, types: tuple[str, ...]) -> float:
+    eps = _number(raw, "label_smoothing", 0.0, lambda v: 0 <= v < 1, "a number in [0, 1)")
+    if "robust" in types and not eps < 0.5:
+        raise ConfigError(f"config key 'dpo.label_smoothing' must be in [0, 0.5) for the 'robust' loss, got {eps}")
+    if "exo_pair" in types and eps == 0:
+        raise ConfigError("config key 'dpo.label_smoothing' must be above 0 for the 'exo_pair' loss "
+                          "(EXO's epsilon; its paper suggests 1e-3)")
+    if eps and not {"robust", "exo_pair"} & set(types):
+        raise ConfigError(f"config key 'dpo.label_smoothing' applies to the 'robust' and 'exo_pair' losses only, "
+                          f"not {json.dumps(list(types))}")
+    return eps
+
+
+def _f_divergence(raw: dict, types: tuple[str, ...]) -> str:
+    name = raw.get("f_divergence_type", "reverse_kl")
+    if name not in F_DIVERGENCES:
+        raise ConfigError(f"config key 'dpo.f_divergence_type' must be one of {', '.join(F_DIVERGENCES)}, "
+                          f"got {json.dumps(name)}")
+    others = [t for t in types if t not in F_DIVERGENCE_LOSSES]
+    if name != "reverse_kl" and others:
+        raise ConfigError(f"config key 'dpo.f_divergence_type' {name!r} does not apply to the loss {others[0]!r} "
+                          f"(only to {', '.join(sorted(F_DIVERGENCE_LOSSES))})")
+    return name
+
+
+@dataclass(frozen=True)
 class DpoConfig:
     beta: float = 0.1
+    loss_type: tuple[str, ...] = ("sigmoid",)
+    loss_weights: tuple[float, ...] = (1.0,)
+    label_smoothing: float = 0.0
+    f_divergence_type: str = "reverse_kl"
+    f_alpha_divergence_coef: float = 0.5
+    discopop_tau: float = 0.05
+    ld_alpha: Optional[float] = None
+    use_weighting: bool = False
 
     @classmethod
     def from_dict(cls, raw: Any) -> "DpoConfig":
         """Parse the config's "dpo" object; ConfigError naming `dpo.<key>`."""
-        check_object(raw, "dpo", KEYS, '{"beta": number}')
-        beta = raw.get("beta", cls.beta)
-        if not isinstance(beta, (int, float)) or isinstance(beta, bool) or not beta > 0:
-            raise ConfigError(f"config key 'dpo.beta' must be a positive number, got {json.dumps(beta)}")
-        return cls(float(beta))
+        check_object(raw, "dpo", KEYS, SHAPE)
+        types = _loss_types(raw)
+        ld_alpha = raw.get("ld_alpha")
+        if ld_alpha is not None:
+            ld_alpha = _number(raw, "ld_alpha", 1.0, lambda v: 0 <= v <= 1, "a number in [0, 1] or null")
+        weighting = raw.get("use_weighting", False)
+        if not isinstance(weighting, bool):
+            raise ConfigError(f"config key 'dpo.use_weighting' must be true or false, got {json.dumps(weighting)}")
+        if weighting and SFT in types:
+            raise ConfigError("config key 'dpo.use_weighting' weights pairs, and the 'sft' loss is a mean over "
+                              "tokens: drop one of them")
+        return cls(beta=_number(raw, "beta", cls.beta, lambda v: v > 0, "a positive number"),
+                   loss_type=types, loss_weights=_loss_weights(raw, types),
+                   label_smoothing=_label_smoothing(raw, types), f_divergence_type=_f_divergence(raw, types),
+                   f_alpha_divergence_coef=_number(raw, "f_alpha_divergence_coef", cls.f_alpha_divergence_coef,
+                                                   math.isfinite, "a number"),
+                   discopop_tau=_number(raw, "discopop_tau", cls.discopop_tau, lambda v: v > 0, "a positive number"),
+                   ld_alpha=ld_alpha, use_weighting=weighting)
+
+    def weight(self, loss: str) -> float:
+        """The weight of one loss type (0 when not used)."""
+        return dict(zip(self.loss_type, self.loss_weights)).get(loss, 0.0)
 
 
-def pair_sums(logps, ref_logps, trained, config: DpoConfig) -> tuple[jax.Array, dict, jax.Array]:
-    """Per-device sums over the pairs of a block of rows.
+def sequence_logps(token_logps, mask, ld_alpha: Optional[float]):
+    """Each row's completion log-probability [b] from its tokens' [b, T] (zero off the completion);
+    with LD-DPO's alpha, the tokens past the pair's shorter completion count alpha."""
+    if ld_alpha is None:
+        return jnp.sum(token_logps, axis=-1)
+    lengths = jnp.sum(mask, axis=-1)
+    shared = jnp.repeat(jnp.minimum(lengths[0::2], lengths[1::2]), 2)
+    past_shared = jnp.cumsum(mask, axis=-1) > shared[:, None]
+    return jnp.sum(token_logps * jnp.where(past_shared, ld_alpha, 1.0), axis=-1)
 
-    logps, ref_logps [2k] (each row's completion log-probability under the policy and the
-    reference; rows alternate chosen, rejected), trained [2k] (tokens trained on per row)
+
+def wpo_weights(token_logps, log_sum_sq_probs, mask):
+    """WPO's weight of each pair [k]: the product of its completions' exp(mean over tokens of
+    log p(y_t) - log sum_v p(v)^2), held constant."""
+    aligned = jax.lax.stop_gradient(token_logps - log_sum_sq_probs * mask)
+    per_row = jnp.exp(jnp.sum(aligned, axis=-1) / jnp.maximum(jnp.sum(mask, axis=-1), 1.0))
+    return per_row[0::2] * per_row[1::2]
+
+
+def pair_sums(token_logps, reference_token_logps, mask, config: DpoConfig, log_sum_sq_probs=None,
+              reduce: Callable = lambda x: x) -> tuple[jax.Array, dict, jax.Array]:
+    """Sums over the pairs of a block of rows, `reduce`d (e.g. summed over data-parallel devices).
+
+    token_logps, reference_token_logps [2k, T]: each completion token's log-probability under the
+    policy and the reference (zero elsewhere; rows alternate chosen, rejected); mask [2k, T] the
+    completion's tokens; log_sum_sq_probs [2k, T] log sum_v p(v)^2 (WPO only)
     -> (loss sum, {metric: sum} for `METRICS`, number of pairs counted).
     """
-    chosen, rejected = logps[0::2], logps[1::2]
-    ref = jax.lax.stop_gradient(ref_logps)
-    reward_chosen = config.beta * (chosen - ref[0::2])
-    reward_rejected = config.beta * (rejected - ref[1::2])
+    mask = mask.astype(jnp.float32)
+    logps = sequence_logps(token_logps, mask, config.ld_alpha)
+    reference = jax.lax.stop_gradient(sequence_logps(reference_token_logps, mask, config.ld_alpha))
+    ratio = logps - reference
+    score = F_DIVERGENCES[config.f_divergence_type](config.f_alpha_divergence_coef)(ratio)
+    tokens = jnp.maximum(jnp.sum(mask, axis=-1), 1.0)
+    pairs = Pairs(ratio[0::2], ratio[1::2], score[0::2], score[1::2], tokens[0::2], tokens[1::2])
+    counted = (jnp.sum(mask[0::2], axis=-1) > 0).astype(jnp.float32)
+    weight = counted * (wpo_weights(token_logps, log_sum_sq_probs, mask) if config.use_weighting else 1.0)
+    losses = sum(w * PAIR_LOSSES[name](pairs, config) for name, w in zip(config.loss_type, config.loss_weights)
+                 if name != SFT)
+    total = reduce(jnp.sum(losses * weight))
+    count = reduce(jnp.sum(counted))
+    if config.weight(SFT):  # the chosen tokens' mean NLL over the whole batch, as a term of each pair's loss
+        nll, chosen_tokens = reduce(-jnp.sum(token_logps[0::2])), reduce(jnp.sum(mask[0::2]))
+        total = total + config.weight(SFT) * nll / jnp.maximum(chosen_tokens, 1.0) * count
+    reward_chosen, reward_rejected = config.beta * pairs.chosen_ratio, config.beta * pairs.rejected_ratio
     margin = reward_chosen - reward_rejected
-    losses = -jax.nn.log_sigmoid(margin)
-    counted = (trained[0::2] > 0).astype(jnp.float32)
-    values = {"loss": losses, "rewards/chosen": reward_chosen, "rewards/rejected": reward_rejected,
+    values = {"rewards/chosen": reward_chosen, "rewards/rejected": reward_rejected,
               "rewards/accuracies": (margin > 0).astype(jnp.float32), "rewards/margins": margin,
-              "logps/chosen": chosen, "logps/rejected": rejected}
-    sums = {name: jnp.sum(jax.lax.stop_gradient(v) * counted) for name, v in values.items()}
-    return jnp.sum(losses * counted), sums, jnp.sum(counted)
+              "logps/chosen": logps[0::2], "logps/rejected": logps[1::2]}
+    sums = {"loss": jax.lax.stop_gradient(total),
+            **{name: reduce(jnp.sum(jax.lax.stop_gradient(v) * counted)) for name, v in values.items()}}
+    return total, sums, count

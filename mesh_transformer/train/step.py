@@ -289,10 +289,10 @@ class Trainer:
         mask [b, T] on the completion's tokens) -> global (loss sum, metric sums, pair count)."""
         out = self.model.apply(policy, tokens[:, :-1], rng=rng, routers=self._balance > 0)
         reference_logits = self.model.apply(reference, tokens[:, :-1])[0]
-        logps, reference_logps = (jnp.sum(losses.token_log_probs(logits, tokens[:, 1:]) * mask, axis=-1)
+        logps, reference_logps = (losses.token_log_probs(logits, tokens[:, 1:]) * mask
                                   for logits in (out[0], reference_logits))
-        total, sums, count = preference.pair_sums(logps, reference_logps, jnp.sum(mask, axis=-1), self.dpo)
-        total, count, sums = parallel.psum_dp(total), parallel.psum_dp(count), jax.tree.map(parallel.psum_dp, sums)
+        sum_sq = losses.log_sum_sq_probs(out[0]) if self.dpo.use_weighting else None
+        total, sums, count = preference.pair_sums(logps, reference_logps, mask, self.dpo, sum_sq, parallel.psum_dp)
         return self._with_balance_loss(total, out, count), sums, count  # added to the mean over pairs, as TRL adds it
 
     def _objective_sums(self, params, base, micro):
