@@ -184,7 +184,9 @@ class TrainConfig:
     eval_every: Optional[int] = None  # steps between those evaluations; default val_every (0 = never)
     eval_include_path: Optional[str] = None  # a folder of task YAMLs the task names may refer to
     lora: Optional[dict] = None  # {"rank", "alpha", "dropout", "targets"}: train adapters only (mesh_transformer.lora)
-    dpo: Optional[dict] = None  # {"beta"}: train on preference pairs with DPO (train/preference.py)
+    dpo: Optional[dict] = None  # {"beta", "loss_type", ...}: train on preference pairs with DPO (train/preference.py)
+    cpo: Optional[dict] = None  # {"beta", "loss_type", "cpo_alpha", "simpo_gamma", ...}: CPO / SimPO, no reference
+    orpo: Optional[dict] = None  # {"beta"}: ORPO, no reference
     bf16_optimizer: bool = False  # Adam moments in bfloat16 (the original v2's key)
     fcm_max_ratio: float = 0.0  # forgetful causal masking: mask up to this fraction of keys (training only)
     fcm_min_ratio: float = 0.0
@@ -196,10 +198,18 @@ class TrainConfig:
         return self.val_every if self.eval_every is None else self.eval_every
 
     @property
+    def preference(self) -> Optional[str]:
+        """The preference objective's key ("dpo", "cpo" or "orpo") when one is set, else None."""
+        return next((key for key in PREFERENCE_KEYS if getattr(self, key) is not None), None)
+
+    @property
     def rows_per_replica(self) -> int:
-        """Sequences a dp replica takes a microbatch: per_replica_batch, or with `dpo` (where the
-        batch counts preference pairs, as TRL's does) twice that, each pair's chosen and rejected."""
-        return self.per_replica_batch * (2 if self.dpo is not None else 1)
+        """Sequences a dp replica takes a microbatch: per_replica_batch, or with a preference objective
+        (where the batch counts pairs, as TRL's does) twice that, each pair's chosen and rejected."""
+        return self.per_replica_batch * (2 if self.preference is not None else 1)
+
+
+PREFERENCE_KEYS = ("dpo", "cpo", "orpo")  # the objectives on preference pairs (train/preference.py), one at most
 
 
 @dataclass(frozen=True)
@@ -335,8 +345,11 @@ def validate(config: Config) -> None:
     if t.lora is not None:
         from mesh_transformer import lora
         lora.resolve(m, lora.LoraConfig.from_dict(t.lora))
-    if t.dpo is not None:
+    if t.preference is not None:
         from mesh_transformer.train import preference
-        preference.DpoConfig.from_dict(t.dpo)
-        for key in ("fcm_max_ratio", "z_loss"):  # terms of the language-model loss, which DPO replaces
-            require(not getattr(t, key), key, "applies to the language-model loss only; with 'dpo' set it to 0")
+        chosen = [key for key in PREFERENCE_KEYS if getattr(t, key) is not None]
+        require(len(chosen) == 1, chosen[-1], f"one preference objective at most: {' and '.join(chosen)} are both set")
+        preference.objective(t)
+        for key in ("fcm_max_ratio", "z_loss"):  # terms of the language-model loss, which the objective replaces
+            require(not getattr(t, key), key, f"applies to the language-model loss only; with '{t.preference}' set "
+                                              "it to 0")

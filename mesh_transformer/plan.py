@@ -138,7 +138,7 @@ def plan(config: Config, dp: int, mp: int, zero: Optional[bool] = None, devices=
         n_trainable=(trainer.model.n_params() if trainer.lora is None
                      else sum(x.size for x in jax.tree.leaves(trainer.abstract_state.params))),
         # DPO adds the reference's forward: a third of a forward + backward's (2 of 6 per parameter)
-        flops_per_token=trainer.model.flops_per_token() * (4 if trainer.dpo else 3) // 3,
+        flops_per_token=trainer.model.flops_per_token() * (4 if trainer.needs_reference else 3) // 3,
         tokens_per_step=t.gradient_accumulation_steps * trainer.global_batch * m.seq,
         dp=dp, mp=mp, zero=config.train.zero,
         platform=platform, cpu_upcast_bytes=upcast,

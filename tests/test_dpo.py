@@ -147,23 +147,87 @@ def test_dpo_equals_trl(how, variant, tmp_path):
         tr = Trainer(Config(config, TrainConfig(**train, lora=spec.to_dict())), mesh(1, 2))
         tr.set_base(hf.load_hf(str(tmp_path / "policy"), mp=2)[1])
         expected = hf_grads_as_params(theirs.model, tmp_path / "grads", peft_model=True, config=config)
+    assert_same_step(tr, params, tokens, mask, loss.item(), logged, expected, preference.METRICS[1:])
+
+
+def assert_same_step(tr, params, tokens, mask, loss, logged, expected, names):
+    """Our loss, metrics `names` and gradients on one batch of pair rows (tokens, mask) equal TRL's
+    (`loss`, `logged`, `expected` gradients as our params)."""
     params = jax.device_put(params, tr.state_shardings.params)
     batch = tr.shard_batch({"tokens": tokens[None], "mask": mask[None]})
     sums, count = tr.eval_values(params, batch)
     ours = {k: float(v) / float(count) for k, v in sums.items()}
-    assert float(count) == len(records)
-    assert abs(ours["loss"] - loss.item()) < 2e-5 * max(1.0, abs(loss.item()))
-    for name in preference.METRICS[1:]:
+    assert float(count) == len(tokens) // 2
+    assert abs(ours["loss"] - loss) < 2e-5 * max(1.0, abs(loss))
+    for name in names:
         assert abs(ours[name] - logged[name]) < 2e-4 * max(1.0, abs(logged[name])), name
 
     ours_loss, grads = tr.loss_and_grads(params, batch)
-    assert abs(float(ours_loss) - loss.item()) < 2e-5 * max(1.0, abs(loss.item()))
+    assert abs(float(ours_loss) - loss) < 2e-5 * max(1.0, abs(loss))
     grads = jax.device_get(grads)
     scale = max(float(np.abs(g).max()) for leaves in expected.values() for g in leaves.values())
     assert scale > 1e-3  # the pairs move the weights
     errors = {(m, n): float(np.abs(np.asarray(g)[tuple(slice(0, s) for s in expected[m][n].shape)]
                                    - expected[m][n]).max()) for m, leaves in grads.items() for n, g in leaves.items()}
     assert max(errors.values()) < 1e-4 * scale, max(errors.items(), key=lambda kv: kv[1])
+
+
+# TRL's reference-free trainers (trl.experimental): CPOConfig and ORPOConfig, each under its own config key.
+FREE_VARIANTS = {
+    "cpo": ("cpo", {}),
+    "simpo": ("cpo", dict(loss_type="simpo", cpo_alpha=0.0, simpo_gamma=0.5, beta=2.0, label_smoothing=0.1)),
+    "cpo-simpo": ("cpo", dict(loss_type="simpo", cpo_alpha=0.5, beta=2.0)),
+    "cpo-hinge": ("cpo", dict(loss_type="hinge", cpo_alpha=0.3, beta=0.5)),
+    "cpo-ipo-alphapo": ("cpo", dict(loss_type="ipo", alpha=0.2, beta=0.3)),
+    "orpo": ("orpo", dict(beta=0.3)),
+}
+
+
+def trl_batch_as_rows(batch):
+    """TRL's collated pairs (chosen_* and rejected_* input ids and labels, -100 off the completion,
+    padded) as our pair rows: tokens [2k, SEQ+1], mask [2k, SEQ] (1 where the next token is trained)."""
+    k = len(batch["chosen_input_ids"])
+    tokens, mask = np.zeros((2 * k, SEQ + 1), np.int32), np.zeros((2 * k, SEQ), np.float32)
+    for i in range(k):
+        for side, name in enumerate(("chosen", "rejected")):
+            ids, labels = batch[f"{name}_input_ids"][i], batch[f"{name}_labels"][i]
+            n = int(batch[f"{name}_attention_mask"][i].sum())  # padded on the right
+            tokens[2 * i + side, :n] = ids[:n].numpy()
+            mask[2 * i + side, :n - 1] = (labels[1:n] != -100).numpy()
+    return tokens, mask
+
+
+@pytest.mark.parametrize("variant", FREE_VARIANTS)
+def test_reference_free_objectives_equal_trl(variant, tmp_path):
+    """CPO (and SimPO, AlphaPO's rewards) and ORPO need no reference: on one batch of TRL's own
+    rows, the loss, every logged metric and every gradient equal TRL's CPOTrainer's / ORPOTrainer's
+    (float32, dp2 x mp2)."""
+    import datasets
+    from trl.experimental import cpo, orpo
+    key, options = FREE_VARIANTS[variant]
+    trainer_class, config_class = {"cpo": (cpo.CPOTrainer, cpo.CPOConfig),
+                                   "orpo": (orpo.ORPOTrainer, orpo.ORPOConfig)}[key]
+    policy = make_hf_model(tmp_path / "policy", CASE, seed=0, vocab_size=GPT2_VOCAB)
+    tok = copy.deepcopy(load_tokenizer("gpt2"))
+    tok.pad_token = tok.eos_token
+    args = config_class(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=len(TEXT_PAIRS), max_length=SEQ,
+                        report_to="none", use_cpu=True, bf16=False, **options)
+    theirs = trainer_class(model=policy, args=args, processing_class=tok,
+                           train_dataset=datasets.Dataset.from_list(TEXT_PAIRS))
+    batch = next(iter(theirs.get_train_dataloader()))
+    loss = theirs.compute_loss(theirs.model, batch)
+    loss.backward()
+    logged = {k: v[-1] for k, v in theirs._stored_metrics["train"].items()}
+    tokens, mask = trl_batch_as_rows(batch)
+
+    config, params = hf.load_hf(str(tmp_path / "policy"), mp=2)
+    config = dataclasses.replace(config, compute_dtype="float32", remat="none")
+    tr = Trainer(Config(config, TrainConfig(per_replica_batch=len(TEXT_PAIRS) // 2, cores_per_replica=2,
+                                            **{key: options})), mesh(2, 2))
+    assert not tr.needs_reference and not tr.holds_reference and tr.base == {}
+    names = [n for n in tr.metric_names[1:] if n != "nll_loss" or options.get("cpo_alpha", 1.0)]  # TRL logs 0 then
+    assert_same_step(tr, params, tokens, mask, loss.item(), logged, hf_grads_as_params(policy, tmp_path / "grads"),
+                     names)
 
 
 # ----------------------------------------------------------------------------- data
@@ -272,6 +336,14 @@ def test_pairs_and_other_records_do_not_mix(tmp_path):
     (dict(dpo={"ld_alpha": 2}), r"'dpo.ld_alpha' must be a number in \[0, 1\]"),
     (dict(dpo={"use_weighting": "yes"}), "'dpo.use_weighting' must be true or false"),
     (dict(dpo={"loss_type": ["sigmoid", "sft"], "use_weighting": True}), "'dpo.use_weighting' weights pairs"),
+    (dict(dpo={}, orpo={}), "one preference objective at most: dpo and orpo are both set"),
+    (dict(cpo={"loss_type": "alphapo"}), "AlphaPO is a reward shape, not a loss: set 'cpo.alpha'"),
+    (dict(cpo={"loss_type": "kto_pair"}), "'cpo.loss_type' must be one of sigmoid, hinge, ipo, simpo"),
+    (dict(cpo={"loss_type": "hinge", "label_smoothing": 0.1}), "applies to the 'sigmoid' and 'simpo' losses only"),
+    (dict(cpo={"cpo_alpha": -1}), "'cpo.cpo_alpha' must be a number >= 0"),
+    (dict(orpo={"beta": 0}), "'orpo.beta' must be a positive number"),
+    (dict(orpo={"lambda": 0.1}), "'orpo.lambda' is unknown"),
+    (dict(orpo={}, z_loss=1e-4), "'z_loss': applies to the language-model loss only; with 'orpo' set it to 0"),
     (dict(dpo=0.1), "'dpo' must be dict or null"),
     (dict(dpo={}, fcm_max_ratio=0.2), "'fcm_max_ratio': applies to the language-model loss only"),
     (dict(dpo={}, z_loss=1e-4), "'z_loss': applies to the language-model loss only"),
@@ -362,6 +434,28 @@ def test_a_dpo_run_learns_the_preference_validates_and_resumes_exactly(tmp_path)
     plain = run_config(tmp_path / "plain", data, dpo=None)
     code, out = device_train(plain)
     assert code == 2 and "holds preference pairs: set the config key 'dpo'" in out, out
+
+
+def test_an_orpo_run_needs_no_reference(tmp_path):
+    """device_train.py with ORPO: no reference is made or recorded (the checkpoint names none), the
+    odds-ratio metrics and the chosen NLL are logged for training and validation, and the pairs
+    separate."""
+    hf_dir = tmp_path / "hf"
+    make_hf_gptj(hf_dir, vocab_size=50257, n_embd=32, n_layer=2, n_head=4, rotary_dim=4, n_positions=64,
+                 initializer_range=0.2)
+    data = tmp_path / "data"
+    build(write_jsonl(tmp_path / "pairs.jsonl", SNOW[:16]), data, seq=32)
+    build(write_jsonl(tmp_path / "val.jsonl", SNOW[16:]), data, seq=32, name="val")
+    config = run_config(tmp_path / "orpo", data, dpo=None, orpo={"beta": 1.0}, ckpt_every=6)
+    code, out = device_train(config, "--hf", str(hf_dir))
+    assert code == 0, out[-3000:]
+    rows = {r["step"]: r for r in logged(config)}
+    assert rows[6]["train/log_odds_chosen"] > rows[1]["train/log_odds_chosen"]
+    assert rows[6]["train/rewards/accuracies"] == 1.0 and rows[6]["val/rewards/accuracies_held"] == 1.0
+    assert rows[6]["train/nll_loss"] < rows[1]["train/nll_loss"] and 0 < rows[6]["val/nll_loss_held"]
+    assert rows[6]["val/log_odds_ratio_held"] < 0  # a log-sigmoid
+    extras = CheckpointManager(str(tmp_path / "orpo" / "ckpt"), read_only=True).extras(6)
+    assert preference.REFERENCE_KEY not in extras
 
 
 def test_zero_accumulation_and_meshes_give_one_devices_step():

@@ -211,10 +211,12 @@ def test_lora_plan_names_xla_cpus_float32_copy_of_a_bf16_base():
 def test_dpo_plan_counts_the_reference_and_its_forward():
     """Full DPO holds a frozen reference copy (compute dtype, sharded like the params) as an input of the
     step, counted apart; a microbatch is per_replica_batch pairs (twice the sequences); the reference's
-    forward adds a third to the FLOPs per token."""
+    forward adds a third to the FLOPs per token. ORPO (as CPO/SimPO) has no reference: neither."""
     raw = {**TINY, "compute_dtype": "bfloat16"}
-    plain, dpo = (planner.plan(config_from_dict({**raw, **extra}), DP, MP) for extra in ({}, {"dpo": {"beta": 0.1}}))
-    assert "reference" not in plain.bytes_per_device
+    plain, dpo, orpo = (planner.plan(config_from_dict({**raw, **extra}), DP, MP)
+                        for extra in ({}, {"dpo": {"beta": 0.1}}, {"orpo": {"beta": 0.1}}))
+    assert "reference" not in plain.bytes_per_device and "reference" not in orpo.bytes_per_device
     assert dpo.bytes_per_device["reference"] == plain.bytes_per_device["params"] // 2  # bf16 copy of fp32 params
-    assert dpo.tokens_per_step == 2 * plain.tokens_per_step
+    assert dpo.tokens_per_step == orpo.tokens_per_step == 2 * plain.tokens_per_step
     assert dpo.flops_per_token == plain.flops_per_token * 4 // 3
+    assert orpo.flops_per_token == plain.flops_per_token

@@ -61,7 +61,7 @@ def require_keys(config: Config, *keys: str) -> None:
 
 def open_datasets(config: Config) -> tuple[Dataset, dict[str, Dataset]]:
     """(train_set, {name: val_set}) of a config, each checked to hold sequences of at least `seq` tokens,
-    and to hold preference pairs exactly when the config trains with `dpo`."""
+    and to hold preference pairs exactly when the config trains on them (`dpo`, `cpo` or `orpo`)."""
     t = config.train
     train = Dataset.open(t.train_set)
     val = {name: Dataset.open(path) for name, path in t.val_set.items()}
@@ -69,12 +69,12 @@ def open_datasets(config: Config) -> tuple[Dataset, dict[str, Dataset]]:
         if ds.seq < config.model.seq:
             raise ConfigError(f"config key 'seq': {config.model.seq} is longer than the sequences of "
                               f"{path} ({ds.seq} tokens)")
-        if ds.pairs and t.dpo is None:
-            raise ConfigError(f"{path} holds preference pairs: set the config key 'dpo' (e.g. {{\"beta\": 0.1}}) "
-                              "to train on them")
-        if t.dpo is not None and not ds.pairs:
-            raise ConfigError(f"config key 'dpo': {path} holds no preference pairs (create_finetune_dataset.py "
-                              "makes them from {prompt, chosen, rejected} records)")
+        if ds.pairs and t.preference is None:
+            raise ConfigError(f"{path} holds preference pairs: set the config key 'dpo' (e.g. {{\"beta\": 0.1}}), "
+                              "'cpo' or 'orpo' to train on them")
+        if t.preference is not None and not ds.pairs:
+            raise ConfigError(f"config key '{t.preference}': {path} holds no preference pairs "
+                              "(create_finetune_dataset.py makes them from {prompt, chosen, rejected} records)")
     return train, val
 
 
@@ -218,8 +218,9 @@ class TrainHost:
         from mesh_transformer.io import mtj_v1
         tr, o = self.trainer, self.options
         if v1_dir is not None:  # the original's format: a full one carries its Adam moments over
-            if tr.lora is not None or tr.dpo is not None:
-                raise ConfigError(f"{o.tune_model_path}: {'LoRA' if tr.lora is not None else 'DPO'} on a "
+            if tr.lora is not None or tr.preference is not None:
+                what = "LoRA" if tr.lora is not None else self.config.train.preference.upper()
+                raise ConfigError(f"{o.tune_model_path}: {what} on a "
                                   "mesh-transformer-jax v1 checkpoint: convert it first (to_hf_weights.py, then --hf)")
             v1 = mtj_v1.V1Checkpoint(v1_dir, self.config.model)
             return mtj_v1.train_state(v1, tr, moments=v1.full and not o.fresh_opt), {}

@@ -1,6 +1,12 @@
-"""Direct Preference Optimization (Rafailov et al. 2023, arXiv 2305.18290) and its variants:
-training on pairs of completions of one prompt, one preferred ("chosen") and one not ("rejected"),
-against a frozen reference model, with no reward model and no sampling.
+"""Training on preference pairs: completions of one prompt, one preferred ("chosen") and one not
+("rejected"), with no reward model and no sampling. Three objectives, one config key each (at most
+one set), under TRL's names and meanings:
+
+- `"dpo"`: Direct Preference Optimization (Rafailov et al. 2023, arXiv 2305.18290) and its
+  variants, against a frozen reference model (`DpoConfig`);
+- `"cpo"`: Contrastive Preference Optimization (arXiv 2401.08417) and SimPO (arXiv 2405.14734),
+  with no reference (`CpoConfig`);
+- `"orpo"`: Odds Ratio Preference Optimization (arXiv 2403.07691), with no reference (`OrpoConfig`).
 
 For a pair, with log pi(y|x) the summed log-probability of a completion's tokens under the policy
 and log ref(y|x) under the reference, each completion's log-ratio is h(y) = log pi(y|x) - log ref(y|x),
@@ -25,8 +31,12 @@ Rows come in pairs: row 2i of a batch is pair i's chosen completion, row 2i+1 it
 (the dataset and loader keep them so; `data.Loader` with a preference dataset). A pair whose
 chosen row trains on no token (a padding pair of a validation pass) counts for nothing.
 
-The reference is the model the run started from: with LoRA the base with the adapters off (no
+DPO's reference is the model the run started from: with LoRA the base with the adapters off (no
 second copy of the weights), otherwise a frozen copy in the compute dtype.
+
+Every objective's `pair_sums(token_logps, reference_token_logps, mask, log_sum_sq_probs, reduce)`
+takes each position's log-probability of its next token [2k, T] (and the reference's, for DPO),
+the completions' mask [2k, T], and returns (loss sum, {metric: sum}, pairs counted), `reduce`d.
 """
 from __future__ import annotations
 
@@ -38,7 +48,7 @@ from typing import Any, Callable, Optional
 import jax
 import jax.numpy as jnp
 
-from mesh_transformer.config import ConfigError, check_object
+from mesh_transformer.config import PREFERENCE_KEYS, ConfigError, TrainConfig, check_object
 
 # What a checkpoint of a DPO run without LoRA records about its reference (as LoRA's about its base):
 # where it came from (`lora.base_reference`) and a fingerprint of its weights.
@@ -154,10 +164,10 @@ KEYS = ("beta", "loss_type", "loss_weights", "label_smoothing", "f_divergence_ty
 SHAPE = '{"beta": number, "loss_type": name or [names], ...}'
 
 
-def _number(raw: dict, key: str, default: float, ok: Callable[[float], bool], what: str) -> float:
+def _number(raw: dict, key: str, default: float, ok: Callable[[float], bool], what: str, parent: str = "dpo") -> float:
     value = raw.get(key, default)
     if not isinstance(value, (int, float)) or isinstance(value, bool) or not ok(value):
-        raise ConfigError(f"config key 'dpo.{key}' must be {what}, got {json.dumps(value)}")
+        raise ConfigError(f"config key '{parent}.{key}' must be {what}, got {json.dumps(value)}")
     return float(value)
 
 
@@ -248,9 +258,19 @@ class DpoConfig:
                    discopop_tau=_number(raw, "discopop_tau", cls.discopop_tau, lambda v: v > 0, "a positive number"),
                    ld_alpha=ld_alpha, use_weighting=weighting)
 
+    needs_reference = True
+    metrics = METRICS
+
+    @property
+    def needs_sum_sq(self) -> bool:
+        return self.use_weighting
+
     def weight(self, loss: str) -> float:
         """The weight of one loss type (0 when not used)."""
         return dict(zip(self.loss_type, self.loss_weights)).get(loss, 0.0)
+
+    def pair_sums(self, token_logps, reference_token_logps, mask, log_sum_sq_probs=None, reduce=lambda x: x):
+        return dpo_sums(token_logps, reference_token_logps, mask, self, log_sum_sq_probs, reduce)
 
 
 def sequence_logps(token_logps, mask, ld_alpha: Optional[float]):
@@ -272,36 +292,172 @@ def wpo_weights(token_logps, log_sum_sq_probs, mask):
     return per_row[0::2] * per_row[1::2]
 
 
-def pair_sums(token_logps, reference_token_logps, mask, config: DpoConfig, log_sum_sq_probs=None,
-              reduce: Callable = lambda x: x) -> tuple[jax.Array, dict, jax.Array]:
-    """Sums over the pairs of a block of rows, `reduce`d (e.g. summed over data-parallel devices).
+def dpo_sums(token_logps, reference_token_logps, mask, config: DpoConfig, log_sum_sq_probs=None,
+             reduce: Callable = lambda x: x) -> tuple[jax.Array, dict, jax.Array]:
+    """DPO's sums over the pairs of a block of rows, `reduce`d (e.g. summed over data-parallel devices).
 
-    token_logps, reference_token_logps [2k, T]: each completion token's log-probability under the
-    policy and the reference (zero elsewhere; rows alternate chosen, rejected); mask [2k, T] the
+    token_logps, reference_token_logps [2k, T]: each position's log-probability of its next token
+    under the policy and the reference (rows alternate chosen, rejected); mask [2k, T] the
     completion's tokens; log_sum_sq_probs [2k, T] log sum_v p(v)^2 (WPO only)
     -> (loss sum, {metric: sum} for `METRICS`, number of pairs counted).
     """
     mask = mask.astype(jnp.float32)
+    token_logps, reference_token_logps = token_logps * mask, reference_token_logps * mask
     logps = sequence_logps(token_logps, mask, config.ld_alpha)
     reference = jax.lax.stop_gradient(sequence_logps(reference_token_logps, mask, config.ld_alpha))
     ratio = logps - reference
     score = F_DIVERGENCES[config.f_divergence_type](config.f_alpha_divergence_coef)(ratio)
     tokens = jnp.maximum(jnp.sum(mask, axis=-1), 1.0)
     pairs = Pairs(ratio[0::2], ratio[1::2], score[0::2], score[1::2], tokens[0::2], tokens[1::2])
-    counted = (jnp.sum(mask[0::2], axis=-1) > 0).astype(jnp.float32)
+    counted = _counted(mask)
     weight = counted * (wpo_weights(token_logps, log_sum_sq_probs, mask) if config.use_weighting else 1.0)
     losses = sum(w * PAIR_LOSSES[name](pairs, config) for name, w in zip(config.loss_type, config.loss_weights)
                  if name != SFT)
     total = reduce(jnp.sum(losses * weight))
     count = reduce(jnp.sum(counted))
     if config.weight(SFT):  # the chosen tokens' mean NLL over the whole batch, as a term of each pair's loss
-        nll, chosen_tokens = reduce(-jnp.sum(token_logps[0::2])), reduce(jnp.sum(mask[0::2]))
-        total = total + config.weight(SFT) * nll / jnp.maximum(chosen_tokens, 1.0) * count
-    reward_chosen, reward_rejected = config.beta * pairs.chosen_ratio, config.beta * pairs.rejected_ratio
-    margin = reward_chosen - reward_rejected
-    values = {"rewards/chosen": reward_chosen, "rewards/rejected": reward_rejected,
-              "rewards/accuracies": (margin > 0).astype(jnp.float32), "rewards/margins": margin,
-              "logps/chosen": logps[0::2], "logps/rejected": logps[1::2]}
-    sums = {"loss": jax.lax.stop_gradient(total),
-            **{name: reduce(jnp.sum(jax.lax.stop_gradient(v) * counted)) for name, v in values.items()}}
-    return total, sums, count
+        total = total + config.weight(SFT) * chosen_nll(token_logps, mask, reduce) * count
+    sums = reward_sums(config.beta * ratio, logps, counted, reduce)
+    return total, {"loss": jax.lax.stop_gradient(total), **sums}, count
+
+
+def chosen_nll(token_logps, mask, reduce):
+    """The chosen rows' mean negative log-likelihood per token of `mask` [2k, T], over the whole batch."""
+    nll, tokens = reduce(-jnp.sum(token_logps[0::2] * mask[0::2])), reduce(jnp.sum(mask[0::2]))
+    return nll / jnp.maximum(tokens, 1.0)
+
+
+def reward_sums(rewards, logps, counted, reduce, **more) -> dict:
+    """{metric: sum over counted pairs} of the rewards TRL logs (each row's [2k]), the rows'
+    log-probabilities and `more` (each pair's [k])."""
+    chosen, rejected = rewards[0::2], rewards[1::2]
+    values = {"rewards/chosen": chosen, "rewards/rejected": rejected,
+              "rewards/accuracies": (chosen > rejected).astype(jnp.float32), "rewards/margins": chosen - rejected,
+              "logps/chosen": logps[0::2], "logps/rejected": logps[1::2], **more}
+    return {name: reduce(jnp.sum(jax.lax.stop_gradient(v) * counted)) for name, v in values.items()}
+
+
+def _counted(mask):
+    """1 for each pair whose chosen row trains on a token [k] (not a validation pass's padding)."""
+    return (jnp.sum(mask[0::2], axis=-1) > 0).astype(jnp.float32)
+
+
+def _mean_logps(token_logps, mask):
+    """Each row's mean log-probability per completion token [2k]."""
+    return jnp.sum(token_logps * mask, axis=-1) / jnp.maximum(jnp.sum(mask, axis=-1), 1.0)
+
+
+# ----------------------------------------------------------------------------- CPO and SimPO
+
+CPO_KEYS = ("beta", "loss_type", "label_smoothing", "cpo_alpha", "simpo_gamma", "alpha")
+CPO_LOSSES = ("sigmoid", "hinge", "ipo", "simpo")
+
+
+@dataclass(frozen=True)
+class CpoConfig:
+    """CPO (Xu et al. 2024): DPO's losses on the policy's own log-probabilities, with no reference,
+    plus `cpo_alpha` times the chosen completions' NLL. `loss_type` "simpo" is SimPO (Meng et al.
+    2024): per-token mean log-probabilities and a target margin `simpo_gamma` (with `cpo_alpha` 0,
+    SimPO itself; above 0, CPO-SimPO). "ipo" also uses per-token means. `alpha` (AlphaPO, arXiv
+    2501.03884) reshapes each reward to (1 - p^-alpha) / alpha. `label_smoothing` applies to
+    "sigmoid" and "simpo"."""
+    beta: float = 0.1
+    loss_type: str = "sigmoid"
+    label_smoothing: float = 0.0
+    cpo_alpha: float = 1.0
+    simpo_gamma: float = 0.5
+    alpha: float = 0.0
+    needs_reference = False
+    needs_sum_sq = False
+    metrics = (*METRICS, "nll_loss")
+
+    @classmethod
+    def from_dict(cls, raw: Any) -> "CpoConfig":
+        check_object(raw, "cpo", CPO_KEYS, '{"beta": number, "loss_type": "sigmoid"|"hinge"|"ipo"|"simpo", ...}')
+        loss = raw.get("loss_type", cls.loss_type)
+        if loss == "alphapo":
+            raise ConfigError("config key 'cpo.loss_type': AlphaPO is a reward shape, not a loss: set 'cpo.alpha' "
+                              "with one of " + ", ".join(CPO_LOSSES))
+        if loss not in CPO_LOSSES:
+            raise ConfigError(f"config key 'cpo.loss_type' must be one of {', '.join(CPO_LOSSES)}, got {json.dumps(loss)}")
+        smoothing = _number(raw, "label_smoothing", 0.0, lambda v: 0 <= v < 0.5, "a number in [0, 0.5)", "cpo")
+        if smoothing and loss not in ("sigmoid", "simpo"):
+            raise ConfigError(f"config key 'cpo.label_smoothing' applies to the 'sigmoid' and 'simpo' losses only, "
+                              f"not {loss!r}")
+        return cls(beta=_number(raw, "beta", cls.beta, lambda v: v > 0, "a positive number", "cpo"),
+                   loss_type=loss, label_smoothing=smoothing,
+                   cpo_alpha=_number(raw, "cpo_alpha", cls.cpo_alpha, lambda v: v >= 0, "a number >= 0", "cpo"),
+                   simpo_gamma=_number(raw, "simpo_gamma", cls.simpo_gamma, math.isfinite, "a number", "cpo"),
+                   alpha=_number(raw, "alpha", cls.alpha, math.isfinite, "a number", "cpo"))
+
+    def pair_sums(self, token_logps, reference_token_logps, mask, log_sum_sq_probs=None, reduce=lambda x: x):
+        mask = mask.astype(jnp.float32)
+        per_token = self.loss_type in ("ipo", "simpo")
+        logps = _mean_logps(token_logps, mask) if per_token else jnp.sum(token_logps * mask, axis=-1)
+        rewards = (1 - jnp.exp(-self.alpha * logps)) / self.alpha if self.alpha else logps
+        z = rewards[0::2] - rewards[1::2]
+        if self.loss_type == "simpo":
+            z = z - self.simpo_gamma / self.beta
+        if self.loss_type in ("sigmoid", "simpo"):
+            eps = self.label_smoothing
+            losses = -(1 - eps) * jax.nn.log_sigmoid(self.beta * z) - eps * jax.nn.log_sigmoid(-self.beta * z)
+        elif self.loss_type == "hinge":
+            losses = jax.nn.relu(1 - self.beta * z)
+        else:  # ipo
+            losses = jnp.square(z - 1 / (2 * self.beta))
+        counted = _counted(mask)
+        count = reduce(jnp.sum(counted))
+        nll = chosen_nll(token_logps, mask, reduce)
+        total = reduce(jnp.sum(losses * counted)) + self.cpo_alpha * nll * count
+        sums = reward_sums(self.beta * rewards, logps, counted, reduce)
+        return total, {"loss": jax.lax.stop_gradient(total), **sums, "nll_loss": jax.lax.stop_gradient(nll * count)}, count
+
+
+# ----------------------------------------------------------------------------- ORPO
+
+def log1mexp(x):
+    """log(1 - exp(x)) for x < 0, without cancellation on either side of -ln 2."""
+    return jnp.where(x < -math.log(2), jnp.log1p(-jnp.exp(x)), jnp.log(-jnp.expm1(x)))
+
+
+@dataclass(frozen=True)
+class OrpoConfig:
+    """ORPO (Hong et al. 2024): the chosen sequences' NLL (prompt and completion, as TRL's
+    ORPOTrainer counts it) minus `beta` (the paper's lambda) times log sigmoid of the log odds
+    ratio, log(odds(chosen) / odds(rejected)) with odds(y) = p / (1 - p) of the completion's
+    per-token mean log-probability. No reference."""
+    beta: float = 0.1
+    needs_reference = False
+    needs_sum_sq = False
+    metrics = (*METRICS, "nll_loss", "log_odds_ratio", "log_odds_chosen")
+
+    @classmethod
+    def from_dict(cls, raw: Any) -> "OrpoConfig":
+        check_object(raw, "orpo", ("beta",), '{"beta": number}')
+        return cls(beta=_number(raw, "beta", cls.beta, lambda v: v > 0, "a positive number", "orpo"))
+
+    def pair_sums(self, token_logps, reference_token_logps, mask, log_sum_sq_probs=None, reduce=lambda x: x):
+        mask = mask.astype(jnp.float32)
+        logps = _mean_logps(token_logps, mask)
+        chosen, rejected = logps[0::2], logps[1::2]
+        log_odds = (chosen - rejected) - (log1mexp(chosen) - log1mexp(rejected))
+        ratio = jax.nn.log_sigmoid(log_odds)
+        counted = _counted(mask)
+        count = reduce(jnp.sum(counted))
+        sequence = (jnp.cumsum(mask[:, ::-1], axis=-1)[:, ::-1] > 0).astype(jnp.float32)  # prompt and completion
+        nll = chosen_nll(token_logps, sequence, reduce)
+        total = nll * count - self.beta * reduce(jnp.sum(ratio * counted))
+        sums = reward_sums(self.beta * logps, logps, counted, reduce, log_odds_ratio=ratio, log_odds_chosen=log_odds)
+        return total, {"loss": jax.lax.stop_gradient(total), **sums, "nll_loss": jax.lax.stop_gradient(nll * count)}, count
+
+
+OBJECTIVES = {"dpo": DpoConfig, "cpo": CpoConfig, "orpo": OrpoConfig}
+
+
+def objective(train: TrainConfig):
+    """The config's preference objective (`DpoConfig`, `CpoConfig` or `OrpoConfig`), or None."""
+    key = train.preference
+    return None if key is None else OBJECTIVES[key].from_dict(getattr(train, key))
+
+
+assert set(OBJECTIVES) == set(PREFERENCE_KEYS)

@@ -116,10 +116,11 @@ class Trainer:
         m, t = self.config.model, self.config.train
         self.mp, self.dp = self.mesh.shape[parallel.MP], self.mesh.shape[parallel.DP]
         self.lora = lora.LoraConfig.from_dict(t.lora) if t.lora is not None else None
-        self.dpo = preference.DpoConfig.from_dict(t.dpo) if t.dpo is not None else None
+        self.preference = preference.objective(t)  # DPO, CPO or ORPO on preference pairs, or None
+        self.needs_reference = self.preference is not None and self.preference.needs_reference
         # DPO's reference without LoRA: a frozen copy of every weight, held (and passed) as the base is.
-        self.holds_reference = self.dpo is not None and self.lora is None
-        self.metric_names = preference.METRICS if self.dpo is not None else ("loss",)
+        self.holds_reference = self.needs_reference and self.lora is None
+        self.metric_names = self.preference.metrics if self.preference is not None else ("loss",)
         self.model = models.build(m, self.mp, lora.plan(m, self.lora))
         self.model.check_mesh(self.mesh.shape, t.zero)
         self.rules = self.model.rules(t.zero, self.mp)
@@ -285,23 +286,27 @@ class Trainer:
         return total + self._balance * routers.balance_loss() * count
 
     def _local_pairs(self, policy, reference, tokens, mask, rng):
-        """Per-device DPO: rows alternate a pair's chosen and rejected completion (tokens [b, T+1],
-        mask [b, T] on the completion's tokens) -> global (loss sum, metric sums, pair count)."""
+        """Per-device preference objective: rows alternate a pair's chosen and rejected completion
+        (tokens [b, T+1], mask [b, T] on the completion's tokens) -> global (loss sum, metric sums,
+        pair count). `reference` is read only by an objective that `needs_reference` (DPO)."""
         out = self.model.apply(policy, tokens[:, :-1], rng=rng, routers=self._balance > 0)
-        reference_logits = self.model.apply(reference, tokens[:, :-1])[0]
-        logps, reference_logps = (losses.token_log_probs(logits, tokens[:, 1:]) * mask
-                                  for logits in (out[0], reference_logits))
-        sum_sq = losses.log_sum_sq_probs(out[0]) if self.dpo.use_weighting else None
-        total, sums, count = preference.pair_sums(logps, reference_logps, mask, self.dpo, sum_sq, parallel.psum_dp)
+        logps = losses.token_log_probs(out[0], tokens[:, 1:])
+        reference_logps = None
+        if self.needs_reference:
+            reference_logps = losses.token_log_probs(self.model.apply(reference, tokens[:, :-1])[0], tokens[:, 1:])
+        sum_sq = losses.log_sum_sq_probs(out[0]) if self.preference.needs_sum_sq else None
+        total, sums, count = self.preference.pair_sums(logps, reference_logps, mask, sum_sq, parallel.psum_dp)
         return self._with_balance_loss(total, out, count), sums, count  # added to the mean over pairs, as TRL adds it
 
     def _objective_sums(self, params, base, micro):
         """(objective sum, {metric: sum}, count) of one microbatch: the language-model loss over
-        trained tokens, or with DPO the preference loss over pairs."""
-        if self.dpo is None:
-            return self._sharded_loss(self.policy(params, base), *micro)
+        trained tokens, or a preference objective's loss over pairs."""
+        policy = self.policy(params, base)
+        if self.preference is None:
+            return self._sharded_loss(policy, *micro)
         tokens, mask, _, _, rng = micro
-        return self._sharded_pairs(self.policy(params, base), self._reference(params, base), tokens, mask, rng)
+        reference = self._reference(params, base) if self.needs_reference else policy  # (unread)
+        return self._sharded_pairs(policy, reference, tokens, mask, rng)
 
     def _microbatch_grads(self, params, base, micro):
         def objective(p):
