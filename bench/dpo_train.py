@@ -1,19 +1,21 @@
-"""DPO training throughput and memory: ours (full fine-tuning with a frozen reference copy, and LoRA,
-whose reference is the base) next to TRL's DPOTrainer on HF transformers + torch doing the same.
+"""Preference-tuning throughput and memory: ours (full fine-tuning, and LoRA) next to TRL on HF
+transformers + torch doing the same, for one objective a run (`--objective`): DPO (ours: a frozen
+reference copy for full fine-tuning, the base with adapters off for LoRA; TRL's DPOTrainer), ORPO
+(no reference; TRL's ORPOTrainer) or SimPO (no reference; TRL's CPOTrainer, loss_type "simpo").
 
     bash bench/setup_trl_venv.sh            # once: the peer's own venv, bench/.venv-trl
     python bench/dpo_train.py [--family gptj --layers 4 --d-model 512 --heads 8 --vocab 50400
                                --pairs 2 --prompt 128 --completion 128 --rank 16 --alpha 32
-                               --targets q_proj,v_proj --runs 3 --steps 5] [--json]
+                               --targets q_proj,v_proj --runs 3 --steps 5] [--objective dpo|orpo|simpo] [--json]
 
 Every measurement is a fresh subprocess (its own peak memory): ours and the peer, full and LoRA,
 in turn, `--runs` rounds. All train the family's benchmark shape (bench/families.py; the peer's
 model from our config through the library's HF export mapping) in fp32 with AdamW (weight decay
-0.1, clip 1.0, constant learning rate), DPO's sigmoid loss at beta 0.1, on `--pairs` pairs a step,
+0.1, clip 1.0, constant learning rate), the objective at beta 0.1 (SimPO: 2.0), on `--pairs` pairs a step,
 each a prompt of `--prompt` tokens and two completions of `--completion` tokens (the last one
 EOS), so every row holds prompt + completion tokens and there is no padding. The peer is what a
 TRL user runs: `DPOTrainer` with a `ref_model` (full) or a `peft_config` (LoRA: the reference is
-the base with the adapter off), activation checkpointing off (ours: `remat` none), the pairs as
+the base with the adapter off), `ORPOTrainer` / `CPOTrainer` with neither, activation checkpointing off (ours: `remat` none), the pairs as
 text of a word-level tokenizer whose words are the token ids, so both sides see the same tokens;
 its steps are timed by a callback around each optimizer step. A run's rate is the tokens of a
 step (both completions of every pair, prompt included) / its median step time after 2 warm-up
@@ -39,7 +41,9 @@ import machine  # noqa: E402
 KINDS = ("ours-full", "trl-full", "ours-lora", "trl-lora")
 NAMES = {"ours-full": "mesh-transformer, full", "trl-full": "TRL + transformers, full",
          "ours-lora": "mesh-transformer, LoRA", "trl-lora": "TRL + PEFT, LoRA"}
-BETA = 0.1
+# The objectives: our config key and options, the peer's trainer (trl or trl.experimental) and its options.
+OBJECTIVES = {"dpo": ("dpo", {"beta": 0.1}, "DPO"), "orpo": ("orpo", {"beta": 0.1}, "ORPO"),
+              "simpo": ("cpo", {"loss_type": "simpo", "cpo_alpha": 0.0, "beta": 2.0}, "CPO")}
 
 
 def parse_args(argv=None):
@@ -54,6 +58,7 @@ def parse_args(argv=None):
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--steps", type=int, default=5, help="timed steps per run, after 2 warm-up steps")
     p.add_argument("--kinds", default=",".join(KINDS), help="which of " + ", ".join(KINDS))
+    p.add_argument("--objective", choices=OBJECTIVES, default="dpo")
     p.add_argument("--peer-python", default=PEER_PYTHON)
     machine.add_args(p)
     p.add_argument("--worker", choices=KINDS, help=argparse.SUPPRESS)
@@ -91,10 +96,11 @@ def worker_ours(args, lora: bool) -> dict:
     from mesh_transformer.config import config_from_dict
     from mesh_transformer.train.step import Trainer
     base_rss = lora_train.rss_mib()
-    keys = {**lora_train.config_keys(args, lora), "per_replica_batch": args.pairs, "dpo": {"beta": BETA},
+    key, options, _ = OBJECTIVES[args.objective]
+    keys = {**lora_train.config_keys(args, lora), "per_replica_batch": args.pairs, key: options,
             "end_lr": 1e-4, "seq": args.seq}
     trainer = Trainer(config_from_dict(keys), parallel.make_mesh(1, 1, jax.devices()[:1]))
-    trainer.base = trainer.init_base(0)  # LoRA's base, or the full run's reference: the initial weights
+    trainer.base = trainer.init_base(0)  # LoRA's base, or DPO's reference (full): the initial weights; else {}
     state = trainer.init_state(0)
     tokens, mask = pairs(args)
     batch = trainer.shard_batch({"tokens": tokens[None], "mask": mask[None]})
@@ -126,8 +132,9 @@ def worker_trl(args, lora: bool) -> dict:
             setattr(config, key, 0.0)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _, options, peer = OBJECTIVES[args.objective]
     reference = None
-    if not lora:
+    if not lora and peer == "DPO":
         reference = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         reference.load_state_dict(model.state_dict())
     words = Tokenizer(models.WordLevel({f"w{i}": i for i in range(args.vocab)}, unk_token="w1"))
@@ -135,9 +142,10 @@ def worker_trl(args, lora: bool) -> dict:
     tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=words, eos_token="w0", pad_token="w0")
     tokens, _ = pairs(args)
     text = lambda ids: " ".join(f"w{int(i)}" for i in ids)  # noqa: E731
+    end = args.seq if peer == "DPO" else args.seq - 1  # the experimental trainers append the EOS themselves
     record = lambda i: {"prompt": text(tokens[2 * i, : args.prompt]),  # noqa: E731
-                        "chosen": " " + text(tokens[2 * i, args.prompt: args.seq]),
-                        "rejected": " " + text(tokens[2 * i + 1, args.prompt: args.seq])}
+                        "chosen": " " + text(tokens[2 * i, args.prompt: end]),
+                        "rejected": " " + text(tokens[2 * i + 1, args.prompt: end])}
     steps = args.steps + 2
     data = datasets.Dataset.from_list([record(i % args.pairs) for i in range(args.pairs * steps)])
     times: list[float] = []
@@ -155,14 +163,18 @@ def worker_trl(args, lora: bool) -> dict:
         peft_config = peft.LoraConfig(r=args.rank, lora_alpha=args.alpha, lora_dropout=0.0, bias="none",
                                       target_modules=args.targets.split(","), task_type="CAUSAL_LM")
     with tempfile.TemporaryDirectory() as out:
-        trl_args = trl.DPOConfig(output_dir=out, per_device_train_batch_size=args.pairs, max_steps=steps, beta=BETA,
-                                 learning_rate=1e-4, lr_scheduler_type="constant", weight_decay=0.1, max_grad_norm=1.0,
-                                 gradient_checkpointing=False, bf16=False, use_cpu=True, report_to="none",
-                                 save_strategy="no", logging_steps=10**6, dataloader_num_workers=0)
-        trainer = trl.DPOTrainer(model=model, ref_model=reference, args=trl_args, train_dataset=data,
-                                 processing_class=tokenizer, peft_config=peft_config, callbacks=[Clock()])
+        config_class, trainer_class = peer_classes(peer)
+        trl_args = config_class(output_dir=out, per_device_train_batch_size=args.pairs, max_steps=steps, **options,
+                                learning_rate=1e-4, lr_scheduler_type="constant", weight_decay=0.1, max_grad_norm=1.0,
+                                gradient_checkpointing=False, bf16=False, use_cpu=True, report_to="none",
+                                save_strategy="no", logging_steps=10**6, dataloader_num_workers=0)
+        kwargs = {"ref_model": reference} if peer == "DPO" else {}
+        trainer = trainer_class(model=model, args=trl_args, train_dataset=data, processing_class=tokenizer,
+                                peft_config=peft_config, callbacks=[Clock()], **kwargs)
         row = trainer.train_dataset[0]
-        assert len(row["prompt_ids"]) + len(row["chosen_ids"]) == args.seq, "the peer's rows are not the benchmark's"
+        length = (len(row["prompt_ids"]) + len(row["chosen_ids"]) if peer == "DPO"
+                  else len(row["chosen_input_ids"]))
+        assert length == args.seq, f"the peer's rows ({length} tokens) are not the benchmark's ({args.seq})"
         trainer.train()
     trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
     import peft as peft_module
@@ -170,6 +182,15 @@ def worker_trl(args, lora: bool) -> dict:
             "trainable_params": int(trainable),
             "versions": {"torch": torch.__version__, "transformers": transformers.__version__, "trl": trl.__version__,
                          "peft": peft_module.__version__}}
+
+
+def peer_classes(peer: str):
+    """(config class, trainer class) of TRL's trainer for an objective."""
+    import trl
+    if peer == "DPO":
+        return trl.DPOConfig, trl.DPOTrainer
+    from trl.experimental import cpo, orpo
+    return {"CPO": (cpo.CPOConfig, cpo.CPOTrainer), "ORPO": (orpo.ORPOConfig, orpo.ORPOTrainer)}[peer]
 
 
 def main(argv=None):
@@ -197,6 +218,8 @@ def main(argv=None):
 
 
 def text(result):
+    objective = result["config"]["objective"]
+    print(f"objective: {objective} (ours: config key {OBJECTIVES[objective][0]!r}; TRL: {OBJECTIVES[objective][2]}Trainer)")
     print(f"{'':28s} {'trainable':>11s} {'tokens/s (median, min-max)':>28s} {'peak RSS':>9s} {'XLA args + temps':>17s}")
     for kind, s in result["kinds"].items():
         t = s["tokens_per_s"]

@@ -34,9 +34,13 @@ chosen row trains on no token (a padding pair of a validation pass) counts for n
 DPO's reference is the model the run started from: with LoRA the base with the adapters off (no
 second copy of the weights), otherwise a frozen copy in the compute dtype.
 
-Every objective's `pair_sums(token_logps, reference_token_logps, mask, log_sum_sq_probs, reduce)`
-takes each position's log-probability of its next token [2k, T] (and the reference's, for DPO),
-the completions' mask [2k, T], and returns (loss sum, {metric: sum}, pairs counted), `reduce`d.
+Every objective's `pair_sums(token_logps, reference_token_logps, mask, log_sum_sq_probs, reduce,
+nll_scale)` takes each position's log-probability of its next token [2k, T] (and the reference's,
+for DPO), the completions' mask [2k, T], and returns (loss sum, {metric: sum}, pairs counted),
+`reduce`d. An NLL term (DPO's "sft", CPO's, ORPO's) is a mean over the chosen tokens of the whole
+step: `nll_scale(objective, mask)` of all its microbatches' rows, pairs per token, turns each
+microbatch's NLL sum into its share of that mean as a sum over pairs, so k microbatches equal one
+k-times-larger batch.
 """
 from __future__ import annotations
 
@@ -166,7 +170,7 @@ SHAPE = '{"beta": number, "loss_type": name or [names], ...}'
 
 def _number(raw: dict, key: str, default: float, ok: Callable[[float], bool], what: str, parent: str = "dpo") -> float:
     value = raw.get(key, default)
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not ok(value):
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or not ok(value):
         raise ConfigError(f"config key '{parent}.{key}' must be {what}, got {json.dumps(value)}")
     return float(value)
 
@@ -193,7 +197,7 @@ def _loss_weights(raw: dict, types: tuple[str, ...]) -> tuple[float, ...]:
     if weights is None:
         return (1.0,) * len(types)
     if (not isinstance(weights, list) or len(weights) != len(types)
-            or not all(isinstance(w, (int, float)) and not isinstance(w, bool) for w in weights)):
+            or not all(isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w) for w in weights)):
         raise ConfigError(f"config key 'dpo.loss_weights' must be a list of {len(types)} numbers, one per "
                           f"'dpo.loss_type', got {json.dumps(weights)}")
     return tuple(float(w) for w in weights)
@@ -220,7 +224,14 @@ def _f_divergence(raw: dict, types: tuple[str, ...]) -> str:
     others = [t for t in types if t not in F_DIVERGENCE_LOSSES]
     if name != "reverse_kl" and others:
         raise ConfigError(f"config key 'dpo.f_divergence_type' {name!r} does not apply to the loss {others[0]!r} "
-                          f"(only to {', '.join(sorted(F_DIVERGENCE_LOSSES))})")
+                          f"(only to {', '.join(sorted(F_DIVERGENCE_LOSSES - {SFT}))})")
+    if name != "reverse_kl" and types == (SFT,):
+        raise ConfigError(f"config key 'dpo.f_divergence_type' {name!r} does nothing to the 'sft' loss alone")
+    if "f_alpha_divergence_coef" in raw and name != "alpha_divergence":
+        raise ConfigError("config key 'dpo.f_alpha_divergence_coef' applies to f_divergence_type "
+                          f"'alpha_divergence' only, not {name!r}")
+    if "discopop_tau" in raw and "discopop" not in types:
+        raise ConfigError(f"config key 'dpo.discopop_tau' applies to the 'discopop' loss only, not {json.dumps(list(types))}")
     return name
 
 
@@ -269,8 +280,13 @@ class DpoConfig:
         """The weight of one loss type (0 when not used)."""
         return dict(zip(self.loss_type, self.loss_weights)).get(loss, 0.0)
 
-    def pair_sums(self, token_logps, reference_token_logps, mask, log_sum_sq_probs=None, reduce=lambda x: x):
-        return dpo_sums(token_logps, reference_token_logps, mask, self, log_sum_sq_probs, reduce)
+    def nll_mask(self, mask):
+        """The tokens an NLL term covers (the "sft" loss's: the completions'), or None without one."""
+        return mask if self.weight(SFT) else None
+
+    def pair_sums(self, token_logps, reference_token_logps, mask, log_sum_sq_probs=None, reduce=lambda x: x,
+                  nll_scale=None):
+        return dpo_sums(token_logps, reference_token_logps, mask, self, log_sum_sq_probs, reduce, nll_scale)
 
 
 def sequence_logps(token_logps, mask, ld_alpha: Optional[float]):
@@ -293,7 +309,7 @@ def wpo_weights(token_logps, log_sum_sq_probs, mask):
 
 
 def dpo_sums(token_logps, reference_token_logps, mask, config: DpoConfig, log_sum_sq_probs=None,
-             reduce: Callable = lambda x: x) -> tuple[jax.Array, dict, jax.Array]:
+             reduce: Callable = lambda x: x, nll_scale=None) -> tuple[jax.Array, dict, jax.Array]:
     """DPO's sums over the pairs of a block of rows, `reduce`d (e.g. summed over data-parallel devices).
 
     token_logps, reference_token_logps [2k, T]: each position's log-probability of its next token
@@ -316,15 +332,29 @@ def dpo_sums(token_logps, reference_token_logps, mask, config: DpoConfig, log_su
     total = reduce(jnp.sum(losses * weight))
     count = reduce(jnp.sum(counted))
     if config.weight(SFT):  # the chosen tokens' mean NLL over the whole batch, as a term of each pair's loss
-        total = total + config.weight(SFT) * chosen_nll(token_logps, mask, reduce) * count
+        total = total + config.weight(SFT) * chosen_nll(token_logps, mask, count, reduce, nll_scale)
     sums = reward_sums(config.beta * ratio, logps, counted, reduce)
     return total, {"loss": jax.lax.stop_gradient(total), **sums}, count
 
 
-def chosen_nll(token_logps, mask, reduce):
-    """The chosen rows' mean negative log-likelihood per token of `mask` [2k, T], over the whole batch."""
-    nll, tokens = reduce(-jnp.sum(token_logps[0::2] * mask[0::2])), reduce(jnp.sum(mask[0::2]))
-    return nll / jnp.maximum(tokens, 1.0)
+def chosen_nll(token_logps, nll_mask, count, reduce, nll_scale=None):
+    """The chosen rows' negative log-likelihood over the tokens of `nll_mask` [2k, T], as a sum over
+    pairs: the NLL summed times `nll_scale` (the step's pairs per such token; default this block's,
+    `count` / its tokens), so that divided by the step's pairs it is the mean per token."""
+    nll = reduce(-jnp.sum(token_logps[0::2] * nll_mask[0::2]))
+    if nll_scale is None:
+        nll_scale = count / jnp.maximum(reduce(jnp.sum(nll_mask[0::2])), 1.0)
+    return nll * nll_scale
+
+
+def nll_scale(objective, mask):
+    """Pairs per token of an objective's NLL term over a whole step's rows (mask [..., 2k, T], any
+    leading microbatch axes; rows alternate chosen, rejected); 0 for an objective without one."""
+    covered = objective.nll_mask(mask)
+    if covered is None:
+        return jnp.zeros((), jnp.float32)
+    pairs = jnp.sum((jnp.sum(mask[..., 0::2, :], axis=-1) > 0).astype(jnp.float32))
+    return pairs / jnp.maximum(jnp.sum(covered[..., 0::2, :].astype(jnp.float32)), 1.0)
 
 
 def reward_sums(rewards, logps, counted, reduce, **more) -> dict:
@@ -390,7 +420,11 @@ class CpoConfig:
                    simpo_gamma=_number(raw, "simpo_gamma", cls.simpo_gamma, math.isfinite, "a number", "cpo"),
                    alpha=_number(raw, "alpha", cls.alpha, math.isfinite, "a number", "cpo"))
 
-    def pair_sums(self, token_logps, reference_token_logps, mask, log_sum_sq_probs=None, reduce=lambda x: x):
+    def nll_mask(self, mask):
+        return mask
+
+    def pair_sums(self, token_logps, reference_token_logps, mask, log_sum_sq_probs=None, reduce=lambda x: x,
+                  nll_scale=None):
         mask = mask.astype(jnp.float32)
         per_token = self.loss_type in ("ipo", "simpo")
         logps = _mean_logps(token_logps, mask) if per_token else jnp.sum(token_logps * mask, axis=-1)
@@ -407,10 +441,10 @@ class CpoConfig:
             losses = jnp.square(z - 1 / (2 * self.beta))
         counted = _counted(mask)
         count = reduce(jnp.sum(counted))
-        nll = chosen_nll(token_logps, mask, reduce)
-        total = reduce(jnp.sum(losses * counted)) + self.cpo_alpha * nll * count
+        nll = chosen_nll(token_logps, mask, count, reduce, nll_scale)
+        total = reduce(jnp.sum(losses * counted)) + self.cpo_alpha * nll
         sums = reward_sums(self.beta * rewards, logps, counted, reduce)
-        return total, {"loss": jax.lax.stop_gradient(total), **sums, "nll_loss": jax.lax.stop_gradient(nll * count)}, count
+        return total, {"loss": jax.lax.stop_gradient(total), **sums, "nll_loss": jax.lax.stop_gradient(nll)}, count
 
 
 # ----------------------------------------------------------------------------- ORPO
@@ -436,7 +470,13 @@ class OrpoConfig:
         check_object(raw, "orpo", ("beta",), '{"beta": number}')
         return cls(beta=_number(raw, "beta", cls.beta, lambda v: v > 0, "a positive number", "orpo"))
 
-    def pair_sums(self, token_logps, reference_token_logps, mask, log_sum_sq_probs=None, reduce=lambda x: x):
+    def nll_mask(self, mask):
+        """The chosen sequences' tokens: the prompt's and the completion's (each row's positions up to
+        its last completion token; padding only follows it)."""
+        return (jnp.cumsum(mask[..., ::-1], axis=-1)[..., ::-1] > 0).astype(jnp.float32)
+
+    def pair_sums(self, token_logps, reference_token_logps, mask, log_sum_sq_probs=None, reduce=lambda x: x,
+                  nll_scale=None):
         mask = mask.astype(jnp.float32)
         logps = _mean_logps(token_logps, mask)
         chosen, rejected = logps[0::2], logps[1::2]
@@ -444,11 +484,10 @@ class OrpoConfig:
         ratio = jax.nn.log_sigmoid(log_odds)
         counted = _counted(mask)
         count = reduce(jnp.sum(counted))
-        sequence = (jnp.cumsum(mask[:, ::-1], axis=-1)[:, ::-1] > 0).astype(jnp.float32)  # prompt and completion
-        nll = chosen_nll(token_logps, sequence, reduce)
-        total = nll * count - self.beta * reduce(jnp.sum(ratio * counted))
+        nll = chosen_nll(token_logps, self.nll_mask(mask), count, reduce, nll_scale)
+        total = nll - self.beta * reduce(jnp.sum(ratio * counted))
         sums = reward_sums(self.beta * logps, logps, counted, reduce, log_odds_ratio=ratio, log_odds_chosen=log_odds)
-        return total, {"loss": jax.lax.stop_gradient(total), **sums, "nll_loss": jax.lax.stop_gradient(nll * count)}, count
+        return total, {"loss": jax.lax.stop_gradient(total), **sums, "nll_loss": jax.lax.stop_gradient(nll)}, count
 
 
 OBJECTIVES = {"dpo": DpoConfig, "cpo": CpoConfig, "orpo": OrpoConfig}

@@ -155,7 +155,7 @@ class Trainer:
             in_specs=(full_specs, row, row, row, row, P()), out_specs=(P(), P(), P()))
         self._sharded_pairs = parallel.shard_map(
             self._local_pairs, self.mesh, self.rules,
-            in_specs=(full_specs, full_specs, row, row, P()), out_specs=(P(), P(), P()))
+            in_specs=(full_specs, full_specs, row, row, P(), P()), out_specs=(P(), P(), P()))
         self.init_state = jax.jit(self._init, out_shardings=self.state_shardings)
         self.init_base = jax.jit(self._init_base, out_shardings=self.base_shardings)
         bs = self.base_shardings
@@ -285,32 +285,39 @@ class Trainer:
         routers = jax.tree.map(parallel.psum_dp, out[2])
         return total + self._balance * routers.balance_loss() * count
 
-    def _local_pairs(self, policy, reference, tokens, mask, rng):
+    def _local_pairs(self, policy, reference, tokens, mask, rng, nll_scale):
         """Per-device preference objective: rows alternate a pair's chosen and rejected completion
         (tokens [b, T+1], mask [b, T] on the completion's tokens) -> global (loss sum, metric sums,
-        pair count). `reference` is read only by an objective that `needs_reference` (DPO)."""
+        pair count). `reference` is read only by an objective that `needs_reference` (DPO);
+        `nll_scale`: the whole step's (`preference.nll_scale`)."""
         out = self.model.apply(policy, tokens[:, :-1], rng=rng, routers=self._balance > 0)
         logps = losses.token_log_probs(out[0], tokens[:, 1:])
         reference_logps = None
         if self.needs_reference:
             reference_logps = losses.token_log_probs(self.model.apply(reference, tokens[:, :-1])[0], tokens[:, 1:])
         sum_sq = losses.log_sum_sq_probs(out[0]) if self.preference.needs_sum_sq else None
-        total, sums, count = self.preference.pair_sums(logps, reference_logps, mask, sum_sq, parallel.psum_dp)
+        total, sums, count = self.preference.pair_sums(logps, reference_logps, mask, sum_sq, parallel.psum_dp,
+                                                       nll_scale)
         return self._with_balance_loss(total, out, count), sums, count  # added to the mean over pairs, as TRL adds it
 
-    def _objective_sums(self, params, base, micro):
+    def _objective_sums(self, params, base, micro, nll_scale=None):
         """(objective sum, {metric: sum}, count) of one microbatch: the language-model loss over
-        trained tokens, or a preference objective's loss over pairs."""
+        trained tokens, or a preference objective's loss over pairs (`nll_scale`: the step's, for
+        its NLL term; `preference.nll_scale`)."""
         policy = self.policy(params, base)
         if self.preference is None:
             return self._sharded_loss(policy, *micro)
         tokens, mask, _, _, rng = micro
         reference = self._reference(params, base) if self.needs_reference else policy  # (unread)
-        return self._sharded_pairs(policy, reference, tokens, mask, rng)
+        return self._sharded_pairs(policy, reference, tokens, mask, rng, nll_scale)
 
-    def _microbatch_grads(self, params, base, micro):
+    def _nll_scale(self, mask):
+        """A preference objective's pairs per NLL token over all of `mask` (a step's rows), else None."""
+        return preference.nll_scale(self.preference, mask) if self.preference is not None else None
+
+    def _microbatch_grads(self, params, base, micro, nll_scale=None):
         def objective(p):
-            total, sums, count = self._objective_sums(p, base, micro)
+            total, sums, count = self._objective_sums(p, base, micro, nll_scale)
             return total, (sums, count)
         (_, (sums, count)), grads = jax.value_and_grad(objective, has_aux=True)(params)
         return grads, sums, count
@@ -337,14 +344,17 @@ class Trainer:
 
     def _accumulate(self, params, batch, base, step):
         """Sum gradients over the A microbatches; return the mean grads and metrics (per trained
-        token, or with DPO per pair)."""
+        token, or with a preference objective per pair)."""
+        micros = self._microbatches(batch, step)
+        nll_scale = self._nll_scale(micros[1])
+
         def body(carry, micro):
-            grads, sums, count = self._microbatch_grads(params, base, micro)
+            grads, sums, count = self._microbatch_grads(params, base, micro, nll_scale)
             carry = jax.tree.map(jnp.add, carry, (grads, sums, count))
             return carry, None
 
         zeros = (jax.tree.map(jnp.zeros_like, params), {k: jnp.zeros(()) for k in self.metric_names}, jnp.zeros(()))
-        (grads, sums, count), _ = jax.lax.scan(body, zeros, self._microbatches(batch, step))
+        (grads, sums, count), _ = jax.lax.scan(body, zeros, micros)
         count = jnp.maximum(count, 1.0)
         return jax.tree.map(lambda g: g / count, grads), {k: v / count for k, v in sums.items()}
 
@@ -364,7 +374,7 @@ class Trainer:
         mask = jnp.ones(tokens[:, 1:].shape, jnp.float32) if mask is None else mask.reshape(tokens[:, 1:].shape)
         segments = batch.get("segments")
         segments = None if segments is None else segments.reshape(tokens.shape)
-        _, sums, count = self._objective_sums(params, base, (tokens, mask, segments, None, None))
+        _, sums, count = self._objective_sums(params, base, (tokens, mask, segments, None, None), self._nll_scale(mask))
         return sums, count
 
     def eval_sums(self, params, batch):
