@@ -197,14 +197,15 @@ def trl_batch_as_rows(batch):
     return tokens, mask
 
 
-@pytest.mark.parametrize("variant", FREE_VARIANTS)
+@pytest.mark.parametrize("variant", [*FREE_VARIANTS, "orpo-lora"])
 def test_reference_free_objectives_equal_trl(variant, tmp_path):
     """CPO (and SimPO, AlphaPO's rewards) and ORPO need no reference: on one batch of TRL's own
     rows, the loss, every logged metric and every gradient equal TRL's CPOTrainer's / ORPOTrainer's
-    (float32, dp2 x mp2)."""
+    (float32, dp2 x mp2; LoRA: PEFT's adapter, made random, on mp2)."""
     import datasets
     from trl.experimental import cpo, orpo
-    key, options = FREE_VARIANTS[variant]
+    lora_run = variant.endswith("-lora")
+    key, options = FREE_VARIANTS[variant.removesuffix("-lora")]
     trainer_class, config_class = {"cpo": (cpo.CPOTrainer, cpo.CPOConfig),
                                    "orpo": (orpo.ORPOTrainer, orpo.ORPOConfig)}[key]
     policy = make_hf_model(tmp_path / "policy", CASE, seed=0, vocab_size=GPT2_VOCAB)
@@ -212,8 +213,19 @@ def test_reference_free_objectives_equal_trl(variant, tmp_path):
     tok.pad_token = tok.eos_token
     args = config_class(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=len(TEXT_PAIRS), max_length=SEQ,
                         report_to="none", use_cpu=True, bf16=False, **options)
-    theirs = trainer_class(model=policy, args=args, processing_class=tok,
+    adapter = None
+    if lora_run:
+        import peft
+        adapter = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
+    theirs = trainer_class(model=policy, args=args, processing_class=tok, peft_config=adapter,
                            train_dataset=datasets.Dataset.from_list(TEXT_PAIRS))
+    if lora_run:  # B starts at zero: made random, so the adapter changes the policy
+        torch.manual_seed(2)
+        with torch.no_grad():
+            for name, p in theirs.model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(std=0.5)
+        theirs.model.save_pretrained(tmp_path / "adapter")
     batch = next(iter(theirs.get_train_dataloader()))
     loss = theirs.compute_loss(theirs.model, batch)
     loss.backward()
@@ -222,12 +234,20 @@ def test_reference_free_objectives_equal_trl(variant, tmp_path):
 
     config, params = hf.load_hf(str(tmp_path / "policy"), mp=2)
     config = dataclasses.replace(config, compute_dtype="float32", remat="none")
-    tr = Trainer(Config(config, TrainConfig(per_replica_batch=len(TEXT_PAIRS) // 2, cores_per_replica=2,
-                                            **{key: options})), mesh(2, 2))
-    assert not tr.needs_reference and not tr.holds_reference and tr.base == {}
+    train = dict(cores_per_replica=2, **{key: options})
+    if lora_run:
+        spec, params = lora.load_peft(str(tmp_path / "adapter"), config)
+        tr = Trainer(Config(config, TrainConfig(per_replica_batch=len(TEXT_PAIRS), lora=spec.to_dict(), **train)),
+                     mesh(1, 2))
+        tr.set_base(hf.load_hf(str(tmp_path / "policy"), mp=2)[1])
+        expected = hf_grads_as_params(theirs.model, tmp_path / "grads", peft_model=True, config=config)
+    else:
+        tr = Trainer(Config(config, TrainConfig(per_replica_batch=len(TEXT_PAIRS) // 2, **train)), mesh(2, 2))
+        assert tr.base == {}
+        expected = hf_grads_as_params(policy, tmp_path / "grads")
+    assert not tr.needs_reference and not tr.holds_reference
     names = [n for n in tr.metric_names[1:] if n != "nll_loss" or options.get("cpo_alpha", 1.0)]  # TRL logs 0 then
-    assert_same_step(tr, params, tokens, mask, loss.item(), logged, hf_grads_as_params(policy, tmp_path / "grads"),
-                     names)
+    assert_same_step(tr, params, tokens, mask, loss.item(), logged, expected, names)
 
 
 # ----------------------------------------------------------------------------- data
