@@ -250,6 +250,31 @@ def test_reference_free_objectives_equal_trl(variant, tmp_path):
     assert_same_step(tr, params, tokens, mask, loss.item(), logged, expected, names)
 
 
+@pytest.mark.parametrize("objective", [{"dpo": {"loss_type": ["sigmoid", "ipo", "sft"]}}, {"cpo": {"alpha": 0.3}},
+                                       {"cpo": {"loss_type": "simpo"}}, {"orpo": {}}], ids=lambda o: json.dumps(o))
+def test_padding_pairs_count_for_nothing(objective):
+    """A validation pass's padding pair (rows that train on no token) changes no sum and no gradient,
+    and nothing becomes NaN or infinite (eagerly, as XLA does not simplify it away there)."""
+    config = config_from_dict({"layers": 1, "d_model": 8, "n_heads": 1, "n_vocab": 16, "seq": 8, **objective})
+    rule = preference.objective(config.train)
+    rng = np.random.default_rng(0)
+    logps, reference = (-rng.uniform(0.1, 3.0, (6, 8)).astype(np.float32) for _ in range(2))
+    mask = np.zeros((6, 8), np.float32)
+    mask[:4, 3:] = 1
+    mask[1, 6:] = 0
+
+    def total(lp, rows):
+        return rule.pair_sums(lp[:rows], reference[:rows], mask[:rows], nll_scale=2 / mask[0:4:2].sum())[0]
+    for rows in (4, 6):
+        value, grad = jax.value_and_grad(total)(logps, rows)
+        assert np.isfinite(value) and np.isfinite(grad).all()
+        sums, count = rule.pair_sums(logps[:rows], reference[:rows], mask[:rows])[1:]
+        assert float(count) == 2 and all(np.isfinite(float(v)) for v in sums.values())
+    padded, plain = (jax.value_and_grad(total)(logps, rows) for rows in (6, 4))
+    assert float(padded[0]) == pytest.approx(float(plain[0]), rel=1e-6)
+    np.testing.assert_allclose(padded[1], plain[1], rtol=1e-6, atol=1e-7)
+
+
 # ----------------------------------------------------------------------------- data
 
 def test_pairs_are_stored_as_adjacent_rows_and_shuffled_as_pairs(tmp_path):
@@ -284,7 +309,9 @@ def test_pairs_are_stored_as_adjacent_rows_and_shuffled_as_pairs(tmp_path):
 def test_implicit_prompt_and_dropped_pairs(form, tmp_path):
     """Without 'prompt', what chosen and rejected share is the prompt, split as TRL's own
     `extract_prompt` splits it (messages; text, a space before they differ going with the
-    completions); a pair with a side longer than the row is dropped whole and counted."""
+    completions); a pair with a side longer than the row, or with a side that trains on no token
+    (an empty prompt and completion: its EOS is the row's first token, never predicted), is
+    dropped whole and counted."""
     if form == "text":
         implicit = [{"chosen": "Human: sky colour?\n\nAssistant: It is blue.",
                      "rejected": "Human: sky colour?\n\nAssistant: It is green, I think."}]
@@ -294,14 +321,14 @@ def test_implicit_prompt_and_dropped_pairs(form, tmp_path):
                      "rejected": prompt + [{"role": "assistant", "content": "Go away."}]}]
     explicit = [trl.extract_prompt(implicit[0])]
     assert explicit[0]["prompt"] and explicit[0]["chosen"] != implicit[0]["chosen"]
-    too_long = [{"prompt": "x", "chosen": " y" * 40, "rejected": " z"}]
-    a = build(write_jsonl(tmp_path / "a.jsonl", explicit + too_long), tmp_path / "a", seq=32)
-    b = build(write_jsonl(tmp_path / "b.jsonl", implicit + too_long), tmp_path / "b", seq=32)
+    dropped = [{"prompt": "x", "chosen": " y" * 40, "rejected": " z"}, {"prompt": "", "chosen": "", "rejected": "No."}]
+    a = build(write_jsonl(tmp_path / "a.jsonl", explicit + dropped), tmp_path / "a", seq=32)
+    b = build(write_jsonl(tmp_path / "b.jsonl", implicit + dropped), tmp_path / "b", seq=32)
     assert len(a) == len(b) == 2
     for x, y in zip(a.read(np.arange(2)), b.read(np.arange(2))):
         np.testing.assert_array_equal(x, y)
     index = json.loads((tmp_path / "a" / "pairs.index.json").read_text())
-    assert index["stats"]["pairs_dropped_too_long"] == 1
+    assert index["stats"]["pairs_dropped_too_long"] == index["stats"]["pairs_dropped_untrained"] == 1
 
 
 @pytest.mark.parametrize("record, message", [
@@ -362,7 +389,8 @@ def test_pairs_and_other_records_do_not_mix(tmp_path):
     (dict(dpo={"discopop_tau": 0.1}), "'dpo.discopop_tau' applies to the 'discopop' loss only"),
     (dict(dpo={"f_alpha_divergence_coef": 0.3}), "applies to f_divergence_type 'alpha_divergence' only"),
     (dict(dpo={"loss_type": "sft", "f_divergence_type": "forward_kl"}), "does nothing to the 'sft' loss alone"),
-    (dict(cpo={"loss_type": "alphapo"}), "AlphaPO is a reward shape, not a loss: set 'cpo.alpha'"),
+    (dict(cpo={"loss_type": "alphapo", "cpo_alpha": 1.0}), "'cpo.cpo_alpha' must be 0 under 'alphapo'"),
+    (dict(cpo={"loss_type": "sigmoid", "simpo_gamma": 1.0}), "'cpo.simpo_gamma' applies to the 'simpo' loss only"),
     (dict(cpo={"loss_type": "kto_pair"}), "'cpo.loss_type' must be one of sigmoid, hinge, ipo, simpo"),
     (dict(cpo={"loss_type": "hinge", "label_smoothing": 0.1}), "applies to the 'sigmoid' and 'simpo' losses only"),
     (dict(cpo={"cpo_alpha": -1}), "'cpo.cpo_alpha' must be a number >= 0"),
@@ -376,6 +404,13 @@ def test_pairs_and_other_records_do_not_mix(tmp_path):
 def test_bad_dpo_config_is_one_clear_error(overrides, message):
     with pytest.raises(ConfigError, match=message):
         config_from_dict({"layers": 1, "d_model": 8, "n_heads": 1, "n_vocab": 16, "seq": 8, **overrides})
+
+
+def test_alphapo_is_simpo_without_the_nll_term():
+    """TRL's shorthand: loss_type "alphapo" is "simpo" with cpo_alpha 0 (AlphaPO's reward shape is `alpha`)."""
+    config = config_from_dict({"layers": 1, "d_model": 8, "n_heads": 1, "n_vocab": 16, "seq": 8,
+                               "cpo": {"loss_type": "alphapo", "alpha": 0.25}})
+    assert preference.objective(config.train) == preference.CpoConfig(loss_type="simpo", cpo_alpha=0.0, alpha=0.25)
 
 
 def test_per_replica_batch_counts_pairs():
@@ -480,7 +515,11 @@ def test_an_orpo_run_needs_no_reference(tmp_path):
     assert rows[6]["train/nll_loss"] < rows[1]["train/nll_loss"] and 0 < rows[6]["val/nll_loss_held"]
     assert rows[6]["val/log_odds_ratio_held"] < 0  # a log-sigmoid
     extras = CheckpointManager(str(tmp_path / "orpo" / "ckpt"), read_only=True).extras(6)
-    assert preference.REFERENCE_KEY not in extras
+    assert preference.REFERENCE_KEY not in extras and extras["objective"] == "orpo"
+    raw = json.loads(config.read_text())  # the same model_dir, resumed with another objective: refused
+    config.write_text(json.dumps({**raw, "orpo": None, "dpo": {"beta": 0.1}, "total_steps": 8}))
+    code, out = device_train(config, "--hf", str(hf_dir))
+    assert code != 0 and "its step 6 trained with objective 'orpo', this config with 'dpo'" in out, out[-3000:]
 
 
 @pytest.mark.parametrize("objective", [{"dpo": {"beta": 0.2}}, {"dpo": {"beta": 0.2, "loss_type": ["sigmoid", "sft"]}},

@@ -325,6 +325,9 @@ def _pieces(records, tok, cfg: BuildConfig, stats: _Stats, chat: ChatTemplate, b
                 if max(len(ids) for ids, _ in sides) > cfg.seq + 1:
                     stats.add("pairs_dropped_too_long")
                     continue
+                if not all(mask[1:].any() for _, mask in sides):  # a side with no token predicted (empty prompt
+                    stats.add("pairs_dropped_untrained")            # and completion): no log-probability to compare
+                    continue
                 for ids, mask in sides:
                     yield ids, mask, "row"
 

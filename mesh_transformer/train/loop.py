@@ -33,6 +33,7 @@ from mesh_transformer.train.metrics import MetricsLogger
 from mesh_transformer.train.step import Trainer, TrainState
 
 KEEP_LAST = 2  # newest checkpoints kept besides every keep_every-th step
+OBJECTIVE_KEY = "objective"  # checkpoint extras: what the run trains ("dpo", "cpo", "orpo", "language_model")
 
 
 class TrainingError(UserError, RuntimeError):
@@ -181,6 +182,11 @@ class TrainHost:
         if self.ckpt.latest_step() is not None:
             state, extras = self.ckpt.restore(abstract_state=tr.abstract_state, target_shardings=tr.state_shardings)
             self._saved_step = int(state.step)
+            saved = extras.get(OBJECTIVE_KEY)  # (absent from checkpoints written before it was recorded)
+            if saved is not None and saved != self.objective:
+                raise ConfigError(f"{self.ckpt.directory}: its step {self._saved_step} trained with objective "
+                                  f"{saved!r}, this config with {self.objective!r}; to switch, start a new "
+                                  f"model_dir with --tune-model-path {self.ckpt.directory}")
             if tr.lora is not None or tr.holds_reference:
                 where, fingerprint = self._frozen_keys()
                 if tr.holds_reference and where not in extras:
@@ -206,6 +212,11 @@ class TrainHost:
         if tr.lora is not None or tr.holds_reference:  # a random base (or reference): reproducible from the seed,
             self._load_base(lora.base_reference(seed=self.config.train.seed))  # read as a resume reads it
         return tr.init_state(self.config.train.seed), {}
+
+    @property
+    def objective(self) -> str:
+        """What the run trains: its preference objective's key, or "language_model"."""
+        return self.config.train.preference or "language_model"
 
     def _frozen_keys(self) -> tuple[str, str]:
         """The checkpoint extras naming the frozen weights and their fingerprint: LoRA's base, or DPO's reference."""
@@ -328,7 +339,7 @@ class TrainHost:
         right after a scheduled save); every process calls it with the same arguments."""
         step = int(state.step)
         if step != self._saved_step:
-            extras = {"train_loader": loader_state}
+            extras = {"train_loader": loader_state, OBJECTIVE_KEY: self.objective}
             if self.trainer.lora is not None or self.trainer.holds_reference:  # the base (or DPO's reference)
                 if self._base_print is None:                                      # by reference, not a copy
                     self._base_print = lora.fingerprint(self.trainer.base)

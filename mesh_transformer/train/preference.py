@@ -389,8 +389,8 @@ class CpoConfig:
     plus `cpo_alpha` times the chosen completions' NLL. `loss_type` "simpo" is SimPO (Meng et al.
     2024): per-token mean log-probabilities and a target margin `simpo_gamma` (with `cpo_alpha` 0,
     SimPO itself; above 0, CPO-SimPO). "ipo" also uses per-token means. `alpha` (AlphaPO, arXiv
-    2501.03884) reshapes each reward to (1 - p^-alpha) / alpha. `label_smoothing` applies to
-    "sigmoid" and "simpo"."""
+    2501.03884) reshapes each reward to (1 - p^-alpha) / alpha; TRL's `loss_type` "alphapo" is
+    "simpo" with `cpo_alpha` 0. `label_smoothing` applies to "sigmoid" and "simpo"."""
     beta: float = 0.1
     loss_type: str = "sigmoid"
     label_smoothing: float = 0.0
@@ -405,18 +405,24 @@ class CpoConfig:
     def from_dict(cls, raw: Any) -> "CpoConfig":
         check_object(raw, "cpo", CPO_KEYS, '{"beta": number, "loss_type": "sigmoid"|"hinge"|"ipo"|"simpo", ...}')
         loss = raw.get("loss_type", cls.loss_type)
-        if loss == "alphapo":
-            raise ConfigError("config key 'cpo.loss_type': AlphaPO is a reward shape, not a loss: set 'cpo.alpha' "
-                              "with one of " + ", ".join(CPO_LOSSES))
+        nll_weight = _number(raw, "cpo_alpha", cls.cpo_alpha, lambda v: v >= 0, "a number >= 0", "cpo")
+        if loss == "alphapo":  # TRL's shorthand for AlphaPO: SimPO without the NLL term (the shape is `alpha`)
+            if "cpo_alpha" in raw and nll_weight:
+                raise ConfigError(f"config key 'cpo.cpo_alpha' must be 0 under 'alphapo' (SimPO without the NLL "
+                                  f"term), got {nll_weight}")
+            loss, nll_weight = "simpo", 0.0
         if loss not in CPO_LOSSES:
-            raise ConfigError(f"config key 'cpo.loss_type' must be one of {', '.join(CPO_LOSSES)}, got {json.dumps(loss)}")
+            raise ConfigError(f"config key 'cpo.loss_type' must be one of {', '.join(CPO_LOSSES)} or alphapo, "
+                              f"got {json.dumps(loss)}")
+        if "simpo_gamma" in raw and loss != "simpo":
+            raise ConfigError(f"config key 'cpo.simpo_gamma' applies to the 'simpo' loss only, not {loss!r}")
         smoothing = _number(raw, "label_smoothing", 0.0, lambda v: 0 <= v < 0.5, "a number in [0, 0.5)", "cpo")
         if smoothing and loss not in ("sigmoid", "simpo"):
             raise ConfigError(f"config key 'cpo.label_smoothing' applies to the 'sigmoid' and 'simpo' losses only, "
                               f"not {loss!r}")
         return cls(beta=_number(raw, "beta", cls.beta, lambda v: v > 0, "a positive number", "cpo"),
                    loss_type=loss, label_smoothing=smoothing,
-                   cpo_alpha=_number(raw, "cpo_alpha", cls.cpo_alpha, lambda v: v >= 0, "a number >= 0", "cpo"),
+                   cpo_alpha=nll_weight,
                    simpo_gamma=_number(raw, "simpo_gamma", cls.simpo_gamma, math.isfinite, "a number", "cpo"),
                    alpha=_number(raw, "alpha", cls.alpha, math.isfinite, "a number", "cpo"))
 
@@ -478,14 +484,15 @@ class OrpoConfig:
     def pair_sums(self, token_logps, reference_token_logps, mask, log_sum_sq_probs=None, reduce=lambda x: x,
                   nll_scale=None):
         mask = mask.astype(jnp.float32)
-        logps = _mean_logps(token_logps, mask)
-        chosen, rejected = logps[0::2], logps[1::2]
-        log_odds = (chosen - rejected) - (log1mexp(chosen) - log1mexp(rejected))
-        ratio = jax.nn.log_sigmoid(log_odds)
         counted = _counted(mask)
+        # A row with no token (a validation pass's padding) would have log p = 0 and infinite odds.
+        logps = jnp.where(jnp.sum(mask, axis=-1) > 0, _mean_logps(token_logps, mask), -1.0)
+        chosen, rejected = logps[0::2], logps[1::2]
+        log_odds = jnp.where(counted > 0, (chosen - rejected) - (log1mexp(chosen) - log1mexp(rejected)), 0.0)
+        ratio = jax.nn.log_sigmoid(log_odds)
         count = reduce(jnp.sum(counted))
         nll = chosen_nll(token_logps, self.nll_mask(mask), count, reduce, nll_scale)
-        total = nll - self.beta * reduce(jnp.sum(ratio * counted))
+        total = nll - self.beta * reduce(jnp.sum(jnp.where(counted > 0, ratio, 0.0)))
         sums = reward_sums(self.beta * logps, logps, counted, reduce, log_odds_ratio=ratio, log_odds_chosen=log_odds)
         return total, {"loss": jax.lax.stop_gradient(total), **sums, "nll_loss": jax.lax.stop_gradient(nll)}, count
 
