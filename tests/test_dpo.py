@@ -72,6 +72,21 @@ def trl_trainer(tmp_path, model, ref_model, tokenizer, records, dpo, peft_config
                           train_dataset=datasets.Dataset.from_list(records))
 
 
+def peft_adapter():
+    import peft
+    return peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
+
+
+def randomise_adapter(model, directory):
+    """PEFT's B starts at zero (the adapter then changes nothing): draw it, and save the adapter."""
+    torch.manual_seed(2)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.5)
+    model.save_pretrained(directory)
+
+
 def hf_grads_as_params(model, directory, peft_model=False, config=None):
     """torch's gradients, written where the weights were and read back through our HF (or PEFT) import."""
     for p in model.parameters():
@@ -111,15 +126,8 @@ def test_dpo_equals_trl(how, variant, tmp_path):
         reference = make_hf_model(tmp_path / "reference", CASE, seed=1, vocab_size=GPT2_VOCAB)
         theirs = trl_trainer(tmp_path, policy, reference, tokenizer, records, dpo)
     else:  # TRL adds a fresh adapter and takes the base (adapters off) as the reference; its B is then made random
-        import peft
-        adapter = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
-        theirs = trl_trainer(tmp_path, policy, None, tokenizer, records, dpo, peft_config=adapter)
-        torch.manual_seed(2)
-        with torch.no_grad():
-            for name, p in theirs.model.named_parameters():
-                if "lora_B" in name:
-                    p.normal_(std=0.5)
-        theirs.model.save_pretrained(tmp_path / "adapter")
+        theirs = trl_trainer(tmp_path, policy, None, tokenizer, records, dpo, peft_config=peft_adapter())
+        randomise_adapter(theirs.model, tmp_path / "adapter")
 
     ds = build(write_jsonl(tmp_path / "pairs.jsonl", records), tmp_path / "data", tokenizer=tokenizer)
     assert ds.pairs and len(ds) == 2 * len(records)
@@ -213,19 +221,11 @@ def test_reference_free_objectives_equal_trl(variant, tmp_path):
     tok.pad_token = tok.eos_token
     args = config_class(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=len(TEXT_PAIRS), max_length=SEQ,
                         report_to="none", use_cpu=True, bf16=False, **options)
-    adapter = None
-    if lora_run:
-        import peft
-        adapter = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
-    theirs = trainer_class(model=policy, args=args, processing_class=tok, peft_config=adapter,
+    theirs = trainer_class(model=policy, args=args, processing_class=tok,
+                           peft_config=peft_adapter() if lora_run else None,
                            train_dataset=datasets.Dataset.from_list(TEXT_PAIRS))
-    if lora_run:  # B starts at zero: made random, so the adapter changes the policy
-        torch.manual_seed(2)
-        with torch.no_grad():
-            for name, p in theirs.model.named_parameters():
-                if "lora_B" in name:
-                    p.normal_(std=0.5)
-        theirs.model.save_pretrained(tmp_path / "adapter")
+    if lora_run:
+        randomise_adapter(theirs.model, tmp_path / "adapter")
     batch = next(iter(theirs.get_train_dataloader()))
     loss = theirs.compute_loss(theirs.model, batch)
     loss.backward()
