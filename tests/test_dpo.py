@@ -448,17 +448,23 @@ def logged(config_path) -> list[dict]:
     return [json.loads(line) for line in (config_path.parent / "logs" / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_a_dpo_run_learns_the_preference_validates_and_resumes_exactly(tmp_path):
-    """device_train.py fine-tunes an HF model with DPO: the first step's loss is log 2 (the policy
-    is its reference), the rewards separate, validation reports the pair metrics, and a run stopped
-    at step 2 and resumed (its reference read back from the HF directory the checkpoint names)
-    ends with exactly the uninterrupted run's weights, optimizer state and losses."""
+def snow_run_inputs(tmp_path):
+    """(a tiny HF GPT-J directory, a data directory with the SNOW pairs: pairs.index.json and val.index.json)."""
     hf_dir = tmp_path / "hf"
     make_hf_gptj(hf_dir, vocab_size=50257, n_embd=32, n_layer=2, n_head=4, rotary_dim=4, n_positions=64,
                  initializer_range=0.2)
     data = tmp_path / "data"
     build(write_jsonl(tmp_path / "pairs.jsonl", SNOW[:16]), data, seq=32)
     build(write_jsonl(tmp_path / "val.jsonl", SNOW[16:]), data, seq=32, name="val")
+    return hf_dir, data
+
+
+def test_a_dpo_run_learns_the_preference_validates_and_resumes_exactly(tmp_path):
+    """device_train.py fine-tunes an HF model with DPO: the first step's loss is log 2 (the policy
+    is its reference), the rewards separate, validation reports the pair metrics, and a run stopped
+    at step 2 and resumed (its reference read back from the HF directory the checkpoint names)
+    ends with exactly the uninterrupted run's weights, optimizer state and losses."""
+    hf_dir, data = snow_run_inputs(tmp_path)
     straight, stopped = run_config(tmp_path / "straight", data), run_config(tmp_path / "stopped", data)
     code, out = device_train(straight, "--hf", str(hf_dir))
     assert code == 0, out[-3000:]
@@ -500,12 +506,7 @@ def test_an_orpo_run_needs_no_reference(tmp_path):
     """device_train.py with ORPO: no reference is made or recorded (the checkpoint names none), the
     odds-ratio metrics and the chosen NLL are logged for training and validation, and the pairs
     separate."""
-    hf_dir = tmp_path / "hf"
-    make_hf_gptj(hf_dir, vocab_size=50257, n_embd=32, n_layer=2, n_head=4, rotary_dim=4, n_positions=64,
-                 initializer_range=0.2)
-    data = tmp_path / "data"
-    build(write_jsonl(tmp_path / "pairs.jsonl", SNOW[:16]), data, seq=32)
-    build(write_jsonl(tmp_path / "val.jsonl", SNOW[16:]), data, seq=32, name="val")
+    hf_dir, data = snow_run_inputs(tmp_path)
     config = run_config(tmp_path / "orpo", data, dpo=None, orpo={"beta": 1.0}, ckpt_every=6)
     code, out = device_train(config, "--hf", str(hf_dir))
     assert code == 0, out[-3000:]
