@@ -11,13 +11,14 @@ reference copy for full fine-tuning, the base with adapters off for LoRA; TRL's 
 Every measurement is a fresh subprocess (its own peak memory): ours and the peer, full and LoRA,
 in turn, `--runs` rounds. All train the family's benchmark shape (bench/families.py; the peer's
 model from our config through the library's HF export mapping) in fp32 with AdamW (weight decay
-0.1, clip 1.0, constant learning rate), the objective at beta 0.1 (SimPO: 2.0), on `--pairs` pairs a step,
-each a prompt of `--prompt` tokens and two completions of `--completion` tokens (the last one
-EOS), so every row holds prompt + completion tokens and there is no padding. The peer is what a
-TRL user runs: `DPOTrainer` with a `ref_model` (full) or a `peft_config` (LoRA: the reference is
-the base with the adapter off), `ORPOTrainer` / `CPOTrainer` with neither, activation checkpointing off (ours: `remat` none), the pairs as
-text of a word-level tokenizer whose words are the token ids, so both sides see the same tokens;
-its steps are timed by a callback around each optimizer step. A run's rate is the tokens of a
+0.1, clip 1.0, constant learning rate), the objective at beta 0.1 (SimPO: 2.0), on `--pairs`
+pairs a step, each a prompt of `--prompt` tokens and two completions of `--completion` tokens (the
+last one EOS), so every row holds prompt + completion tokens and there is no padding. The peer is
+what a TRL user runs: `DPOTrainer` with a `ref_model` (full) or a `peft_config` (LoRA: the
+reference is the base with the adapter off), `ORPOTrainer` / `CPOTrainer` with neither,
+activation checkpointing off (ours: `remat` none), the pairs as text of a word-level tokenizer
+whose words are the token ids, so both sides see the same tokens; its steps are timed by a
+callback around each optimizer step. A run's rate is the tokens of a
 step (both completions of every pair, prompt included) / its median step time after 2 warm-up
 steps; reported: median and min–max over the runs, with peak RSS. Prints the machine, software
 and load (bench/machine.py).
@@ -219,7 +220,8 @@ def main(argv=None):
 
 def text(result):
     objective = result["config"]["objective"]
-    print(f"objective: {objective} (ours: config key {OBJECTIVES[objective][0]!r}; TRL: {OBJECTIVES[objective][2]}Trainer)")
+    key, _, peer = OBJECTIVES[objective]
+    print(f"objective: {objective} (ours: config key {key!r}; TRL: {peer}Trainer)")
     print(f"{'':28s} {'trainable':>11s} {'tokens/s (median, min-max)':>28s} {'peak RSS':>9s} {'XLA args + temps':>17s}")
     for kind, s in result["kinds"].items():
         t = s["tokens_per_s"]

@@ -198,9 +198,14 @@ class TrainConfig:
         return self.val_every if self.eval_every is None else self.eval_every
 
     @property
+    def preferences(self) -> tuple[str, ...]:
+        """The keys of the preference objectives set ("dpo", "cpo", "orpo"; `validate` allows one)."""
+        return tuple(key for key in PREFERENCE_KEYS if getattr(self, key) is not None)
+
+    @property
     def preference(self) -> Optional[str]:
-        """The preference objective's key ("dpo", "cpo" or "orpo") when one is set, else None."""
-        return next((key for key in PREFERENCE_KEYS if getattr(self, key) is not None), None)
+        """The preference objective's key when one is set, else None."""
+        return next(iter(self.preferences), None)
 
     @property
     def rows_per_replica(self) -> int:
@@ -347,8 +352,8 @@ def validate(config: Config) -> None:
         lora.resolve(m, lora.LoraConfig.from_dict(t.lora))
     if t.preference is not None:
         from mesh_transformer.train import preference
-        chosen = [key for key in PREFERENCE_KEYS if getattr(t, key) is not None]
-        require(len(chosen) == 1, chosen[-1], f"one preference objective at most: {' and '.join(chosen)} are both set")
+        require(len(t.preferences) == 1, t.preferences[-1],
+                f"one preference objective at most: {' and '.join(t.preferences)} are both set")
         preference.objective(t)
         for key in ("fcm_max_ratio", "z_loss"):  # terms of the language-model loss, which the objective replaces
             require(not getattr(t, key), key, f"applies to the language-model loss only; with '{t.preference}' set "

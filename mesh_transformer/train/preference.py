@@ -231,7 +231,8 @@ def _f_divergence(raw: dict, types: tuple[str, ...]) -> str:
         raise ConfigError("config key 'dpo.f_alpha_divergence_coef' applies to f_divergence_type "
                           f"'alpha_divergence' only, not {name!r}")
     if "discopop_tau" in raw and "discopop" not in types:
-        raise ConfigError(f"config key 'dpo.discopop_tau' applies to the 'discopop' loss only, not {json.dumps(list(types))}")
+        raise ConfigError(f"config key 'dpo.discopop_tau' applies to the 'discopop' loss only, "
+                          f"not {json.dumps(list(types))}")
     return name
 
 
@@ -367,6 +368,13 @@ def reward_sums(rewards, logps, counted, reduce, **more) -> dict:
     return {name: reduce(jnp.sum(jax.lax.stop_gradient(v) * counted)) for name, v in values.items()}
 
 
+def _with_nll(pair_total, nll_weight: float, nll, sums: dict, count):
+    """(loss sum, {metric: sum}, count) of an objective whose loss is its pairs' terms plus
+    `nll_weight` times an NLL term (`chosen_nll`), which is also logged as `nll_loss`."""
+    total = pair_total + nll_weight * nll
+    return total, {"loss": jax.lax.stop_gradient(total), **sums, "nll_loss": jax.lax.stop_gradient(nll)}, count
+
+
 def _counted(mask):
     """1 for each pair whose chosen row trains on a token [k] (not a validation pass's padding)."""
     return (jnp.sum(mask[0::2], axis=-1) > 0).astype(jnp.float32)
@@ -448,9 +456,8 @@ class CpoConfig:
         counted = _counted(mask)
         count = reduce(jnp.sum(counted))
         nll = chosen_nll(token_logps, mask, count, reduce, nll_scale)
-        total = reduce(jnp.sum(losses * counted)) + self.cpo_alpha * nll
         sums = reward_sums(self.beta * rewards, logps, counted, reduce)
-        return total, {"loss": jax.lax.stop_gradient(total), **sums, "nll_loss": jax.lax.stop_gradient(nll)}, count
+        return _with_nll(reduce(jnp.sum(losses * counted)), self.cpo_alpha, nll, sums, count)
 
 
 # ----------------------------------------------------------------------------- ORPO
@@ -464,8 +471,8 @@ def log1mexp(x):
 class OrpoConfig:
     """ORPO (Hong et al. 2024): the chosen sequences' NLL (prompt and completion, as TRL's
     ORPOTrainer counts it) minus `beta` (the paper's lambda) times log sigmoid of the log odds
-    ratio, log(odds(chosen) / odds(rejected)) with odds(y) = p / (1 - p) of the completion's
-    per-token mean log-probability. No reference."""
+    ratio, log(odds(chosen) / odds(rejected)) with odds(y) = p / (1 - p), p the completion's
+    geometric-mean token probability (exp of its mean log-probability). No reference."""
     beta: float = 0.1
     needs_reference = False
     needs_sum_sq = False
@@ -492,9 +499,8 @@ class OrpoConfig:
         ratio = jax.nn.log_sigmoid(log_odds)
         count = reduce(jnp.sum(counted))
         nll = chosen_nll(token_logps, self.nll_mask(mask), count, reduce, nll_scale)
-        total = nll - self.beta * reduce(jnp.sum(jnp.where(counted > 0, ratio, 0.0)))
         sums = reward_sums(self.beta * logps, logps, counted, reduce, log_odds_ratio=ratio, log_odds_chosen=log_odds)
-        return total, {"loss": jax.lax.stop_gradient(total), **sums, "nll_loss": jax.lax.stop_gradient(nll)}, count
+        return _with_nll(-self.beta * reduce(jnp.sum(jnp.where(counted > 0, ratio, 0.0))), 1.0, nll, sums, count)
 
 
 OBJECTIVES = {"dpo": DpoConfig, "cpo": CpoConfig, "orpo": OrpoConfig}
