@@ -162,8 +162,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--lora-quantize-base", choices=("int8",),
                    help="with --lora-rank: the frozen base's matmul weights in int8 (lora.quantize_base)")
     p.add_argument("--bf16-optimizer", action="store_true", help="Adam moments in bfloat16 (config key bf16_optimizer)")
-    p.add_argument("--dpo", action="store_true", help="plan a DPO run (sets the config's 'dpo': per_replica_batch "
-                   "counts pairs, two sequences each; without LoRA a frozen reference copy)")
+    p.add_argument("--dpo", action="store_true", help="plan a preference run: DPO (sets the config's 'dpo': "
+                   "per_replica_batch counts pairs, two sequences each; without LoRA a frozen reference copy), "
+                   "or the objective the config already sets ('cpo', 'orpo': no reference)")
     p.add_argument("--device-memory", type=float, action="append", metavar="GIB",
                    help=f"report whether the step fits in GIB per device (repeatable; default {DEVICE_MEMORIES_GIB})")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
@@ -232,8 +233,8 @@ def _with_flags(config: Config, args) -> Config:
                        **({"quantize_base": args.lora_quantize_base} if args.lora_quantize_base else {})}
     if args.bf16_optimizer:
         raw["bf16_optimizer"] = True
-    if args.dpo:
-        raw.setdefault("dpo", {})
+    if args.dpo and config.train.preference is None:
+        raw["dpo"] = {}
     return config_from_dict(raw)
 
 

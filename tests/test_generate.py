@@ -411,6 +411,26 @@ def test_stop_strings_cut_the_text(tiny, gen):
     assert (again.text, again.stop_string) == (text[:cut], stop)
 
 
+def test_a_stop_inside_a_longer_one_cuts_the_same_however_tokens_arrive(tiny):
+    """Stops "quick brown fox" and "ick b": the second is complete first as the text grows (with
+    " brown"), so it ends the text at its own start, whether the tokens arrive in one decode call or
+    one at a time (the earliest start alone would cut at "quick" in one call, at "ick" one by one)."""
+    from mesh_transformer.generate.batching import Sequence
+    tok = tiny.tokenizer
+    tokens = tok.encode("The quick brown fox jumps")
+    stops = ("quick brown fox", "ick b")
+    whole, one_by_one = (Sequence([1], greedy(stop=stops), 64, tok) for _ in range(2))
+    whole.extend(tokens, [], [], [])
+    streamed = ""
+    for t in tokens:
+        if not one_by_one.finished:
+            one_by_one.extend([t], [], [], [])
+            streamed += one_by_one.pop_text()
+    for seq, shown in ((whole, whole.text), (one_by_one, streamed)):
+        assert (shown, seq.stop_string, seq.finish_reason) == ("The qu", "ick b", "stop")
+    assert whole.kept_tokens() == one_by_one.kept_tokens() == 2  # "The", " quick": the cut is inside the second
+
+
 def test_streamed_text_adds_up_to_the_final_text(tiny, gen):
     tok = tiny.tokenizer
     seqs = gen.sequences([tok.encode(p) for p in ("The quick", "Pack", "def", "How")], greedy(), tok)

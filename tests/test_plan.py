@@ -220,3 +220,14 @@ def test_dpo_plan_counts_the_reference_and_its_forward():
     assert dpo.tokens_per_step == orpo.tokens_per_step == 2 * plain.tokens_per_step
     assert dpo.flops_per_token == plain.flops_per_token * 4 // 3
     assert orpo.flops_per_token == plain.flops_per_token
+
+
+@pytest.mark.parametrize("objective", [None, "dpo", "cpo", "orpo"])
+def test_dpo_flag_plans_the_configs_own_objective(objective):
+    """--dpo on a config without an objective plans DPO; on one that sets DPO, CPO or ORPO it plans that
+    one (ORPO keeps having no reference) rather than calling the two objectives a conflict."""
+    raw = {**TINY, **({objective: {"beta": 0.2}} if objective else {})}
+    args = planner._parser().parse_args(["--config", "c.json", "--dpo"])
+    planned = planner._with_flags(config_from_dict(raw), args).train
+    assert planned.preferences == ((objective or "dpo"),)
+    assert getattr(planned, objective or "dpo") == ({"beta": 0.2} if objective else {})

@@ -292,6 +292,39 @@ def test_an_unknown_model_is_a_404_naming_the_served_ones(lora_server):
         client.completions.create(model="chatt", prompt="The", max_tokens=2)
 
 
+def test_models_are_listed_and_retrieved_by_both_sdks(lora_server):
+    """/v1/models and /v1/models/{id} through the official openai and anthropic clients: the same
+    cards (base, then adapters), Anthropic's pages by limit / after_id / before_id, and an unknown
+    id a 404 naming the served ones in both; a page past a model not served is a 400 naming the field."""
+    import anthropic
+    import httpx
+    import openai
+    from tests.serving import KEY
+    _, url, _ = lora_server
+    oa_client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=60)
+    an_client = anthropic.Anthropic(base_url=url, api_key=KEY, max_retries=0, timeout=60)
+    card = oa_client.models.retrieve("chat")
+    assert (card.id, card.object, card.owned_by, card.model_extra["parent"]) == ("chat", "model", "mesh-transformer", "tiny")
+    info = an_client.models.retrieve("code")
+    assert (info.id, info.type, info.display_name) == ("code", "model", "code")
+    assert info.created_at.timestamp() == card.created
+    first = an_client.models.list(limit=2)
+    assert ([m.id for m in first.data], first.first_id, first.last_id, first.has_more) == (["tiny", "chat"], "tiny", "chat", True)
+    assert [m.id for m in an_client.models.list(limit=1)] == ["tiny", "chat", "code"]  # the SDK follows after_id
+    before = an_client.models.list(before_id="code", limit=1)
+    assert ([m.id for m in before.data], before.has_more) == (["chat"], True)
+    assert [m.id for m in an_client.models.list().data] == [m.id for m in oa_client.models.list().data]
+    for call, error in ((lambda: oa_client.models.retrieve("chatt"), openai.NotFoundError),
+                        (lambda: an_client.models.retrieve("chatt"), anthropic.NotFoundError)):
+        with pytest.raises(error, match=r"model_id: the model 'chatt' does not exist \(served: tiny, chat, code\)"):
+            call()
+    http = httpx.Client(base_url=url, headers={"x-api-key": KEY}, timeout=60)
+    for query, message in (("after_id=nope", "after_id: no model 'nope'"), ("limit=0", "limit: a whole number"),
+                           ("after_id=tiny&before_id=code", "after_id: give after_id or before_id, not both")):
+        r = http.get(f"/v1/models?{query}")
+        assert r.status_code == 400 and r.json()["error"]["message"].startswith(message), r.text
+
+
 def test_echo_scores_the_prompt_with_the_adapter_named(lora_server, tiny):
     """echo + logprobs (how lm-eval scores through a server) under 'chat' and 'code': every prompt
     token's log p and top-5 are PeftModel's with that adapter, and the base's its own; with

@@ -152,7 +152,7 @@ class Sequence:
     @property
     def stop_string(self) -> Optional[str]:
         """The stop string that ended the text (None: it ended otherwise, or has not): of those that
-        start where the text ends (the earliest start, `_find_stop`), the shortest."""
+        start where the text ends (`_find_stop`), the shortest (the first complete)."""
         decoded = self._decoded()
         end = self._cut(decoded)
         found = [s for s in self.options.stop if end is not None and decoded.startswith(s, end)]
@@ -189,9 +189,12 @@ class Sequence:
 
 
 def _find_stop(text: str, stops: Seq[str], ends_after: int = 0) -> Optional[int]:
-    """Where the first stop string ending after character `ends_after` starts in `text`, or None."""
-    hits = [i for i in (text.find(s, max(0, ends_after - len(s) + 1)) for s in stops) if i >= 0]
-    return min(hits) if hits else None
+    """Where the stop string that ends the text starts in `text` (None: none does): of those ending
+    after character `ends_after`, the one complete first as the text grows (the earliest end; of two
+    ending together, the earlier start). So where a long stop string holds a short one, the cut does
+    not depend on how many tokens arrive at once: stops "ab c" and "b" cut "ab cd" after "a"."""
+    hits = [(i + len(s), i) for s, i in ((s, text.find(s, max(0, ends_after - len(s) + 1))) for s in stops) if i >= 0]
+    return min(hits)[1] if hits else None
 
 
 # --------------------------------------------------------------------------------------------

@@ -4,7 +4,8 @@ Routes: `GET /` (the playground page), `POST /complete`, `POST /v1/completions`,
 `POST /v1/chat/completions`, `POST /v1/responses` (with `GET` and `DELETE /v1/responses/{id}`,
 `POST /v1/responses/input_tokens`),
 `POST /v1/messages` and `POST /v1/messages/count_tokens` (Anthropic's),
-`POST /tokenize` and `POST /detokenize` (vLLM's), `GET /v1/models`, `GET /health`, `GET /metrics`
+`POST /tokenize` and `POST /detokenize` (vLLM's), `GET /v1/models` and `GET /v1/models/{id}` (read
+by OpenAI's and Anthropic's clients alike), `GET /health`, `GET /metrics`
 (Prometheus), and with
 runtime LoRA loading `POST /v1/load_lora_adapter`, `POST /v1/unload_lora_adapter` (vLLM's).
 """
@@ -40,6 +41,7 @@ API_KEY_ENV = "MESH_TRANSFORMER_API_KEY"
 RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"  # vLLM's switch for the runtime LoRA routes (device_serve.py)
 PAGE = pathlib.Path(__file__).with_name("page.html")
 KEPT_RESPONSE = "/v1/responses/{id}"  # the metrics' name for GET and DELETE of a kept response
+MODEL_CARD = "/v1/models/{id}"  # and for GET of one model
 OPEN_PATHS = ("/", "/health", "/metrics")  # answered without the API key (no model output, no secrets)
 ENDPOINTS = ("/", "/complete", "/v1/completions", "/v1/chat/completions", "/v1/responses",
              "/v1/responses/input_tokens", "/v1/messages",
@@ -118,13 +120,29 @@ def create_app(engine: Engine, model_name: str = "mesh-transformer", api_key: Op
     async def metrics():
         return Response(engine.metrics.render(), media_type=CONTENT_TYPE)
 
-    @app.get("/v1/models")
-    async def models():
+    def model_cards() -> list[dict]:
+        """The served model, then its adapters (`parent`: the base), each in OpenAI's shape and
+        Anthropic's (`type`, `display_name`, `created_at`), so either SDK reads them."""
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(created))
         base = {"id": model_name, "object": "model", "created": created, "owned_by": "mesh-transformer",
-                "root": model_name, "parent": None, "max_model_len": engine.context}
+                "root": model_name, "parent": None, "max_model_len": engine.context,
+                "type": "model", "display_name": model_name, "created_at": stamp}
         known = engine.adapters.names() if engine.adapters is not None else []
-        return {"object": "list", "data": [base] + [{**base, "id": name, "root": name, "parent": model_name}
-                                                    for name in known]}
+        return [base] + [{**base, "id": name, "display_name": name, "root": name, "parent": model_name}
+                         for name in known]
+
+    @app.get("/v1/models")
+    async def models(http: HttpRequest):
+        return {"object": "list", **model_page(model_cards(), http.query_params)}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        card = next((c for c in model_cards() if c["id"] == model_id), None)
+        if card is None:
+            served = ", ".join(c["id"] for c in model_cards())
+            raise oa.ApiError(404, f"model_id: the model {model_id!r} does not exist (served: {served})",
+                              "not_found_error", param="model_id", code="model_not_found")
+        return card
 
     posts = {"/complete": oa.complete, "/v1/completions": oa.completions,
              "/v1/chat/completions": chat_api.chat_completions, "/v1/responses": responses_api.create,
@@ -139,6 +157,35 @@ def create_app(engine: Engine, model_name: str = "mesh-transformer", api_key: Op
     app.add_api_route("/v1/responses/{response_id}", _handler(responses_api.retrieve, settings), methods=["GET"])
     app.add_api_route("/v1/responses/{response_id}", _handler(responses_api.delete, settings), methods=["DELETE"])
     return app
+
+
+def model_page(cards: list[dict], query) -> dict:
+    """`cards` (all of them: OpenAI's list), or one page of them by Anthropic's `limit` (1 to 1,000),
+    `after_id` or `before_id` (the page that ends just before that id), with `first_id`, `last_id`
+    and `has_more` (more past the page, in the direction read)."""
+    ids = [c["id"] for c in cards]
+    for name in ("after_id", "before_id"):
+        if name in query and query[name] not in ids:
+            raise oa.ApiError(400, f"{name}: no model {query[name]!r} (served: {', '.join(ids)})", param=name)
+    if "after_id" in query and "before_id" in query:
+        raise oa.ApiError(400, "after_id: give after_id or before_id, not both", param="after_id")
+    limit = query.get("limit")
+    if limit is None:
+        limit = len(cards)
+    elif not (limit.isdigit() and 1 <= int(limit) <= 1000):
+        raise oa.ApiError(400, f"limit: a whole number from 1 to 1000, got {limit!r}", param="limit")
+    limit = int(limit)
+    if "before_id" in query:
+        end = ids.index(query["before_id"])
+        start = max(0, end - limit)
+        more = start > 0
+    else:
+        start = ids.index(query["after_id"]) + 1 if "after_id" in query else 0
+        end = min(len(cards), start + limit)
+        more = end < len(cards)
+    page = cards[start:end]
+    return {"data": page, "first_id": page[0]["id"] if page else None, "last_id": page[-1]["id"] if page else None,
+            "has_more": more}
 
 
 def _handler(handle, settings: oa.Settings):
@@ -163,7 +210,8 @@ class _Guard:
             return await self.app(scope, receive, send)
         path = scope.get("path", "")
         kept = path.startswith("/v1/responses/")
-        endpoint = path if path in ENDPOINTS else KEPT_RESPONSE if kept else "other"
+        endpoint = (path if path in ENDPOINTS else KEPT_RESPONSE if kept
+                    else MODEL_CARD if path.startswith("/v1/models/") else "other")
 
         async def counted(message):
             if message["type"] == "http.response.start":
