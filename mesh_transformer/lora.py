@@ -1,6 +1,10 @@
 """LoRA (Hu et al. 2021): frozen base weights plus trainable low-rank adapters, PEFT-compatible.
 
-    "lora": {"rank": 8, "alpha": 16, "dropout": 0.0, "targets": ["q_proj", "v_proj"] | "all-linear"}
+    "lora": {"rank": 8, "alpha": 16, "dropout": 0.0, "targets": ["q_proj", "v_proj"] | "all-linear",
+             "use_rslora": false}
+
+The adapters' output is scaled by alpha / rank, or with `use_rslora` (PEFT's name; rank-stabilized
+LoRA, Kalajievski 2023) by alpha / sqrt(rank), which keeps the update's size as the rank grows.
 
 Targets are the family's Hugging Face module names (what PEFT's `target_modules` means), resolved
 through the family's HF table: `q_proj` of GPT-J is our `layers/attn/q_proj`, GPT-2's fused
@@ -34,7 +38,7 @@ from mesh_transformer import parallel
 from mesh_transformer.config import ConfigError, ModelConfig, check_object
 
 ALL_LINEAR = "all-linear"
-KEYS = ("rank", "alpha", "dropout", "targets", "quantize_base")
+KEYS = ("rank", "alpha", "dropout", "targets", "quantize_base", "use_rslora")
 QUANTIZE_BASE = ("int8",)
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 
@@ -46,10 +50,11 @@ class LoraConfig:
     dropout: float
     targets: Union[str, tuple[str, ...]]
     quantize_base: Optional[str] = None  # "int8": the frozen base's matmul weights held as int8 + scales
+    use_rslora: bool = False  # scale alpha / sqrt(rank) (rsLoRA) rather than alpha / rank
 
     @property
     def scale(self) -> float:
-        return self.alpha / self.rank
+        return peft_scale(self.rank, self.alpha, self.use_rslora)
 
     @classmethod
     def from_dict(cls, raw: Any) -> "LoraConfig":
@@ -72,12 +77,27 @@ class LoraConfig:
         if quantize_base is not None and quantize_base not in QUANTIZE_BASE:
             raise ConfigError(f"config key 'lora.quantize_base' must be one of {', '.join(QUANTIZE_BASE)} or null, "
                               f"got {json.dumps(quantize_base)}")
-        return cls(rank, float(alpha), float(dropout), targets, quantize_base)
+        use_rslora = raw.get("use_rslora", False)
+        if not isinstance(use_rslora, bool):
+            raise ConfigError(f"config key 'lora.use_rslora' must be true or false, got {json.dumps(use_rslora)}")
+        return cls(rank, float(alpha), float(dropout), targets, quantize_base, use_rslora)
 
     def to_dict(self) -> dict:
         out = {"rank": self.rank, "alpha": self.alpha, "dropout": self.dropout,
                "targets": self.targets if isinstance(self.targets, str) else list(self.targets)}
-        return {**out, "quantize_base": self.quantize_base} if self.quantize_base else out
+        out |= {"quantize_base": self.quantize_base} if self.quantize_base else {}
+        return out | ({"use_rslora": True} if self.use_rslora else {})
+
+
+def peft_scale(rank: int, alpha: float, use_rslora: bool) -> float:
+    """What an adapter of `rank` and `alpha` multiplies its output by, as PEFT computes it."""
+    return alpha / math.sqrt(rank) if use_rslora else alpha / rank
+
+
+def _part_alpha(lora: LoraConfig, parts: int) -> float:
+    """The alpha a fused module's block-diagonal export of `parts` rank-r blocks (rank parts x r)
+    needs to keep the scale: parts x alpha, or sqrt(parts) x alpha with rsLoRA."""
+    return lora.alpha * (math.sqrt(parts) if lora.use_rslora else parts)
 
 
 # --------------------------------------------------------------------------------------------
@@ -289,7 +309,7 @@ def save_peft(adapters, model: ModelConfig, lora: LoraConfig, out: str, base: Op
             tensors[_peft_key(entry.hf, i, "B")] = np.ascontiguousarray(lora_b)
         if parts > 1:
             rank_pattern[module_name(entry)] = parts * lora.rank
-            alpha_pattern[module_name(entry)] = parts * lora.alpha
+            alpha_pattern[module_name(entry)] = _part_alpha(lora, parts)
     for entry, key in _peft_expert_keys(experts).items():
         for i in range(model.layers):
             parts = [(adapters[_path(model, m)][leaf + parallel.LORA_A], adapters[_path(model, m)][leaf + parallel.LORA_B])
@@ -299,13 +319,13 @@ def save_peft(adapters, model: ModelConfig, lora: LoraConfig, out: str, base: Op
             tensors[key(i, "A")], tensors[key(i, "B")] = lora_a, lora_b
         if len(entry.ours) > 1:
             rank_pattern[entry.target.rsplit(".", 1)[1]] = len(entry.ours) * lora.rank
-            alpha_pattern[entry.target.rsplit(".", 1)[1]] = len(entry.ours) * lora.alpha
+            alpha_pattern[entry.target.rsplit(".", 1)[1]] = _part_alpha(lora, len(entry.ours))
     save_file(tensors, str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank, "lora_alpha": lora.alpha,
               "lora_dropout": lora.dropout, "target_modules": sorted({module_name(e) for e in chosen}),
               "bias": "none", "fan_in_fan_out": _conv1d(model), "base_model_name_or_path": base,
               "rank_pattern": rank_pattern, "alpha_pattern": alpha_pattern, "inference_mode": True,
-              "use_rslora": False, "modules_to_save": None, "init_lora_weights": True}
+              "use_rslora": lora.use_rslora, "modules_to_save": None, "init_lora_weights": True}
     if experts:
         config["target_parameters"] = [e.hf.split("{i}.", 1)[1] for e in experts]
     (out / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2))
@@ -352,20 +372,22 @@ def _experts_from_peft(lora_a, lora_b, experts: int, parts: int, blocks: int, r:
 
 def _blocks(cfg: dict, name: str, parts: int, lora: LoraConfig, where: Path) -> int:
     """How many rank-r blocks PEFT's adapter on `name` has: 1, or `parts` where `rank_pattern` /
-    `alpha_pattern` give it parts x r and parts x alpha (a fused module's block-diagonal export)."""
+    `alpha_pattern` give it parts x r at the adapter's scale (a fused module's block-diagonal export)."""
     rank = (cfg.get("rank_pattern") or {}).get(name, lora.rank)
     alpha = (cfg.get("alpha_pattern") or {}).get(name, lora.alpha)
-    if rank == lora.rank and alpha == lora.alpha:
+    same_scale = math.isclose(peft_scale(rank, alpha, lora.use_rslora), lora.scale, rel_tol=1e-6)
+    if rank == lora.rank and same_scale:
         return 1
-    if parts > 1 and rank == parts * lora.rank and alpha == parts * lora.alpha:
+    if parts > 1 and rank == parts * lora.rank and same_scale:
         return parts
     raise ConfigError(f"{where}: rank_pattern/alpha_pattern give {name!r} rank {rank}, alpha {alpha}: only a fused "
-                      f"module's {parts} parts at {parts} x r and {parts} x alpha (block-diagonal) are supported")
+                      f"module's {parts} parts at {parts} x r and the adapter's scale (block-diagonal: alpha "
+                      f"{_part_alpha(lora, parts):g}) are supported")
 
 
 def peft_config(directory: str) -> dict:
     """A PEFT adapter directory's adapter_config.json, checked for what `load_peft` cannot represent
-    (another PEFT type, rsLoRA, DoRA, biases, `modules_to_save`) and for its weights file, before
+    (another PEFT type, DoRA, biases, `modules_to_save`) and for its weights file, before
     any weight is read (ConfigError naming the file)."""
     path = Path(directory)
     if not (path / ADAPTER_CONFIG).exists():
@@ -374,9 +396,9 @@ def peft_config(directory: str) -> dict:
     cfg = json.loads((path / ADAPTER_CONFIG).read_text())
     if cfg.get("peft_type", "LORA") != "LORA":
         raise ConfigError(f"{path / ADAPTER_CONFIG}: peft_type {cfg.get('peft_type')!r} is not LORA")
-    for key in ("use_rslora", "use_dora"):
-        if cfg.get(key):
-            raise ConfigError(f"{path / ADAPTER_CONFIG}: {key} is not supported")
+    if cfg.get("use_dora"):
+        raise ConfigError(f"{path / ADAPTER_CONFIG}: use_dora (DoRA's magnitude vectors) is not supported: merge the "
+                          f"adapter into the model with PEFT's merge_and_unload and load that model")
     if cfg.get("bias", "none") != "none":
         raise ConfigError(f"{path / ADAPTER_CONFIG}: bias {cfg.get('bias')!r} is not supported (only 'none')")
     if cfg.get("modules_to_save"):
@@ -406,7 +428,8 @@ def load_peft(directory: str, model: ModelConfig, mp: int = 1) -> tuple[LoraConf
             raise ConfigError(f"{path / ADAPTER_CONFIG}: target_modules {ALL_LINEAR!r} with target_parameters is "
                               "not supported: name the linear modules")
     lora = LoraConfig.from_dict({"rank": cfg["r"], "alpha": cfg["lora_alpha"], "dropout": cfg.get("lora_dropout", 0.0),
-                                 "targets": targets if targets == ALL_LINEAR else targets + expert_targets})
+                                 "targets": targets if targets == ALL_LINEAR else targets + expert_targets,
+                                 "use_rslora": bool(cfg.get("use_rslora"))})
     chosen, experts = _resolve(model, lora)
     names = {module_name(e) for e in chosen} | {e.target.rsplit(".", 1)[1] for e in experts}
     for name in sorted(set(cfg.get("rank_pattern") or {}) | set(cfg.get("alpha_pattern") or {})):

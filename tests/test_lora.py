@@ -72,6 +72,7 @@ def trained(tmp_path_factory):
 
 def test_config_errors_name_the_key():
     cases = [({"targets": ["q_prj"]}, "lora.targets"), ({"rank": 0}, "lora.rank"), ({"rank": 100}, "lora.rank"),
+             ({"use_rslora": "yes"}, "lora.use_rslora"),
              ({"ranks": 4}, "lora.ranks"), ({"dropout": 1.5}, "lora.dropout"), ({"targets": "all"}, "lora.targets")]
     for raw, key in cases:
         with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
@@ -284,13 +285,16 @@ def test_sharded_lora_gradients_equal_single_device(family):
 def test_imported_peft_adapter_gives_peft_logits(cls, kw, targets, tmp_path, no_tokenizer):
     """An adapter made by peft (B random, so it does something) on a random model: --lora-adapter
     gives PeftModel's logits; exporting it again (fused modules block-diagonal) gives them too, and
-    reads back as the same adapters. A mixture's experts are PEFT's `target_parameters`."""
+    reads back as the same adapters. A mixture's experts are PEFT's `target_parameters`. GPT-2's,
+    Phi-3's and Mixtral's (each with fused modules) are rsLoRA adapters (alpha / sqrt(r))."""
     from mesh_transformer import loading, models
     base = make_hf(tmp_path / "base", cls, **kw)
     torch.manual_seed(1)
     experts = [t for t in targets if "experts" in t or t == "gate_up_proj" and cls.endswith("Moe")]  # (PEFT's targets)
+    rslora = cls in ("GPT2", "Phi3", "Mixtral")
     lcfg = peft.LoraConfig(r=RANK, lora_alpha=12, target_modules=[t for t in targets if t not in experts],
-                           target_parameters=experts or None, init_lora_weights=False, fan_in_fan_out=cls == "GPT2")
+                           target_parameters=experts or None, init_lora_weights=False, fan_in_fan_out=cls == "GPT2",
+                           use_rslora=rslora)
     model = peft.get_peft_model(base, lcfg).eval()
     model.save_pretrained(tmp_path / "adapter")
     tokens = random_tokens((2, 12), 101, seed=2)
@@ -301,6 +305,7 @@ def test_imported_peft_adapter_gives_peft_logits(cls, kw, targets, tmp_path, no_
     np.testing.assert_allclose(np.asarray(logits)[..., :101], expected, atol=1e-4)
 
     spec, adapters = lora.load_peft(str(tmp_path / "adapter"), loaded.config)
+    assert (spec.use_rslora, spec.scale) == (rslora, 12 / (RANK ** 0.5 if rslora else RANK))
     lora.save_peft(adapters, loaded.config, spec, str(tmp_path / "again"))
     import transformers
     fresh = getattr(transformers, f"{cls}ForCausalLM" if cls != "GPT2" else "GPT2LMHeadModel").from_pretrained(tmp_path / "base")
@@ -319,7 +324,8 @@ def test_expert_adapters_train_as_peft_autograd(quantize_base, tmp_path, no_toke
     torch's gradients go through the same import as PEFT's adapters: PEFT shares one A between an
     expert's gate and up, which ours holds twice, so its gradient is the sum of our two.
     int8: our base quantized from the float checkpoint (`quantize_base`), PEFT's on its weights
-    rounded as int8 keeps them (every Linear and expert, per output; embedding and routers float)."""
+    rounded as int8 keeps them (every Linear and expert, per output; embedding and routers float),
+    and rsLoRA adapters (`use_rslora`: alpha / sqrt(r))."""
     from mesh_transformer.config import Config, TrainConfig
     from mesh_transformer.io import hf
     kw = dict(vocab_size=101, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -331,7 +337,7 @@ def test_expert_adapters_train_as_peft_autograd(quantize_base, tmp_path, no_toke
     model = peft.get_peft_model(base, peft.LoraConfig(r=RANK, lora_alpha=12, target_modules=["q_proj", "o_proj"],
                                                       target_parameters=["mlp.experts.gate_up_proj",
                                                                          "mlp.experts.down_proj"],
-                                                      init_lora_weights=False))
+                                                      init_lora_weights=False, use_rslora=quantize_base is not None))
     model.save_pretrained(tmp_path / "adapter")
     tokens = random_tokens((2, 12), 101, seed=4)
     inputs, targets = (torch.tensor(t, dtype=torch.long) for t in (tokens[:, :-1], tokens[:, 1:]))
@@ -345,6 +351,7 @@ def test_expert_adapters_train_as_peft_autograd(quantize_base, tmp_path, no_toke
     config, base_params = hf.load_hf(str(tmp_path / "base"))
     config = dataclasses.replace(config, router_aux_loss_coef=0.05, compute_dtype="float32", remat="none")
     spec, adapters = lora.load_peft(str(tmp_path / "adapter"), config)
+    assert spec.use_rslora == (quantize_base is not None)
     _, expected = lora.load_peft(str(tmp_path / "grads"), config)
     tr = Trainer(Config(config, TrainConfig(per_replica_batch=2, lora={**spec.to_dict(), "quantize_base": quantize_base})),
                  mesh(1, 1))
