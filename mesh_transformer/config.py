@@ -190,6 +190,7 @@ class TrainConfig:
     bf16_optimizer: bool = False  # Adam moments in bfloat16 (the original v2's key)
     fcm_max_ratio: float = 0.0  # forgetful causal masking: mask up to this fraction of keys (training only)
     fcm_min_ratio: float = 0.0
+    neftune_noise_alpha: Optional[float] = None  # NEFTune: noise on the token embeddings (training only; HF's key)
     document_masking: bool = False  # plain text: documents packed in a row do not attend to each other
 
     @property
@@ -347,6 +348,11 @@ def validate(config: Config) -> None:
     require(0 <= t.fcm_min_ratio <= t.fcm_max_ratio < 1, "fcm_max_ratio" if t.fcm_max_ratio < t.fcm_min_ratio
             or t.fcm_max_ratio >= 1 else "fcm_min_ratio",
             f"need 0 <= fcm_min_ratio <= fcm_max_ratio < 1, got {t.fcm_min_ratio} and {t.fcm_max_ratio}")
+    require(t.neftune_noise_alpha is None or (isinstance(t.neftune_noise_alpha, (int, float))
+                                              and not isinstance(t.neftune_noise_alpha, bool)
+                                              and 0 < t.neftune_noise_alpha < float("inf")),
+            "neftune_noise_alpha", f"must be a positive number (NEFTune's alpha, e.g. 5) or null, "
+                                   f"got {t.neftune_noise_alpha!r}")
     if t.lora is not None:
         from mesh_transformer import lora
         lora.resolve(m, lora.LoraConfig.from_dict(t.lora))
@@ -355,6 +361,6 @@ def validate(config: Config) -> None:
         require(len(t.preferences) == 1, t.preferences[-1],
                 f"one preference objective at most: {' and '.join(t.preferences)} are both set")
         preference.objective(t)
-        for key in ("fcm_max_ratio", "z_loss"):  # terms of the language-model loss, which the objective replaces
-            require(not getattr(t, key), key, f"applies to the language-model loss only; with '{t.preference}' set "
-                                              "it to 0")
+        for key in ("fcm_max_ratio", "z_loss", "neftune_noise_alpha"):  # of the language-model loss, which it replaces
+            require(not getattr(t, key), key, f"applies to the language-model loss only; with '{t.preference}' "
+                                              f"set it to {'null' if key == 'neftune_noise_alpha' else 0}")

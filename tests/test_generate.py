@@ -429,6 +429,10 @@ def test_a_stop_inside_a_longer_one_cuts_the_same_however_tokens_arrive(tiny):
     for seq, shown in ((whole, whole.text), (one_by_one, streamed)):
         assert (shown, seq.stop_string, seq.finish_reason) == ("The qu", "ick b", "stop")
     assert whole.kept_tokens() == one_by_one.kept_tokens() == 2  # "The", " quick": the cut is inside the second
+    # min_new_tokens 1: "The" ends within the first token's text and does not count; "The quick" ends the text
+    held = Sequence([1], greedy(stop=("The", "The quick"), min_new_tokens=1), 64, tok)
+    held.extend(tokens, [], [], [])
+    assert (held.text, held.stop_string) == ("", "The quick")
 
 
 def test_streamed_text_adds_up_to_the_final_text(tiny, gen):

@@ -1,6 +1,7 @@
 """LoRA (with PEFT as the oracle), bf16 Adam moments, forgetful causal masking, packed segments."""
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import jax
@@ -128,6 +129,20 @@ def test_merged_export_keeps_untargeted_weights_and_peft_export_matches(trained)
     np.testing.assert_allclose(hf_logits(peft_model, tokens), expected, atol=1e-4)
     ours = trained["run"].trainer.logits(trained["state"].params, jnp.asarray(tokens))
     np.testing.assert_allclose(np.asarray(ours), expected, atol=1e-4)
+
+
+@pytest.mark.parametrize("change", [{"alpha": 16}, {"use_rslora": True}])
+def test_resuming_at_another_lora_scale_is_refused(trained, change):
+    """The adapters trained at alpha / r: resuming the run with another alpha or with rsLoRA (the same
+    rank, so the shapes fit) is one error naming both scales, before anything is loaded or written."""
+    from mesh_transformer.train.loop import TrainHost
+    root = trained["root"]
+    config = gptj_config(root / "run", lora={"rank": RANK, "alpha": 8, "dropout": 0.0, "targets": TARGETS, **change})
+    host = TrainHost(config, RunOptions(hf=str(root / "base"), tensorboard=False, log_dir=str(root / "run-logs")))
+    now = "4 (alpha 16, rank 4)" if "alpha" in change else "4 (alpha 8, rank 4, use_rslora)"
+    with pytest.raises(ConfigError, match=rf"its step 4 trained LoRA adapters at scale 2 \(alpha 8, rank 4\); "
+                                          rf"this config's lora gives {re.escape(now)}\. Resume with the same alpha"):
+        host.start_state()
 
 
 def test_lora_on_our_checkpoint_trains_like_lora_on_the_hf_model(trained, no_tokenizer):

@@ -306,7 +306,8 @@ def test_models_are_listed_and_retrieved_by_both_sdks(lora_server):
     card = oa_client.models.retrieve("chat")
     assert (card.id, card.object, card.owned_by, card.model_extra["parent"]) == ("chat", "model", "mesh-transformer", "tiny")
     info = an_client.models.retrieve("code")
-    assert (info.id, info.type, info.display_name) == ("code", "model", "code")
+    assert (info.id, info.type, info.display_name, info.lifecycle, info.max_input_tokens) == \
+        ("code", "model", "code", "active", card.model_extra["max_model_len"])
     assert info.created_at.timestamp() == card.created
     first = an_client.models.list(limit=2)
     assert ([m.id for m in first.data], first.first_id, first.last_id, first.has_more) == (["tiny", "chat"], "tiny", "chat", True)
@@ -319,7 +320,12 @@ def test_models_are_listed_and_retrieved_by_both_sdks(lora_server):
         with pytest.raises(error, match=r"model_id: the model 'chatt' does not exist \(served: tiny, chat, code\)"):
             call()
     http = httpx.Client(base_url=url, headers={"x-api-key": KEY}, timeout=60)
+    for query, empty in (("after_id=code", True), ("before_id=tiny", True), ("before_id=code", False)):
+        page = http.get(f"/v1/models?{query}").json()
+        assert (page["data"] == [], page["has_more"]) == (empty, False)
+        assert page["first_id"] == (None if empty else "tiny") and page["last_id"] == (None if empty else "chat")
     for query, message in (("after_id=nope", "after_id: no model 'nope'"), ("limit=0", "limit: a whole number"),
+                           ("limit=%C2%B2", "limit: a whole number"),
                            ("after_id=tiny&before_id=code", "after_id: give after_id or before_id, not both")):
         r = http.get(f"/v1/models?{query}")
         assert r.status_code == 400 and r.json()["error"]["message"].startswith(message), r.text

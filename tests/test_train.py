@@ -304,3 +304,41 @@ def test_remat_policies_change_the_program_not_the_gradients():
     assert temp_none > temp_dots > temp_full
     assert max_abs_diff(grads["none"], grads["dots"]) < 1e-8
     assert max_abs_diff(grads["none"], grads["full"]) < 1e-8
+
+
+def test_neftune_noise_is_hfs_on_the_embeddings_in_training_only():
+    """NEFTune (`neftune_noise_alpha`, HF's key): the noise is uniform in ±alpha/sqrt(T·width), the
+    bound and distribution of HF's own hook (run on the same shape); a training step's loss moves
+    with it, the same on one device and split over mp=2 (every mp shard draws the same noise) and
+    again at the same step; evaluation sees none. With a preference objective, or not positive: refused."""
+    import scipy.stats
+    import torch
+    from transformers.integrations.neftune import neftune_post_forward_hook
+    from mesh_transformer.config import ConfigError
+    from mesh_transformer.models import layers
+
+    alpha, shape = 5.0, (4, 64, 64)
+    bound = alpha / np.sqrt(shape[1] * shape[2])
+    embedding = torch.nn.Embedding(2, 2).train()
+    embedding.neftune_noise_alpha = alpha
+    theirs = neftune_post_forward_hook(embedding, None, torch.zeros(shape)).numpy().ravel()
+    ours = np.asarray(layers.neftune(jnp.zeros(shape), alpha, jax.random.key(3))).ravel()
+    for noise in (theirs, ours):
+        assert 0.999 * bound < np.abs(noise).max() <= bound
+        assert scipy.stats.kstest(noise, scipy.stats.uniform(-bound, 2 * bound).cdf).pvalue > 1e-3
+
+    tokens = random_tokens((1, 2, 17), 250, seed=8)
+    results = {}
+    for name, alpha_, layout in (("plain", None, (1, 1)), ("noisy", 5.0, (1, 1)), ("noisy mp2", 5.0, (1, 2))):
+        trainer = Trainer(tiny_config(per_replica_batch=2, neftune_noise_alpha=alpha_), mesh(*layout))
+        params = trainer.init_state(0).params
+        batch = trainer.shard_batch({"tokens": tokens})
+        results[name] = (float(trainer.loss_and_grads(params, batch)[0]), float(trainer.loss_and_grads(params, batch)[0]),
+                         trainer.eval_loss(params, {"tokens": tokens}))
+    (plain, _, plain_eval), (noisy, again, noisy_eval), (split, _, split_eval) = results.values()
+    assert noisy == again and abs(split - noisy) < 1e-5 and abs(noisy - plain) > 1e-4
+    assert plain_eval == pytest.approx(noisy_eval, abs=1e-6) and split_eval == pytest.approx(plain_eval, abs=1e-5)
+    for bad, match in (({"neftune_noise_alpha": 0}, "neftune_noise_alpha.*positive"),
+                       ({"neftune_noise_alpha": 5, "dpo": {}}, "neftune_noise_alpha.*language-model loss only")):
+        with pytest.raises(ConfigError, match=match):
+            tiny_config(**bad)

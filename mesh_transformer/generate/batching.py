@@ -71,6 +71,7 @@ class Sequence:
         self.cached_tokens = 0  # of the prompt, read from the prefix cache rather than computed (set when admitted)
         self.cancelled = False
         self._text_end: Optional[int] = None  # where a stop string cut the text
+        self._stop: Optional[str] = None  # and which one
         self._min_text: Optional[int] = None  # characters of the first min_new_tokens tokens (`_stops_from`)
         self._sent = 0
 
@@ -110,9 +111,9 @@ class Sequence:
                 self.finish("stop")
         if self.tokenizer is not None and self.options.stop and tokens is not None and len(tokens) and \
                 len(self.tokens) >= self.options.min_new_tokens:
-            cut = _find_stop(self._decoded(), self.options.stop, self._stops_from())
-            if cut is not None:
-                self._text_end = cut
+            found = _find_stop(self._decoded(), self.options.stop, self._stops_from())
+            if found is not None:
+                self._text_end, self._stop = found
                 self.finish_reason = "stop"
 
     def finish(self, reason: str) -> None:
@@ -139,7 +140,7 @@ class Sequence:
         """Where a stop string cut the `decoded` text: found as tokens arrived, or, once finished,
         where a stop the device saw starts."""
         if self._text_end is None and self.finished and self.options.stop:
-            self._text_end = _find_stop(decoded, self.options.stop, self._stops_from())
+            self._text_end, self._stop = _find_stop(decoded, self.options.stop, self._stops_from()) or (None, None)
         return self._text_end
 
     @property
@@ -151,12 +152,9 @@ class Sequence:
 
     @property
     def stop_string(self) -> Optional[str]:
-        """The stop string that ended the text (None: it ended otherwise, or has not): of those that
-        start where the text ends (`_find_stop`), the shortest (the first complete)."""
-        decoded = self._decoded()
-        end = self._cut(decoded)
-        found = [s for s in self.options.stop if end is not None and decoded.startswith(s, end)]
-        return min(found, key=len) if found else None
+        """The stop string that ended the text (None: it ended otherwise, or has not; `_find_stop`)."""
+        self._cut(self._decoded())
+        return self._stop
 
     @property
     def adapter_key(self) -> int:
@@ -188,13 +186,14 @@ class Sequence:
         return len(self.tokens)
 
 
-def _find_stop(text: str, stops: Seq[str], ends_after: int = 0) -> Optional[int]:
-    """Where the stop string that ends the text starts in `text` (None: none does): of those ending
-    after character `ends_after`, the one complete first as the text grows (the earliest end; of two
-    ending together, the earlier start). So where a long stop string holds a short one, the cut does
-    not depend on how many tokens arrive at once: stops "ab c" and "b" cut "ab cd" after "a"."""
-    hits = [(i + len(s), i) for s, i in ((s, text.find(s, max(0, ends_after - len(s) + 1))) for s in stops) if i >= 0]
-    return min(hits)[1] if hits else None
+def _find_stop(text: str, stops: Seq[str], ends_after: int = 0) -> Optional[tuple[int, str]]:
+    """(where it starts in `text`, which) of the stop string that ends the text (None: none does): of
+    those ending after character `ends_after`, the one complete first as the text grows (the earliest
+    end; of two ending together, the earlier start). So where a long stop string holds a short one,
+    the cut does not depend on how many tokens arrive at once: stops "ab c" and "b" cut "ab cd" after "a"."""
+    hits = [(i + len(s), i, s) for s, i in ((s, text.find(s, max(0, ends_after - len(s) + 1))) for s in stops)
+            if i >= 0]
+    return min(hits)[1:] if hits else None
 
 
 # --------------------------------------------------------------------------------------------

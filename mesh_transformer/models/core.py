@@ -117,7 +117,8 @@ class Transformer(hk.Module):
         self.config, self.block, self.padded_vocab = config, block, padded_vocab
 
     def __call__(self, tokens, cache: Optional[KVCache] = None, last_only: bool = False, segments=None,
-                 key_keep=None, logit_positions=None, shared: Optional[SharedPrefix] = None, routers: bool = False):
+                 key_keep=None, logit_positions=None, shared: Optional[SharedPrefix] = None, routers: bool = False,
+                 embed_noise: Optional[float] = None):
         """tokens [B, T] (int) -> (logits [B, T, V/mp] float32, this shard's vocabulary slice; new cache).
 
         Without a cache the T tokens are positions 0..T-1 under a causal mask (training). With a
@@ -130,7 +131,8 @@ class Transformer(hk.Module):
         own segment, positions restart at each); `key_keep` [B, T] (bool) drops the keys it marks
         False from every query's view (forgetful causal masking). `routers` (training): a third item
         returned, the mixture layers' `layers.RouterStats` summed over layers (for the
-        load-balancing loss).
+        load-balancing loss). `embed_noise` (training): NEFTune's alpha, noise on the token
+        embeddings (`layers.neftune`), drawn from the rng per dp shard, the same on every mp shard.
         """
         c, stem = self.config, self.config.stem()
         ctx = _context(tokens.shape, cache, segments, key_keep, shared)._replace(attention=c.attention_impl)
@@ -138,6 +140,8 @@ class Transformer(hk.Module):
         embedding = Embedding(self.padded_vocab, stem.embed_proj or c.d_model,
                               width_axis="embed_proj" if stem.embed_proj else "embed")
         x = embedding(tokens, dtype)
+        if embed_noise:  # on the table's rows, before any scale or projection (where HF's hook adds it)
+            x = layers.neftune(x, embed_noise, jax.random.fold_in(hk.next_rng_key(), parallel.dp_index()))
         if stem.embed_scale is not None:
             x = x * jnp.asarray(stem.embed_scale, dtype)
         if stem.embed_proj:
@@ -279,11 +283,11 @@ class Model:
 
     def apply(self, params, tokens, cache: Optional[KVCache] = None, last_only: bool = False, *,
               segments=None, key_keep=None, logit_positions=None, shared: Optional[SharedPrefix] = None, rng=None,
-              routers: bool = False):
-        """`rng`: only LoRA dropout draws from it (None: no dropout). `routers` (training, no cache):
-        also return the mixture layers' `layers.RouterStats`."""
+              routers: bool = False, embed_noise: Optional[float] = None):
+        """`rng`: LoRA dropout and NEFTune draw from it (None: neither). `routers` (training, no cache):
+        also return the mixture layers' `layers.RouterStats`. `embed_noise`: NEFTune's alpha (needs `rng`)."""
         return self.transformed.apply(params, rng, tokens, cache, last_only, segments, key_keep, logit_positions,
-                                      shared, routers)
+                                      shared, routers, embed_noise)
 
     @functools.cached_property
     def _declared(self):
@@ -364,9 +368,9 @@ def _pairs(params, infos):
 def build(config: ModelConfig, block: Callable, mp: int = 1, lora: Optional[parallel.LoRAPlan] = None) -> Model:
     padded = config.padded_vocab(mp)
     def forward(tokens, cache=None, last_only=False, segments=None, key_keep=None, logit_positions=None,
-                shared=None, routers=False):
+                shared=None, routers=False, embed_noise=None):
         with parallel.lora_plan(lora):
             return Transformer(config, block, padded)(tokens, cache, last_only, segments, key_keep, logit_positions,
-                                                      shared, routers)
+                                                      shared, routers, embed_noise)
     transformed = hk.transform(forward)
     return Model(config, mp, transformed, lora)

@@ -1175,6 +1175,13 @@ def _take_16_bit_bwd(residuals, g):  # jnp.take's gradient: g scattered-added in
 _take_16_bit.defvjp(_take_16_bit_fwd, _take_16_bit_bwd)
 
 
+def neftune(x, alpha: float, key):
+    """NEFTune (Jain et al. 2023): token embeddings x [B, T, width] plus noise drawn uniformly from
+    ±alpha / sqrt(T * width), as HF's hook adds it on the embedding's output (training only)."""
+    bound = alpha / math.sqrt(x.shape[1] * x.shape[2])
+    return x + jax.random.uniform(key, x.shape, jnp.float32, -bound, bound).astype(x.dtype)
+
+
 class Embedding(hk.Module):
     """Vocab-parallel token embedding (each mp shard holds V/mp rows) and, tied, the output projection."""
 

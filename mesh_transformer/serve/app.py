@@ -126,7 +126,8 @@ def create_app(engine: Engine, model_name: str = "mesh-transformer", api_key: Op
         stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(created))
         base = {"id": model_name, "object": "model", "created": created, "owned_by": "mesh-transformer",
                 "root": model_name, "parent": None, "max_model_len": engine.context,
-                "type": "model", "display_name": model_name, "created_at": stamp}
+                "type": "model", "display_name": model_name, "created_at": stamp, "lifecycle": "active",
+                "max_input_tokens": engine.context}
         known = engine.adapters.names() if engine.adapters is not None else []
         return [base] + [{**base, "id": name, "display_name": name, "root": name, "parent": model_name}
                          for name in known]
@@ -160,7 +161,8 @@ def create_app(engine: Engine, model_name: str = "mesh-transformer", api_key: Op
 
 
 def model_page(cards: list[dict], query) -> dict:
-    """`cards` (all of them: OpenAI's list), or one page of them by Anthropic's `limit` (1 to 1,000),
+    """`cards` (all of them without `limit`, as OpenAI's list has them; Anthropic's default of 20 would
+    only page a list this short), or one page of them by Anthropic's `limit` (1 to 1,000),
     `after_id` or `before_id` (the page that ends just before that id), with `first_id`, `last_id`
     and `has_more` (more past the page, in the direction read)."""
     ids = [c["id"] for c in cards]
@@ -172,7 +174,7 @@ def model_page(cards: list[dict], query) -> dict:
     limit = query.get("limit")
     if limit is None:
         limit = len(cards)
-    elif not (limit.isdigit() and 1 <= int(limit) <= 1000):
+    elif not (limit.isascii() and limit.isdigit() and 1 <= int(limit) <= 1000):
         raise oa.ApiError(400, f"limit: a whole number from 1 to 1000, got {limit!r}", param="limit")
     limit = int(limit)
     if "before_id" in query:

@@ -171,6 +171,20 @@ class TrainHost:
         self._base_ref: Optional[dict] = None  # LoRA: where the frozen base came from (DPO: its reference)
         self._base_print: Optional[int] = None
 
+    def _check_lora_scale(self) -> None:
+        """A resumed LoRA run keeps its adapters' scale (alpha and use_rslora; a new rank fails the
+        shape check): the adapters trained under it, and the exports read the latest step's config."""
+        saved_lora = (self.ckpt.saved_config(self._saved_step) or {}).get("lora")
+        if saved_lora is None:
+            return
+        was, now = lora.LoraConfig.from_dict(saved_lora), self.trainer.lora
+        if was.rank == now.rank and abs(was.scale - now.scale) > 1e-9 * abs(now.scale):
+            def said(c):
+                return f"{c.scale:g} (alpha {c.alpha:g}, rank {c.rank}{', use_rslora' if c.use_rslora else ''})"
+            raise ConfigError(f"{self.ckpt.directory}: its step {self._saved_step} trained LoRA adapters at scale "
+                              f"{said(was)}; this config's lora gives {said(now)}. Resume with the same alpha and "
+                              f"use_rslora, or start a new model_dir with --tune-model-path {self.ckpt.directory}")
+
     def start_state(self) -> tuple[TrainState, dict]:
         """(state, loader state) to continue from; see the module docstring for the order.
 
@@ -187,6 +201,8 @@ class TrainHost:
                 raise ConfigError(f"{self.ckpt.directory}: its step {self._saved_step} trained with objective "
                                   f"{saved!r}, this config with {self.objective!r}; to switch, start a new "
                                   f"model_dir with --tune-model-path {self.ckpt.directory}")
+            if tr.lora is not None:
+                self._check_lora_scale()
             if tr.lora is not None or tr.holds_reference:
                 where, fingerprint = self._frozen_keys()
                 if tr.holds_reference and where not in extras:

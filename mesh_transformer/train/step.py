@@ -267,8 +267,9 @@ class Trainer:
         inputs = segments[:, :-1] if segments is not None else None
         if segments is not None:
             mask = mask * (segments[:, 1:] == inputs)
+        noise = self.config.train.neftune_noise_alpha if rng is not None else None  # (evaluation: no rng, no noise)
         out = self.model.apply(params, tokens[:, :-1], segments=inputs, key_keep=key_keep, rng=rng,
-                               routers=self._balance > 0)
+                               routers=self._balance > 0, embed_noise=noise)
         sums = losses.cross_entropy_sums(out[0], tokens[:, 1:], mask, self.config.train.z_loss)
         total, nll, count = (parallel.psum_dp(s) for s in sums)
         return self._with_balance_loss(total, out, count), {"loss": nll}, count
@@ -324,7 +325,7 @@ class Trainer:
 
     def _microbatches(self, batch, step):
         """The step's inputs per microbatch: (tokens, mask, segments, key_keep, rng), each with a leading [A]
-        axis (None where unused). Randomness (FCM, LoRA dropout) is seeded by (seed, step): a resumed
+        axis (None where unused). Randomness (FCM, LoRA dropout, NEFTune) is seeded by (seed, step): a resumed
         run draws exactly what the uninterrupted one did."""
         t = self.config.train
         tokens = batch["tokens"]
@@ -337,7 +338,8 @@ class Trainer:
         if t.fcm_max_ratio > 0:
             key_keep = jax.vmap(lambda k, s: fcm_keep(k, tokens.shape[1:2] + (tokens.shape[2] - 1,), t.fcm_min_ratio,
                                                        t.fcm_max_ratio, s))(keys, None if segments is None else segments[..., :-1])
-        rng = keys if self.lora is not None and self.lora.dropout > 0 else None
+        dropout = self.lora is not None and self.lora.dropout > 0
+        rng = keys if dropout or t.neftune_noise_alpha else None
         if rng is not None:
             rng = jax.vmap(lambda k: jax.random.fold_in(k, 1))(rng)
         return tokens, mask, segments, key_keep, rng
