@@ -77,7 +77,8 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--mp", type=int, help="model-parallel devices (default: the config's cores_per_replica, else 1)")
     group.add_argument("--dp", type=int, help="data-parallel replicas (default: all remaining devices)")
     group.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
-                       help="compute dtype (default: the config's, bfloat16)")
+                       help="compute dtype (default: the config's; device_serve.py and eval_harness.py on a CPU "
+                            "backend: float32)")
     group.add_argument("--quantize", choices=("int8",),
                        help="weight-only quantization of the matmul weights for sampling, serving and evaluation: "
                             "int8 values with a float32 scale per output (a byte a weight; default: none)")

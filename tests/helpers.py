@@ -296,14 +296,15 @@ def word_tokenizer(path, n_words: int = 200):
 def save_peft_adapters(base_dir, cls, adapters: dict, out_dir, conv1d: bool = False, scale_b: float = 3.0) -> dict:
     """PEFT LoRA adapters made by peft on the HF model (class `cls`) in `base_dir`, B random and
     `scale_b` times PEFT's random init (so each changes greedy tokens), saved under `out_dir`.
-    adapters: {name: (rank, alpha, target_modules)} -> {name: directory}."""
+    adapters: {name: (rank, alpha, target_modules[, use_rslora])} -> {name: directory}."""
     import peft
     import torch
     out = {}
-    for seed, (name, (rank, alpha, targets)) in enumerate(adapters.items(), 1):
+    for seed, (name, (rank, alpha, targets, *rslora)) in enumerate(adapters.items(), 1):
         torch.manual_seed(seed)
         model = peft.get_peft_model(cls.from_pretrained(base_dir).eval(), peft.LoraConfig(
-            r=rank, lora_alpha=alpha, target_modules=targets, init_lora_weights=False, fan_in_fan_out=conv1d))
+            r=rank, lora_alpha=alpha, target_modules=targets, init_lora_weights=False, fan_in_fan_out=conv1d,
+            use_rslora=bool(rslora and rslora[0])))
         with torch.no_grad():  # B larger than PEFT's random init: every adapter changes the greedy tokens
             for key, p in model.named_parameters():
                 if "lora_B" in key:

@@ -231,13 +231,13 @@ def test_expert_adapters_are_refused_for_serving(tmp_path, no_tokenizer):
 
 @pytest.fixture(scope="module")
 def lora_server(tiny, tmp_path_factory):
-    """The serving tests' tiny GPT-J (its tokenizer beside it) with adapters 'chat' and 'code',
-    served as 'tiny' on loopback -> (generator, url, adapter directories)."""
+    """The serving tests' tiny GPT-J (its tokenizer beside it) with adapters 'chat' and 'code' (rsLoRA:
+    alpha / sqrt(r)), served as 'tiny' on loopback -> (generator, url, adapter directories)."""
     from mesh_transformer.serve import Engine, create_app
     from tests.serving import KEY, start_server
     root = tmp_path_factory.mktemp("lora_http")
     dirs = save_peft_adapters(tiny.path, type(tiny.torch), {"chat": (4, 8, ["q_proj", "v_proj"]),
-                                                       "code": (2, 4, ["fc_in", "fc_out"])}, root, scale_b=6.0)
+                                                       "code": (2, 4, ["fc_in", "fc_out"], True)}, root, scale_b=6.0)
     gen = loading.load(hf=str(tiny.path), dtype="float32", mp=1, dp=1).generator(adapters=sorted(dirs.items()))
     engine = Engine(gen, tiny.tokenizer, max_batch=4, chunk=4, batch_invariant=True).start()
     server, url = start_server(create_app(engine, model_name="tiny", api_key=KEY))
@@ -667,12 +667,13 @@ def test_prefix_cache_keys_an_adapter_not_its_entry(served, no_tokenizer):
 @pytest.fixture(scope="module")
 def runtime_server(tiny, tmp_path_factory):
     """The tiny GPT-J served with runtime loading: no adapter at start, one entry of rank 4 over
-    every linear layer -> (url, adapter directories: chat, code and wide, of rank 8)."""
+    every linear layer -> (url, adapter directories: chat, code (rsLoRA, as `lora_server`'s) and wide,
+    of rank 8)."""
     from mesh_transformer.serve import Engine, create_app
     from tests.serving import KEY, start_server
     root = tmp_path_factory.mktemp("lora_runtime")
     dirs = save_peft_adapters(tiny.path, type(tiny.torch), {"chat": (4, 8, ["q_proj", "v_proj"]),
-                                                       "code": (2, 4, ["fc_in", "fc_out"]),
+                                                       "code": (2, 4, ["fc_in", "fc_out"], True),
                                                        "wide": (8, 8, ["q_proj"])}, root, scale_b=6.0)
     gen = loading.load(hf=str(tiny.path), dtype="float32", mp=1, dp=1).generator(slots=1, rank=4, every_linear=True)
     engine = Engine(gen, tiny.tokenizer, max_batch=4, chunk=4, batch_invariant=True).start()
