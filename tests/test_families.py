@@ -45,6 +45,23 @@ def case(request, tmp_path_factory):
     return request.param, path, torch_model, config, params
 
 
+def test_neftune_noise_goes_where_hfs_hook_adds_it(case, monkeypatch):
+    """NEFTune's noise is added to what HF's hook sees, `get_input_embeddings()`'s output: the raw rows
+    (GPT-J, GPT-2 and OPT before positions or projections, Granite before its multiplier), Gemma's
+    scaled ones (its embedding module scales)."""
+    import torch
+    from mesh_transformer.models import layers
+    _, _, torch_model, config, params = case
+    seen, real = [], layers.neftune
+    monkeypatch.setattr(layers, "neftune", lambda x, alpha, key: seen.append(x) or real(x, alpha, key))
+    tokens = random_tokens((2, 7), config.n_vocab, seed=6)
+    models.build(config).apply(params, tokens, rng=jax.random.key(0), embed_noise=5.0)
+    with torch.no_grad():
+        expected = torch_model.get_input_embeddings()(torch.tensor(tokens, dtype=torch.long)).numpy()
+    [x] = seen
+    np.testing.assert_allclose(np.asarray(x), expected, rtol=1e-6, atol=1e-6)
+
+
 def test_import_picks_the_family(case):
     name, _, _, config, _ = case
     assert config.family == FAMILY_OF[name]

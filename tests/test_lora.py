@@ -134,7 +134,7 @@ def test_merged_export_keeps_untargeted_weights_and_peft_export_matches(trained)
 @pytest.mark.parametrize("change", [{"alpha": 16}, {"use_rslora": True}])
 def test_resuming_at_another_lora_scale_is_refused(trained, change):
     """The adapters trained at alpha / r: resuming the run with another alpha or with rsLoRA (the same
-    rank, so the shapes fit) is one error naming both scales, before anything is loaded or written."""
+    rank, so the shapes fit) is one error naming both scales, before anything is written."""
     from mesh_transformer.train.loop import TrainHost
     root = trained["root"]
     config = gptj_config(root / "run", lora={"rank": RANK, "alpha": 8, "dropout": 0.0, "targets": TARGETS, **change})

@@ -50,6 +50,7 @@ class StemSpec(NamedTuple):
     position_offset: int = 0  # learned positions (pe == "fixed"): rows kept before position 0 (OPT: 2)
     embed_proj: Optional[int] = None  # OPT: the table is this wide, projected in and out of d_model
     embed_scale: Optional[float] = None  # embeddings times this, in the compute dtype (Gemma: sqrt(d_model))
+    scaled_embedding: bool = False  # HF scales inside its embedding module (Gemma's), so NEFTune's noise follows the scale
     logit_softcap: Optional[float] = None  # logits soft-capped to (-cap, cap) (Gemma 2)
     logit_divisor: Optional[float] = None  # logits divided by this (Granite's logits_scaling)
 
@@ -140,10 +141,12 @@ class Transformer(hk.Module):
         embedding = Embedding(self.padded_vocab, stem.embed_proj or c.d_model,
                               width_axis="embed_proj" if stem.embed_proj else "embed")
         x = embedding(tokens, dtype)
-        if embed_noise:  # on the table's rows, before any scale or projection (where HF's hook adds it)
-            x = layers.neftune(x, embed_noise, jax.random.fold_in(hk.next_rng_key(), parallel.dp_index()))
+        if embed_noise and not stem.scaled_embedding:  # on what HF's input embedding module returns
+            x = _neftune(x, embed_noise)
         if stem.embed_scale is not None:
             x = x * jnp.asarray(stem.embed_scale, dtype)
+        if embed_noise and stem.scaled_embedding:
+            x = _neftune(x, embed_noise)
         if stem.embed_proj:
             x = dense("btp,pd->btd", x, parallel.weight("project_in", (stem.embed_proj, c.d_model),
                                                          ("embed_proj", "embed"), 1, normal(0.02), dtype))
@@ -179,6 +182,11 @@ class Transformer(hk.Module):
             logits = logits / stem.logit_divisor
         logits = softcap(logits, stem.logit_softcap)
         return (logits, cache, stats) if routers else (logits, cache)
+
+
+def _neftune(x, alpha: float):
+    """`layers.neftune` on the token embeddings x, drawn per dp shard (the same on every mp shard)."""
+    return layers.neftune(x, alpha, jax.random.fold_in(hk.next_rng_key(), parallel.dp_index()))
 
 
 def scanned_layers(c: ModelConfig, family_block: Callable, x, ctx: Context, windowed: Optional[tuple[bool, ...]],

@@ -64,7 +64,7 @@ class GemmaConfig(LlamaShaped, ModelConfig):
 
     def stem(self) -> StemSpec:
         return StemSpec(final_norm=NORM, tied=self.tie_embeddings, embed_scale=math.sqrt(self.d_model),
-                        logit_softcap=self.logit_softcap)
+                        scaled_embedding=True, logit_softcap=self.logit_softcap)
 
     def attention(self) -> AttentionSpec:
         scaling = tuple(sorted(self.rope_scaling.items())) if self.rope_scaling else None
