@@ -138,9 +138,10 @@ def create_app(engine: Engine, model_name: str = "mesh-transformer", api_key: Op
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
-        card = next((c for c in model_cards() if c["id"] == model_id), None)
+        cards = model_cards()
+        card = next((c for c in cards if c["id"] == model_id), None)
         if card is None:
-            served = ", ".join(c["id"] for c in model_cards())
+            served = ", ".join(c["id"] for c in cards)
             raise oa.ApiError(404, f"model_id: the model {model_id!r} does not exist (served: {served})",
                               "not_found_error", param="model_id", code="model_not_found")
         return card

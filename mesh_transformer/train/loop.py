@@ -178,7 +178,7 @@ class TrainHost:
         if saved_lora is None:
             return
         was, now = lora.LoraConfig.from_dict(saved_lora), self.trainer.lora
-        if was.rank == now.rank and abs(was.scale - now.scale) > 1e-9 * abs(now.scale):
+        if was.rank == now.rank and not math.isclose(was.scale, now.scale, rel_tol=1e-9):
             def said(c):
                 return f"{c.scale:g} (alpha {c.alpha:g}, rank {c.rank}{', use_rslora' if c.use_rslora else ''})"
             raise ConfigError(f"{self.ckpt.directory}: its step {self._saved_step} trained LoRA adapters at scale "
