@@ -22,9 +22,11 @@ def parse_args(argv=None) -> BuildConfig:
     p.add_argument("--tokenizer", default="gpt2", help="'gpt2' (offline GPT-2 BPE), a tokenizer directory, or a hub name")
     p.add_argument("--seq", type=int, default=2048, help="context length; sequences hold seq+1 tokens (default 2048)")
     p.add_argument("--json-key", default="text", help="JSONL field holding the text (default 'text'); "
-                   "records with 'in_text'/'out_text' are prompt/completion examples trained on the completion only, "
+                   "records with 'in_text'/'out_text' (or TRL's 'prompt'/'completion') are prompt/completion examples "
+                   "trained on the completion only, "
                    "records with 'messages' (OpenAI's chat format, optional 'tools') conversations trained on the "
-                   "assistant's turns only")
+                   "assistant's turns only, 'prompt'/'chosen'/'rejected' preference pairs (DPO, CPO, ORPO), "
+                   "'prompt'/'completion'/'label' unpaired preferences (KTO)")
     p.add_argument("--chat-template", metavar="FILE",
                    help="Jinja chat template for 'messages' records (default: the tokenizer's own, else the plain "
                         "'Role: content' one; the server's --chat-template should be the same)")

@@ -1,12 +1,15 @@
 """Preference-tuning throughput and memory: ours (full fine-tuning, and LoRA) next to TRL on HF
 transformers + torch doing the same, for one objective a run (`--objective`): DPO (ours: a frozen
 reference copy for full fine-tuning, the base with adapters off for LoRA; TRL's DPOTrainer), ORPO
-(no reference; TRL's ORPOTrainer) or SimPO (no reference; TRL's CPOTrainer, loss_type "simpo").
+(no reference; TRL's ORPOTrainer), SimPO (no reference; TRL's CPOTrainer, loss_type "simpo") or
+KTO (a reference as DPO's; TRL's KTOTrainer, on unpaired examples: each "pair" below is then one
+example, labelled desirable or not in turn, and its KL row, which TRL builds from another example's
+completion of the same length).
 
     bash bench/setup_trl_venv.sh            # once: the peer's own venv, bench/.venv-trl
     python bench/dpo_train.py [--family gptj --layers 4 --d-model 512 --heads 8 --vocab 50400
                                --pairs 2 --prompt 128 --completion 128 --rank 16 --alpha 32
-                               --targets q_proj,v_proj --runs 3 --steps 5] [--objective dpo|orpo|simpo] [--json]
+                               --targets q_proj,v_proj --runs 3 --steps 5] [--objective dpo|orpo|simpo|kto] [--json]
 
 Every measurement is a fresh subprocess (its own peak memory): ours and the peer, full and LoRA,
 in turn, `--runs` rounds. All train the family's benchmark shape (bench/families.py; the peer's
@@ -44,7 +47,9 @@ NAMES = {"ours-full": "mesh-transformer, full", "trl-full": "TRL + transformers,
          "ours-lora": "mesh-transformer, LoRA", "trl-lora": "TRL + PEFT, LoRA"}
 # The objectives: our config key and options, the peer's trainer (trl or trl.experimental) and its options.
 OBJECTIVES = {"dpo": ("dpo", {"beta": 0.1}, "DPO"), "orpo": ("orpo", {"beta": 0.1}, "ORPO"),
-              "simpo": ("cpo", {"loss_type": "simpo", "cpo_alpha": 0.0, "beta": 2.0}, "CPO")}
+              "simpo": ("cpo", {"loss_type": "simpo", "cpo_alpha": 0.0, "beta": 2.0}, "CPO"),
+              "kto": ("kto", {"beta": 0.1}, "KTO")}
+WITH_REFERENCE = ("DPO", "KTO")  # the peers given a reference model for full fine-tuning
 
 
 def parse_args(argv=None):
@@ -93,6 +98,7 @@ def worker_ours(args, lora: bool) -> dict:
     from mesh_transformer import host_memory
     host_memory.keep_freed_memory()  # as device_train.py runs
     import jax
+    import numpy as np
     from mesh_transformer import parallel
     from mesh_transformer.config import config_from_dict
     from mesh_transformer.train.step import Trainer
@@ -104,7 +110,10 @@ def worker_ours(args, lora: bool) -> dict:
     trainer.base = trainer.init_base(0)  # LoRA's base, or DPO's reference (full): the initial weights; else {}
     state = trainer.init_state(0)
     tokens, mask = pairs(args)
-    batch = trainer.shard_batch({"tokens": tokens[None], "mask": mask[None]})
+    rows = {"tokens": tokens[None], "mask": mask[None]}
+    if key == "kto":  # examples desirable and not in turn, each with its KL row
+        rows["labels"] = (np.arange(len(tokens)) // 2 % 2 == 0).astype(np.float32)[None, :, None]
+    batch = trainer.shard_batch(rows)
     mem = trainer.step.lower(state, batch).compile().memory_analysis()
     box = {"state": state}
 
@@ -135,7 +144,7 @@ def worker_trl(args, lora: bool) -> dict:
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _, options, peer = OBJECTIVES[args.objective]
     reference = None
-    if not lora and peer == "DPO":
+    if not lora and peer in WITH_REFERENCE:
         reference = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         reference.load_state_dict(model.state_dict())
     words = Tokenizer(models.WordLevel({f"w{i}": i for i in range(args.vocab)}, unk_token="w1"))
@@ -143,10 +152,13 @@ def worker_trl(args, lora: bool) -> dict:
     tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=words, eos_token="w0", pad_token="w0")
     tokens, _ = pairs(args)
     text = lambda ids: " ".join(f"w{int(i)}" for i in ids)  # noqa: E731
-    end = args.seq if peer == "DPO" else args.seq - 1  # the experimental trainers append the EOS themselves
+    end = args.seq if peer == "DPO" else args.seq - 1  # the other trainers append the EOS themselves
     record = lambda i: {"prompt": text(tokens[2 * i, : args.prompt]),  # noqa: E731
                         "chosen": " " + text(tokens[2 * i, args.prompt: end]),
                         "rejected": " " + text(tokens[2 * i + 1, args.prompt: end])}
+    if peer == "KTO":
+        record = lambda i: {"prompt": text(tokens[2 * i, : args.prompt]),  # noqa: E731
+                            "completion": " " + text(tokens[2 * i, args.prompt: end]), "label": i % 2 == 0}
     steps = args.steps + 2
     data = datasets.Dataset.from_list([record(i % args.pairs) for i in range(args.pairs * steps)])
     times: list[float] = []
@@ -165,15 +177,17 @@ def worker_trl(args, lora: bool) -> dict:
                                       target_modules=args.targets.split(","), task_type="CAUSAL_LM")
     with tempfile.TemporaryDirectory() as out:
         config_class, trainer_class = peer_classes(peer)
+        sampling = {"train_sampling_strategy": "sequential"} if peer == "KTO" else {}  # KTOTrainer requires it
         trl_args = config_class(output_dir=out, per_device_train_batch_size=args.pairs, max_steps=steps, **options,
                                 learning_rate=1e-4, lr_scheduler_type="constant", weight_decay=0.1, max_grad_norm=1.0,
                                 gradient_checkpointing=False, bf16=False, use_cpu=True, report_to="none",
-                                save_strategy="no", logging_steps=10**6, dataloader_num_workers=0)
-        kwargs = {"ref_model": reference} if peer == "DPO" else {}
+                                save_strategy="no", logging_steps=10**6, dataloader_num_workers=0, **sampling)
+        kwargs = {"ref_model": reference} if peer in WITH_REFERENCE else {}
         trainer = trainer_class(model=model, args=trl_args, train_dataset=data, processing_class=tokenizer,
                                 peft_config=peft_config, callbacks=[Clock()], **kwargs)
         row = trainer.train_dataset[0]
         length = (len(row["prompt_ids"]) + len(row["chosen_ids"]) if peer == "DPO"
+                  else len(row["prompt_ids"]) + len(row["completion_ids"]) if peer == "KTO"
                   else len(row["chosen_input_ids"]))
         assert length == args.seq, f"the peer's rows ({length} tokens) are not the benchmark's ({args.seq})"
         trainer.train()
@@ -188,8 +202,8 @@ def worker_trl(args, lora: bool) -> dict:
 def peer_classes(peer: str):
     """(config class, trainer class) of TRL's trainer for an objective."""
     import trl
-    if peer == "DPO":
-        return trl.DPOConfig, trl.DPOTrainer
+    if peer in ("DPO", "KTO"):
+        return {"DPO": (trl.DPOConfig, trl.DPOTrainer), "KTO": (trl.KTOConfig, trl.KTOTrainer)}[peer]
     from trl.experimental import cpo, orpo
     return {"CPO": (cpo.CPOConfig, cpo.CPOTrainer), "ORPO": (orpo.ORPOConfig, orpo.ORPOTrainer)}[peer]
 

@@ -187,6 +187,7 @@ class TrainConfig:
     dpo: Optional[dict] = None  # {"beta", "loss_type", ...}: train on preference pairs with DPO (train/preference.py)
     cpo: Optional[dict] = None  # {"beta", "loss_type", "cpo_alpha", "simpo_gamma", ...}: CPO / SimPO, no reference
     orpo: Optional[dict] = None  # {"beta"}: ORPO, no reference
+    kto: Optional[dict] = None  # {"beta", "desirable_weight", "undesirable_weight", "loss_type"}: KTO, unpaired data
     bf16_optimizer: bool = False  # Adam moments in bfloat16 (the original v2's key)
     fcm_max_ratio: float = 0.0  # forgetful causal masking: mask up to this fraction of keys (training only)
     fcm_min_ratio: float = 0.0
@@ -200,7 +201,7 @@ class TrainConfig:
 
     @property
     def preferences(self) -> tuple[str, ...]:
-        """The keys of the preference objectives set ("dpo", "cpo", "orpo"; `validate` allows one)."""
+        """The keys of the preference objectives set ("dpo", "cpo", "orpo", "kto"; `validate` allows one)."""
         return tuple(key for key in PREFERENCE_KEYS if getattr(self, key) is not None)
 
     @property
@@ -211,11 +212,13 @@ class TrainConfig:
     @property
     def rows_per_replica(self) -> int:
         """Sequences a dp replica takes a microbatch: per_replica_batch, or with a preference objective
-        (where the batch counts pairs, as TRL's does) twice that, each pair's chosen and rejected."""
+        (where the batch counts pairs, or KTO's examples, as TRL's does) twice that: each pair's chosen
+        and rejected, each example's row and KL row."""
         return self.per_replica_batch * (2 if self.preference is not None else 1)
 
 
-PREFERENCE_KEYS = ("dpo", "cpo", "orpo")  # the objectives on preference pairs (train/preference.py), one at most
+# the objectives on preference data (train/preference.py), one at most: on pairs, and KTO on unpaired examples
+PREFERENCE_KEYS = ("dpo", "cpo", "orpo", "kto")
 
 
 @dataclass(frozen=True)

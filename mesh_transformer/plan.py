@@ -164,7 +164,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--bf16-optimizer", action="store_true", help="Adam moments in bfloat16 (config key bf16_optimizer)")
     p.add_argument("--dpo", action="store_true", help="plan a preference run: DPO (sets the config's 'dpo': "
                    "per_replica_batch counts pairs, two sequences each; without LoRA a frozen reference copy), "
-                   "or the objective the config already sets ('cpo', 'orpo': no reference)")
+                   "or the objective the config already sets ('cpo', 'orpo': no reference; 'kto': per_replica_batch "
+                   "counts examples, each with its KL row)")
     p.add_argument("--device-memory", type=float, action="append", metavar="GIB",
                    help=f"report whether the step fits in GIB per device (repeatable; default {DEVICE_MEMORIES_GIB})")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")

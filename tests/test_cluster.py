@@ -233,6 +233,11 @@ def test_pack_batch_is_lossless_and_small():
     back = cluster.unpack_batch(cluster.pack_batch({"tokens": tokens, "mask": mask, "segments": segments}, seq=32))
     np.testing.assert_array_equal(back["segments"], segments[..., :33])
     assert back["segments"].dtype == np.int32
+    labels = (np.arange(8).reshape(2, 4, 1) % 3 > 0).astype(np.float32)  # KTO's unpaired examples reach them too
+    packed = cluster.pack_batch({"tokens": tokens, "mask": mask, "labels": labels}, seq=32)
+    back = cluster.unpack_batch(cluster.rows_of(packed, (2, 4)))
+    assert packed["labels"].dtype == np.uint8 and back["labels"].dtype == np.float32
+    np.testing.assert_array_equal(back["labels"], labels[:, 2:4])
 
 
 def test_fine_tunes_start_from_the_weights_and_moments_asked_for(two_hosts, data, tmp_path):

@@ -431,6 +431,9 @@ def test_a_conversation_is_rendered_as_the_server_renders_a_request(tok):
     ({"messages": [*CHAT[:2], {"role": "assistant", "tool_calls": [{"function": {"name": "w", "arguments": "{oops"}}]}]},
      "line 1: messages[2].tool_calls[0].function.arguments: an object (or its JSON text) is required, got not JSON"),
     ({"messages": [*CHAT[:2], {**CHAT[2], "weight": 0.5}]}, "line 1: messages[2].weight must be 0 or 1"),
+    ({"prompt": "q", "completion": [CHAT[2]]}, "line 1: fields 'prompt' and 'completion' must be two strings or two "
+                                               "non-empty lists of messages, got str and list"),
+    ({"prompt": CHAT[:1], "completion": [CHAT[0]]}, "line 1: field 'completion' has no assistant message"),
 ])
 def test_a_bad_conversation_exits_2_naming_the_line_and_field(tmp_path, capsys, record, message):
     (tmp_path / "chat.jsonl").write_text(json.dumps(record) + "\n")
@@ -450,6 +453,45 @@ def test_a_template_that_rewrites_earlier_turns_is_refused_by_name(tmp_path, cap
     assert create_finetune_dataset.main([str(tmp_path / "chat.jsonl"), "ds", "--output-dir", str(out),
                                          "--chat-template", str(tmp_path / "nowhere.jinja")]) == 2
     assert "--chat-template" in capsys.readouterr().err and not out.exists()
+
+
+@pytest.mark.parametrize("form", ["text", "conversational"])
+def test_prompt_completion_records_are_trls_sft_examples(form, tmp_path):
+    """TRL's prompt-completion records (`{"prompt", "completion"}`, text or lists of messages) are
+    the tokens and completion mask TRL's SFTTrainer trains on (`completion_only_loss`, its EOS added
+    to text); packed whole, as `{"in_text", "out_text"}` examples are."""
+    import copy
+
+    import datasets
+    import trl
+    from helpers import make_hf_model
+    tok = copy.deepcopy(load_tokenizer("gpt2"))
+    tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                         "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    tok.pad_token = tok.eos_token
+    tok.save_pretrained(tmp_path / "tok")
+    if form == "text":
+        records = [{"prompt": f"Question {i}: 2 + {i} =", "completion": f" {2 + i}, of course."} for i in range(3)]
+        records[1]["completion"] += "<|endoftext|>"  # ends with EOS's text: TRL adds no second EOS, nor do we
+    else:
+        records = [{"prompt": [{"role": "user", "content": f"2 + {i}?"}],
+                    "completion": [{"role": "assistant", "content": f"It is {2 + i}."}]} for i in range(3)]
+    model = make_hf_model(tmp_path / "model", "gpt2", vocab_size=50257)
+    args = trl.SFTConfig(output_dir=str(tmp_path / "trl"), report_to="none", use_cpu=True, bf16=False)
+    theirs = trl.SFTTrainer(model=model, args=args, processing_class=tok, train_dataset=datasets.Dataset.from_list(records))
+    src = tmp_path / "pc.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in records))
+    tokens, mask = all_rows(build(src, tmp_path / "out", tokenizer=str(tmp_path / "tok"), seq=63))
+    row, at = 0, 0
+    for example in theirs.train_dataset:
+        ids, trained = example["input_ids"], [label != -100 for label in example["labels"]]  # -100: no loss
+        if at + len(ids) > 64:  # it starts the next row
+            row, at = row + 1, 0
+        assert tokens[row, at: at + len(ids)].tolist() == ids
+        assert mask[row, at: at + len(ids) - 1].tolist() == trained[1:]  # ours: whether the next token trains
+        assert 0 < sum(trained) < len(ids)
+        at += len(ids)
+    assert row == len(tokens) - 1 == (0 if form == "text" else 2)  # text: the three share one row
 
 
 @pytest.mark.parametrize("suffix, compress", [(".xz", "lzma"), (".bz2", "bz2")])

@@ -138,33 +138,43 @@ def test_dpo_equals_trl(how, variant, tmp_path):
             assert tokens[2 * i + side, :n].tolist() == row["prompt_ids"] + completion
             assert mask[2 * i + side].tolist() == [0] * (len(row["prompt_ids"]) - 1) + [1] * len(completion) + [0] * (SEQ - n + 1)
 
-    batch = next(iter(theirs.get_train_dataloader()))
-    loss = theirs.compute_loss(theirs.model, batch)
-    loss.backward()
-    logged = {k: v[-1] for k, v in theirs._metrics["train" if theirs.model.training else "eval"].items()}
+    loss, logged = trl_step(theirs)
+    train = dict(per_replica_batch=len(records) // (2 if full else 1), dpo=dpo, cores_per_replica=2)
+    tr, params, expected = ours_beside_trl(tmp_path, full, train, theirs, policy)
+    assert_same_step(tr, params, tokens, mask, loss, logged, expected, preference.METRICS[1:])
 
+
+def trl_step(theirs):
+    """(loss, {metric: value}) of TRL's trainer on its first batch, its gradients left in its model."""
+    loss = theirs.compute_loss(theirs.model, next(iter(theirs.get_train_dataloader())))
+    loss.backward()
+    return loss.item(), {k: v[-1] for k, v in theirs._metrics["train" if theirs.model.training else "eval"].items()}
+
+
+def ours_beside_trl(tmp_path, full, train, theirs, policy):
+    """(our Trainer, our params, TRL's gradients as our params) for TRL's run on the HF models saved
+    under tmp_path: full fine-tuning on dp2 x mp2 against "reference"; else TRL's PEFT adapter
+    (saved to "adapter") on mp2, the reference being the base with it off. `train`: TrainConfig keys."""
     config, params = hf.load_hf(str(tmp_path / "policy"), mp=2)
     config = dataclasses.replace(config, compute_dtype="float32", remat="none")
-    train = dict(per_replica_batch=len(records) // (2 if full else 1), dpo=dpo, cores_per_replica=2)
     if full:
         tr = Trainer(Config(config, TrainConfig(**train)), mesh(2, 2))
         tr.set_base(hf.load_hf(str(tmp_path / "reference"), mp=2)[1])
-        expected = hf_grads_as_params(policy, tmp_path / "grads")
-    else:
-        spec, params = lora.load_peft(str(tmp_path / "adapter"), config)
-        tr = Trainer(Config(config, TrainConfig(**train, lora=spec.to_dict())), mesh(1, 2))
-        tr.set_base(hf.load_hf(str(tmp_path / "policy"), mp=2)[1])
-        expected = hf_grads_as_params(theirs.model, tmp_path / "grads", peft_model=True, config=config)
-    assert_same_step(tr, params, tokens, mask, loss.item(), logged, expected, preference.METRICS[1:])
+        return tr, params, hf_grads_as_params(policy, tmp_path / "grads")
+    spec, params = lora.load_peft(str(tmp_path / "adapter"), config)
+    tr = Trainer(Config(config, TrainConfig(**train, lora=spec.to_dict())), mesh(1, 2))
+    tr.set_base(hf.load_hf(str(tmp_path / "policy"), mp=2)[1])
+    return tr, params, hf_grads_as_params(theirs.model, tmp_path / "grads", peft_model=True, config=config)
 
 
-def assert_same_step(tr, params, tokens, mask, loss, logged, expected, names):
-    """Our loss, metrics `names` and gradients on one batch of pair rows (tokens, mask) equal TRL's
-    (`loss`, `logged`, `expected` gradients as our params)."""
+def assert_same_step(tr, params, tokens, mask, loss, logged, expected, names, labels=None):
+    """Our loss, metrics `names` and gradients on one batch of pair rows (tokens, mask; KTO's
+    `labels` [rows]) equal TRL's (`loss`, `logged`, `expected` gradients as our params)."""
     params = jax.device_put(params, tr.state_shardings.params)
-    batch = tr.shard_batch({"tokens": tokens[None], "mask": mask[None]})
+    rows = {"tokens": tokens[None], "mask": mask[None]}
+    batch = tr.shard_batch(rows if labels is None else {**rows, "labels": labels[None, :, None]})
     sums, count = tr.eval_values(params, batch)
-    ours = {k: float(v) / float(count) for k, v in sums.items()}
+    ours = {k: float(v) for k, v in tr.means(sums, count).items()}
     assert float(count) == len(tokens) // 2
     assert abs(ours["loss"] - loss) < 2e-5 * max(1.0, abs(loss))
     for name in names:
@@ -250,8 +260,94 @@ def test_reference_free_objectives_equal_trl(variant, tmp_path):
     assert_same_step(tr, params, tokens, mask, loss.item(), logged, expected, names)
 
 
+# KTO's unpaired examples: text and conversational, both labels, one completion ending with EOS's text.
+KTO_TEXT = [{"prompt": f"Question {i}: which is red?\nAnswer:", "completion": [" An apple.", " The sky" + " at noon" * i,
+                                                                               " A rose!<|endoftext|>", " Grass"][i % 4],
+             "label": i % 4 in (0, 2)} for i in range(6)]
+KTO_CHAT = [{"prompt": [{"role": "user", "content": f"A red fruit ({i})?"}],
+             "completion": [{"role": "assistant", "content": "A cherry" + "!" * i if i % 2 else "Blue" * (i + 1)}],
+             "label": bool(i % 2)} for i in range(4)]
+KTO_VARIANTS = {"kto": {}, "kto-weighted": dict(desirable_weight=1.5, undesirable_weight=0.7, beta=0.5),
+                "apo_zero_unpaired": dict(loss_type="apo_zero_unpaired")}
+
+
+@pytest.mark.parametrize("how, variant", [("full-text", "kto"), ("full-text", "apo_zero_unpaired"),
+                                          ("lora-chat", "kto-weighted")])
+def test_kto_equals_trl(how, variant, tmp_path):
+    """KTO on unpaired examples: our rows (each example's, then its KL row) are TRL's tokenization;
+    the loss, TRL's logged metrics (the KL estimate, per-label rewards and log-probabilities) and
+    every gradient are TRL's KTOTrainer's on one batch (float32, mp=2; the full fine-tune also dp=2,
+    the KL estimate then spans both replicas), for a full fine-tune against a reference model and
+    for LoRA against the base."""
+    import datasets
+    full, chat = how.startswith("full"), how.endswith("chat")
+    records, kto = (KTO_CHAT if chat else KTO_TEXT), dict(KTO_VARIANTS[variant])
+    tokenizer = tokenizer_dir(tmp_path / "tok", chat)
+    # seeds where the policy gives the KL rows more probability than the reference: a positive KL
+    # estimate, which the loss then reads (TRL clamps it at 0, as a random adapter makes it with LoRA)
+    policy = make_hf_model(tmp_path / "policy", CASE, seed=1, vocab_size=GPT2_VOCAB)
+    reference = make_hf_model(tmp_path / "reference", CASE, seed=0, vocab_size=GPT2_VOCAB) if full else None
+    tok = copy.deepcopy(load_tokenizer(tokenizer))
+    tok.pad_token = tok.eos_token
+    args = trl.KTOConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=len(records), report_to="none",
+                         use_cpu=True, bf16=False, train_sampling_strategy="sequential", **kto)
+    # TRL's KL row of example j takes example j-1's completion; ours takes the next example's: the same
+    # rows when TRL reads the examples in reverse
+    theirs = trl.KTOTrainer(model=policy, ref_model=reference, args=args, processing_class=tok,
+                            train_dataset=datasets.Dataset.from_list(records[::-1]),
+                            peft_config=None if full else peft_adapter())
+    if not full:
+        randomise_adapter(theirs.model, tmp_path / "adapter")
+
+    ds = build(write_jsonl(tmp_path / "unpaired.jsonl", records), tmp_path / "data", tokenizer=tokenizer)
+    assert ds.pairs and ds.labels and len(ds) == 2 * len(records)
+    tokens, mask = ds.read(np.arange(len(ds)))
+    labels = ds.read_labels(np.arange(len(ds)))
+    n = len(records)
+    for j, row in enumerate(theirs.train_dataset):
+        i = n - 1 - j
+        assert labels[2 * i] == labels[2 * i + 1] == row["label"]
+        for side, completion in enumerate((row["completion_ids"], row.get("KL_completion_ids"))):
+            if completion is None:  # apo_zero_unpaired: TRL makes no KL rows
+                completion = theirs.train_dataset[(j - 1) % n]["completion_ids"]
+            length = len(row["prompt_ids"]) + len(completion)
+            assert tokens[2 * i + side, :length].tolist() == row["prompt_ids"] + completion
+            assert mask[2 * i + side].tolist() == ([0] * (len(row["prompt_ids"]) - 1) + [1] * len(completion)
+                                                   + [0] * (SEQ - length + 1))
+
+    loss, logged = trl_step(theirs)
+    assert (logged["kl"] > 0.1) == (variant == "kto")
+    train = dict(per_replica_batch=n // (2 if full else 1), kto=kto, cores_per_replica=2)
+    tr, params, expected = ours_beside_trl(tmp_path, full, train, theirs, policy)
+    assert_same_step(tr, params, tokens, mask, loss, logged, expected, preference.KTO_METRICS[1:], labels)
+
+
+def test_kto_runs_its_kl_rows_without_a_backward_and_not_at_all_when_unread(monkeypatch):
+    """The KL rows get no gradient, so they are run apart, forward only: the compiled KTO step holds
+    under 60% of the temporaries DPO's holds on the same rows (DPO keeps every row's activations for
+    its backward). With "apo_zero_unpaired", which reads no KL row, they are not run at all: two
+    forwards (policy and reference, the examples' rows) instead of four."""
+    from helpers import tiny_config
+    temps, forwards = {}, {}
+    for name, objective in (("dpo", {"dpo": {}}), ("kto", {"kto": {}}),
+                            ("apo", {"kto": {"loss_type": "apo_zero_unpaired"}})):
+        tr = Trainer(tiny_config(**objective, per_replica_batch=4, seq=64, layers=2), mesh(1, 1))
+        tr.base = tr.init_base(0)
+        calls = []
+        real = type(tr.model).apply
+        monkeypatch.setattr(type(tr.model), "apply", lambda self, *a, **k: calls.append(a[1].shape) or real(self, *a, **k))
+        lowered = tr.step.lower(tr.abstract_state, tr.abstract_batch())
+        monkeypatch.undo()
+        forwards[name] = calls
+        if name != "apo":
+            temps[name] = lowered.compile().memory_analysis().temp_size_in_bytes
+    assert temps["kto"] < 0.6 * temps["dpo"]
+    assert forwards["dpo"] == [(8, 64)] * 2 and forwards["kto"] == [(4, 64)] * 4 and forwards["apo"] == [(4, 64)] * 2
+
+
 @pytest.mark.parametrize("objective", [{"dpo": {"loss_type": ["sigmoid", "ipo", "sft"]}}, {"cpo": {"alpha": 0.3}},
-                                       {"cpo": {"loss_type": "simpo"}}, {"orpo": {}}], ids=lambda o: json.dumps(o))
+                                       {"cpo": {"loss_type": "simpo"}}, {"orpo": {}}, {"kto": {}}],
+                         ids=lambda o: json.dumps(o))
 def test_padding_pairs_count_for_nothing(objective):
     """A validation pass's padding pair (rows that train on no token) changes no sum and no gradient,
     and nothing becomes NaN or infinite (eagerly, as XLA does not simplify it away there)."""
@@ -262,13 +358,15 @@ def test_padding_pairs_count_for_nothing(objective):
     mask = np.zeros((6, 8), np.float32)
     mask[:4, 3:] = 1
     mask[1, 6:] = 0
+    labels = np.array([1, 1, 0, 0, 1, 1], np.float32)  # KTO's: a desirable example, an undesirable one
 
     def total(lp, rows):
-        return rule.pair_sums(lp[:rows], reference[:rows], mask[:rows], nll_scale=2 / mask[0:4:2].sum())[0]
+        return rule.pair_sums(lp[:rows], reference[:rows], mask[:rows], nll_scale=2 / mask[0:4:2].sum(),
+                              labels=labels[:rows])[0]
     for rows in (4, 6):
         value, grad = jax.value_and_grad(total)(logps, rows)
         assert np.isfinite(value) and np.isfinite(grad).all()
-        sums, count = rule.pair_sums(logps[:rows], reference[:rows], mask[:rows])[1:]
+        sums, count = rule.pair_sums(logps[:rows], reference[:rows], mask[:rows], labels=labels[:rows])[1:]
         assert float(count) == 2 and all(np.isfinite(float(v)) for v in sums.values())
     padded, plain = (jax.value_and_grad(total)(logps, rows) for rows in (6, 4))
     assert float(padded[0]) == pytest.approx(float(plain[0]), rel=1e-6)
@@ -303,6 +401,71 @@ def test_pairs_are_stored_as_adjacent_rows_and_shuffled_as_pairs(tmp_path):
     for bad in (dict(global_batch=5), dict(global_batch=6, rows=(1, 5))):
         with pytest.raises(ValueError, match="preference pairs"):
             Loader(ds, **bad)
+
+
+def test_unpaired_examples_are_stored_with_their_kl_rows_and_labels(tmp_path):
+    """Each unpaired example is two rows, its own and its KL row (its prompt, the next example's
+    completion; the last example's takes the first one's), both with its label; shuffling moves
+    them together, and the loader's labels follow their rows. Examples longer than the row are
+    dropped and counted; a KL row longer than it is cut to it."""
+    records = [{"prompt": f"Question {i}:", "completion": f" yes {i}" if i % 3 else f" no {i}", "label": bool(i % 3)}
+               for i in range(12)]
+    records[4]["prompt"] = "Question 4: (a much longer prompt, it is)"  # 12 tokens, and example 5's completion
+    records[5]["completion"] = " yes 5" + " and more" * 4  # 11 with EOS: example 4's KL row is cut to the row
+    records.append({"prompt": "x", "completion": " y" * 40, "label": True})  # longer than the row: dropped
+    ds = build(write_jsonl(tmp_path / "u.jsonl", records), tmp_path / "out", seq=16, preserve_data_order=False,
+               name="unpaired")
+    index = json.loads((tmp_path / "out" / "unpaired.index.json").read_text())
+    assert (index["version"], index["pairs"], index["labels"], index["has_segments"]) == (4, True, True, False)
+    assert (index["stats"]["unpaired"], index["stats"]["unpaired_desirable"], index["stats"]["unpaired_dropped_too_long"],
+            index["stats"]["kl_rows_cut"]) == (13, 9, 1, 1)
+    tok = load_tokenizer("gpt2")
+    tokens, mask = ds.read(np.arange(len(ds)))
+    labels = ds.read_labels(np.arange(len(ds)))
+    assert len(ds) == 24 and (labels[0::2] == labels[1::2]).all()
+    prompt, completion = ({i: r[k] for i, r in enumerate(records[:12])} for k in ("prompt", "completion"))
+    seen = []
+    for row in range(0, 24, 2):
+        own, kl = (tok.decode(tokens[r][: int(np.flatnonzero(mask[r])[-1]) + 2]) for r in (row, row + 1))
+        i = int(own.split(":")[0].split()[1])
+        seen.append(i)
+        assert own == f"{prompt[i]}{completion[i]}<|endoftext|>" and labels[row] == (i % 3 > 0)
+        expected_kl = f"{prompt[i]}{completion[(i + 1) % 12]}<|endoftext|>"
+        assert kl == expected_kl if i != 4 else expected_kl.startswith(kl) and len(tok.encode(kl)) == 17
+        assert mask[row + 1, : len(tok.encode(prompt[i])) - 1].sum() == 0 and mask[row + 1].sum() > 0
+    assert sorted(seen) == list(range(12)) and seen != sorted(seen)
+    loader = Loader(ds, 4, seed=1, accumulation=2)
+    batch = next(loader)
+    loader.close()
+    assert batch["labels"].shape == (2, 4, 1)
+    for rows, row_labels in zip(batch["tokens"], batch["labels"][..., 0]):
+        for row, label in zip(rows, row_labels):
+            assert label == (int(tok.decode(row).split(":")[0].split()[1]) % 3 > 0)
+
+
+@pytest.mark.parametrize("records, message", [
+    ([{"prompt": "q", "completion": " a", "label": True}, {"prompt": "q", "completion": " b" * 40, "label": False}],
+     "one unpaired example left, once 1 longer than the row were dropped: KTO's KL estimate"),
+    ([{"prompt": "q", "completion": " b" * 40, "label": True}, {"prompt": "", "completion": "", "label": False}],
+     r"no unpaired example left to train on: of 2 read, 1 longer than the row and 1 with nothing to train on "
+     r"\(seq\+1 = 17 tokens\)"),
+])
+def test_unpaired_data_left_too_small_says_what_was_dropped(records, message, tmp_path):
+    with pytest.raises(DatasetError, match=message):
+        build(write_jsonl(tmp_path / "u.jsonl", records), tmp_path / "out", seq=16)
+    assert not (tmp_path / "out").exists()
+
+
+def test_min_unique_tokens_judges_an_unpaired_example_by_its_own_row(tmp_path):
+    """A repetitive completion drops its own example, not the one whose KL row borrows it."""
+    records = [{"prompt": "Q0:", "completion": " one two three four", "label": True},
+               {"prompt": "Q1:", "completion": " no" * 6, "label": False},
+               {"prompt": "Q2:", "completion": " five six seven eight", "label": True}]
+    ds = build(write_jsonl(tmp_path / "u.jsonl", records), tmp_path / "out", seq=16, min_unique_tokens=6)
+    tok = load_tokenizer("gpt2")
+    tokens, _ = ds.read(np.arange(len(ds)))
+    assert [tok.decode(row).split(":")[0] for row in tokens[0::2]] == ["Q0", "Q2"]
+    assert " no no" in tok.decode(tokens[1])  # Q0's KL row: Q1's completion, as it was built
 
 
 @pytest.mark.parametrize("form", ["conversational", "text"])
@@ -345,8 +508,18 @@ def test_implicit_prompt_and_dropped_pairs(form, tmp_path):
                                              "with shared text followed by different text"),
     ({"prompt": "q", "chosen": "a", "rejected": None}, "line 1: field 'rejected' must be a string as 'chosen' is, "
                                                        "got NoneType"),
+    ({"prompt": "q", "completion": " a", "label": "yes"}, "line 1: field 'label' must be true .* or false, got 'yes'"),
+    ({"prompt": "q", "completion": " a", "label": 1}, "line 1: field 'label' must be true"),
+    ({"completion": " a", "label": True}, "line 1: field 'prompt' must be a string, the text 'completion' completes"),
+    ({"prompt": "q", "completion": [], "label": True}, "line 1: field 'completion' must be a string or a non-empty list"),
+    ({"prompt": "q", "completion": [{"role": "assistant", "content": "a"}], "label": True},
+     "line 1: field 'prompt' must be a non-empty list of messages, as 'completion' is a list"),
+    ({"prompt": [{"role": "user", "content": "q"}], "completion": [{"role": "user", "content": "a"}], "label": False},
+     "line 1: field 'completion' has no assistant message"),
+    ({"prompt": "q", "completion": " a", "label": True}, "one unpaired example: KTO's KL estimate pairs each prompt "
+                                                         "with another example's completion"),
 ])
-def test_bad_pairs_name_the_line_and_field(record, message, tmp_path):
+def test_bad_preference_records_name_the_line_and_field(record, message, tmp_path):
     with pytest.raises(DatasetError, match=message):
         build(write_jsonl(tmp_path / "bad.jsonl", [record]), tmp_path / "out")
     assert not (tmp_path / "out").exists()
@@ -357,11 +530,18 @@ def test_a_pair_dataset_with_an_odd_row_count_is_refused():
         Dataset.from_arrays(np.zeros((3, 9), np.int32), np.ones((3, 8), np.float32), pairs=True)
 
 
-def test_pairs_and_other_records_do_not_mix(tmp_path):
-    src = write_jsonl(tmp_path / "mixed.jsonl", [{"prompt": "p", "chosen": " a", "rejected": " b"}, {"text": "a document"}])
-    with pytest.raises(DatasetError, match="preference pairs .* mixed with documents"):
+@pytest.mark.parametrize("other, message", [
+    ({"text": "a document"}, "preference pairs .* mixed with documents"),
+    ({"prompt": "p", "completion": " a", "label": True}, "preference pairs .* mixed with unpaired examples"),
+])
+def test_pairs_and_other_records_do_not_mix(other, message, tmp_path):
+    src = write_jsonl(tmp_path / "mixed.jsonl", [{"prompt": "p", "chosen": " a", "rejected": " b"}, other, other])
+    with pytest.raises(DatasetError, match=message):
         build(src, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+    unpaired = [{"prompt": "p", "completion": " a", "label": True}] * 2 + [{"in_text": "q", "out_text": " r"}]
+    with pytest.raises(DatasetError, match="unpaired examples .* mixed with examples; KTO trains on a dataset"):
+        build(write_jsonl(tmp_path / "u.jsonl", unpaired), tmp_path / "out")
 
 
 # ----------------------------------------------------------------------------- config
@@ -400,6 +580,12 @@ def test_pairs_and_other_records_do_not_mix(tmp_path):
     (dict(dpo=0.1), "'dpo' must be dict or null"),
     (dict(dpo={}, fcm_max_ratio=0.2), "'fcm_max_ratio': applies to the language-model loss only"),
     (dict(dpo={}, z_loss=1e-4), "'z_loss': applies to the language-model loss only"),
+    (dict(kto={"beta": 0}), "'kto.beta' must be a positive number"),
+    (dict(kto={"desirable_weight": -1}), "'kto.desirable_weight' must be a positive number"),
+    (dict(kto={"loss_type": "bco"}), "'kto.loss_type' must be one of kto, apo_zero_unpaired"),
+    (dict(kto={"kl": 0.1}), "'kto.kl' is unknown"),
+    (dict(kto={}, dpo={}), "one preference objective at most: dpo and kto are both set"),
+    (dict(kto={}, neftune_noise_alpha=5), "'neftune_noise_alpha': applies to the language-model loss only; with 'kto'"),
 ])
 def test_bad_dpo_config_is_one_clear_error(overrides, message):
     with pytest.raises(ConfigError, match=message):
@@ -521,6 +707,44 @@ def test_an_orpo_run_needs_no_reference(tmp_path):
     config.write_text(json.dumps({**raw, "orpo": None, "dpo": {"beta": 0.1}, "total_steps": 8}))
     code, out = device_train(config, "--hf", str(hf_dir))
     assert code != 0 and "its step 6 trained with objective 'orpo', this config with 'dpo'" in out, out[-3000:]
+
+
+def test_a_kto_run_learns_from_unpaired_labels_and_validates(tmp_path):
+    """device_train.py fine-tunes an HF model with KTO on unpaired examples: the first step's loss is
+    1/2 (the policy is its reference: every log-ratio and the KL estimate are 0), then desirable
+    completions gain reward and undesirable ones lose it, in training and validation; the checkpoint
+    names its reference. A KTO dataset without 'kto', and 'kto' without one, are one clear line each."""
+    from mesh_transformer.train.loop import open_datasets
+    hf_dir, data = snow_run_inputs(tmp_path)
+    unpaired = [{"prompt": r["prompt"], "completion": r[side], "label": side == "chosen"}
+                for r in SNOW for side in (("chosen", "rejected") if int(r["prompt"][1:].split(":")[0]) % 2 else
+                                           ("rejected", "chosen"))]
+    build(write_jsonl(tmp_path / "u.jsonl", unpaired[:32]), data, seq=32, name="unpaired")
+    build(write_jsonl(tmp_path / "uv.jsonl", unpaired[32:]), data, seq=32, name="unpaired_val")
+    config = run_config(tmp_path / "kto", data, dpo=None, kto={"beta": 0.5}, ckpt_every=6,
+                        train_set=str(data / "unpaired.index.json"),
+                        val_set={"held": str(data / "unpaired_val.index.json")})
+    code, out = device_train(config, "--hf", str(hf_dir))
+    assert code == 0, out[-3000:]
+    rows = {r["step"]: r for r in logged(config)}
+    assert abs(rows[1]["train/loss"] - 0.5) < 1e-6 and rows[1]["train/kl"] == 0.0
+    assert rows[6]["train/loss"] < 0.45 and rows[6]["train/rewards/chosen"] > 0 > rows[6]["train/rewards/rejected"]
+    assert rows[6]["train/rewards/margins"] == pytest.approx(rows[6]["train/rewards/chosen"] - rows[6]["train/rewards/rejected"],
+                                                             abs=1e-5)
+    assert rows[6]["val/loss_held"] < 0.5 and rows[6]["val/rewards/margins_held"] > 0
+    assert rows[6]["val/logps/chosen_held"] > rows[6]["val/logps/rejected_held"]
+    extras = CheckpointManager(str(tmp_path / "kto" / "ckpt"), read_only=True).extras(6)
+    assert extras[preference.REFERENCE_KEY] == {"hf": str(hf_dir.resolve())} and extras["objective"] == "kto"
+
+    kto, dpo = (config_from_dict({**json.loads(config.read_text()), **keys})
+                for keys in ({"train_set": str(data / "pairs.index.json")},
+                             {"kto": None, "dpo": {"beta": 0.1}}))
+    with pytest.raises(ConfigError, match="config key 'kto': .*pairs.index.json holds no unpaired examples .*: it holds "
+                                          "preference pairs, for 'dpo', 'cpo' or 'orpo'"):
+        open_datasets(kto)
+    with pytest.raises(ConfigError, match="unpaired.index.json holds unpaired examples .*: set the config key 'kto' "
+                                          ".* to train on them, not 'dpo'"):
+        open_datasets(dpo)
 
 
 @pytest.mark.parametrize("objective", [{"dpo": {"beta": 0.2}}, {"dpo": {"beta": 0.2, "loss_type": ["sigmoid", "sft"]}},

@@ -211,20 +211,21 @@ def test_lora_plan_names_xla_cpus_float32_copy_of_a_bf16_base():
 def test_dpo_plan_counts_the_reference_and_its_forward():
     """Full DPO holds a frozen reference copy (compute dtype, sharded like the params) as an input of the
     step, counted apart; a microbatch is per_replica_batch pairs (twice the sequences); the reference's
-    forward adds a third to the FLOPs per token. ORPO (as CPO/SimPO) has no reference: neither."""
+    forward adds a third to the FLOPs per token; so does KTO's (its microbatch: examples and their KL rows).
+    ORPO (as CPO/SimPO) has no reference: neither."""
     raw = {**TINY, "compute_dtype": "bfloat16"}
-    plain, dpo, orpo = (planner.plan(config_from_dict({**raw, **extra}), DP, MP)
-                        for extra in ({}, {"dpo": {"beta": 0.1}}, {"orpo": {"beta": 0.1}}))
+    plain, dpo, orpo, kto = (planner.plan(config_from_dict({**raw, **extra}), DP, MP)
+                             for extra in ({}, {"dpo": {"beta": 0.1}}, {"orpo": {"beta": 0.1}}, {"kto": {}}))
     assert "reference" not in plain.bytes_per_device and "reference" not in orpo.bytes_per_device
-    assert dpo.bytes_per_device["reference"] == plain.bytes_per_device["params"] // 2  # bf16 copy of fp32 params
-    assert dpo.tokens_per_step == orpo.tokens_per_step == 2 * plain.tokens_per_step
-    assert dpo.flops_per_token == plain.flops_per_token * 4 // 3
+    assert dpo.bytes_per_device["reference"] == kto.bytes_per_device["reference"] == plain.bytes_per_device["params"] // 2
+    assert dpo.tokens_per_step == orpo.tokens_per_step == kto.tokens_per_step == 2 * plain.tokens_per_step
+    assert dpo.flops_per_token == kto.flops_per_token == plain.flops_per_token * 4 // 3
     assert orpo.flops_per_token == plain.flops_per_token
 
 
-@pytest.mark.parametrize("objective", [None, "dpo", "cpo", "orpo"])
+@pytest.mark.parametrize("objective", [None, "dpo", "cpo", "orpo", "kto"])
 def test_dpo_flag_plans_the_configs_own_objective(objective):
-    """--dpo on a config without an objective plans DPO; on one that sets DPO, CPO or ORPO it plans that
+    """--dpo on a config without an objective plans DPO; on one that sets DPO, CPO, ORPO or KTO it plans that
     one (ORPO keeps having no reference) rather than calling the two objectives a conflict."""
     raw = {**TINY, **({objective: {"beta": 0.2}} if objective else {})}
     args = planner._parser().parse_args(["--config", "c.json", "--dpo"])

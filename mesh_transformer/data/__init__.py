@@ -7,6 +7,8 @@ A dataset is a directory (local or gs://) holding
     <name>-00000.mask.npy      uint8 [n, seq], only when prompt/completion examples or conversations were given
     <name>-00000.segments.npy  uint16 [n, seq+1], with the mask (version 2): which document or
                                example of its row each token belongs to (0, 1, ... per row)
+    <name>-00000.labels.npy    uint8 [n], unpaired preferences only (version 4): 1 where the
+                               row's example is desirable
     ...
 
 Row ``r`` of a tokens shard is one training sequence; ``mask[r, t]`` weights the loss of
@@ -29,6 +31,11 @@ Preference pairs (``{"prompt", "chosen", "rejected"}``, text or conversational; 
 the data of DPO, make a dataset of their own (version 3, ``"pairs": true`` in the index): each pair
 is two rows, chosen then rejected, each padded to the row and masked to its completion; shuffling
 (here and in the ``Loader``) moves whole pairs.
+
+Unpaired preferences (``{"prompt", "completion", "label"}``, the data of KTO; ``data.preferences``)
+make a dataset of their own too (version 4, ``"pairs": true`` and ``"labels": true``): each example
+is two rows, its own and its KL row (its prompt with the next example's completion, cut to the
+row if longer), moved together as a pair's are, and labelled.
 
 Segments: version 2 stores each token's segment with prompt/completion data, so packed examples
 stay apart even where a prompt itself contains the EOS id. Datasets without stored segments (plain
@@ -64,8 +71,10 @@ from mesh_transformer.io.chat_template import ChatTemplate
 FORMAT = "mesh-transformer-dataset"
 VERSION = 2  # 2: segments stored with prompt/completion data
 PAIRS_VERSION = 3  # preference pairs; older readers, which would take the rows one by one, refuse them
-READABLE_VERSIONS = (1, 2, 3)
+LABELS_VERSION = 4  # unpaired preferences: pairs of rows with labels, which version-3 readers would ignore
+READABLE_VERSIONS = (1, 2, 3, 4)
 EOT = "<|endoftext|>"
+SHARD_ARRAYS = ("tokens", "mask", "segments", "labels")  # a shard's files (those it has)
 INDEX_SUFFIX = ".index.json"
 _DECOMPRESS = {".gz": gzip.open, ".xz": lzma.open, ".bz2": bz2.open, ".zst": None}  # each reads a file object
 _KINDS = {".txt": "txt", ".jsonl": "jsonl"}
@@ -84,6 +93,8 @@ class Text(NamedTuple):
 class Example(NamedTuple):
     prompt: str
     completion: str
+    eos_in_text: bool = False  # TRL's rule (its prompt-completion records): a completion that ends with
+    # the EOS token's text gets no second EOS; `{"in_text", "out_text"}` examples always get one
 
 
 def _kind(path: str, explicit: bool) -> tuple[str | None, str | None]:
@@ -121,7 +132,8 @@ def _open_text(path: str, compression: str | None) -> Iterator[io.TextIOBase]:
         yield io.TextIOWrapper(raw, encoding="utf-8")
 
 
-Record = Text | Example | conversations.Conversation | preferences.TextPair | preferences.ConversationPair
+Record = (Text | Example | conversations.Conversation | preferences.TextPair | preferences.ConversationPair
+          | preferences.LabeledText | preferences.LabeledConversation)
 
 
 def _jsonl_records(f, path: str, key: str) -> Iterator[Record]:
@@ -136,28 +148,56 @@ def _jsonl_records(f, path: str, key: str) -> Iterator[Record]:
         if not isinstance(obj, dict):
             raise DatasetError(f"{where}: expected a JSON object, got {type(obj).__name__}")
         if key in obj:
-            fields = (key,)
-        elif preferences.is_pair(obj):
-            try:
-                yield preferences.read(obj, where)
-            except ValueError as e:
-                raise DatasetError(f"{where}: {e}") from None
+            if not isinstance(obj[key], str):
+                raise DatasetError(f"{where}: field {key!r} must be a string, got {type(obj[key]).__name__}")
+            yield Text(obj[key])
             continue
-        elif "in_text" in obj and "out_text" in obj:
-            fields = ("in_text", "out_text")
-        elif "messages" in obj:
-            try:
-                yield conversations.read(obj, where)
-            except ValueError as e:
-                raise DatasetError(f"{where}: {e}") from None
-            continue
-        else:
-            raise DatasetError(f"{where}: no {key!r} field, no 'in_text'/'out_text' pair, no 'messages' and no "
-                               f"'chosen'/'rejected' pair (keys: {sorted(obj)}); use --json-key to name the text field")
-        for field in fields:
-            if not isinstance(obj[field], str):
-                raise DatasetError(f"{where}: field {field!r} must be a string, got {type(obj[field]).__name__}")
-        yield Text(obj[key]) if len(fields) == 1 else Example(obj["in_text"], obj["out_text"])
+        read = next((read for fits, read in _RECORD_KINDS if fits(obj)), None)
+        if read is None:
+            raise DatasetError(f"{where}: no {key!r} field, no 'in_text'/'out_text' or 'prompt'/'completion' pair, "
+                               f"no 'messages', no 'chosen'/'rejected' pair and no 'completion'/'label' "
+                               f"(keys: {sorted(obj)}); use --json-key to name the text field")
+        try:
+            yield read(obj, where)
+        except ValueError as e:
+            raise DatasetError(f"{where}: {e}") from None
+
+
+def _in_out_text(obj: dict, where: str) -> Example:
+    """An `{"in_text", "out_text"}` record (the original's prompt/completion examples)."""
+    for field in ("in_text", "out_text"):
+        if not isinstance(obj[field], str):
+            raise ValueError(f"field {field!r} must be a string, got {type(obj[field]).__name__}")
+    return Example(obj["in_text"], obj["out_text"])
+
+
+def _prompt_completion(obj: dict, where: str) -> Example | conversations.Conversation:
+    """A `{"prompt", "completion"}` record (TRL's prompt-completion data): two strings, an example as
+    `{"in_text", "out_text"}` is; two lists of messages, a conversation trained on the completion's
+    assistant turns only. ValueError naming the field at fault."""
+    prompt, completion = obj["prompt"], obj["completion"]
+    if isinstance(prompt, str) and isinstance(completion, str):
+        return Example(prompt, completion, eos_in_text=True)
+    if isinstance(prompt, list) and isinstance(completion, list) and prompt and completion:
+        try:
+            return conversations.read({"messages": [*prompt, *completion], "tools": obj.get("tools")}, where,
+                                      prompt_messages=len(prompt))
+        except ValueError as e:
+            if "no assistant message" in str(e):
+                raise ValueError("field 'completion' has no assistant message to train on") from None
+            raise ValueError(f"prompt + completion: {e}") from None
+    raise ValueError(f"fields 'prompt' and 'completion' must be two strings or two non-empty lists of messages, "
+                     f"got {type(prompt).__name__} and {type(completion).__name__}")
+
+
+# A JSONL record's kind (after the text field, `--json-key`): the first that fits reads it.
+_RECORD_KINDS = (
+    (preferences.is_pair, preferences.read),
+    (preferences.is_unpaired, preferences.read_unpaired),
+    (lambda obj: "prompt" in obj and "completion" in obj, _prompt_completion),  # TRL's prompt-completion format
+    (lambda obj: "in_text" in obj and "out_text" in obj, _in_out_text),
+    (lambda obj: "messages" in obj, conversations.read),
+)
 
 
 def read_records(path: str, json_key: str = "text") -> Iterator[Record]:
@@ -263,9 +303,18 @@ class _Stats(dict):
         self[key] = self.get(key, 0) + n
 
 
+class Piece(NamedTuple):
+    """Tokens to pack: ids, their mask, how `_Packer.add` places them, and an unpaired example's
+    label (None for other data)."""
+    ids: np.ndarray
+    mask: np.ndarray
+    how: str
+    label: bool | None = None
+
+
 def _pieces(records, tok, cfg: BuildConfig, stats: _Stats, chat: ChatTemplate, batch_chars=1 << 20):
-    """(ids, token mask, how `_Packer.add` places it) per document/example/conversation (a
-    preference pair: one per side), tokenizing in batches for speed."""
+    """A `Piece` per document/example/conversation (a preference pair: one per side; an unpaired
+    example: its own row, which `_with_kl_rows` gives its KL row), tokenizing in batches for speed."""
     import ftfy
 
     def clean(s):
@@ -295,27 +344,38 @@ def _pieces(records, tok, cfg: BuildConfig, stats: _Stats, chat: ChatTemplate, b
         docs = [s for s in batch if isinstance(s, str)]
         examples = [e for e in batch if isinstance(e, Example)]
         text_pairs = [e for e in batch if isinstance(e, preferences.TextPair)]
+        labeled = [e for e in batch if isinstance(e, preferences.LabeledText)]
         doc_ids = iter(encode(docs))
         prompt_ids = iter(encode([e.prompt for e in examples]))
-        completion_ids = iter(encode([e.completion for e in examples]))
+        completion_ids = iter(encode([without_eos(e.completion) if e.eos_in_text else e.completion for e in examples]))
         pair_ids = iter(zip(*(encode([without_eos(getattr(e, k)) if k != "prompt" else e.prompt for e in text_pairs])
                               for k in preferences.TextPair._fields)))
+        labeled_ids = iter(zip(encode([e.prompt for e in labeled]), encode([without_eos(e.completion) for e in labeled])))
         for item in batch:
             if isinstance(item, str):
                 ids = next(doc_ids) + [tok.eos_token_id]
-                yield np.asarray(ids, np.int64), np.ones(len(ids), np.uint8), "cut"
+                yield Piece(np.asarray(ids, np.int64), np.ones(len(ids), np.uint8), "cut")
             elif isinstance(item, conversations.Conversation):
                 ids, mask = rendered(item)
                 if len(ids) > cfg.seq + 1:
                     stats.add("conversations_dropped_too_long")
                     continue
-                yield ids, mask, "whole"
+                yield Piece(ids, mask, "whole")
             elif isinstance(item, Example):
                 ids, mask = completed(next(prompt_ids), next(completion_ids))
                 if len(ids) > cfg.seq + 1:
                     stats.add("examples_dropped_too_long")
                     continue
-                yield ids, mask, "whole"
+                yield Piece(ids, mask, "whole")
+            elif isinstance(item, (preferences.LabeledText, preferences.LabeledConversation)):
+                ids, mask = (completed(*next(labeled_ids)) if isinstance(item, preferences.LabeledText)
+                             else rendered(item.conversation))
+                if len(ids) > cfg.seq + 1:
+                    stats.add("unpaired_dropped_too_long")
+                elif not mask[1:].any():  # nothing predicted (an empty prompt and completion)
+                    stats.add("unpaired_dropped_untrained")
+                else:
+                    yield Piece(ids, mask, "row", item.label)
             else:  # a preference pair: two rows, chosen then rejected
                 if isinstance(item, preferences.TextPair):
                     p, chosen, rejected = next(pair_ids)
@@ -329,7 +389,7 @@ def _pieces(records, tok, cfg: BuildConfig, stats: _Stats, chat: ChatTemplate, b
                     stats.add("pairs_dropped_untrained")            # and completion): no log-probability to compare
                     continue
                 for ids, mask in sides:
-                    yield ids, mask, "row"
+                    yield Piece(ids, mask, "row")
 
     def cleaned(conversation):
         return dataclasses.replace(conversation, messages=tuple(
@@ -340,7 +400,7 @@ def _pieces(records, tok, cfg: BuildConfig, stats: _Stats, chat: ChatTemplate, b
         for record in records:
             if isinstance(record, Example):
                 stats.add("examples")
-                yield Example(clean(record.prompt), clean(record.completion))
+                yield record._replace(prompt=clean(record.prompt), completion=clean(record.completion))
                 continue
             if isinstance(record, conversations.Conversation):
                 stats.add("conversations")
@@ -353,6 +413,16 @@ def _pieces(records, tok, cfg: BuildConfig, stats: _Stats, chat: ChatTemplate, b
             if isinstance(record, preferences.ConversationPair):
                 stats.add("pairs")
                 yield preferences.ConversationPair(cleaned(record.chosen), cleaned(record.rejected))
+                continue
+            if isinstance(record, preferences.LabeledText):
+                stats.add("unpaired")
+                stats.add("unpaired_desirable", int(record.label))
+                yield preferences.LabeledText(clean(record.prompt), clean(record.completion), record.label)
+                continue
+            if isinstance(record, preferences.LabeledConversation):
+                stats.add("unpaired")
+                stats.add("unpaired_desirable", int(record.label))
+                yield preferences.LabeledConversation(cleaned(record.conversation), record.label)
                 continue
             for doc in [record.text] if cfg.treat_eot_as_text else record.text.split(EOT):
                 if doc.strip():  # as the original, minus blank documents
@@ -373,10 +443,14 @@ def _chars(item) -> int:
     """An item's text length (what `_pieces` batches tokenization by)."""
     if isinstance(item, str):
         return len(item)
-    if isinstance(item, (Example, preferences.TextPair)):
+    if isinstance(item, preferences.TextPair):
         return sum(map(len, item))
+    if isinstance(item, (Example, preferences.LabeledText)):
+        return len(item.prompt) + len(item.completion)
     if isinstance(item, preferences.ConversationPair):
         return item.chars
+    if isinstance(item, preferences.LabeledConversation):
+        item = item.conversation
     return sum(len(m.get("content") or "") for m in item.messages)
 
 
@@ -394,18 +468,70 @@ def _template_text(path: str) -> str:
 
 
 def _masked(stats) -> bool:
-    """Whether the data trains on part of its tokens: prompt/completion examples, conversations or pairs."""
-    return bool(stats.get("examples") or stats.get("conversations") or stats.get("pairs"))
+    """Whether the data trains on part of its tokens: prompt/completion examples, conversations,
+    pairs or unpaired examples."""
+    return bool(stats.get("examples") or stats.get("conversations") or stats.get("pairs") or stats.get("unpaired"))
 
 
 def _pairs(stats) -> bool:
-    """Whether the data is preference pairs (which make a dataset of their own)."""
-    return bool(stats.get("pairs"))
+    """Whether rows come in twos: preference pairs, or unpaired examples with their KL rows (each
+    makes a dataset of its own)."""
+    return bool(stats.get("pairs") or stats.get("unpaired"))
 
 
-def _pack_all(cfg: BuildConfig, tok, files: list[str], raw_tokens, raw_mask, raw_segments, stats: _Stats,
-              chat: ChatTemplate):
-    """Pass 1: read, tokenize and pack every repack epoch into raw row files. -> rows per epoch."""
+def _labeled(stats) -> bool:
+    """Whether the data is unpaired preferences (rows labelled desirable or not)."""
+    return bool(stats.get("unpaired"))
+
+
+def _with_kl_rows(pieces, width: int, stats: _Stats, where: str):
+    """Each unpaired example's row (a labelled `Piece`) followed by its KL row: its prompt (the tokens
+    before its first trained one) and the next example's completion (the rest of that row), cut to
+    `width`; the last example's KL row takes the first one's completion. Other pieces pass."""
+    def split(piece):
+        start = int(np.argmax(piece.mask > 0))
+        return (piece.ids[:start], piece.mask[:start]), (piece.ids[start:], piece.mask[start:])
+
+    first = waiting = None
+    for piece in pieces:
+        if piece.label is None:
+            yield piece
+            continue
+        if waiting is not None:
+            yield waiting
+            yield _kl_row(split(waiting)[0], split(piece)[1], waiting.label, width, stats)
+        first, waiting = first or piece, piece
+    if waiting is None:
+        return
+    if waiting is first:
+        dropped = _dropped(stats)
+        raise DatasetError(f"{where}: one unpaired example{f' left, once {dropped} were dropped' if dropped else ''}: "
+                           f"KTO's KL estimate pairs each prompt with another example's completion, so it needs "
+                           f"two at least")
+    yield waiting
+    yield _kl_row(split(waiting)[0], split(first)[1], waiting.label, width, stats)
+
+
+def _dropped(stats: _Stats) -> str:
+    """The unpaired examples dropped so far, "N longer than the row and M with nothing to train on"
+    ("" where none were)."""
+    return " and ".join(f"{stats[k]} {what}" for k, what in (("unpaired_dropped_too_long", "longer than the row"),
+                                                             ("unpaired_dropped_untrained", "with nothing to train on"))
+                        if stats.get(k))
+
+
+def _kl_row(prompt, completion, label: bool, width: int, stats: _Stats) -> Piece:
+    ids, mask = np.concatenate([prompt[0], completion[0]]), np.concatenate([prompt[1], completion[1]])
+    if len(ids) > width:
+        stats.add("kl_rows_cut")
+        ids, mask = ids[:width], mask[:width]
+    return Piece(ids, mask, "row", label)
+
+
+def _pack_all(cfg: BuildConfig, tok, files: list[str], raw_tokens, raw_mask, raw_segments, raw_labels,
+              stats: _Stats, chat: ChatTemplate):
+    """Pass 1: read, tokenize and pack every repack epoch into raw row files (with unpaired
+    examples, a label per row). -> rows per epoch."""
     rng = np.random.default_rng([cfg.seed, 0])
     packer = _Packer(cfg.seq + 1, tok.eos_token_id)
     rows_per_epoch = []
@@ -420,14 +546,24 @@ def _pack_all(cfg: BuildConfig, tok, files: list[str], raw_tokens, raw_mask, raw
     for _ in range(cfg.n_repack_epochs):
         order = sorted(files) if cfg.preserve_data_order else [files[i] for i in rng.permutation(len(files))]
         rows = 0
-        for path in order:
-            for ids, mask, how in _pieces(read_records(path, cfg.json_key), tok, cfg, stats, chat):
-                rows += write(*packer.add(ids, mask, how))
-                stats.add("tokens", len(ids))
-                bar.update(1)
+        pieces = (piece for path in order for piece in _pieces(read_records(path, cfg.json_key), tok, cfg, stats, chat))
+        for piece in _with_kl_rows(pieces, cfg.seq + 1, stats, cfg.input_path):
+            written = write(*packer.add(piece.ids, piece.mask, piece.how))
+            if piece.label is not None:
+                np.full(written, piece.label, np.uint8).tofile(raw_labels)
+            rows += written
+            stats.add("tokens", len(piece.ids))
+            bar.update(1)
         rows_per_epoch.append(rows)
     bar.close()
     others = [k for k in ("documents", "examples", "conversations") if stats.get(k)]
+    if stats.get("pairs") and stats.get("unpaired"):
+        raise DatasetError(f"{cfg.input_path}: preference pairs ({{prompt, chosen, rejected}} records) mixed with "
+                           f"unpaired examples ({{prompt, completion, label}}); each makes a dataset of its own")
+    if stats.get("unpaired") and others:
+        raise DatasetError(f"{cfg.input_path}: unpaired examples ({{prompt, completion, label}} records) mixed with "
+                           f"{others[0]}; KTO trains on a dataset of unpaired examples only: give them a dataset "
+                           f"of their own")
     if _pairs(stats) and others:
         raise DatasetError(f"{cfg.input_path}: preference pairs ({{prompt, chosen, rejected}} records) mixed with "
                            f"{others[0]}; DPO trains on a dataset of pairs only: give them a dataset of their own")
@@ -459,7 +595,8 @@ def _final_order(cfg: BuildConfig, tok, tokens: np.ndarray, rows_per_epoch, stat
         if cfg.min_unique_tokens > 0 and n:
             counts = np.concatenate([_unique_counts(tokens[i:min(i + 4096, start + n)])
                                      for i in range(start, start + n, 4096)])
-            keep = np.repeat((counts >= cfg.min_unique_tokens).reshape(-1, group).all(axis=1), group)
+            passes = (counts >= cfg.min_unique_tokens).reshape(-1, group)  # a pair by both sides; an unpaired
+            keep = np.repeat(passes[:, 0] if _labeled(stats) else passes.all(axis=1), group)  # example by its own row
             if cfg.verbose:
                 for i in ids[~keep]:
                     print(f"excluding row with {counts[i - start]} unique tokens:\n"
@@ -492,9 +629,10 @@ def _save_npy(path: str, array: np.ndarray) -> str:
     return w.sha.hexdigest()
 
 
-def _write_shards(cfg, order, tokens, masks, segments, has_mask, has_segments) -> list[dict]:
+def _write_shards(cfg, order, tokens, masks, segments, labels, has_mask, has_segments) -> list[dict]:
     """Shards of rows ``order``; with ``has_mask`` (examples, conversations, pairs) masks too, with
-    ``has_segments`` (packed examples and conversations) segments."""
+    ``has_segments`` (packed examples and conversations) segments, with ``labels`` (unpaired
+    examples: a row's label, else None) labels."""
     shards = []
     bar = _progress(cfg, desc="writing shards", unit="seq", total=len(order))
     for i, start in enumerate(range(0, len(order), cfg.sequences_per_shard)):
@@ -508,6 +646,9 @@ def _write_shards(cfg, order, tokens, masks, segments, has_mask, has_segments) -
         if has_segments:
             shard["segments"] = f"{cfg.name}-{i:05d}.segments.npy"
             shard["sha256"]["segments"] = _save_npy(storage.join(cfg.output_dir, shard["segments"]), segments[ids])
+        if labels is not None:
+            shard["labels"] = f"{cfg.name}-{i:05d}.labels.npy"
+            shard["sha256"]["labels"] = _save_npy(storage.join(cfg.output_dir, shard["labels"]), labels[ids])
         shards.append(shard)
         bar.update(len(ids))
     bar.close()
@@ -541,12 +682,17 @@ def build_dataset(cfg: BuildConfig) -> str:
     chat = ChatTemplate(tok, _template_text(cfg.chat_template) if cfg.chat_template else None)
     width, dtype, stats = cfg.seq + 1, _dtype(tok), _Stats(files=len(files))
     with tempfile.TemporaryDirectory(prefix="mesh-transformer-dataset-") as tmp:
-        raw_tokens, raw_mask, raw_segments = (os.path.join(tmp, f"{k}.raw") for k in ("tokens", "mask", "segments"))
-        with open(raw_tokens, "wb") as ft, open(raw_mask, "wb") as fm, open(raw_segments, "wb") as fs:
-            rows_per_epoch = _pack_all(cfg, tok, files, ft, fm, fs, stats, chat)
+        raw_tokens, raw_mask, raw_segments, raw_labels = (os.path.join(tmp, f"{k}.raw")
+                                                          for k in ("tokens", "mask", "segments", "labels"))
+        with (open(raw_tokens, "wb") as ft, open(raw_mask, "wb") as fm, open(raw_segments, "wb") as fs,
+              open(raw_labels, "wb") as fl):
+            rows_per_epoch = _pack_all(cfg, tok, files, ft, fm, fs, fl, stats, chat)
         if not stats.get("documents") and not _masked(stats):
             raise DatasetError(f"{cfg.input_path}: empty input (no documents, examples or conversations found)")
         n_rows = sum(rows_per_epoch)
+        if n_rows == 0 and _labeled(stats):
+            raise DatasetError(f"{cfg.input_path}: no unpaired example left to train on: of {stats['unpaired']} "
+                               f"read, {_dropped(stats)} (seq+1 = {width} tokens)")
         if n_rows == 0 and _pairs(stats):
             raise DatasetError(f"{cfg.input_path}: every preference pair has a side longer than seq+1 = {width} tokens")
         if n_rows == 0:
@@ -555,6 +701,7 @@ def build_dataset(cfg: BuildConfig) -> str:
         tokens = np.memmap(raw_tokens, dtype, "r", shape=(n_rows, width))
         masks = np.memmap(raw_mask, np.uint8, "r", shape=(n_rows, width))
         segments = np.memmap(raw_segments, np.uint16, "r", shape=(n_rows, width))
+        labels = np.fromfile(raw_labels, np.uint8) if _labeled(stats) else None
         order = _final_order(cfg, tok, tokens, rows_per_epoch, stats)
         if len(order) == 0:
             raise DatasetError(f"{cfg.input_path}: every sequence has fewer than "
@@ -563,19 +710,21 @@ def build_dataset(cfg: BuildConfig) -> str:
         if old:  # from here until the new index lands, no index points at half-replaced shards
             storage.remove(out_index)
         has_segments = _masked(stats) and not _pairs(stats)  # a pair's row holds one example
-        shards = _write_shards(cfg, order, tokens, masks, segments, _masked(stats), has_segments)
+        shards = _write_shards(cfg, order, tokens, masks, segments, labels, _masked(stats), has_segments)
         del tokens, masks, segments
+    version = LABELS_VERSION if _labeled(stats) else PAIRS_VERSION if _pairs(stats) else VERSION
     index = {
-        "format": FORMAT, "version": PAIRS_VERSION if _pairs(stats) else VERSION, "name": cfg.name, "seq": cfg.seq,
+        "format": FORMAT, "version": version, "name": cfg.name, "seq": cfg.seq,
         "dtype": dtype.name, "tokenizer": cfg.tokenizer, "vocab_size": len(tok), "eos_id": tok.eos_token_id,
         "n_sequences": int(len(order)), "n_tokens": int(len(order) * width),
-        "has_mask": _masked(stats), "has_segments": has_segments, "pairs": _pairs(stats), "shards": shards,
+        "has_mask": _masked(stats), "has_segments": has_segments, "pairs": _pairs(stats), "labels": _labeled(stats),
+        "shards": shards,
         "stats": dict(stats),
         "options": {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("verbose", "progress")},
     }
     storage.write_text(out_index, json.dumps(index, indent=1))
-    new_files = {s.get(k) for s in shards for k in ("tokens", "mask", "segments")}
-    for stale in ({s.get(k) for s in old["shards"] for k in ("tokens", "mask", "segments")} - new_files if old else ()):
+    new_files = {s.get(k) for s in shards for k in SHARD_ARRAYS}
+    for stale in ({s.get(k) for s in old["shards"] for k in SHARD_ARRAYS} - new_files if old else ()):
         if stale:
             with contextlib.suppress(FileNotFoundError):
                 storage.remove(storage.join(cfg.output_dir, stale))
@@ -601,17 +750,24 @@ class Dataset:
     """Memory-mapped view of a dataset's shards: ``read(ids)`` gathers sequences by global id."""
 
     def __init__(self, index: dict, tokens: list[np.ndarray], masks: list[np.ndarray | None], path: str = "",
-                 segments: list[np.ndarray | None] | None = None):
+                 segments: list[np.ndarray | None] | None = None, labels: list[np.ndarray | None] | None = None):
         self.index, self.path = index, path
         self._tokens, self._masks = tokens, masks
         self._segments = segments or [None] * len(tokens)
+        self._labels = labels or [None] * len(tokens)
         self._starts = np.cumsum([0] + [len(t) for t in tokens])
         self.seq, self.n_sequences = index["seq"], int(self._starts[-1])
         self.has_mask, self.eos_id = index["has_mask"], index["eos_id"]
-        self.pairs = bool(index.get("pairs"))  # rows 2i, 2i+1: a preference pair's chosen and rejected
+        # rows 2i, 2i+1: a preference pair's chosen and rejected, or an unpaired example's row and KL row
+        self.pairs = bool(index.get("pairs"))
+        self.labels = bool(index.get("labels"))  # unpaired preferences: each row labelled desirable or not
         if self.pairs and self.n_sequences % 2:
             raise DatasetError(f"{path or 'dataset'}: holds preference pairs but an odd number of rows "
                                f"({self.n_sequences}); it is damaged: build it again")
+        if self.labels and (not self.pairs or any(x is None for x in self._labels)):
+            raise DatasetError(f"{path or 'dataset'}: its index says it holds unpaired examples, but "
+                               f"{'its rows are not paired' if not self.pairs else 'a shard has no labels'}; "
+                               f"it is damaged: build it again")
         self.has_segments = all(s is not None for s in self._segments)  # stored; else the EOS rule
 
     def __len__(self) -> int:
@@ -619,11 +775,14 @@ class Dataset:
 
     @classmethod
     def from_arrays(cls, tokens: np.ndarray, mask: np.ndarray | None = None, eos_id: int = 50256,
-                    segments: np.ndarray | None = None, pairs: bool = False) -> "Dataset":
+                    segments: np.ndarray | None = None, pairs: bool = False,
+                    labels: np.ndarray | None = None) -> "Dataset":
         """An in-memory dataset (tests, synthetic data): tokens [n, seq+1], mask [n, seq] or None,
-        segments [n, seq+1] or None (derived from EOS when read); `pairs`: rows are preference pairs."""
-        index = {"seq": tokens.shape[1] - 1, "has_mask": mask is not None, "eos_id": eos_id, "pairs": pairs}
-        return cls(index, [tokens], [mask], segments=[segments])
+        segments [n, seq+1] or None (derived from EOS when read); `pairs`: rows are preference pairs;
+        `labels` [n] or None: unpaired examples' labels (with `pairs`: rows and their KL rows)."""
+        index = {"seq": tokens.shape[1] - 1, "has_mask": mask is not None, "eos_id": eos_id, "pairs": pairs,
+                 "labels": labels is not None}
+        return cls(index, [tokens], [mask], segments=[segments], labels=[labels])
 
     @classmethod
     def open(cls, path: str, cache_dir: str | None = None, verify: bool = False) -> "Dataset":
@@ -639,7 +798,7 @@ class Dataset:
             raise DatasetError(f"{path}: not a {FORMAT} index of version {' or '.join(map(str, READABLE_VERSIONS))} "
                                f"(format={index.get('format')!r}, version={index.get('version')!r})")
         base = storage.dirname(path)
-        arrays = {"tokens": [], "mask": [], "segments": []}
+        arrays = {kind: [] for kind in SHARD_ARRAYS}
         for shard in index["shards"]:
             for kind in arrays:
                 if not shard.get(kind):
@@ -647,11 +806,11 @@ class Dataset:
                     continue
                 local = _local_copy(storage.join(base, shard[kind]), shard["sha256"][kind], cache_dir, verify)
                 arr = np.load(local, mmap_mode="r")
-                want = (shard["n_sequences"], index["seq"] + (kind != "mask"))
+                want = (shard["n_sequences"],) if kind == "labels" else (shard["n_sequences"], index["seq"] + (kind != "mask"))
                 if arr.shape != want:
                     raise DatasetError(f"{local}: shape {arr.shape}, index {path} says {want}")
                 arrays[kind].append(arr)
-        return cls(index, arrays["tokens"], arrays["mask"], path, arrays["segments"])
+        return cls(index, arrays["tokens"], arrays["mask"], path, arrays["segments"], arrays["labels"])
 
     def read(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Sequences ``ids`` (-1 = padding) -> tokens int32 [k, seq+1], mask float32 [k, seq]."""
@@ -665,6 +824,16 @@ class Dataset:
             tokens[sel] = self._tokens[s][rows]
             mask[sel] = 1.0 if self._masks[s] is None else self._masks[s][rows]
         return tokens, mask
+
+    def read_labels(self, ids: np.ndarray) -> np.ndarray:
+        """float32 [k]: 1 where row ``ids`` (-1 = padding, 0) is a desirable example's (unpaired data)."""
+        ids = np.asarray(ids, np.int64)
+        out = np.zeros(len(ids), np.float32)
+        shard = np.searchsorted(self._starts, ids, side="right") - 1
+        for s in np.unique(shard[ids >= 0]):
+            sel = np.flatnonzero((shard == s) & (ids >= 0))
+            out[sel] = self._labels[s][ids[sel] - self._starts[s]]
+        return out
 
     def read_segments(self, ids: np.ndarray, tokens: np.ndarray) -> np.ndarray:
         """uint16 [k, seq+1] segments of sequences ``ids`` (their ``tokens`` from `read`): the stored
@@ -709,7 +878,8 @@ def segment_ids(tokens: np.ndarray, eos_id: int) -> np.ndarray:
 
 
 class Loader:
-    """Batches ``{"tokens": int32 [A, B_local, seq+1], "mask": float32 [A, B_local, seq]}``.
+    """Batches ``{"tokens": int32 [A, B_local, seq+1], "mask": float32 [A, B_local, seq]}`` (with
+    unpaired preferences also ``"labels"``: float32 [A, B_local, 1]).
 
     Sequences are read as one stream: epoch ``e`` is a permutation of all ids drawn from
     ``(seed, e)`` (identity when ``shuffle=False``), epochs follow each other, and step ``k``
@@ -801,6 +971,8 @@ class Loader:
         tokens, mask = self.dataset.read(ids.reshape(-1))
         a, b = ids.shape
         batch = {"tokens": tokens.reshape(a, b, -1), "mask": mask.reshape(a, b, -1)}
+        if self.dataset.labels:  # [A, B, 1], so every array of a batch shards alike
+            batch["labels"] = self.dataset.read_labels(ids.reshape(-1)).reshape(a, b, 1)
         if self.segments:
             batch["segments"] = self.dataset.read_segments(ids.reshape(-1), tokens).reshape(a, b, -1)
         return batch

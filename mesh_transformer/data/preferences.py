@@ -17,6 +17,16 @@ before they differ goes with the completions).
 
 A pair is stored as two rows, chosen then rejected, each padded to the row (never packed with
 others), so a batch that takes whole pairs holds each pair's two sides.
+
+Unpaired preferences (TRL's "unpaired preference" datasets, the data of KTO): `{"prompt",
+"completion", "label"}` records, one completion judged alone, `label` true when it is desirable.
+Text or conversational as pairs are (`prompt` a string, or a list of messages with `completion`
+the messages that follow it), the completion tokenized apart from its prompt as a pair's are. KTO's
+KL estimate needs each example's prompt with another example's completion, so an example is
+stored as two rows too: its own (prompt + completion) and its KL row (its prompt + the next
+example's completion; the last example takes the first one's), both labelled. TRL rotates the
+other way, within each batch; either way the KL rows hold other examples' completions, and a
+shuffled batch draws them from across the data.
 """
 from __future__ import annotations
 
@@ -59,6 +69,51 @@ def _shared_text(chosen: str, rejected: str) -> tuple[str, str, str]:
 
 def is_pair(obj: dict) -> bool:
     return "chosen" in obj and "rejected" in obj
+
+
+class LabeledText(NamedTuple):
+    prompt: str
+    completion: str
+    label: bool
+
+
+@dataclass(frozen=True)
+class LabeledConversation:
+    conversation: conversations.Conversation
+    label: bool
+
+    @property
+    def where(self) -> str:
+        return self.conversation.where
+
+
+def is_unpaired(obj: dict) -> bool:
+    return "completion" in obj and "label" in obj
+
+
+def read_unpaired(obj: dict, where: str) -> LabeledText | LabeledConversation:
+    """An unpaired record's example; ValueError naming the field at fault."""
+    prompt, completion, label = obj.get("prompt"), obj["completion"], obj["label"]
+    if not isinstance(label, bool):
+        raise ValueError(f"field 'label' must be true (a desirable completion) or false, got {label!r}")
+    if isinstance(completion, str):
+        if not isinstance(prompt, str):
+            raise ValueError(f"field 'prompt' must be a string, the text 'completion' completes, "
+                             f"got {type(prompt).__name__}")
+        return LabeledText(prompt, completion, label)
+    if not isinstance(completion, list) or not completion:
+        raise ValueError(f"field 'completion' must be a string or a non-empty list of messages, "
+                         f"got {type(completion).__name__}{' (empty)' if completion == [] else ''}")
+    if not isinstance(prompt, list) or not prompt:
+        raise ValueError(f"field 'prompt' must be a non-empty list of messages, as 'completion' is a list, "
+                         f"got {type(prompt).__name__}")
+    record = {"messages": [*prompt, *completion], "tools": obj.get("tools")}
+    try:
+        return LabeledConversation(conversations.read(record, where, prompt_messages=len(prompt)), label)
+    except ValueError as e:
+        if "no assistant message" in str(e):
+            raise ValueError("field 'completion' has no assistant message to train on") from None
+        raise ValueError(f"prompt + completion: {e}") from None
 
 
 def read(obj: dict, where: str) -> TextPair | ConversationPair:

@@ -109,6 +109,8 @@ def unpack_batch(batch: Mapping[str, np.ndarray]) -> dict:
            else np.asarray(mask, np.float32)}
     if "segments" in batch:  # packed examples kept apart (int32 [A, b, T+1])
         out["segments"] = np.asarray(batch["segments"], np.int32)
+    if "labels" in batch:  # KTO's unpaired examples (float32 [A, b, 1])
+        out["labels"] = np.asarray(batch["labels"], np.float32)
     return out
 
 
@@ -384,13 +386,15 @@ def pack_batch(batch: Mapping[str, np.ndarray], seq: int) -> dict:
     """Crop a loader batch to `seq` and shrink it losslessly for the trip to the workers: tokens as
     uint16 when every id fits, the mask left out when all ones (plain text) and sent as uint8 when
     0/1 -- 2 to 3 bytes a token instead of 8. Segments (packed examples), when the loader gives
-    them, travel as they are (uint16)."""
+    them, travel as they are (uint16); unpaired examples' labels as uint8."""
     tokens, mask = batch["tokens"][..., : seq + 1], batch["mask"][..., :seq]
     if tokens.size and tokens.min() >= 0 and tokens.max() < 1 << 16:
         tokens = tokens.astype(np.uint16)
     out = {"tokens": tokens}
     if "segments" in batch:
         out["segments"] = batch["segments"][..., : seq + 1]
+    if "labels" in batch:
+        out["labels"] = batch["labels"].astype(np.uint8)
     if not mask.all():
         small = mask.astype(np.uint8)
         out["mask"] = small if np.array_equal(small, mask) else mask

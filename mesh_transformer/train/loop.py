@@ -33,7 +33,7 @@ from mesh_transformer.train.metrics import MetricsLogger
 from mesh_transformer.train.step import Trainer, TrainState
 
 KEEP_LAST = 2  # newest checkpoints kept besides every keep_every-th step
-OBJECTIVE_KEY = "objective"  # checkpoint extras: what the run trains ("dpo", "cpo", "orpo", "language_model")
+OBJECTIVE_KEY = "objective"  # checkpoint extras: what the run trains ("dpo", "cpo", "orpo", "kto", "language_model")
 
 
 class TrainingError(UserError, RuntimeError):
@@ -62,7 +62,8 @@ def require_keys(config: Config, *keys: str) -> None:
 
 def open_datasets(config: Config) -> tuple[Dataset, dict[str, Dataset]]:
     """(train_set, {name: val_set}) of a config, each checked to hold sequences of at least `seq` tokens,
-    and to hold preference pairs exactly when the config trains on them (`dpo`, `cpo` or `orpo`)."""
+    to hold preference pairs exactly when the config trains on them (`dpo`, `cpo` or `orpo`), and
+    unpaired examples exactly when it trains with `kto`."""
     t = config.train
     train = Dataset.open(t.train_set)
     val = {name: Dataset.open(path) for name, path in t.val_set.items()}
@@ -70,9 +71,17 @@ def open_datasets(config: Config) -> tuple[Dataset, dict[str, Dataset]]:
         if ds.seq < config.model.seq:
             raise ConfigError(f"config key 'seq': {config.model.seq} is longer than the sequences of "
                               f"{path} ({ds.seq} tokens)")
+        if ds.labels and t.preference != "kto":
+            raise ConfigError(f"{path} holds unpaired examples ({{prompt, completion, label}} records): set the "
+                              f"config key 'kto' (e.g. {{\"beta\": 0.1}}) to train on them"
+                              + (f", not '{t.preference}'" if t.preference else ""))
         if ds.pairs and t.preference is None:
             raise ConfigError(f"{path} holds preference pairs: set the config key 'dpo' (e.g. {{\"beta\": 0.1}}), "
                               "'cpo' or 'orpo' to train on them")
+        if t.preference == "kto" and not ds.labels:
+            raise ConfigError(f"config key 'kto': {path} holds no unpaired examples (create_finetune_dataset.py "
+                              "makes them from {prompt, completion, label} records)"
+                              + (": it holds preference pairs, for 'dpo', 'cpo' or 'orpo'" if ds.pairs else ""))
         if t.preference is not None and not ds.pairs:
             raise ConfigError(f"config key '{t.preference}': {path} holds no preference pairs "
                               "(create_finetune_dataset.py makes them from {prompt, chosen, rejected} records)")
@@ -206,8 +215,9 @@ class TrainHost:
             if tr.lora is not None or tr.holds_reference:
                 where, fingerprint = self._frozen_keys()
                 if tr.holds_reference and where not in extras:
-                    raise ConfigError(f"{self.ckpt.directory}: its step {self._saved_step} is not a DPO run's "
-                                      "(it names no reference model); start DPO in a new model_dir with "
+                    what = self.config.train.preference.upper()
+                    raise ConfigError(f"{self.ckpt.directory}: its step {self._saved_step} is not a {what} run's "
+                                      f"(it names no reference model); start {what} in a new model_dir with "
                                       f"--tune-model-path {self.ckpt.directory}")
                 self._load_base(extras.get(where), extras.get(fingerprint))
             return state, extras.get("train_loader") or {}
@@ -278,7 +288,7 @@ class TrainHost:
         tr.set_base(lora.base_params(ref, self.config.model, tr.mp, shardings=shardings))
         self._base_ref = ref
         if expected is not None and lora.fingerprint(tr.base) != expected:
-            what = "DPO reference" if tr.holds_reference else "LoRA base"
+            what = f"{self.config.train.preference.upper()} reference" if tr.holds_reference else "LoRA base"
             raise ConfigError(f"the {what} {ref} is not the one this run was trained on (its weights changed)")
 
     def batch_rows(self) -> tuple[int, int]:
@@ -300,9 +310,9 @@ class TrainHost:
         tr, t, seq = self.trainer, self.config.train, self.config.model.seq
 
         def batch(accumulation: int) -> dict:
-            shape = (accumulation, tr.global_batch)
-            return {"tokens": jax.ShapeDtypeStruct((*shape, seq + 1), np.int32, sharding=tr.batch_sharding),
-                    "mask": jax.ShapeDtypeStruct((*shape, seq), np.float32, sharding=tr.batch_sharding)}
+            return {**tr.abstract_batch(accumulation),
+                    "mask": jax.ShapeDtypeStruct((accumulation, tr.global_batch, seq), np.float32,
+                                                 sharding=tr.batch_sharding)}
 
         tr.step.lower(state, batch(t.gradient_accumulation_steps)).compile()  # jit keeps it for the real calls
         if t.val_every and t.val_set:
@@ -314,6 +324,8 @@ class TrainHost:
         out = {"tokens": batch["tokens"][..., : seq + 1], "mask": batch["mask"][..., :seq]}
         if "segments" in batch:
             out["segments"] = batch["segments"][..., : seq + 1].astype(np.int32)
+        if "labels" in batch:
+            out["labels"] = batch["labels"]
         return self.trainer.shard_batch(out)
 
     def step(self, state: TrainState, batch: dict) -> tuple[TrainState, dict]:
@@ -327,7 +339,8 @@ class TrainHost:
             self.ckpt.wait()  # a save already started holds a good (finite-loss) state: let it land
             raise TrainingError(f"loss is {loss} at step {int(state.step)}; stopping without saving "
                                 f"(last good checkpoint: step {self.ckpt.latest_step()})")
-        pairs = {f"train/{k}": float(metrics[k]) for k in self.trainer.metric_names if k != "loss"}  # DPO's
+        pairs = {f"train/{k}": float(metrics[k]) for k in self.trainer.metric_names  # DPO's; KTO's per-label
+                 if k != "loss" and not math.isnan(float(metrics[k]))}           # means where the step has that label
         return state, {"train/loss": loss, **pairs, "grad_norm": float(metrics["grad_norm"]),
                        "learning_rate": float(metrics["lr"])}
 
@@ -337,12 +350,13 @@ class TrainHost:
         limit = self.config.train.val_batches or None
         out = {}
         for name, stream in batches.items():
-            sums, count = dict.fromkeys(self.trainer.metric_names, 0.0), 0.0
+            sums, count = dict.fromkeys(self.trainer.sum_names, 0.0), 0.0
             for batch in itertools.islice(stream, limit):
                 batch_sums, batch_count = self.trainer.eval_values(params, self.device_batch(batch))
                 sums = {k: v + float(batch_sums[k]) for k, v in sums.items()}
                 count += float(batch_count)
-            out.update({f"val/{k}_{name}": v / max(count, 1.0) for k, v in sums.items()})
+            means = {k: float(v) for k, v in self.trainer.means(sums, max(count, 1.0)).items()}
+            out.update({f"val/{k}_{name}": v for k, v in means.items() if not math.isnan(v)})
         return out
 
     def eval_metrics(self, params, tokenizer: str) -> dict:

@@ -1,12 +1,15 @@
-"""Training on preference pairs: completions of one prompt, one preferred ("chosen") and one not
-("rejected"), with no reward model and no sampling. Three objectives, one config key each (at most
-one set), under TRL's names and meanings:
+"""Training on preferences, with no reward model and no sampling: on pairs, completions of one
+prompt, one preferred ("chosen") and one not ("rejected"), or (KTO) on unpaired completions each
+labelled desirable or not. Four objectives, one config key each (at most one set), under TRL's
+names and meanings:
 
 - `"dpo"`: Direct Preference Optimization (Rafailov et al. 2023, arXiv 2305.18290) and its
   variants, against a frozen reference model (`DpoConfig`);
 - `"cpo"`: Contrastive Preference Optimization (arXiv 2401.08417) and SimPO (arXiv 2405.14734),
   with no reference (`CpoConfig`);
-- `"orpo"`: Odds Ratio Preference Optimization (arXiv 2403.07691), with no reference (`OrpoConfig`).
+- `"orpo"`: Odds Ratio Preference Optimization (arXiv 2403.07691), with no reference (`OrpoConfig`);
+- `"kto"`: Kahneman-Tversky Optimization (arXiv 2402.01306) on unpaired examples, against a frozen
+  reference (`KtoConfig`).
 
 For a pair, with log pi(y|x) the summed log-probability of a completion's tokens under the policy
 and log ref(y|x) under the reference, each completion's log-ratio is h(y) = log pi(y|x) - log ref(y|x),
@@ -28,16 +31,18 @@ The config's `"dpo"` object takes TRL's `DPOConfig` names and meanings:
   length-normalised probabilities of both completions (held constant in the gradient); not with "sft".
 
 Rows come in pairs: row 2i of a batch is pair i's chosen completion, row 2i+1 its rejected one
-(the dataset and loader keep them so; `data.Loader` with a preference dataset). A pair whose
-chosen row trains on no token (a padding pair of a validation pass) counts for nothing.
+(KTO: example i's row and its KL row; the dataset and loader keep them so; `data.Loader` with a
+preference dataset). A pair whose chosen row trains on no token (a padding pair of a validation
+pass) counts for nothing.
 
 DPO's reference is the model the run started from: with LoRA the base with the adapters off (no
 second copy of the weights), otherwise a frozen copy in the compute dtype.
 
-Every objective's `pair_sums(token_logps, reference_token_logps, mask, log_sum_sq_probs, reduce,
-nll_scale)` takes each position's log-probability of its next token [2k, T] (and the reference's,
-for DPO), the completions' mask [2k, T], and returns (loss sum, {metric: sum}, pairs counted),
-`reduce`d. An NLL term (DPO's "sft", CPO's, ORPO's) is a mean over the chosen tokens of the whole
+Every objective (an `Objective`) has `pair_sums(token_logps, reference_token_logps, mask,
+log_sum_sq_probs, reduce, nll_scale, labels)`: it takes each position's log-probability of its next
+token [2k, T] (and the reference's, for DPO and KTO), the completions' mask [2k, T] (and KTO's row
+labels [2k]), and returns (loss sum, {name: sum} for its `sums`, pairs counted), `reduce`d; its
+`means` turns sums added up over microbatches or batches into the logged metrics. An NLL term (DPO's "sft", CPO's, ORPO's) is a mean over the chosen tokens of the whole
 step: `nll_scale(objective, mask)` of all its microbatches' rows, pairs per token, turns each
 microbatch's NLL sum into its share of that mean as a sum over pairs, so k microbatches equal one
 k-times-larger batch.
@@ -236,8 +241,31 @@ def _f_divergence(raw: dict, types: tuple[str, ...]) -> str:
     return name
 
 
+class Objective:
+    """What the trainer asks of a preference objective (each config below is one): `pair_sums` of a
+    block of rows, and these."""
+    needs_reference = False  # reads a frozen reference's log-probabilities (DPO, KTO)
+    needs_sum_sq = False  # reads log sum_v p(v)^2 at each position (WPO)
+    needs_labels = False  # reads each row's label (KTO's unpaired examples)
+    kl_rows: Optional[str] = None  # KTO: the odd rows are KL rows, "read" (with no gradient) or "unread"
+    metrics: tuple = METRICS  # what is logged
+
+    @property
+    def sums(self) -> tuple:
+        """The names of `pair_sums`' sums, added up over microbatches and validation batches."""
+        return self.metrics
+
+    def means(self, sums: dict, count) -> dict:
+        """{metric: value} from the added-up sums over `count` pairs: each sum's mean per pair."""
+        return {k: sums[k] / count for k in self.metrics}
+
+    def nll_mask(self, mask):
+        """The tokens an NLL term covers, or None without one."""
+        return None
+
+
 @dataclass(frozen=True)
-class DpoConfig:
+class DpoConfig(Objective):
     beta: float = 0.1
     loss_type: tuple[str, ...] = ("sigmoid",)
     loss_weights: tuple[float, ...] = (1.0,)
@@ -271,7 +299,6 @@ class DpoConfig:
                    ld_alpha=ld_alpha, use_weighting=weighting)
 
     needs_reference = True
-    metrics = METRICS
 
     @property
     def needs_sum_sq(self) -> bool:
@@ -286,7 +313,7 @@ class DpoConfig:
         return mask if self.weight(SFT) else None
 
     def pair_sums(self, token_logps, reference_token_logps, mask, log_sum_sq_probs=None, reduce=lambda x: x,
-                  nll_scale=None):
+                  nll_scale=None, labels=None):
         return dpo_sums(token_logps, reference_token_logps, mask, self, log_sum_sq_probs, reduce, nll_scale)
 
 
@@ -392,7 +419,7 @@ CPO_LOSSES = ("sigmoid", "hinge", "ipo", "simpo")
 
 
 @dataclass(frozen=True)
-class CpoConfig:
+class CpoConfig(Objective):
     """CPO (Xu et al. 2024): DPO's losses on the policy's own log-probabilities, with no reference,
     plus `cpo_alpha` times the chosen completions' NLL. `loss_type` "simpo" is SimPO (Meng et al.
     2024): per-token mean log-probabilities and a target margin `simpo_gamma` (with `cpo_alpha` 0,
@@ -405,8 +432,6 @@ class CpoConfig:
     cpo_alpha: float = 1.0
     simpo_gamma: float = 0.5
     alpha: float = 0.0
-    needs_reference = False
-    needs_sum_sq = False
     metrics = (*METRICS, "nll_loss")
 
     @classmethod
@@ -438,7 +463,7 @@ class CpoConfig:
         return mask
 
     def pair_sums(self, token_logps, reference_token_logps, mask, log_sum_sq_probs=None, reduce=lambda x: x,
-                  nll_scale=None):
+                  nll_scale=None, labels=None):
         mask = mask.astype(jnp.float32)
         per_token = self.loss_type in ("ipo", "simpo")
         logps = _mean_logps(token_logps, mask) if per_token else jnp.sum(token_logps * mask, axis=-1)
@@ -468,14 +493,12 @@ def log1mexp(x):
 
 
 @dataclass(frozen=True)
-class OrpoConfig:
+class OrpoConfig(Objective):
     """ORPO (Hong et al. 2024): the chosen sequences' NLL (prompt and completion, as TRL's
     ORPOTrainer counts it) minus `beta` (the paper's lambda) times log sigmoid of the log odds
     ratio, log(odds(chosen) / odds(rejected)) with odds(y) = p / (1 - p), p the completion's
     geometric-mean token probability (exp of its mean log-probability). No reference."""
     beta: float = 0.1
-    needs_reference = False
-    needs_sum_sq = False
     metrics = (*METRICS, "nll_loss", "log_odds_ratio", "log_odds_chosen")
 
     @classmethod
@@ -489,7 +512,7 @@ class OrpoConfig:
         return (jnp.cumsum(mask[..., ::-1], axis=-1)[..., ::-1] > 0).astype(jnp.float32)
 
     def pair_sums(self, token_logps, reference_token_logps, mask, log_sum_sq_probs=None, reduce=lambda x: x,
-                  nll_scale=None):
+                  nll_scale=None, labels=None):
         mask = mask.astype(jnp.float32)
         counted = _counted(mask)
         # A row with no token (a validation pass's padding) would have log p = 0 and infinite odds.
@@ -503,11 +526,98 @@ class OrpoConfig:
         return _with_nll(-self.beta * reduce(jnp.sum(jnp.where(counted > 0, ratio, 0.0))), 1.0, nll, sums, count)
 
 
-OBJECTIVES = {"dpo": DpoConfig, "cpo": CpoConfig, "orpo": OrpoConfig}
+# ----------------------------------------------------------------------------- KTO
+
+KTO_KEYS = ("beta", "desirable_weight", "undesirable_weight", "loss_type")
+KTO_LOSSES = ("kto", "apo_zero_unpaired")
+KTO_METRICS = ("loss", "kl", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected")
+
+
+@dataclass(frozen=True)
+class KtoConfig(Objective):
+    """KTO (Ethayarajh et al. 2024, arXiv 2402.01306) on unpaired examples, each one completion
+    labelled desirable or not (`data.preferences`), against a frozen reference as DPO's. With h the
+    completion's log-ratio and z the KL estimate, the loss of a desirable example is
+    `desirable_weight` * (1 - sigmoid(beta * (h - z))), of an undesirable one `undesirable_weight` *
+    (1 - sigmoid(beta * (z - h))) (the paper's eq. 7, TRL's "kto"), averaged over examples. z is the
+    mean log-ratio of the microbatch's KL rows (each example's prompt with another's completion)
+    over all its examples, at least 0 and held constant, as TRL's KTOTrainer computes it per batch.
+    `loss_type` "apo_zero_unpaired" (APO's unpaired loss, arXiv 2408.06266) is 1 - sigmoid(beta * h)
+    and sigmoid(beta * h), without z (the step then does not run the KL rows at all).
+
+    Rows come in twos: an example's row, then its KL row; `labels` [2k] are 1 on desirable examples'.
+    The metrics are TRL's: `rewards/*` and `logps/*` are means over the desirable ("chosen") or
+    undesirable ("rejected") examples (NaN, and not logged, where a step has none), `kl` is z."""
+    beta: float = 0.1
+    desirable_weight: float = 1.0
+    undesirable_weight: float = 1.0
+    loss_type: str = "kto"
+    needs_reference = True
+    needs_labels = True
+    metrics = KTO_METRICS
+
+    @classmethod
+    def from_dict(cls, raw: Any) -> "KtoConfig":
+        check_object(raw, "kto", KTO_KEYS, '{"beta": number, "desirable_weight": number, ...}')
+        loss = raw.get("loss_type", cls.loss_type)
+        if loss not in KTO_LOSSES:
+            raise ConfigError(f"config key 'kto.loss_type' must be one of {', '.join(KTO_LOSSES)}, "
+                              f"got {json.dumps(loss)}")
+        weight = lambda key: _number(raw, key, 1.0, lambda v: v > 0, "a positive number", "kto")  # noqa: E731
+        return cls(beta=_number(raw, "beta", cls.beta, lambda v: v > 0, "a positive number", "kto"),
+                   desirable_weight=weight("desirable_weight"), undesirable_weight=weight("undesirable_weight"),
+                   loss_type=loss)
+
+    @property
+    def kl_rows(self) -> str:
+        return "read" if self.loss_type == "kto" else "unread"
+
+    @property
+    def sums(self) -> tuple:
+        return ("loss", "kl", "rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected",
+                "examples/chosen", "examples/rejected")
+
+    def means(self, sums: dict, count) -> dict:
+        def over(key, n):
+            return jnp.where(n > 0, sums[key] / jnp.maximum(n, 1.0), jnp.nan)
+        chosen, rejected = sums["examples/chosen"], sums["examples/rejected"]
+        out = {"loss": sums["loss"] / count, "kl": sums["kl"] / count,
+               "rewards/chosen": over("rewards/chosen", chosen), "rewards/rejected": over("rewards/rejected", rejected),
+               "logps/chosen": over("logps/chosen", chosen), "logps/rejected": over("logps/rejected", rejected)}
+        return {**out, "rewards/margins": out["rewards/chosen"] - out["rewards/rejected"]}
+
+    def pair_sums(self, token_logps, reference_token_logps, mask, log_sum_sq_probs=None, reduce=lambda x: x,
+                  nll_scale=None, labels=None):
+        mask = mask.astype(jnp.float32)
+        logps = jnp.sum(token_logps * mask, axis=-1)
+        ratio = logps - jax.lax.stop_gradient(jnp.sum(reference_token_logps * mask, axis=-1))
+        counted = _counted(mask)
+        count = reduce(jnp.sum(counted))
+        desirable, own = labels[0::2] * counted, ratio[0::2]
+        undesirable = counted - desirable
+        if self.loss_type == "kto":
+            kl = jax.lax.stop_gradient(jnp.maximum(reduce(jnp.sum(ratio[1::2] * counted)) / jnp.maximum(count, 1.0), 0.0))
+            chosen_losses = 1 - jax.nn.sigmoid(self.beta * (own - kl))
+            rejected_losses = 1 - jax.nn.sigmoid(self.beta * (kl - own))
+        else:  # apo_zero_unpaired
+            kl = jnp.zeros((), jnp.float32)
+            chosen_losses, rejected_losses = 1 - jax.nn.sigmoid(self.beta * own), jax.nn.sigmoid(self.beta * own)
+        total = reduce(jnp.sum(self.desirable_weight * chosen_losses * desirable
+                               + self.undesirable_weight * rejected_losses * undesirable))
+        rewards, logps = jax.lax.stop_gradient(self.beta * own), jax.lax.stop_gradient(logps[0::2])
+        sums = {"loss": jax.lax.stop_gradient(total), "kl": kl * count,
+                "rewards/chosen": reduce(jnp.sum(rewards * desirable)),
+                "rewards/rejected": reduce(jnp.sum(rewards * undesirable)),
+                "logps/chosen": reduce(jnp.sum(logps * desirable)), "logps/rejected": reduce(jnp.sum(logps * undesirable)),
+                "examples/chosen": reduce(jnp.sum(desirable)), "examples/rejected": reduce(jnp.sum(undesirable))}
+        return total, sums, count
+
+
+OBJECTIVES = {"dpo": DpoConfig, "cpo": CpoConfig, "orpo": OrpoConfig, "kto": KtoConfig}
 
 
 def objective(train: TrainConfig):
-    """The config's preference objective (`DpoConfig`, `CpoConfig` or `OrpoConfig`), or None."""
+    """The config's preference objective (`DpoConfig`, `CpoConfig`, `OrpoConfig` or `KtoConfig`), or None."""
     key = train.preference
     return None if key is None else OBJECTIVES[key].from_dict(getattr(train, key))
 

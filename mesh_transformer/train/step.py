@@ -3,12 +3,13 @@
     state = Trainer(config, mesh).init_state(seed)
     state, metrics = trainer.step(state, {"tokens": int32 [A, B, T+1], "mask": [A, B, T] (optional)})
 
-A = gradient_accumulation_steps microbatches of B = per_replica_batch x dp sequences (with `dpo`,
-that many preference pairs: twice the rows), scanned inside the step. Master parameters and
+A = gradient_accumulation_steps microbatches of B = per_replica_batch x dp sequences (with a
+preference objective, that many pairs or KTO examples: twice the rows), scanned inside the step. Master parameters and
 optimizer state are float32 (sharded by the Megatron table, or by the ZeRO table when `zero` is
 set); the forward/backward pass runs in compute_dtype.
-The loss is token-weighted over all microbatches (with `dpo`, pair-weighted), so k microbatches
-equal one k-times-larger batch exactly.
+The loss is token-weighted over all microbatches (with a preference objective, pair-weighted), so k
+microbatches equal one k-times-larger batch exactly (but with KTO, whose KL estimate is each
+microbatch's own, as TRL's is).
 """
 from __future__ import annotations
 
@@ -92,6 +93,11 @@ def scale_by_adam(b1: float, b2: float, eps: float, moments_dtype) -> optax.Grad
     return optax.GradientTransformation(init, update)
 
 
+def _interleave(even, odd):
+    """Rows [k, ...] and [k, ...] -> [2k, ...], alternating: even[0], odd[0], even[1], ..."""
+    return jnp.stack([even, odd], axis=1).reshape(-1, *even.shape[1:])
+
+
 class _WithBase:
     """A jitted function of (..., base) called without its last argument: the trainer's frozen base."""
 
@@ -116,11 +122,12 @@ class Trainer:
         m, t = self.config.model, self.config.train
         self.mp, self.dp = self.mesh.shape[parallel.MP], self.mesh.shape[parallel.DP]
         self.lora = lora.LoraConfig.from_dict(t.lora) if t.lora is not None else None
-        self.preference = preference.objective(t)  # DPO, CPO or ORPO on preference pairs, or None
+        self.preference = preference.objective(t)  # DPO, CPO, ORPO or KTO on preference data, or None
         self.needs_reference = self.preference is not None and self.preference.needs_reference
         # DPO's reference without LoRA: a frozen copy of every weight, held (and passed) as the base is.
         self.holds_reference = self.needs_reference and self.lora is None
         self.metric_names = self.preference.metrics if self.preference is not None else ("loss",)
+        self.sum_names = self.preference.sums if self.preference is not None else ("loss",)  # what adds up
         self.model = models.build(m, self.mp, lora.plan(m, self.lora))
         self.model.check_mesh(self.mesh.shape, t.zero)
         self.rules = self.model.rules(t.zero, self.mp)
@@ -155,7 +162,7 @@ class Trainer:
             in_specs=(full_specs, row, row, row, row, P()), out_specs=(P(), P(), P()))
         self._sharded_pairs = parallel.shard_map(
             self._local_pairs, self.mesh, self.rules,
-            in_specs=(full_specs, full_specs, row, row, P(), P()), out_specs=(P(), P(), P()))
+            in_specs=(full_specs, full_specs, row, row, row, P(), P()), out_specs=(P(), P(), P()))
         self.init_state = jax.jit(self._init, out_shardings=self.state_shardings)
         self.init_base = jax.jit(self._init_base, out_shardings=self.base_shardings)
         bs = self.base_shardings
@@ -286,11 +293,14 @@ class Trainer:
         routers = jax.tree.map(parallel.psum_dp, out[2])
         return total + self._balance * routers.balance_loss() * count
 
-    def _local_pairs(self, policy, reference, tokens, mask, rng, nll_scale):
+    def _local_pairs(self, policy, reference, tokens, mask, labels, rng, nll_scale):
         """Per-device preference objective: rows alternate a pair's chosen and rejected completion
-        (tokens [b, T+1], mask [b, T] on the completion's tokens) -> global (loss sum, metric sums,
-        pair count). `reference` is read only by an objective that `needs_reference` (DPO);
-        `nll_scale`: the whole step's (`preference.nll_scale`)."""
+        (or an unpaired example's row and its KL row; tokens [b, T+1], mask [b, T] on the completion's
+        tokens, labels [b, 1] or None) -> global (loss sum, metric sums, pair count). `reference` is read
+        only by an objective that `needs_reference` (DPO, KTO); `nll_scale`: the whole step's
+        (`preference.nll_scale`)."""
+        if self.preference.kl_rows is not None:
+            return self._local_kto(policy, reference, tokens, mask, labels, rng)
         out = self.model.apply(policy, tokens[:, :-1], rng=rng, routers=self._balance > 0)
         logps = losses.token_log_probs(out[0], tokens[:, 1:])
         reference_logps = None
@@ -298,19 +308,40 @@ class Trainer:
             reference_logps = losses.token_log_probs(self.model.apply(reference, tokens[:, :-1])[0], tokens[:, 1:])
         sum_sq = losses.log_sum_sq_probs(out[0]) if self.preference.needs_sum_sq else None
         total, sums, count = self.preference.pair_sums(logps, reference_logps, mask, sum_sq, parallel.psum_dp,
-                                                       nll_scale)
+                                                       nll_scale, None if labels is None else labels[:, 0])
         return self._with_balance_loss(total, out, count), sums, count  # added to the mean over pairs, as TRL adds it
+
+    def _local_kto(self, policy, reference, tokens, mask, labels, rng):
+        """`_local_pairs` of rows that alternate an example's and its KL row (KTO): the KL rows get no
+        gradient, so they run apart with no backward, and not at all where the loss reads none
+        (`kl_rows` "unread"); a mixture's balance loss is the examples' rows' (as TRL's)."""
+        out = self.model.apply(policy, tokens[0::2, :-1], rng=rng, routers=self._balance > 0)
+        own = (losses.token_log_probs(out[0], tokens[0::2, 1:]),
+               losses.token_log_probs(self.model.apply(reference, tokens[0::2, :-1])[0], tokens[0::2, 1:]))
+        if self.preference.kl_rows == "read":
+            kl_rng = None if rng is None else jax.random.fold_in(rng, 1)
+            kl = (losses.token_log_probs(self.model.apply(jax.lax.stop_gradient(policy), tokens[1::2, :-1],
+                                                          rng=kl_rng)[0], tokens[1::2, 1:]),
+                  losses.token_log_probs(self.model.apply(reference, tokens[1::2, :-1])[0], tokens[1::2, 1:]))
+        else:
+            kl = tuple(jnp.zeros_like(x) for x in own)
+        logps, reference_logps = (_interleave(a, b) for a, b in zip(own, kl))
+        total, sums, count = self.preference.pair_sums(logps, reference_logps, mask, None, parallel.psum_dp,
+                                                       labels=labels[:, 0])
+        return self._with_balance_loss(total, out, count), sums, count
 
     def _objective_sums(self, params, base, micro, nll_scale=None):
         """(objective sum, {metric: sum}, count) of one microbatch: the language-model loss over
         trained tokens, or a preference objective's loss over pairs (`nll_scale`: the step's, for
         its NLL term; `preference.nll_scale`)."""
         policy = self.policy(params, base)
+        tokens, mask, segments, key_keep, rng, labels = micro
         if self.preference is None:
-            return self._sharded_loss(policy, *micro)
-        tokens, mask, _, _, rng = micro
+            return self._sharded_loss(policy, tokens, mask, segments, key_keep, rng)
+        if self.preference.needs_labels and labels is None:
+            raise ValueError(f"'{self.config.train.preference}' trains on labelled rows: the batch has no \"labels\"")
         reference = self._reference(params, base) if self.needs_reference else policy  # (unread)
-        return self._sharded_pairs(policy, reference, tokens, mask, rng, nll_scale)
+        return self._sharded_pairs(policy, reference, tokens, mask, labels, rng, nll_scale)
 
     def _nll_scale(self, mask):
         """A preference objective's pairs per NLL token over all of `mask` (a step's rows), else None."""
@@ -324,8 +355,8 @@ class Trainer:
         return grads, sums, count
 
     def _microbatches(self, batch, step):
-        """The step's inputs per microbatch: (tokens, mask, segments, key_keep, rng), each with a leading [A]
-        axis (None where unused). Randomness (FCM, LoRA dropout, NEFTune) is seeded by (seed, step): a resumed
+        """The step's inputs per microbatch: (tokens, mask, segments, key_keep, rng, labels), each with a
+        leading [A] axis (None where unused). Randomness (FCM, LoRA dropout, NEFTune) is seeded by (seed, step): a resumed
         run draws exactly what the uninterrupted one did."""
         t = self.config.train
         tokens = batch["tokens"]
@@ -342,7 +373,7 @@ class Trainer:
         rng = keys if dropout or t.neftune_noise_alpha else None
         if rng is not None:
             rng = jax.vmap(lambda k: jax.random.fold_in(k, 1))(rng)
-        return tokens, mask, segments, key_keep, rng
+        return tokens, mask, segments, key_keep, rng, batch.get("labels")
 
     def _accumulate(self, params, batch, base, step):
         """Sum gradients over the A microbatches; return the mean grads and metrics (per trained
@@ -355,10 +386,17 @@ class Trainer:
             carry = jax.tree.map(jnp.add, carry, (grads, sums, count))
             return carry, None
 
-        zeros = (jax.tree.map(jnp.zeros_like, params), {k: jnp.zeros(()) for k in self.metric_names}, jnp.zeros(()))
+        zeros = (jax.tree.map(jnp.zeros_like, params), {k: jnp.zeros(()) for k in self.sum_names}, jnp.zeros(()))
         (grads, sums, count), _ = jax.lax.scan(body, zeros, micros)
         count = jnp.maximum(count, 1.0)
-        return jax.tree.map(lambda g: g / count, grads), {k: v / count for k, v in sums.items()}
+        return jax.tree.map(lambda g: g / count, grads), self.means(sums, count)
+
+    def means(self, sums: dict, count) -> dict:
+        """{metric: value} from sums over `count` trained tokens (or pairs): each sum's mean, or a
+        preference objective's own (`Objective.means`)."""
+        if self.preference is None:
+            return {k: v / count for k, v in sums.items()}
+        return self.preference.means(sums, count)
 
     def _loss_and_grads(self, params, batch, base):
         grads, means = self._accumulate(params, batch, base, 0)
@@ -369,14 +407,18 @@ class Trainer:
         return self._sharded_logits(self.policy(params, base), tokens)[..., : self.config.model.n_vocab]
 
     def _eval_values(self, params, batch, base):
-        """({metric: sum}, count) of a batch shaped like a training batch ([A, B, T+1]): the nll
-        summed over trained tokens (with DPO, the pair metrics over pairs); no update, no FCM, no dropout."""
+        """({sum: value}, count) of a batch shaped like a training batch ([A, B, T+1]): the nll
+        summed over trained tokens (with a preference objective, its `sums` over pairs; `means` turns
+        them into its metrics); no update, no FCM, no dropout."""
         tokens = batch["tokens"].reshape(-1, batch["tokens"].shape[-1])
         mask = batch.get("mask")
         mask = jnp.ones(tokens[:, 1:].shape, jnp.float32) if mask is None else mask.reshape(tokens[:, 1:].shape)
         segments = batch.get("segments")
         segments = None if segments is None else segments.reshape(tokens.shape)
-        _, sums, count = self._objective_sums(params, base, (tokens, mask, segments, None, None), self._nll_scale(mask))
+        labels = batch.get("labels")
+        labels = None if labels is None else labels.reshape(-1, 1)
+        _, sums, count = self._objective_sums(params, base, (tokens, mask, segments, None, None, labels),
+                                              self._nll_scale(mask))
         return sums, count
 
     def eval_sums(self, params, batch):
@@ -405,7 +447,11 @@ class Trainer:
         return {k: jax.make_array_from_process_local_data(self.batch_sharding, np.asarray(v))
                 for k, v in batch.items()}
 
-    def abstract_batch(self) -> dict:
-        t = self.config.train
-        shape = (t.gradient_accumulation_steps, self.global_batch, self.config.model.seq + 1)
-        return {"tokens": jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self.batch_sharding)}
+    def abstract_batch(self, accumulation: int | None = None) -> dict:
+        """A step's batch as shapes (`accumulation` microbatches, default the config's): tokens, and
+        labels where the objective reads them (KTO)."""
+        shape = (accumulation or self.config.train.gradient_accumulation_steps, self.global_batch)
+        out = {"tokens": jax.ShapeDtypeStruct((*shape, self.config.model.seq + 1), jnp.int32, sharding=self.batch_sharding)}
+        if self.preference is not None and self.preference.needs_labels:
+            out["labels"] = jax.ShapeDtypeStruct((*shape, 1), jnp.float32, sharding=self.batch_sharding)
+        return out
