@@ -37,7 +37,8 @@ class Plan:
     """What one training step of `config` costs on a dp x mp mesh (memory per device, in bytes)."""
 
     n_params: int  # unique parameters of the model, unpadded vocabulary (HF's count)
-    flops_per_token: int  # model FLOPs per trained token (forward + backward, no remat; DPO: + the reference's forward)
+    flops_per_token: int  # model FLOPs per trained token (forward + backward, no remat; DPO: + the reference's
+    # forward; KTO: its KL rows forward only)
     tokens_per_step: int
     dp: int
     mp: int
@@ -137,12 +138,24 @@ def plan(config: Config, dp: int, mp: int, zero: Optional[bool] = None, devices=
         n_params=trainer.model.n_params() if trainer.lora is None else models.build(m, mp).n_params(),
         n_trainable=(trainer.model.n_params() if trainer.lora is None
                      else sum(x.size for x in jax.tree.leaves(trainer.abstract_state.params))),
-        # DPO adds the reference's forward: a third of a forward + backward's (2 of 6 per parameter)
-        flops_per_token=trainer.model.flops_per_token() * (4 if trainer.needs_reference else 3) // 3,
+        flops_per_token=trainer.model.flops_per_token() * _forwards_per_two_rows(trainer.preference) // 6,
         tokens_per_step=t.gradient_accumulation_steps * trainer.global_batch * m.seq,
         dp=dp, mp=mp, zero=config.train.zero,
         platform=platform, cpu_upcast_bytes=upcast,
         bytes_per_device=memory, compiled=stats, compile_seconds=round(seconds, 2))
+
+
+def _forwards_per_two_rows(objective) -> int:
+    """A step's model forwards over two rows' tokens, a backward counting two: 6 for the language-model
+    loss and the reference-free objectives; DPO's reference adds a forward a row (8); KTO's example
+    row costs that too, its KL row a forward under the policy and one under the reference (6), or
+    none where its loss reads no KL row (4)."""
+    if objective is None:
+        return 6
+    row = 4 if objective.needs_reference else 3
+    if objective.kl_rows is None:
+        return 2 * row
+    return row + (2 if objective.kl_rows == "read" else 0)
 
 
 # --------------------------------------------------------------------------------------------

@@ -211,15 +211,18 @@ def test_lora_plan_names_xla_cpus_float32_copy_of_a_bf16_base():
 def test_dpo_plan_counts_the_reference_and_its_forward():
     """Full DPO holds a frozen reference copy (compute dtype, sharded like the params) as an input of the
     step, counted apart; a microbatch is per_replica_batch pairs (twice the sequences); the reference's
-    forward adds a third to the FLOPs per token; so does KTO's (its microbatch: examples and their KL rows).
-    ORPO (as CPO/SimPO) has no reference: neither."""
+    forward adds a third to the FLOPs per token. KTO holds the reference too; its microbatch is examples and
+    their KL rows, which run forward only (policy and reference), so a step's FLOPs are a plain step's on
+    as many rows, or 2/3 of them where the loss reads no KL row. ORPO (as CPO/SimPO) has no reference."""
     raw = {**TINY, "compute_dtype": "bfloat16"}
-    plain, dpo, orpo, kto = (planner.plan(config_from_dict({**raw, **extra}), DP, MP)
-                             for extra in ({}, {"dpo": {"beta": 0.1}}, {"orpo": {"beta": 0.1}}, {"kto": {}}))
+    plain, dpo, orpo, kto, apo = (planner.plan(config_from_dict({**raw, **extra}), DP, MP)
+                                  for extra in ({}, {"dpo": {"beta": 0.1}}, {"orpo": {"beta": 0.1}}, {"kto": {}},
+                                                {"kto": {"loss_type": "apo_zero_unpaired"}}))
     assert "reference" not in plain.bytes_per_device and "reference" not in orpo.bytes_per_device
     assert dpo.bytes_per_device["reference"] == kto.bytes_per_device["reference"] == plain.bytes_per_device["params"] // 2
     assert dpo.tokens_per_step == orpo.tokens_per_step == kto.tokens_per_step == 2 * plain.tokens_per_step
-    assert dpo.flops_per_token == kto.flops_per_token == plain.flops_per_token * 4 // 3
+    assert dpo.flops_per_token == plain.flops_per_token * 4 // 3
+    assert kto.flops_per_token == plain.flops_per_token and apo.flops_per_token == plain.flops_per_token * 2 // 3
     assert orpo.flops_per_token == plain.flops_per_token
 
 

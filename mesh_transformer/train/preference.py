@@ -35,15 +35,16 @@ Rows come in pairs: row 2i of a batch is pair i's chosen completion, row 2i+1 it
 preference dataset). A pair whose chosen row trains on no token (a padding pair of a validation
 pass) counts for nothing.
 
-DPO's reference is the model the run started from: with LoRA the base with the adapters off (no
+DPO's (and KTO's) reference is the model the run started from: with LoRA the base with the adapters off (no
 second copy of the weights), otherwise a frozen copy in the compute dtype.
 
 Every objective (an `Objective`) has `pair_sums(token_logps, reference_token_logps, mask,
 log_sum_sq_probs, reduce, nll_scale, labels)`: it takes each position's log-probability of its next
 token [2k, T] (and the reference's, for DPO and KTO), the completions' mask [2k, T] (and KTO's row
 labels [2k]), and returns (loss sum, {name: sum} for its `sums`, pairs counted), `reduce`d; its
-`means` turns sums added up over microbatches or batches into the logged metrics. An NLL term (DPO's "sft", CPO's, ORPO's) is a mean over the chosen tokens of the whole
-step: `nll_scale(objective, mask)` of all its microbatches' rows, pairs per token, turns each
+`means` turns sums added up over microbatches or batches into the logged metrics. An NLL term
+(DPO's "sft", CPO's, ORPO's) is a mean over the chosen tokens of the whole step:
+`nll_scale(objective, mask)` of all its microbatches' rows, pairs per token, turns each
 microbatch's NLL sum into its share of that mean as a sum over pairs, so k microbatches equal one
 k-times-larger batch.
 """
