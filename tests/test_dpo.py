@@ -322,6 +322,20 @@ def test_kto_equals_trl(how, variant, tmp_path):
     assert_same_step(tr, params, tokens, mask, loss, logged, expected, preference.KTO_METRICS[1:], labels)
 
 
+@pytest.mark.parametrize("weights, counts, advice", [
+    ({}, (30, 10), "kto: 30 desirable and 10 undesirable examples; KTO's paper advises either "
+                   "'kto.desirable_weight' in [0.33, 0.44] (at 'undesirable_weight' 1.0) or "
+                   "'kto.undesirable_weight' in [2.26, 3.0] (at 'desirable_weight' 1.0), not both"),
+    ({"undesirable_weight": 2.5}, (30, 10), None),  # in the range
+    ({"desirable_weight": 0.4}, (30, 10), None),
+    ({}, (20, 20), None),  # balanced
+])
+def test_kto_says_where_its_weights_leave_the_papers_range(weights, counts, advice):
+    """TRL's KTOTrainer warns when unbalanced labels and the weights fall outside the paper's eq. 8
+    range; so do we, at the start of a run (its message, its rounded bounds)."""
+    assert preference.KtoConfig.from_dict(weights).weight_advice(*counts) == advice
+
+
 def test_kto_runs_its_kl_rows_without_a_backward_and_not_at_all_when_unread(monkeypatch):
     """The KL rows get no gradient, so they are run apart, forward only: the compiled KTO step holds
     under 60% of the temporaries DPO's holds on the same rows (DPO keeps every row's activations for

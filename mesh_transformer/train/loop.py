@@ -410,6 +410,11 @@ class TrainRun:
                                self.config.to_json_dict(), tensorboard=self.options.tensorboard)
         logger.message(f"{t.name}: step {step} of {t.total_steps}, mesh dp={self.trainer.dp} x mp={self.trainer.mp}, "
                        f"{self.config.model.n_params():,} parameters, checkpoints in {self.ckpt.directory}")
+        if self.dataset.labels:  # KTO: how balanced the labels are, against the weights
+            desirable = int(self.dataset.read_labels(np.arange(0, len(self.dataset), 2)).sum())
+            advice = self.trainer.preference.weight_advice(desirable, len(self.dataset) // 2 - desirable)
+            if advice:
+                logger.message(advice)
         previous = signal.signal(signal.SIGINT, self._on_interrupt)
         loader = self.loader(loader_state)
         steps_run = 0

@@ -573,6 +573,23 @@ class KtoConfig(Objective):
     def kl_rows(self) -> str:
         return "read" if self.loss_type == "kto" else "unread"
 
+    def weight_advice(self, desirable: int, undesirable: int) -> Optional[str]:
+        """Where the data's labels are unbalanced and neither weight is in the range the paper's eq. 8
+        gives (desirable_weight * desirable / (undesirable_weight * undesirable) in [1, 4/3]), what
+        TRL's KTOTrainer advises: one line naming both ranges (bounds as TRL rounds them); else None."""
+        d, u = max(desirable, 1), max(undesirable, 1)
+        if d == u:
+            return None
+        wd, wu = self.desirable_weight, self.undesirable_weight
+        for_desirable = (round(u * wu / d, 2), round(u * wu / d * 1.33, 2))
+        for_undesirable = (round(d * wd / u / 1.33, 2), round(d * wd / u, 2))
+        if for_desirable[0] <= wd <= for_desirable[1] or for_undesirable[0] <= wu <= for_undesirable[1]:
+            return None
+        return (f"kto: {desirable} desirable and {undesirable} undesirable examples; KTO's paper advises either "
+                f"'kto.desirable_weight' in [{for_desirable[0]}, {for_desirable[1]}] (at 'undesirable_weight' {wu}) "
+                f"or 'kto.undesirable_weight' in [{for_undesirable[0]}, {for_undesirable[1]}] "
+                f"(at 'desirable_weight' {wd}), not both")
+
     @property
     def sums(self) -> tuple:
         return ("loss", "kl", "rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected",
