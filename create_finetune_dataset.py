@@ -33,6 +33,9 @@ def parse_args(argv=None) -> BuildConfig:
     p.add_argument("--sequences-per-shard", type=int, default=16384,
                    help="rows per shard file (default 16384: 64 MiB at seq 2048, uint16)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing dataset of the same name")
+    p.add_argument("--unpair", action="store_true",
+                   help="preference pairs become unpaired examples for KTO: chosen desirable, rejected not "
+                        "(TRL's unpair_preference_dataset; KTOTrainer does it to pairs it is given)")
     clean = p.add_argument_group("data cleaning")
     clean.add_argument("--normalize-with-ftfy", action="store_true", help="fix text with ftfy (NFKC)")
     clean.add_argument("--normalize-with-wikitext-detokenize", action="store_true", help="undo WikiText tokenization")

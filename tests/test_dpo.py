@@ -457,9 +457,38 @@ def test_unpaired_examples_are_stored_with_their_kl_rows_and_labels(tmp_path):
             assert label == (int(tok.decode(row).split(":")[0].split()[1]) % 3 > 0)
 
 
+def test_unpair_makes_trls_unpaired_examples_of_pairs_with_kl_rows_of_other_prompts(tmp_path):
+    """--unpair: each pair is two unpaired examples, as TRL's `unpair_preference_dataset` makes them
+    (the same rows and labels as building its output); both of a pair share a prompt, so their KL
+    rows take the completion after them with another prompt: the next pair's chosen one (the last
+    pair's: the first pair's)."""
+    import datasets
+
+    import create_finetune_dataset
+    theirs = trl.unpair_preference_dataset(datasets.Dataset.from_list(TEXT_PAIRS)).to_list()
+    assert create_finetune_dataset.main([str(write_jsonl(tmp_path / "pairs.jsonl", TEXT_PAIRS)), "pairs", "--output-dir",
+                                         str(tmp_path / "a"), "--seq", str(SEQ), "--preserve-data-order", "--unpair"]) == 0
+    ours = Dataset.open(str(tmp_path / "a" / "pairs.index.json"))
+    expected = build(write_jsonl(tmp_path / "unpaired.jsonl", theirs), tmp_path / "b")
+    assert ours.labels and len(ours) == len(expected) == 4 * len(TEXT_PAIRS)
+    rows = [(ds.read(np.arange(len(ds)))[0], ds.read_labels(np.arange(len(ds)))) for ds in (ours, expected)]
+    assert sorted((r.tobytes(), l) for r, l in zip(rows[0][0][0::2], rows[0][1][0::2])) == \
+        sorted((r.tobytes(), l) for r, l in zip(rows[1][0][0::2], rows[1][1][0::2]))
+    tok = load_tokenizer("gpt2")
+    tokens, mask = ours.read(np.arange(len(ours)))
+    n = len(TEXT_PAIRS)
+    for i in range(2 * n):
+        pair, next_pair = TEXT_PAIRS[i // 2], TEXT_PAIRS[(i // 2 + 1) % n]
+        kl = tok.decode(tokens[2 * i + 1][: int(np.flatnonzero(mask[2 * i + 1])[-1]) + 2])
+        assert kl == pair["prompt"] + next_pair["chosen"].removesuffix("<|endoftext|>") + "<|endoftext|>"
+
+
 @pytest.mark.parametrize("records, message", [
-    ([{"prompt": "q", "completion": " a", "label": True}, {"prompt": "q", "completion": " b" * 40, "label": False}],
+    ([{"prompt": "q", "completion": " a", "label": True}, {"prompt": "r", "completion": " b" * 40, "label": False}],
      "one unpaired example left, once 1 longer than the row were dropped: KTO's KL estimate"),
+    ([{"prompt": "q", "completion": " a", "label": True}, {"prompt": "q", "completion": " b", "label": False}],
+     r"every unpaired example \(2\) has the same prompt: KTO's KL estimate pairs each prompt with another "
+     r"prompt's completion, so it needs two prompts at least"),
     ([{"prompt": "q", "completion": " b" * 40, "label": True}, {"prompt": "", "completion": "", "label": False}],
      r"no unpaired example left to train on: of 2 read, 1 longer than the row and 1 with nothing to train on "
      r"\(seq\+1 = 17 tokens\)"),
@@ -531,7 +560,7 @@ def test_implicit_prompt_and_dropped_pairs(form, tmp_path):
     ({"prompt": [{"role": "user", "content": "q"}], "completion": [{"role": "user", "content": "a"}], "label": False},
      "line 1: field 'completion' has no assistant message"),
     ({"prompt": "q", "completion": " a", "label": True}, "one unpaired example: KTO's KL estimate pairs each prompt "
-                                                         "with another example's completion"),
+                                                         "with another prompt's completion"),
 ])
 def test_bad_preference_records_name_the_line_and_field(record, message, tmp_path):
     with pytest.raises(DatasetError, match=message):
@@ -546,14 +575,15 @@ def test_a_pair_dataset_with_an_odd_row_count_is_refused():
 
 @pytest.mark.parametrize("other, message", [
     ({"text": "a document"}, "preference pairs .* mixed with documents"),
-    ({"prompt": "p", "completion": " a", "label": True}, "preference pairs .* mixed with unpaired examples"),
+    ({"completion": " a", "label": True}, "preference pairs .* mixed with unpaired examples"),
 ])
 def test_pairs_and_other_records_do_not_mix(other, message, tmp_path):
-    src = write_jsonl(tmp_path / "mixed.jsonl", [{"prompt": "p", "chosen": " a", "rejected": " b"}, other, other])
+    others = [{"prompt": f"p{i}", **other} if "label" in other else other for i in range(2)]
+    src = write_jsonl(tmp_path / "mixed.jsonl", [{"prompt": "p", "chosen": " a", "rejected": " b"}, *others])
     with pytest.raises(DatasetError, match=message):
         build(src, tmp_path / "out")
     assert not (tmp_path / "out").exists()
-    unpaired = [{"prompt": "p", "completion": " a", "label": True}] * 2 + [{"in_text": "q", "out_text": " r"}]
+    unpaired = [{"prompt": f"p{i}", "completion": " a", "label": True} for i in range(2)] + [{"in_text": "q", "out_text": " r"}]
     with pytest.raises(DatasetError, match="unpaired examples .* mixed with examples; KTO trains on a dataset"):
         build(write_jsonl(tmp_path / "u.jsonl", unpaired), tmp_path / "out")
 

@@ -251,6 +251,7 @@ class BuildConfig:
     sequences_per_shard: int = 16384
     overwrite: bool = False
     chat_template: str | None = None  # a Jinja file for "messages" records (default: the tokenizer's, else plain)
+    unpair: bool = False  # preference pairs become two unpaired examples (KTO's data): chosen desirable, rejected not
     verbose: bool = False
     progress: bool = False
 
@@ -397,7 +398,7 @@ def _pieces(records, tok, cfg: BuildConfig, stats: _Stats, chat: ChatTemplate, b
             for m in conversation.messages))
 
     def items():  # documents (str), examples, conversations and preference pairs, cleaned
-        for record in records:
+        for record in preferences.unpaired(records) if cfg.unpair else records:
             if isinstance(record, Example):
                 stats.add("examples")
                 yield record._replace(prompt=clean(record.prompt), completion=clean(record.completion))
@@ -486,30 +487,44 @@ def _labeled(stats) -> bool:
 
 def _with_kl_rows(pieces, width: int, stats: _Stats, where: str):
     """Each unpaired example's row (a labelled `Piece`) followed by its KL row: its prompt (the tokens
-    before its first trained one) and the next example's completion (the rest of that row), cut to
-    `width`; the last example's KL row takes the first one's completion. Other pieces pass."""
+    before its first trained one) and the completion (the rest of that row) of the next example with
+    another prompt, cut to `width` (examples in a run with one prompt, as several judged completions
+    of it, or a pair unpaired, all take the completion that follows the run); the last run takes the
+    first example's with another prompt than its own. Other pieces pass, in order."""
     def split(piece):
         start = int(np.argmax(piece.mask > 0))
         return (piece.ids[:start], piece.mask[:start]), (piece.ids[start:], piece.mask[start:])
 
-    first = waiting = None
+    def prompt(piece):
+        return split(piece)[0][0]
+
+    def flush(run, other):
+        for waiting in run:
+            yield waiting
+            yield _kl_row(split(waiting)[0], split(other)[1], waiting.label, width, stats)
+
+    firsts, run, examples = [], [], 0  # firsts: the first example of the first two prompts
     for piece in pieces:
         if piece.label is None:
             yield piece
             continue
-        if waiting is not None:
-            yield waiting
-            yield _kl_row(split(waiting)[0], split(piece)[1], waiting.label, width, stats)
-        first, waiting = first or piece, piece
-    if waiting is None:
+        examples += 1
+        if len(firsts) < 2 and not any(np.array_equal(prompt(f), prompt(piece)) for f in firsts):
+            firsts.append(piece)
+        if run and not np.array_equal(prompt(run[0]), prompt(piece)):
+            yield from flush(run, piece)
+            run = []
+        run.append(piece)
+    if not run:
         return
-    if waiting is first:
+    if len(firsts) < 2:
         dropped = _dropped(stats)
-        raise DatasetError(f"{where}: one unpaired example{f' left, once {dropped} were dropped' if dropped else ''}: "
-                           f"KTO's KL estimate pairs each prompt with another example's completion, so it needs "
-                           f"two at least")
-    yield waiting
-    yield _kl_row(split(waiting)[0], split(first)[1], waiting.label, width, stats)
+        what = (f"one unpaired example{f' left, once {dropped} were dropped' if dropped else ''}" if examples == 1
+                else f"every unpaired example ({examples}) has the same prompt")
+        raise DatasetError(f"{where}: {what}: KTO's KL estimate pairs each prompt with another prompt's "
+                           f"completion, so it needs two prompts at least")
+    same = np.array_equal(prompt(firsts[0]), prompt(run[0]))
+    yield from flush(run, firsts[1] if same else firsts[0])
 
 
 def _dropped(stats: _Stats) -> str:

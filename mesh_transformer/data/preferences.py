@@ -87,6 +87,20 @@ class LabeledConversation:
         return self.conversation.where
 
 
+def unpaired(records):
+    """`records` with each preference pair as two unpaired examples, its chosen side desirable and
+    its rejected side not (TRL's `unpair_preference_dataset`); other records as they are."""
+    for record in records:
+        if isinstance(record, TextPair):
+            yield LabeledText(record.prompt, record.chosen, True)
+            yield LabeledText(record.prompt, record.rejected, False)
+        elif isinstance(record, ConversationPair):
+            yield LabeledConversation(record.chosen, True)
+            yield LabeledConversation(record.rejected, False)
+        else:
+            yield record
+
+
 def is_unpaired(obj: dict) -> bool:
     return "completion" in obj and "label" in obj
 
