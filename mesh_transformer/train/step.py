@@ -308,7 +308,7 @@ class Trainer:
             reference_logps = losses.token_log_probs(self.model.apply(reference, tokens[:, :-1])[0], tokens[:, 1:])
         sum_sq = losses.log_sum_sq_probs(out[0]) if self.preference.needs_sum_sq else None
         total, sums, count = self.preference.pair_sums(logps, reference_logps, mask, sum_sq, parallel.psum_dp,
-                                                       nll_scale, None if labels is None else labels[:, 0])
+                                                       nll_scale)  # (labels: KTO's only, `_local_kto`)
         return self._with_balance_loss(total, out, count), sums, count  # added to the mean over pairs, as TRL adds it
 
     def _local_kto(self, policy, reference, tokens, mask, labels, rng):
