@@ -1,6 +1,8 @@
 """Small builders shared by the tests (tiny configs, meshes, random HF GPT-J checkpoints)."""
 from __future__ import annotations
 
+import os
+
 import jax
 import numpy as np
 
@@ -111,6 +113,13 @@ class Tiny:
 # initializer_range 0.2 (OPT: init_std): attention is far from uniform and activations leave their
 # linear range, so a wrong GELU, rotary pairing or norm epsilon shows up well above float32 noise.
 # Odd sizes: vocabularies not divisible by mp, partial rotary, GQA with 1 and 2 kv heads, tied and untied.
+def one_device_env(**extra: str) -> dict:
+    """os.environ for a script the test starts as a user runs it, on one CPU device: XLA_FLAGS less the
+    simulated device count (the suite's other flags kept), plus `extra`."""
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
+    return {**os.environ, "XLA_FLAGS": " ".join(flags), **extra}
+
+
 FAMILY_CASES = {
     "gptj": ("GPTJConfig", "GPTJForCausalLM", dict(
         vocab_size=101, n_positions=64, n_embd=32, n_layer=3, n_head=4, rotary_dim=4, n_inner=48,
@@ -208,6 +217,12 @@ FAMILY_CASES = {
         vocab_size=95, max_position_embeddings=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
         ffn_dim=48, do_layer_norm_before=False, init_std=0.2, pad_token_id=1, bos_token_id=2, eos_token_id=2)),
 }
+
+# A case of each family (a mixture's two layouts: experts alone, and with a shared expert), for the
+# checks whose code paths differ by family, not by each variant's details.
+ONE_CASE_PER_FAMILY = ["gptj", "gpt_neox", "llama_gqa2_llama3_rope", "gpt2", "opt_projected", "phi3_window_partial",
+                       "gemma2_softcap_window", "mixtral_window", "qwen2_moe_shared", "olmo2_gqa", "phi_gqa_yarn",
+                       "starcoder2_window"]
 
 
 def make_hf_model(path, case: str, seed: int = 0, **overrides):

@@ -19,7 +19,7 @@ import pytest
 import torch
 import trl  # the oracle (requirements-dev.txt)
 
-from helpers import make_hf_gptj, make_hf_model, mesh
+from helpers import ONE_CASE_PER_FAMILY, make_hf_gptj, make_hf_model, mesh
 from mesh_transformer import lora
 from mesh_transformer.config import Config, ConfigError, TrainConfig, config_from_dict
 from mesh_transformer.io.checkpoint import CheckpointManager
@@ -858,11 +858,6 @@ def test_a_stopped_run_resumes_with_its_reference(how, tmp_path):
         losses[name] = {r["step"]: r["train/loss"] for r in rows}
     assert losses["stopped"] == losses["straight"] and len(losses["straight"]) == 4
     assert abs(losses["straight"][1] - np.log(2)) < 1e-4
-
-
-ONE_CASE_PER_FAMILY = ["gptj", "gpt_neox", "llama_gqa2_llama3_rope", "gpt2", "opt_projected", "phi3_window_partial",
-                       "gemma2_softcap_window", "mixtral_window", "qwen2_moe_shared", "olmo2_gqa", "phi_gqa_yarn",
-                       "starcoder2_window"]
 
 
 @pytest.mark.parametrize("case", ONE_CASE_PER_FAMILY)

@@ -3,7 +3,7 @@
 Random tiny models (tests/helpers.py FAMILY_CASES) at initializer_range 0.2, so attention and
 activations are far from their near-linear regime; the measured float32 error of our logits is
 1-4e-6 on logits of magnitude ~4, hence TOL. Each case: logits on one device and on dp2 x mp4,
-export -> `from_pretrained` bit-identical, greedy generation token for token, the compiled
+export -> `from_pretrained` bit-identical, greedy generation token for token (dp1 x mp2), the compiled
 forward's all-reduce count (one per layer with a parallel residual, two with a sequential one).
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ from mesh_transformer.config import ConfigError, config_from_dict
 from mesh_transformer.generate import Generator, SamplingOptions
 from mesh_transformer.io import hf
 from mesh_transformer.train.step import Trainer
-from tests.helpers import (FAMILY_CASES, PARITY_TOL, config_for, hf_greedy, hf_logits, make_hf_model,
+from tests.helpers import (FAMILY_CASES, ONE_CASE_PER_FAMILY, PARITY_TOL, config_for, hf_greedy, hf_logits, make_hf_model,
                            max_abs_diff, mesh, parity_error, random_tokens, rounded_like_int8)
 
 TOL = PARITY_TOL
@@ -97,20 +97,12 @@ def test_export_loads_in_transformers_with_identical_logits(case, tmp_path):
     np.testing.assert_array_equal(hf_logits(reloaded, tokens), hf_logits(original, tokens))
 
 
-def test_greedy_generation_matches_hf(case):
-    _, _, torch_model, config, params = case
-    gen = Generator(config, params, mesh(1, 1))
-    prompts = [random_tokens((1, n), config.n_vocab, seed=n)[0].tolist() for n in (3, 7)]
-    outs = gen.generate(prompts, SamplingOptions(max_new_tokens=8, temperature=0))
-    for prompt, out in zip(prompts, outs):
-        assert out.tokens == hf_greedy(torch_model, prompt, 8)
-
-
-def test_decoding_fuses_qkv_and_gate_up_where_their_heads_split_alike(case):
-    """The decode layout on dp1 x mp2: q/k/v stored as one `qkv_proj` (with its `qkv_bias`), SwiGLU's
+def test_greedy_generation_matches_hf_in_the_fused_decode_layout(case):
+    """Greedy generation (prefill, then the KV cache's decode steps) on dp1 x mp2 gives transformers'
+    tokens, in the decode layout: q/k/v stored as one `qkv_proj` (with its `qkv_bias`), SwiGLU's
     gate and up as one `gate_fc_in`, each shard holding its part of each (kv heads replicated over
-    mp, as the MQA case's one head is, stay apart); the fused model's greedy tokens equal transformers'
-    (the layout apart is the one serving with LoRA adapters decodes with, tests/test_serve_lora.py)."""
+    mp, as the MQA case's one head is, stay apart). The layout apart is the one serving with LoRA
+    adapters decodes with, tests/test_serve_lora.py; one device's, tests/test_generate.py."""
     from mesh_transformer.models.layers import FUSED
     name, _, torch_model, config, params = case
     fused, apart = (Generator(config, params, mesh(1, 2), fuse=fuse) for fuse in (True, False))
@@ -126,8 +118,12 @@ def test_decoding_fuses_qkv_and_gate_up_where_their_heads_split_alike(case):
     assert [o.tokens for o in outs] == [hf_greedy(torch_model, p, 8) for p in prompts], name
 
 
+INT8_CASES = [("llama_mqa_tied_bias_linear_rope" if c == "llama_gqa2_llama3_rope" else c) for c in ONE_CASE_PER_FAMILY]
+
+
+@pytest.mark.parametrize("case", INT8_CASES, indirect=True)
 def test_int8_weights_generate_as_transformers_does_on_the_same_rounded_weights(case):
-    """Generator(quantize="int8") on dp1 x mp2 (one kv head replicated over mp in the MQA case):
+    """Generator(quantize="int8") on dp1 x mp2, a case of each family (one kv head replicated over mp in LLaMA's, MQA):
     greedy tokens equal transformers' `generate` on the weights rounded the same way, and every
     matmul weight is held as one byte per value (plus a float32 scale per output)."""
     name, _, torch_model, config, params = case

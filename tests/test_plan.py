@@ -214,16 +214,23 @@ def test_dpo_plan_counts_the_reference_and_its_forward():
     forward adds a third to the FLOPs per token. KTO holds the reference too; its microbatch is examples and
     their KL rows, which run forward only (policy and reference), so a step's FLOPs are a plain step's on
     as many rows, or 2/3 of them where the loss reads no KL row. ORPO (as CPO/SimPO) has no reference."""
+    from mesh_transformer.train import preference
     raw = {**TINY, "compute_dtype": "bfloat16"}
-    plain, dpo, orpo, kto, apo = (planner.plan(config_from_dict({**raw, **extra}), DP, MP)
-                                  for extra in ({}, {"dpo": {"beta": 0.1}}, {"orpo": {"beta": 0.1}}, {"kto": {}},
-                                                {"kto": {"loss_type": "apo_zero_unpaired"}}))
-    assert "reference" not in plain.bytes_per_device and "reference" not in orpo.bytes_per_device
+    plain, dpo, kto = (planner.plan(config_from_dict({**raw, **extra}), DP, MP)
+                       for extra in ({}, {"dpo": {"beta": 0.1}}, {"kto": {}}))
+    assert "reference" not in plain.bytes_per_device
     assert dpo.bytes_per_device["reference"] == kto.bytes_per_device["reference"] == plain.bytes_per_device["params"] // 2
-    assert dpo.tokens_per_step == orpo.tokens_per_step == kto.tokens_per_step == 2 * plain.tokens_per_step
-    assert dpo.flops_per_token == plain.flops_per_token * 4 // 3
-    assert kto.flops_per_token == plain.flops_per_token and apo.flops_per_token == plain.flops_per_token * 2 // 3
-    assert orpo.flops_per_token == plain.flops_per_token
+    assert dpo.tokens_per_step == kto.tokens_per_step == 2 * plain.tokens_per_step
+    assert dpo.flops_per_token == plain.flops_per_token * 4 // 3 and kto.flops_per_token == plain.flops_per_token
+    # the objectives planned on the same model without compiling again: their forwards per two rows
+    forwards = {key: planner._forwards_per_two_rows(preference.objective(config_from_dict({**raw, **extra}).train))
+                for key, extra in {"plain": {}, "orpo": {"orpo": {"beta": 0.1}},
+                                   "apo": {"kto": {"loss_type": "apo_zero_unpaired"}}}.items()}
+    assert forwards == {"plain": 6, "orpo": 6, "apo": 4}
+    from mesh_transformer import parallel
+    from mesh_transformer.train.step import Trainer
+    orpo, lm = (Trainer(config_from_dict({**raw, **extra}), parallel.make_mesh(MP, DP)) for extra in ({"orpo": {"beta": 0.1}}, {}))
+    assert not orpo.holds_reference and not orpo.base and orpo.global_batch == 2 * lm.global_batch
 
 
 @pytest.mark.parametrize("objective", [None, "dpo", "cpo", "orpo", "kto"])

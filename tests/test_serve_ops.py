@@ -16,7 +16,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from mesh_transformer.serve import Engine, create_app
-from tests.helpers import make_hf_gptj
+from tests.helpers import make_hf_gptj, one_device_env
 from tests.serving import KEY, client, engine, start_server, url, wait_idle  # noqa: F401
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -126,7 +126,7 @@ def serve_process(model_dir, *args):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}  # one CPU device
+    env = one_device_env(JAX_PLATFORMS="cpu")  # one CPU device
     proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "device_serve.py"), "--hf", str(model_dir),
                              "--port", str(port), *args], env=env, cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

@@ -16,6 +16,7 @@ import psutil
 import pytest
 
 from mesh_transformer.generate import SamplingOptions
+from tests.helpers import one_device_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KEY = "process-key"
@@ -31,8 +32,7 @@ def free_port() -> int:
 def launch(hf_dir, *flags) -> tuple[subprocess.Popen, str]:
     """Start device_serve.py with one CPU device (as on a laptop) and the key in the environment."""
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["MESH_TRANSFORMER_API_KEY"] = KEY
+    env = one_device_env(MESH_TRANSFORMER_API_KEY=KEY)
     proc = subprocess.Popen([sys.executable, "device_serve.py", "--hf", str(hf_dir), "--port", str(port),
                              "--dtype", "float32", *flags], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -7,7 +7,7 @@ import pytest
 import from_hf_weights
 import to_hf_weights
 from mesh_transformer.io.checkpoint import CheckpointManager
-from tests.helpers import hf_logits, make_hf_gptj, make_hf_model, random_tokens, word_tokenizer
+from tests.helpers import hf_logits, make_hf_gptj, make_hf_model, one_device_env, random_tokens, word_tokenizer
 
 
 def test_import_then_export_gives_identical_hf_logits(tmp_path):
@@ -91,7 +91,7 @@ def _export_peak_rss(ckpt_dir, out_dir) -> int:
     import os
     import subprocess
     import sys
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device, as a user runs it
+    env = one_device_env()  # one CPU device, as a user runs it
     run = subprocess.run([sys.executable, "-c", _PEAK_RSS, sys.executable, "to_hf_weights.py", "--input-ckpt",
                           str(ckpt_dir), "--output-path", str(out_dir), "--dtype", "fp16"],
                          capture_output=True, text=True, env=env, cwd=os.path.dirname(os.path.dirname(__file__)))
