@@ -302,8 +302,9 @@ def test_remat_policies_change_the_program_not_the_gradients():
     # more; what is kept for the backward pass shrinks in the same order.
     assert dots_dots == dots_none + 2 and dots_full > dots_dots
     assert temp_none > temp_dots > temp_full
-    assert max_abs_diff(grads["none"], grads["dots"]) < 1e-8
-    assert max_abs_diff(grads["none"], grads["full"]) < 1e-8
+    # to float32 rounding: the programs fuse differently (6e-8 seen at LLVM level 1, under 1e-8 at level 2)
+    assert max_abs_diff(grads["none"], grads["dots"]) < 2e-7
+    assert max_abs_diff(grads["none"], grads["full"]) < 2e-7
 
 
 def test_neftune_noise_is_hfs_on_the_embeddings_in_training_only():
