@@ -2,8 +2,7 @@
 
 The suite is mostly compile time, so XLA:CPU compiles at LLVM level 1 (level 2's extra passes cost
 about a third more; results agree to a few float32 ulps; level 0 skips fused multiply-adds and fails
-parity tests),
-and compiled programs go to one persistent JAX cache for the run (or $JAX_COMPILATION_CACHE_DIR's,
+parity tests), and compiled programs go to one persistent JAX cache for the run (or $JAX_COMPILATION_CACHE_DIR's,
 kept between runs), which the scripts the tests start inherit: a program compiled once (a tool run
 again after a kill, a fixture recompiled after JAX's caches were cleared) is loaded, not compiled."""
 import atexit

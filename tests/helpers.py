@@ -113,13 +113,6 @@ class Tiny:
 # initializer_range 0.2 (OPT: init_std): attention is far from uniform and activations leave their
 # linear range, so a wrong GELU, rotary pairing or norm epsilon shows up well above float32 noise.
 # Odd sizes: vocabularies not divisible by mp, partial rotary, GQA with 1 and 2 kv heads, tied and untied.
-def one_device_env(**extra: str) -> dict:
-    """os.environ for a script the test starts as a user runs it, on one CPU device: XLA_FLAGS less the
-    simulated device count (the suite's other flags kept), plus `extra`."""
-    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
-    return {**os.environ, "XLA_FLAGS": " ".join(flags), **extra}
-
-
 FAMILY_CASES = {
     "gptj": ("GPTJConfig", "GPTJForCausalLM", dict(
         vocab_size=101, n_positions=64, n_embd=32, n_layer=3, n_head=4, rotary_dim=4, n_inner=48,
@@ -223,6 +216,13 @@ FAMILY_CASES = {
 ONE_CASE_PER_FAMILY = ["gptj", "gpt_neox", "llama_gqa2_llama3_rope", "gpt2", "opt_projected", "phi3_window_partial",
                        "gemma2_softcap_window", "mixtral_window", "qwen2_moe_shared", "olmo2_gqa", "phi_gqa_yarn",
                        "starcoder2_window"]
+
+
+def one_device_env(**extra: str) -> dict:
+    """os.environ for a script the test starts as a user runs it, on one CPU device (the suite's other
+    XLA flags kept), plus `extra`."""
+    from mesh_transformer.cli import cpu_devices_env
+    return {**os.environ, **cpu_devices_env(1), **extra}
 
 
 def make_hf_model(path, case: str, seed: int = 0, **overrides):

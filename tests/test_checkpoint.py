@@ -263,7 +263,7 @@ print("saved 2", flush=True)
 
 def _kill_mid_save(directory: str, n: int, started) -> None:
     """Run _SAVER; SIGKILL it as soon as `started()` sees step 2 being written."""
-    env = one_device_env(JAX_PLATFORMS="cpu")
+    env = one_device_env()
     child = subprocess.Popen([sys.executable, "-c", _SAVER, directory, str(n)], env=env,
                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
@@ -358,7 +358,7 @@ def test_retention_deletes_old_steps_only_after_the_new_one_commits(tmp_path):
     are never fewer than 2 complete ones once 2 were saved; SIGKILLed as soon as step 4 is committed (before
     step 2 is pruned, or while it is), every step a restart lists restores, and its next save prunes."""
     directory = str(tmp_path / "run")
-    env = one_device_env(JAX_PLATFORMS="cpu")
+    env = one_device_env()
     child = subprocess.Popen([sys.executable, "-c", _RETAINER, directory, "400000"], env=env,
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     newest, snapshots = 0, 0

@@ -214,7 +214,9 @@ def test_dpo_plan_counts_the_reference_and_its_forward():
     forward adds a third to the FLOPs per token. KTO holds the reference too; its microbatch is examples and
     their KL rows, which run forward only (policy and reference), so a step's FLOPs are a plain step's on
     as many rows, or 2/3 of them where the loss reads no KL row. ORPO (as CPO/SimPO) has no reference."""
+    from mesh_transformer import parallel
     from mesh_transformer.train import preference
+    from mesh_transformer.train.step import Trainer
     raw = {**TINY, "compute_dtype": "bfloat16"}
     plain, dpo, kto = (planner.plan(config_from_dict({**raw, **extra}), DP, MP)
                        for extra in ({}, {"dpo": {"beta": 0.1}}, {"kto": {}}))
@@ -227,8 +229,6 @@ def test_dpo_plan_counts_the_reference_and_its_forward():
                 for key, extra in {"plain": {}, "orpo": {"orpo": {"beta": 0.1}},
                                    "apo": {"kto": {"loss_type": "apo_zero_unpaired"}}}.items()}
     assert forwards == {"plain": 6, "orpo": 6, "apo": 4}
-    from mesh_transformer import parallel
-    from mesh_transformer.train.step import Trainer
     orpo, lm = (Trainer(config_from_dict({**raw, **extra}), parallel.make_mesh(MP, DP)) for extra in ({"orpo": {"beta": 0.1}}, {}))
     assert not orpo.holds_reference and not orpo.base and orpo.global_batch == 2 * lm.global_batch
 

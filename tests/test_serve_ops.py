@@ -126,7 +126,7 @@ def serve_process(model_dir, *args):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = one_device_env(JAX_PLATFORMS="cpu")  # one CPU device
+    env = one_device_env()  # one CPU device
     proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "device_serve.py"), "--hf", str(model_dir),
                              "--port", str(port), *args], env=env, cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
