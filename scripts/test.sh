@@ -2,6 +2,7 @@
 # Fresh machine -> venv -> dependencies -> the whole test suite, with non-loopback traffic refused.
 #   bash scripts/test.sh            # everything (CI runs exactly this)
 #   bash scripts/test.sh -k hf -x   # extra arguments go to pytest
+#   TEST_WORKERS=0 bash scripts/test.sh   # in one process (default: 2 workers, a test file each at a time)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install_browser.sh  # system Chromium for the playground test (skipped when present)
@@ -20,7 +21,7 @@ elif [ "${CI:-}" = "true" ]; then
 fi
 
 status=0
-.venv/bin/python -m pytest "$@" || status=$?
+.venv/bin/python -m pytest -n "${TEST_WORKERS:-2}" --dist loadfile "$@" || status=$?
 if [ -n "${NETGUARD_LOG:-}" ] && [ -s "$NETGUARD_LOG" ]; then
   echo "non-loopback traffic was attempted:" >&2; cat "$NETGUARD_LOG" >&2; exit 1
 fi
