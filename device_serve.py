@@ -1,5 +1,5 @@
-"""Serve a model over HTTP: OpenAI-compatible `/v1/completions` and `/v1/chat/completions`, the
-original `POST /complete`, a playground page at `/`, Prometheus `/metrics`.
+"""Serve a model over HTTP: OpenAI-compatible `/v1/completions`, `/v1/chat/completions` and
+`/v1/embeddings`, the original `POST /complete`, a playground page at `/`, Prometheus `/metrics`.
 
     python device_serve.py --hf ./gpt-j-6b --mp 8 [--host 127.0.0.1] [--port 5000] [--api-key KEY]
 
@@ -14,6 +14,7 @@ import sys
 
 from mesh_transformer import cli, host_memory, loading, lora, serve
 from mesh_transformer.config import ConfigError
+from mesh_transformer.evaluate.scoring import POOLINGS
 from mesh_transformer.serve import reasoning, responses, tools
 
 
@@ -69,6 +70,13 @@ def main(argv=None):
     parser.add_argument("--responses-kept", type=int, default=responses.KEPT, metavar="N",
                         help="/v1/responses answers kept in memory for previous_response_id and GET "
                              "/v1/responses/{id} (the newest N; 0: none)")
+    parser.add_argument("--embedding-pooling", choices=list(POOLINGS),
+                        help="how POST /v1/embeddings makes a text's vector from the model's final hidden states "
+                             "(default: what a sentence-transformers directory's modules.json declares, else last): "
+                             + "; ".join(f"{k}: {v}" for k, v in POOLINGS.items()))
+    parser.add_argument("--embedding-normalize", action=argparse.BooleanOptionalAction,
+                        help="POST /v1/embeddings answers L2-normalised vectors (default: on, or as a "
+                             "sentence-transformers directory declares: a Normalize module)")
     parser.add_argument("--warmup", type=int, nargs="*", metavar="PROMPT_TOKENS",
                         help="compile prefill for every batch-size bucket at these prompt lengths (default 16) "
                              "and decode, before listening")
@@ -167,12 +175,24 @@ def main(argv=None):
                            timeout=args.timeout, max_request_bytes=args.max_request_bytes,
                            chat_template=chat_template, runtime_lora=args.enable_runtime_lora,
                            tool_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
-                           responses_kept=args.responses_kept)
+                           responses_kept=args.responses_kept, **embedding_settings(args, model.embedding))
     try:
         serve.run(app, engine, host=args.host, port=args.port, drain_timeout=args.drain_timeout)
     finally:
         engine.stop()
     return 0
+
+
+def embedding_settings(args, declared) -> dict:
+    """create_app's embedding_pooling and embedding_normalize: the flags, else what the model's
+    directory declares (`hf.embedding_pooling`), else the last token's state, normalised."""
+    pooling, normalize = declared or ("last", True)
+    pooling = args.embedding_pooling or pooling
+    normalize = normalize if args.embedding_normalize is None else args.embedding_normalize
+    logging.getLogger("mesh_transformer.serve").info(
+        "embeddings: %s pooling, %s%s", pooling, "normalised" if normalize else "not normalised",
+        " (as the model's modules.json declares)" if declared else "")
+    return {"embedding_pooling": pooling, "embedding_normalize": normalize}
 
 
 if __name__ == "__main__":

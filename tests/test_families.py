@@ -118,6 +118,31 @@ def test_greedy_generation_matches_hf_in_the_fused_decode_layout(case):
     assert [o.tokens for o in outs] == [hf_greedy(torch_model, p, 8) for p in prompts], name
 
 
+@pytest.mark.parametrize("case", ONE_CASE_PER_FAMILY, indirect=True)
+def test_embeddings_pool_the_hidden_states_transformers_base_model_returns(case, tmp_path):
+    """A base model's checkpoint (transformers' `base_model` saved: GPTJModel, MistralModel ..., what
+    sentence-transformers saves and embedding models ship) loads with a head of zeros, and its
+    embeddings (`Scorer.embed`, dp1 x mp2, right-padded rows of 3, 5, 7 and 12 tokens in one pass)
+    are the mean of transformers' `last_hidden_state` over each prompt's tokens: the states after
+    the final norm (and OPT's `project_out`), unnormalised."""
+    import torch
+    from mesh_transformer.evaluate.scoring import Scorer
+    name, _, torch_model, config, _ = case
+    torch_model.base_model.save_pretrained(tmp_path)
+    with pytest.warns(UserWarning, match=r"a base model's checkpoint \(\w+Model\) has no language-model head"):
+        base_config, params = hf.load_hf(tmp_path, compute_dtype="float32", remat="none")
+    assert base_config == config, name
+    heads = [x for module in params.values() for leaf, x in module.items() if leaf.startswith("lm_head")]
+    assert len(heads) == (0 if config.stem().tied else 1 + config.stem().head_bias) and not any(np.any(h) for h in heads)
+    scorer = Scorer.for_generator(Generator(config, params, mesh(1, 2)))
+    prompts = [random_tokens((1, n), config.n_vocab, seed=n)[0].tolist() for n in (3, 5, 7, 12)]
+    got = scorer.embed(prompts, pooling="mean", normalize=False)
+    assert got.shape == (4, scorer.hidden_size) and scorer.shapes == {(4, 16, 0, 16)}
+    with torch.no_grad():
+        want = [torch_model.base_model(torch.tensor([p])).last_hidden_state[0].mean(0).numpy() for p in prompts]
+    np.testing.assert_allclose(got, np.stack(want), atol=TOL, rtol=0, err_msg=name)
+
+
 INT8_CASES = [("llama_mqa_tied_bias_linear_rope" if c == "llama_gqa2_llama3_rope" else c) for c in ONE_CASE_PER_FAMILY]
 
 

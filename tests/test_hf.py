@@ -100,3 +100,47 @@ def test_import_errors_name_the_problem(tmp_path):
                                           "gemma3_text, gpt2, gpt_neox, gptj, granite, llama, mistral, mixtral, olmo2, olmo3, opt, phi, phi3, "
                                           "qwen2, qwen2_moe, qwen3, qwen3_moe, starcoder2"):
         hf.load_hf(tmp_path / "t5")
+
+
+ST_POOLING = "sentence_transformers.sentence_transformer.modules.pooling.Pooling"
+ST_NORMALIZE = "sentence_transformers.models.Normalize"  # the older module path, as older models list it
+
+
+@pytest.mark.parametrize("modules, pooling_config, expected", [
+    ([ST_POOLING, ST_NORMALIZE], {"embedding_dimension": 8, "pooling_mode": "lasttoken"}, ("last", True)),
+    ([ST_POOLING], {"pooling_mode": ["cls"]}, ("cls", False)),
+    ([ST_POOLING, ST_NORMALIZE], {"word_embedding_dimension": 8, "pooling_mode_cls_token": False,  # the older keys
+                                  "pooling_mode_mean_tokens": True, "pooling_mode_max_tokens": False}, ("mean", True)),
+    ([ST_POOLING], {"word_embedding_dimension": 8}, ("mean", False)),  # no mode set: sentence-transformers' default
+    ([ST_NORMALIZE], None, None),  # no Pooling module
+    (None, None, None),  # no modules.json
+])
+def test_sentence_transformers_pooling_is_read_from_modules_json(tmp_path, modules, pooling_config, expected):
+    if modules is not None:
+        (tmp_path / "modules.json").write_text(json.dumps(
+            [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"}]
+            + [{"idx": i, "name": str(i), "path": f"{i}_{t.rsplit('.', 1)[1]}", "type": t}
+               for i, t in enumerate(modules, 1)]))
+    if pooling_config is not None:
+        (tmp_path / "1_Pooling").mkdir()
+        (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps(pooling_config))
+    assert hf.embedding_pooling(tmp_path) == expected
+
+
+@pytest.mark.parametrize("files, message", [
+    ({"modules.json": "{]"}, r"modules.json: not sentence-transformers' list of modules"),
+    ({"modules.json": json.dumps([{"path": "1_Pooling", "type": ST_POOLING}])},
+     r"1_Pooling/config.json: the Pooling module's settings do not read"),
+    ({"modules.json": json.dumps([{"path": "1_Pooling", "type": ST_POOLING}]),
+      "1_Pooling/config.json": json.dumps({"pooling_mode": "max"})},
+     r"1_Pooling/config.json: pooling 'max' is not one this library runs \(lasttoken, mean, cls\): pass --embedding-pooling"),
+    ({"modules.json": json.dumps([{"path": "1_Pooling", "type": ST_POOLING}]),
+      "1_Pooling/config.json": json.dumps({"pooling_mode_mean_tokens": True, "pooling_mode_max_tokens": True})},
+     r"pooling \['max', 'mean'\] is not one this library runs"),
+])
+def test_sentence_transformers_pooling_errors_name_the_file(tmp_path, files, message):
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text(text)
+    with pytest.raises(ConfigError, match=message):
+        hf.embedding_pooling(tmp_path)

@@ -361,6 +361,26 @@ def test_echo_scores_the_prompt_with_the_adapter_named(lora_server, tiny):
     assert echoed.choices[0].text == prompts[1] + plain.choices[0].text
 
 
+def test_embeddings_run_with_the_adapter_named(lora_server, tiny):
+    """/v1/embeddings under 'chat' and 'code' (the official client): the last token's state of
+    PeftModel's base model with that adapter, normalised; the base's its own."""
+    import openai
+    from tests.serving import KEY
+    _, url, dirs = lora_server
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=60)
+    prompts = ["The quick brown fox jumps over", "Hello there"]
+    for model in ("chat", "code", "tiny"):
+        answer = client.embeddings.create(model=model, input=prompts)
+        adapted = oracle(type(tiny.torch), tiny.path, dirs.get(model))
+        adapted = adapted.get_base_model() if model in dirs else adapted
+        for prompt, d in zip(prompts, answer.data):
+            with torch.no_grad():
+                state = adapted.base_model(torch.tensor([tiny.tokenizer.encode(prompt)])).last_hidden_state[0, -1]
+            np.testing.assert_allclose(d.embedding, (state / state.norm()).numpy(), atol=2e-6, err_msg=model)
+    with pytest.raises(openai.NotFoundError, match="the model 'nope' does not exist"):
+        client.embeddings.create(model="nope", input="hi")
+
+
 def test_an_adapter_named_like_the_base_is_refused(lora_server, tiny):
     from mesh_transformer.serve import Engine, create_app
     gen, _, _ = lora_server

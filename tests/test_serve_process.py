@@ -57,7 +57,8 @@ def servers(tiny):
     """Two servers started together: the batching flags (and a tool-call parser), and a 1 ms --timeout
     (every request expires)."""
     started = [launch(tiny.path, "--max-batch", str(MAX_BATCH), "--chunk", str(CHUNK), "--join-chunk", str(JOIN_CHUNK),
-                      "--slots", str(SLOTS), "--tool-call-parser", "hermes"),
+                      "--slots", str(SLOTS), "--tool-call-parser", "hermes", "--embedding-pooling", "cls",
+                      "--no-embedding-normalize"),
                launch(tiny.path, "--timeout", "0.001")]
     try:
         for proc, url in started:
@@ -201,6 +202,21 @@ def test_timeout_flag_answers_504(servers):
     headers = {"Authorization": f"Bearer {KEY}"}
     r = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 8}, headers=headers, timeout=120)
     assert r.status_code == 504 and "timed out after 0.001 s" in r.json()["error"]["message"]
+    r = httpx.post(f"{url}/v1/embeddings", json={"input": "hi"}, headers=headers, timeout=120)
+    assert r.status_code == 504 and "timed out after 0.001 s" in r.json()["error"]["message"]
+
+
+def test_embedding_flags_pool_the_first_state_unnormalised(http, tiny):
+    """--embedding-pooling cls --no-embedding-normalize: a text's vector is transformers' first hidden
+    state as it is. Texts may use the model's whole context (32), past the decode rows' --slots (16)."""
+    import torch
+    texts = [tiny.tokenizer.encode("Hello there"), list(range(1, 31))]
+    r = http.post("/v1/embeddings", json={"input": texts})
+    assert r.status_code == 200, r.text
+    for got, ids in zip(r.json()["data"], texts):
+        with torch.no_grad():
+            want = tiny.torch.base_model(torch.tensor([ids])).last_hidden_state[0, 0].numpy()
+        np.testing.assert_allclose(got["embedding"], want, atol=1e-5)
 
 
 def test_tool_call_parser_flag_lets_auto_tool_choice_through(servers):

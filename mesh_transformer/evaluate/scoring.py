@@ -9,7 +9,10 @@
     [s] = scorer.score([[50256, 464, 3290]], tail=[1])  # only the last position: s.logprobs is [1]
     [s] = scorer.score([[50256, 464, 3290]], adapter=gen.adapters.adapters[0])  # under a served LoRA adapter
 
-The evaluator (`evaluate.lm`) and the server's `echo` (`serve.openai`) both score through here.
+    vectors = scorer.embed([[464, 3290], [50256]], pooling="last")  # [2, D] float32, L2-normalised
+
+The evaluator (`evaluate.lm`) and the server's `echo` (`serve.openai`) both score through here, and
+the server's `/v1/embeddings` embeds through here (`embed`: see `POOLINGS`).
 Prompts are sorted by length and batched: rows are powers of two (`bucket`, as in generation),
 positions four sizes per power of two (`fine_bucket`), so a whole evaluation compiles a
 handful of programs and pads little; sequences are right-padded,
@@ -45,6 +48,14 @@ from mesh_transformer.train import loss
 
 DEFAULT_BATCH_TOKENS = 8192  # rows x positions of one forward pass (activations scale with it)
 
+# Text embeddings from a language model: its final hidden states (HF's `last_hidden_state`: after
+# the final norm) pooled into one vector per text, as embedding models built on decoder LMs are
+# read (E5-Mistral, GTE-Qwen2, SFR-Embedding: the last token's state, L2-normalised; vLLM's
+# pooling types and defaults).
+POOLINGS = {"last": "the last token's state (the one state of a decoder that has seen the whole text)",
+            "mean": "the mean of the text's tokens' states (sentence-transformers' default)",
+            "cls": "the first token's state (BERT's [CLS]; a decoder's first token has seen only itself)"}
+
 
 @dataclass
 class PromptScores:
@@ -77,6 +88,16 @@ def token_scores(logits, targets, top: int):
     return logprob, jnp.take_along_axis(ids, where, axis=-1), best - log_norm[..., None]
 
 
+def pooled(hidden, weights, normalize: bool):
+    """Inside shard_map: hidden [B, K, D] at each row's pooled positions, weights [B, K] (1: the
+    prompt's, 0: padding) -> their weighted mean [B, D] float32, L2-normalised with `normalize`
+    (x / max(|x|, 1e-12), torch's `F.normalize`). Every mp shard holds all of D."""
+    mean = jnp.einsum("bkd,bk->bd", hidden.astype(jnp.float32), weights) / jnp.sum(weights, axis=1, keepdims=True)
+    if not normalize:
+        return mean
+    return mean / jnp.maximum(jnp.linalg.norm(mean, axis=-1, keepdims=True), 1e-12)
+
+
 class AdapterScoring(NamedTuple):
     """How a Scorer runs its prompts with one served LoRA adapter (`Scorer.for_generator` of a
     generator with a bank): `forward` as the Scorer's, every row under the adapter; `params(adapter)`
@@ -94,13 +115,16 @@ ADAPTERS_KEPT = 2  # served adapters whose placed leaves a Scorer keeps between 
 class Scorer:
     """A compiled scoring pass over one set of parameters on one mesh.
 
-    `forward(params, tokens [b, T]) -> logits [b, T, V/mp]` runs inside shard_map with `rules`;
+    `forward(params, tokens [b, T], positions [b, K], hidden=False) -> logits [b, K, V/mp]` at those
+    positions (with `hidden`, the final hidden states [b, K, D]) runs inside shard_map with `rules`;
     `param_specs` place `params`. Use `for_generator` or `for_trainer`."""
 
     def __init__(self, forward: Callable, params: Any, param_specs: Any, mesh: Mesh, rules, seq: int,
                  layout: parallel.Layout = parallel.Layout(), batch_tokens: int = DEFAULT_BATCH_TOKENS,
-                 prepare: Callable = lambda params: params, adapted: Optional[AdapterScoring] = None):
+                 prepare: Callable = lambda params: params, adapted: Optional[AdapterScoring] = None,
+                 hidden_size: Optional[int] = None):
         self.mesh, self.seq, self.batch_tokens, self._prepare = mesh, seq, batch_tokens, prepare
+        self.hidden_size = hidden_size  # the width of `embed`'s vectors
         self.params = prepare(params)
         self.dp = mesh.shape[parallel.DP]
         row = P(parallel.DP, None)
@@ -112,15 +136,25 @@ class Scorer:
             return jax.jit(parallel.shard_map(lambda p, t, y, w: token_scores(forward(p, t, w), y, k), mesh, rules,
                                               in_specs=(specs, row, row, row), out_specs=(row, top, top),
                                               layout=layout), out_shardings=everywhere)
+
+        def embedding(forward, specs, normalize):  # (params, tokens, pooled positions, their weights)
+            return jax.jit(parallel.shard_map(lambda p, t, w, m: pooled(forward(p, t, w, hidden=True), m, normalize),
+                                              mesh, rules, in_specs=(specs, row, row, row), out_specs=row,
+                                              layout=layout), out_shardings=everywhere)
         self._programs = {(k, False): program(forward, param_specs, k) for k in (1, TOP_LOGPROBS)}
+        self._programs.update({("embed", normalize, False): embedding(forward, param_specs, normalize)
+                               for normalize in (False, True)})
         if adapted is not None:
             specs = _joined(param_specs, adapted.specs)
             self._programs.update({(k, True): program(adapted.forward, specs, k) for k in (1, TOP_LOGPROBS)})
+            self._programs.update({("embed", normalize, True): embedding(adapted.forward, specs, normalize)
+                                   for normalize in (False, True)})
         self._adapted = adapted
         self._kept: OrderedDict[int, Any] = OrderedDict()  # adapter serial -> its placed leaves, most recent last
         self._forgotten: set[int] = set()  # serials of adapters unloaded or replaced since (never kept again)
         self._kept_lock = threading.Lock()  # `_kept`, `_forgotten` (short: `forget` never waits for a pass)
-        self.shapes: set[tuple[int, int, int, int]] = set()  # (rows, positions, K, scored positions) compiled so far
+        # (rows, positions, K (0: embeddings), scored positions) compiled so far
+        self.shapes: set[tuple[int, int, int, int]] = set()
         self._lock = threading.Lock()  # one pass at a time (a server's handlers share one scorer)
 
     @classmethod
@@ -132,26 +166,31 @@ class Scorer:
         in place from the engine's thread."""
         config, mp = gen.config, gen.mp
 
-        def forward(params, tokens, positions):
+        def forward(params, tokens, positions, hidden=False):
             empty = KVCache.zeros(config, tokens.shape[0], tokens.shape[1], 0, mp, local=True)
-            return gen.model.apply(params, tokens, empty, logit_positions=positions)[0]
+            return gen.model.apply(params, tokens, empty, logit_positions=positions, hidden=hidden)[0]
 
-        def adapted(params, tokens, positions):
+        def adapted(params, tokens, positions, hidden=False):
             with parallel.adapter_bank(gen.solo_bank, jnp.zeros(tokens.shape[:1], jnp.int32)):
-                return forward(params, tokens, positions)
+                return forward(params, tokens, positions, hidden)
         bank = None
         if gen.bank is not None:
             bank = AdapterScoring(adapted, gen.adapter_params, _bank_only(gen.param_specs))
         return cls(forward, gen.params, _base(gen.param_specs), gen.mesh, gen.rules, config.seq, gen.layout,
-                   batch_tokens, prepare=_base, adapted=bank)
+                   batch_tokens, prepare=_base, adapted=bank, hidden_size=config.stem().hidden_size(config.d_model))
 
     @classmethod
     def for_trainer(cls, trainer, params, batch_tokens: int = DEFAULT_BATCH_TOKENS) -> "Scorer":
         """Score with a training run's current `params` (float32 master weights, stacked layers, sharded
         as training keeps them; with LoRA the adapters, joined to the trainer's frozen base)."""
-        return cls(lambda p, tokens, positions: trainer.model.apply(p, tokens, logit_positions=positions)[0], params, trainer.model.param_specs(trainer.rules),
-                   trainer.mesh, trainer.rules, trainer.config.model.seq, batch_tokens=batch_tokens,
-                   prepare=lambda p: trainer.policy(p, trainer.base))
+        model = trainer.config.model
+
+        def forward(p, tokens, positions, hidden=False):
+            return trainer.model.apply(p, tokens, logit_positions=positions, hidden=hidden)[0]
+        return cls(forward, params, trainer.model.param_specs(trainer.rules),
+                   trainer.mesh, trainer.rules, model.seq, batch_tokens=batch_tokens,
+                   prepare=lambda p: trainer.policy(p, trainer.base),
+                   hidden_size=model.stem().hidden_size(model.d_model))
 
     def use(self, params) -> None:
         """Score with `params` from now on (e.g. a training run's newer ones); the programs stay compiled."""
@@ -169,9 +208,7 @@ class Scorer:
         prompts per forward pass (default: as many as `batch_tokens` allows). `adapter` (a
         `lora.ServedAdapter` of the generator's bank; None: the base): the LoRA adapter every
         prompt runs with."""
-        if adapter is not None and self._adapted is None:
-            raise ValueError(f"adapter {adapter.name!r}: this scorer has no served adapters (a generator "
-                             f"without a bank, or a training run's params)")
+        self._check_adapter(adapter)
         if not 1 <= top <= TOP_LOGPROBS:
             raise ValueError(f"top must be in [1, {TOP_LOGPROBS}], got {top}")
         for p in prompts:
@@ -187,19 +224,45 @@ class Scorer:
         k = 1 if top == 1 else TOP_LOGPROBS
         empty = PromptScores(np.zeros(0, np.float32), np.zeros((0, top), np.int32), np.zeros((0, top), np.float32))
         out: list[PromptScores] = [empty] * len(prompts)
-        order = sorted((i for i in range(len(prompts)) if len(prompts[i]) > 1), key=lambda i: -len(prompts[i]))
-        start = 0
-        while start < len(order):
-            t = fine_bucket(len(prompts[order[start]]) - 1)
-            limit = max(1, min(rows or len(order), self.batch_tokens // t))
-            n = min(1 << (limit.bit_length() - 1), len(order) - start)  # full groups: a power of two
-            group = order[start:start + n]
+        for t, group in self._groups([len(p) - 1 for p in prompts], rows):
             scored = self._pass([prompts[i] for i in group], t, k, [tail[i] for i in group] if tail else None,
                                 adapter)
             for i, (logprob, ids, values) in zip(group, scored):
                 out[i] = PromptScores(logprob, ids[:, :top], values[:, :top])
-            start += n
         return out
+
+    def embed(self, prompts: Seq[Seq[int]], pooling: str = "last", normalize: bool = True,
+              rows: Optional[int] = None, adapter=None) -> np.ndarray:
+        """[len(prompts), D] float32: each prompt's (1 to seq tokens) final hidden states pooled as
+        `POOLINGS[pooling]` says, L2-normalised with `normalize` (torch's `F.normalize`). `rows` and
+        `adapter` as in `score`. Batched as `score` batches (right-padded: causal attention keeps
+        padding out of every real position's state)."""
+        if pooling not in POOLINGS:
+            raise ValueError(f"pooling must be one of {', '.join(POOLINGS)}, got {pooling!r}")
+        self._check_adapter(adapter)
+        for p in prompts:
+            if not 1 <= len(p) <= self.seq:
+                raise ValueError(f"a prompt to embed has {len(p)} tokens; it needs 1 to {self.seq} "
+                                 f"(the context is {self.seq})")
+        out: list[Optional[np.ndarray]] = [None] * len(prompts)
+        for t, group in self._groups([len(p) for p in prompts], rows):
+            for i, vector in zip(group, self._embed_pass([prompts[i] for i in group], t, pooling, normalize,
+                                                         adapter)):
+                out[i] = vector
+        return np.stack(out) if out else np.zeros((0, 0), np.float32)
+
+    def _groups(self, lengths: Seq[int], rows: Optional[int]):
+        """(positions T, the prompts of one pass) over the prompts of these lengths (those > 0), the
+        longest first: T four sizes per power of two, rows as many as `batch_tokens` (and `rows`)
+        allow, a power of two."""
+        order = sorted((i for i in range(len(lengths)) if lengths[i] > 0), key=lambda i: -lengths[i])
+        start = 0
+        while start < len(order):
+            t = fine_bucket(lengths[order[start]])
+            limit = max(1, min(rows or len(order), self.batch_tokens // t))
+            n = min(1 << (limit.bit_length() - 1), len(order) - start)  # full groups: a power of two
+            yield t, order[start:start + n]
+            start += n
 
     def _pass(self, prompts: list[Seq[int]], t: int, k: int, tail: Optional[list[int]] = None,
               adapter=None) -> list[tuple]:
@@ -228,6 +291,34 @@ class Scorer:
             logprob, ids, top = jax.device_get(self._programs[k, adapter is not None](
                 params, tokens, np.take_along_axis(targets, positions, axis=1), positions))
         return [(logprob[i, r], ids[i, r], top[i, r]) for i, r in enumerate(keep)]
+
+    def _embed_pass(self, prompts: list[Seq[int]], t: int, pooling: str, normalize: bool, adapter=None) -> np.ndarray:
+        """One forward pass of `prompts` right-padded to `t` positions (rows bucketed) -> [len, D]: the
+        hidden states at each row's pooled positions (its last, its first, or all T), weighted (1 on
+        the prompt's own positions, 0 on padding) and averaged."""
+        n = round_up(bucket(len(prompts), 1), self.dp)
+        tokens = np.zeros((n, t), np.int32)
+        lengths = np.ones(n, np.int32)  # padding rows: one token
+        for i, p in enumerate(prompts):
+            tokens[i, :len(p)] = p
+            lengths[i] = len(p)
+        if pooling == "mean":
+            positions = np.broadcast_to(np.arange(t, dtype=np.int32), (n, t))
+            weights = (positions < lengths[:, None]).astype(np.float32)
+        else:
+            positions = (lengths - 1 if pooling == "last" else np.zeros(n, np.int32))[:, None].astype(np.int32)
+            weights = np.ones((n, 1), np.float32)
+        self.shapes.add((n, t, 0, positions.shape[1]))
+        with self._lock:
+            params = self.params if adapter is None else _joined(self.params, self._adapter_leaves(adapter))
+            vectors = jax.device_get(self._programs["embed", normalize, adapter is not None](
+                params, tokens, positions, weights))
+        return vectors[:len(prompts)]
+
+    def _check_adapter(self, adapter) -> None:
+        if adapter is not None and self._adapted is None:
+            raise ValueError(f"adapter {adapter.name!r}: this scorer has no served adapters (a generator "
+                             f"without a bank, or a training run's params)")
 
     def forget(self, serial: int) -> None:
         """Drop the placed leaves kept for the adapter of this load (it was unloaded or replaced), and

@@ -107,15 +107,34 @@ def text_model(hf: dict) -> tuple[dict, tuple[tuple[str, str], ...]]:
     return text, _TEXT_MODEL_NAMES
 
 
+_WITH_HEAD = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")  # architectures that end so have a head
+_HEAD_NAMES = ("lm_head.", "embed_out.")  # the head's tensors (GPT-NeoX's: embed_out)
+
+
+def headless(hf: dict) -> bool:
+    """Whether a config.json describes a base model's checkpoint (`architectures`: GPTJModel,
+    MistralModel ...: what sentence-transformers saves, and embedding models built on decoder LMs
+    ship, E5-Mistral among them): its tensors lack the causal LM's prefix and it has no head."""
+    names = hf.get("architectures") or []
+    return bool(names) and not any(n.endswith(_WITH_HEAD) for n in names)
+
+
 def load_hf(path: str | os.PathLike, mp: int = 1, **overrides) -> tuple[ModelConfig, dict]:
-    """Read a HF model directory -> (our config, params as numpy float32, vocab padded for `mp`)."""
+    """Read a HF model directory -> (our config, params as numpy float32, vocab padded for `mp`).
+    A base model's checkpoint (`headless`) loads with a head of zeros: every logit is 0, so it
+    embeds (its final hidden states are the checkpoint's) but does not generate; a warning says so."""
     path = Path(path)
     config_file = path / "config.json"
     if not config_file.exists():
         raise ConfigError(f"{path}: no config.json (is this a HF model directory?)")
-    hf, renames = text_model(json.loads(config_file.read_text()))
+    raw = json.loads(config_file.read_text())
+    hf, renames = text_model(raw)
     config = config_from_hf(hf, **overrides)
     read = _tensor_reader(path)
+    base = headless(raw)
+    if base:
+        warnings.warn(f"{path}: a base model's checkpoint ({', '.join(raw['architectures'])}) has no language-model "
+                      f"head: it loads with a head of zeros, so it embeds (POST /v1/embeddings) but does not generate")
 
     def get(name):
         for old, new in renames:
@@ -124,6 +143,14 @@ def load_hf(path: str | os.PathLike, mp: int = 1, **overrides) -> tuple[ModelCon
                     return read(new + name[len(old):])
                 except KeyError:
                     continue
+        if base and name.startswith(_HEAD_NAMES):  # [vocab, width] as a torch Linear stores it, or its bias
+            width = config.stem().hidden_size(config.d_model)
+            return np.zeros((config.n_vocab, width) if name.endswith("weight") else (config.n_vocab,), np.float32)
+        if base and "." in name:  # "transformer.h.0..." as GPTJModel names it: "h.0..."
+            try:
+                return read(name.split(".", 1)[1])
+            except KeyError:
+                pass
         raise ConfigError(f"{path}: tensor {name!r} is missing from the checkpoint")
 
     def ours(entry, i=None):  # the entry's leaves (of layer i), experts stacked
@@ -141,6 +168,44 @@ def load_hf(path: str | os.PathLike, mp: int = 1, **overrides) -> tuple[ModelCon
         for (module, leaf), value in zip(entry.ours, values):
             params.setdefault(_our_path(config, module), {})[leaf] = value
     return config, pad_vocab(params, config, config.padded_vocab(mp))
+
+
+# sentence-transformers' pooling modes -> ours (`evaluate.scoring.POOLINGS`); its older configs
+# set one `pooling_mode_*` key true instead of naming the mode
+_ST_POOLINGS = {"lasttoken": "last", "mean": "mean", "cls": "cls"}
+_ST_LEGACY_KEYS = {"pooling_mode_cls_token": "cls", "pooling_mode_max_tokens": "max",
+                   "pooling_mode_mean_tokens": "mean", "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len_tokens",
+                   "pooling_mode_weightedmean_tokens": "weightedmean", "pooling_mode_lasttoken": "lasttoken"}
+
+
+def embedding_pooling(path: str | os.PathLike) -> tuple[str, bool] | None:
+    """(pooling, normalize) a sentence-transformers model directory declares: its modules.json's
+    Pooling module's mode (`lasttoken` -> "last", `mean`, `cls`) and whether a Normalize module
+    follows; None where the directory has no modules.json or no Pooling module in it. A mode this
+    library does not pool by (max, weightedmean, mean_sqrt_len_tokens, several at once) is a
+    ConfigError naming the file."""
+    path = Path(path)
+    listed = path / "modules.json"
+    if not listed.exists():
+        return None
+    try:
+        modules = json.loads(listed.read_text())
+        kinds = {m["type"].rsplit(".", 1)[-1]: m.get("path", "") for m in modules}
+    except (ValueError, TypeError, KeyError, AttributeError) as e:
+        raise ConfigError(f"{listed}: not sentence-transformers' list of modules ({type(e).__name__}: {e})") from None
+    if "Pooling" not in kinds:
+        return None
+    pooling_file = path / kinds["Pooling"] / "config.json"
+    try:
+        settings = json.loads(pooling_file.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{pooling_file}: the Pooling module's settings do not read ({type(e).__name__}: {e})") from None
+    mode = settings.get("pooling_mode") or [m for key, m in _ST_LEGACY_KEYS.items() if settings.get(key)] or "mean"
+    mode = mode[0] if isinstance(mode, list) and len(mode) == 1 else mode
+    if not isinstance(mode, str) or mode not in _ST_POOLINGS:
+        raise ConfigError(f"{pooling_file}: pooling {mode!r} is not one this library runs (lasttoken, mean, cls): "
+                          f"pass --embedding-pooling to choose one")
+    return _ST_POOLINGS[mode], "Normalize" in kinds
 
 
 def pad_vocab(params: dict, config: ModelConfig, padded: int) -> dict:

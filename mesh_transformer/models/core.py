@@ -54,6 +54,10 @@ class StemSpec(NamedTuple):
     logit_softcap: Optional[float] = None  # logits soft-capped to (-cap, cap) (Gemma 2)
     logit_divisor: Optional[float] = None  # logits divided by this (Granite's logits_scaling)
 
+    def hidden_size(self, d_model: int) -> int:
+        """The width of the final hidden states (`Transformer(hidden=True)`): OPT's projected width."""
+        return self.embed_proj or d_model
+
 
 class KVCache(NamedTuple):
     """Keys and values for decoding; sharded like activations (kv heads over mp).
@@ -119,7 +123,7 @@ class Transformer(hk.Module):
 
     def __call__(self, tokens, cache: Optional[KVCache] = None, last_only: bool = False, segments=None,
                  key_keep=None, logit_positions=None, shared: Optional[SharedPrefix] = None, routers: bool = False,
-                 embed_noise: Optional[float] = None):
+                 embed_noise: Optional[float] = None, hidden: bool = False):
         """tokens [B, T] (int) -> (logits [B, T, V/mp] float32, this shard's vocabulary slice; new cache).
 
         Without a cache the T tokens are positions 0..T-1 under a causal mask (training). With a
@@ -134,6 +138,9 @@ class Transformer(hk.Module):
         returned, the mixture layers' `layers.RouterStats` summed over layers (for the
         load-balancing loss). `embed_noise` (training): NEFTune's alpha, noise on the token
         embeddings (`layers.neftune`), drawn from the rng per dp shard, the same on every mp shard.
+        `hidden`: the final hidden states [B, T, D] (float, every mp shard holds all of D) in place
+        of the logits: what HF's base model returns as `last_hidden_state` (after the final norm and
+        OPT's `project_out`), what embeddings pool.
         """
         c, stem = self.config, self.config.stem()
         ctx = _context(tokens.shape, cache, segments, key_keep, shared)._replace(attention=c.attention_impl)
@@ -176,6 +183,8 @@ class Transformer(hk.Module):
         if stem.embed_proj:
             x = dense("btd,dp->btp", x, parallel.weight("project_out", (c.d_model, stem.embed_proj),
                                                          ("embed", "embed_proj"), 1, normal(0.02), x.dtype))
+        if hidden:
+            return x, cache
         logits = embedding.attend(x, c.n_vocab) if stem.tied else LMHead(
             c.d_model, self.padded_vocab, c.n_vocab, stem.head_bias)(x)
         if stem.logit_divisor is not None:
@@ -291,11 +300,12 @@ class Model:
 
     def apply(self, params, tokens, cache: Optional[KVCache] = None, last_only: bool = False, *,
               segments=None, key_keep=None, logit_positions=None, shared: Optional[SharedPrefix] = None, rng=None,
-              routers: bool = False, embed_noise: Optional[float] = None):
+              routers: bool = False, embed_noise: Optional[float] = None, hidden: bool = False):
         """`rng`: LoRA dropout and NEFTune draw from it (None: neither). `routers` (training, no cache):
-        also return the mixture layers' `layers.RouterStats`. `embed_noise`: NEFTune's alpha (needs `rng`)."""
+        also return the mixture layers' `layers.RouterStats`. `embed_noise`: NEFTune's alpha (needs `rng`).
+        `hidden`: the final hidden states in place of the logits (embeddings)."""
         return self.transformed.apply(params, rng, tokens, cache, last_only, segments, key_keep, logit_positions,
-                                      shared, routers, embed_noise)
+                                      shared, routers, embed_noise, hidden)
 
     @functools.cached_property
     def _declared(self):
@@ -376,9 +386,9 @@ def _pairs(params, infos):
 def build(config: ModelConfig, block: Callable, mp: int = 1, lora: Optional[parallel.LoRAPlan] = None) -> Model:
     padded = config.padded_vocab(mp)
     def forward(tokens, cache=None, last_only=False, segments=None, key_keep=None, logit_positions=None,
-                shared=None, routers=False, embed_noise=None):
+                shared=None, routers=False, embed_noise=None, hidden=False):
         with parallel.lora_plan(lora):
             return Transformer(config, block, padded)(tokens, cache, last_only, segments, key_keep, logit_positions,
-                                                      shared, routers, embed_noise)
+                                                      shared, routers, embed_noise, hidden)
     transformed = hk.transform(forward)
     return Model(config, mp, transformed, lora)

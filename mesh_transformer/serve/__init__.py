@@ -7,7 +7,7 @@
 Files: `engine` (dynamic batching on the device), `openai` (OpenAI's shapes: /v1/completions,
 the original /complete, errors, streaming), `chat` (/v1/chat/completions over `io.chat_template`),
 `responses` (/v1/responses, OpenAI's Responses API, over `chat`), `tools` (tool calls), `reasoning`
-(thinking apart from answers),
+(thinking apart from answers), `embeddings` (/v1/embeddings: pooled hidden states, `evaluate.scoring`),
 `metrics` (Prometheus), `app` (routes, API key and size limits, graceful shutdown), `adapters`
 (the LoRA adapters known by name and the bank entries they take), `page.html` (the playground at GET /).
 """

@@ -4,7 +4,7 @@ Routes: `GET /` (the playground page), `POST /complete`, `POST /v1/completions`,
 `POST /v1/chat/completions`, `POST /v1/responses` (with `GET` and `DELETE /v1/responses/{id}`,
 `POST /v1/responses/input_tokens`),
 `POST /v1/messages` and `POST /v1/messages/count_tokens` (Anthropic's),
-`POST /tokenize` and `POST /detokenize` (vLLM's), `GET /v1/models` and `GET /v1/models/{id}` (read
+`POST /v1/embeddings`, `POST /tokenize` and `POST /detokenize` (vLLM's), `GET /v1/models` and `GET /v1/models/{id}` (read
 by OpenAI's and Anthropic's clients alike), `GET /health`, `GET /metrics`
 (Prometheus), and with
 runtime LoRA loading `POST /v1/load_lora_adapter`, `POST /v1/unload_lora_adapter` (vLLM's).
@@ -24,8 +24,10 @@ from typing import Optional
 
 from fastapi import Request as HttpRequest
 
+from mesh_transformer.evaluate.scoring import POOLINGS
 from mesh_transformer.io.chat_template import ChatTemplate
 from mesh_transformer.serve import chat as chat_api
+from mesh_transformer.serve import embeddings as embeddings_api
 from mesh_transformer.serve import messages as messages_api
 from mesh_transformer.serve import openai as oa
 from mesh_transformer.serve import reasoning as reasoning_api
@@ -45,7 +47,7 @@ MODEL_CARD = "/v1/models/{id}"  # and for GET of one model
 OPEN_PATHS = ("/", "/health", "/metrics")  # answered without the API key (no model output, no secrets)
 ENDPOINTS = ("/", "/complete", "/v1/completions", "/v1/chat/completions", "/v1/responses",
              "/v1/responses/input_tokens", "/v1/messages",
-             "/v1/messages/count_tokens", "/tokenize", "/detokenize", "/v1/models", "/health", "/metrics",
+             "/v1/messages/count_tokens", "/v1/embeddings", "/tokenize", "/detokenize", "/v1/models", "/health", "/metrics",
              "/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 ANTHROPIC = "/v1/messages"  # this path and those under it answer errors in Anthropic's shape
 
@@ -57,12 +59,15 @@ def anthropic_path(path: str) -> bool:
 def create_app(engine: Engine, model_name: str = "mesh-transformer", api_key: Optional[str] = None,
                timeout: float = 300.0, max_request_bytes: int = 1 << 20, max_prompts: int = 64,
                chat_template: Optional[str] = None, runtime_lora: bool = False, tool_parser: Optional[str] = None,
-               reasoning_parser: Optional[str] = None, responses_kept: int = responses_api.KEPT):
+               reasoning_parser: Optional[str] = None, responses_kept: int = responses_api.KEPT,
+               embedding_pooling: str = "last", embedding_normalize: bool = True):
     """The app over a started `engine`. `api_key` (or $MESH_TRANSFORMER_API_KEY) protects all but
     `OPEN_PATHS`; `chat_template`: Jinja source overriding the tokenizer's (see `chat`);
     `tool_parser`: how `tool_choice: "auto"` reads calls from the model's text (`tools.PARSERS`);
     `reasoning_parser`: how a reasoning model's thinking is told from its answer (`reasoning.PARSERS`);
     `responses_kept`: how many /v1/responses answers are kept for `previous_response_id` and GET;
+    `embedding_pooling`, `embedding_normalize`: how /v1/embeddings makes a text's vector from the
+    model's final hidden states (`evaluate.scoring.POOLINGS`; L2-normalised or not);
     `runtime_lora`: the routes that load and unload LoRA adapters (the engine's generator needs a
     bank: `Generator(adapters=...)`; they read directories on the server's disk, so the API key
     should be set wherever clients are not trusted)."""
@@ -76,8 +81,11 @@ def create_app(engine: Engine, model_name: str = "mesh-transformer", api_key: Op
         raise ValueError(f"tool_parser: one of {', '.join(tools_api.PARSERS)}, got {tool_parser!r}")
     if reasoning_parser is not None and reasoning_parser not in reasoning_api.PARSERS:
         raise ValueError(f"reasoning_parser: one of {', '.join(reasoning_api.PARSERS)}, got {reasoning_parser!r}")
+    if embedding_pooling not in POOLINGS:
+        raise ValueError(f"embedding_pooling: one of {', '.join(POOLINGS)}, got {embedding_pooling!r}")
     settings = oa.Settings(engine, model_name, timeout, max_prompts, ChatTemplate(engine.tokenizer, chat_template),
-                           tool_parser, reasoning_parser, responses_api.Store(responses_kept))
+                           tool_parser, reasoning_parser, responses_api.Store(responses_kept), embedding_pooling,
+                           embedding_normalize)
     created = int(time.time())
     if runtime_lora and engine.adapters is None:
         raise ValueError("runtime_lora needs a generator with a bank of adapter entries (Generator(adapters=...))")
@@ -150,7 +158,7 @@ def create_app(engine: Engine, model_name: str = "mesh-transformer", api_key: Op
              "/v1/chat/completions": chat_api.chat_completions, "/v1/responses": responses_api.create,
              "/v1/responses/input_tokens": responses_api.input_tokens,
              "/v1/messages": messages_api.create, "/v1/messages/count_tokens": messages_api.count_tokens,
-             "/tokenize": tokens_api.tokenize,
+             "/v1/embeddings": embeddings_api.create, "/tokenize": tokens_api.tokenize,
              "/detokenize": tokens_api.detokenize}
     if runtime_lora:
         posts.update({"/v1/load_lora_adapter": oa.load_lora_adapter, "/v1/unload_lora_adapter": oa.unload_lora_adapter})
