@@ -43,6 +43,22 @@ def test_vectors_are_transformers_last_token_state_normalised(client, tiny):
     assert one.data[0].embedding == answer.data[1].embedding and one.usage.prompt_tokens == len(ids[1])
 
 
+def test_requests_that_wait_together_share_one_pass(engine, tiny):
+    """Eight requests of a text each, waiting while none runs: one pass of eight rows, each request
+    answered its own text's vector (transformers' last state, normalised)."""
+    import asyncio
+
+    from mesh_transformer.serve.embeddings import Embedder
+    embedder = Embedder(engine.gen, "last", True)
+    ids = [tiny.tokenizer.encode(t) for t in TEXTS] + [[5, 6, 7], [9], [10, 11], [12, 13, 14, 15], [16]]
+
+    async def together():
+        return await asyncio.gather(*(embedder.embed([p]) for p in ids))
+    got = asyncio.run(together())
+    assert embedder.passes == 1 and all(v.shape == (1, 32) for v in got)
+    np.testing.assert_allclose(np.concatenate(got), [unit(hf_states(tiny, p)[-1]) for p in ids], atol=TOL)
+
+
 @pytest.mark.parametrize("pooling", ["mean", "cls"])
 def test_pooling_and_normalizing_are_the_servers_settings(engine, tiny, pooling):
     server, base = start_server(create_app(engine, model_name="tiny", api_key=KEY, embedding_pooling=pooling,

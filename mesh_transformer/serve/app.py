@@ -84,8 +84,8 @@ def create_app(engine: Engine, model_name: str = "mesh-transformer", api_key: Op
     if embedding_pooling not in POOLINGS:
         raise ValueError(f"embedding_pooling: one of {', '.join(POOLINGS)}, got {embedding_pooling!r}")
     settings = oa.Settings(engine, model_name, timeout, max_prompts, ChatTemplate(engine.tokenizer, chat_template),
-                           tool_parser, reasoning_parser, responses_api.Store(responses_kept), embedding_pooling,
-                           embedding_normalize)
+                           tool_parser, reasoning_parser, responses_api.Store(responses_kept),
+                           embeddings_api.Embedder(engine.gen, embedding_pooling, embedding_normalize))
     created = int(time.time())
     if runtime_lora and engine.adapters is None:
         raise ValueError("runtime_lora needs a generator with a bank of adapter entries (Generator(adapters=...))")

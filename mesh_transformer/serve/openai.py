@@ -61,8 +61,7 @@ class Settings:
     tool_parser: Optional[str] = None  # tools.PARSERS' key: how "auto" tool choice reads calls from text
     reasoning_parser: Optional[str] = None  # reasoning.PARSERS' item: how replies' thinking is told from answers
     responses: Any = None  # responses.Store: the kept responses of /v1/responses
-    embedding_pooling: str = "last"  # /v1/embeddings: `evaluate.scoring.POOLINGS`' key
-    embedding_normalize: bool = True  # /v1/embeddings: L2-normalised vectors
+    embedder: Any = None  # embeddings.Embedder: /v1/embeddings' passes
 
 
 class _Strict(BaseModel):
