@@ -15,6 +15,7 @@ import sys
 from mesh_transformer import cli, host_memory, loading, lora, serve
 from mesh_transformer.config import ConfigError
 from mesh_transformer.evaluate.scoring import POOLINGS
+from mesh_transformer.io import hf
 from mesh_transformer.serve import reasoning, responses, tools
 
 
@@ -149,6 +150,7 @@ def main(argv=None):
             if args.max_lora_rank and isinstance(rank, int) and rank > args.max_lora_rank:
                 raise ConfigError(f"--lora-modules {name}={path}: rank {rank} is above --max-lora-rank "
                                   f"{args.max_lora_rank}")
+        embeddings = embedding_settings(args)  # before the weights load: a bad modules.json fails at once
         model = loading.from_args(args)
         model_name = args.model_name or model.name
         if model_name in {name for name, _ in adapters}:
@@ -175,7 +177,7 @@ def main(argv=None):
                            timeout=args.timeout, max_request_bytes=args.max_request_bytes,
                            chat_template=chat_template, runtime_lora=args.enable_runtime_lora,
                            tool_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
-                           responses_kept=args.responses_kept, **embedding_settings(args, model.embedding))
+                           responses_kept=args.responses_kept, **embeddings)
     try:
         serve.run(app, engine, host=args.host, port=args.port, drain_timeout=args.drain_timeout)
     finally:
@@ -183,9 +185,18 @@ def main(argv=None):
     return 0
 
 
-def embedding_settings(args, declared) -> dict:
-    """create_app's embedding_pooling and embedding_normalize: the flags, else what the model's
-    directory declares (`hf.embedding_pooling`), else the last token's state, normalised."""
+def embedding_settings(args) -> dict:
+    """create_app's embedding_pooling and embedding_normalize: the flags, else what an --hf
+    sentence-transformers directory declares (`hf.embedding_pooling`; a pooling it declares that
+    this library does not run is a ConfigError unless --embedding-pooling chooses one), else the
+    last token's state, normalised."""
+    declared = None
+    if args.hf and (args.embedding_pooling is None or args.embedding_normalize is None):
+        try:
+            declared = hf.embedding_pooling(args.hf)
+        except ConfigError:
+            if args.embedding_pooling is None:
+                raise
     pooling, normalize = declared or ("last", True)
     pooling = args.embedding_pooling or pooling
     normalize = normalize if args.embedding_normalize is None else args.embedding_normalize

@@ -39,7 +39,6 @@ class LoadedModel:
     name: str  # for logs and /v1/models: the directory's base name
     quantize: Optional[str] = None  # the generator's weights: None (the compute dtype) or "int8"
     eos_token_ids: tuple[int, ...] = ()  # what ends a generation (`end_of_text_ids`)
-    embedding: Optional[tuple[str, bool]] = None  # (pooling, normalize) a sentence-transformers directory declares
 
     def generator(self, matvec: Optional[bool] = None, adapters=None, slots: Optional[int] = None,
                   rank: Optional[int] = None, every_linear: bool = False, host: Optional[int] = None):
@@ -166,9 +165,7 @@ def _load_hf(path, override: Optional[Config], tokenizer, mp, dp, dtype) -> Load
     model.check_mesh(mesh.shape, zero=False)
     params = jax.tree.map(lambda x: x.astype(jax.numpy.dtype(dtype)), params)  # cast before the transfer
     shardings = parallel.named(mesh, model.param_specs(model.rules(False, mesh.shape[parallel.MP]), params))
-    loaded = _loaded(config, jax.device_put(params, shardings), tokenizer, path, mesh, path)
-    loaded.embedding = hf.embedding_pooling(path)
-    return loaded
+    return _loaded(config, jax.device_put(params, shardings), tokenizer, path, mesh, path)
 
 
 def _load_ckpt(path, override: Optional[Config], tokenizer, mp, dp, dtype) -> LoadedModel:

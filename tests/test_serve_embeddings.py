@@ -132,22 +132,39 @@ def test_a_sentence_transformers_directory_serves_what_that_library_encodes(sent
     from mesh_transformer import loading
     from mesh_transformer.serve import Engine
     path = sentence_models[pooling]
+    flags = lambda pooling=None, normalize=None: argparse.Namespace(  # noqa: E731 - device_serve.py's
+        hf=str(path), embedding_pooling=pooling, embedding_normalize=normalize)
+    settings = device_serve.embedding_settings(flags())
+    assert settings == {"embedding_pooling": pooling, "embedding_normalize": pooling == "last"}
+    assert device_serve.embedding_settings(flags("cls", True)) == {"embedding_pooling": "cls",
+                                                                   "embedding_normalize": True}
     with pytest.warns(UserWarning, match="has no language-model head"):
         model = loading.load(hf=str(path), mp=1, dp=1, dtype="float32")
-    assert model.embedding == (pooling, pooling == "last")
-    flags = lambda pooling=None, normalize=None: argparse.Namespace(embedding_pooling=pooling,  # noqa: E731
-                                                                     embedding_normalize=normalize)
-    settings = device_serve.embedding_settings(flags(), model.embedding)
-    assert settings == {"embedding_pooling": pooling, "embedding_normalize": pooling == "last"}
-    assert device_serve.embedding_settings(flags("cls", True), model.embedding) == {
-        "embedding_pooling": "cls", "embedding_normalize": True}
-    engine = Engine(model.generator(), model.tokenizer, max_batch=2, chunk=2).start()
-    server, base = start_server(create_app(engine, model_name="sentence", api_key=KEY, **settings))
+    served = Engine(model.generator(), model.tokenizer, max_batch=2, chunk=2).start()
+    server, base = start_server(create_app(served, model_name="sentence", api_key=KEY, **settings))
     try:
-        client = OpenAI(base_url=f"{base}/v1", api_key=KEY, max_retries=0, timeout=60)
-        got = np.array([d.embedding for d in client.embeddings.create(model="sentence", input=TEXTS).data])
+        sdk = OpenAI(base_url=f"{base}/v1", api_key=KEY, max_retries=0, timeout=60)
+        got = np.array([d.embedding for d in sdk.embeddings.create(model="sentence", input=TEXTS).data])
     finally:
         server.should_exit = True
-        engine.stop()
+        served.stop()
     want = SentenceTransformer(str(path), device="cpu").encode(TEXTS)
     np.testing.assert_allclose(got, want, atol=TOL)
+
+
+def test_a_pooling_this_library_does_not_run_needs_the_flag(tmp_path):
+    """A directory whose Pooling module takes the max: device_serve.py stops before loading weights,
+    naming the file and the flag; with --embedding-pooling the flag's pooling is used."""
+    import argparse
+    import json
+
+    import device_serve
+    from mesh_transformer.config import ConfigError
+    (tmp_path / "1_Pooling").mkdir()
+    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode": "max"}))
+    (tmp_path / "modules.json").write_text(json.dumps([{"path": "1_Pooling", "type": "x.Pooling"}]))
+    flags = lambda pooling: argparse.Namespace(hf=str(tmp_path), embedding_pooling=pooling,  # noqa: E731
+                                               embedding_normalize=None)
+    with pytest.raises(ConfigError, match=r"1_Pooling/config.json: pooling 'max' .*pass --embedding-pooling"):
+        device_serve.embedding_settings(flags(None))
+    assert device_serve.embedding_settings(flags("mean")) == {"embedding_pooling": "mean", "embedding_normalize": True}
