@@ -21,7 +21,7 @@ elif [ "${CI:-}" = "true" ]; then
 fi
 
 status=0
-.venv/bin/python -m pytest -n "${TEST_WORKERS:-2}" --dist loadfile "$@" || status=$?
+.venv/bin/python -m pytest -n "${TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder "$@" || status=$?
 if [ -n "${NETGUARD_LOG:-}" ] && [ -s "$NETGUARD_LOG" ]; then
   echo "non-loopback traffic was attempted:" >&2; cat "$NETGUARD_LOG" >&2; exit 1
 fi

@@ -26,6 +26,25 @@ for key, value in {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "NO_GCE_C
 
 import pytest  # noqa: E402  (after the environment is set, before jax is imported by tests)
 
+# The files that take longest, longest first (the rest follow, most tests first). scripts/test.sh's
+# two workers take whole files in this order (--no-loadscope-reorder): by pytest-xdist's own order,
+# most tests first, the few long tests of a cluster, a training script or a server started as a
+# process came last, and one worker ran them alone for the last minutes of the run.
+LONGEST_FILES = ("test_families.py", "test_cluster.py", "test_dpo.py", "test_device_train.py",
+                 "test_serve_prefix.py", "test_serve_ops.py", "test_family_tools.py", "test_serve_replies.py",
+                 "test_eval.py", "test_serve_lora.py", "test_kernels.py", "test_generate.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Order the collected tests by `LONGEST_FILES`, then the other files by their number of tests;
+    a file's own tests keep their order."""
+    counts: dict[str, int] = {}
+    for item in items:
+        counts[item.path.name] = counts.get(item.path.name, 0) + 1
+    rank = {name: i for i, name in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda item: (rank.get(item.path.name, len(rank)), -counts[item.path.name], item.path.name))
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
