@@ -57,7 +57,10 @@ def test_chat_greedy_equals_library_generation_of_the_rendered_prompt(client, ge
 
 
 def test_chat_stream_adds_up_to_the_whole_answer(client):
-    kw = dict(model="tiny", messages=HI, max_tokens=10, temperature=0)
+    # 12 tokens (all the 32-token context leaves): the answer's 1st, 2nd and 6th tokens end inside a
+    # UTF-8 character, which a stream holds back until it completes, and where the decode calls
+    # happened to end after them a 10-token answer came out in one piece
+    kw = dict(model="tiny", messages=HI, max_tokens=12, temperature=0)
     whole = client.chat.completions.create(**kw)
     chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
     assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].choices[0].delta.content == ""
