@@ -67,6 +67,7 @@ class ModelConfig:
     compute_dtype: str = "bfloat16"
     remat: str = "full"
     attention_impl: str = "xla"  # "cudnn": jax.nn.dot_product_attention, cuDNN flash attention on NVIDIA GPUs
+    num_labels: int = 0  # 0: a language model; > 0: a classifier (HF's ForSequenceClassification; 1: a reward model)
 
     PE_CHOICES: typing.ClassVar[tuple[str, ...]] = ("rotary", "fixed", "none", "alibi")
 
@@ -128,6 +129,8 @@ class ModelConfig:
             out["n_kv_heads"] = self.n_heads
         if self.pe == "fixed":
             out["seq"] = self.seq
+        if not self.num_labels:  # (a language model: what checkpoints written before classifiers record)
+            out.pop("num_labels")
         if isinstance(out.get("rope_scaling"), dict):
             out["rope_scaling"] = canonical_rope_scaling(out["rope_scaling"])
         return out
@@ -147,6 +150,15 @@ class ModelConfig:
         require(self.attention_impl in ATTENTION_IMPLS, "attention_impl",
                 f"must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}")
         require(self.layer_norm_eps > 0, "layer_norm_eps", "must be positive")
+        require(isinstance(self.num_labels, int) and self.num_labels >= 0, "num_labels",
+                f"must be 0 (a language model) or the classifier's label count (1: a reward model), "
+                f"got {self.num_labels!r}")
+
+    @property
+    def classifier(self) -> bool:
+        """A sequence classifier (or reward model): a score head of `num_labels` outputs in place of
+        the language-model head, read at each row's last token."""
+        return self.num_labels > 0
 
 
 @dataclass(frozen=True)
@@ -188,6 +200,7 @@ class TrainConfig:
     cpo: Optional[dict] = None  # {"beta", "loss_type", "cpo_alpha", "simpo_gamma", ...}: CPO / SimPO, no reference
     orpo: Optional[dict] = None  # {"beta"}: ORPO, no reference
     kto: Optional[dict] = None  # {"beta", "desirable_weight", "undesirable_weight", "loss_type"}: KTO, unpaired data
+    reward: Optional[dict] = None  # {"center_rewards_coefficient"}: a reward model (num_labels 1) on pairs
     bf16_optimizer: bool = False  # Adam moments in bfloat16 (the original v2's key)
     fcm_max_ratio: float = 0.0  # forgetful causal masking: mask up to this fraction of keys (training only)
     fcm_min_ratio: float = 0.0
@@ -201,7 +214,7 @@ class TrainConfig:
 
     @property
     def preferences(self) -> tuple[str, ...]:
-        """The keys of the preference objectives set ("dpo", "cpo", "orpo", "kto"; `validate` allows one)."""
+        """The keys of the preference objectives set ("dpo", "cpo", "orpo", "kto", "reward"; `validate` allows one)."""
         return tuple(key for key in PREFERENCE_KEYS if getattr(self, key) is not None)
 
     @property
@@ -218,7 +231,7 @@ class TrainConfig:
 
 
 # the objectives on preference data (train/preference.py), one at most: on pairs, and KTO on unpaired examples
-PREFERENCE_KEYS = ("dpo", "cpo", "orpo", "kto")
+PREFERENCE_KEYS = ("dpo", "cpo", "orpo", "kto", "reward")
 
 
 @dataclass(frozen=True)
@@ -229,6 +242,8 @@ class Config:
     def to_json_dict(self) -> dict:
         """The flat original-style dict; `config_from_dict(c.to_json_dict()) == c`."""
         out = {**dataclasses.asdict(self.model), **dataclasses.asdict(self.train)}
+        if not self.model.num_labels:  # a language model's config as versions before classifiers wrote it
+            out.pop("num_labels")
         return {k: v for k, v in out.items() if v is not None}
 
 
@@ -356,6 +371,8 @@ def validate(config: Config) -> None:
                                               and 0 < t.neftune_noise_alpha < float("inf")),
             "neftune_noise_alpha", f"must be a positive number (NEFTune's alpha, e.g. 5) or null, "
                                    f"got {t.neftune_noise_alpha!r}")
+    require(not (m.classifier and t.lora is not None), "lora",
+            f"a classifier (num_labels {m.num_labels}) trains whole: LoRA would leave its new score head as drawn")
     if t.lora is not None:
         from mesh_transformer import lora
         lora.resolve(m, lora.LoraConfig.from_dict(t.lora))
@@ -364,6 +381,10 @@ def validate(config: Config) -> None:
         require(len(t.preferences) == 1, t.preferences[-1],
                 f"one preference objective at most: {' and '.join(t.preferences)} are both set")
         preference.objective(t)
+        require(m.num_labels == 1 if t.preference == "reward" else not m.classifier, "num_labels",
+                f"'reward' trains a reward model, a classifier of one output: set num_labels 1, got {m.num_labels}"
+                if t.preference == "reward" else f"a classifier ({m.num_labels} labels) trains with 'reward' only, "
+                                                 f"not '{t.preference}'")
         for key in ("fcm_max_ratio", "z_loss", "neftune_noise_alpha"):  # of the language-model loss, which it replaces
             require(not getattr(t, key), key, f"applies to the language-model loss only; with '{t.preference}' "
                                               f"set it to {'null' if key == 'neftune_noise_alpha' else 0}")

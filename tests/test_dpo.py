@@ -10,6 +10,7 @@ import copy
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -258,6 +259,74 @@ def test_reference_free_objectives_equal_trl(variant, tmp_path):
     assert not tr.needs_reference and not tr.holds_reference
     names = [n for n in tr.metric_names[1:] if n != "nll_loss" or options.get("cpo_alpha", 1.0)]  # TRL logs 0 then
     assert_same_step(tr, params, tokens, mask, loss.item(), logged, expected, names)
+
+
+# ----------------------------------------------------------------------------- reward models
+
+def hf_reward_model(path, seed: int = 0):
+    """A tiny LlamaForSequenceClassification of one output (GPT-2's vocabulary) saved to `path`."""
+    import torch
+    import transformers
+    lm = make_hf_model(path / "lm", CASE, seed=seed, vocab_size=GPT2_VOCAB)
+    config = transformers.LlamaConfig.from_dict({**lm.config.to_dict(), "id2label": {0: "LABEL_0"},
+                                                        "label2id": {"LABEL_0": 0}, "architectures": None})
+    torch.manual_seed(seed + 1)
+    model = transformers.LlamaForSequenceClassification(config)
+    model.load_state_dict(lm.state_dict(), strict=False)
+    model.save_pretrained(path)
+    return model
+
+
+@pytest.mark.parametrize("reward", [{}, {"center_rewards_coefficient": 0.3}])
+def test_reward_model_equals_trl(reward, tmp_path):
+    """A reward model (num_labels 1, config key 'reward') on the pairs: its rows are TRL's
+    RewardTrainer's (prompt and completion, EOS appended), each row's reward is read at its last
+    token (TRL's model reads the last token that is not its pad token, a token the data lacks here),
+    and on one batch the loss, TRL's accuracy, margin and mean reward, and every gradient equal TRL's
+    (float32, dp2 x mp2)."""
+    import datasets
+    policy = hf_reward_model(tmp_path / "policy")
+    tok = copy.deepcopy(load_tokenizer("gpt2"))
+    tok.pad_token = tok.convert_ids_to_tokens(50000)
+    args = trl.RewardConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=len(TEXT_PAIRS),
+                            report_to="none", use_cpu=True, bf16=False, **reward)
+    theirs = trl.RewardTrainer(model=policy, args=args, processing_class=tok,
+                               train_dataset=datasets.Dataset.from_list(TEXT_PAIRS))
+    ds = build(write_jsonl(tmp_path / "pairs.jsonl", TEXT_PAIRS), tmp_path / "data")
+    tokens, mask = ds.read(np.arange(len(ds)))
+    for i, row in enumerate(theirs.train_dataset):
+        for side, ids in enumerate((row["chosen_ids"], row["rejected_ids"])):
+            assert tokens[2 * i + side, :len(ids)].tolist() == ids and 50000 not in ids
+            assert mask[2 * i + side, len(ids) - 2] == 1 and not mask[2 * i + side, len(ids) - 1:].any()
+
+    loss, logged = trl_step(theirs)
+    assert logged["accuracy"] not in (0.0, 1.0) or abs(logged["margin"]) > 1e-3  # the rewards differ
+    config, params = hf.load_hf(str(tmp_path / "policy"), mp=2)
+    config = dataclasses.replace(config, compute_dtype="float32", remat="none")
+    assert config.num_labels == 1
+    tr = Trainer(Config(config, TrainConfig(per_replica_batch=len(TEXT_PAIRS) // 2, cores_per_replica=2,
+                                            reward=reward)), mesh(2, 2))
+    assert tr.base == {} and tr.metric_names == ("loss", "accuracy", "margin", "mean_reward")
+    expected = hf_grads_as_params(policy, tmp_path / "grads")
+    assert_same_step(tr, params, tokens, mask, loss, logged, expected, ("accuracy", "margin", "mean_reward"))
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(num_labels=1), "num_labels 1: a classifier trains as a reward model only"),
+    (dict(reward={}), "config key 'num_labels': 'reward' trains a reward model, a classifier of one output: set "
+                      "num_labels 1, got 0"),
+    (dict(num_labels=2, reward={}), "set num_labels 1, got 2"),
+    (dict(num_labels=1, dpo={}), "a classifier (1 labels) trains with 'reward' only, not 'dpo'"),
+    (dict(num_labels=1, reward={}, lora={"rank": 2}), "config key 'lora': a classifier (num_labels 1) trains whole"),
+    (dict(num_labels=1, reward={"center_rewards_coefficient": -1}),
+     "config key 'reward.center_rewards_coefficient' must be a number at least 0, or null, got -1"),
+    (dict(num_labels=1, reward={"margin": 1}), "reward"),
+    (dict(num_labels=-1), "config key 'num_labels': must be 0 (a language model) or the classifier's label count"),
+])
+def test_bad_reward_model_config_is_one_clear_error(overrides, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        Trainer(config_from_dict({"layers": 1, "d_model": 8, "n_heads": 1, "n_vocab": 16, "seq": 8, **overrides}),
+                mesh(1, 1))
 
 
 # KTO's unpaired examples: text and conversational, both labels, one completion ending with EOS's text.
@@ -751,6 +820,39 @@ def test_an_orpo_run_needs_no_reference(tmp_path):
     config.write_text(json.dumps({**raw, "orpo": None, "dpo": {"beta": 0.1}, "total_steps": 8}))
     code, out = device_train(config, "--hf", str(hf_dir))
     assert code != 0 and "its step 6 trained with objective 'orpo', this config with 'dpo'" in out, out[-3000:]
+
+
+def test_a_reward_model_run_starts_from_a_language_model_learns_and_exports_to_transformers(tmp_path):
+    """device_train.py trains a reward model from a causal LM's HF checkpoint (`--hf`, num_labels 1:
+    the head is dropped and a score head drawn, with a warning): the chosen completions' rewards
+    rise above the rejected ones' in training and validation, and to_hf_weights.py writes a
+    GPTJForSequenceClassification that transformers loads and that ranks the held-out pairs as the
+    run's validation did."""
+    import torch
+    import transformers
+    hf_dir, data = snow_run_inputs(tmp_path)
+    config = run_config(tmp_path / "rm", data, dpo=None, reward={}, num_labels=1, ckpt_every=6, lr=1e-2)
+    code, out = device_train(config, "--hf", str(hf_dir))
+    assert code == 0, out[-3000:]
+    assert "a language model's checkpoint read as a classifier of 1 label(s)" in out
+    rows = {r["step"]: r for r in logged(config)}
+    assert rows[6]["train/loss"] < rows[1]["train/loss"] and rows[6]["train/accuracy"] == 1.0
+    assert rows[6]["train/margin"] > rows[1]["train/margin"] and rows[6]["val/accuracy_held"] == 1.0
+    extras = CheckpointManager(str(tmp_path / "rm" / "ckpt"), read_only=True).extras(6)
+    assert extras["objective"] == "reward" and preference.REFERENCE_KEY not in extras
+
+    export = subprocess.run([sys.executable, "to_hf_weights.py", "--input-ckpt", str(tmp_path / "rm" / "ckpt"),
+                             "--output-path", str(tmp_path / "export"), "--dtype", "fp32", "--cpu"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert export.returncode == 0, export.stdout[-2000:] + export.stderr[-2000:]
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path / "export").eval()
+    assert type(model).__name__ == "GPTJForSequenceClassification" and model.config.num_labels == 1
+    tokenizer = load_tokenizer("gpt2")
+    with torch.no_grad():  # one text at a time: its last token is the one read (EOS, as the rows end)
+        reward = lambda text: model(torch.tensor([tokenizer.encode(text + "<|endoftext|>")])).logits.item()  # noqa: E731
+        margins = [reward(p["prompt"] + p["chosen"]) - reward(p["prompt"] + p["rejected"]) for p in SNOW[16:]]
+    assert min(margins) > 0
+    assert np.mean(margins) == pytest.approx(rows[6]["val/margin_held"], rel=1e-3)
 
 
 def test_a_kto_run_learns_from_unpaired_labels_and_validates(tmp_path):

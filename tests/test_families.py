@@ -143,6 +143,58 @@ def test_embeddings_pool_the_hidden_states_transformers_base_model_returns(case,
     np.testing.assert_allclose(got, np.stack(want), atol=TOL, rtol=0, err_msg=name)
 
 
+def hf_classifier(torch_model, labels: int, path, seed: int = 3):
+    """transformers' ForSequenceClassification of `torch_model`'s architecture with its weights and a
+    random score head of `labels` outputs, padding id 0, saved to `path`."""
+    import torch
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES as CLASSES
+    names = {i: f"LABEL_{i}" for i in range(labels)}
+    config = type(torch_model.config).from_dict({**torch_model.config.to_dict(), "id2label": names, "pad_token_id": 0,
+                                                 "label2id": {v: k for k, v in names.items()}, "architectures": None})
+    torch.manual_seed(seed)
+    model = getattr(transformers, CLASSES[config.model_type])(config).eval()
+    missing, _ = model.load_state_dict(torch_model.state_dict(), strict=False)
+    assert missing == ["score.weight"]
+    model.save_pretrained(path)
+    return model
+
+
+@pytest.mark.parametrize("case", ONE_CASE_PER_FAMILY, indirect=True)
+def test_a_classifier_scores_as_transformers_sequence_classifier_and_exports_as_one(case, tmp_path):
+    """Every family's ForSequenceClassification checkpoint loads as a classifier (`num_labels`, HF's
+    `score` in place of the language-model head), and its scores at each right-padded row's last
+    token are transformers' (which reads the last token that is not padding); exported, transformers
+    loads it back as the same class with the same numbers."""
+    import torch
+    import transformers
+    from mesh_transformer.models.core import last_token_scores
+    name, _, torch_model, lm_config, _ = case
+    theirs = hf_classifier(torch_model, 3, tmp_path / "hf")
+    config, params = hf.load_hf(tmp_path / "hf", compute_dtype="float32", remat="none")
+    assert config == dataclasses.replace(lm_config, num_labels=3) and config.classifier, name
+    assert set(params) == set(models.build(config).abstract_params) and f"{config.family}/score" in params
+    assert not any(leaf.startswith("lm_head") for module in params.values() for leaf in module)
+    lengths = np.array([4, 9, 13])
+    tokens = random_tokens((3, 13), config.n_vocab, seed=2) % (config.n_vocab - 1) + 1  # (0 is padding)
+    tokens[np.arange(13)[None, :] >= lengths[:, None]] = 0
+    with torch.no_grad():
+        want = theirs(torch.tensor(tokens, dtype=torch.long), attention_mask=torch.tensor(tokens != 0)).logits.numpy()
+    scores = jax.jit(lambda p, t: models.build(config).apply(p, t)[0])(params, tokens)
+    got = np.asarray(last_token_scores(scores, jax.numpy.asarray(lengths - 1)))
+    assert np.abs(want).max() > 0.1
+    np.testing.assert_allclose(got, want, atol=TOL, rtol=0, err_msg=name)
+    hf.save_hf(params, config, tmp_path / "out")
+    back = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path / "out").eval()
+    assert type(back) is type(theirs) and back.config.id2label == {0: "LABEL_0", 1: "LABEL_1", 2: "LABEL_2"}
+    back.config.pad_token_id = 0
+    with torch.no_grad():
+        again = back(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
+    np.testing.assert_allclose(again, want, atol=TOL, rtol=0, err_msg=name)
+    with pytest.raises(ConfigError, match=r"num_labels 3: a score head, no language-model head\) does not generate"):
+        Generator(config, params, mesh(1, 1))
+
+
 INT8_CASES = [("llama_mqa_tied_bias_linear_rope" if c == "llama_gqa2_llama3_rope" else c) for c in ONE_CASE_PER_FAMILY]
 
 

@@ -39,7 +39,7 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
 from mesh_transformer import host_memory, kernels, lora, models, parallel
-from mesh_transformer.config import ModelConfig
+from mesh_transformer.config import ConfigError, ModelConfig
 from mesh_transformer.generate import structured
 from mesh_transformer.generate.sampling import (EOS, LENGTH, MAX_EOS, MAX_LOGIT_BIAS, MAX_STOPS, RUNNING, STOP,
                                                 STOP_TOKENS, TOP_LOGPROBS, RowOptions, SamplingOptions, choose,
@@ -354,6 +354,9 @@ class Generator:
                  quantize: Optional[str] = None, fuse: bool = True, adapters: Optional["AdapterSet"] = None):
         if quantize not in (None, *self.QUANTIZE):
             raise ValueError(f"quantize must be one of {self.QUANTIZE} or None, got {quantize!r}")
+        if config.classifier:
+            raise ConfigError(f"a classifier (num_labels {config.num_labels}: a score head, no language-model head) "
+                              f"does not generate; export it with to_hf_weights.py for transformers or TRL to read")
         self.config, self.mesh, self.quantize = config, mesh, quantize
         float32 = jnp.dtype(config.compute_dtype).itemsize >= 4
         one_row = float32 or (jnp.dtype(config.compute_dtype) == jnp.bfloat16 and kernels.available())

@@ -19,19 +19,42 @@ import numpy as np
 
 from mesh_transformer import models
 from mesh_transformer.config import ConfigError, ModelConfig
+from mesh_transformer.models import hf_layout as hl
 from mesh_transformer.io.tokenizer import GENERATION_CONFIG, TOKENIZER_FILES, copy_model_files, read_generation_config
 
 SPECIAL_TOKENS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
 def config_from_hf(hf: dict, **overrides) -> ModelConfig:
-    """Our config from a HF `config.json` dict (the family from its `model_type`), then `overrides`
-    (e.g. a training config's `seq` or `compute_dtype`)."""
-    return dataclasses.replace(models.family_for_hf(hf.get("model_type")).config.from_hf_config(hf), **overrides)
+    """Our config from a HF `config.json` dict (the family from its `model_type`; a
+    ForSequenceClassification's label count), then `overrides` (e.g. a training config's `seq` or
+    `compute_dtype`)."""
+    config = models.family_for_hf(hf.get("model_type")).config.from_hf_config(hf)
+    return dataclasses.replace(config, **{"num_labels": hf_labels(hf), **overrides})
+
+
+_CLASSIFIER = "ForSequenceClassification"
+
+
+def hf_labels(hf: dict) -> int:
+    """The label count of a HF classifier's config.json (its `id2label`'s, as transformers counts
+    them; 2 where it names none, transformers' default); 0 for any other architecture."""
+    if not any(name.endswith(_CLASSIFIER) for name in hf.get("architectures") or []):
+        return 0
+    return len(hf.get("id2label") or {}) or int(hf.get("num_labels", 2))
 
 
 def config_to_hf(c: ModelConfig, torch_dtype: str = "float32") -> dict:
-    return {**c.to_hf_config(), "initializer_range": 0.02, "use_cache": True, "torch_dtype": torch_dtype}
+    out = {**c.to_hf_config(), "initializer_range": 0.02, "use_cache": True, "torch_dtype": torch_dtype}
+    if c.classifier:  # ForSequenceClassification of the same model_type, transformers' label names
+        from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES as CLASSES
+        name = CLASSES.get(out["model_type"])
+        if name is None:
+            raise ConfigError(f"num_labels {c.num_labels}: transformers has no sequence classifier for model_type "
+                              f"{out['model_type']!r}, so the classifier cannot be exported")
+        labels = {i: f"LABEL_{i}" for i in range(c.num_labels)}
+        out.update(architectures=[name], id2label=labels, label2id={v: k for k, v in labels.items()})
+    return out
 
 
 def _our_path(c: ModelConfig, module: str) -> str:
@@ -107,7 +130,7 @@ def text_model(hf: dict) -> tuple[dict, tuple[tuple[str, str], ...]]:
     return text, _TEXT_MODEL_NAMES
 
 
-_WITH_HEAD = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")  # architectures that end so have a head
+_WITH_HEAD = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration", _CLASSIFIER)  # architectures with a head
 _HEAD_NAMES = ("lm_head.", "embed_out.")  # the head's tensors (GPT-NeoX's: embed_out)
 
 
@@ -122,16 +145,25 @@ def headless(hf: dict) -> bool:
 def load_hf(path: str | os.PathLike, mp: int = 1, **overrides) -> tuple[ModelConfig, dict]:
     """Read a HF model directory -> (our config, params as numpy float32, vocab padded for `mp`).
     A base model's checkpoint (`headless`) loads with a head of zeros: every logit is 0, so it
-    embeds (its final hidden states are the checkpoint's) but does not generate; a warning says so."""
+    embeds (its final hidden states are the checkpoint's) but does not generate; a warning says so.
+    A ForSequenceClassification checkpoint loads as a classifier (`ModelConfig.num_labels`); a
+    causal LM's loads as one where `overrides` set num_labels (a reward model's start), its score
+    head drawn as transformers draws a new one (normal, std 0.02; seeded), with a warning."""
     path = Path(path)
     config_file = path / "config.json"
     if not config_file.exists():
         raise ConfigError(f"{path}: no config.json (is this a HF model directory?)")
     raw = json.loads(config_file.read_text())
     hf, renames = text_model(raw)
-    config = config_from_hf(hf, **overrides)
+    labels = hf_labels(raw)
+    config = config_from_hf(hf, **{"num_labels": labels, **overrides})
+    if labels and config.num_labels != labels:
+        raise ConfigError(f"{path}: a classifier of {labels} labels, but num_labels is {config.num_labels}")
     read = _tensor_reader(path)
     base = headless(raw)
+    if config.classifier and not labels:
+        warnings.warn(f"{path}: a language model's checkpoint read as a classifier of {config.num_labels} "
+                      f"label(s): its head is dropped and a new score head is drawn (train it)")
     if base:
         warnings.warn(f"{path}: a base model's checkpoint ({', '.join(raw['architectures'])}) has no language-model "
                       f"head: it loads with a head of zeros, so it embeds (POST /v1/embeddings) but does not generate")
@@ -143,6 +175,9 @@ def load_hf(path: str | os.PathLike, mp: int = 1, **overrides) -> tuple[ModelCon
                     return read(new + name[len(old):])
                 except KeyError:
                     continue
+        if name == hl.SCORE.hf and config.classifier and not labels:  # torch [labels, width]
+            width = config.stem().hidden_size(config.d_model)
+            return np.random.default_rng(0).normal(0.0, 0.02, (config.num_labels, width)).astype(np.float32)
         if base and name.startswith(_HEAD_NAMES):  # [vocab, width] as a torch Linear stores it, or its bias
             width = config.stem().hidden_size(config.d_model)
             return np.zeros((config.n_vocab, width) if name.endswith("weight") else (config.n_vocab,), np.float32)

@@ -15,7 +15,7 @@ import json
 from typing import Callable, NamedTuple
 
 from mesh_transformer.config import ConfigError, ModelConfig
-from mesh_transformer.models import core
+from mesh_transformer.models import core, hf_layout
 
 
 class Family(NamedTuple):
@@ -51,7 +51,8 @@ def _load(name: str) -> Family:
                       if isinstance(v, type) and issubclass(v, ModelConfig) and v is not ModelConfig
                       and v.__module__ == module.__name__)
     experts = getattr(module, "hf_experts", None)
-    return Family(name, config_cls, module.block, module.hf_table, hf_types, *([experts] if experts else []))
+    return Family(name, config_cls, module.block, hf_layout.for_config(module.hf_table), hf_types,
+                  *([experts] if experts else []))
 
 
 FAMILIES = tuple(_FAMILY_MODULES)

@@ -185,12 +185,30 @@ class Transformer(hk.Module):
                                                          ("embed", "embed_proj"), 1, normal(0.02), x.dtype))
         if hidden:
             return x, cache
+        if c.classifier:
+            logits = score_head(x, c.num_labels)
+            return (logits, cache, stats) if routers else (logits, cache)
         logits = embedding.attend(x, c.n_vocab) if stem.tied else LMHead(
             c.d_model, self.padded_vocab, c.n_vocab, stem.head_bias)(x)
         if stem.logit_divisor is not None:
             logits = logits / stem.logit_divisor
         logits = softcap(logits, stem.logit_softcap)
         return (logits, cache, stats) if routers else (logits, cache)
+
+
+def score_head(x, labels: int):
+    """A classifier's head (HF's `score`, a Linear with no bias): x [B, T, D] -> [B, T, labels]
+    float32, the whole of it on every mp shard. A sequence's scores are its last token's
+    (`last_token_scores`)."""
+    with hk.name_scope("score"):
+        w = parallel.weight("score", (x.shape[-1], labels), ("embed", "labels"), 1, normal(0.02), x.dtype)
+    return dense("btd,dl->btl", x, w, jnp.float32)
+
+
+def last_token_scores(scores, last):
+    """A classifier's outputs [B, T, L] at each row's last token `last` [B] -> [B, L] (HF's
+    ForSequenceClassification pools so: the last token that is not padding)."""
+    return jnp.take_along_axis(scores, last[:, None, None], axis=1)[:, 0]
 
 
 def _neftune(x, alpha: float):

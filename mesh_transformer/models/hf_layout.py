@@ -75,6 +75,19 @@ def one(fn_ours, fn_hf) -> Transform:
 
 SAME = one(lambda x, c: x, lambda x, c: x)
 LINEAR = one(lambda x, c: x.T, lambda x, c: x.T)  # torch [out, in] <-> [in, out]
+SCORE = HFParam("score.weight", (("score", "score"),), LINEAR)  # a classifier's head: [labels, D] <-> [D, labels]
+
+
+def for_config(family_table: Callable) -> Callable:
+    """A family's table for any config of it: a classifier's (`ModelConfig.classifier`) has HF's
+    `score` in place of the language-model head (ForSequenceClassification keeps the causal LM's
+    names for the rest)."""
+    def table(config) -> list[HFParam]:
+        entries = family_table(config)
+        if not config.classifier:
+            return entries
+        return [e for e in entries if e.ours[0][0] != "head"] + [SCORE]
+    return table
 
 
 def heads_out(kv: bool = False, transposed: bool = True) -> Transform:

@@ -33,7 +33,7 @@ from mesh_transformer.train.metrics import MetricsLogger
 from mesh_transformer.train.step import Trainer, TrainState
 
 KEEP_LAST = 2  # newest checkpoints kept besides every keep_every-th step
-OBJECTIVE_KEY = "objective"  # checkpoint extras: what the run trains ("dpo", "cpo", "orpo", "kto", "language_model")
+OBJECTIVE_KEY = "objective"  # checkpoint extras: what the run trains (a PREFERENCE_KEYS key, "language_model")
 
 
 class TrainingError(UserError, RuntimeError):
@@ -62,7 +62,7 @@ def require_keys(config: Config, *keys: str) -> None:
 
 def open_datasets(config: Config) -> tuple[Dataset, dict[str, Dataset]]:
     """(train_set, {name: val_set}) of a config, each checked to hold sequences of at least `seq` tokens,
-    to hold preference pairs exactly when the config trains on them (`dpo`, `cpo` or `orpo`), and
+    to hold preference pairs exactly when the config trains on them (`dpo`, `cpo`, `orpo`, `reward`), and
     unpaired examples exactly when it trains with `kto`."""
     t = config.train
     train = Dataset.open(t.train_set)
@@ -77,11 +77,12 @@ def open_datasets(config: Config) -> tuple[Dataset, dict[str, Dataset]]:
                               + (f", not '{t.preference}'" if t.preference else ""))
         if ds.pairs and t.preference is None:
             raise ConfigError(f"{path} holds preference pairs: set the config key 'dpo' (e.g. {{\"beta\": 0.1}}), "
-                              "'cpo' or 'orpo' to train on them")
+                              "'cpo', 'orpo' or (a reward model) 'reward' to train on them")
         if t.preference == "kto" and not ds.labels:
             raise ConfigError(f"config key 'kto': {path} holds no unpaired examples (create_finetune_dataset.py "
                               "makes them from {prompt, completion, label} records)"
-                              + (": it holds preference pairs, for 'dpo', 'cpo' or 'orpo'" if ds.pairs else ""))
+                              + (": it holds preference pairs, for 'dpo', 'cpo', 'orpo' or 'reward'"
+                                 if ds.pairs else ""))
         if t.preference is not None and not ds.pairs:
             raise ConfigError(f"config key '{t.preference}': {path} holds no preference pairs "
                               "(create_finetune_dataset.py makes them from {prompt, chosen, rejected} records)")
@@ -223,7 +224,7 @@ class TrainHost:
             return state, extras.get("train_loader") or {}
         if o.hf:
             from mesh_transformer.io import hf
-            hf_config, params = hf.load_hf(o.hf, mp=tr.mp)
+            hf_config, params = hf.load_hf(o.hf, mp=tr.mp, num_labels=self.config.model.num_labels)
             _check_same_architecture(hf_config, self.config, o.hf)
             self._base_ref = lora.base_reference(hf=o.hf)
             keep_generation_config(self.ckpt.directory, [o.hf])

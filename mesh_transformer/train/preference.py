@@ -1,7 +1,6 @@
-"""Training on preferences, with no reward model and no sampling: on pairs, completions of one
-prompt, one preferred ("chosen") and one not ("rejected"), or (KTO) on unpaired completions each
-labelled desirable or not. Four objectives, one config key each (at most one set), under TRL's
-names and meanings:
+"""Training on preferences, with no sampling: on pairs, completions of one prompt, one preferred
+("chosen") and one not ("rejected"), or (KTO) on unpaired completions each labelled desirable or
+not. Five objectives, one config key each (at most one set), under TRL's names and meanings:
 
 - `"dpo"`: Direct Preference Optimization (Rafailov et al. 2023, arXiv 2305.18290) and its
   variants, against a frozen reference model (`DpoConfig`);
@@ -9,7 +8,9 @@ names and meanings:
   with no reference (`CpoConfig`);
 - `"orpo"`: Odds Ratio Preference Optimization (arXiv 2403.07691), with no reference (`OrpoConfig`);
 - `"kto"`: Kahneman-Tversky Optimization (arXiv 2402.01306) on unpaired examples, against a frozen
-  reference (`KtoConfig`).
+  reference (`KtoConfig`);
+- `"reward"`: a reward model (a classifier of one output) trained on the pairs, as TRL's
+  RewardTrainer does (`RewardConfig`): what RLHF's policy optimisation then reads.
 
 For a pair, with log pi(y|x) the summed log-probability of a completion's tokens under the policy
 and log ref(y|x) under the reference, each completion's log-ratio is h(y) = log pi(y|x) - log ref(y|x),
@@ -249,6 +250,7 @@ class Objective:
     needs_sum_sq = False  # reads log sum_v p(v)^2 at each position (WPO)
     needs_labels = False  # reads each row's label (KTO's unpaired examples)
     kl_rows: Optional[str] = None  # KTO: the odd rows are KL rows, "read" (with no gradient) or "unread"
+    reads_rewards = False  # a reward model's: each row's score at its last token, not log-probabilities
     metrics: tuple = METRICS  # what is logged
 
     @property
@@ -631,11 +633,62 @@ class KtoConfig(Objective):
         return total, sums, count
 
 
-OBJECTIVES = {"dpo": DpoConfig, "cpo": CpoConfig, "orpo": OrpoConfig, "kto": KtoConfig}
+# ----------------------------------------------------------------------------- reward models
+
+REWARD_KEYS = ("center_rewards_coefficient",)
+REWARD_METRICS = ("loss", "accuracy", "margin", "mean_reward")  # TRL's RewardTrainer's (its min/max do not add up)
+
+
+@dataclass(frozen=True)
+class RewardConfig(Objective):
+    """A reward model (a classifier of one output, `ModelConfig.num_labels` 1) on pairs, as TRL's
+    RewardTrainer trains one (Ouyang et al. 2022, eq. 1: the Bradley-Terry model): a row's reward r
+    is the score head's output at its last token, and a pair's loss is -log sigmoid(r(chosen) -
+    r(rejected)), plus `center_rewards_coefficient` times (r(chosen) + r(rejected))^2 where set
+    (Eisenstein et al. 2023: rewards kept near 0), averaged over pairs. No reference, no
+    log-probabilities: `pair_sums` takes each row's reward [2k] in place of token log-probabilities."""
+    center_rewards_coefficient: Optional[float] = None
+    reads_rewards = True
+    metrics = REWARD_METRICS
+
+    @classmethod
+    def from_dict(cls, raw: Any) -> "RewardConfig":
+        check_object(raw, "reward", REWARD_KEYS, '{"center_rewards_coefficient": number or null}')
+        coefficient = raw.get("center_rewards_coefficient")
+        if coefficient is not None:
+            coefficient = _number(raw, "center_rewards_coefficient", 0.0, lambda v: v >= 0,
+                                  "a number at least 0, or null", "reward")
+        return cls(center_rewards_coefficient=coefficient)
+
+    def pair_sums(self, rewards, reference_token_logps, mask, log_sum_sq_probs=None, reduce=lambda x: x,
+                  nll_scale=None, labels=None):
+        counted = _counted(mask)
+        chosen, rejected = rewards[0::2], rewards[1::2]
+        losses = -jax.nn.log_sigmoid(chosen - rejected)
+        if self.center_rewards_coefficient is not None:
+            losses = losses + self.center_rewards_coefficient * jnp.square(chosen + rejected)
+        total = reduce(jnp.sum(losses * counted))
+        values = {"accuracy": (chosen > rejected).astype(jnp.float32), "margin": chosen - rejected,
+                  "mean_reward": (chosen + rejected) / 2}
+        sums = {name: reduce(jnp.sum(jax.lax.stop_gradient(v) * counted)) for name, v in values.items()}
+        return total, {"loss": jax.lax.stop_gradient(total), **sums}, reduce(jnp.sum(counted))
+
+
+def last_tokens(mask):
+    """Each row's last token [b] (a position of its inputs, the row less its final token): the last
+    completion token's, where `mask` [b, T] marks the completion's tokens as targets; a row that
+    fills all T + 1 tokens is read at its last input (the row cut to the model's T)."""
+    t = mask.shape[-1]
+    last_target = t - 1 - jnp.argmax(mask[:, ::-1] > 0, axis=-1)
+    return jnp.minimum(last_target + 1, t - 1)
+
+
+OBJECTIVES = {"dpo": DpoConfig, "cpo": CpoConfig, "orpo": OrpoConfig, "kto": KtoConfig, "reward": RewardConfig}
 
 
 def objective(train: TrainConfig):
-    """The config's preference objective (`DpoConfig`, `CpoConfig`, `OrpoConfig` or `KtoConfig`), or None."""
+    """The config's preference objective (`DpoConfig`, `CpoConfig`, `OrpoConfig`, `KtoConfig` or
+    `RewardConfig`), or None."""
     key = train.preference
     return None if key is None else OBJECTIVES[key].from_dict(getattr(train, key))
 

@@ -27,7 +27,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from mesh_transformer.train import loss as losses
 from mesh_transformer.train import preference
 from mesh_transformer import lora, models, parallel
-from mesh_transformer.config import Config, TrainConfig
+from mesh_transformer.config import Config, ConfigError, TrainConfig
 
 def fcm_keep(key, shape, min_ratio: float, max_ratio: float, segments=None):
     """Forgetful causal masking (Liu et al. 2022, arXiv 2210.13432; EasyLM's): [B, T] bool, False for
@@ -128,6 +128,9 @@ class Trainer:
         self.holds_reference = self.needs_reference and self.lora is None
         self.metric_names = self.preference.metrics if self.preference is not None else ("loss",)
         self.sum_names = self.preference.sums if self.preference is not None else ("loss",)  # what adds up
+        if m.classifier and t.preference != "reward":
+            raise ConfigError(f"num_labels {m.num_labels}: a classifier trains as a reward model only (num_labels 1, "
+                              f"config key 'reward')")
         self.model = models.build(m, self.mp, lora.plan(m, self.lora))
         self.model.check_mesh(self.mesh.shape, t.zero)
         self.rules = self.model.rules(t.zero, self.mp)
@@ -301,6 +304,8 @@ class Trainer:
         (`preference.nll_scale`)."""
         if self.preference.kl_rows is not None:
             return self._local_kto(policy, reference, tokens, mask, labels, rng)
+        if self.preference.reads_rewards:
+            return self._local_rewards(policy, tokens, mask, rng)
         out = self.model.apply(policy, tokens[:, :-1], rng=rng, routers=self._balance > 0)
         logps = losses.token_log_probs(out[0], tokens[:, 1:])
         reference_logps = None
@@ -310,6 +315,14 @@ class Trainer:
         total, sums, count = self.preference.pair_sums(logps, reference_logps, mask, sum_sq, parallel.psum_dp,
                                                        nll_scale)  # (labels: KTO's only, `_local_kto`)
         return self._with_balance_loss(total, out, count), sums, count  # added to the mean over pairs, as TRL adds it
+
+    def _local_rewards(self, policy, tokens, mask, rng):
+        """`_local_pairs` of a reward model: each row's reward is its score at its last token
+        (`preference.last_tokens`)."""
+        out = self.model.apply(policy, tokens[:, :-1], rng=rng, routers=self._balance > 0)
+        rewards = models.core.last_token_scores(out[0], preference.last_tokens(mask))[:, 0]
+        total, sums, count = self.preference.pair_sums(rewards, None, mask, reduce=parallel.psum_dp)
+        return self._with_balance_loss(total, out, count), sums, count
 
     def _local_kto(self, policy, reference, tokens, mask, labels, rng):
         """`_local_pairs` of rows that alternate an example's and its KL row (KTO): the KL rows get no
