@@ -371,6 +371,8 @@ def validate(config: Config) -> None:
                                               and 0 < t.neftune_noise_alpha < float("inf")),
             "neftune_noise_alpha", f"must be a positive number (NEFTune's alpha, e.g. 5) or null, "
                                    f"got {t.neftune_noise_alpha!r}")
+    require(not (m.classifier and t.eval_harness_tasks), "eval_harness_tasks",
+            f"a classifier (num_labels {m.num_labels}) neither generates nor scores text: lm-eval's tasks do not run on it")
     require(not (m.classifier and t.lora is not None), "lora",
             f"a classifier (num_labels {m.num_labels}) trains whole: LoRA would leave its new score head as drawn")
     if t.lora is not None:

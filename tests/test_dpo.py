@@ -321,6 +321,8 @@ def test_reward_model_equals_trl(reward, tmp_path):
     (dict(num_labels=1, reward={"center_rewards_coefficient": -1}),
      "config key 'reward.center_rewards_coefficient' must be a number at least 0, or null, got -1"),
     (dict(num_labels=1, reward={"margin": 1}), "reward"),
+    (dict(num_labels=1, reward={}, eval_harness_tasks=["lambada_openai"]),
+     "config key 'eval_harness_tasks': a classifier (num_labels 1) neither generates nor scores text"),
     (dict(num_labels=-1), "config key 'num_labels': must be 0 (a language model) or the classifier's label count"),
 ])
 def test_bad_reward_model_config_is_one_clear_error(overrides, message):
@@ -886,7 +888,7 @@ def test_a_kto_run_learns_from_unpaired_labels_and_validates(tmp_path):
                 for keys in ({"train_set": str(data / "pairs.index.json")},
                              {"kto": None, "dpo": {"beta": 0.1}}))
     with pytest.raises(ConfigError, match="config key 'kto': .*pairs.index.json holds no unpaired examples .*: it holds "
-                                          "preference pairs, for 'dpo', 'cpo' or 'orpo'"):
+                                          "preference pairs, for 'dpo', 'cpo', 'orpo' or 'reward'"):
         open_datasets(kto)
     with pytest.raises(ConfigError, match="unpaired.index.json holds unpaired examples .*: set the config key 'kto' "
                                           ".* to train on them, not 'dpo'"):
