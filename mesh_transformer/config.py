@@ -383,10 +383,12 @@ def validate(config: Config) -> None:
         require(len(t.preferences) == 1, t.preferences[-1],
                 f"one preference objective at most: {' and '.join(t.preferences)} are both set")
         preference.objective(t)
-        require(m.num_labels == 1 if t.preference == "reward" else not m.classifier, "num_labels",
-                f"'reward' trains a reward model, a classifier of one output: set num_labels 1, got {m.num_labels}"
-                if t.preference == "reward" else f"a classifier ({m.num_labels} labels) trains with 'reward' only, "
-                                                 f"not '{t.preference}'")
+        if t.preference == "reward":
+            require(m.num_labels == 1, "num_labels", f"'reward' trains a reward model, a classifier of one output: "
+                                                     f"set num_labels 1, got {m.num_labels}")
+        else:
+            require(not m.classifier, "num_labels",
+                    f"a classifier ({m.num_labels} labels) trains with 'reward' only, not '{t.preference}'")
         for key in ("fcm_max_ratio", "z_loss", "neftune_noise_alpha"):  # of the language-model loss, which it replaces
             require(not getattr(t, key), key, f"applies to the language-model loss only; with '{t.preference}' "
                                               f"set it to {'null' if key == 'neftune_noise_alpha' else 0}")

@@ -161,6 +161,7 @@ def load_hf(path: str | os.PathLike, mp: int = 1, **overrides) -> tuple[ModelCon
         raise ConfigError(f"{path}: a classifier of {labels} labels, but num_labels is {config.num_labels}")
     read = _tensor_reader(path)
     base = headless(raw)
+    width = config.stem().hidden_size(config.d_model)  # of a head drawn or zeroed below
     if config.classifier and not labels:
         warnings.warn(f"{path}: a language model's checkpoint read as a classifier of {config.num_labels} "
                       f"label(s): its head is dropped and a new score head is drawn (train it)")
@@ -176,10 +177,8 @@ def load_hf(path: str | os.PathLike, mp: int = 1, **overrides) -> tuple[ModelCon
                 except KeyError:
                     continue
         if name == hl.SCORE.hf and config.classifier and not labels:  # torch [labels, width]
-            width = config.stem().hidden_size(config.d_model)
             return np.random.default_rng(0).normal(0.0, 0.02, (config.num_labels, width)).astype(np.float32)
         if base and name.startswith(_HEAD_NAMES):  # [vocab, width] as a torch Linear stores it, or its bias
-            width = config.stem().hidden_size(config.d_model)
             return np.zeros((config.n_vocab, width) if name.endswith("weight") else (config.n_vocab,), np.float32)
         if base and "." in name:  # "transformer.h.0..." as GPTJModel names it: "h.0..."
             try:
