@@ -4,12 +4,13 @@ reference copy for full fine-tuning, the base with adapters off for LoRA; TRL's 
 (no reference; TRL's ORPOTrainer), SimPO (no reference; TRL's CPOTrainer, loss_type "simpo") or
 KTO (a reference as DPO's; TRL's KTOTrainer, on unpaired examples: each "pair" below is then one
 example, labelled desirable or not in turn, and its KL row, which TRL builds from another example's
-completion of the same length).
+completion of the same length), or a reward model (num_labels 1, full fine-tuning only; TRL's
+RewardTrainer on transformers' ForSequenceClassification).
 
     bash bench/setup_trl_venv.sh            # once: the peer's own venv, bench/.venv-trl
     python bench/dpo_train.py [--family gptj --layers 4 --d-model 512 --heads 8 --vocab 50400
                                --pairs 2 --prompt 128 --completion 128 --rank 16 --alpha 32
-                               --targets q_proj,v_proj --runs 3 --steps 5] [--objective dpo|orpo|simpo|kto] [--json]
+                               --targets q_proj,v_proj --runs 3 --steps 5] [--objective dpo|orpo|simpo|kto|reward] [--json]
 
 Every measurement is a fresh subprocess (its own peak memory): ours and the peer, full and LoRA,
 in turn, `--runs` rounds. All train the family's benchmark shape (bench/families.py; the peer's
@@ -48,7 +49,7 @@ NAMES = {"ours-full": "mesh-transformer, full", "trl-full": "TRL + transformers,
 # The objectives: our config key and options, the peer's trainer (trl or trl.experimental) and its options.
 OBJECTIVES = {"dpo": ("dpo", {"beta": 0.1}, "DPO"), "orpo": ("orpo", {"beta": 0.1}, "ORPO"),
               "simpo": ("cpo", {"loss_type": "simpo", "cpo_alpha": 0.0, "beta": 2.0}, "CPO"),
-              "kto": ("kto", {"beta": 0.1}, "KTO")}
+              "kto": ("kto", {"beta": 0.1}, "KTO"), "reward": ("reward", {}, "Reward")}
 WITH_REFERENCE = ("DPO", "KTO")  # the peers given a reference model for full fine-tuning
 
 
@@ -105,7 +106,7 @@ def worker_ours(args, lora: bool) -> dict:
     base_rss = lora_train.rss_mib()
     key, options, _ = OBJECTIVES[args.objective]
     keys = {**lora_train.config_keys(args, lora), "per_replica_batch": args.pairs, key: options,
-            "end_lr": 1e-4, "seq": args.seq}
+            "end_lr": 1e-4, "seq": args.seq, **({"num_labels": 1} if key == "reward" else {})}
     trainer = Trainer(config_from_dict(keys), parallel.make_mesh(1, 1, jax.devices()[:1]))
     trainer.base = trainer.init_base(0)  # LoRA's base, or DPO's reference (full): the initial weights; else {}
     state = trainer.init_state(0)
@@ -140,9 +141,13 @@ def worker_trl(args, lora: bool) -> dict:
     for key, value in config.to_dict().items():  # dropout off, whatever the family calls it
         if key.endswith(("pdrop", "dropout")) and isinstance(value, float):
             setattr(config, key, 0.0)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _, options, peer = OBJECTIVES[args.objective]
+    torch.manual_seed(0)
+    if peer == "Reward":  # a classifier of one output on the same trunk
+        config.num_labels = 1
+        model = transformers.AutoModelForSequenceClassification.from_config(config, dtype=torch.float32)
+    else:
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     reference = None
     if not lora and peer in WITH_REFERENCE:
         reference = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -188,7 +193,7 @@ def worker_trl(args, lora: bool) -> dict:
         row = trainer.train_dataset[0]
         length = (len(row["prompt_ids"]) + len(row["chosen_ids"]) if peer == "DPO"
                   else len(row["prompt_ids"]) + len(row["completion_ids"]) if peer == "KTO"
-                  else len(row["chosen_input_ids"]))
+                  else len(row["chosen_ids"]) if peer == "Reward" else len(row["chosen_input_ids"]))
         assert length == args.seq, f"the peer's rows ({length} tokens) are not the benchmark's ({args.seq})"
         trainer.train()
     trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
@@ -202,8 +207,9 @@ def worker_trl(args, lora: bool) -> dict:
 def peer_classes(peer: str):
     """(config class, trainer class) of TRL's trainer for an objective."""
     import trl
-    if peer in ("DPO", "KTO"):
-        return {"DPO": (trl.DPOConfig, trl.DPOTrainer), "KTO": (trl.KTOConfig, trl.KTOTrainer)}[peer]
+    if peer in ("DPO", "KTO", "Reward"):
+        return {"DPO": (trl.DPOConfig, trl.DPOTrainer), "KTO": (trl.KTOConfig, trl.KTOTrainer),
+                "Reward": (trl.RewardConfig, trl.RewardTrainer)}[peer]
     from trl.experimental import cpo, orpo
     return {"CPO": (cpo.CPOConfig, cpo.CPOTrainer), "ORPO": (orpo.ORPOConfig, orpo.ORPOTrainer)}[peer]
 
@@ -217,6 +223,8 @@ def main(argv=None):
         print(json.dumps(result))
         return
     kinds = [k for k in KINDS if k in args.kinds.split(",")]
+    if args.objective == "reward":  # a classifier trains whole here (no LoRA)
+        kinds = [k for k in kinds if k.endswith("full")]
     sys.path.insert(0, ROOT)
     args.hf_config = lora_train.peer_config(args)
     description = machine.describe(("trl", "peft"))
