@@ -3,6 +3,9 @@
 
     python device_serve.py --hf ./gpt-j-6b --mp 8 [--host 127.0.0.1] [--port 5000] [--api-key KEY]
 
+A sequence classifier or reward model (a `*ForSequenceClassification` checkpoint, or one trained
+with the "reward" objective) is served for vLLM's `POST /classify` instead of generation.
+
 SIGTERM (or Ctrl-C) drains: new requests get 503, running ones finish (at most --drain-timeout
 seconds), then the server exits 0. See mesh_transformer/serve/ for the endpoints and the batching.
 """
@@ -160,6 +163,7 @@ def main(argv=None):
         generator = model.generator(adapters=adapters, slots=slots, rank=args.max_lora_rank, every_linear=runtime,
                                     host=args.max_cpu_loras)
         chat_template = pathlib.Path(args.chat_template).read_text(encoding="utf-8") if args.chat_template else None
+        labels = hf.label_names(args.hf) if args.hf and model.config.classifier else None
     if status.code:
         return status.code
     engine = serve.Engine(generator, model.tokenizer,
@@ -177,7 +181,7 @@ def main(argv=None):
                            timeout=args.timeout, max_request_bytes=args.max_request_bytes,
                            chat_template=chat_template, runtime_lora=args.enable_runtime_lora,
                            tool_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
-                           responses_kept=args.responses_kept, **embeddings)
+                           responses_kept=args.responses_kept, labels=labels, **embeddings)
     try:
         serve.run(app, engine, host=args.host, port=args.port, drain_timeout=args.drain_timeout)
     finally:

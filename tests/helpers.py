@@ -110,6 +110,24 @@ class Tiny:
 # Random tiny HF models of every family (the oracle for parity tests)
 # --------------------------------------------------------------------------------------------
 
+def hf_classifier(torch_model, labels: int, path, seed: int = 3, names=None):
+    """transformers' ForSequenceClassification of `torch_model`'s architecture with its weights and a
+    random score head of `labels` outputs (class names `names`, default LABEL_i), padding id 0,
+    saved to `path`."""
+    import torch
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES as CLASSES
+    names = dict(enumerate(names or [f"LABEL_{i}" for i in range(labels)]))
+    config = type(torch_model.config).from_dict({**torch_model.config.to_dict(), "id2label": names, "pad_token_id": 0,
+                                                 "label2id": {v: k for k, v in names.items()}, "architectures": None})
+    torch.manual_seed(seed)
+    model = getattr(transformers, CLASSES[config.model_type])(config).eval()
+    missing, _ = model.load_state_dict(torch_model.state_dict(), strict=False)
+    assert missing == ["score.weight"]
+    model.save_pretrained(path)
+    return model
+
+
 # initializer_range 0.2 (OPT: init_std): attention is far from uniform and activations leave their
 # linear range, so a wrong GELU, rotary pairing or norm epsilon shows up well above float32 noise.
 # Odd sizes: vocabularies not divisible by mp, partial rotary, GQA with 1 and 2 kv heads, tied and untied.

@@ -21,10 +21,11 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from mesh_transformer import kernels, models, parallel
 from mesh_transformer.config import ConfigError, config_from_dict
 from mesh_transformer.generate import Generator, SamplingOptions
+from mesh_transformer.evaluate.scoring import Scorer
 from mesh_transformer.io import hf
 from mesh_transformer.train.step import Trainer
-from tests.helpers import (FAMILY_CASES, ONE_CASE_PER_FAMILY, PARITY_TOL, config_for, hf_greedy, hf_logits, make_hf_model,
-                           max_abs_diff, mesh, parity_error, random_tokens, rounded_like_int8)
+from tests.helpers import (FAMILY_CASES, ONE_CASE_PER_FAMILY, PARITY_TOL, config_for, hf_classifier, hf_greedy,
+                           hf_logits, make_hf_model, max_abs_diff, mesh, parity_error, random_tokens, rounded_like_int8)
 
 TOL = PARITY_TOL
 FAMILY_OF = {"gptj": "gptj", "gpt_neox": "gpt_neox", "gpt_neox_sequential": "gpt_neox", "qwen2": "llama",
@@ -143,23 +144,6 @@ def test_embeddings_pool_the_hidden_states_transformers_base_model_returns(case,
     np.testing.assert_allclose(got, np.stack(want), atol=TOL, rtol=0, err_msg=name)
 
 
-def hf_classifier(torch_model, labels: int, path, seed: int = 3):
-    """transformers' ForSequenceClassification of `torch_model`'s architecture with its weights and a
-    random score head of `labels` outputs, padding id 0, saved to `path`."""
-    import torch
-    import transformers
-    from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES as CLASSES
-    names = {i: f"LABEL_{i}" for i in range(labels)}
-    config = type(torch_model.config).from_dict({**torch_model.config.to_dict(), "id2label": names, "pad_token_id": 0,
-                                                 "label2id": {v: k for k, v in names.items()}, "architectures": None})
-    torch.manual_seed(seed)
-    model = getattr(transformers, CLASSES[config.model_type])(config).eval()
-    missing, _ = model.load_state_dict(torch_model.state_dict(), strict=False)
-    assert missing == ["score.weight"]
-    model.save_pretrained(path)
-    return model
-
-
 @pytest.mark.parametrize("case", ONE_CASE_PER_FAMILY, indirect=True)
 def test_a_classifier_scores_as_transformers_sequence_classifier_and_exports_as_one(case, tmp_path):
     """Every family's ForSequenceClassification checkpoint loads as a classifier (`num_labels`, HF's
@@ -191,8 +175,11 @@ def test_a_classifier_scores_as_transformers_sequence_classifier_and_exports_as_
     with torch.no_grad():
         again = back(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
     np.testing.assert_allclose(again, want, atol=TOL, rtol=0, err_msg=name)
+    gen = Generator(config, params, mesh(1, 1))  # the serving layout (inputs-last, fused), the server's passes
+    served = Scorer.for_generator(gen).classify([list(row[:n]) for row, n in zip(tokens, lengths)])
+    np.testing.assert_allclose(served, want, atol=TOL, rtol=0, err_msg=name)
     with pytest.raises(ConfigError, match=r"num_labels 3: a score head, no language-model head\) does not generate"):
-        Generator(config, params, mesh(1, 1))
+        gen.generate([[1, 2]], SamplingOptions(max_new_tokens=2))
 
 
 INT8_CASES = [("llama_mqa_tied_bias_linear_rope" if c == "llama_gqa2_llama3_rope" else c) for c in ONE_CASE_PER_FAMILY]

@@ -48,12 +48,12 @@ def test_requests_that_wait_together_share_one_pass(engine, tiny):
     answered its own text's vector (transformers' last state, normalised)."""
     import asyncio
 
-    from mesh_transformer.serve.embeddings import Embedder
-    embedder = Embedder(engine.gen, "last", True)
+    from mesh_transformer.serve.embeddings import embedder as passes
+    embedder = passes(engine.gen, "last", True)
     ids = [tiny.tokenizer.encode(t) for t in TEXTS] + [[5, 6, 7], [9], [10, 11], [12, 13, 14, 15], [16]]
 
     async def together():
-        return await asyncio.gather(*(embedder.embed([p]) for p in ids))
+        return await asyncio.gather(*(embedder.run([p]) for p in ids))
     got = asyncio.run(together())
     assert embedder.passes == 1 and all(v.shape == (1, 32) for v in got)
     np.testing.assert_allclose(np.concatenate(got), [unit(hf_states(tiny, p)[-1]) for p in ids], atol=TOL)
@@ -99,6 +99,14 @@ def test_bad_input_is_a_400_naming_it(url, body, param, message, monkeypatch):
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == param and error["message"].startswith(message), error
+
+
+def test_a_language_model_does_not_classify(url):
+    """/classify (vLLM's) is a classifier's: a language model's server answers a 400 saying why
+    (tests/test_serve_classify.py serves classifiers)."""
+    r = httpx.post(f"{url}/classify", json={"input": "hi"}, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+    assert r.status_code == 400
+    assert r.json()["error"]["message"].startswith("this model is a language model (no score head): /classify needs")
 
 
 @pytest.fixture(scope="module")

@@ -10,9 +10,11 @@
     [s] = scorer.score([[50256, 464, 3290]], adapter=gen.adapters.adapters[0])  # under a served LoRA adapter
 
     vectors = scorer.embed([[464, 3290], [50256]], pooling="last")  # [2, D] float32, L2-normalised
+    scores = scorer.classify([[464, 3290], [50256]])  # a classifier's: [2, num_labels] float32 logits
 
-The evaluator (`evaluate.lm`) and the server's `echo` (`serve.openai`) both score through here, and
-the server's `/v1/embeddings` embeds through here (`embed`: see `POOLINGS`).
+The evaluator (`evaluate.lm`) and the server's `echo` (`serve.openai`) both score through here,
+the server's `/v1/embeddings` embeds through here (`embed`: see `POOLINGS`) and its `/classify`
+classifies (`classify`: a sequence classifier's or reward model's score head at the last token).
 Prompts are sorted by length and batched: rows are powers of two (`bucket`, as in generation),
 positions four sizes per power of two (`fine_bucket`), so a whole evaluation compiles a
 handful of programs and pads little; sequences are right-padded,
@@ -116,15 +118,17 @@ class Scorer:
     """A compiled scoring pass over one set of parameters on one mesh.
 
     `forward(params, tokens [b, T], positions [b, K], hidden=False) -> logits [b, K, V/mp]` at those
-    positions (with `hidden`, the final hidden states [b, K, D]) runs inside shard_map with `rules`;
-    `param_specs` place `params`. Use `for_generator` or `for_trainer`."""
+    positions (a classifier's, `labels` > 0: its scores [b, K, labels]; with `hidden`, the final
+    hidden states [b, K, D]) runs inside shard_map with `rules`; `param_specs` place `params`. Use
+    `for_generator` or `for_trainer`."""
 
     def __init__(self, forward: Callable, params: Any, param_specs: Any, mesh: Mesh, rules, seq: int,
                  layout: parallel.Layout = parallel.Layout(), batch_tokens: int = DEFAULT_BATCH_TOKENS,
                  prepare: Callable = lambda params: params, adapted: Optional[AdapterScoring] = None,
-                 hidden_size: Optional[int] = None):
+                 hidden_size: Optional[int] = None, labels: int = 0):
         self.mesh, self.seq, self.batch_tokens, self._prepare = mesh, seq, batch_tokens, prepare
         self.hidden_size = hidden_size  # the width of `embed`'s vectors
+        self.labels = labels  # a classifier's outputs (`classify`); 0: a language model (`score`)
         self.params = prepare(params)
         self.dp = mesh.shape[parallel.DP]
         row = P(parallel.DP, None)
@@ -141,14 +145,22 @@ class Scorer:
             return jax.jit(parallel.shard_map(lambda p, t, w, m: pooled(forward(p, t, w, hidden=True), m, normalize),
                                               mesh, rules, in_specs=(specs, row, row, row), out_specs=row,
                                               layout=layout), out_shardings=everywhere)
-        self._programs = {(k, False): program(forward, param_specs, k) for k in (1, TOP_LOGPROBS)}
-        self._programs.update({("embed", normalize, False): embedding(forward, param_specs, normalize)
-                               for normalize in (False, True)})
+
+        def classification(forward, specs):  # (params, tokens, each row's last position)
+            return jax.jit(parallel.shard_map(lambda p, t, w: forward(p, t, w)[:, 0], mesh, rules,
+                                              in_specs=(specs, row, row), out_specs=row, layout=layout),
+                           out_shardings=everywhere)
+
+        def programs(forward, specs, adapted: bool) -> dict:
+            made = {("embed", normalize, adapted): embedding(forward, specs, normalize) for normalize in (False, True)}
+            if labels:
+                made["classify", adapted] = classification(forward, specs)
+            else:
+                made.update({(k, adapted): program(forward, specs, k) for k in (1, TOP_LOGPROBS)})
+            return made
+        self._programs = programs(forward, param_specs, False)
         if adapted is not None:
-            specs = _joined(param_specs, adapted.specs)
-            self._programs.update({(k, True): program(adapted.forward, specs, k) for k in (1, TOP_LOGPROBS)})
-            self._programs.update({("embed", normalize, True): embedding(adapted.forward, specs, normalize)
-                                   for normalize in (False, True)})
+            self._programs.update(programs(adapted.forward, _joined(param_specs, adapted.specs), True))
         self._adapted = adapted
         self._kept: OrderedDict[int, Any] = OrderedDict()  # adapter serial -> its placed leaves, most recent last
         self._forgotten: set[int] = set()  # serials of adapters unloaded or replaced since (never kept again)
@@ -177,7 +189,8 @@ class Scorer:
         if gen.bank is not None:
             bank = AdapterScoring(adapted, gen.adapter_params, _bank_only(gen.param_specs))
         return cls(forward, gen.params, _base(gen.param_specs), gen.mesh, gen.rules, config.seq, gen.layout,
-                   batch_tokens, prepare=_base, adapted=bank, hidden_size=config.stem().hidden_size(config.d_model))
+                   batch_tokens, prepare=_base, adapted=bank, hidden_size=config.stem().hidden_size(config.d_model),
+                   labels=config.num_labels)
 
     @classmethod
     def for_trainer(cls, trainer, params, batch_tokens: int = DEFAULT_BATCH_TOKENS) -> "Scorer":
@@ -190,7 +203,7 @@ class Scorer:
         return cls(forward, params, trainer.model.param_specs(trainer.rules),
                    trainer.mesh, trainer.rules, model.seq, batch_tokens=batch_tokens,
                    prepare=lambda p: trainer.policy(p, trainer.base),
-                   hidden_size=model.stem().hidden_size(model.d_model))
+                   hidden_size=model.stem().hidden_size(model.d_model), labels=model.num_labels)
 
     def use(self, params) -> None:
         """Score with `params` from now on (e.g. a training run's newer ones); the programs stay compiled."""
@@ -209,6 +222,9 @@ class Scorer:
         `lora.ServedAdapter` of the generator's bank; None: the base): the LoRA adapter every
         prompt runs with."""
         self._check_adapter(adapter)
+        if self.labels:
+            raise ValueError(f"a classifier ({self.labels} labels) has no language-model head to score tokens "
+                             f"with: classify its prompts")
         if not 1 <= top <= TOP_LOGPROBS:
             raise ValueError(f"top must be in [1, {TOP_LOGPROBS}], got {top}")
         for p in prompts:
@@ -240,14 +256,31 @@ class Scorer:
         if pooling not in POOLINGS:
             raise ValueError(f"pooling must be one of {', '.join(POOLINGS)}, got {pooling!r}")
         self._check_adapter(adapter)
+        self._check_lengths(prompts, "embed")
+        return self._pooled(prompts, rows, lambda group, t: self._embed_pass(group, t, pooling, normalize, adapter))
+
+    def classify(self, prompts: Seq[Seq[int]], rows: Optional[int] = None, adapter=None) -> np.ndarray:
+        """[len(prompts), labels] float32: a classifier's scores (its score head's logits, before any
+        softmax; a reward model's one reward) at each prompt's (1 to seq tokens) last token, as
+        transformers' ForSequenceClassification reads them. `rows` and `adapter` as in `score`;
+        batched as `embed` batches."""
+        if not self.labels:
+            raise ValueError("a language model has no score head: only a classifier (num_labels > 0) classifies")
+        self._check_adapter(adapter)
+        self._check_lengths(prompts, "classify")
+        return self._pooled(prompts, rows, lambda group, t: self._classify_pass(group, t, adapter))
+
+    def _check_lengths(self, prompts: Seq[Seq[int]], what: str) -> None:
         for p in prompts:
             if not 1 <= len(p) <= self.seq:
-                raise ValueError(f"a prompt to embed has {len(p)} tokens; it needs 1 to {self.seq} "
+                raise ValueError(f"a prompt to {what} has {len(p)} tokens; it needs 1 to {self.seq} "
                                  f"(the context is {self.seq})")
+
+    def _pooled(self, prompts: Seq[Seq[int]], rows: Optional[int], one_pass: Callable) -> np.ndarray:
+        """[len(prompts), width]: `one_pass(prompts of a group, T)` -> their rows, over `_groups`, in order."""
         out: list[Optional[np.ndarray]] = [None] * len(prompts)
         for t, group in self._groups([len(p) for p in prompts], rows):
-            for i, vector in zip(group, self._embed_pass([prompts[i] for i in group], t, pooling, normalize,
-                                                         adapter)):
+            for i, vector in zip(group, one_pass([prompts[i] for i in group], t)):
                 out[i] = vector
         return np.stack(out) if out else np.zeros((0, 0), np.float32)
 
@@ -296,12 +329,8 @@ class Scorer:
         """One forward pass of `prompts` right-padded to `t` positions (rows bucketed) -> [len, D]: the
         hidden states at each row's pooled positions (its last, its first, or all T), weighted (1 on
         the prompt's own positions, 0 on padding) and averaged."""
-        n = round_up(bucket(len(prompts), 1), self.dp)
-        tokens = np.zeros((n, t), np.int32)
-        lengths = np.ones(n, np.int32)  # padding rows: one token
-        for i, p in enumerate(prompts):
-            tokens[i, :len(p)] = p
-            lengths[i] = len(p)
+        tokens, lengths = self._right_padded(prompts, t)
+        n = len(tokens)
         if pooling == "mean":
             positions = np.broadcast_to(np.arange(t, dtype=np.int32), (n, t))
             weights = (positions < lengths[:, None]).astype(np.float32)
@@ -314,6 +343,28 @@ class Scorer:
             vectors = jax.device_get(self._programs["embed", normalize, adapter is not None](
                 params, tokens, positions, weights))
         return vectors[:len(prompts)]
+
+    def _classify_pass(self, prompts: list[Seq[int]], t: int, adapter=None) -> np.ndarray:
+        """One forward pass of `prompts` right-padded to `t` positions (rows bucketed) -> [len, labels]:
+        the score head at each row's last token."""
+        tokens, lengths = self._right_padded(prompts, t)
+        self.shapes.add((len(tokens), t, 0, 1))
+        with self._lock:
+            params = self.params if adapter is None else _joined(self.params, self._adapter_leaves(adapter))
+            scores = jax.device_get(self._programs["classify", adapter is not None](
+                params, tokens, (lengths - 1)[:, None]))
+        return scores[:len(prompts)]
+
+    def _right_padded(self, prompts: list[Seq[int]], t: int) -> tuple[np.ndarray, np.ndarray]:
+        """(tokens [n, t] int32, lengths [n] int32): the prompts right-padded with 0s, in n rows (their
+        count bucketed, a multiple of dp; padding rows of one token)."""
+        n = round_up(bucket(len(prompts), 1), self.dp)
+        tokens = np.zeros((n, t), np.int32)
+        lengths = np.ones(n, np.int32)
+        for i, p in enumerate(prompts):
+            tokens[i, :len(p)] = p
+            lengths[i] = len(p)
+        return tokens, lengths
 
     def _check_adapter(self, adapter) -> None:
         if adapter is not None and self._adapted is None:

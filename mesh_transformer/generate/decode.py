@@ -346,6 +346,10 @@ class Generator:
     `parallel.AdapterBank`). The set's first adapters fill the entries; `write_adapter` replaces an
     entry's between calls (the bank's arrays are the programs' arguments: nothing recompiles).
     Weights are then not fused (an adapter of q alone would need the fused leaf's other parts padded).
+
+    A classifier's (`ModelConfig.classifier`) Generator holds its weights for scoring passes
+    (`evaluate.scoring.Scorer.classify`, the server's `/classify`) and decodes nothing: `new_state`
+    and `new_pool`, where every generation starts, raise ConfigError.
     """
 
     QUANTIZE = ("int8",)
@@ -354,9 +358,9 @@ class Generator:
                  quantize: Optional[str] = None, fuse: bool = True, adapters: Optional["AdapterSet"] = None):
         if quantize not in (None, *self.QUANTIZE):
             raise ValueError(f"quantize must be one of {self.QUANTIZE} or None, got {quantize!r}")
-        if config.classifier:
-            raise ConfigError(f"a classifier (num_labels {config.num_labels}: a score head, no language-model head) "
-                              f"does not generate; export it with to_hf_weights.py for transformers or TRL to read")
+        if config.classifier and adapters is not None:
+            raise ConfigError(f"a classifier (num_labels {config.num_labels}) is served whole: LoRA adapters "
+                              f"of it are not (merge one first)")
         self.config, self.mesh, self.quantize = config, mesh, quantize
         float32 = jnp.dtype(config.compute_dtype).itemsize >= 4
         one_row = float32 or (jnp.dtype(config.compute_dtype) == jnp.bfloat16 and kernels.available())
@@ -733,11 +737,21 @@ class Generator:
     # ---- host API ---------------------------------------------------------------------------
 
     def new_state(self, batch: int, slots: int) -> DecodeState:
+        """Empty decode state of `batch` rows of `slots` cache slots (every generation starts here)."""
+        self.check_generates()
         return self._new_state(batch, slots)
 
     def new_pool(self, slots: int) -> KVCache:
         """An empty prefix-cache pool of `slots` token slots (see `prefix.PrefixCache`)."""
+        self.check_generates()
         return self._new_pool(slots)
+
+    def check_generates(self) -> None:
+        """ConfigError unless this model generates (a classifier does not)."""
+        if self.config.classifier:
+            raise ConfigError(f"a classifier (num_labels {self.config.num_labels}: a score head, no language-model "
+                              f"head) does not generate: classify with it (evaluate.scoring, device_serve.py's "
+                              f"POST /classify) or export it with to_hf_weights.py")
 
     def admit(self, state, prompts: Seq[Seq[int]], options: Seq[SamplingOptions], seeds: Seq[int],
               row_ids: Seq[int], index: int, prefix: Optional["PrefixCache"] = None, share_limit: int = 0,

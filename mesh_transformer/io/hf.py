@@ -13,7 +13,7 @@ import json
 import os
 import warnings
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Optional
 
 import numpy as np
 
@@ -42,6 +42,20 @@ def hf_labels(hf: dict) -> int:
     if not any(name.endswith(_CLASSIFIER) for name in hf.get("architectures") or []):
         return 0
     return len(hf.get("id2label") or {}) or int(hf.get("num_labels", 2))
+
+
+def label_names(path) -> Optional[list[str]]:
+    """A HF classifier directory's class names, by index (its config.json's `id2label`); None for a
+    directory of another architecture, or one that names no labels."""
+    hf = json.loads((Path(path) / "config.json").read_text())
+    names = hf.get("id2label") or {}
+    if not hf_labels(hf) or not names:
+        return None
+    try:
+        return [str(names[str(i)]) for i in range(len(names))]
+    except KeyError:
+        raise ConfigError(f"{path}/config.json: id2label must number its labels 0 to {len(names) - 1}, "
+                          f"got {sorted(names)}") from None
 
 
 def config_to_hf(c: ModelConfig, torch_dtype: str = "float32") -> dict:

@@ -8,7 +8,8 @@ Files: `engine` (dynamic batching on the device), `openai` (OpenAI's shapes: /v1
 the original /complete, errors, streaming), `chat` (/v1/chat/completions over `io.chat_template`),
 `responses` (/v1/responses, OpenAI's Responses API, over `chat`), `tools` (tool calls), `reasoning`
 (thinking apart from answers), `embeddings` (/v1/embeddings: pooled hidden states, `evaluate.scoring`),
-`metrics` (Prometheus), `app` (routes, API key and size limits, graceful shutdown), `adapters`
+`classify` (/classify: a sequence classifier's or reward model's scores), `passes` (the forward
+passes those two share between requests), `metrics` (Prometheus), `app` (routes, API key and size limits, graceful shutdown), `adapters`
 (the LoRA adapters known by name and the bank entries they take), `page.html` (the playground at GET /).
 """
 from mesh_transformer.io.chat_template import PLAIN_TEMPLATE, ChatTemplate

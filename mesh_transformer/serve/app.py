@@ -4,7 +4,9 @@ Routes: `GET /` (the playground page), `POST /complete`, `POST /v1/completions`,
 `POST /v1/chat/completions`, `POST /v1/responses` (with `GET` and `DELETE /v1/responses/{id}`,
 `POST /v1/responses/input_tokens`),
 `POST /v1/messages` and `POST /v1/messages/count_tokens` (Anthropic's),
-`POST /v1/embeddings`, `POST /tokenize` and `POST /detokenize` (vLLM's), `GET /v1/models` and `GET /v1/models/{id}` (read
+`POST /v1/embeddings`, `POST /classify` (vLLM's; also at SGLang's `/v1/classify`; a classifier's server
+answers it, and a 400 on the routes that generate), `POST /tokenize` and `POST /detokenize` (vLLM's),
+`GET /v1/models` and `GET /v1/models/{id}` (read
 by OpenAI's and Anthropic's clients alike), `GET /health`, `GET /metrics`
 (Prometheus), and with
 runtime LoRA loading `POST /v1/load_lora_adapter`, `POST /v1/unload_lora_adapter` (vLLM's).
@@ -27,6 +29,7 @@ from fastapi import Request as HttpRequest
 from mesh_transformer.evaluate.scoring import POOLINGS
 from mesh_transformer.io.chat_template import ChatTemplate
 from mesh_transformer.serve import chat as chat_api
+from mesh_transformer.serve import classify as classify_api
 from mesh_transformer.serve import embeddings as embeddings_api
 from mesh_transformer.serve import messages as messages_api
 from mesh_transformer.serve import openai as oa
@@ -47,7 +50,8 @@ MODEL_CARD = "/v1/models/{id}"  # and for GET of one model
 OPEN_PATHS = ("/", "/health", "/metrics")  # answered without the API key (no model output, no secrets)
 ENDPOINTS = ("/", "/complete", "/v1/completions", "/v1/chat/completions", "/v1/responses",
              "/v1/responses/input_tokens", "/v1/messages",
-             "/v1/messages/count_tokens", "/v1/embeddings", "/tokenize", "/detokenize", "/v1/models", "/health", "/metrics",
+             "/v1/messages/count_tokens", "/v1/embeddings", "/classify", "/v1/classify", "/tokenize", "/detokenize",
+             "/v1/models", "/health", "/metrics",
              "/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 ANTHROPIC = "/v1/messages"  # this path and those under it answer errors in Anthropic's shape
 
@@ -60,7 +64,7 @@ def create_app(engine: Engine, model_name: str = "mesh-transformer", api_key: Op
                timeout: float = 300.0, max_request_bytes: int = 1 << 20, max_prompts: int = 64,
                chat_template: Optional[str] = None, runtime_lora: bool = False, tool_parser: Optional[str] = None,
                reasoning_parser: Optional[str] = None, responses_kept: int = responses_api.KEPT,
-               embedding_pooling: str = "last", embedding_normalize: bool = True):
+               embedding_pooling: str = "last", embedding_normalize: bool = True, labels: Optional[list[str]] = None):
     """The app over a started `engine`. `api_key` (or $MESH_TRANSFORMER_API_KEY) protects all but
     `OPEN_PATHS`; `chat_template`: Jinja source overriding the tokenizer's (see `chat`);
     `tool_parser`: how `tool_choice: "auto"` reads calls from the model's text (`tools.PARSERS`);
@@ -68,6 +72,7 @@ def create_app(engine: Engine, model_name: str = "mesh-transformer", api_key: Op
     `responses_kept`: how many /v1/responses answers are kept for `previous_response_id` and GET;
     `embedding_pooling`, `embedding_normalize`: how /v1/embeddings makes a text's vector from the
     model's final hidden states (`evaluate.scoring.POOLINGS`; L2-normalised or not);
+    `labels`: a classifier's class names for /classify (its checkpoint's id2label; default LABEL_i);
     `runtime_lora`: the routes that load and unload LoRA adapters (the engine's generator needs a
     bank: `Generator(adapters=...)`; they read directories on the server's disk, so the API key
     should be set wherever clients are not trusted)."""
@@ -83,9 +88,12 @@ def create_app(engine: Engine, model_name: str = "mesh-transformer", api_key: Op
         raise ValueError(f"reasoning_parser: one of {', '.join(reasoning_api.PARSERS)}, got {reasoning_parser!r}")
     if embedding_pooling not in POOLINGS:
         raise ValueError(f"embedding_pooling: one of {', '.join(POOLINGS)}, got {embedding_pooling!r}")
+    config = engine.gen.config
     settings = oa.Settings(engine, model_name, timeout, max_prompts, ChatTemplate(engine.tokenizer, chat_template),
                            tool_parser, reasoning_parser, responses_api.Store(responses_kept),
-                           embeddings_api.Embedder(engine.gen, embedding_pooling, embedding_normalize))
+                           embeddings_api.embedder(engine.gen, embedding_pooling, embedding_normalize),
+                           classify_api.classifier(engine.gen) if config.classifier else None,
+                           classify_api.label_names(config.num_labels, labels))
     created = int(time.time())
     if runtime_lora and engine.adapters is None:
         raise ValueError("runtime_lora needs a generator with a bank of adapter entries (Generator(adapters=...))")
@@ -99,12 +107,12 @@ def create_app(engine: Engine, model_name: str = "mesh-transformer", api_key: Op
                                                   for m in (model_name, *adapters)))
             .encode())
 
-    @app.exception_handler(oa.ApiError)
-    async def _api_error(_, e: oa.ApiError):
-        return JSONResponse(e.body(), e.status)
-
     def error(http, e: oa.ApiError):
         return messages_api.error_response(e) if anthropic_path(http.url.path) else JSONResponse(e.body(), e.status)
+
+    @app.exception_handler(oa.ApiError)
+    async def _api_error(http, e: oa.ApiError):
+        return error(http, e)
 
     @app.exception_handler(404)
     async def _not_found(http, _):
@@ -158,8 +166,11 @@ def create_app(engine: Engine, model_name: str = "mesh-transformer", api_key: Op
              "/v1/chat/completions": chat_api.chat_completions, "/v1/responses": responses_api.create,
              "/v1/responses/input_tokens": responses_api.input_tokens,
              "/v1/messages": messages_api.create, "/v1/messages/count_tokens": messages_api.count_tokens,
-             "/v1/embeddings": embeddings_api.create, "/tokenize": tokens_api.tokenize,
-             "/detokenize": tokens_api.detokenize}
+             "/v1/embeddings": embeddings_api.create, "/classify": classify_api.create,
+             "/v1/classify": classify_api.create, "/tokenize": tokens_api.tokenize, "/detokenize": tokens_api.detokenize}
+    if config.classifier:
+        posts.update({path: classify_api.refuse_generating(path, config.num_labels)
+                      for path in classify_api.GENERATING})
     if runtime_lora:
         posts.update({"/v1/load_lora_adapter": oa.load_lora_adapter, "/v1/unload_lora_adapter": oa.unload_lora_adapter})
     for path, handler in posts.items():

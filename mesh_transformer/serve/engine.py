@@ -24,6 +24,9 @@ A request names its LoRA adapter, if any; the engine places it in an entry of th
 as it admits the request (`serve.adapters`), so a server may know more adapters than the bank holds.
 A bounded queue refuses work when full (`QueueFull`), every request has a deadline, and `drain`
 stops admitting new work for a graceful shutdown.
+An engine over a classifier (a sequence classifier or reward model: `ModelConfig.classifier`)
+decodes nothing: it holds no batch and no KV cache and runs no thread; its requests are the
+server's scoring passes (`serve.classify`), and `sequence` raises ConfigError.
 """
 from __future__ import annotations
 
@@ -125,13 +128,16 @@ class Engine:
         eos = getattr(tokenizer, "eos_token_id", None)
         self.eos_token_ids = tuple(eos_token_ids) if eos_token_ids is not None else () if eos is None else (eos,)
         self.adapters = AdapterSlots(generator, host_adapters) if generator.adapters is not None else None
+        self.generates = not generator.config.classifier
+        self.max_batch = max_batch
         slots = slots or generator.config.seq
         if prefix_cache_tokens is None:
-            prefix_cache_tokens = default_tokens(generator.config, slots, prefix_block)
+            prefix_cache_tokens = default_tokens(generator.config, slots, prefix_block) if self.generates else 0
         self._prefix = (prefix_cache_tokens, prefix_block)
-        self.batch = Batch(generator, max_batch, slots, chunk, self._new_prefix_cache(), batch_invariant, share_prefix)
+        self.batch = (Batch(generator, max_batch, slots, chunk, self._new_prefix_cache(), batch_invariant, share_prefix)
+                      if self.generates else None)
         self._warm_full = False  # warm-up stopped at the process's limit of memory maps
-        self.context = min(generator.config.seq, self.batch.slots)  # prompt + output must fit a row
+        self.context = min(generator.config.seq, self.batch.slots if self.generates else generator.config.seq)
         self.max_new_tokens = self.context - 1
         self.max_queue = max_queue
         self.join_chunk = join_chunk
@@ -139,7 +145,7 @@ class Engine:
         self.gather = gather
         self._left, self._left_at = 0, 0.0  # requests the last call finished, when (their clients may come back)
         self.metrics = metrics or Metrics()
-        self.metrics.watch(queued=lambda: len(self._pending), running=lambda: len(self.batch.active()))
+        self.metrics.watch(queued=lambda: len(self._pending), running=lambda: len(self._active()))
         self.draining = False
         self._pending: collections.deque[tuple[Sequence, Request]] = collections.deque()
         self._owner: dict[int, Request] = {}  # id(seq) -> request, for sequences in the batch
@@ -157,6 +163,8 @@ class Engine:
         return PrefixCache(self.gen, tokens, block) if tokens else None
 
     def start(self) -> "Engine":
+        if not self.generates:
+            return self
         self._thread.start()
         threading.Thread(target=self._prepare_grammars, name="grammar-tokenizer", daemon=True).start()
         return self
@@ -180,7 +188,17 @@ class Engine:
         system prompt or few-shot examples take (a multiple of the cache's block matches them best).
         Call before `start`; otherwise the first requests of each shape wait for the compiler
         (prefill compiles once per group-size bucket and prompt-length bucket).
+        A classifier's engine compiles its classification passes instead: 1, 2, 4, .. `max_batch`
+        prompts of each length.
         """
+        if not self.generates:
+            from mesh_transformer.evaluate.scoring import scorer_for
+            for length in prompt_tokens:
+                n = 1
+                while n <= self.max_batch:
+                    scorer_for(self.gen).classify([[0] * min(length, self.context)] * n)
+                    n *= 2
+            return
         self._warm_full = False
         options = SamplingOptions(max_new_tokens=min(self.batch.chunk + 1, self.max_new_tokens), temperature=0.0)
         longest = self.context - options.max_new_tokens
@@ -260,7 +278,8 @@ class Engine:
         with self._cv:
             self._stop = True
             self._cv.notify()
-        self._thread.join(timeout=30)
+        if self._thread.is_alive():
+            self._thread.join(timeout=30)
 
     def drain(self) -> None:
         """Admit no new requests (`submit` raises Draining); queued and running ones go on."""
@@ -291,6 +310,7 @@ class Engine:
                  adapter=None) -> Sequence:
         """Build (and validate) a Sequence, under the LoRA adapter called `adapter` (or that
         `lora.ServedAdapter`, as `adapter(name)` gave it; None: the base); ValueError names what is wrong."""
+        self.gen.check_generates()
         lora = adapter if isinstance(adapter, ServedAdapter) else self.adapter(adapter)
         if options.max_new_tokens > self.max_new_tokens:
             raise ValueError(f"max_tokens must be at most {self.max_new_tokens} for this model "
@@ -324,12 +344,15 @@ class Engine:
 
     def stats(self) -> dict:
         with self._cv:
-            prefix = self.batch.prefix
-            return {"active": len(self.batch.active()), "queued": len(self._pending), "completed": self.completed,
+            prefix = self.batch.prefix if self.generates else None
+            return {"active": len(self._active()), "queued": len(self._pending), "completed": self.completed,
                     "admissions": self.admissions, "compiled_shapes": len(self.gen.shapes),
                     "draining": self.draining, "dtype": str(self.gen.config.compute_dtype),
                     "prefix_cache": prefix.stats() if prefix is not None else None,
                     "adapters": self.adapters.stats() if self.adapters is not None else None}
+
+    def _active(self) -> list[int]:
+        return self.batch.active() if self.generates else []
 
     # ---- the engine thread ----------------------------------------------------------------------
 

@@ -61,7 +61,9 @@ class Settings:
     tool_parser: Optional[str] = None  # tools.PARSERS' key: how "auto" tool choice reads calls from text
     reasoning_parser: Optional[str] = None  # reasoning.PARSERS' item: how replies' thinking is told from answers
     responses: Any = None  # responses.Store: the kept responses of /v1/responses
-    embedder: Any = None  # embeddings.Embedder: /v1/embeddings' passes
+    embedder: Any = None  # passes.Passes: /v1/embeddings'
+    classifier: Any = None  # passes.Passes: /classify's (a classifier's server)
+    labels: tuple[str, ...] = ()  # a classifier's class names
 
 
 class _Strict(BaseModel):

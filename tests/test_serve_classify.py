@@ -1,0 +1,185 @@
+"""POST /classify (vLLM's) on a served sequence classifier and reward model: each text's scores are
+transformers' ForSequenceClassification logits (the oracle), answered as vLLM answers them
+(softmax, a sigmoid for one label; raw with `activation: false`), with the checkpoint's label
+names; a classifier's server generates nothing and holds no KV cache, and says so on the routes
+that generate; device_serve.py serves one as a user starts it."""
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import jax
+import numpy as np
+import pytest
+import torch
+
+from mesh_transformer import loading
+from mesh_transformer.config import ConfigError
+from mesh_transformer.generate import SamplingOptions
+from mesh_transformer.io import hf
+from mesh_transformer.serve import Engine, create_app
+from mesh_transformer.serve.classify import classifier
+from tests.helpers import hf_classifier
+from tests.serving import KEY, start_server
+from tests.test_serve_process import launch, wait_until_up
+
+TEXTS = ["The quick brown fox", "Hello there", "a", "jumps over the lazy dog and the fox"]
+NAMES = ["negative", "neutral", "positive"]
+TOL = 1e-5
+HEADERS = {"Authorization": f"Bearer {KEY}"}
+
+
+def saved_classifier(tiny, path, labels: int, names=None):
+    """The tiny GPT-J as transformers' GPTJForSequenceClassification (a random score head), saved to
+    `path` with its tokenizer -> the torch model."""
+    model = hf_classifier(tiny.torch, labels, path, names=names)
+    tiny.tokenizer.save_pretrained(path)
+    return model
+
+
+def hf_scores(model, ids: list[int]) -> np.ndarray:
+    """[labels]: transformers' logits for one text (alone: its last token is the last)."""
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].numpy()
+
+
+def softmax(x):
+    e = np.exp(x - x.max())
+    return e / e.sum()
+
+
+@pytest.fixture(scope="module")
+def sentiment(tiny, tmp_path_factory):
+    """(directory, torch model, classifier Generator on one device): three named labels."""
+    path = tmp_path_factory.mktemp("sentiment")
+    model = saved_classifier(tiny, path, 3, NAMES)
+    loaded = loading.load(hf=str(path), mp=1, dp=1, dtype="float32")
+    return path, model, loaded.generator()
+
+
+@pytest.fixture(scope="module")
+def reward(tiny, tmp_path_factory):
+    """(torch model, url): a reward model (one label) over dp 2 x mp 2, served."""
+    path = tmp_path_factory.mktemp("reward")
+    model = saved_classifier(tiny, path, 1)
+    engine = Engine(loading.load(hf=str(path), mp=2, dp=2, dtype="float32").generator(), tiny.tokenizer).start()
+    server, base = start_server(create_app(engine, model_name="rm", api_key=KEY))
+    yield model, base
+    server.should_exit = True
+
+
+@pytest.fixture(scope="module")
+def sentiment_url(sentiment, tiny):
+    path, _, gen = sentiment
+    engine = Engine(gen, tiny.tokenizer).start()
+    server, base = start_server(create_app(engine, model_name="sentiment", api_key=KEY, labels=hf.label_names(path)))
+    yield base
+    server.should_exit = True
+
+
+def classify(base: str, path: str = "/classify", **body) -> httpx.Response:
+    return httpx.post(f"{base}{path}", json=body, headers=HEADERS, timeout=60)
+
+
+def test_probs_are_the_softmax_of_transformers_logits_with_the_checkpoints_labels(sentiment_url, sentiment, tiny):
+    """Texts of different lengths in one request (right-padded in one pass): each one's probs are the
+    softmax of transformers' logits, its label the likeliest class's name from config.json; token
+    ids classify as their text does; SGLang's /v1/classify is the same route."""
+    _, model, _ = sentiment
+    ids = [tiny.tokenizer.encode(t) for t in TEXTS]
+    r = classify(sentiment_url, model="sentiment", input=TEXTS)
+    assert r.status_code == 200, r.text
+    answer = r.json()
+    assert answer["object"] == "list" and answer["id"].startswith("classify-") and answer["model"] == "sentiment"
+    assert answer["usage"] == {"prompt_tokens": sum(map(len, ids)), "total_tokens": sum(map(len, ids)),
+                               "completion_tokens": 0, "prompt_tokens_details": None}
+    labels = set()
+    for i, (d, p) in enumerate(zip(answer["data"], ids)):
+        want = hf_scores(model, p)
+        assert d["index"] == i and d["num_classes"] == 3 and d["label"] == NAMES[int(np.argmax(want))]
+        np.testing.assert_allclose(d["probs"], softmax(want), atol=TOL)
+        labels.add(d["label"])
+    assert len(labels) > 1  # the head's classes differ across the texts: the labels are each text's own
+    by_ids = classify(sentiment_url, "/v1/classify", input=ids).json()
+    np.testing.assert_allclose([d["probs"] for d in by_ids["data"]], [d["probs"] for d in answer["data"]], atol=1e-6)
+    raw = classify(sentiment_url, input=TEXTS[0], activation=False).json()["data"][0]
+    np.testing.assert_allclose(raw["probs"], hf_scores(model, ids[0]), atol=TOL)
+
+
+def test_a_reward_model_answers_the_sigmoid_and_raw_rewards_over_dp_and_mp(reward, tiny):
+    """One label (a reward model, as TRL trains and vLLM serves one), on dp 2 x mp 2: probs are the
+    sigmoid of transformers' reward, `activation: false` the reward itself."""
+    model, base = reward
+    ids = [tiny.tokenizer.encode(t) for t in TEXTS]
+    want = np.array([hf_scores(model, p) for p in ids])  # [N, 1]
+    assert np.ptp(want) > 0.1
+    sig = classify(base, input=TEXTS).json()["data"]
+    assert all(d["num_classes"] == 1 and d["label"] == "LABEL_0" for d in sig)
+    np.testing.assert_allclose([d["probs"] for d in sig], 1 / (1 + np.exp(-want)), atol=TOL)
+    raw = classify(base, input=TEXTS, activation=False).json()["data"]
+    np.testing.assert_allclose([d["probs"] for d in raw], want, atol=TOL)
+
+
+def test_requests_that_wait_together_share_one_pass(sentiment, tiny):
+    """Six requests of a text each, waiting while none runs: one pass, each answered its own text's scores."""
+    _, model, gen = sentiment
+    passes = classifier(gen)
+    ids = [tiny.tokenizer.encode(t) for t in TEXTS] + [[5, 6, 7], [9]]
+
+    async def together():
+        return await asyncio.gather(*(passes.run([p]) for p in ids))
+    got = asyncio.run(together())
+    assert passes.passes == 1 and all(v.shape == (1, 3) for v in got)
+    np.testing.assert_allclose(np.concatenate(got), [hf_scores(model, p) for p in ids], atol=TOL)
+
+
+def test_a_classifiers_engine_holds_no_kv_cache_and_its_server_refuses_to_generate(sentiment, sentiment_url, tiny):
+    """Its engine adds no device buffer to the weights (no batch, no cache, no prefix pool); the routes
+    that generate answer a 400 pointing to /classify (Anthropic's in its error shape)."""
+    _, _, gen = sentiment
+    before = sum(x.nbytes for x in jax.live_arrays())
+    engine = Engine(gen, tiny.tokenizer, max_batch=16)
+    assert sum(x.nbytes for x in jax.live_arrays()) == before and engine.stats()["active"] == 0
+    with pytest.raises(ConfigError, match="does not generate: classify with it"):
+        engine.sequence([1, 2], SamplingOptions(max_new_tokens=2), None)
+    for path, body in (("/v1/completions", {"prompt": "hi"}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+                       ("/v1/messages", {"max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]})):
+        r = httpx.post(f"{sentiment_url}{path}", json={"model": "sentiment", **body}, headers=HEADERS, timeout=60)
+        assert r.status_code == 400, r.text
+        message = r.json()["error"]["message"]
+        assert f"num_labels 3: a score head, no language-model head): it does not generate, so {path}" in message
+        assert "POST /classify" in message
+        assert (r.json().get("type") == "error") == (path == "/v1/messages")  # Anthropic's shape there
+
+
+@pytest.mark.parametrize("body, param, message", [
+    ({"input": []}, "input", "input: must not be empty"),
+    ({"input": [[1, 2], list(range(1, 41))]}, "input[1]", "input[1]: 40 tokens, more than the model's context of 32"),
+    ({"input": "ok", "activation": "yes"}, "activation", "activation: "),
+])
+def test_bad_input_is_a_400_naming_it(sentiment_url, body, param, message):
+    r = classify(sentiment_url, **body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and error["message"].startswith(message), error
+
+
+def test_device_serve_serves_a_classifier_checkpoint_for_classify(sentiment, tiny):
+    """`device_serve.py --hf DIR` of a GPTJForSequenceClassification directory, warmed up: /classify
+    answers transformers' probabilities and config.json's label names."""
+    path, model, _ = sentiment
+    proc, base = launch(path, "--warmup", "8")
+    try:
+        wait_until_up(proc, base)
+        r = httpx.post(f"{base}/classify", json={"input": TEXTS}, headers={"Authorization": "Bearer process-key"},
+                       timeout=60)
+    finally:
+        proc.terminate()
+        out, _ = proc.communicate(timeout=60)
+    assert r.status_code == 200, r.text
+    for d, text in zip(r.json()["data"], TEXTS):
+        want = hf_scores(model, tiny.tokenizer.encode(text))
+        assert d["label"] == NAMES[int(np.argmax(want))]
+        np.testing.assert_allclose(d["probs"], softmax(want), atol=TOL)
+    assert proc.returncode == 0, out
