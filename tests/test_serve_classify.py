@@ -1,8 +1,8 @@
-"""POST /classify (vLLM's) on a served sequence classifier and reward model: each text's scores are
-transformers' ForSequenceClassification logits (the oracle), answered as vLLM answers them
-(softmax, a sigmoid for one label; raw with `activation: false`), with the checkpoint's label
-names; a classifier's server generates nothing and holds no KV cache, and says so on the routes
-that generate; device_serve.py serves one as a user starts it."""
+"""POST /classify, /score and /rerank (vLLM's) on a served sequence classifier and reward model:
+each text's (or pair's) scores are transformers' ForSequenceClassification logits (the oracle),
+answered as vLLM answers them (softmax, a sigmoid for one label; raw with `use_activation:
+false`), with the checkpoint's label names; a classifier's server generates nothing and holds no
+KV cache, and says so on the routes that generate; device_serve.py serves one as a user starts it."""
 from __future__ import annotations
 
 import asyncio
@@ -41,6 +41,10 @@ def hf_scores(model, ids: list[int]) -> np.ndarray:
     """[labels]: transformers' logits for one text (alone: its last token is the last)."""
     with torch.no_grad():
         return model(torch.tensor([ids])).logits[0].numpy()
+
+
+def sigmoid(x):
+    return 1 / (1 + np.exp(-np.asarray(x, np.float64)))
 
 
 def softmax(x):
@@ -102,8 +106,9 @@ def test_probs_are_the_softmax_of_transformers_logits_with_the_checkpoints_label
     assert len(labels) > 1  # the head's classes differ across the texts: the labels are each text's own
     by_ids = classify(sentiment_url, "/v1/classify", input=ids).json()
     np.testing.assert_allclose([d["probs"] for d in by_ids["data"]], [d["probs"] for d in answer["data"]], atol=1e-6)
-    raw = classify(sentiment_url, input=TEXTS[0], activation=False).json()["data"][0]
-    np.testing.assert_allclose(raw["probs"], hf_scores(model, ids[0]), atol=TOL)
+    for off in ({"use_activation": False}, {"activation": False}, {"use_activation": False, "activation": True}):
+        raw = classify(sentiment_url, input=TEXTS[0], **off).json()["data"][0]  # (vLLM's older name too)
+        np.testing.assert_allclose(raw["probs"], hf_scores(model, ids[0]), atol=TOL)
 
 
 def test_a_reward_model_answers_the_sigmoid_and_raw_rewards_over_dp_and_mp(reward, tiny):
@@ -115,9 +120,67 @@ def test_a_reward_model_answers_the_sigmoid_and_raw_rewards_over_dp_and_mp(rewar
     assert np.ptp(want) > 0.1
     sig = classify(base, input=TEXTS).json()["data"]
     assert all(d["num_classes"] == 1 and d["label"] == "LABEL_0" for d in sig)
-    np.testing.assert_allclose([d["probs"] for d in sig], 1 / (1 + np.exp(-want)), atol=TOL)
-    raw = classify(base, input=TEXTS, activation=False).json()["data"]
+    np.testing.assert_allclose([d["probs"] for d in sig], sigmoid(want), atol=TOL)
+    raw = classify(base, input=TEXTS, use_activation=False).json()["data"]
     np.testing.assert_allclose([d["probs"] for d in raw], want, atol=TOL)
+
+
+PROMPT = "Q: fox?"
+RESPONSES = [" a small animal", " the quick brown fox", " jumps over", " a"]
+
+
+def test_score_and_rerank_read_each_pair_as_one_text_as_vllm_does(reward, tiny):
+    """/score of a prompt and its candidate responses (1:N, best-of-n with a reward model) and of N:N
+    pairs, and /rerank of documents for a query: each pair is the second text after the first,
+    encoded as one, scored as transformers scores that text (the sigmoid, or raw); /rerank sorts
+    best first and keeps top_n."""
+    model, base = reward
+    want = np.array([hf_scores(model, tiny.tokenizer.encode(PROMPT + r))[0] for r in RESPONSES])
+    assert len(set(np.argsort(-want)[:2])) == 2 and np.ptp(want) > 0.05
+    r = classify(base, "/score", text_1=PROMPT, text_2=RESPONSES)
+    assert r.status_code == 200, r.text
+    answer = r.json()
+    assert answer["object"] == "list" and answer["id"].startswith("score-") and answer["model"] == "rm"
+    assert [(d["index"], d["object"]) for d in answer["data"]] == [(i, "score") for i in range(len(RESPONSES))]
+    np.testing.assert_allclose([d["score"] for d in answer["data"]], sigmoid(want), atol=TOL)
+    assert answer["usage"]["prompt_tokens"] == sum(len(tiny.tokenizer.encode(PROMPT + r)) for r in RESPONSES)
+    firsts = ["a fox", "Hello", "x", "The dog"]
+    raw = classify(base, "/v1/score", text_1=firsts, text_2=RESPONSES, use_activation=False).json()["data"]
+    np.testing.assert_allclose([d["score"] for d in raw],
+                               [hf_scores(model, tiny.tokenizer.encode(a + b))[0] for a, b in zip(firsts, RESPONSES)],
+                               atol=TOL)
+    ranked = classify(base, "/rerank", query=PROMPT, documents=RESPONSES, top_n=2).json()
+    assert ranked["id"].startswith("rerank-") and ranked["usage"]["total_tokens"] == answer["usage"]["prompt_tokens"]
+    assert [x["index"] for x in ranked["results"]] == list(np.argsort(-want)[:2])
+    for x in ranked["results"]:
+        assert x["document"] == {"text": RESPONSES[x["index"]]}
+        assert abs(x["relevance_score"] - sigmoid(want[x["index"]])) < TOL
+    every = classify(base, "/v2/rerank", query=PROMPT, documents=RESPONSES).json()["results"]
+    assert [x["index"] for x in every] == list(np.argsort(-want))
+
+
+@pytest.mark.parametrize("path, body, param, message", [
+    ("/score", {"text_1": ["a", "b"], "text_2": ["c", "d", "e"]}, "text_1",
+     "text_1: one text, or one for each of text_2's 3; got 2"),
+    ("/score", {"text_1": "a", "text_2": []}, "text_2", "text_2: must not be empty"),
+    ("/score", {"text_1": "a", "text_2": ["ok", " fox" * 20]}, "text_2[1]",
+     "text_2[1]: 41 tokens, more than the model's context of 32"),
+    ("/rerank", {"query": "a", "documents": []}, "documents", "documents: must not be empty"),
+    ("/rerank", {"query": "a", "documents": ["b"], "top_n": -1}, "top_n", "top_n: "),
+])
+def test_bad_pairs_are_a_400_naming_them(reward, path, body, param, message):
+    r = classify(reward[1], path, **body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and error["message"].startswith(message), error
+
+
+def test_score_needs_one_label(sentiment_url):
+    for path, body in (("/score", {"text_1": "a", "text_2": "b"}), ("/v1/rerank", {"query": "a", "documents": ["b"]})):
+        r = classify(sentiment_url, path, **body)
+        assert r.status_code == 400
+        assert r.json()["error"]["message"] == (f"{path} scores pairs with a classifier of one label (a reward model "
+                                                f"or reranker); this one has 3: use /classify")
 
 
 def test_requests_that_wait_together_share_one_pass(sentiment, tiny):

@@ -5,7 +5,8 @@ Routes: `GET /` (the playground page), `POST /complete`, `POST /v1/completions`,
 `POST /v1/responses/input_tokens`),
 `POST /v1/messages` and `POST /v1/messages/count_tokens` (Anthropic's),
 `POST /v1/embeddings`, `POST /classify` (vLLM's; also at SGLang's `/v1/classify`; a classifier's server
-answers it, and a 400 on the routes that generate), `POST /tokenize` and `POST /detokenize` (vLLM's),
+answers it, and a 400 on the routes that generate), `POST /score` and `POST /rerank` (vLLM's; also at
+`/v1/score`, `/v1/rerank`, `/v2/rerank`: a classifier of one label's), `POST /tokenize` and `POST /detokenize` (vLLM's),
 `GET /v1/models` and `GET /v1/models/{id}` (read
 by OpenAI's and Anthropic's clients alike), `GET /health`, `GET /metrics`
 (Prometheus), and with
@@ -50,7 +51,8 @@ MODEL_CARD = "/v1/models/{id}"  # and for GET of one model
 OPEN_PATHS = ("/", "/health", "/metrics")  # answered without the API key (no model output, no secrets)
 ENDPOINTS = ("/", "/complete", "/v1/completions", "/v1/chat/completions", "/v1/responses",
              "/v1/responses/input_tokens", "/v1/messages",
-             "/v1/messages/count_tokens", "/v1/embeddings", "/classify", "/v1/classify", "/tokenize", "/detokenize",
+             "/v1/messages/count_tokens", "/v1/embeddings", "/classify", "/v1/classify", "/score", "/v1/score",
+             "/rerank", "/v1/rerank", "/v2/rerank", "/tokenize", "/detokenize",
              "/v1/models", "/health", "/metrics",
              "/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 ANTHROPIC = "/v1/messages"  # this path and those under it answer errors in Anthropic's shape
@@ -167,7 +169,9 @@ def create_app(engine: Engine, model_name: str = "mesh-transformer", api_key: Op
              "/v1/responses/input_tokens": responses_api.input_tokens,
              "/v1/messages": messages_api.create, "/v1/messages/count_tokens": messages_api.count_tokens,
              "/v1/embeddings": embeddings_api.create, "/classify": classify_api.create,
-             "/v1/classify": classify_api.create, "/tokenize": tokens_api.tokenize, "/detokenize": tokens_api.detokenize}
+             "/v1/classify": classify_api.create, "/tokenize": tokens_api.tokenize, "/detokenize": tokens_api.detokenize,
+             **{path: classify_api.score for path in ("/score", "/v1/score")},
+             **{path: classify_api.rerank for path in ("/rerank", "/v1/rerank", "/v2/rerank")}}
     if config.classifier:
         posts.update({path: classify_api.refuse_generating(path, config.num_labels)
                       for path in classify_api.GENERATING})
