@@ -11,6 +11,7 @@ import argparse
 import sys
 
 from mesh_transformer import cli, host_memory, loading
+from mesh_transformer.config import ConfigError
 from mesh_transformer.generate import SamplingOptions
 
 
@@ -113,14 +114,18 @@ def main(argv=None):
     args = parser.parse_args(argv)
     host_memory.keep_freed_memory()
 
-    with cli.user_errors() as status:
+    with cli.user_errors(ValueError) as status:  # (SamplingOptions' checks of the sampling flags)
         flag, grammar = grammar_from_args(args)
         model = loading.from_args(args)
         check_grammar(flag, grammar, model.tokenizer, model.config.padded_vocab(model.mesh.shape["mp"]))
+        gen = model.generator(matvec=True)  # one prompt at a time; the weights held once
+        gen.check_generates()  # (a classifier does not)
+        if args.max_new_tokens >= model.config.seq:
+            raise ConfigError(f"--max-new-tokens {args.max_new_tokens}: at most {model.config.seq - 1} for this "
+                              f"model (its context is {model.config.seq} tokens, the prompt's included)")
+        options = options_from_args(args, model.eos_token_ids, grammar)
     if status.code:
         return status.code
-    gen = model.generator(matvec=True)  # one prompt at a time; the weights held once
-    options = options_from_args(args, model.eos_token_ids, grammar)
     for text in prompts(args):
         [seq] = gen.sequences([model.tokenizer.encode(text)], options, model.tokenizer)
         if seq.truncated:

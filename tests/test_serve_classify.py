@@ -246,3 +246,15 @@ def test_device_serve_serves_a_classifier_checkpoint_for_classify(sentiment, tin
         assert d["label"] == NAMES[int(np.argmax(want))]
         np.testing.assert_allclose(d["probs"], softmax(want), atol=TOL)
     assert proc.returncode == 0, out
+
+
+def test_the_tools_say_a_classifier_does_not_generate(sentiment, capsys):
+    """device_sample.py in one line; the evaluator (eval_harness.py's) before any task runs."""
+    import device_sample
+    from mesh_transformer.evaluate.lm import MeshLM
+    with pytest.raises(ConfigError, match=r"num_labels 3\) neither generates nor scores text: lm-eval's tasks need"):
+        MeshLM.from_generator(sentiment[2], None)
+    assert device_sample.main(["--hf", str(sentiment[0]), "--dtype", "float32", "--prompt", "x",
+                               "--max-new-tokens", "4"]) == 2
+    assert capsys.readouterr().err.startswith("error: a classifier (num_labels 3: a score head, no language-model "
+                                              "head) does not generate: classify with it")

@@ -374,6 +374,9 @@ def test_device_sample_follows_a_choice_and_names_a_bad_flag(gen, tiny, capsys):
     printed = capsys.readouterr().out
     assert printed.startswith(library(gen, tiny, "The lazy dog", Grammar.choice(["yes", "no way"]), new=12) + "\n[")
     assert "finish: stop" in printed
+    assert device_sample.main(argv[:-1] + ["32"]) == 2
+    assert capsys.readouterr().err == ("error: --max-new-tokens 32: at most 31 for this model (its context is 32 "
+                                       "tokens, the prompt's included)\n")
     assert device_sample.main(argv + ["--regex", "a(b"]) == 2
     assert "--regex: " in capsys.readouterr().err
     assert device_sample.main(argv + ["--json-schema", "no-such.schema.json"]) == 2

@@ -21,6 +21,7 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.models.utils import (_add_special_kwargs, handle_stop_sequences, has_bos_prefix,
                                   normalize_gen_kwargs, postprocess_generated_text)
 
+from mesh_transformer.config import ConfigError
 from mesh_transformer.evaluate.scoring import Scorer, scorer_for
 from mesh_transformer.generate import MAX_STOPS, SamplingOptions
 
@@ -76,6 +77,9 @@ class MeshLM(TemplateLM):
     @classmethod
     def from_generator(cls, gen, tokenizer, batch_size: Optional[int] = None, **kw) -> "MeshLM":
         """Over a `generate.Generator` (a server's, say): scoring shares its weights and compiled programs."""
+        if gen.config.classifier:
+            raise ConfigError(f"a classifier (num_labels {gen.config.num_labels}) neither generates nor scores "
+                              f"text: lm-eval's tasks need a language model")
         return cls(scorer_for(gen), tokenizer, generator=gen, batch_size=batch_size, **kw)
 
     # ---- what lm-eval asks of a model ----------------------------------------------------------
