@@ -176,3 +176,49 @@ def test_playground_chooses_a_lora_adapter(browser, lora_page_url):
     assert run_and_wait(browser) == "done"
     assert text_of(browser, "output") == expected["code"]
     assert console_errors(browser) == []
+
+
+@pytest.fixture(scope="module")
+def classifier_page_url(tiny, tmp_path_factory):
+    """The tiny GPT-J as a three-label sequence classifier (saved by transformers), served ->
+    (url, the torch model)."""
+    from mesh_transformer import loading
+    from mesh_transformer.io import hf
+    from mesh_transformer.serve import Engine
+    from tests.helpers import hf_classifier
+    path = tmp_path_factory.mktemp("page_classifier")
+    model = hf_classifier(tiny.torch, 3, path, names=["negative", "neutral", "positive"])
+    tiny.tokenizer.save_pretrained(path)
+    engine = Engine(loading.load(hf=str(path), dtype="float32", mp=1, dp=1).generator(), tiny.tokenizer).start()
+    server, base = start_server(create_app(engine, model_name="sentiment", api_key=KEY, labels=hf.label_names(path)))
+    yield base, model
+    server.should_exit = True
+
+
+def test_playground_classifies_on_a_classifiers_server(browser, classifier_page_url, tiny):
+    """A classifier's page offers Classify alone (no prompt, chat or sampling settings) and shows each
+    label's probability and logit: transformers' softmax and logits, the likeliest label in bold."""
+    import numpy as np
+    import torch
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    base, model = classifier_page_url
+    browser.get(base + "/")
+    shown = {b: browser.find_element("id", b).is_displayed() for b in ("mode-prompt", "mode-chat", "mode-classify",
+                                                                         "max-tokens", "stop", "output")}
+    assert shown == {"mode-prompt": False, "mode-chat": False, "mode-classify": True, "max-tokens": False,
+                     "stop": False, "output": False}
+    assert browser.find_element("id", "generate").text == "Classify"
+    fill(browser, "api-key", KEY)
+    fill(browser, "text", "The quick brown fox")
+    browser.find_element("id", "generate").click()
+    WebDriverWait(browser, 60).until(lambda d: d.find_element("id", "status").text == "done")
+    rows = browser.execute_script("return [...document.querySelectorAll('#scores tbody tr')].map(r => "
+                                  "[...r.cells].map(c => c.textContent).concat([r.style.fontWeight]))")
+    with torch.no_grad():
+        logits = model(torch.tensor([tiny.tokenizer.encode("The quick brown fox")])).logits[0].numpy()
+    probs = np.exp(logits - logits.max()) / np.exp(logits - logits.max()).sum()
+    best = int(np.argmax(logits))
+    assert rows == [[name, f"{probs[i]:.4f}", "", f"{logits[i]:.4f}", "600" if i == best else ""]
+                    for i, name in enumerate(["negative", "neutral", "positive"])]
+    assert console_errors(browser) == []

@@ -105,6 +105,8 @@ def create_app(engine: Engine, model_name: str = "mesh-transformer", api_key: Op
     page = (PAGE.read_text(encoding="utf-8").replace("{{MODEL}}", html.escape(model_name))
             .replace("{{MODEL_PANE}}", "" if adapters or runtime_lora else "hidden")
             .replace("{{KEY_REQUIRED}}", "true" if api_key else "false")
+            .replace("{{CLASSIFIER}}", "true" if config.classifier else "false")
+            .replace("{{LABELS}}", html.escape("\n".join(settings.labels)))
             .replace("{{MODEL_OPTIONS}}", "".join(f'<option value="{html.escape(m)}">{html.escape(m)}</option>'
                                                   for m in (model_name, *adapters)))
             .encode())
