@@ -28,7 +28,6 @@ and a classifier's answers its generating routes with a 400 that points here.
 """
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 from typing import Optional, Sequence as Seq, Union
@@ -40,6 +39,7 @@ from pydantic import Field
 from mesh_transformer.evaluate.scoring import scorer_for
 from mesh_transformer.serve import embeddings
 from mesh_transformer.serve import openai as oa
+from mesh_transformer.serve import passes
 from mesh_transformer.serve.passes import Passes
 
 GENERATING = ("/complete", "/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages")
@@ -162,13 +162,7 @@ def one_label(s: oa.Settings, path: str) -> None:
 async def classified(s: oa.Settings, body: _Scoring, ids: list[list[int]]) -> np.ndarray:
     """[len(ids), labels]: the texts' probabilities (or logits: `use_activation` false), from the
     classifier's shared passes under the adapter the request's `model` names."""
-    adapter = await oa.served(s, body.model)
-    if s.engine.draining:
-        raise oa.busy(oa.Draining())
-    try:
-        logits = await asyncio.wait_for(s.classifier.run(ids, adapter), s.timeout)
-    except asyncio.TimeoutError:
-        raise oa.ApiError(504, f"request timed out after {s.timeout:g} s", "timeout") from None
+    logits = await passes.answer(s, s.classifier, ids, await oa.served(s, body.model))
     return probabilities(logits) if body.activated else logits
 
 

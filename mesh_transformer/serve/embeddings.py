@@ -17,7 +17,6 @@ when cut). vLLM's `truncate_prompt_tokens: k` keeps each text's last k tokens.
 """
 from __future__ import annotations
 
-import asyncio
 import base64
 import time
 import uuid
@@ -29,6 +28,7 @@ from pydantic import Field
 
 from mesh_transformer.evaluate.scoring import scorer_for
 from mesh_transformer.serve import openai as oa
+from mesh_transformer.serve import passes
 from mesh_transformer.serve.passes import Passes
 
 MAX_INPUTS = 2048  # texts per request (OpenAI's limit)
@@ -52,12 +52,7 @@ async def create(s: oa.Settings, http: HttpRequest):
     if body.dimensions is not None and body.dimensions != width:
         raise oa.ApiError(400, f"dimensions: this model's embeddings have {width} dimensions, got {body.dimensions} "
                                f"(shortened vectors keep their meaning only for models trained for it)", param="dimensions")
-    if s.engine.draining:
-        raise oa.busy(oa.Draining())
-    try:
-        vectors = await asyncio.wait_for(s.embedder.run(ids, adapter), s.timeout)
-    except asyncio.TimeoutError:
-        raise oa.ApiError(504, f"request timed out after {s.timeout:g} s", "timeout") from None
+    vectors = await passes.answer(s, s.embedder, ids, adapter)
     tokens = sum(len(p) for p in ids)
     return {"id": f"embd-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
             "model": body.model or s.model_name,

@@ -12,6 +12,8 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
+from mesh_transformer.serve import openai as oa
+
 PASS_TEXTS = 2048  # texts per pass at most (OpenAI's limit of inputs per embeddings request)
 
 
@@ -75,3 +77,13 @@ class Passes:
                 rest.append(waiting)
         self._waiting = rest
         return group
+
+
+async def answer(s: oa.Settings, passes: Passes, ids: list[list[int]], adapter) -> np.ndarray:
+    """`passes.run(ids, adapter)` for one request: a 503 while the server drains, a 504 past its timeout."""
+    if s.engine.draining:
+        raise oa.busy(oa.Draining())
+    try:
+        return await asyncio.wait_for(passes.run(ids, adapter), s.timeout)
+    except asyncio.TimeoutError:
+        raise oa.ApiError(504, f"request timed out after {s.timeout:g} s", "timeout") from None
