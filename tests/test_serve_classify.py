@@ -183,6 +183,21 @@ def test_score_needs_one_label(sentiment_url):
                                                 f"or reranker); this one has 3: use /classify")
 
 
+def test_int8_weights_classify_as_transformers_on_the_weights_int8_keeps(sentiment, tiny):
+    """`--quantize int8` (every matmul weight, the score head's too, int8 per output column): the
+    scores are transformers' on those rounded weights (`rounded_like_int8`), not merely near the
+    float ones."""
+    from mesh_transformer.evaluate.scoring import Scorer
+    from tests.helpers import rounded_like_int8
+    path, model, _ = sentiment
+    ids = [tiny.tokenizer.encode(t) for t in TEXTS]
+    gen = loading.load(hf=str(path), mp=2, dp=1, dtype="float32", quantize="int8").generator()
+    got = Scorer.for_generator(gen).classify(ids)
+    rounded = rounded_like_int8(model)
+    np.testing.assert_allclose(got, [hf_scores(rounded, p) for p in ids], atol=TOL)
+    assert np.abs(got - [hf_scores(model, p) for p in ids]).max() > 10 * TOL  # (the rounding shows)
+
+
 def test_requests_that_wait_together_share_one_pass(sentiment, tiny):
     """Six requests of a text each, waiting while none runs: one pass, each answered its own text's scores."""
     _, model, gen = sentiment
