@@ -4,7 +4,9 @@
     python device_serve.py --hf ./gpt-j-6b --mp 8 [--host 127.0.0.1] [--port 5000] [--api-key KEY]
 
 A sequence classifier or reward model (a `*ForSequenceClassification` checkpoint, or one trained
-with the "reward" objective) is served for vLLM's `POST /classify` instead of generation.
+with the "reward" objective) is served for vLLM's `POST /classify`, `/score` and `/rerank` instead
+of generation; so is a language model read through some of its tokens' logits
+(`--classifier-from-tokens no yes`: a yes/no reranker such as Qwen3-Reranker, or a judge).
 
 SIGTERM (or Ctrl-C) drains: new requests get 503, running ones finish (at most --drain-timeout
 seconds), then the server exits 0. See mesh_transformer/serve/ for the endpoints and the batching.
@@ -81,6 +83,12 @@ def main(argv=None):
     parser.add_argument("--embedding-normalize", action=argparse.BooleanOptionalAction,
                         help="POST /v1/embeddings answers L2-normalised vectors (default: on, or as a "
                              "sentence-transformers directory declares: a Normalize module)")
+    parser.add_argument("--classifier-from-tokens", nargs="+", metavar="TOKEN",
+                        help="serve the language model as a classifier of these tokens' logits at the last token "
+                             "(vLLM's classifier_from_token), for /classify, /score and /rerank: two tokens make one "
+                             "label, the second's logit minus the first's (its sigmoid: the second's probability "
+                             "among the two, as Qwen3-Reranker reads 'no' and 'yes'); more make a label each. Each "
+                             "must be one token of the tokenizer")
     parser.add_argument("--warmup", type=int, nargs="*", metavar="PROMPT_TOKENS",
                         help="compile prefill for every batch-size bucket at these prompt lengths (default 16) "
                              "and decode, before listening")
@@ -155,6 +163,7 @@ def main(argv=None):
                                   f"{args.max_lora_rank}")
         embeddings = embedding_settings(args)  # before the weights load: a bad modules.json fails at once
         model = loading.from_args(args)
+        labels = model.as_token_classifier(args.classifier_from_tokens) if args.classifier_from_tokens else None
         model_name = args.model_name or model.name
         if model_name in {name for name, _ in adapters}:
             raise ConfigError(f"--lora-modules: adapter name {model_name!r} is the base model's name (see --model-name)")
@@ -163,7 +172,8 @@ def main(argv=None):
         generator = model.generator(adapters=adapters, slots=slots, rank=args.max_lora_rank, every_linear=runtime,
                                     host=args.max_cpu_loras)
         chat_template = pathlib.Path(args.chat_template).read_text(encoding="utf-8") if args.chat_template else None
-        labels = hf.label_names(args.hf) if args.hf and model.config.classifier else None
+        if labels is None and args.hf and model.config.classifier:
+            labels = hf.label_names(args.hf)
     if status.code:
         return status.code
     engine = serve.Engine(generator, model.tokenizer,

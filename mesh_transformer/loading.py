@@ -57,6 +57,22 @@ class LoadedModel:
         return Generator(self.config, params, self.mesh, matvec=matvec, donate=True, quantize=self.quantize,
                          adapters=bank)
 
+    def as_token_classifier(self, tokens: list[str]) -> list[str]:
+        """Make this language model a classifier whose scores are its logits of these tokens' (each
+        a single token of the tokenizer; `models.core.score_from_lm_head`: two make one label, the
+        second's logit minus the first's), in place -> the labels' names (the second token; or
+        each token)."""
+        from mesh_transformer.models.core import score_from_lm_head
+        ids = []
+        for token in tokens:
+            encoded = list(self.tokenizer.encode(token, add_special_tokens=False))
+            if len(encoded) != 1:
+                raise ConfigError(f"--classifier-from-tokens: {token!r} is {len(encoded)} tokens to this tokenizer "
+                                  f"({encoded}); each must be one")
+            ids += encoded
+        self.config, self.params = score_from_lm_head(self.config, self.params, ids)
+        return tokens[1:] if len(tokens) == 2 else list(tokens)
+
 
 COMPILE_CACHE_ENV = "MESH_TRANSFORMER_COMPILE_CACHE"
 

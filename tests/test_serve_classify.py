@@ -6,6 +6,9 @@ KV cache, and says so on the routes that generate; device_serve.py serves one as
 from __future__ import annotations
 
 import asyncio
+import re
+import subprocess
+import sys
 
 import httpx
 import jax
@@ -19,9 +22,9 @@ from mesh_transformer.generate import SamplingOptions
 from mesh_transformer.io import hf
 from mesh_transformer.serve import Engine, create_app
 from mesh_transformer.serve.classify import classifier
-from tests.helpers import hf_classifier
+from tests.helpers import hf_classifier, one_device_env
 from tests.serving import KEY, start_server
-from tests.test_serve_process import launch, wait_until_up
+from tests.test_serve_process import ROOT, launch, wait_until_up
 
 TEXTS = ["The quick brown fox", "Hello there", "a", "jumps over the lazy dog and the fox"]
 NAMES = ["negative", "neutral", "positive"]
@@ -273,3 +276,74 @@ def test_the_tools_say_a_classifier_does_not_generate(sentiment, capsys):
                                "--max-new-tokens", "4"]) == 2
     assert capsys.readouterr().err.startswith("error: a classifier (num_labels 3: a score head, no language-model "
                                               "head) does not generate: classify with it")
+
+
+# --------------------------------------------------------------------------------------------
+# A language model served as a classifier of some of its tokens' logits (--classifier-from-tokens)
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("case", ["qwen3_tied", "llama_gqa2_llama3_rope", "granite_tied_bias", "opt_projected"])
+def test_a_language_model_classifies_by_its_tokens_logits(case, tmp_path):
+    """Tied and untied heads, Granite's divided logits, OPT's projected width: two tokens score the
+    second's logit minus the first's, three a label each, as transformers' causal LM's logits at
+    each prompt's last token (prompts of three lengths in one pass, on mp 2)."""
+    from mesh_transformer.evaluate.scoring import Scorer
+    from mesh_transformer.generate import Generator
+    from mesh_transformer.models.core import score_from_lm_head
+    from tests.helpers import make_hf_model, mesh, random_tokens
+    torch_model = make_hf_model(tmp_path, case)
+    config, params = hf.load_hf(tmp_path, mp=2, compute_dtype="float32", remat="none")
+    prompts = [list(row[:n]) for row, n in zip(random_tokens((3, 9), config.n_vocab, seed=1), (3, 6, 9))]
+    with torch.no_grad():
+        logits = np.array([torch_model(torch.tensor([p])).logits[0, -1].numpy() for p in prompts])
+    for ids, want in (([4, 7], logits[:, 7:8] - logits[:, 4:5]), ([4, 7, 11], logits[:, [4, 7, 11]])):
+        classifier, scored = score_from_lm_head(config, params, ids)
+        assert classifier.num_labels == want.shape[1] and f"{config.family}/head" not in scored
+        got = Scorer.for_generator(Generator(classifier, scored, mesh(1, 2))).classify(prompts)
+        np.testing.assert_allclose(got, want, atol=TOL, err_msg=case)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"family": "gptj"}, "family 'gptj': its logits are not a linear reading of the last hidden state (a bias on "
+                         "the head)"),
+    ({"family": "gemma", "logit_softcap": 30.0}, "(soft-capped logits)"),
+    ({"family": "llama", "ids": [3]}, "classifier tokens: two or more different tokens, got ids [3]"),
+    ({"family": "llama", "ids": [3, 3]}, "two or more different tokens, got ids [3, 3]"),
+    ({"family": "llama", "ids": [3, 16]}, "classifier tokens: ids [16] are outside the vocabulary of 16"),
+])
+def test_tokens_that_cannot_make_a_score_head_are_one_clear_error(overrides, message):
+    from mesh_transformer.config import config_from_dict
+    from mesh_transformer.models.core import score_from_lm_head
+    ids = overrides.pop("ids", [1, 2])
+    config = config_from_dict({"layers": 1, "d_model": 8, "n_heads": 1, "n_vocab": 16, "seq": 8, **overrides}).model
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        score_from_lm_head(config, {}, ids)
+
+
+def test_device_serve_reranks_with_a_language_models_yes_no_tokens(tiny, tmp_path):
+    """`device_serve.py --hf DIR --classifier-from-tokens a b` on a Qwen3 causal LM: /score and
+    /rerank answer the sigmoid of transformers' logit of 'b' minus that of 'a' at each pair's last
+    token, and /classify names the label 'b'; a flag token of several tokens is one error line."""
+    from tests.helpers import make_hf_model
+    model = make_hf_model(tmp_path, "qwen3_tied", vocab_size=len(tiny.tokenizer))
+    tiny.tokenizer.save_pretrained(tmp_path)
+    no, yes = (tiny.tokenizer.encode(t) for t in ("a", "b"))
+    bad = subprocess.run([sys.executable, "device_serve.py", "--hf", str(tmp_path), "--classifier-from-tokens",
+                          "a", "quick"], cwd=ROOT, env=one_device_env(), capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith(
+        "error: --classifier-from-tokens: 'quick' is "), bad.stderr
+    proc, base = launch(tmp_path, "--classifier-from-tokens", "a", "b")
+    try:
+        wait_until_up(proc, base)
+        scores = httpx.post(f"{base}/score", json={"text_1": PROMPT, "text_2": RESPONSES},
+                            headers={"Authorization": "Bearer process-key"}, timeout=60).json()["data"]
+        label = httpx.post(f"{base}/classify", json={"input": PROMPT}, headers={"Authorization": "Bearer process-key"},
+                           timeout=60).json()["data"][0]["label"]
+    finally:
+        proc.terminate()
+        out, _ = proc.communicate(timeout=60)
+    with torch.no_grad():
+        last = [model(torch.tensor([tiny.tokenizer.encode(PROMPT + r)])).logits[0, -1].numpy() for r in RESPONSES]
+    assert [len(no), len(yes)] == [1, 1] and label == "b"
+    np.testing.assert_allclose([d["score"] for d in scores], [sigmoid(x[yes[0]] - x[no[0]]) for x in last], atol=TOL)
+    assert proc.returncode == 0, out

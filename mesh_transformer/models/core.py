@@ -18,15 +18,16 @@ from __future__ import annotations
 
 import functools
 import math
+import dataclasses
 from dataclasses import dataclass
-from typing import Callable, NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional, Sequence
 
 import haiku as hk
 import jax
 import jax.numpy as jnp
 
 from mesh_transformer import parallel
-from mesh_transformer.config import ModelConfig
+from mesh_transformer.config import ConfigError, ModelConfig
 from mesh_transformer.models import layers
 from mesh_transformer.models.layers import (WEIGHT_PRODUCT, Context, Embedding, LMHead, dense, norm, normal, on_bits,
                                             softcap)
@@ -203,6 +204,41 @@ def score_head(x, labels: int):
     with hk.name_scope("score"):
         w = parallel.weight("score", (x.shape[-1], labels), ("embed", "labels"), 1, normal(0.02), x.dtype)
     return dense("btd,dl->btl", x, w, jnp.float32)
+
+
+def score_from_lm_head(c: ModelConfig, params: dict, token_ids: Sequence[int]) -> tuple[ModelConfig, dict]:
+    """A language model's config and params (stacked, numpy or jax) -> a classifier whose scores
+    are its logits of `token_ids` at the last token (vLLM's `classifier_from_token`: a yes/no
+    reranker or judge served as a classifier). Two tokens make one label, the second's logit minus
+    the first's: its sigmoid is the second token's probability among the two (Qwen3-Reranker's
+    P("yes") against "no"). More make a label each, its token's logit: their softmax is each
+    token's probability among them. The head's rows are copied into the score head (divided by a
+    Granite's `logits_scaling`); a head with a bias or soft-capped logits (Gemma 2) has no such
+    linear reading: ConfigError."""
+    import numpy as np
+
+    stem = c.stem()
+    if c.classifier:
+        raise ConfigError(f"the model is a classifier already (num_labels {c.num_labels})")
+    if stem.head_bias or stem.logit_softcap is not None:
+        raise ConfigError(f"family {c.family!r}: its logits are not a linear reading of the last hidden state "
+                          f"({'a bias on the head' if stem.head_bias else 'soft-capped logits'}), so its tokens' "
+                          f"logits cannot become a score head")
+    if len(token_ids) < 2 or len(set(token_ids)) != len(token_ids):
+        raise ConfigError(f"classifier tokens: two or more different tokens, got ids {list(token_ids)}")
+    bad = [t for t in token_ids if not 0 <= t < c.n_vocab]
+    if bad:
+        raise ConfigError(f"classifier tokens: ids {bad} are outside the vocabulary of {c.n_vocab}")
+    out = {m: dict(leaves) for m, leaves in params.items()}
+    ids = np.asarray(token_ids)  # (the tokens' rows alone leave the devices)
+    rows = np.asarray(out[f"{c.family}/embed"]["embeddings"][ids]).T if stem.tied else \
+        np.asarray(out.pop(f"{c.family}/head")["lm_head"][:, ids])  # [width, tokens]
+    rows = rows.astype(np.float32)
+    score = rows[:, 1:] - rows[:, :1] if len(token_ids) == 2 else rows
+    if stem.logit_divisor is not None:
+        score = score / stem.logit_divisor
+    out[f"{c.family}/score"] = {"score": score}
+    return dataclasses.replace(c, num_labels=score.shape[1]), out
 
 
 def last_token_scores(scores, last):
