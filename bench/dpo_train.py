@@ -4,8 +4,9 @@ reference copy for full fine-tuning, the base with adapters off for LoRA; TRL's 
 (no reference; TRL's ORPOTrainer), SimPO (no reference; TRL's CPOTrainer, loss_type "simpo") or
 KTO (a reference as DPO's; TRL's KTOTrainer, on unpaired examples: each "pair" below is then one
 example, labelled desirable or not in turn, and its KL row, which TRL builds from another example's
-completion of the same length), or a reward model (num_labels 1, full fine-tuning only; TRL's
-RewardTrainer on transformers' ForSequenceClassification).
+completion of the same length), or a reward model (num_labels 1; TRL's RewardTrainer on
+transformers' ForSequenceClassification; with LoRA, PEFT's SEQ_CLS adapter, the score head trained
+whole beside it on both sides).
 
     bash bench/setup_trl_venv.sh            # once: the peer's own venv, bench/.venv-trl
     python bench/dpo_train.py [--family gptj --layers 4 --d-model 512 --heads 8 --vocab 50400
@@ -179,7 +180,8 @@ def worker_trl(args, lora: bool) -> dict:
     if lora:
         import peft
         peft_config = peft.LoraConfig(r=args.rank, lora_alpha=args.alpha, lora_dropout=0.0, bias="none",
-                                      target_modules=args.targets.split(","), task_type="CAUSAL_LM")
+                                      target_modules=args.targets.split(","),
+                                      task_type="SEQ_CLS" if peer == "Reward" else "CAUSAL_LM")
     with tempfile.TemporaryDirectory() as out:
         config_class, trainer_class = peer_classes(peer)
         sampling = {"train_sampling_strategy": "sequential"} if peer == "KTO" else {}  # KTOTrainer requires it
@@ -223,8 +225,6 @@ def main(argv=None):
         print(json.dumps(result))
         return
     kinds = [k for k in KINDS if k in args.kinds.split(",")]
-    if args.objective == "reward":  # a classifier trains whole here (no LoRA)
-        kinds = [k for k in kinds if k.endswith("full")]
     sys.path.insert(0, ROOT)
     args.hf_config = lora_train.peer_config(args)
     description = machine.describe(("trl", "peft"))

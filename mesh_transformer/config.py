@@ -373,8 +373,6 @@ def validate(config: Config) -> None:
                                    f"got {t.neftune_noise_alpha!r}")
     require(not (m.classifier and t.eval_harness_tasks), "eval_harness_tasks",
             f"a classifier (num_labels {m.num_labels}) neither generates nor scores text: lm-eval's tasks do not run on it")
-    require(not (m.classifier and t.lora is not None), "lora",
-            f"a classifier (num_labels {m.num_labels}) trains whole: LoRA would leave its new score head as drawn")
     if t.lora is not None:
         from mesh_transformer import lora
         lora.resolve(m, lora.LoraConfig.from_dict(t.lora))

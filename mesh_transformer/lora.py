@@ -136,7 +136,8 @@ def resolve(model: ModelConfig, lora: LoraConfig) -> list:
 
 def _resolve(model: ModelConfig, lora: LoraConfig) -> tuple[list, list]:
     """(the HF linear entries, the mixture's `HFExperts`) `lora.targets` names."""
-    linears, experts = hf_linears(model), hf_experts(model)
+    # (a classifier's head is no target: it trains whole, `TRAINED_WHOLE`)
+    linears, experts = [e for e in hf_linears(model) if e.ours[0][0] != "score"], hf_experts(model)
     names = sorted({module_name(e) for e in linears})
     if lora.targets == ALL_LINEAR:  # as PEFT's: linear layers only, so never the experts
         chosen, chosen_experts = [e for e in linears if e.ours[0][0] != "head"], []
@@ -185,12 +186,24 @@ def _module_key(model: ModelConfig, module: str) -> str:
 # Trainable / frozen
 # --------------------------------------------------------------------------------------------
 
+# Leaves trained whole beside the adapters (PEFT's `modules_to_save`, which its SEQ_CLS task sets
+# to the classifier's head): a classifier's score head, new and small, which LoRA would leave as drawn.
+TRAINED_WHOLE = frozenset({"score"})
+PEFT_HEADS = ("classifier", "score")  # PEFT's SEQ_CLS modules_to_save (transformers' names for the head)
+
+
+def trained(name: str) -> bool:
+    """Whether a leaf trains under LoRA: an adapter's factor, or a leaf trained whole."""
+    return parallel.is_adapter(name) or name in TRAINED_WHOLE
+
+
 def split(tree, enabled: bool = True):
-    """A params-shaped tree -> (adapter leaves, every other leaf); without LoRA: (tree, {})."""
+    """A params-shaped tree -> (the leaves LoRA trains: adapters and `TRAINED_WHOLE`, every other
+    leaf); without LoRA: (tree, {})."""
     if not enabled:
         return tree, {}
     def pick(keep):
-        out = {m: {n: x for n, x in leaves.items() if parallel.is_adapter(n) == keep} for m, leaves in tree.items()}
+        out = {m: {n: x for n, x in leaves.items() if trained(n) == keep} for m, leaves in tree.items()}
         return {m: leaves for m, leaves in out.items() if leaves}
     return pick(True), pick(False)
 
@@ -254,6 +267,9 @@ def _delta(a, b, ndim: int):
 # --------------------------------------------------------------------------------------------
 # PEFT's format: adapter_config.json + adapter_model.safetensors
 # --------------------------------------------------------------------------------------------
+
+SCORE_KEY = "base_model.model.score.weight"  # a SEQ_CLS adapter's head, trained whole (torch [labels, width])
+
 
 def _peft_key(hf: str, i: Optional[int], which: str) -> str:
     name = hf.format(i=i) if i is not None else hf
@@ -320,12 +336,15 @@ def save_peft(adapters, model: ModelConfig, lora: LoraConfig, out: str, base: Op
         if len(entry.ours) > 1:
             rank_pattern[entry.target.rsplit(".", 1)[1]] = len(entry.ours) * lora.rank
             alpha_pattern[entry.target.rsplit(".", 1)[1]] = _part_alpha(lora, len(entry.ours))
+    if model.classifier:  # trained whole: PEFT's modules_to_save, saved under the module's own name
+        tensors[SCORE_KEY] = np.ascontiguousarray(np.asarray(adapters[_path(model, "score")]["score"], np.float32).T)
     save_file(tensors, str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})
-    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank, "lora_alpha": lora.alpha,
+    config = {"peft_type": "LORA", "task_type": "SEQ_CLS" if model.classifier else "CAUSAL_LM", "r": lora.rank, "lora_alpha": lora.alpha,
               "lora_dropout": lora.dropout, "target_modules": sorted({module_name(e) for e in chosen}),
               "bias": "none", "fan_in_fan_out": _conv1d(model), "base_model_name_or_path": base,
               "rank_pattern": rank_pattern, "alpha_pattern": alpha_pattern, "inference_mode": True,
-              "use_rslora": lora.use_rslora, "modules_to_save": None, "init_lora_weights": True}
+              "use_rslora": lora.use_rslora, "modules_to_save": list(PEFT_HEADS) if model.classifier else None,
+              "init_lora_weights": True}
     if experts:
         config["target_parameters"] = [e.hf.split("{i}.", 1)[1] for e in experts]
     (out / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2))
@@ -401,10 +420,10 @@ def peft_config(directory: str) -> dict:
                           f"adapter into the model with PEFT's merge_and_unload and load that model")
     if cfg.get("bias", "none") != "none":
         raise ConfigError(f"{path / ADAPTER_CONFIG}: bias {cfg.get('bias')!r} is not supported (only 'none')")
-    if cfg.get("modules_to_save"):
+    if not set(cfg.get("modules_to_save") or ()) <= set(PEFT_HEADS):
         raise ConfigError(f"{path / ADAPTER_CONFIG}: modules_to_save {cfg['modules_to_save']!r} (whole modules trained "
-                          f"beside the adapter) is not supported: merge the adapter into the model with PEFT's "
-                          f"merge_and_unload and load that model")
+                          f"beside the adapter) is not supported but for a classifier's head ({', '.join(PEFT_HEADS)}): "
+                          f"merge the adapter into the model with PEFT's merge_and_unload and load that model")
     if not (path / ADAPTER_WEIGHTS).exists():
         raise ConfigError(f"{path}: no {ADAPTER_WEIGHTS}")
     return cfg
@@ -482,11 +501,22 @@ def load_peft(directory: str, model: ModelConfig, mp: int = 1) -> tuple[LoraConf
             out.setdefault(_path(model, m), {})[leaf + parallel.LORA_B] = np.stack([parts[j][1] for parts in layers])
     # PEFT saves a targeted head's or embedding's own weight beside its adapter (`save_embedding_layers`,
     # "auto" when one is targeted): the base's, unless the vocabulary was resized, which shapes catch
+    head = None
+    if SCORE_KEY in tensors and cfg.get("modules_to_save"):  # a classifier's head trained whole (PEFT's SEQ_CLS)
+        if not model.classifier:
+            raise ConfigError(f"{weights_file}: a sequence classifier's adapter (its head, {SCORE_KEY!r}, trained "
+                              f"whole) on a language model: load its base as a classifier, or merge the adapter into "
+                              f"it with PEFT (AutoPeftModelForSequenceClassification, merge_and_unload)")
+        head = tensor(SCORE_KEY).T  # [width, labels]
+        if head.shape[1] != model.num_labels:
+            raise ConfigError(f"{weights_file}: {SCORE_KEY!r} scores {head.shape[1]} labels, the model {model.num_labels}")
     unread = sorted(k for k in set(tensors) - read if not k.endswith(".base_layer.weight"))
     if unread:
         raise ConfigError(f"{weights_file}: {len(unread)} tensors are not LoRA factors of the targeted modules "
                           f"(e.g. {unread[0]!r}), which this adapter would lose")
     shaped = _reshape_like(out, model, lora, mp)
+    if head is not None:
+        shaped[_path(model, "score")] = {"score": head}
     return lora, shaped
 
 
@@ -692,7 +722,8 @@ def base_params(ref: dict, model: ModelConfig, mp: int = 1, shardings=None):
         raise ConfigError(f"this checkpoint names no base (LoRA) or reference (DPO) model ({ref!r})")
     if "hf" in ref:
         from mesh_transformer.io import hf
-        found, params = hf.load_hf(ref["hf"], mp=mp)
+        # (a reward model's head, drawn here, is the run's: trained whole, it is restored with the adapters)
+        found, params = hf.load_hf(ref["hf"], mp=mp, num_labels=model.num_labels)
         if found.architecture() != model.architecture():
             raise ConfigError(f"{ref['hf']}: its architecture is not the config's (a LoRA base or DPO reference "
                               "is the model the config describes)")

@@ -277,21 +277,27 @@ def hf_reward_model(path, seed: int = 0):
     return model
 
 
-@pytest.mark.parametrize("reward", [{}, {"center_rewards_coefficient": 0.3}])
-def test_reward_model_equals_trl(reward, tmp_path):
+@pytest.mark.parametrize("reward, how", [({}, "full"), ({"center_rewards_coefficient": 0.3}, "full"), ({}, "lora")])
+def test_reward_model_equals_trl(reward, how, tmp_path):
     """A reward model (num_labels 1, config key 'reward') on the pairs: its rows are TRL's
     RewardTrainer's (prompt and completion, EOS appended), each row's reward is read at its last
     token (TRL's model reads the last token that is not its pad token, a token the data lacks here),
     and on one batch the loss, TRL's accuracy, margin and mean reward, and every gradient equal TRL's
-    (float32, dp2 x mp2)."""
+    (float32, dp2 x mp2). With LoRA (PEFT's SEQ_CLS adapter, its B drawn) the score head trains
+    whole beside the adapters, as PEFT's `modules_to_save` trains it: its gradient is TRL's too."""
     import datasets
+    import peft
     policy = hf_reward_model(tmp_path / "policy")
     tok = copy.deepcopy(load_tokenizer("gpt2"))
     tok.pad_token = tok.convert_ids_to_tokens(50000)
     args = trl.RewardConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=len(TEXT_PAIRS),
                             report_to="none", use_cpu=True, bf16=False, **reward)
-    theirs = trl.RewardTrainer(model=policy, args=args, processing_class=tok,
+    adapter = None if how == "full" else peft.LoraConfig(task_type="SEQ_CLS", r=4, lora_alpha=8,
+                                                         target_modules=["q_proj", "v_proj", "down_proj"])
+    theirs = trl.RewardTrainer(model=policy, args=args, processing_class=tok, peft_config=adapter,
                                train_dataset=datasets.Dataset.from_list(TEXT_PAIRS))
+    if adapter is not None:
+        randomise_adapter(theirs.model, tmp_path / "adapter")
     ds = build(write_jsonl(tmp_path / "pairs.jsonl", TEXT_PAIRS), tmp_path / "data")
     tokens, mask = ds.read(np.arange(len(ds)))
     for i, row in enumerate(theirs.train_dataset):
@@ -304,10 +310,21 @@ def test_reward_model_equals_trl(reward, tmp_path):
     config, params = hf.load_hf(str(tmp_path / "policy"), mp=2)
     config = dataclasses.replace(config, compute_dtype="float32", remat="none")
     assert config.num_labels == 1
-    tr = Trainer(Config(config, TrainConfig(per_replica_batch=len(TEXT_PAIRS) // 2, cores_per_replica=2,
-                                            reward=reward)), mesh(2, 2))
-    assert tr.base == {} and tr.metric_names == ("loss", "accuracy", "margin", "mean_reward")
-    expected = hf_grads_as_params(policy, tmp_path / "grads")
+    train = TrainConfig(per_replica_batch=len(TEXT_PAIRS) // 2, cores_per_replica=2, reward=reward)
+    if adapter is None:
+        tr = Trainer(Config(config, train), mesh(2, 2))
+        assert tr.base == {}
+        expected = hf_grads_as_params(policy, tmp_path / "grads")
+    else:
+        spec, params = lora.load_peft(str(tmp_path / "adapter"), config)
+        assert "score" in params["llama/score"]  # PEFT's modules_to_save, read with the adapter
+        with pytest.raises(ConfigError, match="a sequence classifier's adapter .* on a language model: load its base"):
+            lora.load_peft(str(tmp_path / "adapter"), dataclasses.replace(config, num_labels=0))
+        tr = Trainer(Config(config, dataclasses.replace(train, lora=spec.to_dict())), mesh(2, 2))
+        tr.set_base(hf.load_hf(str(tmp_path / "policy"), mp=2)[1])
+        assert "llama/score" not in tr.base and "score" in tr.param_specs["llama/score"]
+        expected = hf_grads_as_params(theirs.model, tmp_path / "grads", peft_model=True, config=config)
+    assert tr.metric_names == ("loss", "accuracy", "margin", "mean_reward")
     assert_same_step(tr, params, tokens, mask, loss, logged, expected, ("accuracy", "margin", "mean_reward"))
 
 
@@ -317,7 +334,6 @@ def test_reward_model_equals_trl(reward, tmp_path):
                       "num_labels 1, got 0"),
     (dict(num_labels=2, reward={}), "set num_labels 1, got 2"),
     (dict(num_labels=1, dpo={}), "a classifier (1 labels) trains with 'reward' only, not 'dpo'"),
-    (dict(num_labels=1, reward={}, lora={"rank": 2}), "config key 'lora': a classifier (num_labels 1) trains whole"),
     (dict(num_labels=1, reward={"center_rewards_coefficient": -1}),
      "config key 'reward.center_rewards_coefficient' must be a number at least 0, or null, got -1"),
     (dict(num_labels=1, reward={"margin": 1}), "reward"),
@@ -824,16 +840,19 @@ def test_an_orpo_run_needs_no_reference(tmp_path):
     assert code != 0 and "its step 6 trained with objective 'orpo', this config with 'dpo'" in out, out[-3000:]
 
 
-def test_a_reward_model_run_starts_from_a_language_model_learns_and_exports_to_transformers(tmp_path):
+@pytest.mark.parametrize("how", ["full", "lora"])
+def test_a_reward_model_run_starts_from_a_language_model_learns_and_exports_to_transformers(how, tmp_path):
     """device_train.py trains a reward model from a causal LM's HF checkpoint (`--hf`, num_labels 1:
     the head is dropped and a score head drawn, with a warning): the chosen completions' rewards
     rise above the rejected ones' in training and validation, and to_hf_weights.py writes a
     GPTJForSequenceClassification that transformers loads and that ranks the held-out pairs as the
-    run's validation did."""
+    run's validation did. With LoRA (the head trained whole beside the adapters) the same, and its
+    `--peft` export is a SEQ_CLS adapter that PEFT loads on the base with the same numbers."""
     import torch
     import transformers
     hf_dir, data = snow_run_inputs(tmp_path)
-    config = run_config(tmp_path / "rm", data, dpo=None, reward={}, num_labels=1, ckpt_every=6, lr=1e-2)
+    extra = {} if how == "full" else {"lora": {"rank": 4, "alpha": 8}}
+    config = run_config(tmp_path / "rm", data, dpo=None, reward={}, num_labels=1, ckpt_every=6, lr=1e-2, **extra)
     code, out = device_train(config, "--hf", str(hf_dir))
     assert code == 0, out[-3000:]
     assert "a language model's checkpoint read as a classifier of 1 label(s)" in out
@@ -855,6 +874,20 @@ def test_a_reward_model_run_starts_from_a_language_model_learns_and_exports_to_t
         margins = [reward(p["prompt"] + p["chosen"]) - reward(p["prompt"] + p["rejected"]) for p in SNOW[16:]]
     assert min(margins) > 0
     assert np.mean(margins) == pytest.approx(rows[6]["val/margin_held"], rel=1e-3)
+    if how == "lora":
+        import peft
+        export = subprocess.run([sys.executable, "to_hf_weights.py", "--input-ckpt", str(tmp_path / "rm" / "ckpt"),
+                                 "--output-path", str(tmp_path / "adapter"), "--peft", "--cpu"],
+                                cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert export.returncode == 0, export.stdout[-2000:] + export.stderr[-2000:]
+        saved = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+        assert saved["task_type"] == "SEQ_CLS" and "score" in saved["modules_to_save"]
+        base = transformers.AutoModelForSequenceClassification.from_pretrained(hf_dir, num_labels=1)
+        adapted = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+        with torch.no_grad():
+            again = [adapted(torch.tensor([tokenizer.encode(p["prompt"] + p[side] + "<|endoftext|>")])).logits.item()
+                     for p in SNOW[16:] for side in ("chosen", "rejected")]
+        np.testing.assert_allclose(np.subtract(again[::2], again[1::2]), margins, rtol=1e-4, atol=1e-5)
 
 
 def test_a_kto_run_learns_from_unpaired_labels_and_validates(tmp_path):

@@ -250,12 +250,18 @@ class Trainer:
     def state_from_params(self, params) -> TrainState:
         """A fresh train state (step 0, new optimizer state) around given float32 params. With LoRA,
         `params` are the base's (they become `self.base`) and the adapters start fresh (A random, B 0)
-        from the config's seed. With DPO and no LoRA they are also the reference (held apart as `self.base`)."""
+        from the config's seed; a classifier's head, trained whole beside them, starts as `params` hold
+        it. With DPO and no LoRA they are also the reference (held apart as `self.base`)."""
         if self.lora is not None or self.holds_reference:
             self.set_base(params)
         if self.lora is not None:
             state = self.init_state(self.config.train.seed)
-            return state
+            whole = {m: {n: params[m][n] for n in leaves if not parallel.is_adapter(n) and n in params.get(m, {})}
+                     for m, leaves in state.params.items()}  # a classifier's head: trained whole, from `params`
+            whole = {m: leaves for m, leaves in whole.items() if leaves}
+            if not whole:
+                return state
+            params = lora.join(state.params, whole)
         params = jax.device_put(jax.tree.map(lambda x: x.astype(jnp.float32), params), self.state_shardings.params)
         opt_state = jax.jit(self.optimizer.init, out_shardings=self.state_shardings.opt_state)(params)
         return TrainState(jax.device_put(jnp.zeros((), jnp.int32), self.state_shardings.step), params, opt_state)
