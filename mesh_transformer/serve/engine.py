@@ -137,7 +137,8 @@ class Engine:
         self.batch = (Batch(generator, max_batch, slots, chunk, self._new_prefix_cache(), batch_invariant, share_prefix)
                       if self.generates else None)
         self._warm_full = False  # warm-up stopped at the process's limit of memory maps
-        self.context = min(generator.config.seq, self.batch.slots if self.generates else generator.config.seq)
+        # prompt + output must fit a row (a classifier's pass reads the model's whole context)
+        self.context = min(generator.config.seq, self.batch.slots) if self.generates else generator.config.seq
         self.max_new_tokens = self.context - 1
         self.max_queue = max_queue
         self.join_chunk = join_chunk
