@@ -277,6 +277,30 @@ def hf_reward_model(path, seed: int = 0):
     return model
 
 
+def peft_merged_reward(tmp_path, theirs):
+    """() -> (our rewards, PEFT's) of the pairs' chosen rows: the SEQ_CLS adapter saved under
+    tmp_path (its head's trained copy first drawn apart from the base's) merged into the classifier
+    at load (`--lora-adapter`: that head replacing the base's) against TRL's PEFT model now (before
+    its gradients are written over its weights)."""
+    import torch
+    from mesh_transformer import loading
+    from mesh_transformer.evaluate.scoring import Scorer
+    rows = [row["chosen_ids"] for row in theirs.train_dataset]
+    torch.manual_seed(3)
+    with torch.no_grad():  # the head's trained copy made to differ from the base's, and saved again
+        for name, p in theirs.model.named_parameters():
+            if "modules_to_save" in name:
+                p.add_(0.5 * torch.randn_like(p))
+        theirs.model.save_pretrained(tmp_path / "adapter")
+        want = [theirs.model(torch.tensor([ids])).logits.item() for ids in rows]
+
+    def ours():
+        loaded = loading.load(hf=str(tmp_path / "policy"), lora_adapter=str(tmp_path / "adapter"), mp=2, dp=1,
+                              dtype="float32")
+        return Scorer.for_generator(loaded.generator()).classify(rows)[:, 0], want
+    return ours
+
+
 @pytest.mark.parametrize("reward, how", [({}, "full"), ({"center_rewards_coefficient": 0.3}, "full"), ({}, "lora")])
 def test_reward_model_equals_trl(reward, how, tmp_path):
     """A reward model (num_labels 1, config key 'reward') on the pairs: its rows are TRL's
@@ -298,6 +322,7 @@ def test_reward_model_equals_trl(reward, how, tmp_path):
                                train_dataset=datasets.Dataset.from_list(TEXT_PAIRS))
     if adapter is not None:
         randomise_adapter(theirs.model, tmp_path / "adapter")
+        merged_at_load = peft_merged_reward(tmp_path, theirs)
     ds = build(write_jsonl(tmp_path / "pairs.jsonl", TEXT_PAIRS), tmp_path / "data")
     tokens, mask = ds.read(np.arange(len(ds)))
     for i, row in enumerate(theirs.train_dataset):
@@ -324,6 +349,7 @@ def test_reward_model_equals_trl(reward, how, tmp_path):
         tr.set_base(hf.load_hf(str(tmp_path / "policy"), mp=2)[1])
         assert "llama/score" not in tr.base and "score" in tr.param_specs["llama/score"]
         expected = hf_grads_as_params(theirs.model, tmp_path / "grads", peft_model=True, config=config)
+        np.testing.assert_allclose(*merged_at_load(), atol=1e-5)
     assert tr.metric_names == ("loss", "accuracy", "margin", "mean_reward")
     assert_same_step(tr, params, tokens, mask, loss, logged, expected, ("accuracy", "margin", "mean_reward"))
 
