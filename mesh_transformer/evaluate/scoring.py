@@ -319,10 +319,7 @@ class Scorer:
             positions = np.maximum(ends[:, None] - s + np.arange(s), 0).astype(np.int32)  # [n, s]
             keep = [slice(s - m, s) for m in tail]
         self.shapes.add((n, t, k, s))
-        with self._lock:
-            params = self.params if adapter is None else _joined(self.params, self._adapter_leaves(adapter))
-            logprob, ids, top = jax.device_get(self._programs[k, adapter is not None](
-                params, tokens, np.take_along_axis(targets, positions, axis=1), positions))
+        logprob, ids, top = self._run((k,), adapter, tokens, np.take_along_axis(targets, positions, axis=1), positions)
         return [(logprob[i, r], ids[i, r], top[i, r]) for i, r in enumerate(keep)]
 
     def _embed_pass(self, prompts: list[Seq[int]], t: int, pooling: str, normalize: bool, adapter=None) -> np.ndarray:
@@ -338,22 +335,21 @@ class Scorer:
             positions = (lengths - 1 if pooling == "last" else np.zeros(n, np.int32))[:, None].astype(np.int32)
             weights = np.ones((n, 1), np.float32)
         self.shapes.add((n, t, 0, positions.shape[1]))
-        with self._lock:
-            params = self.params if adapter is None else _joined(self.params, self._adapter_leaves(adapter))
-            vectors = jax.device_get(self._programs["embed", normalize, adapter is not None](
-                params, tokens, positions, weights))
-        return vectors[:len(prompts)]
+        return self._run(("embed", normalize), adapter, tokens, positions, weights)[:len(prompts)]
 
     def _classify_pass(self, prompts: list[Seq[int]], t: int, adapter=None) -> np.ndarray:
         """One forward pass of `prompts` right-padded to `t` positions (rows bucketed) -> [len, labels]:
         the score head at each row's last token."""
         tokens, lengths = self._right_padded(prompts, t)
         self.shapes.add((len(tokens), t, 0, 1))
+        return self._run(("classify",), adapter, tokens, (lengths - 1)[:, None])[:len(prompts)]
+
+    def _run(self, program: tuple, adapter, *arrays):
+        """The compiled `program` (its key without the adapter flag) on `arrays`, under `adapter`'s
+        leaves joined to the base (None: the base alone), one pass at a time -> host arrays."""
         with self._lock:
             params = self.params if adapter is None else _joined(self.params, self._adapter_leaves(adapter))
-            scores = jax.device_get(self._programs["classify", adapter is not None](
-                params, tokens, (lengths - 1)[:, None]))
-        return scores[:len(prompts)]
+            return jax.device_get(self._programs[(*program, adapter is not None)](params, *arrays))
 
     def _right_padded(self, prompts: list[Seq[int]], t: int) -> tuple[np.ndarray, np.ndarray]:
         """(tokens [n, t] int32, lengths [n] int32): the prompts right-padded with 0s, in n rows (their

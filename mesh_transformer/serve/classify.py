@@ -101,7 +101,7 @@ def probabilities(logits: np.ndarray) -> np.ndarray:
 async def create(s: oa.Settings, http: HttpRequest):
     config = served_classifier(s, "/classify")
     body = oa.parse(await http.body(), ClassifyRequest)
-    ids = embeddings.texts(s, body)
+    ids = embeddings.texts(s, body.input, body.add_special_tokens, body.truncate_prompt_tokens)
     scores = await classified(s, body, ids)
     tokens = sum(len(p) for p in ids)
     return {"id": f"classify-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
@@ -169,14 +169,9 @@ async def classified(s: oa.Settings, body: _Scoring, ids: list[list[int]]) -> np
 def pairs(s: oa.Settings, body: _Scoring, firsts: list[str], seconds: list[str], field: str) -> list[list[int]]:
     """Each pair's token ids: the second string after the first, encoded as one text (checked as
     /classify checks its inputs; a 400 names `field`'s entry)."""
-    joined = ClassifyRequest(input=[a + b for a, b in zip(firsts, seconds)],
-                             truncate_prompt_tokens=body.truncate_prompt_tokens)
-    try:
-        return embeddings.texts(s, joined)
-    except oa.ApiError as e:  # name the pair's second text: the one a client sends many of
-        if e.param and e.param.startswith("input"):
-            e = oa.ApiError(e.status, e.message.replace("input", field, 1), param=e.param.replace("input", field, 1))
-        raise e from None
+    # (a 400 names the pair's second text: the one a client sends many of)
+    return embeddings.texts(s, [a + b for a, b in zip(firsts, seconds)], truncate=body.truncate_prompt_tokens,
+                            name=field)
 
 
 def _listed(texts: Union[str, list[str]], field: str) -> list[str]:

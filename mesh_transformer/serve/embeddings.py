@@ -47,7 +47,7 @@ class EmbeddingRequest(oa._Strict):
 async def create(s: oa.Settings, http: HttpRequest):
     body = oa.parse(await http.body(), EmbeddingRequest)
     adapter = await oa.served(s, body.model)
-    ids = texts(s, body)
+    ids = texts(s, body.input, body.add_special_tokens, body.truncate_prompt_tokens)
     width = scorer_for(s.engine.gen).hidden_size
     if body.dimensions is not None and body.dimensions != width:
         raise oa.ApiError(400, f"dimensions: this model's embeddings have {width} dimensions, got {body.dimensions} "
@@ -69,26 +69,27 @@ def embedder(gen, pooling: str, normalize: bool) -> Passes:
     return Passes(embed)
 
 
-def texts(s: oa.Settings, body: EmbeddingRequest) -> list[list[int]]:
-    """The request's inputs as token-id lists, each checked against the vocabulary and the context
-    (after `truncate_prompt_tokens`); a 400 names the input at fault."""
-    given = body.input
+def texts(s: oa.Settings, given, add_special_tokens: bool = True, truncate: Optional[int] = None,
+          name: str = "input") -> list[list[int]]:
+    """A request's inputs (`given`: a string, strings, token ids or lists of them; the field `name`)
+    as token-id lists, each checked against the vocabulary and the context (after keeping its last
+    `truncate` tokens: vLLM's `truncate_prompt_tokens`); a 400 names the input at fault."""
     if isinstance(given, str) or (given and isinstance(given[0], int)):
         given = [given]
     if not given:
-        raise oa.ApiError(400, "input: must not be empty", param="input")
+        raise oa.ApiError(400, f"{name}: must not be empty", param=name)
     if len(given) > MAX_INPUTS:
-        raise oa.ApiError(400, f"input: at most {MAX_INPUTS} inputs per request, got {len(given)}", param="input")
-    field = (lambda i: "input") if len(given) == 1 else (lambda i: f"input[{i}]")
+        raise oa.ApiError(400, f"{name}: at most {MAX_INPUTS} inputs per request, got {len(given)}", param=name)
+    field = (lambda i: name) if len(given) == 1 else (lambda i: f"{name}[{i}]")
     context, ids = s.engine.gen.config.seq, []  # a pass of its own: not bounded by the decode rows' slots
     for i, text in enumerate(given):
-        p = (oa.encode(s.engine, text, field(i), add_special_tokens=body.add_special_tokens)
+        p = (oa.encode(s.engine, text, field(i), add_special_tokens=add_special_tokens)
              if isinstance(text, str) else list(text))
         if not p:
             raise oa.ApiError(400, f"{field(i)}: must not be empty (it has no tokens)", param=field(i))
         oa.check_token_ids(s.engine, p, field(i))
-        if body.truncate_prompt_tokens is not None:
-            p = p[-body.truncate_prompt_tokens:]
+        if truncate is not None:
+            p = p[-truncate:]
         if len(p) > context:
             raise oa.ApiError(400, f"{field(i)}: {len(p)} tokens, more than the model's context of {context} "
                                    f"(truncate_prompt_tokens keeps the last ones)", param=field(i))
