@@ -1,6 +1,7 @@
 """Training MFU and decode bandwidth on an accelerator (GPU/TPU): what a CPU cannot show.
 
     python bench/accelerator.py train --preset llama-1b gptj-1.3b [--batch 8] [--remat dots] [--attention cudnn xla]
+                                  [--loss fused autodiff] [--set scan_layers=false] [--profile DIR]
     python bench/accelerator.py decode --preset gptj-1.3b llama-1b [--new 128] [--fuse on off]
     python bench/accelerator.py peak                      # measured bf16 matmul rate and memory bandwidth
 
@@ -18,6 +19,7 @@ same run (bytes read + written, as a copy streams both).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -97,7 +99,26 @@ def model_config(preset: str, **overrides):
     return config_from_dict(raw)
 
 
-def bench_train(preset: str, batch: int, remat: str, attention: str, steps: int, peak: dict) -> dict:
+def autodiff_normalizer_and_target(logits, targets):
+    """The loss's (logsumexp, target logit) differentiated by JAX, not by its own one-pass backward
+    (train/loss.py normalizer_and_target): the A/B's other side."""
+    from mesh_transformer.train import loss
+    return loss.log_normalizer(logits), loss.target_logits(logits, targets)
+
+
+def bench_train(preset: str, batch: int, remat: str, attention: str, steps: int, peak: dict,
+                profile: Optional[str] = None, loss: str = "fused") -> dict:
+    from mesh_transformer.train import loss as losses
+    own = losses.normalizer_and_target
+    if loss == "autodiff":
+        losses.normalizer_and_target = autodiff_normalizer_and_target
+    try:
+        return _bench_train(preset, batch, remat, attention, steps, peak, profile, loss)
+    finally:
+        losses.normalizer_and_target = own
+
+
+def _bench_train(preset, batch, remat, attention, steps, peak, profile, loss) -> dict:
     import jax
     from mesh_transformer import parallel
     from mesh_transformer.train.step import Trainer
@@ -124,13 +145,20 @@ def bench_train(preset: str, batch: int, remat: str, attention: str, steps: int,
     flops = m.flops_per_token()
     mem = jax.devices()[0].memory_stats() or {}
     row = {"preset": preset, "params": m.n_params(), "batch": batch, "seq": m.seq, "remat": remat,
-           "attention": attention, "compile_s": compile_s, "step_s": step_s,
+           "attention": attention, "loss_backward": loss, "scan_layers": m.scan_layers, "compile_s": compile_s, "step_s": step_s,
            "step_s_min_max": [min(times), max(times)], "tokens_per_s": tokens_per_s,
            "flops_per_token": flops, "loss": float(metrics["loss"]),
            "mfu_measured_peak": tokens_per_s * flops / peak["matmul_flops"],
            "peak_bytes_in_use": mem.get("peak_bytes_in_use")}
     if peak.get("published_flops"):
         row["mfu"] = tokens_per_s * flops / peak["published_flops"]
+    if profile:  # one more step under the profiler: the device's time per kernel name
+        trace_dir = os.path.join(profile, f"train_{preset}_b{batch}_{remat}_{attention}_{loss}_{m.scan_layers}")
+        jax.profiler.start_trace(trace_dir)
+        state, metrics = trainer.step(state, data)
+        jax.block_until_ready(metrics)
+        jax.profiler.stop_trace()
+        row["kernels"] = kernel_summary(trace_dir, 1, top=40)
     del state, data
     return row
 
@@ -214,9 +242,38 @@ def kernel_summary(trace_dir: str, steps: int, top: int = 25) -> dict:
             by_name[e["name"]] = (calls + 1, us + float(e["dur"]))
             what.setdefault(e["name"], json.dumps(e.get("args", {}))[:400])
     ranked = sorted(by_name.items(), key=lambda kv: -kv[1][1])
+    kinds: dict = {}
+    for name, (calls, us) in by_name.items():
+        kind = kernel_kind(name, what[name])
+        kinds[kind] = kinds.get(kind, 0.0) + us / steps
     return {"device_us_per_step": sum(us for _, us in by_name.values()) / steps,
+            "us_per_step_by_kind": dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
             "kernels_per_step": sum(c for c, _ in by_name.values()) / steps,
             "top": [[name[:120], calls / steps, us / steps, what[name]] for name, (calls, us) in ranked[:top]]}
+
+
+def kernel_kind(name: str, args: str) -> str:
+    """A kernel's kind by its name and profiler args: matrix product, flash attention, or other."""
+    import re
+    text = f"{name} {args}".lower()
+    if re.search(r"fmha|flash|sdpa|dot_product_attention|cudnn", text):
+        return "attention"
+    if re.search(r"gemm|cutlass|xmma|nvjet|cublas|sm90_|triton_gemm|dot", name.lower()):
+        return "matmul"
+    if re.search(r"reduce|reduction", text):
+        return "reduction"
+    if re.search(r"copy|transpose|memcpy|memset|dynamic.update.slice|dynamic.slice", text):
+        return "copy"
+    return "elementwise"
+
+
+def _brief(row: dict) -> dict:
+    """A result row to print: a profile's kernels by kind, not each kernel (the --json file has them)."""
+    if "kernels" not in row:
+        return row
+    k = row["kernels"]
+    return {**{key: v for key, v in row.items() if key != "kernels"}, "device_us": k["device_us_per_step"],
+            "kernels_per_step": k["kernels_per_step"], "us_by_kind": k["us_per_step_by_kind"]}
 
 
 def _tied(m) -> bool:
@@ -231,13 +288,15 @@ def main(argv=None):
     p.add_argument("--batch", type=int, nargs="+", default=[8])
     p.add_argument("--remat", nargs="+", default=["dots"])
     p.add_argument("--attention", nargs="+", default=["cudnn"])
+    p.add_argument("--loss", nargs="+", default=["fused"], choices=["fused", "autodiff"],
+                   help="train: the cross-entropy's backward, its own one pass (fused) or JAX's autodiff of it")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--decode-batches", type=int, nargs="+", default=[1, 16])
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--new", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3, help="decode: timed runs of each layout, alternating")
-    p.add_argument("--profile", metavar="DIR", help="decode: one more run of each batch under jax.profiler, traces "
-                   "here; prints the device's time per kernel name per step")
+    p.add_argument("--profile", metavar="DIR", help="one more training step, or decode run of each batch, under "
+                   "jax.profiler, traces here; prints the device's time per kernel name per step")
     p.add_argument("--fuse", nargs="+", default=["on"], choices=["on", "off"],
                    help="decode with q/k/v (and gate/up) fused into one weight (Generator(fuse=...)); both: an A/B")
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=JSON", help="override config keys of every preset")
@@ -256,21 +315,20 @@ def main(argv=None):
     if args.what in ("train", "all"):
         for preset in args.preset:
             for batch in args.batch:
-                for remat in args.remat:
-                    for attention in args.attention:
-                        try:
-                            row = bench_train(preset, batch, remat, attention, args.steps, peak)
-                        except Exception as e:  # out of memory for one variant: report it, go on
-                            row = {"preset": preset, "batch": batch, "remat": remat, "attention": attention,
-                                   "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
-                        results["train"].append(row)
-                        print(json.dumps(row), flush=True)
+                for remat, attention, loss in itertools.product(args.remat, args.attention, args.loss):
+                    try:
+                        row = bench_train(preset, batch, remat, attention, args.steps, peak, args.profile, loss)
+                    except Exception as e:  # out of memory for one variant: report it, go on
+                        row = {"preset": preset, "batch": batch, "remat": remat, "attention": attention,
+                               "loss_backward": loss, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
+                    results["train"].append(row)
+                    print(json.dumps(_brief(row)), flush=True)
     if args.what in ("decode", "all"):
         for preset in args.preset:
             for row in bench_decode(preset, args.decode_batches, args.prompt, args.new, peak,
                                     [f == "on" for f in args.fuse], args.profile, args.repeats):
                 results["decode"].append(row)
-                print(json.dumps(row), flush=True)
+                print(json.dumps(_brief(row)), flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

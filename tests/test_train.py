@@ -34,6 +34,59 @@ def test_vocab_parallel_cross_entropy_matches_dense():
     assert float(total) == pytest.approx(float(jnp.sum((dense_nll + 1e-2 * lse**2) * mask)), rel=1e-6)
 
 
+@pytest.mark.parametrize("keeps_exponentials", [True, False], ids=["cpu-way", "gpu-way"])
+@pytest.mark.parametrize("mp", [1, 2])
+def test_vocab_parallel_cross_entropy_gradient_is_the_dense_one(mp, keeps_exponentials, monkeypatch):
+    """The loss's own backward (one pass: g_lse * softmax + g_target * onehot) equals autodiff of the
+    dense formula, with the vocabulary split over mp shards and the gradient taken outside shard_map,
+    as the train step takes it; the same for token_log_probs (DPO's and KTO's). Both ways of getting
+    the softmax: from the forward's exponentials (a CPU's) or computed again (a GPU's)."""
+    from jax.sharding import PartitionSpec as P
+    monkeypatch.setattr(losses, "_keeps_exponentials", lambda: keeps_exponentials)
+    logits = jax.random.normal(jax.random.key(1), (2, 5, 12)) * 3
+    targets = jnp.array([[0, 3, 11, 4, 6], [1, 2, 7, 9, 5]])  # in both halves of the vocabulary
+    mask = jnp.array([[1, 1, 1, 0, 1], [1, 0, 1, 1, 1]], jnp.float32)
+    weights = jax.random.normal(jax.random.key(2), (2, 5))
+
+    def dense(x):
+        lse = jax.nn.logsumexp(x, -1)
+        nll = lse - jnp.take_along_axis(x, targets[..., None], -1)[..., 0]
+        return jnp.sum((nll + 1e-2 * lse ** 2) * mask) + jnp.sum(-nll * weights)
+
+    def local(x):
+        total = losses.cross_entropy_sums(x, targets, mask, z_loss=1e-2)[0]
+        return total + jnp.sum(losses.token_log_probs(x, targets) * weights)
+
+    sharded = parallel.shard_map(local, mesh(1, mp), parallel.MEGATRON, in_specs=(P(None, None, "mp"),),
+                                 out_specs=P())
+    value, grad = jax.value_and_grad(sharded)(logits)
+    want_value, want_grad = jax.value_and_grad(dense)(logits)
+    assert float(value) == pytest.approx(float(want_value), rel=1e-6)
+    assert float(jnp.max(jnp.abs(grad - want_grad))) < 1e-6
+    assert float(jnp.max(jnp.abs(want_grad))) > 0.1
+
+
+def test_unscanned_layers_train_as_the_scanned_ones_without_their_loops():
+    """scan_layers=false unrolls the layer scan (on an H200 XLA then no longer copies each layer's
+    saved activations into [L, ...] stacks): the same loss and gradients, the parameters still
+    stacked, and the compiled step has no while loop over the layers, forward or backward."""
+    tokens = random_tokens((1, 4, 17), 250, seed=3)
+    loops, results = {}, {}
+    for scan in (True, False):
+        trainer = Trainer(tiny_config(per_replica_batch=4, cores_per_replica=2, remat="dots", scan_layers=scan),
+                          mesh(1, 2))
+        state = trainer.init_state(0)
+        batch = trainer.shard_batch({"tokens": tokens})
+        results[scan] = jax.device_get(trainer.loss_and_grads(state.params, batch))
+        hlo = trainer.loss_and_grads.lower(state.params, batch).compile().as_text()
+        loops[scan] = len(re.findall(r" while\(", hlo))
+    (loss_scanned, grads_scanned), (loss_unrolled, grads_unrolled) = results[True], results[False]
+    assert float(loss_unrolled) == pytest.approx(float(loss_scanned), rel=1e-6)
+    assert max_abs_diff(grads_unrolled, grads_scanned) < 1e-6
+    assert jax.tree.map(np.shape, grads_unrolled) == jax.tree.map(np.shape, grads_scanned)
+    assert loops == {True: 2, False: 0}
+
+
 def test_loss_mask_excludes_tokens():
     trainer = Trainer(tiny_config(per_replica_batch=2), mesh(1, 1))
     state = trainer.init_state(0)
