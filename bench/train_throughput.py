@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/train_throughput.py [--family gptj|llama|mixtral|... (bench/families.py)]
                                                [--layers 4 --d-model 512 --seq 256 --batch 4]
-                                               [--steps 4 --rounds 3] [--json]
+                                               [--steps 4 --rounds 3] [--loss-chunk N] [--json]
 
 Both train the same config (fp32, AdamW, same batch); the transformers model is built from ours
 through the library's HF export mapping (each family's shape: bench/families.py). Ours runs twice:
@@ -40,6 +40,9 @@ def parse_args(argv=None):
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--steps", type=int, default=4, help="timed steps per round (after 2 warm-up steps)")
+    p.add_argument("--loss-chunk", type=int, default=0, metavar="N",
+                   help="one more side: ours on 1 device with the config's loss_chunk N (the head and loss N tokens "
+                        "at a time), in the same rounds as the others")
     p.add_argument("--expert-parallel", action="store_true",
                    help="--family mixtral: ours on mp devices with each expert's d_ff split against the experts "
                         "split whole (expert_parallel), and torch (the 1-device and glibc sides left out: memory)")
@@ -112,13 +115,14 @@ def batch_tokens(args) -> np.ndarray:
     return np.random.RandomState(0).randint(0, args.vocab, (args.batch, args.seq + 1)).astype(np.int32)
 
 
-def bench_ours(args, mp: int = 1, expert_parallel: bool = False):
+def bench_ours(args, mp: int = 1, expert_parallel: bool = False, loss_chunk: int = 0):
     """In this side's process: our training step on `mp` devices under the library's malloc setting,
     as device_train.py runs it -> a callable timing `args.steps` steps: seconds per step."""
     from mesh_transformer import host_memory
     host_memory.keep_freed_memory()
     import jax
-    trainer = make_trainer(args, mp, **({"expert_parallel": True} if expert_parallel else {}))
+    trainer = make_trainer(args, mp, **({"expert_parallel": True} if expert_parallel else {}),
+                           **({"loss_chunk": loss_chunk} if loss_chunk else {}))
     box = {"state": trainer.init_state(0)}
     batch = trainer.shard_batch({"tokens": batch_tokens(args)[None]})
 
@@ -181,6 +185,10 @@ def main():
                  TORCH: machine.Apart("torch", bench_torch, args, cores),
                  "transformers, glibc malloc": machine.Apart("torch, glibc's malloc", bench_torch, args, cores,
                                                              False)}
+        if args.loss_chunk:
+            sides[f"ours, 1 device, loss_chunk {args.loss_chunk}"] = machine.Apart(
+                f"ours, 1 device, loss_chunk {args.loss_chunk}", bench_ours, args, 1, False, args.loss_chunk,
+                env=devices_flag(1))
     try:
         seconds = machine.interleaved(sides, args.rounds, progress=not args.json, faults=True)
     finally:

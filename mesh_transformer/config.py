@@ -68,6 +68,7 @@ class ModelConfig:
     remat: str = "full"
     attention_impl: str = "xla"  # "cudnn": jax.nn.dot_product_attention, cuDNN flash attention on NVIDIA GPUs
     scan_layers: bool = True  # False: training and scoring run the stacked layers unrolled (compile time grows with depth)
+    loss_chunk: int = 0  # > 0: training's vocabulary head and loss run this many tokens at a time (memory for compute)
     num_labels: int = 0  # 0: a language model; > 0: a classifier (HF's ForSequenceClassification; 1: a reward model)
 
     PE_CHOICES: typing.ClassVar[tuple[str, ...]] = ("rotary", "fixed", "none", "alibi")
@@ -121,10 +122,11 @@ class ModelConfig:
 
     def architecture(self) -> dict[str, Any]:
         """What fixes the meaning of the weights: every key but compute_dtype, remat, attention_impl,
-        scan_layers and a mixture's expert_parallel (how it runs, not what it computes), with
-        defaults resolved; `seq` only with learned positions."""
+        scan_layers, loss_chunk and a mixture's expert_parallel (how it runs, not what it computes),
+        with defaults resolved; `seq` only with learned positions."""
         out = {k: v for k, v in dataclasses.asdict(self).items()
-               if k not in ("compute_dtype", "remat", "attention_impl", "scan_layers", "expert_parallel", "seq")}
+               if k not in ("compute_dtype", "remat", "attention_impl", "scan_layers", "loss_chunk", "expert_parallel",
+                            "seq")}
         out.update(d_head=self.head_dim, d_ff=self.ff_dim)
         if "n_kv_heads" in out and out["n_kv_heads"] is None:  # every family's default: no grouping
             out["n_kv_heads"] = self.n_heads
@@ -151,6 +153,8 @@ class ModelConfig:
         require(self.attention_impl in ATTENTION_IMPLS, "attention_impl",
                 f"must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}")
         require(isinstance(self.scan_layers, bool), "scan_layers", f"must be true or false, got {self.scan_layers!r}")
+        require(isinstance(self.loss_chunk, int) and not isinstance(self.loss_chunk, bool) and self.loss_chunk >= 0,
+                "loss_chunk", f"must be a whole number of tokens, 0 for all at once, got {self.loss_chunk!r}")
         require(self.layer_norm_eps > 0, "layer_norm_eps", "must be positive")
         require(isinstance(self.num_labels, int) and self.num_labels >= 0, "num_labels",
                 f"must be 0 (a language model) or the classifier's label count (1: a reward model), "

@@ -34,6 +34,7 @@ def test_6b_config_has_the_original_values():
     ({"n_kv_heads": 2}, "config key 'n_kv_heads' does not apply to family 'gptj' (it is a key of llama, phi3, gemma, mixtral, olmo2, phi, starcoder2)"),
     ({"remat": "some"}, "config key 'remat': must be one of"),
     ({"compute_dtype": "int8"}, "config key 'compute_dtype': must be one of"),
+    ({"loss_chunk": -256}, "config key 'loss_chunk': must be a whole number of tokens, 0 for all at once, got -256"),
     ({"layers": 0}, "config key 'layers': must be positive, got 0"),
     ({"warmup_steps": -1}, "config key 'warmup_steps': must not be negative"),
     ({"tpu_size": 6, "cores_per_replica": 4}, "config key 'tpu_size': 6 devices cannot be split"),

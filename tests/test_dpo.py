@@ -955,13 +955,16 @@ def test_a_kto_run_learns_from_unpaired_labels_and_validates(tmp_path):
 
 
 @pytest.mark.parametrize("objective", [{"dpo": {"beta": 0.2}}, {"dpo": {"beta": 0.2, "loss_type": ["sigmoid", "sft"]}},
+                                       {"dpo": {"beta": 0.2, "use_weighting": True}},
                                        {"cpo": {"loss_type": "simpo", "cpo_alpha": 0.5}}, {"orpo": {"beta": 0.5}}],
-                         ids=["dpo", "dpo+sft", "cpo-simpo", "orpo"])
+                         ids=["dpo", "dpo+sft", "dpo-wpo", "cpo-simpo", "orpo"])
 def test_zero_accumulation_and_meshes_give_one_devices_step(objective):
     """A preference step (full fine-tuning; DPO against a random reference) on dp2 x mp2 with ZeRO and
     two microbatches of two pairs each gives the single device's one step on all four pairs: loss,
     metrics and weights. The microbatches hold different token counts, so an NLL term (DPO's "sft",
-    CPO's, ORPO's) is the mean over the whole step's chosen tokens, not a mean of per-microbatch means."""
+    CPO's, ORPO's) is the mean over the whole step's chosen tokens, not a mean of per-microbatch means.
+    The sharded side also runs the head and log-probabilities 24 tokens at a time (`loss_chunk`; 32
+    per device: the last chunk padded), the policy's, the reference's and WPO's log sum p^2 alike."""
     from helpers import tiny_config
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, 250, (8, 17)).astype(np.int32)
@@ -970,7 +973,8 @@ def test_zero_accumulation_and_meshes_give_one_devices_step(objective):
     mask[:, 8:] = 1
     mask[6:, 12:] = 0  # pairs of other lengths
     results = []
-    for dp, mp, extra, shape in ((1, 1, {}, (1, 8)), (2, 2, dict(zero=True, gradient_accumulation_steps=2), (2, 4))):
+    for dp, mp, extra, shape in ((1, 1, {}, (1, 8)),
+                                 (2, 2, dict(zero=True, gradient_accumulation_steps=2, loss_chunk=24), (2, 4))):
         config = tiny_config(**objective, per_replica_batch=4 // dp // (2 if extra else 1), cores_per_replica=mp,
                              **extra)
         tr = Trainer(config, mesh(dp, mp))

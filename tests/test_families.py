@@ -456,15 +456,17 @@ def reference(request):
     return request.param, jax.device_get(state.params), batch, float(loss), jax.device_get(grads)
 
 
-@pytest.mark.parametrize("dp,mp,zero,scan", [(8, 1, True, True), (1, 8, False, True), (2, 4, True, True),
-                                             (2, 4, True, False)],
-                         ids=["dp8-zero", "mp8", "dp2xmp4-zero", "dp2xmp4-zero-unscanned"])
-def test_loss_and_grads_match_single_device(reference, dp, mp, zero, scan):
+@pytest.mark.parametrize("dp,mp,zero,scan,chunk", [(8, 1, True, True, 0), (1, 8, False, True, 48),
+                                                   (2, 4, True, True, 0), (2, 4, True, False, 0)],
+                         ids=["dp8-zero", "mp8-loss-chunks", "dp2xmp4-zero", "dp2xmp4-zero-unscanned"])
+def test_loss_and_grads_match_single_device(reference, dp, mp, zero, scan, chunk):
     """Every family's loss and gradients on a mesh equal one device's; with `scan_layers: false`
-    (the layers unrolled, a mixture's routers and per-layer windows included) too."""
+    (the layers unrolled, a mixture's routers and per-layer windows included) too, and with the head
+    and loss run 48 tokens at a time (`loss_chunk`; 128 a device: the last chunk padded), tied heads,
+    GPT-J's head bias, OPT's projection out and Gemma 2's soft cap included."""
     from tests.helpers import max_abs_diff
     family, params, batch, loss, grads = reference
-    trainer = _trainer(family, dp, mp, zero, scan_layers=scan)
+    trainer = _trainer(family, dp, mp, zero, scan_layers=scan, loss_chunk=chunk)
     state = trainer.state_from_params(params)
     ours_loss, ours_grads = trainer.loss_and_grads(state.params, trainer.shard_batch(batch))
     assert abs(float(ours_loss) - loss) < 1e-5

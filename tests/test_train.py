@@ -87,6 +87,63 @@ def test_unscanned_layers_train_as_the_scanned_ones_without_their_loops():
     assert loops == {True: 2, False: 0}
 
 
+@pytest.mark.parametrize("dp,mp", [(1, 1), (2, 2)])
+def test_loss_in_token_chunks_trains_as_all_at_once_in_less_memory(dp, mp):
+    """`loss_chunk`: the vocabulary head and cross-entropy run 96 tokens at a time (1024 / dp a device
+    here, not a multiple: the last chunk is padded), each chunk's share of the head's gradients
+    computed as it goes. The loss (with z-loss) and gradients are all-at-once's, also where the
+    weights' gradient is summed over 'dp' and the hidden states' over 'mp'; the compiled step's
+    temporaries shrink by more than a device's [1024 / dp, 4096 / mp] float32 logits: what a
+    128k-262k vocabulary at long context needs (the logits, their exponentials and their gradient
+    were each that size)."""
+    tokens = random_tokens((1, 8, 129), 4000, seed=3)
+    results, temps = {}, {}
+    for chunk in (0, 96):
+        trainer = Trainer(tiny_config(n_vocab=4000, seq=128, per_replica_batch=8 // dp, cores_per_replica=mp,
+                                      z_loss=1e-2, loss_chunk=chunk), mesh(dp, mp))
+        state = trainer.init_state(0)
+        batch = trainer.shard_batch({"tokens": tokens})
+        results[chunk] = jax.device_get(trainer.loss_and_grads(state.params, batch))
+        temps[chunk] = trainer.loss_and_grads.lower(state.params, batch).compile().memory_analysis().temp_size_in_bytes
+    (loss, grads), (chunked_loss, chunked_grads) = results[0], results[96]
+    assert float(chunked_loss) == pytest.approx(float(loss), rel=1e-6)
+    assert max_abs_diff(chunked_grads, grads) < 1e-6
+    assert temps[0] - temps[96] > 1024 // dp * 4096 // mp * 4, temps
+
+
+def _loop_bodies(hlo: str) -> dict:
+    """{while-loop body computation: its lines} of compiled HLO text."""
+    computations, current = {}, None
+    for line in hlo.splitlines():
+        header = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$", line)
+        if header:
+            current = computations.setdefault(header.group(1), [])
+        elif current is not None:
+            current.append(line)
+    return {name: computations[name] for name in re.findall(r"body=%?([\w.\-]+)", hlo)}
+
+
+@pytest.mark.parametrize("objective", [{}, {"dpo": {"beta": 0.1}}], ids=["lm", "dpo"])
+def test_loss_chunk_loops_reduce_only_per_token_values(objective):
+    """On dp 2 x mp 2 the loops over chunks of tokens reduce over the mesh only each chunk's [1, 96]
+    log-sum-exp and target logit: the head's gradient (over 'dp') and the hidden states' (over 'mp')
+    are summed once, after the loop, not once per chunk — the language-model loss's (its gradients
+    computed in the forward) and DPO's (each chunk's logits computed again in the backward) alike."""
+    trainer = Trainer(tiny_config(n_vocab=4000, seq=128, per_replica_batch=4, cores_per_replica=2, loss_chunk=96,
+                                  **objective), mesh(2, 2))
+    state = trainer.init_state(0)
+    if trainer.needs_reference:
+        trainer.base = trainer.init_base(1)
+    batch = trainer.shard_batch({"tokens": random_tokens((1, 8, 129), 4000, seed=3)})
+    hlo = trainer.loss_and_grads.lower(state.params, batch).compile().as_text()
+    reduced = {name: re.findall(r"= (\(?f32\[[^=]*?) all-reduce\(", "\n".join(lines))
+               for name, lines in _loop_bodies(hlo).items()}
+    chunk_loops = {name: shapes for name, shapes in reduced.items() if any("[1,96]" in s for s in shapes)}
+    assert len(chunk_loops) >= (1 if not objective else 3), reduced  # forward (and DPO's reference, backward)
+    for name, shapes in chunk_loops.items():
+        assert all(re.fullmatch(r"\(?(f32\[1,96\]\{1,0\}(, )?)+\)?", s) for s in shapes), (name, shapes)
+
+
 def test_loss_mask_excludes_tokens():
     trainer = Trainer(tiny_config(per_replica_batch=2), mesh(1, 1))
     state = trainer.init_state(0)

@@ -134,7 +134,7 @@ class Transformer(hk.Module):
 
     def __call__(self, tokens, cache: Optional[KVCache] = None, last_only: bool = False, segments=None,
                  key_keep=None, logit_positions=None, shared: Optional[SharedPrefix] = None, routers: bool = False,
-                 embed_noise: Optional[float] = None, hidden: bool = False):
+                 embed_noise: Optional[float] = None, hidden: bool = False, on_head: Optional[Callable] = None):
         """tokens [B, T] (int) -> (logits [B, T, V/mp] float32, this shard's vocabulary slice; new cache).
 
         Without a cache the T tokens are positions 0..T-1 under a causal mask (training). With a
@@ -152,6 +152,10 @@ class Transformer(hk.Module):
         `hidden`: the final hidden states [B, T, D] (float, every mp shard holds all of D) in place
         of the logits: what HF's base model returns as `last_hidden_state` (after the final norm and
         OPT's `project_out`), what embeddings pool.
+        `on_head` (training a language model): what it returns of (head, weights, x) takes the
+        logits' place, where head(weights, x [b, t, D]) -> logits [b, t, V/mp] is the output head
+        as a pure function (`lm_head`) and x the final hidden states [B, T, D]: so a loss can run the
+        head over chunks of tokens and never hold all the logits (`train.loss`).
         """
         c, stem = self.config, self.config.stem()
         ctx = _context(tokens.shape, cache, segments, key_keep, shared)._replace(attention=c.attention_impl)
@@ -199,12 +203,26 @@ class Transformer(hk.Module):
         if c.classifier:
             logits = score_head(x, c.num_labels)
             return (logits, cache, stats) if routers else (logits, cache)
-        logits = embedding.attend(x, c.n_vocab) if stem.tied else LMHead(
-            c.d_model, self.padded_vocab, c.n_vocab, stem.head_bias)(x)
-        if stem.logit_divisor is not None:
-            logits = logits / stem.logit_divisor
-        logits = softcap(logits, stem.logit_softcap)
-        return (logits, cache, stats) if routers else (logits, cache)
+        head, weights = lm_head(c, self.padded_vocab, embedding, x.dtype)
+        out = on_head(head, weights, x) if on_head is not None else head(weights, x)
+        return (out, cache, stats) if routers else (out, cache)
+
+
+def lm_head(c: ModelConfig, padded_vocab: int, embedding: Embedding, dtype) -> tuple[Callable, tuple]:
+    """(head, weights), head(weights, x [b, t, D]) -> local logits [b, t, V/mp] float32 a pure
+    function (the weights read here, in the calling module): the tied or own projection, Granite's
+    divisor, Gemma 2's soft cap."""
+    stem = c.stem()
+    project, weights = embedding.projection(dtype, c.n_vocab) if stem.tied else LMHead(
+        c.d_model, padded_vocab, c.n_vocab, stem.head_bias).projection(dtype)
+    return functools.partial(_head, project, stem.logit_divisor, stem.logit_softcap), weights
+
+
+def _head(project: Callable, divisor: Optional[float], cap: Optional[float], weights, x):
+    logits = project(weights, x)
+    if divisor is not None:
+        logits = logits / divisor
+    return softcap(logits, cap)
 
 
 def score_head(x, labels: int):
@@ -367,12 +385,14 @@ class Model:
 
     def apply(self, params, tokens, cache: Optional[KVCache] = None, last_only: bool = False, *,
               segments=None, key_keep=None, logit_positions=None, shared: Optional[SharedPrefix] = None, rng=None,
-              routers: bool = False, embed_noise: Optional[float] = None, hidden: bool = False):
+              routers: bool = False, embed_noise: Optional[float] = None, hidden: bool = False,
+              on_head: Optional[Callable] = None):
         """`rng`: LoRA dropout and NEFTune draw from it (None: neither). `routers` (training, no cache):
         also return the mixture layers' `layers.RouterStats`. `embed_noise`: NEFTune's alpha (needs `rng`).
-        `hidden`: the final hidden states in place of the logits (embeddings)."""
+        `hidden`: the final hidden states in place of the logits (embeddings). `on_head`: a loss of
+        the output head and the hidden states in the logits' place (`Transformer`)."""
         return self.transformed.apply(params, rng, tokens, cache, last_only, segments, key_keep, logit_positions,
-                                      shared, routers, embed_noise, hidden)
+                                      shared, routers, embed_noise, hidden, on_head)
 
     @functools.cached_property
     def _declared(self):
@@ -453,9 +473,9 @@ def _pairs(params, infos):
 def build(config: ModelConfig, block: Callable, mp: int = 1, lora: Optional[parallel.LoRAPlan] = None) -> Model:
     padded = config.padded_vocab(mp)
     def forward(tokens, cache=None, last_only=False, segments=None, key_keep=None, logit_positions=None,
-                shared=None, routers=False, embed_noise=None, hidden=False):
+                shared=None, routers=False, embed_noise=None, hidden=False, on_head=None):
         with parallel.lora_plan(lora):
             return Transformer(config, block, padded)(tokens, cache, last_only, segments, key_keep, logit_positions,
-                                                      shared, routers, embed_noise, hidden)
+                                                      shared, routers, embed_noise, hidden, on_head)
     transformed = hk.transform(forward)
     return Model(config, mp, transformed, lora)

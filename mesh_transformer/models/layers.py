@@ -15,7 +15,7 @@ import contextlib
 import functools
 import math
 import threading
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 import haiku as hk
 import jax
@@ -101,8 +101,8 @@ def product(equation: str, a, b):
     Inside shard_map both operands first vary over the same mesh axes (what the einsum does
     implicitly), so the transposes of those casts add the reductions autodiff owes (a column-parallel
     input's gradient over 'mp', a weight's over 'dp')."""
-    axes = tuple(sorted(_varying(a) | _varying(b)))
-    return _product(equation, _vary(a, axes), _vary(b, axes))
+    axes = tuple(sorted(parallel.varying(a) | parallel.varying(b)))
+    return _product(equation, parallel.vary(a, axes), parallel.vary(b, axes))
 
 
 def quantized_product(x, values, scale):
@@ -115,8 +115,8 @@ def quantized_product(x, values, scale):
     there, so a layer scan holds no float copy of the base."""
     if kernels.applies(x, values):
         return product("...k,ko->...o", x, values) * scale
-    axes = tuple(sorted(_varying(x) | _varying(values) | _varying(scale)))
-    return _quantized_product(*(_vary(a, axes) for a in (x, values, scale)))
+    axes = tuple(sorted(parallel.varying(x) | parallel.varying(values) | parallel.varying(scale)))
+    return _quantized_product(*(parallel.vary(a, axes) for a in (x, values, scale)))
 
 
 def _folded(values, scale, dtype):
@@ -140,17 +140,6 @@ def _quantized_product_backward(saved, g):
 
 
 _quantized_product.defvjp(_quantized_product_forward, _quantized_product_backward)
-
-
-def _varying(x) -> frozenset:
-    """The mesh axes a value varies over inside shard_map (empty outside)."""
-    manual = getattr(jax.typeof(x), "manual_axis_type", None)
-    return manual.varying if manual is not None else frozenset()
-
-
-def _vary(x, axes: tuple):
-    missing = tuple(a for a in axes if a not in _varying(x))
-    return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -195,8 +184,8 @@ def add_bias(x, b):
     """x [..., N] + b [N], whose gradient for b is a matmul (ones [1, rows] x g) instead of a sum over
     rows: XLA:CPU 0.10 runs that sum over a vocabulary head's [tokens, 50k] logit gradients as slowly
     as the head's matmul (490 ms where the matmul form takes 6, `bench/profile_train.py`)."""
-    axes = tuple(sorted(_varying(x) | _varying(b)))
-    return _add_bias(_vary(x, axes), _vary(b, axes))
+    axes = tuple(sorted(parallel.varying(x) | parallel.varying(b)))
+    return _add_bias(parallel.vary(x, axes), parallel.vary(b, axes))
 
 
 @jax.custom_vjp
@@ -944,7 +933,7 @@ def _argsort(keys):
     """`jnp.argsort(keys, stable=True)`, typed as varying over the mesh axes `keys` vary over: JAX
     0.10 types a varying key's sort indices as invariant, so a gather by them (each expert-parallel
     shard orders its own experts' copies first) would skip the psum its backward owes."""
-    return _vary(jnp.argsort(keys, stable=True), tuple(sorted(_varying(keys))))
+    return parallel.vary(jnp.argsort(keys, stable=True), tuple(sorted(parallel.varying(keys))))
 
 
 def _experts_here(w) -> int:
@@ -1059,10 +1048,10 @@ def grouped_product(rows, w, sizes):
         low = grouped_product(rows, w.a, sizes).astype(rows.dtype)  # [M, r]
         return grouped_product(rows, w.base, sizes) + w.scale * grouped_product(low, w.b, sizes)
     if isinstance(w, parallel.Quantized):  # int8 values: the kernel reads them; elsewhere widened inside
-        axes = tuple(sorted(_varying(rows) | _varying(w.values) | _varying(sizes) | _varying(w.scale)))
-        return _quantized_grouped_product(*(_vary(a, axes) for a in (rows, w.values, sizes, w.scale)))
-    axes = tuple(sorted(_varying(rows) | _varying(w) | _varying(sizes)))
-    return _grouped_product(*(_vary(a, axes) for a in (rows, w, sizes)))
+        axes = tuple(sorted(parallel.varying(rows) | parallel.varying(w.values) | parallel.varying(sizes) | parallel.varying(w.scale)))
+        return _quantized_grouped_product(*(parallel.vary(a, axes) for a in (rows, w.values, sizes, w.scale)))
+    axes = tuple(sorted(parallel.varying(rows) | parallel.varying(w) | parallel.varying(sizes)))
+    return _grouped_product(*(parallel.vary(a, axes) for a in (rows, w, sizes)))
 
 
 def _row_scales(scale, sizes, m: int):
@@ -1208,10 +1197,15 @@ class Embedding(hk.Module):
         table = parallel.param("pos_embeddings", (seq + offset, d), ("seq", "embed"), normal(init_std), dtype, decay=True)
         return take_rows(table, positions + offset)
 
-    def attend(self, x, n_vocab: int):
-        """Tied output projection: x [B, T, width] -> local logits [B, T, V/mp] (float32), padding -inf."""
-        table = self._table(x.dtype)
-        return product("btd,vd->btv", x, table) + vocab_padding(table.shape[0], n_vocab)
+    def projection(self, dtype, n_vocab: int) -> tuple[Callable, jax.Array]:
+        """The tied output projection as (a pure function of (table, x [B, T, width]) -> local
+        logits [B, T, V/mp] float32, padding -inf; the table): pure, so that a training loss can run
+        it over chunks of tokens, and differentiate it, outside Haiku (`Transformer`'s `on_head`)."""
+        return functools.partial(_attend, n_vocab=n_vocab), self._table(dtype)
+
+
+def _attend(table, x, n_vocab: int):
+    return product("btd,vd->btv", x, table) + vocab_padding(table.shape[0], n_vocab)
 
 
 def vocab_padding(local_vocab: int, n_vocab: int):
@@ -1227,11 +1221,22 @@ class LMHead(hk.Module):
         super().__init__(name=name)
         self.d, self.padded_vocab, self.n_vocab, self.bias = d, padded_vocab, n_vocab, bias
 
-    def __call__(self, x):  # [B, T, D] -> local logits [B, T, V/mp] (float32)
-        w = parallel.weight("lm_head", (self.d, self.padded_vocab), ("embed", "vocab"), 1, normal(0.02), x.dtype)
-        logits = dense("btd,dv->btv", x, w, jnp.float32)
-        local_vocab = logits.shape[-1]
-        if self.bias:  # padding folded into the bias: cheaper than masking [B, T, V] logits
-            b = parallel.param("lm_head_bias", (self.padded_vocab,), ("vocab",), ZEROS)
-            return add_bias(logits, jnp.where(jnp.isfinite(vocab_padding(local_vocab, self.n_vocab)), b, -jnp.inf))
-        return logits + vocab_padding(local_vocab, self.n_vocab)
+    def projection(self, dtype) -> tuple[Callable, tuple]:
+        """The head as (a pure function of (weights, x [B, T, D]) -> local logits [B, T, V/mp]
+        float32; the weights): see `Embedding.projection`."""
+        w = parallel.weight("lm_head", (self.d, self.padded_vocab), ("embed", "vocab"), 1, normal(0.02), dtype)
+        if not self.bias:
+            return functools.partial(_project, n_vocab=self.n_vocab), (w,)
+        # padding folded into the bias: cheaper than masking [B, T, V] logits
+        b = parallel.param("lm_head_bias", (self.padded_vocab,), ("vocab",), ZEROS)
+        return _project_with_bias, (w, jnp.where(jnp.isfinite(vocab_padding(b.shape[0], self.n_vocab)), b, -jnp.inf))
+
+
+def _project(weights, x, n_vocab: int):
+    logits = dense("btd,dv->btv", x, weights[0], jnp.float32)
+    return logits + vocab_padding(logits.shape[-1], n_vocab)
+
+
+def _project_with_bias(weights, x):
+    w, b = weights
+    return add_bias(dense("btd,dv->btv", x, w, jnp.float32), b)

@@ -334,6 +334,25 @@ def _bound(axis: str) -> bool:
     return manual is not None and axis in manual.axis_sizes and _writes_collectives(manual.axis_sizes)
 
 
+def varying(x) -> frozenset:
+    """The mesh axes a value varies over inside shard_map (empty outside)."""
+    manual = getattr(jax.typeof(x), "manual_axis_type", None)
+    return manual.varying if manual is not None else frozenset()
+
+
+def vary(x, axes: tuple):
+    """x cast to vary over `axes` too (inside shard_map): the transpose of the cast is the sum over
+    those axes that the gradient of a product with a value varying over them owes."""
+    missing = tuple(a for a in axes if a not in varying(x))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+def vary_alike(*trees):
+    """Every leaf of `trees` cast to vary over every axis any of them varies over (`vary`)."""
+    axes = tuple(sorted(frozenset().union(*(varying(x) for x in jax.tree.leaves(trees)))))
+    return jax.tree.map(lambda x: vary(x, axes), trees)
+
+
 def psum_mp(x):
     """Sum the partial results of row-parallel layers over the model-parallel shards."""
     return jax.lax.psum(x, MP) if _bound(MP) else x

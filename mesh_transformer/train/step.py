@@ -284,10 +284,11 @@ class Trainer:
         if segments is not None:
             mask = mask * (segments[:, 1:] == inputs)
         noise = self.config.train.neftune_noise_alpha if rng is not None else None  # (evaluation: no rng, no noise)
+        nll_sums = functools.partial(losses.nll_sums_in_chunks, targets=tokens[:, 1:], mask=mask,
+                                     z_loss=self.config.train.z_loss, chunk=self.config.model.loss_chunk)
         out = self.model.apply(params, tokens[:, :-1], segments=inputs, key_keep=key_keep, rng=rng,
-                               routers=self._balance > 0, embed_noise=noise)
-        sums = losses.cross_entropy_sums(out[0], tokens[:, 1:], mask, self.config.train.z_loss)
-        total, nll, count = (parallel.psum_dp(s) for s in sums)
+                               routers=self._balance > 0, embed_noise=noise, on_head=nll_sums)
+        total, nll, count = (parallel.psum_dp(s) for s in out[0])
         return self._with_balance_loss(total, out, count), {"loss": nll}, count
 
     @property
@@ -312,15 +313,24 @@ class Trainer:
             return self._local_kto(policy, reference, tokens, mask, labels, rng)
         if self.preference.reads_rewards:
             return self._local_rewards(policy, tokens, mask, rng)
-        out = self.model.apply(policy, tokens[:, :-1], rng=rng, routers=self._balance > 0)
-        logps = losses.token_log_probs(out[0], tokens[:, 1:])
-        reference_logps = None
-        if self.needs_reference:
-            reference_logps = losses.token_log_probs(self.model.apply(reference, tokens[:, :-1])[0], tokens[:, 1:])
-        sum_sq = losses.log_sum_sq_probs(out[0]) if self.preference.needs_sum_sq else None
-        total, sums, count = self.preference.pair_sums(logps, reference_logps, mask, sum_sq, parallel.psum_dp,
-                                                       nll_scale)  # (labels: KTO's only, `_local_kto`)
+        out = self._next_tokens(policy, tokens, sum_sq=self.preference.needs_sum_sq, rng=rng,
+                                routers=self._balance > 0)
+        reference_logps = self._log_probs(reference, tokens) if self.needs_reference else None
+        total, sums, count = self.preference.pair_sums(out[0].log_probs, reference_logps, mask, out[0].log_sum_sq,
+                                                       parallel.psum_dp, nll_scale)  # (labels: KTO's only)
         return self._with_balance_loss(total, out, count), sums, count  # added to the mean over pairs, as TRL adds it
+
+    def _next_tokens(self, params, tokens, sum_sq: bool = False, **apply):
+        """The model on tokens [b, T+1] but the last -> its outputs, with `losses.TokenStats` [b, T]
+        of each next token in place of the logits (`sum_sq`: with WPO's log sum p^2), computed
+        `loss_chunk` tokens at a time where the config says so (`losses.stats_in_chunks`)."""
+        stats = functools.partial(losses.stats_in_chunks, targets=tokens[:, 1:], chunk=self.config.model.loss_chunk,
+                                  sum_sq=sum_sq)
+        return self.model.apply(params, tokens[:, :-1], on_head=stats, **apply)
+
+    def _log_probs(self, params, tokens, **apply):
+        """log p of each next token of tokens [b, T+1] -> [b, T] (a reference model's, KTO's KL rows)."""
+        return self._next_tokens(params, tokens, **apply)[0].log_probs
 
     def _local_rewards(self, policy, tokens, mask, rng):
         """`_local_pairs` of a reward model: each row's reward is its score at its last token
@@ -334,14 +344,12 @@ class Trainer:
         """`_local_pairs` of rows that alternate an example's and its KL row (KTO): the KL rows get no
         gradient, so they run apart with no backward, and not at all where the loss reads none
         (`kl_rows` "unread"); a mixture's balance loss is the examples' rows' (as TRL's)."""
-        out = self.model.apply(policy, tokens[0::2, :-1], rng=rng, routers=self._balance > 0)
-        own = (losses.token_log_probs(out[0], tokens[0::2, 1:]),
-               losses.token_log_probs(self.model.apply(reference, tokens[0::2, :-1])[0], tokens[0::2, 1:]))
+        out = self._next_tokens(policy, tokens[0::2], rng=rng, routers=self._balance > 0)
+        own = (out[0].log_probs, self._log_probs(reference, tokens[0::2]))
         if self.preference.kl_rows == "read":
             kl_rng = None if rng is None else jax.random.fold_in(rng, 1)
-            kl = (losses.token_log_probs(self.model.apply(jax.lax.stop_gradient(policy), tokens[1::2, :-1],
-                                                          rng=kl_rng)[0], tokens[1::2, 1:]),
-                  losses.token_log_probs(self.model.apply(reference, tokens[1::2, :-1])[0], tokens[1::2, 1:]))
+            kl = (self._log_probs(jax.lax.stop_gradient(policy), tokens[1::2], rng=kl_rng),
+                  self._log_probs(reference, tokens[1::2]))
         else:
             kl = tuple(jnp.zeros_like(x) for x in own)
         logps, reference_logps = (_interleave(a, b) for a, b in zip(own, kl))
