@@ -175,6 +175,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--lora-quantize-base", choices=("int8",),
                    help="with --lora-rank: the frozen base's matmul weights in int8 (lora.quantize_base)")
     p.add_argument("--bf16-optimizer", action="store_true", help="Adam moments in bfloat16 (config key bf16_optimizer)")
+    p.add_argument("--loss-chunk", type=int, metavar="N",
+                   help="the vocabulary head and loss N tokens at a time (config key loss_chunk; 0: all at once)")
     p.add_argument("--dpo", action="store_true", help="plan a preference run: DPO (sets the config's 'dpo': "
                    "per_replica_batch counts pairs, two sequences each; without LoRA a frozen reference copy), "
                    "or the objective the config already sets ('cpo', 'orpo': no reference; 'kto': per_replica_batch "
@@ -238,7 +240,7 @@ def format_plan(result: Plan, config_path: str, device_memories_gib: Sequence[fl
 
 
 def _with_flags(config: Config, args) -> Config:
-    """The config with --lora-rank / --bf16-optimizer / --dpo applied (validated like the keys)."""
+    """The config with --lora-rank / --bf16-optimizer / --loss-chunk / --dpo applied (validated like the keys)."""
     from mesh_transformer.config import config_from_dict
     raw = config.to_json_dict()
     if args.lora_rank is not None:
@@ -247,6 +249,8 @@ def _with_flags(config: Config, args) -> Config:
                        **({"quantize_base": args.lora_quantize_base} if args.lora_quantize_base else {})}
     if args.bf16_optimizer:
         raw["bf16_optimizer"] = True
+    if args.loss_chunk is not None:
+        raw["loss_chunk"] = args.loss_chunk
     if args.dpo and config.train.preference is None:
         raw["dpo"] = {}
     return config_from_dict(raw)

@@ -242,3 +242,18 @@ def test_dpo_flag_plans_the_configs_own_objective(objective):
     planned = planner._with_flags(config_from_dict(raw), args).train
     assert planned.preferences == ((objective or "dpo"),)
     assert getattr(planned, objective or "dpo") == ({"beta": 0.2} if objective else {})
+
+
+def test_loss_chunk_flag_plans_the_head_and_loss_in_chunks(tmp_path, capsys):
+    """--loss-chunk N plans the config with its loss_chunk set to N (0 turns a config's off): a
+    4,096-token vocabulary over 1,024 tokens a device, in chunks of 128, holds less than the
+    [1024, 4096] float32 logits' worth of temporaries fewer; a negative N is the key's one-line error."""
+    path = write_config(tmp_path, {**TINY, "n_vocab": 4096, "seq": 256, "per_replica_batch": 4,
+                                   "cores_per_replica": 1, "loss_chunk": 512})
+    temporaries = {}
+    for n in (0, 128):
+        assert planner.main(["--config", path, "--dp", "1", "--mp", "1", "--loss-chunk", str(n), "--json"]) == 0
+        temporaries[n] = json.loads(capsys.readouterr().out)["bytes_per_device"]["temporaries"]
+    assert temporaries[0] - temporaries[128] > 1024 * 4096 * 4, temporaries
+    assert planner.main(["--config", path, "--loss-chunk", "-1"]) == 2
+    assert capsys.readouterr().err.startswith("error: config key 'loss_chunk': must be a whole number of tokens")
