@@ -101,8 +101,7 @@ def product(equation: str, a, b):
     Inside shard_map both operands first vary over the same mesh axes (what the einsum does
     implicitly), so the transposes of those casts add the reductions autodiff owes (a column-parallel
     input's gradient over 'mp', a weight's over 'dp')."""
-    axes = tuple(sorted(parallel.varying(a) | parallel.varying(b)))
-    return _product(equation, parallel.vary(a, axes), parallel.vary(b, axes))
+    return _product(equation, *parallel.vary_alike(a, b))
 
 
 def quantized_product(x, values, scale):
@@ -115,8 +114,7 @@ def quantized_product(x, values, scale):
     there, so a layer scan holds no float copy of the base."""
     if kernels.applies(x, values):
         return product("...k,ko->...o", x, values) * scale
-    axes = tuple(sorted(parallel.varying(x) | parallel.varying(values) | parallel.varying(scale)))
-    return _quantized_product(*(parallel.vary(a, axes) for a in (x, values, scale)))
+    return _quantized_product(*parallel.vary_alike(x, values, scale))
 
 
 def _folded(values, scale, dtype):
@@ -184,8 +182,7 @@ def add_bias(x, b):
     """x [..., N] + b [N], whose gradient for b is a matmul (ones [1, rows] x g) instead of a sum over
     rows: XLA:CPU 0.10 runs that sum over a vocabulary head's [tokens, 50k] logit gradients as slowly
     as the head's matmul (490 ms where the matmul form takes 6, `bench/profile_train.py`)."""
-    axes = tuple(sorted(parallel.varying(x) | parallel.varying(b)))
-    return _add_bias(parallel.vary(x, axes), parallel.vary(b, axes))
+    return _add_bias(*parallel.vary_alike(x, b))
 
 
 @jax.custom_vjp
@@ -1048,10 +1045,8 @@ def grouped_product(rows, w, sizes):
         low = grouped_product(rows, w.a, sizes).astype(rows.dtype)  # [M, r]
         return grouped_product(rows, w.base, sizes) + w.scale * grouped_product(low, w.b, sizes)
     if isinstance(w, parallel.Quantized):  # int8 values: the kernel reads them; elsewhere widened inside
-        axes = tuple(sorted(parallel.varying(rows) | parallel.varying(w.values) | parallel.varying(sizes) | parallel.varying(w.scale)))
-        return _quantized_grouped_product(*(parallel.vary(a, axes) for a in (rows, w.values, sizes, w.scale)))
-    axes = tuple(sorted(parallel.varying(rows) | parallel.varying(w) | parallel.varying(sizes)))
-    return _grouped_product(*(parallel.vary(a, axes) for a in (rows, w, sizes)))
+        return _quantized_grouped_product(*parallel.vary_alike(rows, w.values, sizes, w.scale))
+    return _grouped_product(*parallel.vary_alike(rows, w, sizes))
 
 
 def _row_scales(scale, sizes, m: int):
