@@ -249,6 +249,27 @@ def test_fused_attention_equals_einsum_path_with_packing_and_fcm(family, extra):
     assert max_abs_diff(xla_grads, fused_grads) < 2e-6
 
 
+@pytest.mark.parametrize("family", ["gptj", "llama_alibi_window"])
+def test_causal_blocks_give_one_blocks_loss_and_grads_with_packing_and_fcm(family, monkeypatch):
+    """Attention in causal blocks of 5 query positions (`layers.CAUSAL_BLOCK`) over packed segments
+    with forgetful causal masking (each block's mask cut from the whole one) gives the loss and
+    gradients of one block (dp2 x mp4, ZeRO)."""
+    from tests.helpers import max_abs_diff
+    tokens = random_tokens((ACCUM, BATCH, 17), 250, seed=4)
+    segments = np.repeat(np.arange(3), [5, 7, 5])[None, None].repeat(ACCUM, 0).repeat(BATCH, 1)
+    params = jax.device_get(_trainer(family, 1, 1, False).init_state(0).params)
+    results = []
+    for block in (models.layers.CAUSAL_BLOCK, 5):
+        monkeypatch.setattr(models.layers, "CAUSAL_BLOCK", block)
+        trainer = _trainer(family, 2, 4, True, fcm_max_ratio=0.5)
+        state = trainer.state_from_params(params)
+        loss, grads = trainer.loss_and_grads(state.params, trainer.shard_batch({"tokens": tokens, "segments": segments}))
+        results.append((float(loss), jax.device_get(grads)))
+    (whole_loss, whole_grads), (blocked_loss, blocked_grads) = results
+    assert abs(whole_loss - blocked_loss) < 1e-5
+    assert max_abs_diff(whole_grads, blocked_grads) < 2e-6
+
+
 def test_fused_attention_picks_each_scanned_layers_window():
     """Plain causal rows through Gemma's scanned sliding (6-token window) and full layers on dp2 x mp4:
     the fused path passes each layer's window to dot_product_attention by the layer's kind, chosen
@@ -456,21 +477,32 @@ def reference(request):
     return request.param, jax.device_get(state.params), batch, float(loss), jax.device_get(grads)
 
 
-@pytest.mark.parametrize("dp,mp,zero,scan,chunk", [(8, 1, True, True, 0), (1, 8, False, True, 48),
-                                                   (2, 4, True, True, 0), (2, 4, True, False, 0)],
-                         ids=["dp8-zero", "mp8-loss-chunks", "dp2xmp4-zero", "dp2xmp4-zero-unscanned"])
-def test_loss_and_grads_match_single_device(reference, dp, mp, zero, scan, chunk):
+@pytest.mark.parametrize("dp,mp,zero,scan,chunk,block", [(8, 1, True, True, 0, None), (1, 8, False, True, 48, None),
+                                                         (2, 4, True, True, 0, None), (2, 4, True, False, 0, None),
+                                                         (2, 4, True, True, 0, 5)],
+                         ids=["dp8-zero", "mp8-loss-chunks", "dp2xmp4-zero", "dp2xmp4-zero-unscanned",
+                              "dp2xmp4-causal-blocks"])
+def test_loss_and_grads_match_single_device(reference, dp, mp, zero, scan, chunk, block, monkeypatch):
     """Every family's loss and gradients on a mesh equal one device's; with `scan_layers: false`
-    (the layers unrolled, a mixture's routers and per-layer windows included) too, and with the head
+    (the layers unrolled, a mixture's routers and per-layer windows included) too, with the head
     and loss run 48 tokens at a time (`loss_chunk`; 128 a device: the last chunk padded), tied heads,
-    GPT-J's head bias, OPT's projection out and Gemma 2's soft cap included."""
+    GPT-J's head bias, OPT's projection out and Gemma 2's soft cap included, and with attention in
+    causal blocks of 5 query positions (`layers.CAUSAL_BLOCK`: 16 tokens in blocks of 5, 5, 5 and 1,
+    each over the keys up to its end; ALiBi, sliding windows and soft-capped scores included)."""
     from tests.helpers import max_abs_diff
     family, params, batch, loss, grads = reference
+    blocked = []
+    if block is not None:
+        real = models.layers.Attention._attend_causal_blocks
+        monkeypatch.setattr(models.layers, "CAUSAL_BLOCK", block)
+        monkeypatch.setattr(models.layers.Attention, "_attend_causal_blocks",
+                            staticmethod(lambda *args: blocked.append(args[-1]) or real(*args)))
     trainer = _trainer(family, dp, mp, zero, scan_layers=scan, loss_chunk=chunk)
     state = trainer.state_from_params(params)
     ours_loss, ours_grads = trainer.loss_and_grads(state.params, trainer.shard_batch(batch))
     assert abs(float(ours_loss) - loss) < 1e-5
     assert max_abs_diff(jax.device_get(ours_grads), grads) < 2e-6
+    assert set(blocked) == ({block} if block is not None else set())
 
 
 def test_steps_match_single_device_and_restore_onto_another_mesh(reference, tmp_path):

@@ -1,4 +1,5 @@
-"""Model options beyond HF's GPT-J: RMSNorm, learned absolute positions, no positions."""
+"""Model options beyond HF's GPT-J (RMSNorm, learned absolute positions, no positions) and layers' own gradients."""
+import re
 import haiku as hk
 import jax
 import jax.numpy as jnp
@@ -68,3 +69,38 @@ def test_take_rows_is_jnp_take_with_its_gradient(dtype):
     theirs = jax.grad(loss(lambda t, i: jnp.take(t, i, axis=0)))(table)
     assert ours.dtype == table.dtype and (ours == theirs).all() and float(jnp.abs(ours[3]).sum()) > 0
 
+
+
+@pytest.mark.parametrize("dtype, tolerance", [("float32", 1e-6), ("bfloat16", 2e-2)])
+def test_attention_backward_is_autodiffs_with_one_reduction_over_the_outputs(dtype, tolerance):
+    """`softmax_times_values`' own backward (flash attention's: P (dP - rowsum(dO * O))) gives
+    autodiff's gradients of softmax-then-values, a causal mask's rows and a row that sees no key
+    included; and its compiled gradient reduces over the probabilities only in the forward (the
+    softmax's maximum and sum), not a third time as autodiff's backward does."""
+    from mesh_transformer.models.layers import NEG, softmax_times_values
+    b, kv, m, s, h = 2, 2, 6, 10, 4  # distinct sizes, so a reduction's operand names its axes
+    keys = jax.random.split(jax.random.key(5), 3)
+    scores = jax.random.normal(keys[0], (b, kv, m, s)) * 3
+    visible = jnp.tril(jnp.ones((m, s), bool), k=s - m).at[0].set(False)  # row 0 sees no key
+    scores = jnp.where(visible, scores, NEG)
+    v = jax.random.normal(keys[1], (b, kv, s, h)).astype(dtype)
+    weights = jax.random.normal(keys[2], (b, kv, m, h))
+
+    def dense(x, v):
+        p = jax.nn.softmax(x, axis=-1).astype(v.dtype)
+        return jnp.sum(jnp.einsum("bkms,bksh->bkmh", p, v, preferred_element_type=jnp.float32) * weights)
+
+    ours = jax.grad(lambda x, v: jnp.sum(softmax_times_values(x, v) * weights), argnums=(0, 1))
+    got, want = ours(scores, v), jax.grad(dense, argnums=(0, 1))(scores, v)
+    for g, w in zip(got, want):
+        g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
+        assert np.max(np.abs(w)) > 0.1
+        assert np.max(np.abs(g - w)) <= tolerance * np.max(np.abs(w))
+    # a row that sees a key gives its masked scores no gradient (one that sees none averages all values)
+    assert float(jnp.max(jnp.abs((got[0] * ~visible)[:, :, 1:]))) == 0.0
+
+    def reductions_over_probabilities(f):
+        text = jax.jit(f).lower(scores, v).as_text()
+        return len(re.findall(rf"stablehlo\.reduce\(%\S+ init: %\S+\) .*: \(tensor<{b}x{kv}x{m}x{s}xf32>", text))
+    assert reductions_over_probabilities(jax.grad(dense)) == 3
+    assert reductions_over_probabilities(ours) == 2

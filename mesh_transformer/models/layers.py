@@ -455,7 +455,8 @@ class Context(NamedTuple):
     """What every layer of one forward pass shares.
 
     positions [B, T] of the new tokens; mask [B, 1, 1, T, S] (True = may attend);
-    key_positions [B, S] (ALiBi); slot_index: the cache slot the T new tokens go to (None: no cache);
+    key_positions [B, S] (ALiBi); slot_index: the cache slot the T new tokens go to (None: no cache,
+    the keys are the T new tokens themselves and no query sees a later one: `_context`);
     causal: the mask is exactly the causal one (no segments, no dropped keys; within a layer's
     sliding window, the causal one cut to it); attention: the
     config's implementation ("xla" or "cudnn"); shared_positions [B, U]: each row's positions of
@@ -571,8 +572,10 @@ class Attention(hk.Module):
         passes the softmax makes over them (16 rows of 128 tokens behind a 1,024-slot prefix: 20 ms
         a layer in blocks, 91 ms in one piece, whose 75 MB of scores went through memory about ten
         times). One token per row (decode) is one block of every row, so the shared slots are read
-        once for all of them. Training keeps one block: measured in blocks, its steps were no
-        faster (bench/train_throughput.py's shapes; seq 1,024: +8% for LLaMA, seq 2,048: -3% for GPT-J).
+        once for all of them. A pass without a cache (training, scoring) runs on a CPU in blocks of
+        `CAUSAL_BLOCK` query positions, each over the keys up to its end (`_attend_causal_blocks`):
+        the blocks above the diagonal are never computed. (Blocks over all keys made training no
+        faster: seq 1,024 +8% for LLaMA, seq 2,048 -3% for GPT-J.)
         """
         b, t, n, hd = q.shape
         kv, s = k.shape[1], k.shape[3]
@@ -588,10 +591,13 @@ class Attention(hk.Module):
             block = query_block(b, t, n * keys) if ctx.slot_index is not None else None
             attend = functools.partial(self._attend_block, shared_k=shared_k, shared_v=shared_v,
                                        shared_window=self._shared_window(ctx) if shared is not None else None)
-            if block is None:
-                out = attend(q, k, v, ctx.mask, ctx.positions, ctx.key_positions, ctx.shared_positions)
-            else:
+            causal = causal_query_blocks(t) if ctx.slot_index is None else None
+            if block is not None:
                 out = self._attend_in_blocks(attend, q, k, v, ctx, block)
+            elif causal is not None:
+                out = self._attend_causal_blocks(attend, q, k, v, ctx, causal)
+            else:
+                out = attend(q, k, v, ctx.mask, ctx.positions, ctx.key_positions, ctx.shared_positions)
         return out.transpose(0, 3, 1, 2, 4).reshape(b, t, n, hd).astype(q.dtype)
 
     def _fused_on_cpu(self, q, k, ctx: Context) -> bool:
@@ -636,6 +642,20 @@ class Attention(hk.Module):
         rows = (pad(q, 3), k, v, pad(mask, 3), pad(ctx.positions, 1), ctx.key_positions, ctx.shared_positions)
         return jax.lax.map(row, rows)[:, :, :, :t]
 
+    @staticmethod
+    def _attend_causal_blocks(attend, q, k, v, ctx: Context, block: int):
+        """`attend` over `block` query positions at a time, each block over the keys up to its last
+        position only: without a cache the keys are the T new tokens and no query sees a later one
+        (`Context`), so the scores above the diagonal's blocks are never computed — of T / block
+        blocks, (blocks + 1) / (2 blocks) of the work. q [B, K, G, T, H] -> [B, K, G, T, H]."""
+        t = q.shape[3]
+        outs = []
+        for start in range(0, t, block):
+            end = min(start + block, t)
+            outs.append(attend(q[:, :, :, start:end], k[..., :end], v[:, :, :end], ctx.mask[..., start:end, :end],
+                               ctx.positions[:, start:end], ctx.key_positions[:, :end], None))
+        return jnp.concatenate(outs, axis=3)
+
     def _attend_block(self, q, k, v, mask, positions, key_positions, shared_positions, shared_k, shared_v,
                       shared_window=None):
         """q [b, K, G, T, H] of b rows (mask [b, 1, 1, T, S], positions [b, T], key_positions [b, S],
@@ -656,8 +676,7 @@ class Attention(hk.Module):
         own = jnp.where(mask, own, NEG)
         rows = lambda weights: weights.astype(v.dtype).reshape(b, kv, g * t, -1)  # noqa: E731
         if shared_k is None:
-            out = _rows_product("bkms,bksh->bkmh", rows(jax.nn.softmax(own, axis=-1)), v)
-            return out.reshape(b, kv, g, t, hd)
+            return softmax_times_values(own.reshape(b, kv, g * t, -1), v).reshape(b, kv, g, t, hd)
         shared = scale(_all_rows_product(q, shared_k))
         if self.spec.alibi:
             shared = shared + self._alibi(kv, g, shared_positions, positions)
@@ -693,7 +712,57 @@ def query_block(rows: int, queries: int, scores_per_query: int) -> Optional[int]
     return -(-queries // blocks)  # blocks of equal size: the last one is padded least
 
 
+CAUSAL_BLOCK = 128  # query positions per block of attention without a cache, on CPU (`causal_query_blocks`)
+
+
+def causal_query_blocks(queries: int) -> Optional[int]:
+    """Query positions per block of `Attention._attend_causal_blocks` for a pass without a cache
+    (training, scoring), or None for one block: on accelerators (their fused kernels want it whole)
+    and for one block's worth of queries. One layer's attention forward and backward on two Zen 5
+    cores (bench/attention_train.py): 4 x 256 tokens 16 -> 9 ms, 2,048 tokens 269 -> 144-178 ms;
+    blocks of 256 or 512 saved less at every length."""
+    if jax.default_backend() != "cpu" or queries <= CAUSAL_BLOCK:
+        return None
+    return CAUSAL_BLOCK
+
+
 _PER_ROW_AND_KV_HEAD = ("bkmh,bkhs->bkms", "bkms,bksh->bkmh")  # `_rows_product`'s: [B, K] groups
+
+
+def softmax_times_values(scores, v):
+    """softmax(scores) over S, rounded to v's dtype, times the values: scores float32 [B, K, M, S],
+    v [B, K, S, H] -> float32 [B, K, M, H] (M: a kv head's query rows).
+
+    Differentiated, its backward is flash attention's (Dao et al. 2022): the scores' gradient is
+    P (dP - rowsum(dO * O)) with dP = dO V^T, so the one reduction runs over [M, H] outputs, not
+    autodiff's over [M, S] probabilities, and V's gradient is (dO^T P)^T, a product XLA:CPU runs as
+    fast as P^T dO over 256 keys and 1.5-2.7x faster over 1,024-2,048. One GPT-J layer's attention,
+    forward and backward on two Zen 5 cores: 4 x 256 tokens 9.6 -> 8.7 ms, 1,024 tokens 93 -> 60 ms
+    (docs/speed.md, session 67)."""
+    return _softmax_times_values(*parallel.vary_alike(scores, v))
+
+
+@jax.custom_vjp
+def _softmax_times_values(scores, v):
+    return _rows_product("bkms,bksh->bkmh", jax.nn.softmax(scores, axis=-1).astype(v.dtype), v)
+
+
+def _softmax_times_values_forward(scores, v):
+    p = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkms,bksh->bkmh", p, v, preferred_element_type=jnp.float32)  # XLA's, as `_product_forward`
+    return out, (p, v, out)
+
+
+def _softmax_times_values_backward(saved, g):
+    p, v, out = saved
+    g_rows = g.astype(v.dtype)  # bfloat16 operands: both products run natively, as `product`'s backward
+    dv = jnp.swapaxes(jnp.einsum("bkmh,bkms->bkhs", g_rows, p, preferred_element_type=jnp.float32), 2, 3)
+    dp = jnp.einsum("bkmh,bksh->bkms", g_rows, v, preferred_element_type=jnp.float32)
+    row_sums = jnp.sum(g.astype(jnp.float32) * out, axis=-1, keepdims=True)  # = rowsum(dP * P)
+    return p.astype(jnp.float32) * (dp - row_sums), dv.astype(v.dtype)
+
+
+_softmax_times_values.defvjp(_softmax_times_values_forward, _softmax_times_values_backward)
 
 
 def _rows_product(equation: str, rows, other):
