@@ -17,7 +17,6 @@ import argparse
 import inspect
 import os
 import sys
-import time
 from types import SimpleNamespace
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -38,11 +37,11 @@ SHAPES = [(1, 16, 1, 64, 128, 96), (16, 16, 1, 64, 128, 96), (64, 16, 1, 64, 256
 
 
 def xla_path(q, k, v, mask):
-    """`_attend_block` of a layer without ALiBi (its only use of the module): q [B, K, G, H] at one
-    position, mask [B, S]."""
+    """`_attend_block` of a layer without ALiBi or soft-capped scores (its only uses of the spec):
+    q [B, K, G, H] at one position, mask [B, S]."""
     b, kv, g, hd = q.shape
     s = k.shape[-1]
-    stand_in = SimpleNamespace(spec=SimpleNamespace(alibi=False))
+    stand_in = SimpleNamespace(spec=SimpleNamespace(alibi=False, softcap=None))
     positions = jnp.zeros((b, 1), jnp.int32)
     attend_block = inspect.unwrap(layers.Attention._attend_block)  # the method's code, outside hk.transform
     out = attend_block(stand_in, q[:, :, :, None], k, v, mask.reshape(b, 1, 1, 1, s), positions,
@@ -53,16 +52,6 @@ def xla_path(q, k, v, mask):
 def fused(q, k, v, mask):
     """`kernels.attention` of q [B, K, G, H] at one position, mask [B, S]."""
     return kernels.attention(q, k, v, mask[:, None])
-
-
-def timed(fn, args, calls: int):
-    def measure() -> float:
-        start = time.perf_counter()
-        for _ in range(calls):
-            out = fn(*args)
-        out.block_until_ready()
-        return (time.perf_counter() - start) / calls * 1e6
-    return measure
 
 
 def main(argv=None):
@@ -82,9 +71,10 @@ def main(argv=None):
         sides = {"fused": jax.jit(fused), "xla": jax.jit(xla_path)}
         outs = {name: np.asarray(f(q, k, v, mask), np.float32) for name, f in sides.items()}
         difference = float(np.abs(outs["fused"] - outs["xla"]).max())
-        once = timed(sides["xla"], (q, k, v, mask), 3)()
+        once = machine.per_call(lambda: sides["xla"](q, k, v, mask), 3, 1e6)()
         calls = max(3, int(2000 / max(once, 1.0)))
-        times = machine.interleaved({name: timed(f, (q, k, v, mask), calls) for name, f in sides.items()}, args.rounds)
+        times = machine.interleaved({name: machine.per_call(lambda f=f: f(q, k, v, mask), calls, 1e6)
+                                     for name, f in sides.items()}, args.rounds)
         cache_mb = b * kv * hd * s * 2 * jnp.dtype(args.dtype).itemsize / 1e6
         results.append({"shape": dict(B=b, K=kv, G=g, H=hd, S=s, written=written), "cache_mb": cache_mb,
                         "max_abs_difference": difference, "us": times})

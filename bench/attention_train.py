@@ -23,7 +23,6 @@ import functools
 import inspect
 import os
 import sys
-import time
 from types import SimpleNamespace
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -83,16 +82,6 @@ def torch_side(q, k, v, g_out, kv_groups: int):
     return step
 
 
-def timed(fn, calls: int):
-    def measure() -> float:
-        start = time.perf_counter()
-        for _ in range(calls):
-            out = fn()
-        jax.block_until_ready(out)
-        return (time.perf_counter() - start) / calls * 1e3
-    return measure
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
@@ -117,9 +106,9 @@ def main(argv=None):
         dq = {name: np.asarray(out[0], np.float32).reshape(b, n, t, hd) if name != "torch" else out[0].numpy()
               for name, out in outs.items()}
         difference = max(float(np.abs(dq[name] - dq["autodiff"]).max()) for name in dq)
-        once = timed(sides["autodiff"], 2)()
+        once = machine.per_call(sides["autodiff"], 2)()
         calls = max(2, int(50 / max(once, 0.1)))
-        times = machine.interleaved({name: timed(side, calls) for name, side in sides.items()}, args.rounds)
+        times = machine.interleaved({name: machine.per_call(side, calls) for name, side in sides.items()}, args.rounds)
         results.append({"shape": dict(B=b, N=n, K=kv, T=t, H=hd), "max_abs_difference_dq": difference, "ms": times})
 
     def text():

@@ -23,6 +23,7 @@ import os
 import platform
 import statistics
 import sys
+import time
 import traceback
 from typing import Callable, Mapping
 
@@ -231,6 +232,19 @@ def minor_faults() -> int:
         return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     except (ImportError, OSError):
         return 0
+
+
+def per_call(fn: Callable[[], object], calls: int, scale: float = 1e3) -> Callable[[], float]:
+    """A side for `interleaved`: each measurement calls `fn` `calls` times, waits for the last
+    result (JAX arrays are asynchronous) and returns the time a call, in seconds x `scale` (ms)."""
+    def measure() -> float:
+        import jax
+        start = time.perf_counter()
+        for _ in range(calls):
+            out = fn()
+        jax.block_until_ready(out)
+        return (time.perf_counter() - start) / calls * scale
+    return measure
 
 
 def fmt(s: Mapping, digits: int = 0) -> str:
