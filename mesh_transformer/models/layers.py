@@ -573,7 +573,7 @@ class Attention(hk.Module):
         a layer in blocks, 91 ms in one piece, whose 75 MB of scores went through memory about ten
         times). One token per row (decode) is one block of every row, so the shared slots are read
         once for all of them. A pass without a cache (training, scoring) runs on a CPU in blocks of
-        `CAUSAL_BLOCK` query positions, each over the keys up to its end (`_attend_causal_blocks`):
+        query positions (`causal_query_blocks`), each over the keys up to its end (`_attend_causal_blocks`):
         the blocks above the diagonal are never computed. (Blocks over all keys made training no
         faster: seq 1,024 +8% for LLaMA, seq 2,048 -3% for GPT-J.)
         """
@@ -591,11 +591,11 @@ class Attention(hk.Module):
             block = query_block(b, t, n * keys) if ctx.slot_index is not None else None
             attend = functools.partial(self._attend_block, shared_k=shared_k, shared_v=shared_v,
                                        shared_window=self._shared_window(ctx) if shared is not None else None)
-            causal = causal_query_blocks(t) if ctx.slot_index is None else None
+            causal_block = causal_query_blocks(t) if ctx.slot_index is None else None
             if block is not None:
                 out = self._attend_in_blocks(attend, q, k, v, ctx, block)
-            elif causal is not None:
-                out = self._attend_causal_blocks(attend, q, k, v, ctx, causal)
+            elif causal_block is not None:
+                out = self._attend_causal_blocks(attend, q, k, v, ctx, causal_block)
             else:
                 out = attend(q, k, v, ctx.mask, ctx.positions, ctx.key_positions, ctx.shared_positions)
         return out.transpose(0, 3, 1, 2, 4).reshape(b, t, n, hd).astype(q.dtype)
@@ -712,18 +712,19 @@ def query_block(rows: int, queries: int, scores_per_query: int) -> Optional[int]
     return -(-queries // blocks)  # blocks of equal size: the last one is padded least
 
 
-CAUSAL_BLOCK = 128  # query positions per block of attention without a cache, on CPU (`causal_query_blocks`)
+CAUSAL_BLOCK = 128  # query positions per block of attention without a cache on CPU, at least (`causal_query_blocks`)
+MAX_CAUSAL_BLOCKS = 8  # blocks at most: the program grows with them; 8 do 56% of one block's work
 
 
 def causal_query_blocks(queries: int) -> Optional[int]:
     """Query positions per block of `Attention._attend_causal_blocks` for a pass without a cache
     (training, scoring), or None for one block: on accelerators (their fused kernels want it whole)
     and for one block's worth of queries. One layer's attention forward and backward on two Zen 5
-    cores (bench/attention_train.py): 4 x 256 tokens 16 -> 9 ms, 2,048 tokens 269 -> 144-178 ms;
-    blocks of 256 or 512 saved less at every length."""
+    cores (bench/attention_train.py): 4 x 256 tokens 16 -> 9 ms in blocks of 128, 2,048 tokens
+    269 -> 144-178 ms in blocks of 128 or 256; blocks of 512 saved less at every length."""
     if jax.default_backend() != "cpu" or queries <= CAUSAL_BLOCK:
         return None
-    return CAUSAL_BLOCK
+    return max(CAUSAL_BLOCK, -(-queries // MAX_CAUSAL_BLOCKS))
 
 
 _PER_ROW_AND_KV_HEAD = ("bkmh,bkhs->bkms", "bkms,bksh->bkmh")  # `_rows_product`'s: [B, K] groups
