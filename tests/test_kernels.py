@@ -82,10 +82,14 @@ def test_bf16_rows_times_a_bf16_weight_is_the_float32_product(rows, k, o, blocke
 # Inputs-last weights [O, K], 1-64 rows (groups of 4 and the 1-3 left: 5, 16, 63): K under one
 # vector step (5), odd with a masked last step (37, 301), whole steps (64); O under one block of 4
 # runs (1, 3), runs of uneven length (70: 18 + 18 + 18 + 16), more than one chunk of 256 weight rows
-# (300 = 256 + 44, 1000).
+# (300 = 256 + 44, 1000). On a CPU with AMX (`kernels.amx`), bf16 from 4 rows with K a multiple of
+# 32 runs as tile products: one group of 16 rows and less (4, 16), groups past it with the last
+# padded (37, 64); whole passes of 64 weight rows, blocks of 16 left, and the last under 16 by the
+# pair kernel (300 = 4 x 64 + 2 x 16 + 12, 130, 16).
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
 @pytest.mark.parametrize("rows,k,o", [(1, 64, 1), (2, 5, 3), (3, 37, 70), (4, 301, 300), (1, 1024, 1000),
-                                      (5, 37, 70), (16, 64, 300), (63, 301, 33)])
+                                      (5, 37, 70), (16, 64, 300), (63, 301, 33), (4, 96, 64), (37, 1024, 130),
+                                      (64, 32, 16)])
 def test_rows_dot_weight_is_the_float32_product(rows, k, o, dtype):
     if not kernels.dot_kernel(dtype):
         pytest.skip(f"no inputs-last {jnp.dtype(dtype).name} kernel on this CPU (AVX-512 / AVX-512-BF16)")
@@ -452,6 +456,34 @@ for shape in ATTENTION_CASES:
     assert np.abs(np.asarray(out) - softmax_attention(q, k, v, mask, shared)).max() < 1e-5, shape
 print("ok")
 """
+
+
+PAIRS_CHECK = """
+import numpy as np, jax, jax.numpy as jnp
+from mesh_transformer import kernels
+assert not kernels.amx() and kernels.dot_kernel(jnp.bfloat16)
+rng = np.random.RandomState(0)
+for rows, k, o in [(16, 64, 300), (37, 1024, 130)]:
+    x = jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((o, k)), jnp.bfloat16)
+    wx, wide = (np.asarray(a.astype(jnp.float32), np.float64) for a in (x, w))
+    y = np.asarray(jax.jit(kernels.rows_dot_weight)(x, w), np.float64)
+    assert (np.abs(y - wx @ wide.T) / (np.abs(wx) @ np.abs(wide.T))).max() < 1e-6, (rows, k, o)
+print("ok")
+"""
+
+
+def test_an_amx_cpu_runs_its_bf16_products_on_amx_and_the_pair_products_without():
+    """Where /proc/cpuinfo lists amx_bf16, the inputs-last bf16 products run as AMX tile products
+    (the exact bf16 products summed in float32: `test_rows_dot_weight_is_the_float32_product`), and
+    with $MESH_TRANSFORMER_KERNEL_ISA=avx512bf16 as AVX-512-BF16 pair products, giving the same."""
+    if not kernels.dot_kernel(jnp.bfloat16):
+        pytest.skip("no AVX-512-BF16 on this CPU: neither path runs")
+    flags = open("/proc/cpuinfo").read().split() if os.path.exists("/proc/cpuinfo") else []
+    assert kernels.amx() == ("amx_bf16" in flags and "amx_tile" in flags)
+    env = {**os.environ, "MESH_TRANSFORMER_KERNEL_ISA": "avx512bf16"}
+    done = subprocess.run([sys.executable, "-c", PAIRS_CHECK], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
 
 
 @pytest.mark.parametrize("isa", ["avx512", "avx2", "scalar"])

@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 
 FOLDER = Path(__file__).parent
 SOURCES = (FOLDER / "rows_times_weight.cc", FOLDER / "sampling.cc", FOLDER / "attention.cc")  # one library
-HEADERS = (FOLDER / "threads.h", FOLDER / "tiles.h")
+HEADERS = (FOLDER / "amx.h", FOLDER / "threads.h", FOLDER / "tiles.h")
 
 
 class Kernel(NamedTuple):
@@ -217,6 +217,7 @@ def _load() -> bool:
                         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
                     _state["pairs"] = bool(library.MeshTransformerBf16Pairs())
                     _state["dot"] = int(library.MeshTransformerDotKernels())
+                    _state["amx"] = bool(library.MeshTransformerAmx())
                     _state["ok"] = True
                 except (OSError, RuntimeError, AttributeError, subprocess.SubprocessError) as error:
                     log.warning("CPU kernels unavailable, using XLA's products: %s", error)
@@ -232,6 +233,13 @@ def bf16_pairs() -> bool:
     """Whether bf16 x bf16 products run as pair dot products here (AVX-512-BF16, no ISA forced by
     $MESH_TRANSFORMER_KERNEL_ISA), with the kernels available."""
     return available() and _state.get("pairs", False)
+
+
+def amx() -> bool:
+    """Whether inputs-last bf16 products of 4-64 rows (K a multiple of 32) run as AMX tile products
+    here (`rows_dot_weight`; amx.h): a CPU with AMX-BF16 whose OS grants this process the tile
+    state, no ISA forced by $MESH_TRANSFORMER_KERNEL_ISA (`avx512bf16`: the pair products instead)."""
+    return available() and _state.get("amx", False)
 
 
 def _call(target: str, like, shape, dtype, **options):
@@ -324,7 +332,8 @@ def dot_applies(x, w) -> bool:
 def rows_dot_weight(x, w):
     """x [..., K] times w [O, K] (inputs-last), both float32 or both bfloat16 -> float32 [..., O]:
     each output the dot product of a row of x and a row of w, summed in float32 (bf16: the exact
-    products of the bf16 values, as pairs); another summation order than XLA's (~1e-7 relative)."""
+    products of the bf16 values, as pairs, or as AMX tile products where `amx` says so); another
+    summation order than XLA's (~1e-7 relative)."""
     batch, k = x.shape[:-1], x.shape[-1]
     rows = x.reshape(-1, k)
     call = _call(DOT[jnp.dtype(w.dtype)].target, rows, (rows.shape[0], w.shape[0]), jnp.float32)

@@ -33,6 +33,7 @@
 #include <utility>
 #include <vector>
 
+#include "amx.h"
 #include "threads.h"
 #include "tiles.h"
 #include "xla/ffi/api/ffi.h"
@@ -468,13 +469,35 @@ MESH_TRANSFORMER_DOT_TARGET void DotRows(const typename Dot::T* x, const typenam
   }
 }
 
+// bf16 rows from which the inputs-last product runs as AMX tile products where the CPU has them
+// (amx.h; K a multiple of 32). Emerald Rapids, 16 chained [r, 1024] x [4096, 1024] products,
+// weights out of cache: see `AmxDot` in kernels/__init__.py.
+constexpr int64_t kAmxMinRows = 4;
+
+// Weight rows per chunk a thread takes: at most `most`, at least one chunk per thread (a [256, K]
+// key projection: two of 128), a multiple of `multiple`.
+inline int64_t ChunkRows(ffi::ThreadPool& pool, int64_t o_size, int64_t multiple, int64_t most) {
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t per_thread = (o_size + threads - 1) / threads;
+  return std::clamp((per_thread + multiple - 1) / multiple * multiple, multiple, most);
+}
+
 template <typename Dot>
 ffi::Future RowsDotWeight(ffi::ThreadPool& pool, const typename Dot::T* x, const typename Dot::T* w, float* y,
                           int64_t rows, int64_t k_size, int64_t o_size) {
-  // chunks of at most kDotChunkRows, at least one per thread (a [256, K] key projection: two of 128)
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  const int64_t per_thread = (o_size + threads - 1) / threads;
-  const int64_t chunk = std::clamp((per_thread + kDotBlock - 1) / kDotBlock * kDotBlock, kDotBlock, kDotChunkRows);
+  if constexpr (std::is_same_v<Dot, PairsDot>) {
+    if (rows >= kAmxMinRows && k_size % kAmxDepth == 0 && o_size >= 16 && DetectAmx()) {
+      // chunks of whole blocks of 16 weight rows; the last (under 16) rows by the pair kernel
+      auto pairs = std::make_shared<const std::vector<uint32_t>>(AmxPairRows(x, rows, k_size));
+      const int64_t tiled = o_size / 16 * 16, chunk = ChunkRows(pool, tiled, 16, kDotChunkRows);
+      const int64_t n_chunks = (tiled + chunk - 1) / chunk;
+      return InTurn(pool, n_chunks + (tiled < o_size), [=](int64_t c) {
+        if (c == n_chunks) return DotRows<Dot>(x, w, y, rows, k_size, o_size, tiled, o_size);
+        AmxRowsDotWeight(pairs->data(), w, y, rows, k_size, o_size, c * chunk, std::min(tiled, (c + 1) * chunk));
+      });
+    }
+  }
+  const int64_t chunk = ChunkRows(pool, o_size, kDotBlock, kDotChunkRows);
   const int64_t n_chunks = (o_size + chunk - 1) / chunk;
   return InTurn(pool, n_chunks, [=](int64_t c) {
     DotRows<Dot>(x, w, y, rows, k_size, o_size, c * chunk, std::min(o_size, (c + 1) * chunk));
@@ -919,12 +942,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshTransformerI8ExpertRowsTimesWeight, ExpertsTyp
 // with a narrower ISA forced.
 extern "C" int MeshTransformerDotKernels() {
   const bool wide = mesh_transformer::Detect() == mesh_transformer::Isa::kAvx512 && __builtin_cpu_supports("avx512bw");
-  const bool forced = mesh_transformer::ForcedIsa() != nullptr;
+  const bool forced = mesh_transformer::ForcedBelowBf16Pairs();
   return (wide && !forced ? 1 : 0) | (mesh_transformer::DetectBf16Pairs() ? 2 : 0);
 }
 
 // Whether `MeshTransformerBf16RowsTimesBf16Weight` runs pair products here (else float32 tiles).
 extern "C" int MeshTransformerBf16Pairs() { return mesh_transformer::DetectBf16Pairs() ? 1 : 0; }
+
+// Whether inputs-last bf16 products of kAmxMinRows rows or more run as AMX tile products here.
+extern "C" int MeshTransformerAmx() { return mesh_transformer::DetectBf16Pairs() && mesh_transformer::DetectAmx() ? 1 : 0; }
 
 // Arguments: x [G, M, K] float32, w [G, K, O] bfloat16 or float32; result: y [G, M, O] float32.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MeshTransformerBf16GroupedRowsTimesWeight, Bf16Grouped,

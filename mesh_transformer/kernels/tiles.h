@@ -42,9 +42,16 @@ __attribute__((target("avx2"))) inline __m256 Load8(const uint16_t* p) {
 
 enum class Isa { kScalar, kAvx2, kAvx512 };
 
-// The widest the CPU has, or narrower if $MESH_TRANSFORMER_KERNEL_ISA says so ("avx512": without
-// the bf16 pair products, "avx2", "scalar": how the tests run every path on one machine).
+// The widest the CPU has, or narrower if $MESH_TRANSFORMER_KERNEL_ISA says so ("avx512bf16":
+// without AMX, "avx512": without the bf16 pair products either, "avx2", "scalar": how the tests run
+// every path on one machine).
 inline const char* ForcedIsa() { return std::getenv("MESH_TRANSFORMER_KERNEL_ISA"); }
+
+// Whether an ISA narrower than AVX-512 with its bf16 pair products is forced.
+inline bool ForcedBelowBf16Pairs() {
+  const char* forced = ForcedIsa();
+  return forced != nullptr && std::strcmp(forced, "avx512bf16") != 0;
+}
 
 inline Isa Detect() {
   const char* forced = ForcedIsa();
@@ -58,7 +65,7 @@ inline Isa Detect() {
 // Whether bf16 x bf16 products can run as pair dot products (AVX-512-BF16's vdpbf16ps: two
 // multiply-adds per float32 lane and instruction), unless an ISA is forced.
 inline bool DetectBf16Pairs() {
-  return ForcedIsa() == nullptr && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+  return !ForcedBelowBf16Pairs() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
          __builtin_cpu_supports("avx512bf16");
 }
 
