@@ -122,7 +122,10 @@ BF16_ROWS = Kernel("mesh_transformer_bf16_rows_times_bf16_weight", "MeshTransfor
 # program (no YNNPACK), XLA's 330-944; bf16 13-79 against YNNPACK's 35-97. With the next block's
 # rows fetched during a block's second pass (8 rows or more; session 38, a slower day, the two
 # builds in alternating processes): bf16 8 / 16 rows 6.4 / 8.4 ms against 7.2 / 10.2, float32
-# 16 / 32 rows 16.2 / 25.6 against 18.9 / 28.2.
+# 16 / 32 rows 16.2 / 25.6 against 18.9 / 28.2. On an AMX Xeon (Emerald Rapids, 2 cores; session
+# 68) bf16 from 4 rows runs as AMX tile products (amx.h): 16 chained [r, 1024] x [4096, 1024], 4 / 8
+# / 16 / 32 / 64 rows in 9.9 / 11.8 / 12.1 / 15.9 / 25.8 ms against the pair products' 12.0 / 27.4 /
+# 29.2 / 65.7 / 110 (1-2 rows stay pair products: 11-13 ms either way, memory-bound).
 DOT = {jnp.dtype(jnp.float32): Kernel("mesh_transformer_f32_rows_dot_f32_weight", "MeshTransformerF32RowsDotF32Weight",
                                       streamed=(1, 64)),
        jnp.dtype(jnp.bfloat16): Kernel("mesh_transformer_bf16_rows_dot_bf16_weight",

@@ -470,8 +470,7 @@ MESH_TRANSFORMER_DOT_TARGET void DotRows(const typename Dot::T* x, const typenam
 }
 
 // bf16 rows from which the inputs-last product runs as AMX tile products where the CPU has them
-// (amx.h; K a multiple of 32). Emerald Rapids, 16 chained [r, 1024] x [4096, 1024] products,
-// weights out of cache: see `AmxDot` in kernels/__init__.py.
+// (amx.h; K a multiple of 32; the measurements: `DOT` in kernels/__init__.py).
 constexpr int64_t kAmxMinRows = 4;
 
 // Weight rows per chunk a thread takes: at most `most`, at least one chunk per thread (a [256, K]
