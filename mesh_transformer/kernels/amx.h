@@ -28,6 +28,8 @@
 #include <memory>
 #include <vector>
 
+#include "tiles.h"
+
 namespace mesh_transformer {
 
 constexpr int64_t kAmxRows = 16;    // rows of x per group (a C tile's columns)
@@ -39,7 +41,7 @@ constexpr int64_t kAmxBlocks = 4;   // blocks of 16 weight rows per pass (C tile
 // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA). Asked once per process; no ISA forced.
 inline bool DetectAmx() {
   static const bool usable = [] {
-    if (std::getenv("MESH_TRANSFORMER_KERNEL_ISA") != nullptr) return false;
+    if (ForcedIsa() != nullptr) return false;
     unsigned eax, ebx, ecx, edx;
     if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
     const bool tile = edx & (1u << 24), bf16 = edx & (1u << 22);
@@ -100,30 +102,30 @@ inline void AmxScatter(const float (&c)[16][16], float* y, int64_t o_size, int64
   }
 }
 
-// y[:, o_begin:o_end] for every row of x (`pairs`: AmxPairRows(x)), o_end - o_begin a multiple of
-// 16 and k_size of kAmxDepth. The tile configuration is loaded here and released when done: the
-// thread may run other code between tasks.
-__attribute__((target("amx-tile,amx-bf16"))) inline void AmxRowsDotWeight(const uint32_t* pairs, const uint16_t* w,
-                                                                         float* y, int64_t rows, int64_t k_size,
-                                                                         int64_t o_size, int64_t o_begin,
-                                                                         int64_t o_end) {
-  static const AmxConfig config = AmxTiles();
-  _tile_loadconfig(&config);
+// y[:, o0:o0 + 16 kBlocks] for every row of x (`pairs`: AmxPairRows(x)): C tiles 0 .. kBlocks-1,
+// every group of x's rows against the same weight rows while they are in cache. (The tile
+// instructions name their tiles by constants, hence a template of 4 or 1 blocks.)
+template <int kBlocks>
+__attribute__((target("amx-tile,amx-bf16"))) inline void AmxPass(const uint32_t* pairs, const uint16_t* w, float* y,
+                                                                int64_t rows, int64_t k_size, int64_t o_size,
+                                                                int64_t o0) {
+  static_assert(kBlocks == 1 || kBlocks == kAmxBlocks);
   const int64_t stride = k_size * 2, group_pairs = k_size / 2 * kAmxRows;
-  alignas(64) float c[kAmxBlocks][16][16];
-  int64_t o0 = o_begin;
-  for (; o0 + kAmxBlocks * 16 <= o_end; o0 += kAmxBlocks * 16) {
-    const uint16_t* w0 = w + o0 * k_size;
-    for (int64_t b0 = 0; b0 < rows; b0 += kAmxRows) {
-      const uint32_t* group = pairs + b0 / kAmxRows * group_pairs;
-      _tile_zero(0);
+  const uint16_t* w0 = w + o0 * k_size;
+  alignas(64) float c[kBlocks][16][16];
+  for (int64_t b0 = 0; b0 < rows; b0 += kAmxRows) {
+    const uint32_t* group = pairs + b0 / kAmxRows * group_pairs;
+    _tile_zero(0);
+    if constexpr (kBlocks > 1) {
       _tile_zero(1);
       _tile_zero(2);
       _tile_zero(3);
-      for (int64_t k = 0; k < k_size; k += kAmxDepth) {
-        _tile_loadd(6, group + k / 2 * kAmxRows, 64);
-        _tile_loadd(4, w0 + k, stride);
-        _tile_dpbf16ps(0, 4, 6);
+    }
+    for (int64_t k = 0; k < k_size; k += kAmxDepth) {
+      _tile_loadd(6, group + k / 2 * kAmxRows, 64);
+      _tile_loadd(4, w0 + k, stride);
+      _tile_dpbf16ps(0, 4, 6);
+      if constexpr (kBlocks > 1) {
         _tile_loadd(5, w0 + 16 * k_size + k, stride);
         _tile_dpbf16ps(1, 5, 6);
         _tile_loadd(4, w0 + 32 * k_size + k, stride);
@@ -131,26 +133,29 @@ __attribute__((target("amx-tile,amx-bf16"))) inline void AmxRowsDotWeight(const 
         _tile_loadd(5, w0 + 48 * k_size + k, stride);
         _tile_dpbf16ps(3, 5, 6);
       }
-      _tile_stored(0, c[0], 64);
+    }
+    _tile_stored(0, c[0], 64);
+    if constexpr (kBlocks > 1) {
       _tile_stored(1, c[1], 64);
       _tile_stored(2, c[2], 64);
       _tile_stored(3, c[3], 64);
-      for (int64_t i = 0; i < kAmxBlocks; ++i) AmxScatter(c[i], y, o_size, o0 + 16 * i, b0, std::min(kAmxRows, rows - b0));
     }
+    for (int64_t i = 0; i < kBlocks; ++i) AmxScatter(c[i], y, o_size, o0 + 16 * i, b0, std::min(kAmxRows, rows - b0));
   }
-  for (; o0 + 16 <= o_end; o0 += 16) {  // blocks of 16 left
-    for (int64_t b0 = 0; b0 < rows; b0 += kAmxRows) {
-      const uint32_t* group = pairs + b0 / kAmxRows * group_pairs;
-      _tile_zero(0);
-      for (int64_t k = 0; k < k_size; k += kAmxDepth) {
-        _tile_loadd(6, group + k / 2 * kAmxRows, 64);
-        _tile_loadd(4, w + o0 * k_size + k, stride);
-        _tile_dpbf16ps(0, 4, 6);
-      }
-      _tile_stored(0, c[0], 64);
-      AmxScatter(c[0], y, o_size, o0, b0, std::min(kAmxRows, rows - b0));
-    }
-  }
+}
+
+// y[:, o_begin:o_end] for every row of x (`pairs`: AmxPairRows(x)), o_end - o_begin a multiple of
+// 16 and k_size of kAmxDepth: passes of kAmxBlocks blocks, then single blocks. The tile
+// configuration is loaded here and released when done: the thread may run other code between tasks.
+__attribute__((target("amx-tile,amx-bf16"))) inline void AmxRowsDotWeight(const uint32_t* pairs, const uint16_t* w,
+                                                                         float* y, int64_t rows, int64_t k_size,
+                                                                         int64_t o_size, int64_t o_begin,
+                                                                         int64_t o_end) {
+  static const AmxConfig config = AmxTiles();
+  _tile_loadconfig(&config);
+  int64_t o0 = o_begin;
+  for (; o0 + kAmxBlocks * 16 <= o_end; o0 += kAmxBlocks * 16) AmxPass<kAmxBlocks>(pairs, w, y, rows, k_size, o_size, o0);
+  for (; o0 + 16 <= o_end; o0 += 16) AmxPass<1>(pairs, w, y, rows, k_size, o_size, o0);
   _tile_release();
 }
 
