@@ -139,8 +139,12 @@ def test_expert_rows_times_weight_is_ragged_dot(sizes, k, o, dtype):
     group_sizes = jnp.asarray(sizes, jnp.int32)
     y = jax.jit(kernels.expert_rows_times_weight)(x, w, group_sizes)
     assert y.shape == exact.shape and (np.abs(np.asarray(y, np.float64) - exact) / scale).max() < 1e-6
-    ragged = jax.lax.ragged_dot(jnp.asarray(x), w.astype(jnp.float32), group_sizes)
-    np.testing.assert_allclose(np.asarray(y), np.asarray(ragged), rtol=1e-5, atol=1e-4)
+    ragged = np.asarray(jax.lax.ragged_dot(jnp.asarray(x), w.astype(jnp.float32), group_sizes), np.float64)
+    # both are float32 sums in their own order: each within float32 rounding of the exact product,
+    # so they agree to twice that, relative to |x| |w| (an absolute bound fails where int8-sized
+    # weights cancel: 9.1027 against 9.1030 on an AVX2 CPU, rows of terms near 1,000)
+    assert (np.abs(ragged - exact) / scale).max() < 1e-6
+    assert (np.abs(np.asarray(y, np.float64) - ragged) / scale).max() < 2e-6
     hlo = jax.jit(layers.grouped_product).lower(x, w, group_sizes).as_text()
     assert kernels.EXPERTS[jnp.dtype(dtype)][0] in hlo  # the undifferentiated product takes it
 
