@@ -70,18 +70,10 @@ def peak_matmul_flops(n=2048, repeats=10) -> dict:
     return {"jax": jax_rate, "torch": torch_rate, "peak": max(jax_rate, torch_rate)}
 
 
-def timed_steps(step, steps: int, warmup: int = 2, quiet: int = 3, settle: int = 24):
-    """Run `warmup` steps now, and more (up to `settle` in all) until `quiet` steps in a row touch no
-    fresh memory (the heap grows to its peak over the first steps, by fragmentation, now and then
-    after several quiet ones: mesh_transformer/host_memory.py); return a callable that times `steps`
-    more and returns seconds per step."""
-    in_a_row = 0
-    for done in range(settle):
-        faults = machine.minor_faults()
-        step()
-        in_a_row = in_a_row + 1 if (machine.minor_faults() - faults) * machine.PAGE < 16 << 20 else 0
-        if done + 1 >= warmup and in_a_row >= quiet:
-            break
+def timed_steps(step, steps: int):
+    """Settle the heap (`machine.settle`), then return a callable that times `steps` more and returns
+    seconds per step."""
+    machine.settle(step)
 
     def measure() -> float:
         t0 = time.perf_counter()
