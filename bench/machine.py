@@ -232,19 +232,18 @@ def _serve_side(conn, env: dict, build: Callable, args: tuple) -> None:
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
-def settle(step: Callable[[], object], warmup: int = 2, quiet: int = 3, most: int = 24) -> int:
+def settle(step: Callable[[], object], warmup: int = 2, quiet: int = 3, most: int = 24) -> None:
     """Run `warmup` steps, and more (up to `most` in all) until `quiet` steps in a row touch no fresh
     memory (under 16 MB of page faults): a process's heap grows to its peak over its first steps, by
     fragmentation, now and then after several quiet ones (mesh_transformer/host_memory.py), and a
-    step that grows it by GBs takes 3x as long. -> the steps run."""
+    step that grows it by GBs takes 3x as long."""
     in_a_row = 0
     for done in range(1, most + 1):
         faults = minor_faults()
         step()
         in_a_row = in_a_row + 1 if (minor_faults() - faults) * PAGE < 16 << 20 else 0
         if done >= warmup and in_a_row >= quiet:
-            return done
-    return most
+            return
 
 
 def minor_faults() -> int:

@@ -6,6 +6,7 @@
 Each side multiplies `--rows` rows by `--chain` different [K, O] weights in one program (their
 bytes together far past the caches, as a decode step's layers are), `--rounds` interleaved rounds,
 median and min-max of the time per program. The sides, where they run here:
+The two kernel sides are `models.layers.product`, as a model's layers call it:
 - `dot (inputs-last)`: `kernels.rows_dot_weight` over weights stored [O, K], the layout
   `Generator` decodes with wherever this kernel runs for the dtype (float32 with AVX-512; bf16
   with AVX-512-BF16 or AMX);
@@ -47,6 +48,7 @@ def sides(dtype, rows: int, args) -> dict:
     import jax.numpy as jnp
 
     from mesh_transformer import kernels
+    from mesh_transformer.models.layers import product as model_product
 
     rng = np.random.RandomState(0)
     last = [jnp.asarray(rng.standard_normal((args.o, args.k)) * 0.02, dtype) for _ in range(args.chain)]
@@ -56,11 +58,11 @@ def sides(dtype, rows: int, args) -> dict:
     def xla(x, w):
         return jnp.einsum("rk,ko->ro", x, w, preferred_element_type=jnp.float32)
 
-    def ours_first(x, w):
-        return kernels.rows_times_weight(x, w) if kernels.applies(x, w) else xla(x, w)
+    def model(equation):  # the product a model's layer makes (its kernel where one applies, else XLA's)
+        return lambda x, w: model_product(equation, x, w)
 
-    programs = {"dot (inputs-last)": (kernels.rows_dot_weight, last)} if kernels.dot_applies(x, last[0]) else {}
-    programs.update({"kernels (inputs-first)": (ours_first, first), "XLA (inputs-first)": (xla, first)})
+    programs = {"dot (inputs-last)": (model("...k,ok->...o"), last)} if kernels.dot_applies(x, last[0]) else {}
+    programs.update({"kernels (inputs-first)": (model("...k,ko->...o"), first), "XLA (inputs-first)": (xla, first)})
     out = {}
     for name, (product, weights) in programs.items():
         program = jax.jit(lambda x, ws, product=product: [product(x, w) for w in ws])
