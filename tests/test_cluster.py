@@ -147,7 +147,11 @@ def test_resume_then_killed_worker_ends_as_if_uninterrupted(two_hosts, data, tmp
     first = cluster.ClusterRun(config, options(tmp_path, new=True, stop_after=3)).train()
     assert (first.step, first.checkpoint) == (3, 3)
 
+    niceness = []
+
     def kill_worker_1(run, step, values):
+        if step == 4 and run.restarts == 0:
+            niceness.append([os.getpriority(os.PRIO_PROCESS, pid) for pid in run.worker_pids])
         if step == 6 and run.restarts == 0:
             os.kill(run.worker_pids[1], signal.SIGKILL)
 
@@ -155,6 +159,8 @@ def test_resume_then_killed_worker_ends_as_if_uninterrupted(two_hosts, data, tmp
     assert (summary.step, summary.checkpoint, summary.restarts) == (STEPS, STEPS, 1)
     assert summary.resumed_from[0] == 3 and summary.resumed_from[1] in (4, 6)  # 6 if its save finished in time
     assert "worker 1" in summary.failures[0] and "died" in summary.failures[0]
+    # The hosts' workers run at this process's priority, not Ray's niceness 15 for workers.
+    assert niceness == [[os.getpriority(os.PRIO_PROCESS, 0)] * 2]
     losses = logged(tmp_path)
     np.testing.assert_array_equal([losses[k] for k in range(1, STEPS + 1)],
                                   [two_hosts["loss"][k] for k in range(1, STEPS + 1)])
