@@ -5,8 +5,8 @@
 
 Each side multiplies `--rows` rows by `--chain` different [K, O] weights in one program (their
 bytes together far past the caches, as a decode step's layers are), `--rounds` interleaved rounds,
-median and min-max of the time per program. The sides, where they run here:
-The two kernel sides are `models.layers.product`, as a model's layers call it:
+median and min-max of the time per program. The sides, where they run here (the two kernel sides
+are `models.layers.product`, as a model's layers call it):
 - `dot (inputs-last)`: `kernels.rows_dot_weight` over weights stored [O, K], the layout
   `Generator` decodes with wherever this kernel runs for the dtype (float32 with AVX-512; bf16
   with AVX-512-BF16 or AMX);
