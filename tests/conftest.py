@@ -2,17 +2,41 @@
 
 The suite is mostly compile time, so XLA:CPU compiles at LLVM level 1 (level 2's extra passes cost
 about a third more; results agree to a few float32 ulps; level 0 skips fused multiply-adds and fails
-parity tests), and compiled programs go to one persistent JAX cache for the run (or $JAX_COMPILATION_CACHE_DIR's,
-kept between runs), which the scripts the tests start inherit: a program compiled once (a tool run
-again after a kill, a fixture recompiled after JAX's caches were cleared) is loaded, not compiled."""
+parity tests) with its classic loop-fusion emitters (`--xla_cpu_use_fusion_emitters=false`: the MLIR
+fusion emitters, XLA:CPU's default, took 40-45% of the backend compile time of tests/test_generate.py
+and of a training step's loss and gradients on this project's 2-core machines; left out where a
+newer jaxlib no longer has them), and compiled programs go to one persistent JAX cache for the run
+(or $JAX_COMPILATION_CACHE_DIR's, kept between runs), which the scripts the tests start inherit: a
+program compiled once (a tool run again after a kill, a fixture recompiled after JAX's caches were
+cleared) is loaded, not compiled."""
 import atexit
 import os
 import shutil
 import socket
+import subprocess
+import sys
 import tempfile
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                           + " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=1").strip()
+CLASSIC_FUSION_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
+
+
+def _xla_flag_parses(flag: str) -> bool:
+    """Whether this jaxlib's XLA knows `flag`: an unknown flag in XLA_FLAGS aborts the process, and
+    XLA drops flags of retired code paths (the classic fusion emitters are on their way out)."""
+    probe = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], capture_output=True,
+                           env={**os.environ, "XLA_FLAGS": flag, "JAX_PLATFORMS": "cpu"})
+    return probe.returncode == 0
+
+
+def _with_test_xla_flags(flags: str) -> str:
+    """`flags` plus the suite's own (once: pytest-xdist's workers inherit the controller's)."""
+    ours = ["--xla_force_host_platform_device_count=8", "--xla_backend_optimization_level=1"]
+    if "--xla_cpu_use_fusion_emitters" not in flags and _xla_flag_parses(CLASSIC_FUSION_EMITTERS):
+        ours.append(CLASSIC_FUSION_EMITTERS)
+    return " ".join([flags, *(flag for flag in ours if flag.split("=")[0] not in flags)]).strip()
+
+
+os.environ["XLA_FLAGS"] = _with_test_xla_flags(os.environ.get("XLA_FLAGS", ""))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="mesh-transformer-tests-xla-")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 
 import jax
 import numpy as np
@@ -27,6 +28,18 @@ def mesh(dp: int, mp: int):
 
 def random_tokens(shape, vocab, seed=0):
     return np.random.RandomState(seed).randint(0, vocab, shape).astype(np.int32)
+
+
+def layer_loop_bodies(hlo: str, layers: int) -> list[str]:
+    """Text of each while-loop body in a compiled HLO module that runs `layers` times: the scanned
+    layer stacks. XLA:CPU writes loops of its own too (a scatter expanded into one per index)."""
+    bodies = []
+    for line in hlo.splitlines():
+        loop = re.search(r"\bwhile\(.*?body=(%[\w.\-]+).*\"known_trip_count\":\{\"n\":\"(\d+)\"", line)
+        if loop and int(loop.group(2)) == layers:
+            start = hlo.index(f"\n{loop.group(1)} ")
+            bodies.append(hlo[start:hlo.find("\n}\n", start)])
+    return bodies
 
 
 def make_hf_gptj(path, seed=0, **kwargs):

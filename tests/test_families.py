@@ -25,7 +25,8 @@ from mesh_transformer.evaluate.scoring import Scorer
 from mesh_transformer.io import hf
 from mesh_transformer.train.step import Trainer
 from tests.helpers import (FAMILY_CASES, ONE_CASE_PER_FAMILY, PARITY_TOL, config_for, hf_classifier, hf_greedy,
-                           hf_logits, make_hf_model, max_abs_diff, mesh, parity_error, random_tokens, rounded_like_int8)
+                           hf_logits, layer_loop_bodies, make_hf_model, max_abs_diff, mesh, parity_error, random_tokens,
+                           rounded_like_int8)
 
 TOL = PARITY_TOL
 FAMILY_OF = {"gptj": "gptj", "gpt_neox": "gpt_neox", "gpt_neox_sequential": "gpt_neox", "qwen2": "llama",
@@ -297,8 +298,7 @@ def test_attention_implementation_is_checked():
 def _all_reduces_per_layer(trainer) -> tuple[int, int]:
     tokens = jax.ShapeDtypeStruct((2, 16), np.int32, sharding=NamedSharding(trainer.mesh, P("dp", None)))
     hlo = trainer.logits.lower(trainer.abstract_state.params, tokens).compile().as_text()
-    name = re.search(r"\bwhile\(.*?body=(%[\w.\-]+)", hlo).group(1)  # the scanned layer stack
-    body = hlo[hlo.index(f"\n{name} "):hlo.find("\n}\n", hlo.index(f"\n{name} "))]
+    [body] = layer_loop_bodies(hlo, trainer.config.model.layers)
     types = [m.group(1) for m in re.finditer(r"= (\S+|\(.*?\)) all-reduce(?:-start)?\(", body)]
     statistics = [t for t in types if all(shape.endswith(",1,1") for shape in re.findall(r"\[([\d,]*)\]", t))]
     return len(types) - len(statistics), len(statistics)  # (activation-sized, per-position statistics)

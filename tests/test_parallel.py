@@ -7,7 +7,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from mesh_transformer.train.step import Trainer
-from tests.helpers import max_abs_diff, mesh, random_tokens, tiny_config
+from tests.helpers import TINY, layer_loop_bodies, max_abs_diff, mesh, random_tokens, tiny_config
 
 LAYOUTS = [(8, 1), (1, 8), (2, 4), (4, 2)]
 ACCUM, BATCH = 2, 8
@@ -55,17 +55,6 @@ def test_train_step_matches_single_device(reference):
     assert ma == pytest.approx(mb, rel=1e-5)
 
 
-def _while_bodies(hlo: str) -> list[str]:
-    """Text of each computation used as a while-loop body in an HLO module."""
-    names = re.findall(r"\bwhile\(.*?body=(%[\w.\-]+)", hlo)
-    bodies = []
-    for name in names:
-        start = hlo.index(f"\n{name} ")
-        end = hlo.find("\n}\n", start)
-        bodies.append(hlo[start:end])
-    return bodies
-
-
 def _all_reduces(text: str) -> list[str]:
     return [line for line in text.splitlines() if re.search(r"= \S+ all-reduce(-start)?\(", line)]
 
@@ -76,7 +65,7 @@ def test_one_all_reduce_of_the_residual_per_layer(dp, mp):
     trainer = Trainer(tiny_config(cores_per_replica=mp, remat="none"), mesh(dp, mp))
     tokens = jax.ShapeDtypeStruct((2 * dp, 16), np.int32, sharding=NamedSharding(trainer.mesh, P("dp", None)))
     hlo = trainer.logits.lower(trainer.abstract_state.params, tokens).compile().as_text()
-    [layer_body] = _while_bodies(hlo)  # the scanned layer stack
+    [layer_body] = layer_loop_bodies(hlo, TINY["layers"])
     [residual_reduce] = _all_reduces(layer_body)
     assert "f32[2,16,64]" in residual_reduce  # [B_local, T, D]: the residual stream
     groups = re.search(r"replica_groups=\{(\{[\d,]+\})", residual_reduce).group(1)
@@ -91,7 +80,7 @@ def test_a_one_device_forward_writes_no_all_reduce():
     trainer = Trainer(tiny_config(cores_per_replica=1, remat="none"), mesh(1, 1))
     tokens = jax.ShapeDtypeStruct((2, 16), np.int32, sharding=NamedSharding(trainer.mesh, P("dp", None)))
     hlo = trainer.logits.lower(trainer.abstract_state.params, tokens).compile().as_text()
-    assert _while_bodies(hlo) and _all_reduces(hlo) == []
+    assert layer_loop_bodies(hlo, TINY["layers"]) and _all_reduces(hlo) == []
 
 
 def _compiled_bytes(trainer):
