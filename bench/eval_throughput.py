@@ -10,7 +10,8 @@ The task is LAMBADA-shaped (score each text's last word after the rest: one logl
 per document), over sentences of data/corpus/stories.txt written as a local task, so nothing is
 downloaded. Both sides run through `lm_eval.simple_evaluate` with the same batch size; each is run
 once to warm up (our compiles, torch's allocator), then `--rounds` times, alternating, and every
-round's requests/s is reported with the median and the range. Both sides' per-request
+round's requests/s is reported with the median and the range (`--json`: one JSON object with the
+machine, the software and every round). Both sides' per-request
 log-likelihoods are compared (max |difference|), so the two measure the same work.
 Ours runs with the model split over `--devices` simulated CPU devices as mp (the README's
 training numbers: one device per core is how XLA uses a multi-core CPU). `--peer vllm` adds vLLM's
@@ -27,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -108,7 +108,6 @@ def timed(lm, manager, docs: int) -> tuple[float, list]:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--docs", type=int, default=256)
-    p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--batch-size", type=int, default=16, help="the same for both sides")
     p.add_argument("--family", choices=["gptj", "llama"], default="gptj",
                    help="GPT-J, or LLaMA-shaped (vLLM serves LoRA adapters of LLaMA, not of GPT-J)")
@@ -122,8 +121,11 @@ def main(argv=None):
     p.add_argument("--served", action="store_true", help="also our device_serve.py through local-completions")
     p.add_argument("--lora", action="store_true", help="evaluate a random LoRA adapter on the model")
     p.add_argument("--lora-rank", type=int, default=16)
+    machine.add_args(p, rounds=3)
     args = p.parse_args(argv)
-    print(machine.header(machine.describe(("lm_eval",))), flush=True)
+    description = machine.describe(("lm_eval",))
+    if not args.json:
+        print(machine.header(description), flush=True)
 
     from mesh_transformer import cli
     cli.simulate_cpu_devices(args.devices)
@@ -172,30 +174,43 @@ def main(argv=None):
         reference = answers["lm-eval hf (torch)"]
         diffs = {name: max(abs(a - b) for a, b in zip(got, reference)) for name, got in answers.items()
                  if name != "lm-eval hf (torch)"}
-        diff = diffs["mesh-transformer"]
-        lora = (f"; a LoRA adapter r{args.lora_rank} (ours merged, HFLM peft=, servers unmerged)"
-                if args.lora else "")
-        family = "GPT-J" if args.family == "gptj" else "LLaMA-shaped"
-        print(f"model: {family} {args.layers} layers, d_model {args.d_model}, vocabulary 50,257, fp32{lora}; "
-              f"{args.docs} loglikelihood requests, batch {args.batch_size}; ours on {args.devices} CPU devices "
-              f"(mp), torch {torch.__version__} with {torch.get_num_threads()} threads; load average "
-              f"{os.getloadavg()[0]:.1f} at the end")
-        print(f"max |log-likelihood difference| from lm-eval hf: ours {diff:.2e}" +
-              "".join(f", {n} {d:.2e}" for n, d in diffs.items() if n != "mesh-transformer"))
-        print("| | requests/s (median) | min - max | rounds |")
-        print("|---|---|---|---|")
-        for name, values in rates.items():
-            print(f"| {name} | {statistics.median(values):.1f} | {min(values):.1f} - {max(values):.1f} | "
-                  f"{', '.join(f'{v:.1f}' for v in values)} |")
-        ratio = statistics.median(rates["mesh-transformer"]) / statistics.median(rates["lm-eval hf (torch)"])
-        print(f"ours / HFLM: {ratio:.2f}x")
-        vllm = statistics.median(rates.get("vLLM CPU (local-completions)", [0.0]))
-        if vllm:
-            print(f"ours / vLLM: {statistics.median(rates['mesh-transformer']) / vllm:.2f}x")
-            served = rates.get("mesh-transformer server (local-completions)")
-            if served:
-                print(f"our server / vLLM: {statistics.median(served) / vllm:.2f}x")
+    results = {"model": {"family": args.family, "layers": args.layers, "d_model": args.d_model, "heads": args.heads,
+                         "vocab": 50257, "dtype": "float32", "lora_rank": args.lora_rank if args.lora else None},
+               "requests": args.docs, "batch_size": args.batch_size, "our_devices": args.devices,
+               "torch_threads": torch.get_num_threads(), "max_abs_loglikelihood_diff_from_hflm": diffs,
+               "requests_per_s": {name: machine.summary(values) for name, values in rates.items()}}
+    medians = {name: r["median"] for name, r in results["requests_per_s"].items()}
+    results["ratios"] = {"ours / HFLM": medians["mesh-transformer"] / medians["lm-eval hf (torch)"]}
+    vllm = medians.get("vLLM CPU (local-completions)")
+    if vllm:
+        results["ratios"]["ours / vLLM"] = medians["mesh-transformer"] / vllm
+        if "mesh-transformer server (local-completions)" in medians:
+            results["ratios"]["our server / vLLM"] = medians["mesh-transformer server (local-completions)"] / vllm
+    if args.json:
+        machine.report(description, results, True)
+    else:
+        print_table(args, results, torch.__version__)
 
+
+def print_table(args, results: dict, torch_version: str) -> None:
+    """The text report: the run's shape, how close the sides' answers are, requests/s and the ratios."""
+    diffs = results["max_abs_loglikelihood_diff_from_hflm"]
+    lora = (f"; a LoRA adapter r{args.lora_rank} (ours merged, HFLM peft=, servers unmerged)"
+            if args.lora else "")
+    family = "GPT-J" if args.family == "gptj" else "LLaMA-shaped"
+    print(f"model: {family} {args.layers} layers, d_model {args.d_model}, vocabulary 50,257, fp32{lora}; "
+          f"{args.docs} loglikelihood requests, batch {args.batch_size}; ours on {args.devices} CPU devices "
+          f"(mp), torch {torch_version} with {results['torch_threads']} threads; load average "
+          f"{os.getloadavg()[0]:.1f} at the end")
+    print(f"max |log-likelihood difference| from lm-eval hf: ours {diffs['mesh-transformer']:.2e}" +
+          "".join(f", {n} {d:.2e}" for n, d in diffs.items() if n != "mesh-transformer"))
+    print("| | requests/s (median) | min - max | rounds |")
+    print("|---|---|---|---|")
+    for name, r in results["requests_per_s"].items():
+        print(f"| {name} | {r['median']:.1f} | {r['min']:.1f} - {r['max']:.1f} | "
+              f"{', '.join(f'{v:.1f}' for v in r['runs'])} |")
+    for name, ratio in results["ratios"].items():
+        print(f"{name}: {ratio:.2f}x")
 
 def served_side(peer: str, model_dir: str, args, tmp: str, servers: list, adapters: tuple = ()):
     """`peer`'s server ('ours', 'vllm') on `model_dir` (fp32), serving `adapters` when given, and

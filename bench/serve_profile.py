@@ -1,6 +1,6 @@
 """Where a lone request's time goes, from the library's decode loop up to HTTP.
 
-    python bench/serve_profile.py [--new 64] [--prompt-tokens 32] [--repeats 5]
+    python bench/serve_profile.py [--new 64] [--prompt-tokens 32] [--repeats 5] [--json]
 
 One random GPT-J as in issue 13 (4 layers, d_model 512, vocabulary 50,400, fp32, one CPU device),
 one greedy request of `--new` tokens, each layer measured on its own (median of `--repeats`):
@@ -50,8 +50,11 @@ def main(argv=None):
     parser.add_argument("--chunk", type=int, default=8)
     parser.add_argument("--slots", type=int, default=None, help="cache slots per row (default: the context, 2048)")
     parser.add_argument("--shared-prefix", type=int, default=1000)
+    machine.add_args(parser)
     args = parser.parse_args(argv)
-    print(machine.header(machine.describe()), flush=True)
+    description = machine.describe()
+    if not args.json:
+        print(machine.header(description), flush=True)
 
     import httpx
     import uvicorn
@@ -104,6 +107,7 @@ def main(argv=None):
     engine = Engine(gen, model.tokenizer, max_batch=args.max_batch, slots=args.slots, chunk=args.chunk)
     engine.batch = batch  # compiled and warm
     engine.start()
+    engine.generate(prompt, options)  # warm-up, as every other layer gets
     rows["engine (thread + queue)"] = median_time(lambda: engine.generate(prompt, options), args.repeats)
 
     sock = socket.socket()
@@ -139,19 +143,10 @@ def main(argv=None):
     server.should_exit = True
     engine.stop()
 
-    print(f"one greedy request: prompt {args.prompt_tokens} tokens, {args.new} new; random GPT-J 4x512, "
-          f"vocab 50,400, fp32, {os.cpu_count()} CPU cores; median of {args.repeats}")
-    for name, t in rows.items():
-        print(f"  {name:45s} {t * 1e3:8.1f} ms  {args.new / t:7.1f} tok/s")
-    med = {k: statistics.median(v) for k, v in split.items()}
-    print(f"  batch split: admission (prefill + first token) {med['admit'] * 1e3:.1f} ms, "
-          f"{-(-(args.new - 1) // args.chunk)} decode calls {med['decode'] * 1e3:.1f} ms, "
-          f"host bookkeeping {med['host'] * 1e3:.1f} ms")
-    print(f"  streamed: first event after {statistics.median(first) * 1e3:.1f} ms")
-
     slots = args.slots or model.config.seq
     shared = list(range(2000, 2000 + args.shared_prefix))
     fresh = iter(range(10_000, 50_000, args.prompt_tokens))
+    first_token_s = {}
     for label, prefix in [("off", None), ("on", PrefixCache(gen, default_tokens(model.config, slots)))]:
         cached = Batch(gen, args.max_batch, slots, args.chunk, prefix)
 
@@ -163,10 +158,33 @@ def main(argv=None):
             assert seq.finished
         for _ in range(2):  # compile; the first also stores the shared prefix
             first_token()
-        print(f"  time to first token, {args.shared_prefix}-token shared prefix + {args.prompt_tokens} own, "
-              f"prefix cache {label}: {median_time(first_token, args.repeats) * 1e3:.1f} ms")
+        first_token_s[label] = median_time(first_token, args.repeats)
     tmp.cleanup()
 
+    results = {"request": {"prompt_tokens": args.prompt_tokens, "new_tokens": args.new, "repeats": args.repeats,
+                           "max_batch": args.max_batch, "chunk": args.chunk, "shared_prefix": args.shared_prefix},
+               "layers_s": rows, "batch_split_s": {k: statistics.median(v) for k, v in split.items()},
+               "streamed_first_event_s": statistics.median(first), "first_token_s_prefix_cache": first_token_s}
+    if args.json:
+        machine.report(description, results, True)
+    else:
+        print_profile(args, results)
+
+
+def print_profile(args, results: dict) -> None:
+    """The text report: each layer's time for one request, the batch layer's split, first tokens."""
+    print(f"one greedy request: prompt {args.prompt_tokens} tokens, {args.new} new; random GPT-J 4x512, "
+          f"vocab 50,400, fp32, {os.cpu_count()} CPU cores; median of {args.repeats}")
+    for name, t in results["layers_s"].items():
+        print(f"  {name:45s} {t * 1e3:8.1f} ms  {args.new / t:7.1f} tok/s")
+    med = results["batch_split_s"]
+    print(f"  batch split: admission (prefill + first token) {med['admit'] * 1e3:.1f} ms, "
+          f"{-(-(args.new - 1) // args.chunk)} decode calls {med['decode'] * 1e3:.1f} ms, "
+          f"host bookkeeping {med['host'] * 1e3:.1f} ms")
+    print(f"  streamed: first event after {results['streamed_first_event_s'] * 1e3:.1f} ms")
+    for label, t in results["first_token_s_prefix_cache"].items():
+        print(f"  time to first token, {args.shared_prefix}-token shared prefix + {args.prompt_tokens} own, "
+              f"prefix cache {label}: {t * 1e3:.1f} ms")
 
 if __name__ == "__main__":
     main()
