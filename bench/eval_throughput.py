@@ -189,19 +189,19 @@ def main(argv=None):
     if args.json:
         machine.report(description, results, True)
     else:
-        print_table(args, results, torch.__version__)
+        print_table(results, torch.__version__)
 
 
-def print_table(args, results: dict, torch_version: str) -> None:
+def print_table(results: dict, torch_version: str) -> None:
     """The text report: the run's shape, how close the sides' answers are, requests/s and the ratios."""
-    diffs = results["max_abs_loglikelihood_diff_from_hflm"]
-    lora = (f"; a LoRA adapter r{args.lora_rank} (ours merged, HFLM peft=, servers unmerged)"
-            if args.lora else "")
-    family = "GPT-J" if args.family == "gptj" else "LLaMA-shaped"
-    print(f"model: {family} {args.layers} layers, d_model {args.d_model}, vocabulary 50,257, fp32{lora}; "
-          f"{args.docs} loglikelihood requests, batch {args.batch_size}; ours on {args.devices} CPU devices "
-          f"(mp), torch {torch_version} with {results['torch_threads']} threads; load average "
-          f"{os.getloadavg()[0]:.1f} at the end")
+    diffs, model = results["max_abs_loglikelihood_diff_from_hflm"], results["model"]
+    lora = (f"; a LoRA adapter r{model['lora_rank']} (ours merged, HFLM peft=, servers unmerged)"
+            if model["lora_rank"] else "")
+    family = "GPT-J" if model["family"] == "gptj" else "LLaMA-shaped"
+    print(f"model: {family} {model['layers']} layers, d_model {model['d_model']}, vocabulary {model['vocab']:,}, "
+          f"fp32{lora}; {results['requests']} loglikelihood requests, batch {results['batch_size']}; ours on "
+          f"{results['our_devices']} CPU devices (mp), torch {torch_version} with {results['torch_threads']} "
+          f"threads; load average {os.getloadavg()[0]:.1f} at the end")
     print(f"max |log-likelihood difference| from lm-eval hf: ours {diffs['mesh-transformer']:.2e}" +
           "".join(f", {n} {d:.2e}" for n, d in diffs.items() if n != "mesh-transformer"))
     print("| | requests/s (median) | min - max | rounds |")
@@ -211,6 +211,7 @@ def print_table(args, results: dict, torch_version: str) -> None:
               f"{', '.join(f'{v:.1f}' for v in r['runs'])} |")
     for name, ratio in results["ratios"].items():
         print(f"{name}: {ratio:.2f}x")
+
 
 def served_side(peer: str, model_dir: str, args, tmp: str, servers: list, adapters: tuple = ()):
     """`peer`'s server ('ours', 'vllm') on `model_dir` (fp32), serving `adapters` when given, and

@@ -186,5 +186,6 @@ def print_profile(args, results: dict) -> None:
         print(f"  time to first token, {args.shared_prefix}-token shared prefix + {args.prompt_tokens} own, "
               f"prefix cache {label}: {t * 1e3:.1f} ms")
 
+
 if __name__ == "__main__":
     main()
