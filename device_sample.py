@@ -82,6 +82,23 @@ def check_grammar(flag, grammar, tokenizer, vocab: int) -> None:
             raise UserError(f"{flag}: {e}") from None
 
 
+# SamplingOptions' fields that are flags of their own (--max-new-tokens, ...): a bad value names the flag
+FLAG_FIELDS = ("max_new_tokens", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "frequency_penalty",
+               "presence_penalty", "seed", "stop")
+
+
+def checked_options(args, eos_token_ids, context: int, grammar=None) -> SamplingOptions:
+    """The sampling flags as SamplingOptions, checked against a model of `context` tokens before any
+    prompt is read: ConfigError naming the flag at fault."""
+    options = options_from_args(args, eos_token_ids, grammar)
+    try:
+        options.validate(context)
+    except ValueError as e:
+        field, _, why = str(e).partition(" ")
+        raise ConfigError(f"--{field.replace('_', '-')} {why}" if field in FLAG_FIELDS else str(e)) from None
+    return options
+
+
 def options_from_args(args, eos_token_ids, grammar=None) -> SamplingOptions:
     return SamplingOptions(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
@@ -112,6 +129,8 @@ def main(argv=None):
     parser.add_argument("--prompt", action="append", help="prompt (repeatable); default: read stdin")
     add_sampling_args(parser)
     args = parser.parse_args(argv)
+    if args.chunk < 1:
+        parser.error(f"--chunk must be at least 1 decode step; got {args.chunk}")
     host_memory.keep_freed_memory()
 
     with cli.user_errors(ValueError) as status:  # (SamplingOptions' checks of the sampling flags)
@@ -123,7 +142,7 @@ def main(argv=None):
         if args.max_new_tokens >= model.config.seq:
             raise ConfigError(f"--max-new-tokens {args.max_new_tokens}: at most {model.config.seq - 1} for this "
                               f"model (its context is {model.config.seq} tokens, the prompt's included)")
-        options = options_from_args(args, model.eos_token_ids, grammar)
+        options = checked_options(args, model.eos_token_ids, model.config.seq, grammar)
     if status.code:
         return status.code
     for text in prompts(args):

@@ -24,6 +24,22 @@ from mesh_transformer.io import hf
 from mesh_transformer.serve import reasoning, responses, tools
 
 
+def check_ranges(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """One error line naming the flag for a number no server can run with (an out-of-range --port
+    would otherwise be bound modulo 65,536, a port the log does not name)."""
+    if not 1 <= args.port <= 65535:
+        parser.error(f"--port must be in [1, 65535]; got {args.port}")
+    at_least = [("--max-batch", args.max_batch, 1), ("--slots", args.slots, 1), ("--max-queue", args.max_queue, 0),
+                ("--max-request-bytes", args.max_request_bytes, 1), ("--responses-kept", args.responses_kept, 0),
+                ("--warmup-prefix", args.warmup_prefix, 0), *(("--warmup", n, 1) for n in args.warmup or ())]
+    for flag, value, least in at_least:
+        if value is not None and value < least:
+            parser.error(f"{flag} must be at least {least}; got {value}")
+    if not args.timeout > 0 or not args.drain_timeout >= 0:
+        parser.error(f"--timeout must be above 0 and --drain-timeout at least 0 seconds; got {args.timeout:g} and "
+                     f"{args.drain_timeout:g}")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     loading.add_model_args(parser)
@@ -118,6 +134,7 @@ def main(argv=None):
                              "read on this machine: set --api-key where clients are not trusted. The bank then "
                              "holds every linear layer but the head, so later adapters may adapt any of those")
     args = parser.parse_args(argv)
+    check_ranges(parser, args)
     host_memory.keep_freed_memory()
     if args.chunk < 1 or args.join_chunk < 1:
         parser.error(f"--chunk and --join-chunk must be at least 1 decode step; got {args.chunk} and "

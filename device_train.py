@@ -25,7 +25,11 @@ def parse_args(argv=None):
     p.add_argument("--sample", metavar="PROMPT", action="append",
                    help="after training, print a completion of PROMPT (repeatable)")
     p.add_argument("--sample-tokens", type=int, default=48)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    for flag, value in (("--cpu-devices", args.cpu_devices), ("--sample-tokens", args.sample_tokens)):
+        if value is not None and value < 1:
+            p.error(f"{flag} must be at least 1; got {value}")
+    return args
 
 
 def main(argv=None) -> int:
@@ -33,11 +37,14 @@ def main(argv=None) -> int:
     host_memory.keep_freed_memory()
     if args.cpu_devices:  # must happen before jax is imported
         cli.simulate_cpu_devices(args.cpu_devices)
-    from mesh_transformer.config import load_config
+    from mesh_transformer.config import ConfigError, load_config
     from mesh_transformer.train.loop import TrainRun
 
     with cli.user_errors() as status:
         config = load_config(args.config)
+        if args.sample and args.sample_tokens >= config.model.seq:  # found before training, not after it
+            raise ConfigError(f"--sample-tokens {args.sample_tokens}: at most {config.model.seq - 1} for this model "
+                              f"(its context is {config.model.seq} tokens, the prompt's included)")
         run = TrainRun(config, cli.run_options(args))
         state = run.train()
     if status.code:

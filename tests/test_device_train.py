@@ -206,6 +206,21 @@ def test_bad_config_is_one_clear_line(tmp_path):
     assert code == 2 and out.strip().endswith("unknown config key 'layres' (did you mean 'layers'?)"), out
 
 
+def test_bad_flags_are_one_clear_line_before_training(dataset, tmp_path, capsys):
+    """A device count or sample length no run can use stops at once, naming the flag: --sample-tokens
+    past the context is found before the steps, not after them."""
+    import device_train as script
+    for flags, message in ((["--cpu-devices", "-3"], "--cpu-devices must be at least 1; got -3"),
+                           (["--sample-tokens", "0"], "--sample-tokens must be at least 1; got 0")):
+        with pytest.raises(SystemExit) as stopped:
+            script.parse_args(["--config", "c.json", *flags])
+        assert stopped.value.code == 2 and f"error: {message}\n" in capsys.readouterr().err
+    code, out = device_train(write_config(tmp_path, dataset), "--sample", "The", "--sample-tokens", "32")
+    assert code == 2 and out.strip().endswith("error: --sample-tokens 32: at most 31 for this model (its context is "
+                                              "32 tokens, the prompt's included)"), out
+    assert not (tmp_path / "ckpt").exists()
+
+
 def test_fine_tune_an_imported_checkpoint_then_sample_from_it(dataset, hf_model, tmp_path):
     """from_hf_weights.py (params only) -> device_train --tune-model-path -> device_sample.py --ckpt."""
     path, torch_model = hf_model

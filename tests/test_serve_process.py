@@ -197,6 +197,23 @@ def test_a_decode_call_of_no_steps_or_an_admission_of_no_tokens_is_refused(tiny)
         assert proc.returncode == 2 and message in out, out
 
 
+@pytest.mark.parametrize("flags, message", [
+    (("--port", "99999"), "--port must be in [1, 65535]; got 99999"),  # (uvicorn bound 99999 - 65536, logging 99999)
+    (("--max-batch", "0"), "--max-batch must be at least 1; got 0"),
+    (("--slots", "0"), "--slots must be at least 1; got 0"),
+    (("--max-queue", "-1"), "--max-queue must be at least 0; got -1"),
+    (("--warmup", "16", "0"), "--warmup must be at least 1; got 0"),
+    (("--timeout", "0"), "--timeout must be above 0 and --drain-timeout at least 0 seconds; got 0 and 30"),
+    (("--drain-timeout", "-1"), "--timeout must be above 0 and --drain-timeout at least 0 seconds; got 300 and -1"),
+])
+def test_a_number_no_server_runs_with_is_one_error_naming_its_flag(flags, message, capsys):
+    """Checked before anything loads (there is no model at this path)."""
+    import device_serve
+    with pytest.raises(SystemExit) as stopped:
+        device_serve.main(["--hf", "/no/such/model", *flags])
+    assert stopped.value.code == 2 and f"error: {message}\n" in capsys.readouterr().err
+
+
 def test_timeout_flag_answers_504(servers):
     _, url = servers[1]
     headers = {"Authorization": f"Bearer {KEY}"}

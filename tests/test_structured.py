@@ -377,6 +377,15 @@ def test_device_sample_follows_a_choice_and_names_a_bad_flag(gen, tiny, capsys):
     assert device_sample.main(argv[:-1] + ["32"]) == 2
     assert capsys.readouterr().err == ("error: --max-new-tokens 32: at most 31 for this model (its context is 32 "
                                        "tokens, the prompt's included)\n")
+    for flags, message in ((["--max-new-tokens", "0"], "--max-new-tokens must be an integer in [1, 31] (the context is "
+                                                       "32 tokens), got 0"),
+                           (["--top-p", "2"], "--top-p must be in (0, 1], got 2.0"),
+                           (["--repetition-penalty", "0"], "--repetition-penalty must be > 0, got 0.0")):
+        assert device_sample.main(argv + flags) == 2  # before any prompt is read, not a traceback after it
+        assert capsys.readouterr().err == f"error: {message}\n"
+    with pytest.raises(SystemExit) as stopped:
+        device_sample.main(argv + ["--chunk", "0"])
+    assert stopped.value.code == 2 and "error: --chunk must be at least 1 decode step; got 0\n" in capsys.readouterr().err
     assert device_sample.main(argv + ["--regex", "a(b"]) == 2
     assert "--regex: " in capsys.readouterr().err
     assert device_sample.main(argv + ["--json-schema", "no-such.schema.json"]) == 2
