@@ -182,6 +182,16 @@ def test_bad_input_exits_2_and_writes_nothing(tmp_path, capsys, content, name, m
     assert not out.exists()
 
 
+@pytest.mark.parametrize("flag, value, least", [("--seq", "0", 1), ("--sequences-per-shard", "0", 1),
+                                               ("--n-repack-epochs", "-1", 1), ("--min-unique-tokens", "-5", 0)])
+def test_a_size_out_of_range_is_one_error_naming_its_flag(tmp_path, capsys, flag, value, least):
+    (tmp_path / "in.txt").write_text(DOCS[0])
+    with pytest.raises(SystemExit) as stopped:
+        create_finetune_dataset.main([str(tmp_path / "in.txt"), "ds", "--output-dir", str(tmp_path / "out"), flag, value])
+    assert stopped.value.code == 2 and f"error: {flag} must be at least {least}; got {value}\n" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
 def test_existing_dataset_is_kept_unless_overwrite(tok, tmp_path):
     (tmp_path / "in.txt").write_text(DOCS[0] * 4)
     first = build(tmp_path / "in.txt", tmp_path / "out", sequences_per_shard=2)
