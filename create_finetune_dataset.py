@@ -50,11 +50,9 @@ def parse_args(argv=None) -> BuildConfig:
     pack.add_argument("--preserve-data-order", action="store_true", help="no shuffling: output order = input order")
     p.add_argument("--verbose", action="store_true", help="print sequences removed by --min-unique-tokens")
     args = p.parse_args(argv)
-    for flag, value, least in (("--seq", args.seq, 1), ("--sequences-per-shard", args.sequences_per_shard, 1),
-                               ("--n-repack-epochs", args.n_repack_epochs, 1),
-                               ("--min-unique-tokens", args.min_unique_tokens, 0)):
-        if value < least:
-            p.error(f"{flag} must be at least {least}; got {value}")
+    cli.check_at_least(p, [("--seq", args.seq, 1), ("--sequences-per-shard", args.sequences_per_shard, 1),
+                           ("--n-repack-epochs", args.n_repack_epochs, 1),
+                           ("--min-unique-tokens", args.min_unique_tokens, 0)])
     return BuildConfig(**vars(args), progress=True)
 
 

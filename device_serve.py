@@ -29,12 +29,16 @@ def check_ranges(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
     would otherwise be bound modulo 65,536, a port the log does not name)."""
     if not 1 <= args.port <= 65535:
         parser.error(f"--port must be in [1, 65535]; got {args.port}")
-    at_least = [("--max-batch", args.max_batch, 1), ("--slots", args.slots, 1), ("--max-queue", args.max_queue, 0),
-                ("--max-request-bytes", args.max_request_bytes, 1), ("--responses-kept", args.responses_kept, 0),
-                ("--warmup-prefix", args.warmup_prefix, 0), *(("--warmup", n, 1) for n in args.warmup or ())]
-    for flag, value, least in at_least:
-        if value is not None and value < least:
-            parser.error(f"{flag} must be at least {least}; got {value}")
+    if args.chunk < 1 or args.join_chunk < 1:
+        parser.error(f"--chunk and --join-chunk must be at least 1 decode step; got {args.chunk} and "
+                     f"{args.join_chunk}")
+    cli.check_at_least(parser, [
+        ("--admit-tokens", args.admit_tokens, 1), ("--max-batch", args.max_batch, 1), ("--slots", args.slots, 1),
+        ("--max-queue", args.max_queue, 0), ("--max-request-bytes", args.max_request_bytes, 1),
+        ("--responses-kept", args.responses_kept, 0), ("--warmup-prefix", args.warmup_prefix, 0),
+        *(("--warmup", n, 1) for n in args.warmup or ())])
+    if args.gather_ms < 0:
+        parser.error(f"--gather-ms must be at least 0; got {args.gather_ms:g}")
     if not args.timeout > 0 or not args.drain_timeout >= 0:
         parser.error(f"--timeout must be above 0 and --drain-timeout at least 0 seconds; got {args.timeout:g} and "
                      f"{args.drain_timeout:g}")
@@ -136,11 +140,6 @@ def main(argv=None):
     args = parser.parse_args(argv)
     check_ranges(parser, args)
     host_memory.keep_freed_memory()
-    if args.chunk < 1 or args.join_chunk < 1:
-        parser.error(f"--chunk and --join-chunk must be at least 1 decode step; got {args.chunk} and "
-                     f"{args.join_chunk}")
-    if args.admit_tokens < 1:
-        parser.error(f"--admit-tokens must be at least 1; got {args.admit_tokens}")
     for flag, value in (("--max-loras", args.max_loras), ("--max-lora-rank", args.max_lora_rank),
                         ("--max-cpu-loras", args.max_cpu_loras)):
         if value is not None and value < 1:
@@ -152,8 +151,6 @@ def main(argv=None):
         parser.error(f"--max-cpu-loras ({args.max_cpu_loras}) must be at least the bank's entries, --max-loras "
                      f"({entries}{'' if args.max_loras else '; default: one per --lora-modules adapter'}): the "
                      f"adapters in them are held in host memory too")
-    if args.gather_ms < 0:
-        parser.error(f"--gather-ms must be at least 0; got {args.gather_ms:g}")
     if args.prefix_block < 1 or not (args.prefix_cache_tokens is None or args.prefix_cache_tokens == 0
                                      or args.prefix_cache_tokens >= args.prefix_block):
         parser.error(f"--prefix-cache-tokens must be 0 (off) or at least --prefix-block ({args.prefix_block}), "

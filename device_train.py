@@ -26,9 +26,7 @@ def parse_args(argv=None):
                    help="after training, print a completion of PROMPT (repeatable)")
     p.add_argument("--sample-tokens", type=int, default=48)
     args = p.parse_args(argv)
-    for flag, value in (("--cpu-devices", args.cpu_devices), ("--sample-tokens", args.sample_tokens)):
-        if value is not None and value < 1:
-            p.error(f"{flag} must be at least 1; got {value}")
+    cli.check_at_least(p, [("--cpu-devices", args.cpu_devices, 1), ("--sample-tokens", args.sample_tokens, 1)])
     return args
 
 

@@ -37,6 +37,14 @@ def user_errors(*also: type[BaseException]):
         status.code = EXIT_USER_ERROR
 
 
+def check_at_least(parser: argparse.ArgumentParser, checks) -> None:
+    """`parser.error` (one line, exit code 2) for the first (flag, value, least) whose value is below
+    `least`; a value of None (a flag not given) passes."""
+    for flag, value, least in checks:
+        if value is not None and value < least:
+            parser.error(f"{flag} must be at least {least}; got {value}")
+
+
 def simulate_cpu_devices(n: int) -> None:
     """Ask XLA for n CPU devices (try a dp x mp layout on a laptop); only effective before jax is imported."""
     os.environ.update(cpu_devices_env(n))
