@@ -178,10 +178,8 @@ def bench_decode(preset: str, batches: list[int], prompt: int, new: int, peak: d
     params = Trainer(config, mesh).init_state(0).params
     gens = {fuse: Generator(m, params, mesh, donate=i == len(fuses) - 1, fuse=fuse) for i, fuse in enumerate(fuses)}
     del params
-    family_embed = f"{m.family}/embed"
     some = next(iter(gens.values()))
-    weight_bytes = parallel.bytes_of(some.params) - sum(
-        parallel.bytes_of(v) for k, v in some.params.items() if k == family_embed and not _tied(m))
+    weight_bytes = some.weight_bytes
     rows = []
     rng = np.random.RandomState(0)
     options = SamplingOptions(max_new_tokens=new, temperature=0.0)
@@ -213,7 +211,7 @@ def bench_decode(preset: str, batches: list[int], prompt: int, new: int, peak: d
                 once(gen, trace_dir)
                 kernels = kernel_summary(trace_dir, new - 1)
             # the cache read by an average step: keys and values of every layer up to the middle of the run
-            kv_bytes = 2 * m.layers * batch * m.kv_heads * m.head_dim * (prompt + new / 2) * 2
+            kv_bytes = batch * some.slot_bytes * (prompt + new / 2)
             read = weight_bytes + kv_bytes
             rows.append({"preset": preset, "fused": fuse, "batch": batch, "prompt": prompt, "new": new,
                          "weight_GB": weight_bytes / 1e9, "kv_GB": kv_bytes / 1e9, "step_ms": 1e3 * step_s,
@@ -274,11 +272,6 @@ def _brief(row: dict) -> dict:
     k = row["kernels"]
     return {**{key: v for key, v in row.items() if key != "kernels"}, "device_us": k["device_us_per_step"],
             "kernels_per_step": k["kernels_per_step"], "us_by_kind": k["us_per_step_by_kind"]}
-
-
-def _tied(m) -> bool:
-    """A tied embedding table is also the output projection: read whole every step."""
-    return bool(getattr(m, "tie_embeddings", False))
 
 
 def main(argv=None):

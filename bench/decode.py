@@ -170,7 +170,7 @@ def bench_ours(model, batch: int, prompt_len: int, new: int, server: Optional[tu
     once()  # compile
     details = {"weights": "inputs-last" if gen.inputs_last else "inputs-first", "fused": gen.layout.fused,
                "kernels": kernels.available(),
-               "quantize": quantize, "weight_bytes": bytes_read_per_step(gen.params, model.config),
+               "quantize": quantize, "weight_bytes": gen.weight_bytes,
                "server_batch": server, "prefix_cache": prefix is not None, "shared_prefix": len(shared),
                "prefill_ms": []}
 
@@ -328,20 +328,6 @@ def main(argv=None):
             json.dump({**description, "results": report}, f, indent=2)
     if args.json:
         machine.report(description, report, True)
-
-
-def bytes_read_per_step(params, config) -> int:
-    """Every weight is read once per decode step (a quantized one: its int8 values and scales),
-    except an untied embedding table (one row per sequence), a tied one being the head's weight
-    too, and of a mixture's experts only the k of E that one token runs (batch 1's least)."""
-    from mesh_transformer import parallel
-    model = config.model if hasattr(config, "model") else config
-    untied_embed = any(module.startswith(f"{model.family}/head") for module in params)
-    embed = parallel.bytes_of(params[f"{model.family}/embed"]) if untied_embed else 0
-    experts = sum(parallel.bytes_of(x) for leaves in params.values() for n, x in leaves.items()
-                  if n.startswith("experts_"))
-    idle = experts - experts * model.experts_per_token // model.n_experts if experts else 0
-    return parallel.bytes_of(params) - embed - idle
 
 
 def format_row(row) -> str:

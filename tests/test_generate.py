@@ -523,6 +523,46 @@ def test_warmup_compiles_first_the_decode_windows_its_prompts_use(gen, monkeypat
     assert windows[-4:] == [(32, 1), (32, 2), (16, 1), (16, 2)]
 
 
+def test_decode_windows_start_where_their_cache_weighs_a_share_of_the_weights(tiny, gen, monkeypatch):
+    """A decode call attends to at least `Generator.min_window(rows)` slots: the most (a power of
+    two) whose keys and values, for the rows it computes, weigh WINDOW_SHARE of the weights a step
+    reads. The tiny model's 151,040 bytes of weights (all but the untied embedding table) against
+    512 bytes a slot (2 layers, k and v, 4 heads of 8, float32) leave the 16-slot bucket at the
+    default 1/64; at 1/2 the floor is 128 slots for one row, 64 for two. A batch then decodes HF's
+    greedy tokens with every call over at least its floor, and a server's warm-up compiles no
+    window below it."""
+    from mesh_transformer import host_memory, parallel
+    from mesh_transformer.generate import decode as decoding
+    from mesh_transformer.serve import Engine
+    state = gen.new_state(2, 64)
+    assert gen.slot_bytes == 512 == sum(x.nbytes for x in (*state.cache.k, *state.cache.v)) // (2 * 64)
+    assert gen.weight_bytes == 151_040 == parallel.bytes_of(gen.params) - parallel.bytes_of(gen.params["gptj/embed"])
+    assert [gen.min_window(rows) for rows in (1, 2, 4)] == [16, 16, 16]
+    monkeypatch.setattr(decoding, "WINDOW_SHARE", 1 / 2)
+    floors = {rows: gen.min_window(rows) for rows in (1, 2, 4)}
+    assert floors == {1: 128, 2: 64, 4: 32}
+
+    calls, decode = [], gen.decode
+    monkeypatch.setattr(gen, "decode", lambda state, steps, first=0, window=None, rows=None, limit=None, **kw: (
+        calls.append((window, rows)), decode(state, steps, first, window, rows, limit, **kw))[1])
+    prompts, options = [[5, 6, 7, 8, 9], [11, 12, 13]], [greedy(), SamplingOptions(max_new_tokens=NEW - 4, temperature=0.0)]
+    batch = generate.Batch(gen, 2, 256, chunk=4)
+    seqs = [gen.sequences([p], o)[0] for p, o in zip(prompts, options)]
+    batch.admit(seqs)
+    while batch.active():
+        batch.step()
+    assert {rows for _, rows in calls} == {1, 2}  # the second row ends first
+    assert all(window >= floors[rows] for window, rows in calls), calls
+    for prompt, seq, o in zip(prompts, seqs, options):
+        assert seq.tokens == tiny.hf_greedy(prompt, o.max_new_tokens)[0], f"prompt {prompt}"
+
+    calls.clear()
+    monkeypatch.setattr(host_memory, "memory_maps", lambda: (0, 65530))  # the suite's own maps kept out
+    Engine(gen, None, max_batch=2, slots=256, chunk=4, prefix_cache_tokens=0).warmup((20,))
+    assert calls[-5:] == [(64, 2), (128, 1), (128, 2), (256, 1), (256, 2)]  # after its prompts' own decoding
+    assert all(window >= floors[rows] for window, rows in calls), calls
+
+
 def test_decode_computes_only_the_rows_in_use(gen, monkeypatch):
     """3 requests in a 16-row batch decode 4 rows (bucketed), the same tokens a 4-row batch gives;
     batch-invariant, all 16 rows."""

@@ -358,12 +358,14 @@ class Batch:
 
     def _window(self) -> tuple[int, int, int]:
         """(first slot, size, rows): the bucketed span of slots the running rows use in the next
-        decode call, and the bucketed number of rows from row 0 that holds them all."""
+        decode call (at least `Generator.min_window`), and the bucketed number of rows from row 0
+        that holds them all."""
         active = self.active()
         first = self._first_slot(active)
         need = max(self.rows[r].options.max_new_tokens - len(self.rows[r].tokens) for r in active)
-        size = min(bucket(self.index + min(self.chunk, need) - first), self.slots)
-        return min(first, self.slots - size), size, self.row_bucket(max(active) + 1)
+        rows = self.row_bucket(max(active) + 1)
+        size = min(max(bucket(self.index + min(self.chunk, need) - first), self.gen.min_window(rows)), self.slots)
+        return min(first, self.slots - size), size, rows
 
     def _first_slot(self, active: list[int]) -> int:
         """The first cache slot any of the `active` rows uses."""

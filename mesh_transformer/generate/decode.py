@@ -55,6 +55,13 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MIN_BUCKET = 16
+# A decode call's window of the cache is at least the slots whose keys and values (of the rows it
+# computes) weigh this share of the weights a step reads: below it a smaller window saves less
+# than a percent or two of the step (the 4 x 512 GPT-J of 2,048 positions, 2 rows: 515 tok/s over
+# 16 slots or 128, 504 over 256), while every window size is one more program to compile (about a
+# second each on a 2-core CPU, mostly the sampling's fixed cost) and to hold under the process's
+# limit of memory maps.
+WINDOW_SHARE = 1 / 64
 # XLA:CPU hands matmuls to YNNPACK by default. For the decode step's few-row float32 matmuls its
 # own kernels are faster (bench/decode.py on the AVX2 EPYC, 200M GPT-J: 16 rows 145 -> 201 tok/s,
 # one row 41 -> 43), while prefill's many-row matmuls are faster with YNNPACK (16 x 32 tokens:
@@ -83,6 +90,19 @@ def fine_bucket(n: int, per_octave: int = 4, grain: int = 8) -> int:
     the token lengths prompts are padded to (at most about 1/per_octave of a pass is padding, for a
     few more compiled shapes than powers of two alone: a 133-token prompt runs as 160, not 256)."""
     return round_up(max(n, 1), max(grain, bucket(n, 1) // (2 * per_octave)))
+
+
+def weight_bytes_per_step(params, config: ModelConfig) -> int:
+    """The bytes of `params` (a Generator's) one decode step reads: every weight once (a quantized
+    one: its int8 values and scales), except an untied embedding table (one row per sequence), a
+    tied one being the head's weight too, and of a mixture's experts only the k of E that one token
+    runs (batch 1's least)."""
+    untied_embed = any(module.startswith(f"{config.family}/head") for module in params)
+    embed = parallel.bytes_of(params[f"{config.family}/embed"]) if untied_embed else 0
+    experts = sum(parallel.bytes_of(x) for leaves in params.values() for n, x in leaves.items()
+                  if n.startswith("experts_"))
+    idle = experts - experts * config.experts_per_token // config.n_experts if experts else 0
+    return parallel.bytes_of(params) - embed - idle
 
 
 def computed_and_read(lengths: Seq[int], cached: Seq[int]) -> tuple[int, list[int]]:
@@ -380,6 +400,9 @@ class Generator:
         if adapters is not None:
             self._place_bank(adapters)
         self.param_specs = jax.tree.map(lambda x: x.sharding.spec, self.params)
+        self.weight_bytes = weight_bytes_per_step(self.params, config)
+        itemsize = jnp.dtype(config.compute_dtype).itemsize
+        self.slot_bytes = 2 * config.layers * config.cache_heads(self.mp) * config.head_dim * itemsize  # a row's
         self.specs = state_specs(config.layers)
         self.shapes: set[tuple] = set()  # programs compiled so far (see `_note`)
         self.shardings = parallel.named(mesh, self.specs)
@@ -414,6 +437,14 @@ class Generator:
                              static_argnums=3, donate_argnums=0, out_shardings=self.shardings)
         self._roll = jax.jit(lambda s, shift: s._replace(cache=_roll_cache(s.cache, shift)),
                              donate_argnums=0, out_shardings=self.shardings)
+
+    def min_window(self, rows: int) -> int:
+        """The fewest cache slots a decode call of `rows` rows attends to (a power of two, at least
+        MIN_BUCKET): the most whose keys and values weigh at most WINDOW_SHARE of the weights a
+        step reads. A server's first steps and short requests then share the programs of longer
+        ones: a 4 x 512 GPT-J of 2,048 positions compiles 9 decode programs for 1 and 2 rows, not 16."""
+        floor = int(self.weight_bytes * WINDOW_SHARE) // max(1, rows * self.slot_bytes)
+        return max(MIN_BUCKET, 1 << max(0, floor.bit_length() - 1))
 
     @property
     def inputs_last(self) -> bool:

@@ -217,8 +217,8 @@ class Engine:
                     self._warm([shared + own(mine)], options)  # stores the shared blocks
                     self._warm([shared + own(mine) for _ in range(n)], options)  # reads them
                 n *= 2
-        # Decode attends to a window of the cache bucketed to powers of two (16 .. slots) and computes
-        # the rows up to the last running one, bucketed (1 .. max_batch); a long request would
+        # Decode attends to a window of the cache bucketed to powers of two (Generator.min_window ..
+        # slots) and computes the rows up to the last running one, bucketed (1 .. max_batch); a long request would
         # otherwise compile each size on its way (seconds each, mid-request). Rows behind the shared
         # prefix also read its pool slots (bucketed): those programs too. What does not fit under
         # the process's limit of memory maps is left out (see `_room`), so the windows the warmed
@@ -227,16 +227,17 @@ class Engine:
         # with windows of 16-64 slots and compiled its 64-row, 256-slot decode mid-traffic.
         readings = [None] + self._warm_readings(prompt_tokens, shared_prefix, longest)
         rows = sorted({self.batch.row_bucket(r) for r in range(1, self.batch.size + 1)})
-        held = min(bucket(min(min(prompt_tokens), longest) + self.batch.chunk), self.batch.slots)
-        windows = sorted({min(bucket(1) << i, self.batch.slots) for i in range(self.batch.slots.bit_length())},
-                         key=lambda window: (window < held, window))
-        for window in windows:
-            for r in rows:
-                for reading in readings:
-                    if not self._room(f"decode over {window} slots"):
-                        break
-                    self.batch.state, *_ = self.gen.decode(self.batch.state, self.batch.chunk, 0, window, r,
-                                                           shared=reading)  # none runs
+        slots = self.batch.slots
+        held = min(bucket(min(min(prompt_tokens), longest) + self.batch.chunk), slots)
+        calls = sorted({(min(max(bucket(1) << i, self.gen.min_window(r)), slots), r)
+                        for i in range(slots.bit_length()) for r in rows},
+                       key=lambda call: (call[0] < held, call))
+        for window, r in calls:
+            for reading in readings:
+                if not self._room(f"decode over {window} slots"):
+                    break
+                self.batch.state, *_ = self.gen.decode(self.batch.state, self.batch.chunk, 0, window, r,
+                                                       shared=reading)  # none runs
         if self._room("cache moves"):
             self.batch.state = self.gen.warm_moves(self.batch.state)  # admission moves the running rows' slots
         if self.batch.prefix is not None:
