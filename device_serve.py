@@ -25,8 +25,9 @@ from mesh_transformer.serve import reasoning, responses, tools
 
 
 def check_ranges(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """One error line naming the flag for a number no server can run with (an out-of-range --port
-    would otherwise be bound modulo 65,536, a port the log does not name)."""
+    """One error line naming the flag for a number, or a combination of flags, no server can run
+    with (an out-of-range --port would otherwise be bound modulo 65,536, a port the log does not
+    name); checked before anything loads."""
     if not 1 <= args.port <= 65535:
         parser.error(f"--port must be in [1, 65535]; got {args.port}")
     if args.chunk < 1 or args.join_chunk < 1:
@@ -42,6 +43,21 @@ def check_ranges(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
     if not args.timeout > 0 or not args.drain_timeout >= 0:
         parser.error(f"--timeout must be above 0 and --drain-timeout at least 0 seconds; got {args.timeout:g} and "
                      f"{args.drain_timeout:g}")
+    if args.prefix_block < 1 or not (args.prefix_cache_tokens is None or args.prefix_cache_tokens == 0
+                                     or args.prefix_cache_tokens >= args.prefix_block):
+        parser.error(f"--prefix-cache-tokens must be 0 (off) or at least --prefix-block ({args.prefix_block}), "
+                     f"and --prefix-block at least 1; got {args.prefix_cache_tokens} and {args.prefix_block}")
+    for flag, value in (("--max-loras", args.max_loras), ("--max-lora-rank", args.max_lora_rank),
+                        ("--max-cpu-loras", args.max_cpu_loras)):
+        if value is not None and value < 1:
+            parser.error(f"{flag} must be at least 1; got {value}")
+        if value is not None and not (args.lora_modules or args.enable_runtime_lora):
+            parser.error(f"{flag} sizes the bank of served LoRA adapters: pass --lora-modules or --enable-runtime-lora")
+    entries = args.max_loras or len(args.lora_modules) or 1  # the bank's (see main's `slots`)
+    if args.max_cpu_loras is not None and args.max_cpu_loras < entries:
+        parser.error(f"--max-cpu-loras ({args.max_cpu_loras}) must be at least the bank's entries, --max-loras "
+                     f"({entries}{'' if args.max_loras else '; default: one per --lora-modules adapter'}): the "
+                     f"adapters in them are held in host memory too")
 
 
 def main(argv=None):
@@ -140,21 +156,6 @@ def main(argv=None):
     args = parser.parse_args(argv)
     check_ranges(parser, args)
     host_memory.keep_freed_memory()
-    for flag, value in (("--max-loras", args.max_loras), ("--max-lora-rank", args.max_lora_rank),
-                        ("--max-cpu-loras", args.max_cpu_loras)):
-        if value is not None and value < 1:
-            parser.error(f"{flag} must be at least 1; got {value}")
-        if value is not None and not (args.lora_modules or args.enable_runtime_lora):
-            parser.error(f"{flag} sizes the bank of served LoRA adapters: pass --lora-modules or --enable-runtime-lora")
-    entries = args.max_loras or len(args.lora_modules) or 1  # the bank's (see `slots` below)
-    if args.max_cpu_loras is not None and args.max_cpu_loras < entries:
-        parser.error(f"--max-cpu-loras ({args.max_cpu_loras}) must be at least the bank's entries, --max-loras "
-                     f"({entries}{'' if args.max_loras else '; default: one per --lora-modules adapter'}): the "
-                     f"adapters in them are held in host memory too")
-    if args.prefix_block < 1 or not (args.prefix_cache_tokens is None or args.prefix_cache_tokens == 0
-                                     or args.prefix_cache_tokens >= args.prefix_block):
-        parser.error(f"--prefix-cache-tokens must be 0 (off) or at least --prefix-block ({args.prefix_block}), "
-                     f"and --prefix-block at least 1; got {args.prefix_cache_tokens} and {args.prefix_block}")
 
     import jax
     import uvicorn  # noqa: F401  (fail before loading weights if the server's dependencies are missing)

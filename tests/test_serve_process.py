@@ -15,6 +15,7 @@ import numpy as np
 import psutil
 import pytest
 
+from mesh_transformer import host_memory
 from mesh_transformer.generate import SamplingOptions
 from tests.helpers import one_device_env
 
@@ -177,26 +178,6 @@ def test_chunk_is_the_decode_steps_between_streamed_events(http, gen, tiny):
     assert len(boundaries) >= 2, boundaries
 
 
-def test_a_decode_call_of_no_steps_or_an_admission_of_no_tokens_is_refused(tiny):
-    for flags, message in ((("--join-chunk", "0"), "--join-chunk must be at least 1 decode step; got 8 and 0"),
-                           (("--admit-tokens", "0"), "--admit-tokens must be at least 1; got 0"),
-                           (("--gather-ms", "-5"), "--gather-ms must be at least 0; got -5"),
-                           (("--lora-modules", "chat"), "--lora-modules takes NAME=PATH items, got 'chat'"),
-                           (("--lora-modules", "chat=x", "--lora-adapter", "y"), "--lora-adapter merges an adapter"),
-                           (("--max-loras", "0"), "--max-loras must be at least 1; got 0"),
-                           (("--lora-modules", "chat=x", "--max-loras", "2", "--max-cpu-loras", "1"),
-                            "--max-cpu-loras (1) must be at least the bank's entries, --max-loras (2)"),
-                           (("--lora-modules", "a=x", "b=y", "--max-cpu-loras", "1"),
-                            "--max-loras (2; default: one per --lora-modules adapter)"),
-                           (("--max-lora-rank", "8"), "--max-lora-rank sizes the bank of served LoRA adapters: pass "
-                                                      "--lora-modules or --enable-runtime-lora"),
-                           (("--lora-modules", "chat=/nowhere"),  # checked before the base loads
-                            "--lora-modules chat=/nowhere: /nowhere: no adapter_config.json")):
-        proc, _ = launch(tiny.path, *flags)
-        out, _ = proc.communicate(timeout=120)
-        assert proc.returncode == 2 and message in out, out
-
-
 @pytest.mark.parametrize("flags, message", [
     (("--port", "99999"), "--port must be in [1, 65535]; got 99999"),  # (uvicorn bound 99999 - 65536, logging 99999)
     (("--max-batch", "0"), "--max-batch must be at least 1; got 0"),
@@ -205,13 +186,41 @@ def test_a_decode_call_of_no_steps_or_an_admission_of_no_tokens_is_refused(tiny)
     (("--warmup", "16", "0"), "--warmup must be at least 1; got 0"),
     (("--timeout", "0"), "--timeout must be above 0 and --drain-timeout at least 0 seconds; got 0 and 30"),
     (("--drain-timeout", "-1"), "--timeout must be above 0 and --drain-timeout at least 0 seconds; got 300 and -1"),
+    (("--join-chunk", "0"), "--chunk and --join-chunk must be at least 1 decode step; got 8 and 0"),
+    (("--admit-tokens", "0"), "--admit-tokens must be at least 1; got 0"),
+    (("--gather-ms", "-5"), "--gather-ms must be at least 0; got -5"),
+    (("--prefix-cache-tokens", "8", "--prefix-block", "16"),
+     "--prefix-cache-tokens must be 0 (off) or at least --prefix-block (16), and --prefix-block at least 1; "
+     "got 8 and 16"),
+    (("--max-loras", "0"), "--max-loras must be at least 1; got 0"),
+    (("--max-lora-rank", "8"), "--max-lora-rank sizes the bank of served LoRA adapters: pass --lora-modules or "
+                               "--enable-runtime-lora"),
+    (("--lora-modules", "chat=x", "--max-loras", "2", "--max-cpu-loras", "1"),
+     "--max-cpu-loras (1) must be at least the bank's entries, --max-loras (2): the adapters in them are held in "
+     "host memory too"),
+    (("--lora-modules", "a=x", "b=y", "--max-cpu-loras", "1"),
+     "--max-cpu-loras (1) must be at least the bank's entries, --max-loras (2; default: one per --lora-modules "
+     "adapter): the adapters in them are held in host memory too"),
+    (("--lora-modules", "chat"), "--lora-modules takes NAME=PATH items, got 'chat'"),
+    (("--lora-modules", "chat=x", "--lora-adapter", "y"),
+     "--lora-adapter merges an adapter into the base and --lora-modules serves adapters made for the base: pass "
+     "one (merge first with to_hf_weights.py to serve both)"),
+    (("--lora-modules", "chat=/nowhere"), "--lora-modules chat=/nowhere: /nowhere: no adapter_config.json (is this "
+                                          "a PEFT adapter directory? A LoRA run's checkpoint exports to one with "
+                                          "to_hf_weights.py --peft)"),
 ])
-def test_a_number_no_server_runs_with_is_one_error_naming_its_flag(flags, message, capsys):
-    """Checked before anything loads (there is no model at this path)."""
+def test_a_flag_no_server_runs_with_is_one_error_naming_it(flags, message, capsys, monkeypatch):
+    """Checked before any model loads (there is none at this path), in this process: ranges and
+    combinations of flags before the server's malloc settings (which would outlive the call), the
+    adapters' files before the base."""
     import device_serve
-    with pytest.raises(SystemExit) as stopped:
-        device_serve.main(["--hf", "/no/such/model", *flags])
-    assert stopped.value.code == 2 and f"error: {message}\n" in capsys.readouterr().err
+    monkeypatch.setenv(host_memory.ENV, "system")  # the malloc settings left alone, should a check come after them
+    try:
+        code = device_serve.main(["--hf", "/no/such/model", *flags])
+    except SystemExit as stopped:
+        code = stopped.code
+    err = capsys.readouterr().err
+    assert code == 2 and f"error: {message}\n" in err, err
 
 
 def test_timeout_flag_answers_504(servers):
