@@ -35,7 +35,13 @@ def parse_args(argv=None):
                    help="seconds for start-up, restore and each first compile (default 1800)")
     p.add_argument("--coordinator", help="JAX coordinator HOST:PORT, or 'auto' (default: a free port on worker 0; "
                                          "auto on TPU hosts)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    cli.check_at_least(p, [("--local-hosts", args.local_hosts, 1), ("--cpu-devices", args.cpu_devices, 1),
+                           ("--max-restarts", args.max_restarts, 0)])
+    for flag, seconds in (("--step-timeout", args.step_timeout), ("--startup-timeout", args.startup_timeout)):
+        if not seconds > 0:  # 0 would time out every step, each timeout a restart, until the run gave up
+            p.error(f"{flag} must be above 0 seconds; got {seconds:g}")
+    return args
 
 
 def main(argv=None) -> int:

@@ -220,6 +220,20 @@ def test_new_refuses_an_existing_model_dir_without_overwrite(data, tmp_path, cap
     assert not model_dir.exists()
 
 
+@pytest.mark.parametrize("flags, message", [
+    (("--local-hosts", "0"), "--local-hosts must be at least 1; got 0"),
+    (("--cpu-devices", "-2"), "--cpu-devices must be at least 1; got -2"),
+    (("--max-restarts", "-1"), "--max-restarts must be at least 0; got -1"),
+    (("--step-timeout", "0"), "--step-timeout must be above 0 seconds; got 0"),
+    (("--startup-timeout", "-5"), "--startup-timeout must be above 0 seconds; got -5"),
+])
+def test_a_flag_no_run_can_use_is_one_error_naming_it(flags, message, capsys):
+    """Before the config is read or Ray starts (there is no config at this path)."""
+    with pytest.raises(SystemExit) as stopped:
+        train_cli.main(["--config", "/no/such/config.json", *flags])
+    assert stopped.value.code == 2 and f"error: {message}\n" in capsys.readouterr().err
+
+
 def test_pack_batch_is_lossless_and_small():
     tokens = np.random.default_rng(0).integers(0, 50257, (2, 4, 40)).astype(np.int32)
     ones = np.ones((2, 4, 39), np.float32)
