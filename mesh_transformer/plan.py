@@ -258,7 +258,10 @@ def _with_flags(config: Config, args) -> Config:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if any(not gib > 0 for gib in args.device_memory or ()):  # -1 printed "fits -1 GiB: no"
+        parser.error(f"--device-memory must be above 0 GiB; got {' '.join(f'{g:g}' for g in args.device_memory)}")
     memories = args.device_memory or DEVICE_MEMORIES_GIB
     try:
         config = _with_flags(load_config(args.config), args)

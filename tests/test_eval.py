@@ -300,6 +300,22 @@ def test_bad_tasks_are_one_clear_error(argv, message, tasks_dir, manager, tmp_pa
     assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
 
 
+@pytest.mark.parametrize("flags, message", [
+    (("--limit", "-1"), "--limit must be above 0 (examples per task, or a fraction of them below 1); got -1"),
+    (("--num-fewshot", "-1"), "--num-fewshot must be at least 0; got -1"),  # (lm-eval ran it, reporting -1 shots)
+    (("--batch-size", "0"), "--batch-size must be at least 1; got 0"),
+    (("--max-gen-toks", "0"), "--max-gen-toks must be at least 1; got 0"),
+    (("--bootstrap-iters", "-1"), "--bootstrap-iters must be at least 0; got -1"),
+])
+def test_a_number_no_evaluation_can_use_is_one_error_naming_its_flag(flags, message, capsys):
+    """At parse time, before lm-eval or the weights load (there is no model at this path); --limit -1
+    was a ValueError traceback from inside lm-eval."""
+    import eval_harness
+    with pytest.raises(SystemExit) as stopped:
+        eval_harness.main(["--hf", "/no/such/model", "--tasks", "tiny_lambada", *flags])
+    assert stopped.value.code == 2 and f"error: {message}\n" in capsys.readouterr().err
+
+
 def test_device_train_logs_eval_harness_tasks(tmp_path, tasks_dir, train_data):
     """eval_harness_tasks every eval_every steps on the training params (dp4 x mp2): eval/<task>/<metric>
     in metrics.jsonl, the same numbers eval_harness.py gives on the checkpoint saved at that step,

@@ -195,6 +195,13 @@ def test_cli_missing_config_exits_2_without_traceback(tmp_path):
     assert run.stderr == f"error: config file not found: {missing}\n"
 
 
+def test_a_device_memory_of_no_bytes_is_one_error_naming_the_flag(capsys):
+    with pytest.raises(SystemExit) as stopped:
+        planner.main(["--config", "/no/such/config.json", "--device-memory", "16", "--device-memory", "-1"])
+    assert stopped.value.code == 2
+    assert capsys.readouterr().err.endswith("error: --device-memory must be above 0 GiB; got 16 -1\n")
+
+
 def test_lora_plan_names_xla_cpus_float32_copy_of_a_bf16_base():
     """XLA:CPU multiplies bf16 in float32, converting the whole frozen base once a step: that copy
     (2x the bf16 base) is in the CPU temporaries, and is about all that separates them from float32's."""

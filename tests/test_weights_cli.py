@@ -80,6 +80,10 @@ def test_bad_inputs_exit_2_with_a_message(tmp_path, capsys):
     assert "no config.json" in capsys.readouterr().err
     assert to_hf_weights.main(["--input-ckpt", str(tmp_path / "none"), "--output-path", str(tmp_path / "o")]) == 2
     assert "no complete checkpoint" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as stopped:  # at parse time: 0 or less wrote one file per tensor
+        to_hf_weights.main(["--input-ckpt", "c", "--output-path", str(tmp_path / "o"), "--max-shard-gb", "0"])
+    assert stopped.value.code == 2 and capsys.readouterr().err.endswith("error: --max-shard-gb must be above 0; got 0\n")
+    assert not (tmp_path / "o").exists()
 
 
 _PEAK_RSS = ("import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True, stdout=subprocess.DEVNULL, "
