@@ -168,22 +168,24 @@ def main(argv=None):
     if args.json:
         machine.report(description, results, True)
     else:
-        print_profile(args, results)
+        print_profile(results)
 
 
-def print_profile(args, results: dict) -> None:
-    """The text report: each layer's time for one request, the batch layer's split, first tokens."""
-    print(f"one greedy request: prompt {args.prompt_tokens} tokens, {args.new} new; random GPT-J 4x512, "
-          f"vocab 50,400, fp32, {os.cpu_count()} CPU cores; median of {args.repeats}")
+def print_profile(results: dict) -> None:
+    """The text report, from the results alone: each layer's time for one request, the batch
+    layer's split, first tokens."""
+    req = results["request"]
+    print(f"one greedy request: prompt {req['prompt_tokens']} tokens, {req['new_tokens']} new; random GPT-J 4x512, "
+          f"vocab 50,400, fp32, {os.cpu_count()} CPU cores; median of {req['repeats']}")
     for name, t in results["layers_s"].items():
-        print(f"  {name:45s} {t * 1e3:8.1f} ms  {args.new / t:7.1f} tok/s")
+        print(f"  {name:45s} {t * 1e3:8.1f} ms  {req['new_tokens'] / t:7.1f} tok/s")
     med = results["batch_split_s"]
     print(f"  batch split: admission (prefill + first token) {med['admit'] * 1e3:.1f} ms, "
-          f"{-(-(args.new - 1) // args.chunk)} decode calls {med['decode'] * 1e3:.1f} ms, "
+          f"{-(-(req['new_tokens'] - 1) // req['chunk'])} decode calls {med['decode'] * 1e3:.1f} ms, "
           f"host bookkeeping {med['host'] * 1e3:.1f} ms")
     print(f"  streamed: first event after {results['streamed_first_event_s'] * 1e3:.1f} ms")
     for label, t in results["first_token_s_prefix_cache"].items():
-        print(f"  time to first token, {args.shared_prefix}-token shared prefix + {args.prompt_tokens} own, "
+        print(f"  time to first token, {req['shared_prefix']}-token shared prefix + {req['prompt_tokens']} own, "
               f"prefix cache {label}: {t * 1e3:.1f} ms")
 
 
