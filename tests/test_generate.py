@@ -528,7 +528,7 @@ def test_decode_windows_start_where_their_cache_weighs_a_share_of_the_weights(ti
     two) whose keys and values, for the rows it computes, weigh WINDOW_SHARE of the weights a step
     reads. The tiny model's 151,040 bytes of weights (all but the untied embedding table) against
     512 bytes a slot (2 layers, k and v, 4 heads of 8, float32) leave the 16-slot bucket at the
-    default 1/64; at 1/2 the floor is 128 slots for one row, 64 for two. A batch then decodes HF's
+    default 1/64; at 1/4 the floor is 64 slots for one row, 32 for two. A batch then decodes HF's
     greedy tokens with every call over at least its floor, and a server's warm-up compiles no
     window below it."""
     from mesh_transformer import host_memory, parallel
@@ -538,15 +538,15 @@ def test_decode_windows_start_where_their_cache_weighs_a_share_of_the_weights(ti
     assert gen.slot_bytes == 512 == sum(x.nbytes for x in (*state.cache.k, *state.cache.v)) // (2 * 64)
     assert gen.weight_bytes == 151_040 == parallel.bytes_of(gen.params) - parallel.bytes_of(gen.params["gptj/embed"])
     assert [gen.min_window(rows) for rows in (1, 2, 4)] == [16, 16, 16]
-    monkeypatch.setattr(decoding, "WINDOW_SHARE", 1 / 2)
+    monkeypatch.setattr(decoding, "WINDOW_SHARE", 1 / 4)
     floors = {rows: gen.min_window(rows) for rows in (1, 2, 4)}
-    assert floors == {1: 128, 2: 64, 4: 32}
+    assert floors == {1: 64, 2: 32, 4: 16}
 
     calls, decode = [], gen.decode
     monkeypatch.setattr(gen, "decode", lambda state, steps, first=0, window=None, rows=None, limit=None, **kw: (
         calls.append((window, rows)), decode(state, steps, first, window, rows, limit, **kw))[1])
     prompts, options = [[5, 6, 7, 8, 9], [11, 12, 13]], [greedy(), SamplingOptions(max_new_tokens=NEW - 4, temperature=0.0)]
-    batch = generate.Batch(gen, 2, 256, chunk=4)
+    batch = generate.Batch(gen, 2, 64, chunk=4)  # (without the floor: 16-slot windows at first)
     seqs = [gen.sequences([p], o)[0] for p, o in zip(prompts, options)]
     batch.admit(seqs)
     while batch.active():
@@ -558,8 +558,8 @@ def test_decode_windows_start_where_their_cache_weighs_a_share_of_the_weights(ti
 
     calls.clear()
     monkeypatch.setattr(host_memory, "memory_maps", lambda: (0, 65530))  # the suite's own maps kept out
-    Engine(gen, None, max_batch=2, slots=256, chunk=4, prefix_cache_tokens=0).warmup((20,))
-    assert calls[-5:] == [(64, 2), (128, 1), (128, 2), (256, 1), (256, 2)]  # after its prompts' own decoding
+    Engine(gen, None, max_batch=2, slots=64, chunk=4, prefix_cache_tokens=0).warmup((20,))
+    assert calls[-3:] == [(32, 2), (64, 1), (64, 2)]  # after its prompts' own decoding
     assert all(window >= floors[rows] for window, rows in calls), calls
 
 
