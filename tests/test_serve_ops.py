@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -191,3 +192,7 @@ def test_sigterm_drains_running_requests_refuses_new_ones_and_exits_0(long_model
     assert [c["finish_reason"] for e in short.events[:-2] for c in e["choices"]][-1] == "length"
     assert long.events[-1]["error"]["type"] == "server_shutting_down" and "[DONE]" not in long.events
     assert 2 <= elapsed < 20
+    # warm-up compiled the decode windows from the floor (32 slots for one row, 16 for two: this
+    # model's weights are light beside its cache) to the whole 2,048 and logged it
+    warmed = re.search(r"warm-up took [\d.]+ s: (.*) programs compiled", proc.stderr.read())
+    assert warmed and {kind: int(n) for n, kind in (p.split() for p in warmed[1].split(", "))}.get("decode") == 15

@@ -27,6 +27,7 @@ vocabulary, L layers, N heads, H head dim.
 """
 from __future__ import annotations
 
+import collections
 import functools
 import gc
 import logging
@@ -405,6 +406,7 @@ class Generator:
         self.slot_bytes = 2 * config.layers * config.cache_heads(self.mp) * config.head_dim * itemsize  # a row's
         self.specs = state_specs(config.layers)
         self.shapes: set[tuple] = set()  # programs compiled so far (see `_note`)
+        self.compiled: collections.Counter = collections.Counter()  # programs compiled, by kind (never cleared)
         self.shardings = parallel.named(mesh, self.specs)
         kv = (KV_SPEC,) * config.layers
         prefill_specs = (self.param_specs, P(parallel.DP, None), P(parallel.DP), P(parallel.DP))
@@ -905,6 +907,7 @@ class Generator:
             if not host_memory.room_for_programs():
                 self.drop_programs()
             self.shapes.add(key)
+            self.compiled[program] += 1
             log.info("compiling %s for %s", program, ", ".join(f"{k}={v}" for k, v in shape.items()))
 
     def drop_programs(self) -> None:

@@ -190,8 +190,15 @@ class Engine:
         Call before `start`; otherwise the first requests of each shape wait for the compiler
         (prefill compiles once per group-size bucket and prompt-length bucket).
         A classifier's engine compiles its classification passes instead: 1, 2, 4, .. `max_batch`
-        prompts of each length.
+        prompts of each length. Logs what it compiled and how long it took.
         """
+        started, before = time.monotonic(), collections.Counter(self.gen.compiled)
+        self._warm_up(prompt_tokens, shared_prefix)
+        programs = self.gen.compiled - before
+        log.info("warm-up took %.1f s%s", time.monotonic() - started,
+                 f": {', '.join(f'{n} {kind}' for kind, n in programs.items())} programs compiled" if programs else "")
+
+    def _warm_up(self, prompt_tokens: Iterable[int], shared_prefix: int) -> None:
         if not self.generates:
             from mesh_transformer.evaluate.scoring import scorer_for
             for length in prompt_tokens:
