@@ -59,8 +59,8 @@ MIN_BUCKET = 16
 # A decode call's window of the cache is at least the slots whose keys and values (of the rows it
 # computes) weigh this share of the weights a step reads: below it a smaller window saves less
 # than a percent or two of the step (the 4 x 512 GPT-J of 2,048 positions, 2 rows: 515 tok/s over
-# 16 slots or 128, 504 over 256), while every window size is one more program to compile (about a
-# second each on a 2-core CPU, mostly the sampling's fixed cost) and to hold under the process's
+# 16 slots or 128, 504 over 256), while every window size is one more program to compile (1-3 s
+# each on a 2-core CPU, mostly a fixed cost: sampling, the loop) and to hold under the process's
 # limit of memory maps.
 WINDOW_SHARE = 1 / 64
 # XLA:CPU hands matmuls to YNNPACK by default. For the decode step's few-row float32 matmuls its
@@ -444,7 +444,8 @@ class Generator:
         """The fewest cache slots a decode call of `rows` rows attends to (a power of two, at least
         MIN_BUCKET): the most whose keys and values weigh at most WINDOW_SHARE of the weights a
         step reads. A server's first steps and short requests then share the programs of longer
-        ones: a 4 x 512 GPT-J of 2,048 positions compiles 9 decode programs for 1 and 2 rows, not 16."""
+        ones: a 4 x 512 GPT-J (GPT-2's vocabulary) of 2,048 positions compiles 11 decode programs
+        for 1 and 2 rows (floors of 128 and 64 slots), not 16."""
         floor = int(self.weight_bytes * WINDOW_SHARE) // max(1, rows * self.slot_bytes)
         return max(MIN_BUCKET, 1 << max(0, floor.bit_length() - 1))
 

@@ -225,13 +225,14 @@ class Engine:
                     self._warm([shared + own(mine) for _ in range(n)], options)  # reads them
                 n *= 2
         # Decode attends to a window of the cache bucketed to powers of two (Generator.min_window ..
-        # slots) and computes the rows up to the last running one, bucketed (1 .. max_batch); a long request would
-        # otherwise compile each size on its way (seconds each, mid-request). Rows behind the shared
-        # prefix also read its pool slots (bucketed): those programs too. What does not fit under
-        # the process's limit of memory maps is left out (see `_room`), so the windows the warmed
-        # prompts decode over come first, smallest first, and the smaller ones (shorter prompts)
-        # after them: at Debian's limit a float32 server warmed `--warmup 128 160` used to fill it
-        # with windows of 16-64 slots and compiled its 64-row, 256-slot decode mid-traffic.
+        # slots) and computes the rows up to the last running one, bucketed (1 .. max_batch); a
+        # long request would otherwise compile each size on its way (seconds each, mid-request).
+        # Rows behind the shared prefix also read its pool slots (bucketed): those programs too.
+        # What does not fit under the process's limit of memory maps is left out (see `_room`), so
+        # the windows the warmed prompts decode over come first, smallest first, and the smaller
+        # ones (shorter prompts) after them: at Debian's limit a float32 server warmed `--warmup
+        # 128 160` used to fill it with windows of 16-64 slots and compiled its 64-row, 256-slot
+        # decode mid-traffic.
         readings = [None] + self._warm_readings(prompt_tokens, shared_prefix, longest)
         rows = sorted({self.batch.row_bucket(r) for r in range(1, self.batch.size + 1)})
         slots = self.batch.slots
