@@ -139,9 +139,7 @@ def main(argv=None):
         check_grammar(flag, grammar, model.tokenizer, model.config.padded_vocab(model.mesh.shape["mp"]))
         gen = model.generator(matvec=True)  # one prompt at a time; the weights held once
         gen.check_generates()  # (a classifier does not)
-        if args.max_new_tokens >= model.config.seq:
-            raise ConfigError(f"--max-new-tokens {args.max_new_tokens}: at most {model.config.seq - 1} for this "
-                              f"model (its context is {model.config.seq} tokens, the prompt's included)")
+        cli.check_new_tokens("--max-new-tokens", args.max_new_tokens, model.config.seq)
         options = checked_options(args, model.eos_token_ids, model.config.seq, grammar)
     if status.code:
         return status.code

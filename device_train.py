@@ -35,14 +35,13 @@ def main(argv=None) -> int:
     host_memory.keep_freed_memory()
     if args.cpu_devices:  # must happen before jax is imported
         cli.simulate_cpu_devices(args.cpu_devices)
-    from mesh_transformer.config import ConfigError, load_config
+    from mesh_transformer.config import load_config
     from mesh_transformer.train.loop import TrainRun
 
     with cli.user_errors() as status:
         config = load_config(args.config)
-        if args.sample and args.sample_tokens >= config.model.seq:  # found before training, not after it
-            raise ConfigError(f"--sample-tokens {args.sample_tokens}: at most {config.model.seq - 1} for this model "
-                              f"(its context is {config.model.seq} tokens, the prompt's included)")
+        if args.sample:  # found before training, not after it
+            cli.check_new_tokens("--sample-tokens", args.sample_tokens, config.model.seq)
         run = TrainRun(config, cli.run_options(args))
         state = run.train()
     if status.code:

@@ -43,8 +43,8 @@ def main(argv=None):
         parser.error("--with-base compares the base with --lora-modules adapters: pass --lora-modules")
     cli.check_at_least(parser, [("--num-fewshot", args.num_fewshot, 0), ("--batch-size", args.batch_size, 1),
                                 ("--max-gen-toks", args.max_gen_toks, 1), ("--bootstrap-iters", args.bootstrap_iters, 0)])
-    if args.limit is not None and not args.limit > 0:  # lm-eval's islice would raise a ValueError deep inside
-        parser.error(f"--limit must be above 0 (examples per task, or a fraction of them below 1); got {args.limit:g}")
+    # (a --limit of 0 or less: lm-eval's islice raised a ValueError deep inside)
+    cli.check_above_zero(parser, [("--limit", args.limit, " (examples per task, or a fraction of them below 1)")])
     host_memory.keep_freed_memory()
 
     import jax

@@ -33,8 +33,7 @@ def main(argv=None) -> int:
     p.add_argument("--cpu", action="store_true", help="run on the CPU (the conversion never needs an accelerator)")
     p.add_argument("--debug", action="store_true", help="print each tensor as it is written")
     args = p.parse_args(argv)
-    if not args.max_shard_gb > 0:  # 0 or less wrote one file per tensor
-        p.error(f"--max-shard-gb must be above 0; got {args.max_shard_gb:g}")
+    cli.check_above_zero(p, [("--max-shard-gb", args.max_shard_gb, "")])  # 0 or less wrote one file per tensor
     if args.cpu:
         os.environ["JAX_PLATFORMS"] = "cpu"  # before jax is imported
     from mesh_transformer.io import hf, mtj_v1, remote

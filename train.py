@@ -38,9 +38,9 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     cli.check_at_least(p, [("--local-hosts", args.local_hosts, 1), ("--cpu-devices", args.cpu_devices, 1),
                            ("--max-restarts", args.max_restarts, 0)])
-    for flag, seconds in (("--step-timeout", args.step_timeout), ("--startup-timeout", args.startup_timeout)):
-        if not seconds > 0:  # 0 would time out every step, each timeout a restart, until the run gave up
-            p.error(f"{flag} must be above 0 seconds; got {seconds:g}")
+    # (--step-timeout 0 would time out every step, each timeout a restart, until the run gave up)
+    cli.check_above_zero(p, [("--step-timeout", args.step_timeout, " seconds"),
+                             ("--startup-timeout", args.startup_timeout, " seconds")])
     return args
 
 

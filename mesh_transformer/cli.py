@@ -45,6 +45,21 @@ def check_at_least(parser: argparse.ArgumentParser, checks) -> None:
             parser.error(f"{flag} must be at least {least}; got {value}")
 
 
+def check_above_zero(parser: argparse.ArgumentParser, checks) -> None:
+    """`parser.error` for the first (flag, value, unit) whose value is not above 0 (None passes):
+    "--flag must be above 0<unit>; got <value>"."""
+    for flag, value, unit in checks:
+        if value is not None and not value > 0:
+            parser.error(f"{flag} must be above 0{unit}; got {value:g}")
+
+
+def check_new_tokens(flag: str, tokens: int, context: int) -> None:
+    """UserError unless `tokens` new tokens fit a model of `context` positions beside a prompt."""
+    if tokens >= context:
+        raise UserError(f"{flag} {tokens}: at most {context - 1} for this model (its context is {context} tokens, "
+                        f"the prompt's included)")
+
+
 def simulate_cpu_devices(n: int) -> None:
     """Ask XLA for n CPU devices (try a dp x mp layout on a laptop); only effective before jax is imported."""
     os.environ.update(cpu_devices_env(n))

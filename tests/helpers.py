@@ -249,6 +249,18 @@ ONE_CASE_PER_FAMILY = ["gptj", "gpt_neox", "llama_gqa2_llama3_rope", "gpt2", "op
                        "starcoder2_window"]
 
 
+def refusal(main, argv, capsys) -> str:
+    """Run a tool's `main(argv)` on input it must refuse: exit code 2 (parser.error's SystemExit, or
+    the code `main` returns) -> what it wrote to stderr."""
+    try:
+        code = main(argv)
+    except SystemExit as stopped:
+        code = stopped.code
+    err = capsys.readouterr().err
+    assert code == 2, err
+    return err
+
+
 def one_device_env(**extra: str) -> dict:
     """os.environ for a script the test starts as a user runs it, on one CPU device (the suite's other
     XLA flags kept), plus `extra`."""

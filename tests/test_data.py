@@ -9,7 +9,7 @@ import zstandard
 
 import create_finetune_dataset
 from mesh_transformer.io import storage
-from helpers import word_tokenizer
+from helpers import refusal, word_tokenizer
 from mesh_transformer.data import BuildConfig, Dataset, DatasetError, Loader, build_dataset, segment_ids
 from mesh_transformer.io.tokenizer import load_tokenizer
 
@@ -186,9 +186,9 @@ def test_bad_input_exits_2_and_writes_nothing(tmp_path, capsys, content, name, m
                                                ("--n-repack-epochs", "-1", 1), ("--min-unique-tokens", "-5", 0)])
 def test_a_size_out_of_range_is_one_error_naming_its_flag(tmp_path, capsys, flag, value, least):
     (tmp_path / "in.txt").write_text(DOCS[0])
-    with pytest.raises(SystemExit) as stopped:
-        create_finetune_dataset.main([str(tmp_path / "in.txt"), "ds", "--output-dir", str(tmp_path / "out"), flag, value])
-    assert stopped.value.code == 2 and f"error: {flag} must be at least {least}; got {value}\n" in capsys.readouterr().err
+    argv = [str(tmp_path / "in.txt"), "ds", "--output-dir", str(tmp_path / "out"), flag, value]
+    err = refusal(create_finetune_dataset.main, argv, capsys)
+    assert f"error: {flag} must be at least {least}; got {value}\n" in err
     assert not (tmp_path / "out").exists()
 
 

@@ -12,6 +12,7 @@ import pytest
 from mesh_transformer import models
 from mesh_transformer import plan as planner
 from mesh_transformer.config import ConfigError, config_from_dict, load_config
+from tests.helpers import refusal
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -196,10 +197,8 @@ def test_cli_missing_config_exits_2_without_traceback(tmp_path):
 
 
 def test_a_device_memory_of_no_bytes_is_one_error_naming_the_flag(capsys):
-    with pytest.raises(SystemExit) as stopped:
-        planner.main(["--config", "/no/such/config.json", "--device-memory", "16", "--device-memory", "-1"])
-    assert stopped.value.code == 2
-    assert capsys.readouterr().err.endswith("error: --device-memory must be above 0 GiB; got 16 -1\n")
+    argv = ["--config", "/no/such/config.json", "--device-memory", "16", "--device-memory", "-1"]
+    assert refusal(planner.main, argv, capsys).endswith("error: --device-memory must be above 0 GiB; got 16 -1\n")
 
 
 def test_lora_plan_names_xla_cpus_float32_copy_of_a_bf16_base():

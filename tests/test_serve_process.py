@@ -17,7 +17,7 @@ import pytest
 
 from mesh_transformer import host_memory
 from mesh_transformer.generate import SamplingOptions
-from tests.helpers import one_device_env
+from tests.helpers import one_device_env, refusal
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KEY = "process-key"
@@ -215,12 +215,8 @@ def test_a_flag_no_server_runs_with_is_one_error_naming_it(flags, message, capsy
     adapters' files before the base."""
     import device_serve
     monkeypatch.setenv(host_memory.ENV, "system")  # the malloc settings left alone, should a check come after them
-    try:
-        code = device_serve.main(["--hf", "/no/such/model", *flags])
-    except SystemExit as stopped:
-        code = stopped.code
-    err = capsys.readouterr().err
-    assert code == 2 and f"error: {message}\n" in err, err
+    err = refusal(device_serve.main, ["--hf", "/no/such/model", *flags], capsys)
+    assert f"error: {message}\n" in err, err
 
 
 def test_timeout_flag_answers_504(servers):

@@ -24,6 +24,7 @@ import pytest
 from mesh_transformer.generate import SamplingOptions
 from mesh_transformer.generate.structured import JSON_DUMPS, Grammar
 from mesh_transformer.serve.reasoning import ANY_ANSWER
+from tests.helpers import refusal
 from tests.serving import KEY, client, engine, url  # noqa: F401 - fixtures
 
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"enum": [1, 2, 3]}},
@@ -383,9 +384,8 @@ def test_device_sample_follows_a_choice_and_names_a_bad_flag(gen, tiny, capsys):
                            (["--repetition-penalty", "0"], "--repetition-penalty must be > 0, got 0.0")):
         assert device_sample.main(argv + flags) == 2  # before any prompt is read, not a traceback after it
         assert capsys.readouterr().err == f"error: {message}\n"
-    with pytest.raises(SystemExit) as stopped:
-        device_sample.main(argv + ["--chunk", "0"])
-    assert stopped.value.code == 2 and "error: --chunk must be at least 1 decode step; got 0\n" in capsys.readouterr().err
+    err = refusal(device_sample.main, argv + ["--chunk", "0"], capsys)
+    assert "error: --chunk must be at least 1 decode step; got 0\n" in err
     assert device_sample.main(argv + ["--regex", "a(b"]) == 2
     assert "--regex: " in capsys.readouterr().err
     assert device_sample.main(argv + ["--json-schema", "no-such.schema.json"]) == 2
