@@ -261,6 +261,18 @@ def refusal(main, argv, capsys) -> str:
     return err
 
 
+def in_pieces(stream, pieces, tries: int = 4):
+    """What `stream()` returned the first time `pieces(it)` counted more than one piece (else the
+    last try's): a server hands a stream's reader all the text made since it last read, so a
+    reader that falls behind the engine on a loaded machine can get a whole short reply at once;
+    the engine side of this is pinned deterministically in test_serve."""
+    for _ in range(tries):
+        got = stream()
+        if pieces(got) > 1:
+            break
+    return got
+
+
 def one_device_env(**extra: str) -> dict:
     """os.environ for a script the test starts as a user runs it, on one CPU device (the suite's other
     XLA flags kept), plus `extra`."""

@@ -14,9 +14,12 @@ import numpy as np
 import pytest
 
 from mesh_transformer.generate import SamplingOptions
+from mesh_transformer.generate.batching import Sequence
 from mesh_transformer.serve import Engine, create_app
 from mesh_transformer.serve import engine as engine_module
-from tests.helpers import NEW
+from mesh_transformer.serve.engine import Request
+from mesh_transformer.serve.openai import deltas
+from tests.helpers import NEW, in_pieces
 from tests.serving import KEY, LIMIT, client, engine, library_text, start_server, url, wait_idle  # noqa: F401
 
 
@@ -32,10 +35,38 @@ def test_openai_client_completion(client, gen, tiny):
 def test_openai_client_stream_adds_up(client):
     kw = dict(model="tiny", prompt="Pack my box", max_tokens=NEW, temperature=0)
     whole = client.completions.create(**kw).choices[0]
-    chunks = list(client.completions.create(stream=True, **kw))
+    chunks = in_pieces(lambda: list(client.completions.create(stream=True, **kw)), len)
     assert len(chunks) > 1
     assert "".join(c.choices[0].text for c in chunks) == whole.text
     assert chunks[-1].choices[0].finish_reason == whole.finish_reason
+
+
+def test_a_stream_sends_each_update_its_reader_wakes_for(tiny):
+    """`deltas` driven by hand, as the engine thread drives it: a delta for each update the reader
+    wakes for, the updates made before it wakes as one, text that may begin a stop string held back
+    until it does not, the stop string never sent."""
+    ids = tiny.tokenizer.encode("The quick brown fox jumps over")
+    assert [tiny.tokenizer.decode([i]) for i in ids[:10]] == \
+        ["The", " quick", " b", "r", "ow", "n", " f", "ox", " jump", "s"]
+    seq = Sequence([5], SamplingOptions(max_new_tokens=16, stop=(" jumps",)), 32, tiny.tokenizer)
+
+    async def read():
+        request = Request([seq], asyncio.get_running_loop())
+        stream = deltas(request)
+        got = []
+        for updates in ([ids[0:2]], [ids[2:4], ids[4:6]], [ids[6:9]], [ids[9:11]]):
+            for tokens in updates:
+                seq.extend(tokens, None, None, None)
+                request.notify()
+            got.append(await anext(stream))
+        with pytest.raises(StopAsyncIteration):
+            await anext(stream)
+        return got
+
+    got = asyncio.run(read())
+    assert [(d.text, d.lo, d.hi, d.finish_reason) for d in got] == [
+        ("The quick", 0, 2, None), (" brown", 2, 6, None), (" fox", 6, 9, None), ("", 9, 9, "stop")]
+    assert seq.text == "The quick brown fox" and seq.kept_tokens() == 8
 
 
 def test_openai_client_stop_sequence(client):

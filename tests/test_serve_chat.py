@@ -13,6 +13,7 @@ import openai
 import pytest
 
 from mesh_transformer.serve import PLAIN_TEMPLATE, ChatTemplate, create_app
+from tests.helpers import in_pieces
 from tests.serving import KEY, client, engine, library_text, start_server, url, wait_idle  # noqa: F401
 
 HI = [{"role": "user", "content": "hi"}]
@@ -62,7 +63,8 @@ def test_chat_stream_adds_up_to_the_whole_answer(client):
     # happened to end after them a 10-token answer came out in one piece
     kw = dict(model="tiny", messages=HI, max_tokens=12, temperature=0)
     whole = client.chat.completions.create(**kw)
-    chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    chunks = in_pieces(lambda: list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw)),
+                       lambda got: len([c for c in got if c.choices and c.choices[0].delta.content]))
     assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].choices[0].delta.content == ""
     assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
     pieces = [c.choices[0].delta.content or "" for c in chunks if c.choices]

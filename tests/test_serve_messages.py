@@ -23,7 +23,7 @@ import pytest
 from mesh_transformer.generate.structured import JSON_DUMPS, Grammar
 from mesh_transformer.serve import create_app, messages, reasoning, tools
 from mesh_transformer.serve.chat import Shape, StreamedReply
-from tests.helpers import END_THINK_ID, THINK_ID
+from tests.helpers import END_THINK_ID, THINK_ID, in_pieces
 from tests.serving import (CHAT_TOOLS, KEY, THINKS, WEATHER_PARAMETERS, chat_servers, library, start_server,
                            template_ids)
 
@@ -45,6 +45,10 @@ def client(base: str, key: str = KEY) -> anthropic.Anthropic:
 
 def user(text: str) -> list[dict]:
     return [{"role": "user", "content": text}]
+
+
+def text_deltas(events) -> list:
+    return [e for e in events if e.type == "content_block_delta"]
 
 
 def streamed(c: anthropic.Anthropic, **kw):
@@ -126,11 +130,10 @@ def test_a_stream_is_anthropics_events_and_builds_the_same_message(servers, tiny
     c = client(servers["plain"])
     kw = dict(model="tiny", messages=user("Pack my box"), max_tokens=12, extra_body=GREEDY)
     whole = c.messages.create(**kw)
-    final, events = streamed(c, **kw)
+    final, events = in_pieces(lambda: streamed(c, **kw), lambda got: len(text_deltas(got[1])))
     assert dumped(final) == dumped(whole)
     expected = library(tiny_long, template_ids(tiny, user("Pack my box")), 12).text
-    assert "".join(e.delta.text for e in events if e.type == "content_block_delta") == expected
-    assert len([e for e in events if e.type == "content_block_delta"]) > 1
+    assert "".join(e.delta.text for e in text_deltas(events)) == expected and len(text_deltas(events)) > 1
     start = events[0].message.usage  # the prompt's tokens are known when the stream starts
     assert (start.input_tokens, start.cache_read_input_tokens) == (final.usage.input_tokens,
                                                                    final.usage.cache_read_input_tokens)
@@ -264,9 +267,9 @@ def test_a_named_tool_is_a_tool_use_block_whose_input_streams(servers, tiny_long
     assert (block.type, block.name, block.input, m.stop_reason) == (
         "tool_use", "get_weather", json.loads(expected.text), "tool_use")
     jsonschema.validate(block.input, WEATHER_PARAMETERS)
-    final, events = streamed(c, **kw)
+    final, events = in_pieces(lambda: streamed(c, **kw), lambda got: len(text_deltas(got[1])))
     assert dumped(final) == dumped(m)
-    pieces = [e.delta.partial_json for e in events if e.type == "content_block_delta"]
+    pieces = [e.delta.partial_json for e in text_deltas(events)]
     assert len(pieces) > 1 and "".join(pieces) == expected.text
     cut = c.messages.create(**{**kw, "max_tokens": 3})  # cut inside the input: what of it is whole
     assert (cut.stop_reason, cut.content[0].input) == (

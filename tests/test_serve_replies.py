@@ -23,7 +23,7 @@ from mesh_transformer.generate import SamplingOptions
 from mesh_transformer.generate.structured import JSON_DUMPS, Grammar
 from mesh_transformer.serve import PLAIN_TEMPLATE, create_app, reasoning, tools
 from mesh_transformer.serve.chat import Shape, StreamedReply
-from tests.helpers import COMMA, END_THINK_ID, THINK_ID  # tiny_long's vocabulary (tests/conftest.py)
+from tests.helpers import COMMA, END_THINK_ID, THINK_ID, in_pieces  # tiny_long's vocabulary (tests/conftest.py)
 from tests.serving import KEY, start_server
 
 WEATHER = {"type": "function", "function": {
@@ -251,10 +251,14 @@ def test_a_named_tool_choice_returns_that_call_with_arguments_of_its_schema(serv
     [again] = whole.choices[0].message.tool_calls
     assert (again.function.name, again.function.arguments) == ("get_weather", text)
     assert whole.choices[0].finish_reason == "stop"
-    with httpx.stream("POST", f"{servers[None]}/v1/chat/completions", timeout=60, headers={"Authorization": f"Bearer {KEY}"},
-                      json={**kw, "stream": True}) as raw:  # the chunks themselves: OpenAI's shape
-        events = [json.loads(line[6:]) for line in raw.iter_lines() if line.startswith("data: {")]
-    deltas = [e["choices"][0]["delta"]["tool_calls"][0] for e in events if e["choices"][0]["delta"].get("tool_calls")]
+
+    def call_deltas():  # the chunks themselves: OpenAI's shape
+        with httpx.stream("POST", f"{servers[None]}/v1/chat/completions", timeout=60,
+                          headers={"Authorization": f"Bearer {KEY}"}, json={**kw, "stream": True}) as raw:
+            events = [json.loads(line[6:]) for line in raw.iter_lines() if line.startswith("data: {")]
+        return [e["choices"][0]["delta"]["tool_calls"][0] for e in events if e["choices"][0]["delta"].get("tool_calls")]
+
+    deltas = in_pieces(call_deltas, len)
     assert len(deltas) > 1 and deltas[0]["index"] == 0 and deltas[0]["type"] == "function"
     assert deltas[0]["id"].startswith("call_") and deltas[0]["function"]["name"] == "get_weather"
     assert all(set(d) == {"index", "function"} and set(d["function"]) == {"arguments"} for d in deltas[1:])
@@ -506,7 +510,8 @@ def test_a_reasoning_parser_returns_the_thinking_as_reasoning(long_engine, tiny_
         assert "</think>" not in expected and choice.finish_reason == "length"
         assert choice.message.content is None
         assert field(choice.message, "reasoning") == field(choice.message, "reasoning_content") == expected
-        chunks = list(c.chat.completions.create(stream=True, **kw))
+        chunks = in_pieces(lambda: list(c.chat.completions.create(stream=True, **kw)),
+                           lambda got: len([ch for ch in got if ch.choices and field(ch.choices[0].delta, "reasoning")]))
         pieces = [field(ch.choices[0].delta, "reasoning") or "" for ch in chunks if ch.choices]
         assert "".join(pieces) == expected and len([p for p in pieces if p]) > 1
         assert all(not ch.choices[0].delta.content for ch in chunks if ch.choices)

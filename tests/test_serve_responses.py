@@ -20,7 +20,7 @@ from mesh_transformer.generate import SamplingOptions
 from mesh_transformer.generate.structured import JSON_DUMPS, Grammar
 from mesh_transformer.serve import create_app, reasoning, responses, tools
 from mesh_transformer.serve.chat import Shape, StreamedReply
-from tests.helpers import END_THINK_ID
+from tests.helpers import END_THINK_ID, in_pieces
 from tests.serving import (CHAT_TOOLS, KEY, THINKS, WEATHER_PARAMETERS, chat_servers, library, start_server,
                            template_ids)
 
@@ -75,6 +75,10 @@ def rebuilt(events) -> list[dict]:
             assert item == e.item.model_dump(exclude_none=True)
     assert sorted(items) == list(range(len(items)))
     return [items[i] for i in range(len(items))]
+
+
+def argument_deltas(events) -> list[str]:
+    return [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
 
 
 def raw_events(base: str, body: dict) -> list[tuple[str, dict]]:
@@ -144,7 +148,8 @@ def test_a_stream_is_openais_typed_events_and_rebuilds_the_same_response(servers
         assert [lp.token for lp in other] == [lp.token for lp in logprobs]
         assert [lp.logprob for lp in other] == pytest.approx([lp.logprob for lp in logprobs], abs=1e-5)
 
-    raw = raw_events(servers["plain"], {**kw, "input": "Pack my box"})
+    raw = in_pieces(lambda: raw_events(servers["plain"], {**kw, "input": "Pack my box"}),
+                    lambda got: [name for name, _ in got].count("response.output_text.delta"))
     names = [name for name, _ in raw]
     assert [data["type"] for _, data in raw] == names
     assert [data["sequence_number"] for _, data in raw] == list(range(len(raw)))
@@ -328,9 +333,9 @@ def test_a_named_tool_choice_is_a_function_call_item_streamed_as_argument_deltas
         "function_call", "get_weather", expected.text, "completed", "completed")
     assert call.call_id.startswith("call_") and call.id.startswith("fc_")
     jsonschema.validate(json.loads(call.arguments), WEATHER_PARAMETERS)
-    final, events = streamed(c, **kw)
+    final, events = in_pieces(lambda: streamed(c, **kw), lambda got: len(argument_deltas(got[1])))
     assert without_ids(final) == without_ids(r)
-    deltas = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    deltas = argument_deltas(events)
     assert len(deltas) > 1 and "".join(deltas) == expected.text
     [done] = [e for e in events if e.type == "response.function_call_arguments.done"]
     assert (done.arguments, done.item_id) == (expected.text, final.output[0].id)
