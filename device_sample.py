@@ -128,16 +128,19 @@ def main(argv=None):
     loading.add_model_args(parser)
     parser.add_argument("--prompt", action="append", help="prompt (repeatable); default: read stdin")
     add_sampling_args(parser)
+    cli.add_speculate_args(parser)
     args = parser.parse_args(argv)
     if args.chunk < 1:
         parser.error(f"--chunk must be at least 1 decode step; got {args.chunk}")
+    cli.check_speculate(parser, args)
     host_memory.keep_freed_memory()
 
     with cli.user_errors(ValueError) as status:  # (SamplingOptions' checks of the sampling flags)
         flag, grammar = grammar_from_args(args)
         model = loading.from_args(args)
         check_grammar(flag, grammar, model.tokenizer, model.config.padded_vocab(model.mesh.shape["mp"]))
-        gen = model.generator(matvec=True)  # one prompt at a time; the weights held once
+        # one prompt at a time; the weights held once
+        gen = model.generator(matvec=True, speculate=args.speculate, lookup_ngram=args.lookup_ngram)
         gen.check_generates()  # (a classifier does not)
         cli.check_new_tokens("--max-new-tokens", args.max_new_tokens, model.config.seq)
         options = checked_options(args, model.eos_token_ids, model.config.seq, grammar)

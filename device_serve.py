@@ -37,7 +37,9 @@ def check_ranges(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
         ("--admit-tokens", args.admit_tokens, 1), ("--max-batch", args.max_batch, 1), ("--slots", args.slots, 1),
         ("--max-queue", args.max_queue, 0), ("--max-request-bytes", args.max_request_bytes, 1),
         ("--responses-kept", args.responses_kept, 0), ("--warmup-prefix", args.warmup_prefix, 0),
+        ("--speculate-rows", args.speculate_rows, 1),
         *(("--warmup", n, 1) for n in args.warmup or ())])
+    cli.check_speculate(parser, args)
     if args.gather_ms < 0:
         parser.error(f"--gather-ms must be at least 0; got {args.gather_ms:g}")
     if not args.timeout > 0 or not args.drain_timeout >= 0:
@@ -153,6 +155,11 @@ def main(argv=None):
                              "{lora_name} (vLLM's API; also on with vLLM's $" + serve.RUNTIME_LORA_ENV + "=True). The paths are "
                              "read on this machine: set --api-key where clients are not trusted. The bank then "
                              "holds every linear layer but the head, so later adapters may adapt any of those")
+    cli.add_speculate_args(parser).add_argument(
+        "--speculate-rows", type=int, default=1, metavar="N",
+        help="speculate in decode calls of at most N rows (default: 1, a request alone): the rows share the "
+             "cache's write index, so a pass keeps as many tokens as the row that kept the fewest, while "
+             "each row's drafts cost compute")
     args = parser.parse_args(argv)
     check_ranges(parser, args)
     host_memory.keep_freed_memory()
@@ -185,7 +192,8 @@ def main(argv=None):
         runtime = args.enable_runtime_lora
         slots = args.max_loras or (1 if runtime and not adapters else None)
         generator = model.generator(adapters=adapters, slots=slots, rank=args.max_lora_rank, every_linear=runtime,
-                                    host=args.max_cpu_loras)
+                                    host=args.max_cpu_loras, speculate=args.speculate, lookup_ngram=args.lookup_ngram,
+                                    speculate_rows=args.speculate_rows)
         chat_template = pathlib.Path(args.chat_template).read_text(encoding="utf-8") if args.chat_template else None
         if labels is None and args.hf and model.config.classifier:
             labels = hf.label_names(args.hf)

@@ -122,7 +122,8 @@ MATVEC_ROWS = 1  # up to this batch Generator(matvec=True), as device_sample.py;
 
 def bench_ours(model, batch: int, prompt_len: int, new: int, server: Optional[tuple[int, int, int]] = None,
                prefix_cache: bool = False, sampling: Optional[dict] = None, quantize: Optional[str] = None,
-               shared_prefix: int = 0, fuse: bool = True):
+               shared_prefix: int = 0, fuse: bool = True, speculate: int = 0, lookup_ngram: int = 3, prompt=None,
+               outputs: Optional[list] = None):
     """Compile, then -> (a callable decoding once: decode tokens/s, details of the calls so far).
 
     `server` (rows, slots, chunk): decode as device_serve.py does, the `batch` sequences in the
@@ -133,7 +134,9 @@ def bench_ours(model, batch: int, prompt_len: int, new: int, server: Optional[tu
     prompt starts with the same this many tokens, cached by one request decoded before each timed
     admission, as a server holds a system prompt (the admission reads them from the pool);
     `sampling`: SamplingOptions' temperature, top_k, top_p, min_p (default greedy); `quantize`:
-    Generator(quantize=...); `fuse`: Generator(fuse=...)."""
+    Generator(quantize=...); `fuse`: Generator(fuse=...); `speculate`, `lookup_ngram`: Generator's (the
+    details' `tokens_per_pass`: decode tokens over passes of the model); `prompt`: every row's prompt
+    (default: random tokens, new ones each run); `outputs`: a list each run's tokens are appended to."""
     import jax
 
     from mesh_transformer import kernels
@@ -141,12 +144,14 @@ def bench_ours(model, batch: int, prompt_len: int, new: int, server: Optional[tu
     from mesh_transformer.generate.prefix import PrefixCache, default_tokens
 
     matvec = True if batch <= MATVEC_ROWS and server is None else None
-    gen = Generator(model.config, model.params, model.mesh, matvec=matvec, quantize=quantize, fuse=fuse)
+    gen = Generator(model.config, model.params, model.mesh, matvec=matvec, quantize=quantize, fuse=fuse,
+                    speculate=speculate, lookup_ngram=lookup_ngram)
     rng = np.random.RandomState(0)
     options = SamplingOptions(max_new_tokens=new, **(sampling or {"temperature": 0.0}))
     prefix = PrefixCache(gen, default_tokens(gen.config, server[1])) if server and prefix_cache else None
     shared = rng.randint(0, 50000, shared_prefix if prefix is not None else 0).tolist()
-    prompts = lambda n: [shared + p for p in rng.randint(0, 50000, (n, prompt_len)).tolist()]  # noqa: E731
+    prompts = lambda n: ([list(prompt)] * n if prompt is not None else  # noqa: E731
+                         [shared + p for p in rng.randint(0, 50000, (n, prompt_len)).tolist()])
 
     def once():
         seqs = gen.sequences(prompts(batch), options)
@@ -161,18 +166,24 @@ def bench_ours(model, batch: int, prompt_len: int, new: int, server: Optional[tu
         t0 = time.perf_counter()
         b.admit(seqs)
         t1 = time.perf_counter()
+        passes = gen.row_passes
         while b.active():
             b.step()  # without `server`, the whole decode loop: one compiled call
         t2 = time.perf_counter()
         assert all(len(s.tokens) == new for s in seqs)
+        details["tokens_per_pass"] = batch * (new - 1) / (gen.row_passes - passes)
+        if outputs is not None:
+            outputs.append([s.tokens for s in seqs])
         return t1 - t0, t2 - t1
 
+    details = {}
+
     once()  # compile
-    details = {"weights": "inputs-last" if gen.inputs_last else "inputs-first", "fused": gen.layout.fused,
+    details.update({"weights": "inputs-last" if gen.inputs_last else "inputs-first", "fused": gen.layout.fused,
                "kernels": kernels.available(),
                "quantize": quantize, "weight_bytes": gen.weight_bytes,
                "server_batch": server, "prefix_cache": prefix is not None, "shared_prefix": len(shared),
-               "prefill_ms": []}
+               "speculate": speculate, "prefill_ms": []})
 
     def measure() -> float:
         prefill_s, decode_s = once()
@@ -198,23 +209,32 @@ def quantization_agreement(model, quantize: str, prompts: int = 64, prompt_len: 
             "mean_abs_first_logprob_diff": float(np.mean(gaps)) if gaps else None}
 
 
-def bench_hf(torch_model, batch: int, prompt_len: int, new: int, dtype: str, sampling: Optional[dict] = None):
+def bench_hf(torch_model, batch: int, prompt_len: int, new: int, dtype: str, sampling: Optional[dict] = None,
+             lookup: Optional[tuple[int, int]] = None, prompt=None, outputs: Optional[list] = None):
     """-> a callable timing transformers' decode once (generate(new) - generate(1)): decode tokens/s.
-    `sampling` as bench_ours' (transformers' top_k 0 and top_p 1 filter nothing, as ours; min_p None)."""
+    `sampling` as bench_ours' (transformers' top_k 0 and top_p 1 filter nothing, as ours; min_p None);
+    `lookup` (tokens, n-gram): its prompt lookup decoding (`prompt_lookup_num_tokens`,
+    `max_matching_ngram_size`; batch 1); `prompt`: every row's prompt (default: random tokens);
+    `outputs`: a list each run's new tokens are appended to."""
     import torch
 
     model = torch_model.to(getattr(torch, dtype))
-    tokens = torch.randint(0, 50000, (batch, prompt_len), generator=torch.Generator().manual_seed(0))
+    tokens = (torch.tensor([list(prompt)] * batch) if prompt is not None else
+              torch.randint(0, 50000, (batch, prompt_len), generator=torch.Generator().manual_seed(0)))
     sampled = sampling is not None and sampling.get("temperature", 1.0) > 0
     how = ({"do_sample": False} if not sampled else
            {"do_sample": True, **sampling, "min_p": sampling.get("min_p") or None})
+    if lookup:
+        how.update(prompt_lookup_num_tokens=lookup[0], max_matching_ngram_size=lookup[1])
 
     def run(n):
         t = time.perf_counter()
         with torch.no_grad():
             out = model.generate(tokens, attention_mask=torch.ones_like(tokens), use_cache=True,
                                  max_new_tokens=n, min_new_tokens=n, pad_token_id=0, **how)
-        assert out.shape[1] == prompt_len + n
+        assert out.shape[1] == tokens.shape[1] + n
+        if outputs is not None and n == new:
+            outputs.append(out[:, tokens.shape[1]:].tolist())
         return time.perf_counter() - t
 
     run(2)

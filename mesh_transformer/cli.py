@@ -1,5 +1,6 @@
 """What the command-line tools share: one way to report a user's error, the run flags of
-`device_train.py` and `train.py`, and simulated CPU devices.
+`device_train.py` and `train.py`, the speculative decoding flags of `device_sample.py` and
+`device_serve.py`, and simulated CPU devices.
 
     def main(argv=None) -> int:
         args = parser.parse_args(argv)
@@ -58,6 +59,25 @@ def check_new_tokens(flag: str, tokens: int, context: int) -> None:
     if tokens >= context:
         raise UserError(f"{flag} {tokens}: at most {context - 1} for this model (its context is {context} tokens, "
                         f"the prompt's included)")
+
+
+def add_speculate_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    g = parser.add_argument_group("speculative decoding (prompt lookup)")
+    g.add_argument("--speculate", type=int, default=0, metavar="K",
+                   help="each decode step also checks K tokens drafted from the text so far (the tokens that "
+                        "followed the latest earlier occurrence of its last --lookup-ngram .. 1 tokens): the same "
+                        "output, faster where text repeats (code, quotes, summaries). Each draft position costs "
+                        "compute: start at 2 on a CPU (default: 0, off)")
+    g.add_argument("--lookup-ngram", type=int, default=3, metavar="N",
+                   help="the longest run of last tokens a draft looks up (default: 3)")
+    return g
+
+
+def check_speculate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    from mesh_transformer.generate.decode import MAX_SPECULATE
+    if not 0 <= args.speculate <= MAX_SPECULATE:
+        parser.error(f"--speculate must be in [0, {MAX_SPECULATE}] draft tokens a step; got {args.speculate}")
+    check_at_least(parser, [("--lookup-ngram", args.lookup_ngram, 1)])
 
 
 def simulate_cpu_devices(n: int) -> None:

@@ -56,11 +56,12 @@ def wait_until_up(proc: subprocess.Popen, url: str) -> None:
 @pytest.fixture(scope="module")
 def servers(tiny):
     """Two servers started together: the batching flags (and a tool-call parser), and a 1 ms --timeout
-    (every request expires)."""
+    (every request expires; and speculative decoding's flags)."""
     started = [launch(tiny.path, "--max-batch", str(MAX_BATCH), "--chunk", str(CHUNK), "--join-chunk", str(JOIN_CHUNK),
                       "--slots", str(SLOTS), "--tool-call-parser", "hermes", "--embedding-pooling", "cls",
                       "--no-embedding-normalize"),
-               launch(tiny.path, "--timeout", "0.001")]
+               launch(tiny.path, "--timeout", "0.001", "--speculate", "3", "--lookup-ngram", "2",
+                      "--speculate-rows", "2")]
     try:
         for proc, url in started:
             wait_until_up(proc, url)
@@ -188,6 +189,9 @@ def test_chunk_is_the_decode_steps_between_streamed_events(http, gen, tiny):
     (("--drain-timeout", "-1"), "--timeout must be above 0 and --drain-timeout at least 0 seconds; got 300 and -1"),
     (("--join-chunk", "0"), "--chunk and --join-chunk must be at least 1 decode step; got 8 and 0"),
     (("--admit-tokens", "0"), "--admit-tokens must be at least 1; got 0"),
+    (("--speculate", "17"), "--speculate must be in [0, 16] draft tokens a step; got 17"),
+    (("--speculate", "2", "--lookup-ngram", "0"), "--lookup-ngram must be at least 1; got 0"),
+    (("--speculate", "2", "--speculate-rows", "0"), "--speculate-rows must be at least 1; got 0"),
     (("--gather-ms", "-5"), "--gather-ms must be at least 0; got -5"),
     (("--prefix-cache-tokens", "8", "--prefix-block", "16"),
      "--prefix-cache-tokens must be 0 (off) or at least --prefix-block (16), and --prefix-block at least 1; "
@@ -226,6 +230,10 @@ def test_timeout_flag_answers_504(servers):
     assert r.status_code == 504 and "timed out after 0.001 s" in r.json()["error"]["message"]
     r = httpx.post(f"{url}/v1/embeddings", json={"input": "hi"}, headers=headers, timeout=120)
     assert r.status_code == 504 and "timed out after 0.001 s" in r.json()["error"]["message"]
+    assert httpx.get(f"{url}/health").json()["speculate"] == {"draft_tokens": 3, "lookup_ngram": 2, "max_rows": 2,
+                                                              "row_passes": 0}
+    _, plain = servers[0]
+    assert httpx.get(f"{plain}/health").json()["speculate"] is None
 
 
 def test_embedding_flags_pool_the_first_state_unnormalised(http, tiny):

@@ -8,6 +8,8 @@
     decode.py     the KV-cache state and the compiled prefill/decode programs (`Generator`)
     batching.py   requests joining and leaving the rows of a batch (`Sequence`, `Batch`)
     structured.py grammars a row's text must match (JSON schema, regex, choices, Lark/GBNF) as per-step token masks
+    lookup.py     drafts from a row's own text for speculative decoding (`Generator(speculate=k)`)
+    prefix.py     the prefix cache: prompt blocks' keys and values kept for later prompts
 """
 from mesh_transformer.generate.batching import Batch, Sequence  # noqa: F401
 from mesh_transformer.generate.decode import (DecodeState, Emitted, Generator, bucket, state_specs)  # noqa: F401

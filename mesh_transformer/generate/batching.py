@@ -239,7 +239,8 @@ class Batch:
         """A batch just big enough for `seqs` all at once (bucketed shapes)."""
         longest = max(len(s.prompt) for s in seqs)
         new = bucket(max(s.options.max_new_tokens for s in seqs))
-        return cls(gen, bucket(len(seqs), 1), bucket(longest + new), chunk or new)
+        slots = max(bucket(longest + new), longest + new + gen.speculate)  # (drafts' slots past the last token)
+        return cls(gen, bucket(len(seqs), 1), slots, chunk or new)
 
     def active(self) -> list[int]:
         return [r for r, s in enumerate(self.rows) if s is not None]
@@ -255,6 +256,7 @@ class Batch:
         longest = max(len(s.prompt) for s in seqs)
         need = max([s.options.max_new_tokens - 1 for s in seqs] +
                    [self.rows[r].options.max_new_tokens - len(self.rows[r].tokens) for r in active])
+        need += self.gen.speculate  # a pass writes the draft's slots past the tokens it keeps
         if active and self.index >= longest and self.index + need <= self.slots:
             return self.index  # no move needed
         in_use = self.index - self._first_slot(active) if active else 0
@@ -364,7 +366,8 @@ class Batch:
         first = self._first_slot(active)
         need = max(self.rows[r].options.max_new_tokens - len(self.rows[r].tokens) for r in active)
         rows = self.row_bucket(max(active) + 1)
-        size = min(max(bucket(self.index + min(self.chunk, need) - first), self.gen.min_window(rows)), self.slots)
+        size = min(max(bucket(self.index + min(self.chunk, need) + self.gen.speculate - first),
+                       self.gen.min_window(rows)), self.slots)
         return min(first, self.slots - size), size, rows
 
     def _first_slot(self, active: list[int]) -> int:

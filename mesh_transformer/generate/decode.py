@@ -19,6 +19,9 @@ every mp shard samples the same token from the whole vocabulary.
 One row per sequence is cheap next to the weights each step reads, and it keeps sampling exact:
 top-p needs the sorted full distribution, which a vocab-parallel top-k only approximates.
 
+With `speculate=k` a pass of the model checks k tokens each row drafts from its own text besides
+its last one (`lookup`, `accept`): the same tokens in fewer passes where text repeats.
+
 Compiles are bounded by buckets: batch rows, prompt length, cache slots and chunk length are
 powers of two (`bucket`), so a new prompt length rarely means a new program.
 
@@ -41,7 +44,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from mesh_transformer import host_memory, kernels, lora, models, parallel
 from mesh_transformer.config import ConfigError, ModelConfig
-from mesh_transformer.generate import structured
+from mesh_transformer.generate import lookup, structured
 from mesh_transformer.generate.sampling import (EOS, LENGTH, MAX_EOS, MAX_LOGIT_BIAS, MAX_STOPS, RUNNING, STOP,
                                                 STOP_TOKENS, TOP_LOGPROBS, RowOptions, SamplingOptions, choose,
                                                 constrain, log_probs, penalize, steer, stop_hit, _none)
@@ -79,6 +82,10 @@ DECODE_CPU_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
 # float32 keeps one row (XLA:CPU's matvec reads weights faster than its 2-row matmul), and so does
 # bfloat16 on CPU where `kernels` built its bf16 product (which reads one row's weights at memory speed).
 MIN_ROWS_16BIT = 2
+# Speculative decoding (`Generator(speculate=k)`, `lookup`): at most this many draft tokens a step,
+# drafted from the longest of a row's last LOOKUP_NGRAM .. 1 tokens seen before.
+MAX_SPECULATE = 16
+LOOKUP_NGRAM = 3
 
 
 def bucket(n: int, minimum: int = MIN_BUCKET) -> int:
@@ -145,6 +152,9 @@ class DecodeState(NamedTuple):
     seen: Any  # [B, V] bool: in the prompt or output (repetition penalty)
     recent: Any  # [B, STOP_TOKENS] last output tokens (stop sequences); -2 before any
     allowed: Any  # [B, W] int32: a guided row's allowed next tokens, a bit each (`structured`); the host writes it
+    history: Any  # [B, C] int32: each row's prompt and output by position, for drafts (`lookup`; C = 0 without)
+    length: Any  # [B] int32: how many of them are the row's
+    passes: Any  # [B] int32: passes of the model the last decode call made while the row ran
 
 
 class Emitted(NamedTuple):
@@ -154,6 +164,44 @@ class Emitted(NamedTuple):
     logprob: Any  # log p(token) under the model (before penalties, temperature and truncation); NaN if no row asked
     top_ids: Any  # [..., TOP_LOGPROBS]
     top_logprobs: Any
+
+
+def accept(state: DecodeState, logits, draft) -> tuple[DecodeState, Emitted, Any]:
+    """Speculative decoding's check (`lookup`): logits [B, 1+k, V] of each row's last token and its
+    k `draft` tokens [B, k] -> (the state after the tokens kept, Emitted [1+k, B], how many a
+    row kept). Each row's sampling chooses a token at each position in turn, as one-at-a-time
+    decoding would, while the tokens chosen so far are the draft's; every row then keeps as many as
+    the running row that kept the fewest (its first token, and one more for each draft token
+    chosen), as they share the write index. A row that finished on the way does not hold the others
+    back (it keeps what it chose up to its end)."""
+    per_position = jnp.swapaxes(logits, 0, 1)  # [1+k, B, V]
+    drafted = jnp.concatenate([jnp.swapaxes(draft, 0, 1), jnp.full((1, draft.shape[0]), lookup.NO_DRAFT)])
+    running = ~state.done
+
+    def check(carry, at):
+        probe, going, kept = carry
+        logits, drafted = at
+        probe, e = emit(probe, logits, going)
+        kept = kept + going
+        return (probe, going & ~probe.done & (e.token == drafted), kept), None
+
+    zeros = jnp.zeros_like(state.n_generated)
+    (probe, _, kept), _ = jax.lax.scan(check, (state, running, zeros), (per_position, drafted))
+    held_back = running & ~probe.done  # a row that ended keeps its tokens up to its end whatever the rest keep
+    fewest = jax.lax.pmin(jnp.min(jnp.where(held_back, kept, per_position.shape[0])), parallel.DP)
+
+    def take(s, at):
+        i, logits = at
+        return emit(s, logits, ~s.done & running & (i < fewest))
+
+    state, out = jax.lax.scan(take, state, (jnp.arange(per_position.shape[0]), per_position))
+    return state, out, fewest
+
+
+def _recorded(state: DecodeState, tokens) -> DecodeState:
+    """`state` with each row's new tokens [B, n] (-1: none) after its history (`lookup.record`)."""
+    history, length = lookup.record(state.history, state.length, tokens)
+    return state._replace(history=history, length=length)
 
 
 def emit(state: DecodeState, logits, active) -> tuple[DecodeState, Emitted]:
@@ -212,7 +260,8 @@ def state_specs(layers: int) -> DecodeState:
         cache=KVCache(kv, kv, row, P(), row),
         rows=RowOptions(**{**dict.fromkeys(RowOptions._fields, row), "eos": row2, "bias_ids": row2, "bias": row2,
                            "stops": P(parallel.DP, None, None)}),
-        last=row, done=row, n_generated=row, reason=row, counts=row2, seen=row2, recent=row2, allowed=row2)
+        last=row, done=row, n_generated=row, reason=row, counts=row2, seen=row2, recent=row2, allowed=row2,
+        history=row2, length=row, passes=row)
 
 
 def _write_entry(bank: dict, updates: dict, entry):
@@ -368,6 +417,14 @@ class Generator:
     entry's between calls (the bank's arrays are the programs' arguments: nothing recompiles).
     Weights are then not fused (an adapter of q alone would need the fused leaf's other parts padded).
 
+    `speculate=k` (0: off): speculative decoding by prompt lookup (`lookup`): a pass of the model
+    checks each row's last token and k tokens drafted from its own text, keeping the ones its
+    sampling chooses, so the same tokens come out in fewer passes where text repeats. It applies to
+    decode calls of at most `speculate_rows` rows (default 1: a lone request): the rows share the
+    cache's write index, so a pass keeps as many tokens as the row that kept the fewest, and over
+    many rows the drafts' positions cost compute that rarely pays. `lookup_ngram`: the longest run
+    of last tokens a draft looks up.
+
     A classifier's (`ModelConfig.classifier`) Generator holds its weights for scoring passes
     (`evaluate.scoring.Scorer.classify`, the server's `/classify`) and decodes nothing: `new_state`
     and `new_pool`, where every generation starts, raise ConfigError.
@@ -376,9 +433,16 @@ class Generator:
     QUANTIZE = ("int8",)
 
     def __init__(self, config: ModelConfig, params, mesh: Mesh, matvec: Optional[bool] = None, donate: bool = False,
-                 quantize: Optional[str] = None, fuse: bool = True, adapters: Optional["AdapterSet"] = None):
+                 quantize: Optional[str] = None, fuse: bool = True, adapters: Optional["AdapterSet"] = None,
+                 speculate: int = 0, lookup_ngram: int = LOOKUP_NGRAM, speculate_rows: int = 1):
         if quantize not in (None, *self.QUANTIZE):
             raise ValueError(f"quantize must be one of {self.QUANTIZE} or None, got {quantize!r}")
+        if not 0 <= speculate <= MAX_SPECULATE:
+            raise ValueError(f"speculate: draft tokens a step must be 0 (off) .. {MAX_SPECULATE}, got {speculate}")
+        if lookup_ngram < 1 or speculate_rows < 1:
+            raise ValueError(f"lookup_ngram and speculate_rows must be at least 1, got {lookup_ngram} and {speculate_rows}")
+        self.speculate, self.lookup_ngram = speculate, lookup_ngram
+        self.speculate_rows = speculate_rows if speculate else 0
         if config.classifier and adapters is not None:
             raise ConfigError(f"a classifier (num_labels {config.num_labels}) is served whole: LoRA adapters "
                               f"of it are not (merge one first)")
@@ -407,6 +471,9 @@ class Generator:
         self.specs = state_specs(config.layers)
         self.shapes: set[tuple] = set()  # programs compiled so far (see `_note`)
         self.compiled: collections.Counter = collections.Counter()  # programs compiled, by kind (never cleared)
+        # passes of the model decode calls made, summed over the rows running in each (with
+        # `speculate`, the tokens they emitted per row-pass are 1 + the drafted ones kept)
+        self.row_passes = 0
         self.shardings = parallel.named(mesh, self.specs)
         kv = (KV_SPEC,) * config.layers
         prefill_specs = (self.param_specs, P(parallel.DP, None), P(parallel.DP), P(parallel.DP))
@@ -622,7 +689,13 @@ class Generator:
         return DecodeState(cache, rows, i32(),
                            jnp.ones(batch, bool), i32(), i32(), jnp.zeros((batch, vocab), jnp.int32),
                            jnp.zeros((batch, vocab), bool), jnp.full((batch, STOP_TOKENS), -2, jnp.int32),
-                           jnp.zeros((batch, structured.mask_words(vocab)), jnp.int32))
+                           jnp.zeros((batch, structured.mask_words(vocab)), jnp.int32),
+                           jnp.zeros((batch, self.history_width), jnp.int32), i32(), i32())
+
+    @property
+    def history_width(self) -> int:
+        """Positions of each row's tokens the decode state keeps for drafts (0: not speculating)."""
+        return self.config.seq if self.speculate else 0
 
     def _prefill_local(self, params, tokens, start, adapter, cached_k=None, cached_v=None, offset=None, shared=None):
         """tokens [n, T] left-padded -> (last logits [n, V], k, v: per layer [n, N, C+T, H] (k: H, C+T)).
@@ -703,18 +776,26 @@ class Generator:
         admitted = DecodeState(
             None, rows, zeros, zeros.astype(bool), zeros, zeros + RUNNING, jnp.zeros((n, self.vocab), jnp.int32),
             jnp.zeros((n, self.vocab), bool).at[jnp.arange(n)[:, None], tokens].max(valid),
-            jnp.full((n, STOP_TOKENS), -2, jnp.int32), allowed)
+            jnp.full((n, STOP_TOKENS), -2, jnp.int32), allowed,
+            lookup.prompts(tokens, lengths, self.history_width), lengths, zeros)
         admitted, first = emit(admitted, logits, row_ids < batch)
+        admitted = _recorded(admitted, first.token[:, None])
         state = jax.tree.map(lambda x, new: x.at[row_ids].set(new, mode="drop"), state._replace(cache=None), admitted)
         return state._replace(cache=cache), pool, first
 
-    def _decode_local(self, params, state: DecodeState, limit, steps: int, shared: Optional[SharedPrefix] = None):
+    def _emitted_buffer(self, tokens: int, batch: int) -> Emitted:
+        out = Emitted(jnp.full((tokens, batch), -1, jnp.int32), jnp.zeros((tokens, batch)),
+                      jnp.zeros((tokens, batch, TOP_LOGPROBS), jnp.int32), jnp.zeros((tokens, batch, TOP_LOGPROBS)))
+        return jax.tree.map(lambda x: jax.lax.pcast(x, (parallel.DP,), to="varying"), out)
+
+    def _decode_local(self, params, state: DecodeState, limit, steps: int, shared: Optional[SharedPrefix] = None,
+                      speculating: bool = False):
         """Up to `limit` decode steps (`decode` keeps it <= `steps`, the emitted buffer's size),
-        stopping early once no row anywhere is running."""
+        stopping early once no row anywhere is running; `speculating`: by drafts (`_speculate_local`)."""
+        if speculating:
+            return self._speculate_local(params, state, limit, steps, shared)
         batch = state.last.shape[0]
-        out = Emitted(jnp.full((steps, batch), -1, jnp.int32), jnp.zeros((steps, batch)),
-                      jnp.zeros((steps, batch, TOP_LOGPROBS), jnp.int32), jnp.zeros((steps, batch, TOP_LOGPROBS)))
-        out = jax.tree.map(lambda x: jax.lax.pcast(x, (parallel.DP,), to="varying"), out)
+        out = self._emitted_buffer(steps, batch)
 
         def running(carry):
             i, s, _ = carry
@@ -724,8 +805,53 @@ class Generator:
             i, s, out = carry
             with parallel.adapter_bank(self.bank, s.rows.adapter):
                 logits, cache = self.model.apply(params, s.last[:, None], s.cache, shared=shared)
-            s, e = emit(s._replace(cache=cache), parallel.all_gather_mp(logits[:, -1]), ~s.done)
+            s, e = emit(s._replace(cache=cache, passes=s.passes + ~s.done), parallel.all_gather_mp(logits[:, -1]),
+                        ~s.done)
+            if self.history_width:  # a speculating generator's call of more rows: drafts later read these
+                s = _recorded(s, e.token[:, None])
             return i + 1, s, jax.tree.map(lambda o, x: o.at[i].set(x), out, e)
+
+        _, state, out = jax.lax.while_loop(running, step, (jnp.zeros((), jnp.int32), state, out))
+        return state, out
+
+    def _speculate_local(self, params, state: DecodeState, limit, steps: int, shared: Optional[SharedPrefix] = None):
+        """`_decode_local` by drafts (`lookup`): each pass feeds every row its last token and k
+        drafted ones, and all rows keep the tokens up to the first that any running row's sampling
+        did not draft (and that one): the rows share the cache's write index. A pass where no
+        running row has a draft is a plain step (the program holds both). Up to `limit` tokens a
+        row, and up to k past it (the emitted buffer holds `steps` + k)."""
+        k = self.speculate
+        out = self._emitted_buffer(steps + k, state.last.shape[0])
+
+        def running(carry):
+            n, s, _ = carry
+            return (n < limit) & (jax.lax.psum(jnp.sum(~s.done), parallel.DP) > 0)
+
+        def forward(s, tokens):
+            with parallel.adapter_bank(self.bank, s.rows.adapter):
+                logits, cache = self.model.apply(params, tokens, s.cache, shared=shared)
+            return parallel.all_gather_mp(logits), cache
+
+        def check(s, draft):  # the last token and the drafts
+            logits, cache = forward(s, jnp.concatenate([s.last[:, None], jnp.maximum(draft, 0)], axis=1))
+            return (*accept(s._replace(cache=None, history=None), logits, draft), cache)
+
+        def one(s, draft):  # no running row has a draft: a plain step
+            logits, cache = forward(s, s.last[:, None])
+            after, e = emit(s._replace(cache=None, history=None), logits[:, 0], ~s.done)
+            e = jax.tree.map(lambda x, fill: jnp.concatenate([x[None], jnp.full((k, *x.shape), fill, x.dtype)]),
+                             e, Emitted(-1, 0, 0, 0))
+            return after, e, jnp.ones((), jnp.int32), cache
+
+        def step(carry):
+            n, s, out = carry
+            draft = lookup.propose(s.history, s.length, k, self.lookup_ngram)
+            draft = jnp.where(s.rows.guided[:, None], lookup.NO_DRAFT, draft)  # a grammar masks one token ahead
+            drafting = jax.lax.psum(jnp.sum((draft[:, 0] >= 0) & ~s.done), parallel.DP) > 0
+            after, e, kept, cache = jax.lax.cond(drafting, check, one, s, draft)
+            s = _recorded(after._replace(cache=cache._replace(index=s.cache.index + kept), history=s.history,
+                                         passes=s.passes + ~s.done), e.token.T)
+            return n + kept, s, jax.tree.map(lambda o, x: jax.lax.dynamic_update_slice_in_dim(o, x, n, 0), out, e)
 
         _, state, out = jax.lax.while_loop(running, step, (jnp.zeros((), jnp.int32), state, out))
         return state, out
@@ -759,11 +885,13 @@ class Generator:
         """(One device's part of `_decode_steps`.) Decode rows 0 .. rows-1 of `state` in a copy of
         their slots first_slot .. first_slot+window-1, then write the new slots back in place."""
         full = state.cache
+        speculating = 0 < rows <= self.speculate_rows  # (`rows` of the whole batch)
         rows = min(rows, full.start.shape[0])  # under dp, `rows` is the whole batch: each shard's rows
+        state = state._replace(passes=jnp.zeros_like(state.passes))
         view = _window(full, rows, first_slot, window)
         head = jax.tree.map(lambda x: x[:rows], state._replace(cache=None))
-        part, out = self._decode_local(params, head._replace(cache=view), limit, steps, shared)
-        cache = _put_back(full, part.cache, view.index, first_slot, steps)
+        part, out = self._decode_local(params, head._replace(cache=view), limit, steps, shared, speculating)
+        cache = _put_back(full, part.cache, view.index, first_slot, steps + self.speculate)
         state = jax.tree.map(lambda whole, p: whole.at[:rows].set(p), state._replace(cache=None),
                              part._replace(cache=None))
         return state._replace(cache=cache), out
@@ -896,7 +1024,9 @@ class Generator:
         limit = steps if limit is None else min(limit, steps)
         state, out = self._decode(self.params, state, np.int32(first_slot), np.int32(limit), steps, window, rows,
                                   *(shared or ()))
-        out, done, reason, index = jax.device_get((out, state.done, state.reason, state.cache.index))
+        out, done, reason, index, passes = jax.device_get((out, state.done, state.reason, state.cache.index,
+                                                           state.passes))
+        self.row_passes += int(passes.sum())
         return state, out, done, reason, int(index)
 
     def _note(self, program: str, **shape) -> None:

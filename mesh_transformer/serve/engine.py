@@ -134,11 +134,12 @@ class Engine:
         if prefix_cache_tokens is None:
             prefix_cache_tokens = default_tokens(generator.config, slots, prefix_block) if self.generates else 0
         self._prefix = (prefix_cache_tokens, prefix_block)
-        self.batch = (Batch(generator, max_batch, slots, chunk, self._new_prefix_cache(), batch_invariant, share_prefix)
-                      if self.generates else None)
+        # (speculative decoding writes its drafts' slots past a row's last token: room for them)
+        self.batch = (Batch(generator, max_batch, slots + generator.speculate, chunk, self._new_prefix_cache(),
+                            batch_invariant, share_prefix) if self.generates else None)
         self._warm_full = False  # warm-up stopped at the process's limit of memory maps
         # prompt + output must fit a row (a classifier's pass reads the model's whole context)
-        self.context = min(generator.config.seq, self.batch.slots) if self.generates else generator.config.seq
+        self.context = min(generator.config.seq, slots) if self.generates else generator.config.seq
         self.max_new_tokens = self.context - 1
         self.max_queue = max_queue
         self.join_chunk = join_chunk
@@ -359,7 +360,14 @@ class Engine:
                     "admissions": self.admissions, "compiled_shapes": len(self.gen.shapes),
                     "draining": self.draining, "dtype": str(self.gen.config.compute_dtype),
                     "prefix_cache": prefix.stats() if prefix is not None else None,
-                    "adapters": self.adapters.stats() if self.adapters is not None else None}
+                    "adapters": self.adapters.stats() if self.adapters is not None else None,
+                    "speculate": self._speculation()}
+
+    def _speculation(self) -> Optional[dict]:
+        """Speculative decoding's settings and the passes it has made (None: off)."""
+        g = self.gen
+        return {"draft_tokens": g.speculate, "lookup_ngram": g.lookup_ngram, "max_rows": g.speculate_rows,
+                "row_passes": g.row_passes} if g.speculate else None
 
     def _active(self) -> list[int]:
         return self.batch.active() if self.generates else []
@@ -470,8 +478,9 @@ class Engine:
             for request in {id(r): r for _, r in group}.values():
                 request.notify()  # first tokens go out now, not after the decode call that follows
         if self.batch.active():
-            in_batch = [self.batch.rows[r] for r in self.batch.active()]
+            in_batch, passes = [self.batch.rows[r] for r in self.batch.active()], self.gen.row_passes
             finished += self.batch.step(self.join_chunk if group or self._left else None)
+            self.metrics.decode_row_passes.inc(self.gen.row_passes - passes)
             self._observe(in_batch)
         touched = {id(r): r for r in self._owner.values()}
         self._left, self._left_at = sum(r.finished for r in touched.values()), time.monotonic()

@@ -22,6 +22,10 @@ class Metrics:
         self.running_rows = Gauge(PREFIX + "running_rows", "Rows of the batch decoding a sequence", registry=r)
         self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens prefilled", registry=r)
         self.generation_tokens = Counter(PREFIX + "generation_tokens", "Tokens generated", registry=r)
+        self.decode_row_passes = Counter(
+            PREFIX + "decode_row_passes", "Passes of the model over a running row while it decodes: a token each "
+            "without --speculate; with it, generation_tokens / decode_row_passes - 1 is the drafted tokens a pass "
+            "kept (each row's first token comes from its prefill, not a pass)", registry=r)
         self.ttft = Histogram(PREFIX + "time_to_first_token_seconds",
                               "Seconds from a request's arrival to its first generated token (queue + prefill)",
                               buckets=TTFT_BUCKETS, registry=r)
