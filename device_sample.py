@@ -151,10 +151,13 @@ def main(argv=None):
         if seq.truncated:
             print(f"[prompt truncated: the first {seq.truncated} tokens were dropped to fit the context]",
                   file=sys.stderr)
+        passes = gen.row_passes
         for _ in gen.stream([seq], chunk=args.chunk):
             sys.stdout.write(seq.pop_text())
             sys.stdout.flush()
-        sys.stdout.write(f"\n[{len(seq.tokens)} tokens, finish: {seq.finish_reason}]\n")
+        # (with --speculate: the passes of the model after the prompt's, which gave the first token)
+        passes = f", {gen.row_passes - passes} passes" if args.speculate else ""
+        sys.stdout.write(f"\n[{len(seq.tokens)} tokens, finish: {seq.finish_reason}{passes}]\n")
 
 
 if __name__ == "__main__":

@@ -40,6 +40,9 @@ def check_ranges(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
         ("--speculate-rows", args.speculate_rows, 1),
         *(("--warmup", n, 1) for n in args.warmup or ())])
     cli.check_speculate(parser, args)
+    if args.speculate and args.batch_invariant:
+        parser.error("--speculate and --batch-invariant exclude each other: a request's passes, and so its "
+                     "rounding, would depend on whether it ran alone and on its drafts")
     if args.gather_ms < 0:
         parser.error(f"--gather-ms must be at least 0; got {args.gather_ms:g}")
     if not args.timeout > 0 or not args.drain_timeout >= 0:
@@ -157,8 +160,8 @@ def main(argv=None):
                              "holds every linear layer but the head, so later adapters may adapt any of those")
     cli.add_speculate_args(parser).add_argument(
         "--speculate-rows", type=int, default=1, metavar="N",
-        help="speculate in decode calls of at most N rows (default: 1, a request alone): the rows share the "
-             "cache's write index, so a pass keeps as many tokens as the row that kept the fewest, while "
+        help="draft in decode calls while at most N rows run (default: 1, a request alone): the rows share "
+             "the cache's write index, so a pass keeps as many tokens as the row that kept the fewest, while "
              "each row's drafts cost compute")
     args = parser.parse_args(argv)
     check_ranges(parser, args)

@@ -192,6 +192,9 @@ def test_chunk_is_the_decode_steps_between_streamed_events(http, gen, tiny):
     (("--speculate", "17"), "--speculate must be in [0, 16] draft tokens a step; got 17"),
     (("--speculate", "2", "--lookup-ngram", "0"), "--lookup-ngram must be at least 1; got 0"),
     (("--speculate", "2", "--speculate-rows", "0"), "--speculate-rows must be at least 1; got 0"),
+    (("--speculate", "2", "--batch-invariant"), "--speculate and --batch-invariant exclude each other: a request's "
+                                                "passes, and so its rounding, would depend on whether it ran alone "
+                                                "and on its drafts"),
     (("--gather-ms", "-5"), "--gather-ms must be at least 0; got -5"),
     (("--prefix-cache-tokens", "8", "--prefix-block", "16"),
      "--prefix-cache-tokens must be 0 (off) or at least --prefix-block (16), and --prefix-block at least 1; "

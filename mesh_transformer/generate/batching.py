@@ -216,11 +216,14 @@ class Batch:
     depends on that count (XLA:CPU picks kernels by shape), so a greedy answer can differ from the
     same request's answer alone where two tokens are within rounding of each other, as in vLLM.
     `batch_invariant`: every call computes all rows, so a request's tokens are bit-identical
-    whatever else runs (slower when few rows run).
+    whatever else runs (slower when few rows run; not with a speculating generator).
     """
 
     def __init__(self, generator: Generator, rows: int, slots: int, chunk: Optional[int] = 16,
                  prefix: Optional[PrefixCache] = None, batch_invariant: bool = False, share_prefix: bool = True):
+        if batch_invariant and generator.speculate:
+            raise ValueError("batch_invariant with a speculating generator: a request's passes, and so its "
+                             "rounding, would depend on whether it ran alone (speculate_rows) and on its drafts")
         self.gen = generator
         self.size, self.slots = round_up(max(rows, generator.min_rows), generator.dp), slots
         self.chunk = chunk
@@ -332,7 +335,7 @@ class Batch:
             self.state = self.gen.constrain(self.state, masks)
             limit = 1
         self.state, out, done, reason, self.index = self.gen.decode(self.state, self.chunk, *self._window(), limit,
-                                                                    shared=self._shared())
+                                                                    shared=self._shared(), running=len(self.active()))
         return finished + self._absorb(out, done, reason)
 
     def _next_masks(self) -> Optional[np.ndarray]:

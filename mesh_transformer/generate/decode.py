@@ -419,11 +419,11 @@ class Generator:
 
     `speculate=k` (0: off): speculative decoding by prompt lookup (`lookup`): a pass of the model
     checks each row's last token and k tokens drafted from its own text, keeping the ones its
-    sampling chooses, so the same tokens come out in fewer passes where text repeats. It applies to
-    decode calls of at most `speculate_rows` rows (default 1: a lone request): the rows share the
-    cache's write index, so a pass keeps as many tokens as the row that kept the fewest, and over
-    many rows the drafts' positions cost compute that rarely pays. `lookup_ngram`: the longest run
-    of last tokens a draft looks up.
+    sampling chooses, so the same tokens (up to float rounding) come out in fewer passes where text
+    repeats. It applies to decode calls while at most `speculate_rows` rows run (default 1: a lone
+    request; `decode`'s `running`): the rows share the cache's write index, so a pass keeps as many
+    tokens as the row that kept the fewest, and over many rows the drafts' positions cost compute
+    that rarely pays. `lookup_ngram`: the longest run of last tokens a draft looks up.
 
     A classifier's (`ModelConfig.classifier`) Generator holds its weights for scoring passes
     (`evaluate.scoring.Scorer.classify`, the server's `/classify`) and decodes nothing: `new_state`
@@ -494,7 +494,8 @@ class Generator:
             start=None, index=None), static_argnums=0, out_shardings=self.pool_sharding)
         self._admit = jax.jit(self._admit_rows, out_shardings=(self.shardings, self.pool_sharding, None),
                               donate_argnums=(1, 2))
-        self._decode = jax.jit(self._decode_steps, static_argnums=(4, 5, 6), donate_argnums=1,
+        self._decode = jax.jit(self._decode_steps, static_argnums=(4, 5, 6), static_argnames="speculating",
+                               donate_argnums=1,
                                out_shardings=(self.shardings, None),
                                compiler_options=DECODE_CPU_OPTIONS if on_cpu and float32 and not inputs_last else None)
         self._retire = jax.jit(lambda s, m: s._replace(done=s.done | m), out_shardings=self.shardings,
@@ -858,19 +859,20 @@ class Generator:
 
     def _decode_steps(self, params, state: DecodeState, first_slot, limit, steps: int, window: int,
                       rows: Optional[int] = None, pool: Optional[KVCache] = None, shared_slots=None,
-                      shared_positions=None):
+                      shared_positions=None, speculating: bool = False):
         """Decode rows 0 .. rows-1 (default: all) in slots first_slot .. first_slot+window-1 only:
         attention reads `window` slots, not S, and a lone request in a big batch costs one row's
         matmuls, not B's (its logits alone are [B, V]). Rows >= `rows` must not be running.
         With a prefix-cache `pool`, the rows also read its slots `shared_slots` [U] (gathered once
-        per call into a `SharedPrefix`) at positions `shared_positions` [B, U] (-1: not read)."""
+        per call into a `SharedPrefix`) at positions `shared_positions` [B, U] (-1: not read).
+        `speculating`: by drafts (`_speculate_local`)."""
         batch = state.last.shape[0]
         rows = rows or batch
         shared = None if pool is None else _shared_prefix(pool, shared_slots, shared_positions[:rows])
         shared_spec = () if shared is None else (shared_specs(len(shared.k)),)
         decode = parallel.shard_map(
             lambda p, s, first_slot, limit, *shared: self._decode_window(p, s, first_slot, limit, steps, window, rows,
-                                                                         *shared),
+                                                                         speculating, *shared),
             self.mesh, self.rules, in_specs=(self.param_specs, self.specs, P(), P()) + shared_spec,
             out_specs=(self.specs, Emitted(*([P(None, parallel.DP)] * 2), *([P(None, parallel.DP, None)] * 2))),
             layout=self.layout)
@@ -881,11 +883,10 @@ class Generator:
         return state, jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1), out)  # [B, K, ...]
 
     def _decode_window(self, params, state: DecodeState, first_slot, limit, steps: int, window: int, rows: int,
-                       shared: Optional[SharedPrefix] = None):
+                       speculating: bool, shared: Optional[SharedPrefix] = None):
         """(One device's part of `_decode_steps`.) Decode rows 0 .. rows-1 of `state` in a copy of
         their slots first_slot .. first_slot+window-1, then write the new slots back in place."""
         full = state.cache
-        speculating = 0 < rows <= self.speculate_rows  # (`rows` of the whole batch)
         rows = min(rows, full.start.shape[0])  # under dp, `rows` is the whole batch: each shard's rows
         state = state._replace(passes=jnp.zeros_like(state.passes))
         view = _window(full, rows, first_slot, window)
@@ -1002,15 +1003,19 @@ class Generator:
         return round_up(bucket(prompts, 1), self.dp)
 
     def decode(self, state, steps: int, first_slot: int = 0, window: Optional[int] = None,
-               rows: Optional[int] = None, limit: Optional[int] = None, shared=None):
-        """Up to `steps` decode steps -> (state, Emitted [B, steps], done [B], reason [B], write index).
+               rows: Optional[int] = None, limit: Optional[int] = None, shared=None, running: Optional[int] = None):
+        """Up to `steps` decode steps -> (state, Emitted [B, steps + k], done [B], reason [B], write
+        index), k = `speculate` (a speculating call's last pass may keep up to k more tokens).
 
         `limit` (default `steps`) stops the call after that many steps with the same compiled
         program: the engine takes short calls while requests are arriving (see `Batch.step`).
 
         Attention reads only slots first_slot .. first_slot+window-1 (default: all): they must hold
-        every running row's tokens and the `steps` new ones. Only rows 0 .. rows-1 (default: all)
-        are computed: no row beyond them may be running (`Batch` fills the lowest free rows first).
+        every running row's tokens, the `steps` new ones and the k slots of a speculating pass's
+        drafts after them. Only rows 0 .. rows-1 (default: all) are computed: no row beyond them may
+        be running (`Batch` fills the lowest free rows first). `running`: how many rows are running
+        (default: all of those): a speculating generator drafts in a call of at most
+        `speculate_rows` (0: it does not).
 
         `shared`: (a prefix cache's pool, slots [U], positions [B, U]): every row also attends to
         the pool's slots `slots` (the pool's size: padding), slot u at position positions[b, u] of
@@ -1018,12 +1023,13 @@ class Generator:
         """
         window = window or state.cache.slots
         batch = state.last.shape[0]
+        speculating = 0 < (running if running is not None else rows or batch) <= self.speculate_rows
         rows = batch if rows is None or self.dp > 1 else max(rows, self.min_rows)  # dp: rows split evenly
         self._note("decode", batch=batch, rows=rows, slots=state.cache.slots, steps=steps, window=window,
-                   shared=0 if shared is None else len(shared[1]))
+                   shared=0 if shared is None else len(shared[1]), **({"speculating": speculating} if self.speculate else {}))
         limit = steps if limit is None else min(limit, steps)
         state, out = self._decode(self.params, state, np.int32(first_slot), np.int32(limit), steps, window, rows,
-                                  *(shared or ()))
+                                  *(shared or ()), speculating=speculating)
         out, done, reason, index, passes = jax.device_get((out, state.done, state.reason, state.cache.index,
                                                            state.passes))
         self.row_passes += int(passes.sum())

@@ -1258,9 +1258,12 @@ class Embedding(hk.Module):
         return parallel.psum_mp(jnp.where(here[..., None], x, 0))
 
     def positions(self, positions, seq: int, d: int, dtype, offset: int = 0, init_std: float = 0.01):
-        """Learned absolute position embeddings [B, T, D] (GPT-2; OPT keeps `offset` = 2 rows before position 0)."""
+        """Learned absolute position embeddings [B, T, D] (GPT-2; OPT keeps `offset` = 2 rows before position 0).
+        Positions past the table take its last row: a speculative pass's drafts near the end of the
+        context, or a finished row of a batch, compute them and keep nothing of them (an index past
+        the table would read NaN, whose keys and values would poison the masked-out slots' sums)."""
         table = parallel.param("pos_embeddings", (seq + offset, d), ("seq", "embed"), normal(init_std), dtype, decay=True)
-        return take_rows(table, positions + offset)
+        return take_rows(table, jnp.minimum(positions, seq - 1) + offset)
 
     def projection(self, dtype, n_vocab: int) -> tuple[Callable, jax.Array]:
         """The tied output projection as (a pure function of (table, x [B, T, width]) -> local

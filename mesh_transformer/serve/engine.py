@@ -242,11 +242,13 @@ class Engine:
                         for i in range(slots.bit_length()) for r in rows},
                        key=lambda call: (call[0] < held, call))
         for window, r in calls:
-            for reading in readings:
-                if not self._room(f"decode over {window} slots"):
-                    break
-                self.batch.state, *_ = self.gen.decode(self.batch.state, self.batch.chunk, 0, window, r,
-                                                       shared=reading)  # none runs
+            # a speculating generator's calls of r rows draft while few of them run (see Generator.decode)
+            for running in (1, r) if self.gen.speculate and r > self.gen.speculate_rows else (r,):
+                for reading in readings:
+                    if not self._room(f"decode over {window} slots"):
+                        break
+                    self.batch.state, *_ = self.gen.decode(self.batch.state, self.batch.chunk, 0, window, r,
+                                                           shared=reading, running=running)  # none runs
         if self._room("cache moves"):
             self.batch.state = self.gen.warm_moves(self.batch.state)  # admission moves the running rows' slots
         if self.batch.prefix is not None:
