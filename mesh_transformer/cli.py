@@ -74,10 +74,11 @@ def add_speculate_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGro
 
 
 def check_speculate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    from mesh_transformer.generate.decode import MAX_SPECULATE
+    from mesh_transformer.generate.decode import MAX_LOOKUP_NGRAM, MAX_SPECULATE
     if not 0 <= args.speculate <= MAX_SPECULATE:
         parser.error(f"--speculate must be in [0, {MAX_SPECULATE}] draft tokens a step; got {args.speculate}")
-    check_at_least(parser, [("--lookup-ngram", args.lookup_ngram, 1)])
+    if not 1 <= args.lookup_ngram <= MAX_LOOKUP_NGRAM:
+        parser.error(f"--lookup-ngram must be in [1, {MAX_LOOKUP_NGRAM}] tokens; got {args.lookup_ngram}")
 
 
 def simulate_cpu_devices(n: int) -> None:

@@ -73,8 +73,9 @@ def test_speculative_greedy_equals_transformers(tiny, speculative, sharded, mesh
 
 
 def expected_passes(prompt: list[int], out: list[int], k: int, ngram: int, start: int = 1) -> int:
-    """Passes of the model (after the first `start` tokens: the prefill's) that prompt lookup as
-    transformers' `prompt_lookup_num_tokens` describes it takes to produce `out`, written out plainly."""
+    """Passes of the model (after the first `start` tokens: the prefill's) that prompt lookup (the
+    longest tail of up to `ngram` tokens, its latest earlier occurrence) takes to produce `out`,
+    written out plainly."""
     history, done, passes = list(prompt) + out[:start], start, 0
     while done < len(out):
         draft = []
@@ -207,18 +208,20 @@ def test_a_speculative_server_answers_as_transformers(tiny):
     assert [s.cached_tokens for s in behind] == [0, 7]  # (a prefill computes 16 tokens at least)
 
 
-def test_a_speculating_servers_warm_up_compiles_what_its_traffic_decodes_with(tiny, monkeypatch):
-    """Calls of 2 rows draft while one of them runs (a request alone in row 1 once row 0's ended)
-    and not while both do: warm-up compiles both programs for each window, so no traffic after it
-    compiles a decode program."""
+@pytest.mark.parametrize("rows", [1, 2], ids=["speculate_rows1", "speculate_rows2"])
+def test_a_speculating_servers_warm_up_compiles_what_its_traffic_decodes_with(tiny, monkeypatch, rows):
+    """A call of 1 row drafts; of 2 rows, with --speculate-rows 1, never (its second row's drafts
+    would cost compute: a request alone in row 1 once row 0's ended decodes a token a pass), with
+    --speculate-rows 2 always: warm-up compiles a program for each rows bucket and window (16, 32
+    and 34 slots), and no traffic after it compiles a decode program."""
     from mesh_transformer import host_memory
     monkeypatch.setattr(host_memory, "memory_maps", lambda: (0, 65530))  # the suite's own maps kept out
     config, params = hf.load_hf(tiny.path, mp=1, compute_dtype="float32")
-    gen = Generator(config, params, mesh(1, 1), speculate=2)
+    gen = Generator(config, params, mesh(1, 1), speculate=2, speculate_rows=rows)
     engine = Engine(gen, tiny.tokenizer, max_batch=2, chunk=4, prefix_cache_tokens=0)
     engine.warmup((16,))
     warmed = gen.compiled["decode"]
-    assert warmed == 3 * 3  # windows of 16, 32 and 34 slots: 1 row drafting; 2 rows, drafting and not
+    assert warmed == 2 * 3
     engine.start()
     try:
         short, long = (engine.sequence(p, SamplingOptions(max_new_tokens=n, temperature=0.0), None)
@@ -227,11 +230,13 @@ def test_a_speculating_servers_warm_up_compiles_what_its_traffic_decodes_with(ti
         while not request.finished:
             request.updated.wait()
             request.updated.clear()
+        passes = gen.row_passes
         alone = engine.generate(PROMPTS[3], greedy())
     finally:
         engine.stop()
     assert long.tokens == alone.tokens == tiny.hf_greedy(PROMPTS[3])[0]
     assert gen.compiled["decode"] == warmed
+    assert gen.row_passes - passes < NEW - 1 - 3  # alone in row 0: it drafted
 
 
 def test_learned_positions_past_the_context_keep_nothing_of_the_drafts(tmp_path):

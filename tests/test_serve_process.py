@@ -190,7 +190,7 @@ def test_chunk_is_the_decode_steps_between_streamed_events(http, gen, tiny):
     (("--join-chunk", "0"), "--chunk and --join-chunk must be at least 1 decode step; got 8 and 0"),
     (("--admit-tokens", "0"), "--admit-tokens must be at least 1; got 0"),
     (("--speculate", "17"), "--speculate must be in [0, 16] draft tokens a step; got 17"),
-    (("--speculate", "2", "--lookup-ngram", "0"), "--lookup-ngram must be at least 1; got 0"),
+    (("--speculate", "2", "--lookup-ngram", "0"), "--lookup-ngram must be in [1, 8] tokens; got 0"),
     (("--speculate", "2", "--speculate-rows", "0"), "--speculate-rows must be at least 1; got 0"),
     (("--speculate", "2", "--batch-invariant"), "--speculate and --batch-invariant exclude each other: a request's "
                                                 "passes, and so its rounding, would depend on whether it ran alone "

@@ -369,8 +369,9 @@ class Batch:
         first = self._first_slot(active)
         need = max(self.rows[r].options.max_new_tokens - len(self.rows[r].tokens) for r in active)
         rows = self.row_bucket(max(active) + 1)
-        size = min(max(bucket(self.index + min(self.chunk, need) + self.gen.speculate - first),
-                       self.gen.min_window(rows)), self.slots)
+        drafts = self.gen.speculate if self.gen.speculates(len(active), rows) else 0  # slots past the last token
+        size = min(max(bucket(self.index + min(self.chunk, need) + drafts - first), self.gen.min_window(rows)),
+                   self.slots)
         return min(first, self.slots - size), size, rows
 
     def _first_slot(self, active: list[int]) -> int:

@@ -86,6 +86,7 @@ MIN_ROWS_16BIT = 2
 # drafted from the longest of a row's last LOOKUP_NGRAM .. 1 tokens seen before.
 MAX_SPECULATE = 16
 LOOKUP_NGRAM = 3
+MAX_LOOKUP_NGRAM = 8  # (the lookup compares n shifted copies of the history for each n)
 
 
 def bucket(n: int, minimum: int = MIN_BUCKET) -> int:
@@ -423,7 +424,8 @@ class Generator:
     repeats. It applies to decode calls while at most `speculate_rows` rows run (default 1: a lone
     request; `decode`'s `running`): the rows share the cache's write index, so a pass keeps as many
     tokens as the row that kept the fewest, and over many rows the drafts' positions cost compute
-    that rarely pays. `lookup_ngram`: the longest run of last tokens a draft looks up.
+    that rarely pays. `lookup_ngram`: the longest run of last tokens a draft looks up (at most
+    MAX_LOOKUP_NGRAM).
 
     A classifier's (`ModelConfig.classifier`) Generator holds its weights for scoring passes
     (`evaluate.scoring.Scorer.classify`, the server's `/classify`) and decodes nothing: `new_state`
@@ -439,8 +441,9 @@ class Generator:
             raise ValueError(f"quantize must be one of {self.QUANTIZE} or None, got {quantize!r}")
         if not 0 <= speculate <= MAX_SPECULATE:
             raise ValueError(f"speculate: draft tokens a step must be 0 (off) .. {MAX_SPECULATE}, got {speculate}")
-        if lookup_ngram < 1 or speculate_rows < 1:
-            raise ValueError(f"lookup_ngram and speculate_rows must be at least 1, got {lookup_ngram} and {speculate_rows}")
+        if not 1 <= lookup_ngram <= MAX_LOOKUP_NGRAM or speculate_rows < 1:
+            raise ValueError(f"lookup_ngram must be 1 .. {MAX_LOOKUP_NGRAM} and speculate_rows at least 1, got "
+                             f"{lookup_ngram} and {speculate_rows}")
         self.speculate, self.lookup_ngram = speculate, lookup_ngram
         self.speculate_rows = speculate_rows if speculate else 0
         if config.classifier and adapters is not None:
@@ -691,12 +694,14 @@ class Generator:
                            jnp.ones(batch, bool), i32(), i32(), jnp.zeros((batch, vocab), jnp.int32),
                            jnp.zeros((batch, vocab), bool), jnp.full((batch, STOP_TOKENS), -2, jnp.int32),
                            jnp.zeros((batch, structured.mask_words(vocab)), jnp.int32),
-                           jnp.zeros((batch, self.history_width), jnp.int32), i32(), i32())
+                           jnp.zeros((batch, min(self.config.seq, slots) if self.speculate else 0), jnp.int32),
+                           i32(), i32())  # (a row's positions: below its slots, prompt and output in them)
 
-    @property
-    def history_width(self) -> int:
-        """Positions of each row's tokens the decode state keeps for drafts (0: not speculating)."""
-        return self.config.seq if self.speculate else 0
+    def speculates(self, running: int, rows: int) -> bool:
+        """Whether a decode call of `rows` rows (from row 0), `running` of them running, drafts:
+        while at most `speculate_rows` run, and only in calls of about that many rows (each
+        computed row's drafts cost compute, running or not)."""
+        return 0 < running <= self.speculate_rows and rows <= bucket(self.speculate_rows, 1)
 
     def _prefill_local(self, params, tokens, start, adapter, cached_k=None, cached_v=None, offset=None, shared=None):
         """tokens [n, T] left-padded -> (last logits [n, V], k, v: per layer [n, N, C+T, H] (k: H, C+T)).
@@ -778,7 +783,7 @@ class Generator:
             None, rows, zeros, zeros.astype(bool), zeros, zeros + RUNNING, jnp.zeros((n, self.vocab), jnp.int32),
             jnp.zeros((n, self.vocab), bool).at[jnp.arange(n)[:, None], tokens].max(valid),
             jnp.full((n, STOP_TOKENS), -2, jnp.int32), allowed,
-            lookup.prompts(tokens, lengths, self.history_width), lengths, zeros)
+            lookup.prompts(tokens, lengths, state.history.shape[1]), lengths, zeros)
         admitted, first = emit(admitted, logits, row_ids < batch)
         admitted = _recorded(admitted, first.token[:, None])
         state = jax.tree.map(lambda x, new: x.at[row_ids].set(new, mode="drop"), state._replace(cache=None), admitted)
@@ -808,7 +813,7 @@ class Generator:
                 logits, cache = self.model.apply(params, s.last[:, None], s.cache, shared=shared)
             s, e = emit(s._replace(cache=cache, passes=s.passes + ~s.done), parallel.all_gather_mp(logits[:, -1]),
                         ~s.done)
-            if self.history_width:  # a speculating generator's call of more rows: drafts later read these
+            if s.history.shape[1]:  # a speculating generator's call that does not draft: later drafts read these
                 s = _recorded(s, e.token[:, None])
             return i + 1, s, jax.tree.map(lambda o, x: o.at[i].set(x), out, e)
 
@@ -1004,8 +1009,8 @@ class Generator:
 
     def decode(self, state, steps: int, first_slot: int = 0, window: Optional[int] = None,
                rows: Optional[int] = None, limit: Optional[int] = None, shared=None, running: Optional[int] = None):
-        """Up to `steps` decode steps -> (state, Emitted [B, steps + k], done [B], reason [B], write
-        index), k = `speculate` (a speculating call's last pass may keep up to k more tokens).
+        """Up to `steps` decode steps -> (state, Emitted [B, steps], done [B], reason [B], write index);
+        Emitted [B, steps + k] for a call that drafts (k = `speculate`: its last pass may keep k more).
 
         `limit` (default `steps`) stops the call after that many steps with the same compiled
         program: the engine takes short calls while requests are arriving (see `Batch.step`).
@@ -1014,8 +1019,7 @@ class Generator:
         every running row's tokens, the `steps` new ones and the k slots of a speculating pass's
         drafts after them. Only rows 0 .. rows-1 (default: all) are computed: no row beyond them may
         be running (`Batch` fills the lowest free rows first). `running`: how many rows are running
-        (default: all of those): a speculating generator drafts in a call of at most
-        `speculate_rows` (0: it does not).
+        (default: all of those): whether a speculating generator drafts (`speculates`).
 
         `shared`: (a prefix cache's pool, slots [U], positions [B, U]): every row also attends to
         the pool's slots `slots` (the pool's size: padding), slot u at position positions[b, u] of
@@ -1023,7 +1027,7 @@ class Generator:
         """
         window = window or state.cache.slots
         batch = state.last.shape[0]
-        speculating = 0 < (running if running is not None else rows or batch) <= self.speculate_rows
+        speculating = self.speculates(running if running is not None else rows or batch, rows or batch)
         rows = batch if rows is None or self.dp > 1 else max(rows, self.min_rows)  # dp: rows split evenly
         self._note("decode", batch=batch, rows=rows, slots=state.cache.slots, steps=steps, window=window,
                    shared=0 if shared is None else len(shared[1]), **({"speculating": speculating} if self.speculate else {}))

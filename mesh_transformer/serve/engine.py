@@ -242,8 +242,8 @@ class Engine:
                         for i in range(slots.bit_length()) for r in rows},
                        key=lambda call: (call[0] < held, call))
         for window, r in calls:
-            # a speculating generator's calls of r rows draft while few of them run (see Generator.decode)
-            for running in (1, r) if self.gen.speculate and r > self.gen.speculate_rows else (r,):
+            # a speculating generator's call of r rows may draft while few of them run (Generator.speculates)
+            for running in sorted({1, r}) if self.gen.speculate else (r,):
                 for reading in readings:
                     if not self._room(f"decode over {window} slots"):
                         break
