@@ -62,14 +62,15 @@ def check_new_tokens(flag: str, tokens: int, context: int) -> None:
 
 
 def add_speculate_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    from mesh_transformer.generate.decode import LOOKUP_NGRAM
     g = parser.add_argument_group("speculative decoding (prompt lookup)")
     g.add_argument("--speculate", type=int, default=0, metavar="K",
                    help="each decode step also checks K tokens drafted from the text so far (the tokens that "
                         "followed the latest earlier occurrence of its last --lookup-ngram .. 1 tokens): the same "
                         "output, faster where text repeats (code, quotes, summaries). Each draft position costs "
                         "compute: start at 2 on a CPU (default: 0, off)")
-    g.add_argument("--lookup-ngram", type=int, default=3, metavar="N",
-                   help="the longest run of last tokens a draft looks up (default: 3)")
+    g.add_argument("--lookup-ngram", type=int, default=LOOKUP_NGRAM, metavar="N",
+                   help=f"the longest run of last tokens a draft looks up (default: {LOOKUP_NGRAM})")
     return g
 
 

@@ -42,7 +42,7 @@ class LoadedModel:
 
     def generator(self, matvec: Optional[bool] = None, adapters=None, slots: Optional[int] = None,
                   rank: Optional[int] = None, every_linear: bool = False, host: Optional[int] = None,
-                  speculate: int = 0, lookup_ngram: int = 3, speculate_rows: int = 1):
+                  speculate: int = 0, lookup_ngram: Optional[int] = None, speculate_rows: int = 1):
         """A `generate.Generator` that takes over the weights: they stay on the devices once, in the
         compute dtype (or `quantize`d) and the generator's layout (`params` is None afterwards).
         `adapters`: [(name, PEFT adapter directory)] served beside the base, unmerged, in a bank of
@@ -50,6 +50,7 @@ class LoadedModel:
         most `host` of them kept in host memory (`lora.adapter_set`). `speculate`, `lookup_ngram`,
         `speculate_rows`: speculative decoding by prompt lookup (`generate.lookup`)."""
         from mesh_transformer.generate import Generator
+        from mesh_transformer.generate.decode import LOOKUP_NGRAM
         bank = None
         if adapters or slots is not None or every_linear:
             from mesh_transformer import lora
@@ -57,7 +58,8 @@ class LoadedModel:
                                     every_linear, host)
         params, self.params = self.params, None
         return Generator(self.config, params, self.mesh, matvec=matvec, donate=True, quantize=self.quantize,
-                         adapters=bank, speculate=speculate, lookup_ngram=lookup_ngram, speculate_rows=speculate_rows)
+                         adapters=bank, speculate=speculate, speculate_rows=speculate_rows,
+                         lookup_ngram=LOOKUP_NGRAM if lookup_ngram is None else lookup_ngram)
 
     def as_token_classifier(self, tokens: list[str]) -> list[str]:
         """Make this language model a classifier whose scores are its logits of these tokens' (each

@@ -14,7 +14,7 @@ from mesh_transformer.generate import Generator, SamplingOptions, lookup
 from mesh_transformer.generate.structured import Grammar
 from mesh_transformer.io import hf
 from mesh_transformer.serve import Engine
-from tests.helpers import NEW, mesh
+from tests.helpers import NEW, ONE_CASE_PER_FAMILY, mesh
 from tests.test_generate import PROMPTS, assert_matches_hf, greedy
 
 K, NGRAM = 4, 3
@@ -237,6 +237,20 @@ def test_a_speculating_servers_warm_up_compiles_what_its_traffic_decodes_with(ti
     assert long.tokens == alone.tokens == tiny.hf_greedy(PROMPTS[3])[0]
     assert gen.compiled["decode"] == warmed
     assert gen.row_passes - passes < NEW - 1 - 3  # alone in row 0: it drafted
+
+
+@pytest.mark.parametrize("case", ONE_CASE_PER_FAMILY)
+def test_every_family_decodes_by_drafts_as_transformers(case, tmp_path):
+    """A case of each family (sliding windows, soft caps, mixtures, GQA, ALiBi-free rope variants,
+    learned positions): a prompt that repeats itself, so its passes check drafts from the first,
+    gives transformers' greedy tokens."""
+    from tests.helpers import hf_greedy, make_hf_model
+    model = make_hf_model(tmp_path, case)
+    config, params = hf.load_hf(tmp_path, mp=1, compute_dtype="float32")
+    gen = Generator(config, params, mesh(1, 1), speculate=K)
+    prompt = [5, 6, 7, 8, 9, 10] * 4
+    [seq] = gen.generate([prompt], SamplingOptions(max_new_tokens=NEW, temperature=0.0))
+    assert seq.tokens == hf_greedy(model, prompt, NEW)
 
 
 def test_learned_positions_past_the_context_keep_nothing_of_the_drafts(tmp_path):

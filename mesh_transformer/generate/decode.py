@@ -897,7 +897,7 @@ class Generator:
         view = _window(full, rows, first_slot, window)
         head = jax.tree.map(lambda x: x[:rows], state._replace(cache=None))
         part, out = self._decode_local(params, head._replace(cache=view), limit, steps, shared, speculating)
-        cache = _put_back(full, part.cache, view.index, first_slot, steps + self.speculate)
+        cache = _put_back(full, part.cache, view.index, first_slot, steps + (self.speculate if speculating else 0))
         state = jax.tree.map(lambda whole, p: whole.at[:rows].set(p), state._replace(cache=None),
                              part._replace(cache=None))
         return state._replace(cache=cache), out

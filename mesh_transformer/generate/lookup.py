@@ -13,8 +13,8 @@ the loops a small model falls into.
 The draft: the longest of the row's last `max_ngram` .. 1 tokens that occurred earlier in its
 prompt or output, and the k tokens that followed its latest earlier occurrence (transformers'
 `prompt_lookup_num_tokens` and vLLM's n-gram speculator take the earliest: the latest follows the
-text's most recent turn, which in a loop or a revised passage is what comes next). Each row keeps its tokens by
-position, prompt first (`history` [B, C] for a context of C, `length` [B] of them valid).
+text's most recent turn, which in a loop or a revised passage is what comes next). Each row keeps
+its tokens by position, prompt first (`history` [B, C], C its batch's slots; `length` [B] valid).
 """
 from __future__ import annotations
 
