@@ -198,8 +198,8 @@ def main(argv=None):
                                     host=args.max_cpu_loras, speculate=args.speculate, lookup_ngram=args.lookup_ngram,
                                     speculate_rows=args.speculate_rows)
         chat_template = pathlib.Path(args.chat_template).read_text(encoding="utf-8") if args.chat_template else None
-        if labels is None and args.hf and model.config.classifier:
-            labels = hf.label_names(args.hf)
+        if labels is None and model.config.classifier:  # its config's names (a HF checkpoint's id2label)
+            labels = model.config.label_names
     if status.code:
         return status.code
     engine = serve.Engine(generator, model.tokenizer,

@@ -70,6 +70,7 @@ class ModelConfig:
     scan_layers: bool = True  # False: training and scoring run the stacked layers unrolled (compile time grows with depth)
     loss_chunk: int = 0  # > 0: training's vocabulary head and loss run this many tokens at a time (memory for compute)
     num_labels: int = 0  # 0: a language model; > 0: a classifier (HF's ForSequenceClassification; 1: a reward model)
+    label_names: Optional[list] = None  # a classifier's class names by number (HF's id2label); default LABEL_i
 
     PE_CHOICES: typing.ClassVar[tuple[str, ...]] = ("rotary", "fixed", "none", "alibi")
 
@@ -122,11 +123,12 @@ class ModelConfig:
 
     def architecture(self) -> dict[str, Any]:
         """What fixes the meaning of the weights: every key but compute_dtype, remat, attention_impl,
-        scan_layers, loss_chunk and a mixture's expert_parallel (how it runs, not what it computes),
+        scan_layers, loss_chunk and a mixture's expert_parallel (how it runs, not what it computes) and
+        label_names (what a classifier's outputs are called),
         with defaults resolved; `seq` only with learned positions."""
         out = {k: v for k, v in dataclasses.asdict(self).items()
                if k not in ("compute_dtype", "remat", "attention_impl", "scan_layers", "loss_chunk", "expert_parallel",
-                            "seq")}
+                            "seq", "label_names")}
         out.update(d_head=self.head_dim, d_ff=self.ff_dim)
         if "n_kv_heads" in out and out["n_kv_heads"] is None:  # every family's default: no grouping
             out["n_kv_heads"] = self.n_heads
@@ -159,6 +161,13 @@ class ModelConfig:
         require(isinstance(self.num_labels, int) and self.num_labels >= 0, "num_labels",
                 f"must be 0 (a language model) or the classifier's label count (1: a reward model), "
                 f"got {self.num_labels!r}")
+        names = self.label_names
+        if names is not None:
+            require(self.classifier, "label_names", "names a classifier's classes: set num_labels too")
+            require(isinstance(names, list) and len(names) == self.num_labels
+                    and all(isinstance(n, str) and n for n in names) and len(set(names)) == len(names),
+                    "label_names", f"must be a list of {self.num_labels} different names, one per class "
+                                   f"(num_labels), got {json.dumps(names)}")
 
     @property
     def classifier(self) -> bool:
@@ -207,6 +216,7 @@ class TrainConfig:
     orpo: Optional[dict] = None  # {"beta"}: ORPO, no reference
     kto: Optional[dict] = None  # {"beta", "desirable_weight", "undesirable_weight", "loss_type"}: KTO, unpaired data
     reward: Optional[dict] = None  # {"center_rewards_coefficient"}: a reward model (num_labels 1) on pairs
+    classify: Optional[dict] = None  # {"problem_type"}: a classifier (num_labels > 0) on labelled texts (train/classify.py)
     bf16_optimizer: bool = False  # Adam moments in bfloat16 (the original v2's key)
     fcm_max_ratio: float = 0.0  # forgetful causal masking: mask up to this fraction of keys (training only)
     fcm_min_ratio: float = 0.0
@@ -392,7 +402,15 @@ def validate(config: Config) -> None:
                                                      f"set num_labels 1, got {m.num_labels}")
         else:
             require(not m.classifier, "num_labels",
-                    f"a classifier ({m.num_labels} labels) trains with 'reward' only, not '{t.preference}'")
+                    f"a classifier ({m.num_labels} labels) trains with 'reward' or 'classify' only, "
+                    f"not '{t.preference}'")
         for key in ("fcm_max_ratio", "z_loss", "neftune_noise_alpha"):  # of the language-model loss, which it replaces
             require(not getattr(t, key), key, f"applies to the language-model loss only; with '{t.preference}' "
+                                              f"set it to {'null' if key == 'neftune_noise_alpha' else 0}")
+    if t.classify is not None:
+        from mesh_transformer.train import classify
+        classify.ClassifyConfig.from_dict(t.classify, m.num_labels)
+        require(t.preference is None, "classify", f"trains a classifier on labelled texts: not with '{t.preference}'")
+        for key in ("fcm_max_ratio", "z_loss", "neftune_noise_alpha"):
+            require(not getattr(t, key), key, f"applies to the language-model loss only; with 'classify' "
                                               f"set it to {'null' if key == 'neftune_noise_alpha' else 0}")

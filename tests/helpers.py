@@ -123,6 +123,17 @@ class Tiny:
 # Random tiny HF models of every family (the oracle for parity tests)
 # --------------------------------------------------------------------------------------------
 
+def hf_grads_as_params(model, directory, peft_model=False, config=None):
+    """torch's gradients, written where the weights were and read back through our HF (or PEFT) import."""
+    from mesh_transformer import lora
+    from mesh_transformer.io import hf
+    for p in model.parameters():
+        if p.requires_grad:
+            p.data.copy_(p.grad)
+    model.save_pretrained(directory)
+    return lora.load_peft(str(directory), config)[1] if peft_model else hf.load_hf(str(directory))[1]
+
+
 def hf_classifier(torch_model, labels: int, path, seed: int = 3, names=None):
     """transformers' ForSequenceClassification of `torch_model`'s architecture with its weights and a
     random score head of `labels` outputs (class names `names`, default LABEL_i), padding id 0,

@@ -20,7 +20,7 @@ import pytest
 import torch
 import trl  # the oracle (requirements-dev.txt)
 
-from helpers import ONE_CASE_PER_FAMILY, make_hf_gptj, make_hf_model, mesh
+from helpers import ONE_CASE_PER_FAMILY, hf_grads_as_params, make_hf_gptj, make_hf_model, mesh
 from mesh_transformer import lora
 from mesh_transformer.config import Config, ConfigError, TrainConfig, config_from_dict
 from mesh_transformer.io.checkpoint import CheckpointManager
@@ -86,15 +86,6 @@ def randomise_adapter(model, directory):
             if "lora_B" in name:
                 p.normal_(std=0.5)
     model.save_pretrained(directory)
-
-
-def hf_grads_as_params(model, directory, peft_model=False, config=None):
-    """torch's gradients, written where the weights were and read back through our HF (or PEFT) import."""
-    for p in model.parameters():
-        if p.requires_grad:
-            p.data.copy_(p.grad)
-    model.save_pretrained(directory)
-    return lora.load_peft(str(directory), config)[1] if peft_model else hf.load_hf(str(directory))[1]
 
 
 # TRL's loss variants, each under its `DPOConfig` names: every loss type but "aot"/"aot_unpaired" (refused),
@@ -355,11 +346,12 @@ def test_reward_model_equals_trl(reward, how, tmp_path):
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (dict(num_labels=1), "num_labels 1: a classifier trains as a reward model only"),
+    (dict(num_labels=1), "num_labels 1: a classifier trains on preference pairs as a reward model "
+                        "(config key 'reward') or on labelled texts (config key 'classify')"),
     (dict(reward={}), "config key 'num_labels': 'reward' trains a reward model, a classifier of one output: set "
                       "num_labels 1, got 0"),
     (dict(num_labels=2, reward={}), "set num_labels 1, got 2"),
-    (dict(num_labels=1, dpo={}), "a classifier (1 labels) trains with 'reward' only, not 'dpo'"),
+    (dict(num_labels=1, dpo={}), "a classifier (1 labels) trains with 'reward' or 'classify' only, not 'dpo'"),
     (dict(num_labels=1, reward={"center_rewards_coefficient": -1}),
      "config key 'reward.center_rewards_coefficient' must be a number at least 0, or null, got -1"),
     (dict(num_labels=1, reward={"margin": 1}), "reward"),

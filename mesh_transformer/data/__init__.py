@@ -7,8 +7,9 @@ A dataset is a directory (local or gs://) holding
     <name>-00000.mask.npy      uint8 [n, seq], only when prompt/completion examples or conversations were given
     <name>-00000.segments.npy  uint16 [n, seq+1], with the mask (version 2): which document or
                                example of its row each token belongs to (0, 1, ... per row)
-    <name>-00000.labels.npy    uint8 [n], unpaired preferences only (version 4): 1 where the
-                               row's example is desirable
+    <name>-00000.labels.npy    uint8 [n], unpaired preferences (version 4): 1 where the row's
+                               example is desirable; float32 [n], labelled texts (version 5): the
+                               row's label (a class number, or a regression's target)
     ...
 
 Row ``r`` of a tokens shard is one training sequence; ``mask[r, t]`` weights the loss of
@@ -36,6 +37,14 @@ Unpaired preferences (``{"prompt", "completion", "label"}``, the data of KTO; ``
 make a dataset of their own too (version 4, ``"pairs": true`` and ``"labels": true``): each example
 is two rows, its own and its KL row (its prompt with the next example's completion, cut to the
 row if longer), moved together as a pair's are, and labelled.
+
+Labelled texts (``{"text", "label"}``: the text field, ``--json-key``, beside a ``label``; the
+data of a sequence classifier, ``train/classify.py``) make a dataset of their own too (version 5,
+``"classes": true``): each text is one row, tokenized as /classify tokenizes it (with the
+tokenizer's special tokens), its first ``seq`` tokens kept, masked 1 on its tokens (the positions
+the model reads; its scores are read at the last) and labelled: a class number (0, 1, ...), a
+class name (numbered by ``--label-names``' order, else the names sorted) or, for a regression, any
+number. The index records the labels' range, whether they are all class numbers, and the names.
 
 Segments: version 2 stores each token's segment with prompt/completion data, so packed examples
 stay apart even where a prompt itself contains the EOS id. Datasets without stored segments (plain
@@ -72,7 +81,8 @@ FORMAT = "mesh-transformer-dataset"
 VERSION = 2  # 2: segments stored with prompt/completion data
 PAIRS_VERSION = 3  # preference pairs; older readers, which would take the rows one by one, refuse them
 LABELS_VERSION = 4  # unpaired preferences: pairs of rows with labels, which version-3 readers would ignore
-READABLE_VERSIONS = (1, 2, 3, 4)
+CLASSES_VERSION = 5  # labelled texts: a row each, float32 labels, which version-4 readers would take for KTO's
+READABLE_VERSIONS = (1, 2, 3, 4, 5)
 EOT = "<|endoftext|>"
 SHARD_ARRAYS = ("tokens", "mask", "segments", "labels")  # a shard's files (those it has)
 INDEX_SUFFIX = ".index.json"
@@ -88,6 +98,59 @@ class DatasetError(UserError):
 
 class Text(NamedTuple):
     text: str
+
+
+class LabelledText(NamedTuple):
+    text: str
+    label: float | str  # a class number (whole, at least 0), a class name, or a regression's target
+    where: str = ""
+
+
+def _labelled_text(obj: dict, key: str, where: str) -> LabelledText:
+    """A `{"text", "label"}` record (`key`: the text field): ValueError naming the field at fault."""
+    label = obj["label"]
+    if isinstance(label, str) and label:
+        return LabelledText(obj[key], label, where)
+    if isinstance(label, bool) or not isinstance(label, (int, float)) or not np.isfinite(label):
+        raise ValueError(f"field 'label' must be a class number (0, 1, ...), a class name or, for a regression, a "
+                         f"number; got {json.dumps(label)}")
+    return LabelledText(obj[key], float(label), where)
+
+
+class _ClassNumbers:
+    """Labelled texts' labels as numbers: a number as it is; a class name by its place in
+    `--label-names` where given (a name not among them is an error naming its line), else by its
+    place among the names the data holds, sorted (as transformers' run_classification.py numbers
+    them; `numbered` renumbers what `number` gave in order of first sight). One dataset holds
+    numbers or names, not both."""
+
+    def __init__(self, given: list[str] | None):
+        self.given = list(given) if given else None
+        self.seen: dict[str, int] = {}  # name -> its number in order of first sight (no --label-names)
+        self.kind: str | None = None  # "number" or "name", of the first label read
+
+    def number(self, record: LabelledText) -> float:
+        kind = "name" if isinstance(record.label, str) else "number"
+        if self.kind not in (None, kind):
+            raise DatasetError(f"{record.where}: field 'label' is a class {kind} where the labels before it are "
+                               f"class {self.kind}s; one dataset holds one or the other")
+        self.kind = kind
+        if kind == "number":
+            return record.label
+        if self.given is not None:
+            if record.label not in self.given:
+                raise DatasetError(f"{record.where}: label {json.dumps(record.label)} is not among --label-names "
+                                   f"({', '.join(self.given)})")
+            return float(self.given.index(record.label))
+        return float(self.seen.setdefault(record.label, len(self.seen)))
+
+    def numbered(self, labels: np.ndarray) -> tuple[np.ndarray, list[str] | None]:
+        """(labels renumbered as the names sorted, the names by number), or (labels, --label-names)."""
+        if self.kind != "name" or self.given is not None:
+            return labels, self.given
+        names = sorted(self.seen)
+        place = np.asarray([names.index(name) for name in self.seen], np.float32)
+        return place[labels.astype(np.int64)], names
 
 
 class Example(NamedTuple):
@@ -132,7 +195,7 @@ def _open_text(path: str, compression: str | None) -> Iterator[io.TextIOBase]:
         yield io.TextIOWrapper(raw, encoding="utf-8")
 
 
-Record = (Text | Example | conversations.Conversation | preferences.TextPair | preferences.ConversationPair
+Record = (Text | LabelledText | Example | conversations.Conversation | preferences.TextPair | preferences.ConversationPair
           | preferences.LabeledText | preferences.LabeledConversation)
 
 
@@ -150,7 +213,13 @@ def _jsonl_records(f, path: str, key: str) -> Iterator[Record]:
         if key in obj:
             if not isinstance(obj[key], str):
                 raise DatasetError(f"{where}: field {key!r} must be a string, got {type(obj[key]).__name__}")
-            yield Text(obj[key])
+            if "label" not in obj:
+                yield Text(obj[key])
+                continue
+            try:
+                yield _labelled_text(obj, key, where)
+            except ValueError as e:
+                raise DatasetError(f"{where}: {e}") from None
             continue
         read = next((read for fits, read in _RECORD_KINDS if fits(obj)), None)
         if read is None:
@@ -251,6 +320,7 @@ class BuildConfig:
     sequences_per_shard: int = 16384
     overwrite: bool = False
     chat_template: str | None = None  # a Jinja file for "messages" records (default: the tokenizer's, else plain)
+    label_names: list[str] | None = None  # labelled texts' class names, by number (default: those given, sorted)
     unpair: bool = False  # preference pairs become two unpaired examples (KTO's data): chosen desirable, rejected not
     verbose: bool = False
     progress: bool = False
@@ -305,15 +375,17 @@ class _Stats(dict):
 
 
 class Piece(NamedTuple):
-    """Tokens to pack: ids, their mask, how `_Packer.add` places them, and an unpaired example's
-    label (None for other data)."""
+    """Tokens to pack: ids, their mask, how `_Packer.add` places them, an unpaired example's label
+    and a labelled text's (None for other data)."""
     ids: np.ndarray
     mask: np.ndarray
     how: str
     label: bool | None = None
+    text_label: float | None = None
 
 
-def _pieces(records, tok, cfg: BuildConfig, stats: _Stats, chat: ChatTemplate, batch_chars=1 << 20):
+def _pieces(records, tok, cfg: BuildConfig, stats: _Stats, chat: ChatTemplate, classes: _ClassNumbers,
+            batch_chars=1 << 20):
     """A `Piece` per document/example/conversation (a preference pair: one per side; an unpaired
     example: its own row, which `_with_kl_rows` gives its KL row), tokenizing in batches for speed."""
     import ftfy
@@ -352,10 +424,25 @@ def _pieces(records, tok, cfg: BuildConfig, stats: _Stats, chat: ChatTemplate, b
         pair_ids = iter(zip(*(encode([without_eos(getattr(e, k)) if k != "prompt" else e.prompt for e in text_pairs])
                               for k in preferences.TextPair._fields)))
         labeled_ids = iter(zip(encode([e.prompt for e in labeled]), encode([without_eos(e.completion) for e in labeled])))
+        texts = [e.text for e in batch if isinstance(e, LabelledText)]  # as /classify encodes them
+        text_ids = iter(tok(texts, return_attention_mask=False)["input_ids"] if texts else [])
         for item in batch:
             if isinstance(item, str):
                 ids = next(doc_ids) + [tok.eos_token_id]
                 yield Piece(np.asarray(ids, np.int64), np.ones(len(ids), np.uint8), "cut")
+            elif isinstance(item, LabelledText):
+                ids = next(text_ids)
+                if not ids:
+                    stats.add("labelled_texts_dropped_empty")
+                    continue
+                if len(ids) > cfg.seq:
+                    stats.add("labelled_texts_cut")
+                    ids = ids[: cfg.seq]
+                # one row: the text, then a pad (a row is seq + 1 tokens); its mask (of each token as a
+                # target) is 1 on the tokens after the first and the pad: as stored (of each position
+                # as an input), 1 on every token of the text
+                yield Piece(np.asarray([*ids, tok.eos_token_id], np.int64), np.r_[0, np.ones(len(ids), np.uint8)],
+                            "row", text_label=item.label)
             elif isinstance(item, conversations.Conversation):
                 ids, mask = rendered(item)
                 if len(ids) > cfg.seq + 1:
@@ -415,6 +502,10 @@ def _pieces(records, tok, cfg: BuildConfig, stats: _Stats, chat: ChatTemplate, b
                 stats.add("pairs")
                 yield preferences.ConversationPair(cleaned(record.chosen), cleaned(record.rejected))
                 continue
+            if isinstance(record, LabelledText):
+                stats.add("labelled_texts")
+                yield LabelledText(clean(record.text), classes.number(record), record.where)
+                continue
             if isinstance(record, preferences.LabeledText):
                 stats.add("unpaired")
                 stats.add("unpaired_desirable", int(record.label))
@@ -440,10 +531,23 @@ def _pieces(records, tok, cfg: BuildConfig, stats: _Stats, chat: ChatTemplate, b
     yield from flush(batch)
 
 
+def _label_info(labels: np.ndarray, names: list[str] | None, where: str) -> dict:
+    """What a labelled-texts index says of its labels: their range, whether all are class numbers,
+    and the classes' names (where named)."""
+    low, high = float(labels.min()), float(labels.max())
+    whole = bool(np.all((labels >= 0) & (labels == np.round(labels))))
+    if names is not None and not (whole and high < len(names)):
+        raise DatasetError(f"{where}: labels from {low:g} to {high:g}, but --label-names names classes 0 to "
+                           f"{len(names) - 1}")
+    return {"label_range": [low, high], "whole_labels": whole, **({"label_names": names} if names else {})}
+
+
 def _chars(item) -> int:
     """An item's text length (what `_pieces` batches tokenization by)."""
     if isinstance(item, str):
         return len(item)
+    if isinstance(item, LabelledText):
+        return len(item.text)
     if isinstance(item, preferences.TextPair):
         return sum(map(len, item))
     if isinstance(item, (Example, preferences.LabeledText)):
@@ -470,14 +574,20 @@ def _template_text(path: str) -> str:
 
 def _masked(stats) -> bool:
     """Whether the data trains on part of its tokens: prompt/completion examples, conversations,
-    pairs or unpaired examples."""
-    return bool(stats.get("examples") or stats.get("conversations") or stats.get("pairs") or stats.get("unpaired"))
+    pairs, unpaired examples or labelled texts."""
+    return bool(stats.get("examples") or stats.get("conversations") or stats.get("pairs") or stats.get("unpaired")
+                or stats.get("labelled_texts"))
 
 
 def _pairs(stats) -> bool:
     """Whether rows come in twos: preference pairs, or unpaired examples with their KL rows (each
     makes a dataset of its own)."""
     return bool(stats.get("pairs") or stats.get("unpaired"))
+
+
+def _classes(stats) -> bool:
+    """Whether the data is labelled texts (a classifier's: a row and a float32 label each)."""
+    return bool(stats.get("labelled_texts"))
 
 
 def _labeled(stats) -> bool:
@@ -505,7 +615,7 @@ def _with_kl_rows(pieces, width: int, stats: _Stats, where: str):
 
     firsts, run, examples = [], [], 0  # firsts: the first example of the first two prompts
     for piece in pieces:
-        if piece.label is None:
+        if piece.label is None:  # (not an unpaired example)
             yield piece
             continue
         examples += 1
@@ -544,7 +654,7 @@ def _kl_row(prompt, completion, label: bool, width: int, stats: _Stats) -> Piece
 
 
 def _pack_all(cfg: BuildConfig, tok, files: list[str], raw_tokens, raw_mask, raw_segments, raw_labels,
-              stats: _Stats, chat: ChatTemplate):
+              stats: _Stats, chat: ChatTemplate, classes: _ClassNumbers):
     """Pass 1: read, tokenize and pack every repack epoch into raw row files (with unpaired
     examples, a label per row). -> rows per epoch."""
     rng = np.random.default_rng([cfg.seed, 0])
@@ -561,17 +671,24 @@ def _pack_all(cfg: BuildConfig, tok, files: list[str], raw_tokens, raw_mask, raw
     for _ in range(cfg.n_repack_epochs):
         order = sorted(files) if cfg.preserve_data_order else [files[i] for i in rng.permutation(len(files))]
         rows = 0
-        pieces = (piece for path in order for piece in _pieces(read_records(path, cfg.json_key), tok, cfg, stats, chat))
+        pieces = (piece for path in order for piece in _pieces(read_records(path, cfg.json_key), tok, cfg, stats, chat,
+                                                                            classes))
         for piece in _with_kl_rows(pieces, cfg.seq + 1, stats, cfg.input_path):
             written = write(*packer.add(piece.ids, piece.mask, piece.how))
             if piece.label is not None:
                 np.full(written, piece.label, np.uint8).tofile(raw_labels)
+            if piece.text_label is not None:
+                np.full(written, piece.text_label, np.float32).tofile(raw_labels)
             rows += written
             stats.add("tokens", len(piece.ids))
             bar.update(1)
         rows_per_epoch.append(rows)
     bar.close()
     others = [k for k in ("documents", "examples", "conversations") if stats.get(k)]
+    if _classes(stats) and (others or _pairs(stats)):
+        other = others[0] if others else "preference pairs" if stats.get("pairs") else "unpaired examples"
+        raise DatasetError(f"{cfg.input_path}: labelled texts ({{text, label}} records) mixed with {other}; "
+                           f"a classifier trains on a dataset of labelled texts only: give them a dataset of their own")
     if stats.get("pairs") and stats.get("unpaired"):
         raise DatasetError(f"{cfg.input_path}: preference pairs ({{prompt, chosen, rejected}} records) mixed with "
                            f"unpaired examples ({{prompt, completion, label}}); each makes a dataset of its own")
@@ -696,18 +813,25 @@ def build_dataset(cfg: BuildConfig) -> str:
         raise DatasetError(str(e)) from None
     chat = ChatTemplate(tok, _template_text(cfg.chat_template) if cfg.chat_template else None)
     width, dtype, stats = cfg.seq + 1, _dtype(tok), _Stats(files=len(files))
+    if cfg.label_names is not None and (not cfg.label_names or not all(cfg.label_names)
+                                        or len(set(cfg.label_names)) != len(cfg.label_names)):
+        raise DatasetError(f"--label-names: the classes' names, each once, in class-number order; "
+                           f"got {json.dumps(cfg.label_names)}")
+    classes = _ClassNumbers(cfg.label_names)
     with tempfile.TemporaryDirectory(prefix="mesh-transformer-dataset-") as tmp:
         raw_tokens, raw_mask, raw_segments, raw_labels = (os.path.join(tmp, f"{k}.raw")
                                                           for k in ("tokens", "mask", "segments", "labels"))
         with (open(raw_tokens, "wb") as ft, open(raw_mask, "wb") as fm, open(raw_segments, "wb") as fs,
               open(raw_labels, "wb") as fl):
-            rows_per_epoch = _pack_all(cfg, tok, files, ft, fm, fs, fl, stats, chat)
+            rows_per_epoch = _pack_all(cfg, tok, files, ft, fm, fs, fl, stats, chat, classes)
         if not stats.get("documents") and not _masked(stats):
             raise DatasetError(f"{cfg.input_path}: empty input (no documents, examples or conversations found)")
         n_rows = sum(rows_per_epoch)
         if n_rows == 0 and _labeled(stats):
             raise DatasetError(f"{cfg.input_path}: no unpaired example left to train on: of {stats['unpaired']} "
                                f"read, {_dropped(stats)} (seq+1 = {width} tokens)")
+        if n_rows == 0 and _classes(stats):
+            raise DatasetError(f"{cfg.input_path}: every labelled text is empty (no tokens)")
         if n_rows == 0 and _pairs(stats):
             raise DatasetError(f"{cfg.input_path}: every preference pair has a side longer than seq+1 = {width} tokens")
         if n_rows == 0:
@@ -716,23 +840,32 @@ def build_dataset(cfg: BuildConfig) -> str:
         tokens = np.memmap(raw_tokens, dtype, "r", shape=(n_rows, width))
         masks = np.memmap(raw_mask, np.uint8, "r", shape=(n_rows, width))
         segments = np.memmap(raw_segments, np.uint16, "r", shape=(n_rows, width))
-        labels = np.fromfile(raw_labels, np.uint8) if _labeled(stats) else None
+        labels = (np.fromfile(raw_labels, np.float32) if _classes(stats) else
+                  np.fromfile(raw_labels, np.uint8) if _labeled(stats) else None)
         order = _final_order(cfg, tok, tokens, rows_per_epoch, stats)
         if len(order) == 0:
             raise DatasetError(f"{cfg.input_path}: every sequence has fewer than "
                                f"--min-unique-tokens={cfg.min_unique_tokens} unique tokens")
+        label_info = {}
+        if _classes(stats):
+            labels, names = classes.numbered(labels)
+            label_info = _label_info(labels[order], names, cfg.input_path)
         storage.makedirs(cfg.output_dir)
         if old:  # from here until the new index lands, no index points at half-replaced shards
             storage.remove(out_index)
-        has_segments = _masked(stats) and not _pairs(stats)  # a pair's row holds one example
+        has_segments = _masked(stats) and not _pairs(stats) and not _classes(stats)  # a pair's or text's row
+                                                                                     # holds one example
         shards = _write_shards(cfg, order, tokens, masks, segments, labels, _masked(stats), has_segments)
         del tokens, masks, segments
-    version = LABELS_VERSION if _labeled(stats) else PAIRS_VERSION if _pairs(stats) else VERSION
+    version = (CLASSES_VERSION if _classes(stats) else LABELS_VERSION if _labeled(stats)
+               else PAIRS_VERSION if _pairs(stats) else VERSION)
     index = {
         "format": FORMAT, "version": version, "name": cfg.name, "seq": cfg.seq,
         "dtype": dtype.name, "tokenizer": cfg.tokenizer, "vocab_size": len(tok), "eos_id": tok.eos_token_id,
         "n_sequences": int(len(order)), "n_tokens": int(len(order) * width),
-        "has_mask": _masked(stats), "has_segments": has_segments, "pairs": _pairs(stats), "labels": _labeled(stats),
+        "has_mask": _masked(stats), "has_segments": has_segments, "pairs": _pairs(stats),
+        "labels": _labeled(stats) or _classes(stats), "classes": _classes(stats),
+        **label_info,
         "shards": shards,
         "stats": dict(stats),
         "options": {k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("verbose", "progress")},
@@ -775,14 +908,20 @@ class Dataset:
         self.has_mask, self.eos_id = index["has_mask"], index["eos_id"]
         # rows 2i, 2i+1: a preference pair's chosen and rejected, or an unpaired example's row and KL row
         self.pairs = bool(index.get("pairs"))
-        self.labels = bool(index.get("labels"))  # unpaired preferences: each row labelled desirable or not
+        self.labels = bool(index.get("labels"))  # each row labelled: unpaired preferences (desirable or not),
+        self.classes = bool(index.get("classes"))  # or labelled texts (a classifier's data: a text a row)
         if self.pairs and self.n_sequences % 2:
             raise DatasetError(f"{path or 'dataset'}: holds preference pairs but an odd number of rows "
                                f"({self.n_sequences}); it is damaged: build it again")
-        if self.labels and (not self.pairs or any(x is None for x in self._labels)):
-            raise DatasetError(f"{path or 'dataset'}: its index says it holds unpaired examples, but "
-                               f"{'its rows are not paired' if not self.pairs else 'a shard has no labels'}; "
-                               f"it is damaged: build it again")
+        if self.labels or self.classes:
+            problem = ("its index has no labels" if not self.labels
+                       else "a shard has no labels" if any(x is None for x in self._labels)
+                       else "its rows are paired" if self.classes and self.pairs
+                       else "its rows are not paired" if not self.classes and not self.pairs else None)
+            if problem:
+                what = "labelled texts" if self.classes else "unpaired examples"
+                raise DatasetError(f"{path or 'dataset'}: its index says it holds {what}, but {problem}; "
+                                   f"it is damaged: build it again")
         self.has_segments = all(s is not None for s in self._segments)  # stored; else the EOS rule
 
     def __len__(self) -> int:
@@ -791,12 +930,16 @@ class Dataset:
     @classmethod
     def from_arrays(cls, tokens: np.ndarray, mask: np.ndarray | None = None, eos_id: int = 50256,
                     segments: np.ndarray | None = None, pairs: bool = False,
-                    labels: np.ndarray | None = None) -> "Dataset":
+                    labels: np.ndarray | None = None, classes: bool = False) -> "Dataset":
         """An in-memory dataset (tests, synthetic data): tokens [n, seq+1], mask [n, seq] or None,
         segments [n, seq+1] or None (derived from EOS when read); `pairs`: rows are preference pairs;
-        `labels` [n] or None: unpaired examples' labels (with `pairs`: rows and their KL rows)."""
+        `labels` [n] or None: unpaired examples' labels (with `pairs`: rows and their KL rows), or with
+        `classes` labelled texts' (a class number or a regression's target a row)."""
         index = {"seq": tokens.shape[1] - 1, "has_mask": mask is not None, "eos_id": eos_id, "pairs": pairs,
-                 "labels": labels is not None}
+                 "labels": labels is not None, "classes": classes}
+        if classes:
+            index.update(label_range=[float(labels.min()), float(labels.max())],
+                         whole_labels=bool(np.all((labels >= 0) & (labels == np.round(labels)))))
         return cls(index, [tokens], [mask], segments=[segments], labels=[labels])
 
     @classmethod
@@ -841,7 +984,8 @@ class Dataset:
         return tokens, mask
 
     def read_labels(self, ids: np.ndarray) -> np.ndarray:
-        """float32 [k]: 1 where row ``ids`` (-1 = padding, 0) is a desirable example's (unpaired data)."""
+        """float32 [k]: 1 where row ``ids`` (-1 = padding, 0) is a desirable example's (unpaired data);
+        a labelled text's label (0 for padding)."""
         ids = np.asarray(ids, np.int64)
         out = np.zeros(len(ids), np.float32)
         shard = np.searchsorted(self._starts, ids, side="right") - 1

@@ -27,10 +27,13 @@ SPECIAL_TOKENS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 def config_from_hf(hf: dict, **overrides) -> ModelConfig:
     """Our config from a HF `config.json` dict (the family from its `model_type`; a
-    ForSequenceClassification's label count), then `overrides` (e.g. a training config's `seq` or
-    `compute_dtype`)."""
+    ForSequenceClassification's label count, and its class names where they are not transformers'
+    LABEL_i), then `overrides` (e.g. a training config's `seq` or `compute_dtype`)."""
     config = models.family_for_hf(hf.get("model_type")).config.from_hf_config(hf)
-    return dataclasses.replace(config, **{"num_labels": hf_labels(hf), **overrides})
+    names = _id2label_names(hf) if hf_labels(hf) else None
+    if names == [f"LABEL_{i}" for i in range(len(names or []))]:
+        names = None
+    return dataclasses.replace(config, **{"num_labels": hf_labels(hf), "label_names": names, **overrides})
 
 
 _CLASSIFIER = "ForSequenceClassification"
@@ -48,14 +51,23 @@ def label_names(path) -> Optional[list[str]]:
     """A HF classifier directory's class names, by index (its config.json's `id2label`); None for a
     directory of another architecture, or one that names no labels."""
     hf = json.loads((Path(path) / "config.json").read_text())
-    names = hf.get("id2label") or {}
-    if not hf_labels(hf) or not names:
+    if not hf_labels(hf):
         return None
     try:
-        return [str(names[str(i)]) for i in range(len(names))]
+        return _id2label_names(hf)
+    except ConfigError as e:
+        raise ConfigError(f"{path}/config.json: {e}") from None
+
+
+def _id2label_names(hf: dict) -> Optional[list[str]]:
+    """A HF config's `id2label` as a list of names by class number (None where it has none)."""
+    names = hf.get("id2label") or {}
+    if not names:
+        return None
+    try:
+        return [str(names[str(i)] if str(i) in names else names[i]) for i in range(len(names))]
     except KeyError:
-        raise ConfigError(f"{path}/config.json: id2label must number its labels 0 to {len(names) - 1}, "
-                          f"got {sorted(names)}") from None
+        raise ConfigError(f"id2label must number its labels 0 to {len(names) - 1}, got {sorted(names)}") from None
 
 
 def config_to_hf(c: ModelConfig, torch_dtype: str = "float32") -> dict:
@@ -66,7 +78,7 @@ def config_to_hf(c: ModelConfig, torch_dtype: str = "float32") -> dict:
         if name is None:
             raise ConfigError(f"num_labels {c.num_labels}: transformers has no sequence classifier for model_type "
                               f"{out['model_type']!r}, so the classifier cannot be exported")
-        labels = {i: f"LABEL_{i}" for i in range(c.num_labels)}
+        labels = dict(enumerate(c.label_names or [f"LABEL_{i}" for i in range(c.num_labels)]))
         out.update(architectures=[name], id2label=labels, label2id={v: k for k, v in labels.items()})
     return out
 

@@ -386,7 +386,8 @@ def pack_batch(batch: Mapping[str, np.ndarray], seq: int) -> dict:
     """Crop a loader batch to `seq` and shrink it losslessly for the trip to the workers: tokens as
     uint16 when every id fits, the mask left out when all ones (plain text) and sent as uint8 when
     0/1 -- 2 to 3 bytes a token instead of 8. Segments (packed examples), when the loader gives
-    them, travel as they are (uint16); unpaired examples' labels as uint8."""
+    them, travel as they are (uint16); labels as uint8 where all are (unpaired examples', most classes),
+    else float32 (a regression's targets)."""
     tokens, mask = batch["tokens"][..., : seq + 1], batch["mask"][..., :seq]
     if tokens.size and tokens.min() >= 0 and tokens.max() < 1 << 16:
         tokens = tokens.astype(np.uint16)
@@ -394,7 +395,8 @@ def pack_batch(batch: Mapping[str, np.ndarray], seq: int) -> dict:
     if "segments" in batch:
         out["segments"] = batch["segments"][..., : seq + 1]
     if "labels" in batch:
-        out["labels"] = batch["labels"].astype(np.uint8)
+        small = batch["labels"].astype(np.uint8)
+        out["labels"] = small if np.array_equal(small, batch["labels"]) else batch["labels"].astype(np.float32)
     if not mask.all():
         small = mask.astype(np.uint8)
         out["mask"] = small if np.array_equal(small, mask) else mask

@@ -13,6 +13,7 @@ Start-up picks the first that applies:
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import os
 import signal
@@ -62,8 +63,9 @@ def require_keys(config: Config, *keys: str) -> None:
 
 def open_datasets(config: Config) -> tuple[Dataset, dict[str, Dataset]]:
     """(train_set, {name: val_set}) of a config, each checked to hold sequences of at least `seq` tokens,
-    to hold preference pairs exactly when the config trains on them (`dpo`, `cpo`, `orpo`, `reward`), and
-    unpaired examples exactly when it trains with `kto`."""
+    to hold preference pairs exactly when the config trains on them (`dpo`, `cpo`, `orpo`, `reward`),
+    unpaired examples exactly when it trains with `kto`, and labelled texts exactly when it trains a
+    classifier on them (`classify`), with labels the classifier can take."""
     t = config.train
     train = Dataset.open(t.train_set)
     val = {name: Dataset.open(path) for name, path in t.val_set.items()}
@@ -71,6 +73,9 @@ def open_datasets(config: Config) -> tuple[Dataset, dict[str, Dataset]]:
         if ds.seq < config.model.seq:
             raise ConfigError(f"config key 'seq': {config.model.seq} is longer than the sequences of "
                               f"{path} ({ds.seq} tokens)")
+        if ds.classes or t.classify is not None:
+            check_labelled_texts(config, path, ds)
+            continue
         if ds.labels and t.preference != "kto":
             raise ConfigError(f"{path} holds unpaired examples ({{prompt, completion, label}} records): set the "
                               f"config key 'kto' (e.g. {{\"beta\": 0.1}}) to train on them"
@@ -89,6 +94,33 @@ def open_datasets(config: Config) -> tuple[Dataset, dict[str, Dataset]]:
     return train, val
 
 
+def check_labelled_texts(config: Config, path: str, ds: Dataset) -> None:
+    """A classifier's data (`classify`): labelled texts whose labels its `problem_type` takes."""
+    from mesh_transformer.train import classify
+    t, labels = config.train, config.model.num_labels
+    if not ds.classes:
+        raise ConfigError(f"config key 'classify': {path} holds no labelled texts (create_finetune_dataset.py makes "
+                          "them from {text, label} records)")
+    if t.classify is None:
+        raise ConfigError(f"{path} holds labelled texts ({{text, label}} records): set num_labels and the config key "
+                          f"'classify' (e.g. {{}}) to train a classifier on them"
+                          + (f", not '{t.preference}'" if t.preference else ""))
+    low, high = ds.index["label_range"]
+    names, ours = ds.index.get("label_names"), config.model.label_names
+    if names is not None and names != ours:
+        raise ConfigError(f"config key 'label_names': {path} numbers its classes {json.dumps(names)}"
+                          + (f", this config {json.dumps(ours)}: build it with --label-names {' '.join(ours)}"
+                             if ours is not None else f": set label_names {json.dumps(names)} (and num_labels "
+                                                      f"{len(names)})"))
+    if classify.objective(t, labels).problem_type == classify.SINGLE_LABEL:
+        if not ds.index["whole_labels"]:
+            raise ConfigError(f"{path}: labels from {low:g} to {high:g}, not all class numbers (0, 1, ...): a "
+                              f"regression's targets? (num_labels 1 trains one)")
+        if high >= labels:
+            raise ConfigError(f"config key 'num_labels': {labels} classes, but {path} has labels up to {high:g} "
+                              f"(set num_labels {int(high) + 1})")
+
+
 def train_loader(config: Config, dataset: Dataset, global_batch: int, state: Optional[dict] = None,
                  rows: Optional[tuple[int, int]] = None) -> Loader:
     """The training stream: shuffled by `seed`, `gradient_accumulation_steps` microbatches a step;
@@ -100,8 +132,8 @@ def train_loader(config: Config, dataset: Dataset, global_batch: int, state: Opt
 
 def uses_segments(config: Config, dataset: Dataset) -> bool:
     """Packed prompt/completion examples always stay apart; plain-text documents with `document_masking`;
-    a preference pair's row holds one example."""
-    return bool((dataset.has_mask or config.train.document_masking) and not dataset.pairs)
+    a preference pair's row, or a labelled text's, holds one example."""
+    return bool((dataset.has_mask or config.train.document_masking) and not dataset.pairs and not dataset.classes)
 
 
 def val_loader(dataset: Dataset, global_batch: int, rows: Optional[tuple[int, int]] = None,
@@ -242,8 +274,9 @@ class TrainHost:
 
     @property
     def objective(self) -> str:
-        """What the run trains: its preference objective's key, or "language_model"."""
-        return self.config.train.preference or "language_model"
+        """What the run trains: its preference objective's key, "classify", or "language_model"."""
+        t = self.config.train
+        return t.preference or ("classify" if t.classify is not None else "language_model")
 
     def _frozen_keys(self) -> tuple[str, str]:
         """The checkpoint extras naming the frozen weights and their fingerprint: LoRA's base, or DPO's reference."""
@@ -411,7 +444,7 @@ class TrainRun:
                                self.config.to_json_dict(), tensorboard=self.options.tensorboard)
         logger.message(f"{t.name}: step {step} of {t.total_steps}, mesh dp={self.trainer.dp} x mp={self.trainer.mp}, "
                        f"{self.config.model.n_params():,} parameters, checkpoints in {self.ckpt.directory}")
-        if self.dataset.labels:  # KTO: how balanced the labels are, against the weights
+        if self.dataset.labels and not self.dataset.classes:  # KTO: how balanced the labels are, against the weights
             desirable = int(self.dataset.read_labels(np.arange(0, len(self.dataset), 2)).sum())
             advice = self.trainer.preference.weight_advice(desirable, len(self.dataset) // 2 - desirable)
             if advice:

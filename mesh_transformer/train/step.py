@@ -7,7 +7,8 @@ A = gradient_accumulation_steps microbatches of B = per_replica_batch x dp seque
 preference objective, that many pairs or KTO examples: twice the rows), scanned inside the step. Master parameters and
 optimizer state are float32 (sharded by the Megatron table, or by the ZeRO table when `zero` is
 set); the forward/backward pass runs in compute_dtype.
-The loss is token-weighted over all microbatches (with a preference objective, pair-weighted), so k
+The loss is token-weighted over all microbatches (with a preference objective, pair-weighted; with
+"classify", a classifier on labelled texts, text-weighted, the batch's "labels" [A, B, 1]), so k
 microbatches equal one k-times-larger batch exactly (but with KTO, whose KL estimate is each
 microbatch's own, as TRL's is).
 """
@@ -24,6 +25,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from mesh_transformer.train import classify
 from mesh_transformer.train import loss as losses
 from mesh_transformer.train import preference
 from mesh_transformer import lora, models, parallel
@@ -126,11 +128,13 @@ class Trainer:
         self.needs_reference = self.preference is not None and self.preference.needs_reference
         # DPO's reference without LoRA: a frozen copy of every weight, held (and passed) as the base is.
         self.holds_reference = self.needs_reference and self.lora is None
-        self.metric_names = self.preference.metrics if self.preference is not None else ("loss",)
-        self.sum_names = self.preference.sums if self.preference is not None else ("loss",)  # what adds up
-        if m.classifier and t.preference != "reward":
-            raise ConfigError(f"num_labels {m.num_labels}: a classifier trains as a reward model only (num_labels 1, "
-                              f"config key 'reward')")
+        self.classify = classify.objective(t, m.num_labels)  # a classifier on labelled texts, or None
+        objective = self.preference or self.classify
+        self.metric_names = objective.metrics if objective is not None else ("loss",)
+        self.sum_names = objective.sums if objective is not None else ("loss",)  # what adds up
+        if m.classifier and t.preference != "reward" and self.classify is None:
+            raise ConfigError(f"num_labels {m.num_labels}: a classifier trains on preference pairs as a reward model "
+                              f"(config key 'reward') or on labelled texts (config key 'classify')")
         self.model = models.build(m, self.mp, lora.plan(m, self.lora))
         self.model.check_mesh(self.mesh.shape, t.zero)
         self.rules = self.model.rules(t.zero, self.mp)
@@ -166,6 +170,9 @@ class Trainer:
         self._sharded_pairs = parallel.shard_map(
             self._local_pairs, self.mesh, self.rules,
             in_specs=(full_specs, full_specs, row, row, row, P(), P()), out_specs=(P(), P(), P()))
+        self._sharded_texts = parallel.shard_map(
+            self._local_texts, self.mesh, self.rules,
+            in_specs=(full_specs, row, row, row, P()), out_specs=(P(), P(), P()))
         self.init_state = jax.jit(self._init, out_shardings=self.state_shardings)
         self.init_base = jax.jit(self._init_base, out_shardings=self.base_shardings)
         bs = self.base_shardings
@@ -340,6 +347,15 @@ class Trainer:
         total, sums, count = self.preference.pair_sums(rewards, None, mask, reduce=parallel.psum_dp)
         return self._with_balance_loss(total, out, count), sums, count
 
+    def _local_texts(self, policy, tokens, mask, labels, rng):
+        """Per-device classification of labelled texts (tokens [b, T+1], mask [b, T] on each text's
+        tokens, labels [b, 1]) -> global (loss sum, metric sums, text count): each text's scores are
+        the score head's at its last token (`classify.last_positions`)."""
+        out = self.model.apply(policy, tokens[:, :-1], rng=rng, routers=self._balance > 0)
+        scores = models.core.last_token_scores(out[0], classify.last_positions(mask))
+        total, sums, count = self.classify.text_sums(scores, labels[:, 0], classify.counted(mask), parallel.psum_dp)
+        return self._with_balance_loss(total, out, count), sums, count
+
     def _local_kto(self, policy, reference, tokens, mask, labels, rng):
         """`_local_pairs` of rows that alternate an example's and its KL row (KTO): the KL rows get no
         gradient, so they run apart with no backward, and not at all where the loss reads none
@@ -363,6 +379,10 @@ class Trainer:
         its NLL term; `preference.nll_scale`)."""
         policy = self.policy(params, base)
         tokens, mask, segments, key_keep, rng, labels = micro
+        if self.classify is not None:
+            if labels is None:
+                raise ValueError("'classify' trains on labelled texts: the batch has no \"labels\"")
+            return self._sharded_texts(policy, tokens, mask, labels, rng)
         if self.preference is None:
             return self._sharded_loss(policy, tokens, mask, segments, key_keep, rng)
         if self.preference.needs_labels and labels is None:
@@ -422,7 +442,7 @@ class Trainer:
         """{metric: value} from sums over `count` trained tokens (or pairs): each sum's mean, or a
         preference objective's own (`Objective.means`)."""
         if self.preference is None:
-            return {k: v / count for k, v in sums.items()}
+            return {k: v / count for k, v in sums.items()}  # (the language model's, a classifier's)
         return self.preference.means(sums, count)
 
     def _loss_and_grads(self, params, batch, base):
@@ -479,6 +499,6 @@ class Trainer:
         labels where the objective reads them (KTO)."""
         shape = (accumulation or self.config.train.gradient_accumulation_steps, self.global_batch)
         out = {"tokens": jax.ShapeDtypeStruct((*shape, self.config.model.seq + 1), jnp.int32, sharding=self.batch_sharding)}
-        if self.preference is not None and self.preference.needs_labels:
+        if self.classify is not None or (self.preference is not None and self.preference.needs_labels):
             out["labels"] = jax.ShapeDtypeStruct((*shape, 1), jnp.float32, sharding=self.batch_sharding)
         return out
