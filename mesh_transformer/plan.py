@@ -132,7 +132,7 @@ def plan(config: Config, dp: int, mp: int, zero: Optional[bool] = None, devices=
     m, t = config.model, config.train
     platform = trainer.mesh.devices.flat[0].platform
     itemsize = jax.numpy.dtype(m.compute_dtype).itemsize
-    upcast = (memory[frozen] * 4 // itemsize  # (an int8 base is widened a layer at a time: no copy)
+    upcast = (_multiplied_bytes(trainer) * 4 // itemsize  # (an int8 base is widened a layer at a time: no copy)
               if trainer.base and not trainer.quantize_base and platform == "cpu" and itemsize < 4 else 0)
     return Plan(
         n_params=trainer.model.n_params() if trainer.lora is None else models.build(m, mp).n_params(),
@@ -143,6 +143,15 @@ def plan(config: Config, dp: int, mp: int, zero: Optional[bool] = None, devices=
         dp=dp, mp=mp, zero=config.train.zero,
         platform=platform, cpu_upcast_bytes=upcast,
         bytes_per_device=memory, compiled=stats, compile_seconds=round(seconds, 2))
+
+
+def _multiplied_bytes(trainer) -> int:
+    """Bytes a device holds of the frozen base (or reference) that the step multiplies by: all of it,
+    but a classifier's embedding table, which it only gathers rows from (it has no language-model head)."""
+    leaves = {m: {n: x for n, x in v.items()
+                  if not (trainer.config.model.classifier and "vocab" in trainer.model.infos[m][n].axes)}
+              for m, v in trainer.abstract_base.items()}
+    return shard_bytes(leaves, {m: {n: trainer.base_shardings[m][n] for n in v} for m, v in leaves.items()})
 
 
 def _forwards_per_two_rows(objective) -> int:

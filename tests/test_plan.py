@@ -212,6 +212,12 @@ def test_lora_plan_names_xla_cpus_float32_copy_of_a_bf16_base():
     assert low.bytes_per_device["temporaries"] >= low.cpu_upcast_bytes
     assert low.bytes_per_device["temporaries"] - low.cpu_upcast_bytes <= 1.1 * full.bytes_per_device["temporaries"]
     assert low.fits((low.bytes_per_device["total"] - low.cpu_upcast_bytes) / 2**30)
+    # a classifier has no language-model head: its embedding table is gathered from, not widened
+    clf = planner.plan(config_from_dict({**raw, "compute_dtype": "bfloat16", "n_vocab": 4096, "num_labels": 3,
+                                         "classify": {}}), 1, 1)
+    table = 4096 * 256 * 2
+    assert clf.cpu_upcast_bytes == 2 * (clf.bytes_per_device["frozen_base"] - table)
+    assert clf.cpu_upcast_bytes <= clf.bytes_per_device["temporaries"] < 2 * clf.bytes_per_device["frozen_base"]
 
 
 def test_dpo_plan_counts_the_reference_and_its_forward():
