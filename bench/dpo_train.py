@@ -110,23 +110,11 @@ def worker_ours(args, lora: bool) -> dict:
             "end_lr": 1e-4, "seq": args.seq, **({"num_labels": 1} if key == "reward" else {})}
     trainer = Trainer(config_from_dict(keys), parallel.make_mesh(1, 1, jax.devices()[:1]))
     trainer.base = trainer.init_base(0)  # LoRA's base, or DPO's reference (full): the initial weights; else {}
-    state = trainer.init_state(0)
     tokens, mask = pairs(args)
     rows = {"tokens": tokens[None], "mask": mask[None]}
     if key == "kto":  # examples desirable and not in turn, each with its KL row
         rows["labels"] = (np.arange(len(tokens)) // 2 % 2 == 0).astype(np.float32)[None, :, None]
-    batch = trainer.shard_batch(rows)
-    mem = trainer.step.lower(state, batch).compile().memory_analysis()
-    box = {"state": state}
-
-    def step():
-        box["state"], metrics = trainer.step(box["state"], batch)
-        jax.block_until_ready(metrics)
-    times = lora_train.timed(step, args)
-    return {"step_s": times, "rss_after_imports_mib": base_rss, "peak_rss_mib": lora_train.peak_rss_mib(),
-            "trainable_params": int(sum(x.size for x in jax.tree.leaves(state.params))),
-            "xla_arguments_mib": mem.argument_size_in_bytes / 2**20 if mem else None,
-            "xla_temporaries_mib": mem.temp_size_in_bytes / 2**20 if mem else None}
+    return lora_train.timed_trainer(trainer, trainer.shard_batch(rows), args, base_rss)
 
 
 def worker_trl(args, lora: bool) -> dict:
@@ -137,11 +125,7 @@ def worker_trl(args, lora: bool) -> dict:
     from tokenizers import Tokenizer, models, pre_tokenizers
     torch.set_num_threads(os.cpu_count() or 1)
     base_rss = lora_train.rss_mib()
-    hf = json.loads(args.hf_config)
-    config = transformers.AutoConfig.for_model(hf.pop("model_type"), **hf)
-    for key, value in config.to_dict().items():  # dropout off, whatever the family calls it
-        if key.endswith(("pdrop", "dropout")) and isinstance(value, float):
-            setattr(config, key, 0.0)
+    config = lora_train.peer_hf_config(args)
     _, options, peer = OBJECTIVES[args.objective]
     torch.manual_seed(0)
     if peer == "Reward":  # a classifier of one output on the same trunk

@@ -133,8 +133,15 @@ def worker_ours(args, lora: bool) -> dict:
     trainer = Trainer(config_from_dict(keys), parallel.make_mesh(args.mp, 1, jax.devices()[: args.mp]))
     if lora:
         trainer.base = trainer.init_base(0)
-    state = trainer.init_state(0)
     batch = trainer.shard_batch({"tokens": tokens(args)[None]})
+    return timed_trainer(trainer, batch, args, base_rss)
+
+
+def timed_trainer(trainer, batch, args, base_rss: float) -> dict:
+    """A worker's measurement of our `trainer`'s step on `batch` from a fresh state: its step times
+    (`timed`), memory (peak RSS, XLA's buffer assignment of the compiled step), trainable parameters."""
+    import jax
+    state = trainer.init_state(0)
     mem = trainer.step.lower(state, batch).compile().memory_analysis()
     box = {"state": state}
 
@@ -148,17 +155,25 @@ def worker_ours(args, lora: bool) -> dict:
             "xla_temporaries_mib": mem.temp_size_in_bytes / 2**20 if mem else None}
 
 
+def peer_hf_config(args):
+    """In a peer's worker: the transformers config of the driver's `--hf-config`, dropout off
+    (whatever the family calls it)."""
+    from transformers import AutoConfig
+    hf = json.loads(args.hf_config)
+    config = AutoConfig.for_model(hf.pop("model_type"), **hf)
+    for key, value in config.to_dict().items():
+        if key.endswith(("pdrop", "dropout")) and isinstance(value, float):
+            setattr(config, key, 0.0)
+    return config
+
+
 def worker_peft(args) -> dict:
     import torch
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
     torch.set_num_threads(os.cpu_count() or 1)
     base_rss = rss_mib()
-    hf = json.loads(args.hf_config)
-    config = AutoConfig.for_model(hf.pop("model_type"), **hf)
-    for key, value in config.to_dict().items():  # dropout off, whatever the family calls it
-        if key.endswith(("pdrop", "dropout")) and isinstance(value, float):
-            setattr(config, key, 0.0)
+    config = peer_hf_config(args)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     targets = args.targets.split(",")
