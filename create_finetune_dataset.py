@@ -26,12 +26,16 @@ def parse_args(argv=None) -> BuildConfig:
                    "trained on the completion only, "
                    "records with 'messages' (OpenAI's chat format, optional 'tools') conversations trained on the "
                    "assistant's turns only, 'prompt'/'chosen'/'rejected' preference pairs (DPO, CPO, ORPO), "
-                   "'prompt'/'completion'/'label' unpaired preferences (KTO), and the text field with a 'label' "
-                   "(a class number or name, or a regression's number) labelled texts for a classifier")
+                   "'prompt'/'completion'/'label' unpaired preferences (KTO); with --label-key, labelled texts "
+                   "for a classifier")
+    p.add_argument("--label-key", metavar="FIELD",
+                   help="JSONL records are labelled texts for a classifier (config key 'classify'): the text "
+                        "field (--json-key) and the label in this one (e.g. 'label': a class number, a class "
+                        "name, or for a regression a number); default: none, records with a text field are "
+                        "documents, other fields ignored")
     p.add_argument("--label-names", nargs="+", metavar="NAME",
-                   help="for 'text'/'label' records (a classifier's labelled texts) whose labels are class names: "
-                        "the names in class-number order, so every dataset of a run numbers them alike (default: "
-                        "the names this data holds, sorted)")
+                   help="with --label-key, for labels that are class names: the names in class-number order, so "
+                        "every dataset of a run numbers them alike (default: the names this data holds, sorted)")
     p.add_argument("--chat-template", metavar="FILE",
                    help="Jinja chat template for 'messages' records (default: the tokenizer's own, else the plain "
                         "'Role: content' one; the server's --chat-template should be the same)")

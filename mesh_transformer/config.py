@@ -392,6 +392,8 @@ def validate(config: Config) -> None:
     if t.lora is not None:
         from mesh_transformer import lora
         lora.resolve(m, lora.LoraConfig.from_dict(t.lora))
+    require(t.classify is None or t.preference is None, "classify",
+            f"trains a classifier on labelled texts: not with '{t.preference}'")
     if t.preference is not None:
         from mesh_transformer.train import preference
         require(len(t.preferences) == 1, t.preferences[-1],
@@ -410,7 +412,6 @@ def validate(config: Config) -> None:
     if t.classify is not None:
         from mesh_transformer.train import classify
         classify.ClassifyConfig.from_dict(t.classify, m.num_labels)
-        require(t.preference is None, "classify", f"trains a classifier on labelled texts: not with '{t.preference}'")
         for key in ("fcm_max_ratio", "z_loss", "neftune_noise_alpha"):
             require(not getattr(t, key), key, f"applies to the language-model loss only; with 'classify' "
                                               f"set it to {'null' if key == 'neftune_noise_alpha' else 0}")

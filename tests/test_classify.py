@@ -32,9 +32,21 @@ def write_jsonl(path, records):
     return path
 
 
-def build(src, out, name="texts", seq=16, **kw):
+def build(src, out, name="texts", seq=16, label_key="label", **kw):
     return Dataset.open(build_dataset(BuildConfig(input_path=str(src), name=name, output_dir=str(out), seq=seq,
-                                                  preserve_data_order=True, **kw)))
+                                                  preserve_data_order=True, label_key=label_key, **kw)))
+
+
+def bos_eos_tokenizer(path):
+    """A word-level tokenizer ("w0" ... "w99") that puts BOS before a text and EOS after it, as
+    BERT-like and some decoder tokenizers do."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+    words = Tokenizer(models.WordLevel({"<s>": 0, "</s>": 1, **{f"w{i}": i + 2 for i in range(100)}}, unk_token="w0"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    words.post_processor = processors.TemplateProcessing(single="<s> $A </s>", special_tokens=[("<s>", 0), ("</s>", 1)])
+    PreTrainedTokenizerFast(tokenizer_object=words, bos_token="<s>", eos_token="</s>").save_pretrained(path)
+    return str(path)
 
 
 # (family case, labels, how): three classes, a regression, two classes (GPT-2: learned positions, Conv1D
@@ -52,7 +64,7 @@ def test_loss_accuracy_and_gradients_equal_transformers(case, labels, how, tmp_p
     theirs = hf_classifier(make_hf_model(tmp_path / "lm", case), labels, tmp_path / "clf")
     config, params = hf.load_hf(str(tmp_path / "clf"), mp=2)
     config = dataclasses.replace(config, compute_dtype="float32", remat="none")
-    train = TrainConfig(per_replica_batch=3, cores_per_replica=2, classify={})
+    train = TrainConfig(per_replica_batch=4, cores_per_replica=2, classify={})
     if how == "lora":
         theirs = peft.get_peft_model(theirs, peft.LoraConfig(task_type="SEQ_CLS", r=4, lora_alpha=8,
                                                              target_modules=["q_proj", "v_proj", "down_proj"]))
@@ -67,8 +79,8 @@ def test_loss_accuracy_and_gradients_equal_transformers(case, labels, how, tmp_p
         train = dataclasses.replace(train, lora=spec.to_dict())
     seq, lengths = config.seq, [5, 17, 1, 30]
     rng = np.random.default_rng(0)
-    tokens = np.zeros((6, seq + 1), np.int32)  # rows 4 and 5: padding
-    mask = np.zeros((6, seq), np.float32)
+    tokens = np.zeros((8, seq + 1), np.int32)  # rows 4 to 7: padding
+    mask = np.zeros((8, seq), np.float32)
     for i, n in enumerate(lengths):  # ids from 1: transformers pools at the last token that is not its pad (0)
         tokens[i, :n] = rng.integers(1, theirs.config.vocab_size, n)
         mask[i, :n] = 1
@@ -88,11 +100,16 @@ def test_loss_accuracy_and_gradients_equal_transformers(case, labels, how, tmp_p
         assert "llama/score" not in tr.base and "score" in tr.param_specs["llama/score"]
     assert tr.metric_names == (("loss", "accuracy") if labels > 1 else ("loss",))
     params = jax.device_put(params, tr.state_shardings.params)
-    batch = tr.shard_batch({"tokens": tokens[None], "mask": mask[None],
-                            "labels": np.r_[targets, 0, 0].astype(np.float32)[None, :, None]})
+    def batch_of(padding_label, rows=np.arange(8)[None]):  # rows [A, B]: the microbatches
+        labels = np.r_[targets, [padding_label] * 4].astype(np.float32)
+        return tr.shard_batch({"tokens": tokens[rows], "mask": mask[rows], "labels": labels[rows][..., None]})
+    batch = batch_of(0)
     sums, count = tr.eval_values(params, batch)
     ours = {k: float(v) for k, v in tr.means(sums, count).items()}
     assert float(count) == 4
+    for padding_label in range(1, max(labels, 2)):  # whatever a padding row's label, it counts for nothing
+        again = tr.means(*tr.eval_values(params, batch_of(padding_label)))
+        assert {k: float(v) for k, v in again.items()} == ours
     assert ours["loss"] == pytest.approx(loss, rel=2e-5, abs=2e-6)
     if labels > 1:
         right = (out.logits.argmax(-1).numpy() == targets).mean()
@@ -103,16 +120,22 @@ def test_loss_accuracy_and_gradients_equal_transformers(case, labels, how, tmp_p
     grads = jax.device_get(grads)
     scale = max(float(np.abs(g).max()) for leaves in expected.values() for g in leaves.values())
     assert scale > 1e-3
+    accumulated = tr.loss_and_grads(params, batch_of(0, np.array([[0, 1, 4, 5], [2, 3, 6, 7]])))  # 2 microbatches
+    assert float(accumulated[0]) == pytest.approx(float(ours_loss), rel=1e-6)
+    for a, b in zip(jax.tree.leaves(jax.device_get(accumulated[1])), jax.tree.leaves(grads)):
+        np.testing.assert_allclose(a, b, atol=1e-5 * scale)
     errors = {(m, n): float(np.abs(np.asarray(g)[tuple(slice(0, s) for s in expected[m][n].shape)]
                                    - expected[m][n]).max()) for m, leaves in grads.items() for n, g in leaves.items()}
     assert max(errors.values()) < 1e-4 * scale, max(errors.items(), key=lambda kv: kv[1])
 
 
 def test_labelled_texts_are_rows_as_classify_reads_them(tmp_path):
-    """Each `{"text", "label"}` record is one row: the text's tokens as the tokenizer encodes it for
-    /classify (its special tokens; "<|endoftext|>" in the text is the special token), its first
-    `seq` kept, masked on its tokens, its label beside it; an empty text is dropped; the index says
-    version 5, the labels' range and that they are class numbers; the loader gives labels [A, B, 1]."""
+    """With --label-key, each `{"text", "label"}` record is one row: the text's tokens as /classify
+    encodes it (the tokenizer's special tokens; "<|endoftext|>" in the text is the special token),
+    cut to `seq` as transformers' truncation cuts it (the special tokens kept), masked on its
+    tokens, its label beside it; a text of no tokens is dropped; the index says version 5, the
+    labels' range and that they are class numbers; the loader gives labels [A, B, 1]. Without
+    --label-key the same records are documents, as before labelled texts existed."""
     texts = ["The film was great.", "Awful.", " ".join(["word"] * 40), "", "x<|endoftext|>y"]
     labels = [1, 0, 2, 0, 1.0]
     ds = build(write_jsonl(tmp_path / "t.jsonl", [{"text": t, "label": y} for t, y in zip(texts, labels)]),
@@ -136,16 +159,37 @@ def test_labelled_texts_are_rows_as_classify_reads_them(tmp_path):
     scores = build(write_jsonl(tmp_path / "r.jsonl", [{"text": "a", "label": 0.25}, {"text": "b", "label": -3}]),
                    tmp_path / "data", name="scores")
     assert scores.index["label_range"] == [-3, 0.25] and not scores.index["whole_labels"]
+    docs = build(tmp_path / "t.jsonl", tmp_path / "data", name="docs", label_key=None)
+    assert not docs.classes and not docs.labels and docs.index["stats"]["documents"] == 5  # (EOT splits one)
+
+    from mesh_transformer.serve import openai
+    tok_dir = bos_eos_tokenizer(tmp_path / "tok")
+    bos_eos = load_tokenizer(tok_dir)
+    words = ["w3 w4 w5", " ".join(f"w{i}" for i in range(30)), ""]
+    ds = build(write_jsonl(tmp_path / "w.jsonl", [{"text": t, "label": 1} for t in words]), tmp_path / "data",
+               name="words", tokenizer=tok_dir)
+    engine = type("Engine", (), {"tokenizer": bos_eos})()  # what /classify's encoding reads of its engine
+    want = [openai.encode(engine, t, "input", add_special_tokens=True) for t in words]
+    assert want[0] == [0, 5, 6, 7, 1] and len(want[1]) == 32 and want[2] == [0, 1]
+    cut = bos_eos(words[1], truncation=True, max_length=16)["input_ids"]
+    assert cut[0] == 0 and cut[-1] == 1 and cut[1:-1] == want[1][1:15]
+    tokens, mask = ds.read(np.arange(len(ds)))
+    for row, ids in enumerate([want[0], cut, want[2]]):
+        assert tokens[row, :len(ids)].tolist() == ids and mask[row].sum() == len(ids)
 
 
 @pytest.mark.parametrize("records, message", [
     ([{"text": "a", "label": True}], "line 1: field 'label' must be a class number (0, 1, ...), a class name or, "
-                                     "for a regression, a number; got true"),
-    ([{"text": "a", "label": ""}], 'a class name or, for a regression, a number; got ""'),
+                                     "for a regression, a number (a float32); got true"),
+    ([{"text": "a", "label": ""}], 'a class name or, for a regression, a number (a float32); got ""'),
+    ([{"text": "a", "label": 1e39}], "a number (a float32); got 1e+39"),
+    ([{"text": "a", "label": 10 ** 400}], f"a number (a float32); got {10 ** 400}"),
+    ([{"text": "a", "label": 0}, {"text": "b"}], "line 2: no field 'label' (--label-key) beside 'text'"),
     ([{"text": "a", "label": 1}, {"text": "b", "label": "red"}], "line 2: field 'label' is a class name where the "
                                                                 "labels before it are class numbers"),
-    ([{"text": "a", "label": 1}, {"text": "b"}], "labelled texts ({text, label} records) mixed with documents; a "
-                                                 "classifier trains on a dataset of labelled texts only"),
+    ([{"text": "a", "label": 1}, {"prompt": "b", "completion": "c"}],
+     "labelled texts ({text, label} records) mixed with examples; a classifier trains on a dataset of labelled "
+     "texts only"),
     ([{"text": "", "label": 1}], "every labelled text is empty (no tokens)"),
 ])
 def test_bad_labelled_texts_are_one_clear_error(records, message, tmp_path):
@@ -164,7 +208,11 @@ def test_class_names_are_numbered_sorted_or_as_label_names_says(tmp_path):
     ds = build(src, tmp_path / "data")
     assert ds.index["label_names"] == ["blue", "green", "red"] and ds.read_labels(np.arange(4)).tolist() == [2, 1, 2, 0]
     assert ds.index["label_range"] == [0, 2] and ds.index["whole_labels"]
-    ds = build(src, tmp_path / "data", name="given", label_names=["red", "green", "blue", "white"])
+    import create_finetune_dataset  # the flags, as a user gives them
+    assert create_finetune_dataset.main([str(src), "given", "--output-dir", str(tmp_path / "data"), "--seq", "16",
+                                         "--preserve-data-order", "--label-key", "label",
+                                         "--label-names", "red", "green", "blue", "white"]) == 0
+    ds = Dataset.open(str(tmp_path / "data" / "given.index.json"))
     assert ds.index["label_names"] == ["red", "green", "blue", "white"]
     assert ds.read_labels(np.arange(4)).tolist() == [0, 1, 0, 2]
     for names, records, message in [
@@ -174,6 +222,8 @@ def test_class_names_are_numbered_sorted_or_as_label_names_says(tmp_path):
                                                      'order; got ["a", "a"]')]:
         with pytest.raises(DatasetError, match=re.escape(message)):
             build(write_jsonl(tmp_path / "bad.jsonl", records), tmp_path / "bad", label_names=names)
+    with pytest.raises(DatasetError, match=re.escape("--label-names names labelled texts' classes: give --label-key")):
+        build(src, tmp_path / "bad", label_names=["red"], label_key=None)
 
 
 TINY = {"layers": 1, "d_model": 8, "n_heads": 1, "n_vocab": 16, "seq": 8}
@@ -194,6 +244,8 @@ TINY = {"layers": 1, "d_model": 8, "n_heads": 1, "n_vocab": 16, "seq": 8}
                                                  "not with 'reward'"),
     (dict(num_labels=2, classify={}, z_loss=1e-4), "config key 'z_loss': applies to the language-model loss only; "
                                                    "with 'classify' set it to 0"),
+    (dict(num_labels=2, classify={}, dpo={}), "config key 'classify': trains a classifier on labelled texts: "
+                                              "not with 'dpo'"),
     (dict(num_labels=2), "num_labels 2: a classifier trains on preference pairs as a reward model"),
     (dict(label_names=["a", "b"]), "config key 'label_names': names a classifier's classes: set num_labels too"),
     (dict(num_labels=3, classify={}, label_names=["a", "b"]), "config key 'label_names': must be a list of 3 "
@@ -207,14 +259,16 @@ def test_bad_classifier_config_is_one_clear_error(overrides, message):
 
 def test_class_names_travel_from_and_to_transformers_id2label(tmp_path):
     """A HF classifier's id2label is its config's label_names (none where they are transformers'
-    LABEL_i) and is what an export writes; a batch's labels cross to the hosts of a cluster as bytes
+    LABEL_i, or name two classes alike) and is what an export writes; a batch's labels cross to the hosts of a cluster as bytes
     where they are class numbers, as float32 where they are a regression's targets."""
     from mesh_transformer.train.cluster import pack_batch, unpack_batch
     lm = make_hf_model(tmp_path / "lm", "gpt2")
     hf_classifier(lm, 3, tmp_path / "named", names=["no", "maybe", "yes"])
     hf_classifier(lm, 2, tmp_path / "plain")
+    hf_classifier(lm, 2, tmp_path / "same", names=["x", "x"])  # names that do not tell the classes apart
     named = hf.load_hf(str(tmp_path / "named"))[0]
     assert named.label_names == ["no", "maybe", "yes"] and hf.load_hf(str(tmp_path / "plain"))[0].label_names is None
+    assert hf.load_hf(str(tmp_path / "same"))[0].label_names is None
     assert hf.config_to_hf(named)["id2label"] == {0: "no", 1: "maybe", 2: "yes"}
     assert "label_names" not in named.architecture()  # names, not weights: a resume may rename the classes
     batch = {"tokens": np.zeros((1, 2, 5), np.int64), "mask": np.ones((1, 2, 4), np.float32)}
@@ -239,8 +293,9 @@ def test_a_classifier_run_learns_validates_and_exports_to_transformers(tmp_path)
     and held-out text right; to_hf_weights.py writes a GPTJForSequenceClassification, its id2label the
     classes' names, that transformers loads and that gives the held-out texts the run's validation
     loss and accuracy; the checkpoint loads (to serve) with the names. A dataset of labelled texts
-    without 'classify', 'classify' without one, names other than the config's, labels past
-    num_labels and a regression's targets for classes are one clear line each."""
+    without 'classify', 'classify' without one, data or weights (a resume, an HF classifier) that
+    name the classes otherwise than the config, labels past num_labels and a regression's targets
+    for classes are one clear line each."""
     import transformers
     from mesh_transformer.train.loop import open_datasets
     hf_dir = tmp_path / "hf"
@@ -282,7 +337,7 @@ def test_a_classifier_run_learns_validates_and_exports_to_transformers(tmp_path)
         with pytest.raises(ConfigError) as e:
             open_datasets(config_from_dict({**config, **overrides}))
         return str(e.value)
-    build(write_jsonl(tmp_path / "docs.jsonl", [{"text": "Plain text. " * 10}]), data, name="docs", seq=16)
+    build(write_jsonl(tmp_path / "docs.jsonl", [{"text": "Plain text. " * 10}]), data, name="docs", label_key=None)
     assert refusal(train_set=str(data / "docs.index.json")) == (
         f"config key 'classify': {data / 'docs.index.json'} holds no labelled texts (create_finetune_dataset.py "
         "makes them from {text, label} records)")
@@ -301,6 +356,17 @@ def test_a_classifier_run_learns_validates_and_exports_to_transformers(tmp_path)
     build(write_jsonl(tmp_path / "top.jsonl", [{"text": "a", "label": 2}]), data, name="top")
     assert refusal(train_set=str(data / "top.index.json"), num_labels=2, label_names=None) == (
         f"config key 'num_labels': 2 classes, but {data / 'top.index.json'} has labels up to 2 (set num_labels 3)")
+    from mesh_transformer.train.loop import RunOptions, TrainHost  # weights whose classes have other names
+    with pytest.raises(ConfigError) as e:  # a resume with the names reordered (data rebuilt to match)
+        TrainHost(config_from_dict({**config, "label_names": list(COLOURS)})).start_state()
+    assert str(e.value) == (f"config key 'label_names': {tmp_path / 'run' / 'ckpt'} (step 8) names its classes "
+                            f'["blue", "green", "red"], this config ["red", "green", "blue"]: its score head would '
+                            f"train under other class numbers")
+    with pytest.raises(ConfigError) as e:  # a named HF classifier, the config naming none
+        TrainHost(config_from_dict({**config, "label_names": None, "model_dir": str(tmp_path / "again")}),
+                  RunOptions(hf=str(tmp_path / "export"))).start_state()
+    assert str(e.value) == (f"config key 'label_names': {tmp_path / 'export'} names its classes "
+                            f'["blue", "green", "red"]: set label_names ["blue", "green", "red"]')
     assert refusal(train_set=str(data / "numbers.index.json")) == (
         f"{data / 'numbers.index.json'}: labels from 0.5 to 2, not all class numbers (0, 1, ...): a regression's "
         "targets? (num_labels 1 trains one)")

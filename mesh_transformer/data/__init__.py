@@ -38,10 +38,11 @@ make a dataset of their own too (version 4, ``"pairs": true`` and ``"labels": tr
 is two rows, its own and its KL row (its prompt with the next example's completion, cut to the
 row if longer), moved together as a pair's are, and labelled.
 
-Labelled texts (``{"text", "label"}``: the text field, ``--json-key``, beside a ``label``; the
-data of a sequence classifier, ``train/classify.py``) make a dataset of their own too (version 5,
-``"classes": true``): each text is one row, tokenized as /classify tokenizes it (with the
-tokenizer's special tokens), its first ``seq`` tokens kept, masked 1 on its tokens (the positions
+Labelled texts (``{"text", "label"}`` with ``--label-key label``: the text field, ``--json-key``,
+beside the label's; the data of a sequence classifier, ``train/classify.py``) make a dataset of
+their own too (version 5, ``"classes": true``): each text is one row, tokenized as /classify
+tokenizes it (with the tokenizer's special tokens), cut to ``seq`` tokens as transformers'
+``truncation=True`` cuts it (the text's end, the special tokens kept), masked 1 on its tokens (the positions
 the model reads; its scores are read at the last) and labelled: a class number (0, 1, ...), a
 class name (numbered by ``--label-names``' order, else the names sorted) or, for a regression, any
 number. The index records the labels' range, whether they are all class numbers, and the names.
@@ -106,14 +107,21 @@ class LabelledText(NamedTuple):
     where: str = ""
 
 
-def _labelled_text(obj: dict, key: str, where: str) -> LabelledText:
-    """A `{"text", "label"}` record (`key`: the text field): ValueError naming the field at fault."""
-    label = obj["label"]
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def _labelled_text(obj: dict, key: str, label_key: str, where: str) -> LabelledText:
+    """A `{"text", "label"}` record (`key`: the text field, `label_key` the label's): ValueError
+    naming the field at fault."""
+    if label_key not in obj:
+        raise ValueError(f"no field {label_key!r} (--label-key) beside {key!r}")
+    label = obj[label_key]
     if isinstance(label, str) and label:
         return LabelledText(obj[key], label, where)
-    if isinstance(label, bool) or not isinstance(label, (int, float)) or not np.isfinite(label):
-        raise ValueError(f"field 'label' must be a class number (0, 1, ...), a class name or, for a regression, a "
-                         f"number; got {json.dumps(label)}")
+    number = isinstance(label, (int, float)) and not isinstance(label, bool)
+    if not number or not abs(label) <= _FLOAT32_MAX:  # (a float32 a row: NaN and inf fail this too)
+        raise ValueError(f"field {label_key!r} must be a class number (0, 1, ...), a class name or, for a "
+                         f"regression, a number (a float32); got {json.dumps(label)}")
     return LabelledText(obj[key], float(label), where)
 
 
@@ -199,7 +207,7 @@ Record = (Text | LabelledText | Example | conversations.Conversation | preferenc
           | preferences.LabeledText | preferences.LabeledConversation)
 
 
-def _jsonl_records(f, path: str, key: str) -> Iterator[Record]:
+def _jsonl_records(f, path: str, key: str, label_key: str | None = None) -> Iterator[Record]:
     for lineno, line in enumerate(f, 1):
         if not line.strip():
             continue
@@ -213,11 +221,11 @@ def _jsonl_records(f, path: str, key: str) -> Iterator[Record]:
         if key in obj:
             if not isinstance(obj[key], str):
                 raise DatasetError(f"{where}: field {key!r} must be a string, got {type(obj[key]).__name__}")
-            if "label" not in obj:
+            if label_key is None:
                 yield Text(obj[key])
                 continue
             try:
-                yield _labelled_text(obj, key, where)
+                yield _labelled_text(obj, key, label_key, where)
             except ValueError as e:
                 raise DatasetError(f"{where}: {e}") from None
             continue
@@ -269,13 +277,14 @@ _RECORD_KINDS = (
 )
 
 
-def read_records(path: str, json_key: str = "text") -> Iterator[Record]:
-    """Records of one input file; a .txt file is one record (split on EOT later)."""
+def read_records(path: str, json_key: str = "text", label_key: str | None = None) -> Iterator[Record]:
+    """Records of one input file; a .txt file is one record (split on EOT later). With `label_key`,
+    a JSONL record's text (`json_key`) and its label there are a labelled text."""
     kind, compression = _kind(path, explicit=True)
     try:
         with _open_text(path, compression) as f:
             if kind == "jsonl":
-                yield from _jsonl_records(f, path, json_key)
+                yield from _jsonl_records(f, path, json_key, label_key)
             else:
                 yield Text(f.read())
     except UnicodeDecodeError as e:
@@ -320,6 +329,7 @@ class BuildConfig:
     sequences_per_shard: int = 16384
     overwrite: bool = False
     chat_template: str | None = None  # a Jinja file for "messages" records (default: the tokenizer's, else plain)
+    label_key: str | None = None  # JSONL records are labelled texts: their text and the label in this field
     label_names: list[str] | None = None  # labelled texts' class names, by number (default: those given, sorted)
     unpair: bool = False  # preference pairs become two unpaired examples (KTO's data): chosen desirable, rejected not
     verbose: bool = False
@@ -426,6 +436,9 @@ def _pieces(records, tok, cfg: BuildConfig, stats: _Stats, chat: ChatTemplate, c
         labeled_ids = iter(zip(encode([e.prompt for e in labeled]), encode([without_eos(e.completion) for e in labeled])))
         texts = [e.text for e in batch if isinstance(e, LabelledText)]  # as /classify encodes them
         text_ids = iter(tok(texts, return_attention_mask=False)["input_ids"] if texts else [])
+
+        def cut(text):  # as transformers' truncation=True cuts it: the text's end, its special tokens kept
+            return tok(text, truncation=True, max_length=cfg.seq, return_attention_mask=False)["input_ids"]
         for item in batch:
             if isinstance(item, str):
                 ids = next(doc_ids) + [tok.eos_token_id]
@@ -437,7 +450,7 @@ def _pieces(records, tok, cfg: BuildConfig, stats: _Stats, chat: ChatTemplate, c
                     continue
                 if len(ids) > cfg.seq:
                     stats.add("labelled_texts_cut")
-                    ids = ids[: cfg.seq]
+                    ids = cut(item.text)
                 # one row: the text, then a pad (a row is seq + 1 tokens); its mask (of each token as a
                 # target) is 1 on the tokens after the first and the pad: as stored (of each position
                 # as an input), 1 on every token of the text
@@ -671,7 +684,7 @@ def _pack_all(cfg: BuildConfig, tok, files: list[str], raw_tokens, raw_mask, raw
     for _ in range(cfg.n_repack_epochs):
         order = sorted(files) if cfg.preserve_data_order else [files[i] for i in rng.permutation(len(files))]
         rows = 0
-        pieces = (piece for path in order for piece in _pieces(read_records(path, cfg.json_key), tok, cfg, stats, chat,
+        pieces = (piece for path in order for piece in _pieces(read_records(path, cfg.json_key, cfg.label_key), tok, cfg, stats, chat,
                                                                             classes))
         for piece in _with_kl_rows(pieces, cfg.seq + 1, stats, cfg.input_path):
             written = write(*packer.add(piece.ids, piece.mask, piece.how))
@@ -813,6 +826,8 @@ def build_dataset(cfg: BuildConfig) -> str:
         raise DatasetError(str(e)) from None
     chat = ChatTemplate(tok, _template_text(cfg.chat_template) if cfg.chat_template else None)
     width, dtype, stats = cfg.seq + 1, _dtype(tok), _Stats(files=len(files))
+    if cfg.label_names is not None and cfg.label_key is None:
+        raise DatasetError("--label-names names labelled texts' classes: give --label-key (the records' label field) too")
     if cfg.label_names is not None and (not cfg.label_names or not all(cfg.label_names)
                                         or len(set(cfg.label_names)) != len(cfg.label_names)):
         raise DatasetError(f"--label-names: the classes' names, each once, in class-number order; "

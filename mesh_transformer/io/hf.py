@@ -31,8 +31,8 @@ def config_from_hf(hf: dict, **overrides) -> ModelConfig:
     LABEL_i), then `overrides` (e.g. a training config's `seq` or `compute_dtype`)."""
     config = models.family_for_hf(hf.get("model_type")).config.from_hf_config(hf)
     names = _id2label_names(hf) if hf_labels(hf) else None
-    if names == [f"LABEL_{i}" for i in range(len(names or []))]:
-        names = None
+    if names == [f"LABEL_{i}" for i in range(len(names or []))] or len(set(names or [])) != len(names or []):
+        names = None  # transformers' defaults, or names that do not tell the classes apart
     return dataclasses.replace(config, **{"num_labels": hf_labels(hf), "label_names": names, **overrides})
 
 

@@ -395,8 +395,9 @@ def pack_batch(batch: Mapping[str, np.ndarray], seq: int) -> dict:
     if "segments" in batch:
         out["segments"] = batch["segments"][..., : seq + 1]
     if "labels" in batch:
-        small = batch["labels"].astype(np.uint8)
-        out["labels"] = small if np.array_equal(small, batch["labels"]) else batch["labels"].astype(np.float32)
+        labels = np.asarray(batch["labels"], np.float32)
+        small = ((labels >= 0) & (labels <= 255) & (labels == np.round(labels))).all()
+        out["labels"] = labels.astype(np.uint8) if small else labels
     if not mask.all():
         small = mask.astype(np.uint8)
         out["mask"] = small if np.array_equal(small, mask) else mask

@@ -16,6 +16,7 @@ import itertools
 import json
 import math
 import os
+import shlex
 import signal
 import time
 from dataclasses import dataclass
@@ -109,7 +110,7 @@ def check_labelled_texts(config: Config, path: str, ds: Dataset) -> None:
     names, ours = ds.index.get("label_names"), config.model.label_names
     if names is not None and names != ours:
         raise ConfigError(f"config key 'label_names': {path} numbers its classes {json.dumps(names)}"
-                          + (f", this config {json.dumps(ours)}: build it with --label-names {' '.join(ours)}"
+                          + (f", this config {json.dumps(ours)}: build it with --label-names {shlex.join(ours)}"
                              if ours is not None else f": set label_names {json.dumps(names)} (and num_labels "
                                                       f"{len(names)})"))
     if classify.objective(t, labels).problem_type == classify.SINGLE_LABEL:
@@ -243,6 +244,8 @@ class TrainHost:
                 raise ConfigError(f"{self.ckpt.directory}: its step {self._saved_step} trained with objective "
                                   f"{saved!r}, this config with {self.objective!r}; to switch, start a new "
                                   f"model_dir with --tune-model-path {self.ckpt.directory}")
+            _check_same_classes((self.ckpt.saved_config(self._saved_step) or {}).get("label_names"), self.config,
+                                f"{self.ckpt.directory} (step {self._saved_step})")
             if tr.lora is not None:
                 self._check_lora_scale()
             if tr.lora is not None or tr.holds_reference:
@@ -258,6 +261,7 @@ class TrainHost:
             from mesh_transformer.io import hf
             hf_config, params = hf.load_hf(o.hf, mp=tr.mp, num_labels=self.config.model.num_labels)
             _check_same_architecture(hf_config, self.config, o.hf)
+            _check_same_classes(hf_config.label_names, self.config, o.hf)
             self._base_ref = lora.base_reference(hf=o.hf)
             keep_generation_config(self.ckpt.directory, [o.hf])
             return tr.state_from_params(params), {}
@@ -296,6 +300,7 @@ class TrainHost:
             v1 = mtj_v1.V1Checkpoint(v1_dir, self.config.model)
             return mtj_v1.train_state(v1, tr, moments=v1.full and not o.fresh_opt), {}
         source = CheckpointManager(o.tune_model_path, read_only=True)
+        _check_same_classes((source.saved_config() or {}).get("label_names"), self.config, o.tune_model_path)
         if tr.lora is not None:
             step = source.latest_step()
             self._load_base(lora.base_reference(ckpt=o.tune_model_path, step=step))
@@ -501,6 +506,17 @@ class TrainRun:
         if self._interrupted:  # a second Ctrl-C: give up at once
             raise KeyboardInterrupt
         self._interrupted = True
+
+
+def _check_same_classes(names: Optional[list], config: Config, source: str) -> None:
+    """A classifier started from (or resumed at) weights whose classes `source` names `names`: the
+    config names them alike, so no head trains under other class numbers than it learnt."""
+    ours = config.model.label_names
+    if names is None or names == ours:
+        return
+    raise ConfigError(f"config key 'label_names': {source} names its classes {json.dumps(names)}"
+                      + (f", this config {json.dumps(ours)}: its score head would train under other class numbers"
+                         if ours is not None else f": set label_names {json.dumps(names)}"))
 
 
 def _check_same_architecture(found, config: Config, source: str) -> None:
