@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+import warnings
 
 import jax
 import numpy as np
@@ -54,8 +55,8 @@ def bos_eos_tokenizer(path):
 @pytest.mark.parametrize("case, labels, how", [("gptj", 3, "full"), ("llama_gqa2_llama3_rope", 1, "full"),
                                                ("gpt2", 2, "full"), ("llama_gqa2_llama3_rope", 3, "lora")])
 def test_loss_accuracy_and_gradients_equal_transformers(case, labels, how, tmp_path):
-    """On dp 2 x mp 2, a batch of texts of 1 to 30 tokens (and two padding rows, which count for
-    nothing): the loss (cross-entropy over the classes; a regression's squared error), the accuracy
+    """On dp 2 x mp 2, a batch of texts of 1 to 30 tokens (and four padding rows, which count for
+    nothing, whatever their label; in two microbatches of 1 and 3 texts, the same step): the loss (cross-entropy over the classes; a regression's squared error), the accuracy
     and every gradient equal transformers' ForSequenceClassification given `labels` (its own
     problem type: regression for one label, else single-label), read at each text's last token.
     With LoRA, PEFT's SEQ_CLS adapter (its B drawn; the score head in `modules_to_save`) on that
@@ -120,7 +121,7 @@ def test_loss_accuracy_and_gradients_equal_transformers(case, labels, how, tmp_p
     grads = jax.device_get(grads)
     scale = max(float(np.abs(g).max()) for leaves in expected.values() for g in leaves.values())
     assert scale > 1e-3
-    accumulated = tr.loss_and_grads(params, batch_of(0, np.array([[0, 1, 4, 5], [2, 3, 6, 7]])))  # 2 microbatches
+    accumulated = tr.loss_and_grads(params, batch_of(0, np.array([[0, 4, 5, 6], [1, 2, 3, 7]])))  # 2 microbatches, 1 and 3 texts
     assert float(accumulated[0]) == pytest.approx(float(ours_loss), rel=1e-6)
     for a, b in zip(jax.tree.leaves(jax.device_get(accumulated[1])), jax.tree.leaves(grads)):
         np.testing.assert_allclose(a, b, atol=1e-5 * scale)
@@ -185,7 +186,7 @@ def test_labelled_texts_are_rows_as_classify_reads_them(tmp_path):
     ([{"text": "a", "label": 1e39}], "a number (a float32); got 1e+39"),
     ([{"text": "a", "label": 10 ** 400}], f"a number (a float32); got {10 ** 400}"),
     ([{"text": "a", "label": 0}, {"text": "b"}], "line 2: no field 'label' (--label-key) beside 'text'"),
-    ([{"text": "a", "label": 1}, {"text": "b", "label": "red"}], "line 2: field 'label' is a class name where the "
+    ([{"text": "a", "label": 1}, {"text": "b", "label": "red"}], "line 2: its label is a class name where the "
                                                                 "labels before it are class numbers"),
     ([{"text": "a", "label": 1}, {"prompt": "b", "completion": "c"}],
      "labelled texts ({text, label} records) mixed with examples; a classifier trains on a dataset of labelled "
@@ -224,6 +225,16 @@ def test_class_names_are_numbered_sorted_or_as_label_names_says(tmp_path):
             build(write_jsonl(tmp_path / "bad.jsonl", records), tmp_path / "bad", label_names=names)
     with pytest.raises(DatasetError, match=re.escape("--label-names names labelled texts' classes: give --label-key")):
         build(src, tmp_path / "bad", label_names=["red"], label_key=None)
+    with pytest.raises(DatasetError, match=re.escape("--label-key text: the label's field, not the text's")):
+        build(src, tmp_path / "bad", label_key="text")
+    with pytest.raises(DatasetError, match=re.escape("--label-key label, but no record has a text field ('text', "
+                                                     "--json-key) to label")):
+        build(write_jsonl(tmp_path / "kto.jsonl", [{"prompt": "a", "completion": "b", "label": True},
+                                                   {"prompt": "c", "completion": "d", "label": False}]), tmp_path / "bad")
+    with pytest.raises(DatasetError, match=re.escape("line 1: --seq 1 holds no text beside the tokenizer's 2 special "
+                                                     "tokens")):
+        build(write_jsonl(tmp_path / "w.jsonl", [{"text": "w1 w2", "label": 0}]), tmp_path / "bad",
+              tokenizer=bos_eos_tokenizer(tmp_path / "tok"), seq=1)
 
 
 TINY = {"layers": 1, "d_model": 8, "n_heads": 1, "n_vocab": 16, "seq": 8}
@@ -270,11 +281,13 @@ def test_class_names_travel_from_and_to_transformers_id2label(tmp_path):
     assert named.label_names == ["no", "maybe", "yes"] and hf.load_hf(str(tmp_path / "plain"))[0].label_names is None
     assert hf.load_hf(str(tmp_path / "same"))[0].label_names is None
     assert hf.config_to_hf(named)["id2label"] == {0: "no", 1: "maybe", 2: "yes"}
-    assert "label_names" not in named.architecture()  # names, not weights: a resume may rename the classes
+    assert "label_names" not in named.architecture()  # names, not weights (`loop._check_same_classes` holds them)
     batch = {"tokens": np.zeros((1, 2, 5), np.int64), "mask": np.ones((1, 2, 4), np.float32)}
     for labels, dtype in [(np.array([[[2.0], [0.0]]], np.float32), np.uint8),
                           (np.array([[[0.25], [-3.0]]], np.float32), np.float32)]:
-        packed = pack_batch({**batch, "labels": labels}, 4)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # (no cast of a negative number to a byte)
+            packed = pack_batch({**batch, "labels": labels}, 4)
         assert packed["labels"].dtype == dtype and np.array_equal(unpack_batch(packed)["labels"], labels)
 
 
@@ -340,7 +353,7 @@ def test_a_classifier_run_learns_validates_and_exports_to_transformers(tmp_path)
     build(write_jsonl(tmp_path / "docs.jsonl", [{"text": "Plain text. " * 10}]), data, name="docs", label_key=None)
     assert refusal(train_set=str(data / "docs.index.json")) == (
         f"config key 'classify': {data / 'docs.index.json'} holds no labelled texts (create_finetune_dataset.py "
-        "makes them from {text, label} records)")
+        "--label-key label makes them from {text, label} records)")
     train_set = data / "train.index.json"
     assert refusal(classify=None, num_labels=0, label_names=None) == (
         f"{train_set} holds labelled texts ({{text, label}} records): set num_labels and the config key 'classify' "
@@ -362,6 +375,10 @@ def test_a_classifier_run_learns_validates_and_exports_to_transformers(tmp_path)
     assert str(e.value) == (f"config key 'label_names': {tmp_path / 'run' / 'ckpt'} (step 8) names its classes "
                             f'["blue", "green", "red"], this config ["red", "green", "blue"]: its score head would '
                             f"train under other class numbers")
+    with pytest.raises(ConfigError) as e:  # --tune-model-path of it, the same
+        TrainHost(config_from_dict({**config, "label_names": list(COLOURS), "model_dir": str(tmp_path / "again")}),
+                  RunOptions(tune_model_path=str(tmp_path / "run" / "ckpt"))).start_state()
+    assert str(e.value).startswith(f"config key 'label_names': {tmp_path / 'run' / 'ckpt'} names its classes")
     with pytest.raises(ConfigError) as e:  # a named HF classifier, the config naming none
         TrainHost(config_from_dict({**config, "label_names": None, "model_dir": str(tmp_path / "again")}),
                   RunOptions(hf=str(tmp_path / "export"))).start_state()

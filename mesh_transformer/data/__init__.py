@@ -140,7 +140,7 @@ class _ClassNumbers:
     def number(self, record: LabelledText) -> float:
         kind = "name" if isinstance(record.label, str) else "number"
         if self.kind not in (None, kind):
-            raise DatasetError(f"{record.where}: field 'label' is a class {kind} where the labels before it are "
+            raise DatasetError(f"{record.where}: its label is a class {kind} where the labels before it are "
                                f"class {self.kind}s; one dataset holds one or the other")
         self.kind = kind
         if kind == "number":
@@ -451,6 +451,9 @@ def _pieces(records, tok, cfg: BuildConfig, stats: _Stats, chat: ChatTemplate, c
                 if len(ids) > cfg.seq:
                     stats.add("labelled_texts_cut")
                     ids = cut(item.text)
+                    if len(ids) > cfg.seq:  # (the tokenizer's special tokens alone fill the row)
+                        raise DatasetError(f"{item.where}: --seq {cfg.seq} holds no text beside the tokenizer's "
+                                           f"{tok.num_special_tokens_to_add()} special tokens")
                 # one row: the text, then a pad (a row is seq + 1 tokens); its mask (of each token as a
                 # target) is 1 on the tokens after the first and the pad: as stored (of each position
                 # as an input), 1 on every token of the text
@@ -826,6 +829,8 @@ def build_dataset(cfg: BuildConfig) -> str:
         raise DatasetError(str(e)) from None
     chat = ChatTemplate(tok, _template_text(cfg.chat_template) if cfg.chat_template else None)
     width, dtype, stats = cfg.seq + 1, _dtype(tok), _Stats(files=len(files))
+    if cfg.label_key is not None and cfg.label_key == cfg.json_key:
+        raise DatasetError(f"--label-key {cfg.label_key}: the label's field, not the text's (--json-key)")
     if cfg.label_names is not None and cfg.label_key is None:
         raise DatasetError("--label-names names labelled texts' classes: give --label-key (the records' label field) too")
     if cfg.label_names is not None and (not cfg.label_names or not all(cfg.label_names)
@@ -841,6 +846,9 @@ def build_dataset(cfg: BuildConfig) -> str:
             rows_per_epoch = _pack_all(cfg, tok, files, ft, fm, fs, fl, stats, chat, classes)
         if not stats.get("documents") and not _masked(stats):
             raise DatasetError(f"{cfg.input_path}: empty input (no documents, examples or conversations found)")
+        if cfg.label_key is not None and not _classes(stats):
+            raise DatasetError(f"{cfg.input_path}: --label-key {cfg.label_key}, but no record has a text field "
+                               f"({cfg.json_key!r}, --json-key) to label")
         n_rows = sum(rows_per_epoch)
         if n_rows == 0 and _labeled(stats):
             raise DatasetError(f"{cfg.input_path}: no unpaired example left to train on: of {stats['unpaired']} "

@@ -27,13 +27,10 @@ SPECIAL_TOKENS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 def config_from_hf(hf: dict, **overrides) -> ModelConfig:
     """Our config from a HF `config.json` dict (the family from its `model_type`; a
-    ForSequenceClassification's label count, and its class names where they are not transformers'
-    LABEL_i), then `overrides` (e.g. a training config's `seq` or `compute_dtype`)."""
+    ForSequenceClassification's label count, and its class names: `class_names`), then `overrides`
+    (e.g. a training config's `seq` or `compute_dtype`)."""
     config = models.family_for_hf(hf.get("model_type")).config.from_hf_config(hf)
-    names = _id2label_names(hf) if hf_labels(hf) else None
-    if names == [f"LABEL_{i}" for i in range(len(names or []))] or len(set(names or [])) != len(names or []):
-        names = None  # transformers' defaults, or names that do not tell the classes apart
-    return dataclasses.replace(config, **{"num_labels": hf_labels(hf), "label_names": names, **overrides})
+    return dataclasses.replace(config, **{"num_labels": hf_labels(hf), "label_names": class_names(hf), **overrides})
 
 
 _CLASSIFIER = "ForSequenceClassification"
@@ -48,26 +45,27 @@ def hf_labels(hf: dict) -> int:
 
 
 def label_names(path) -> Optional[list[str]]:
-    """A HF classifier directory's class names, by index (its config.json's `id2label`); None for a
-    directory of another architecture, or one that names no labels."""
-    hf = json.loads((Path(path) / "config.json").read_text())
-    if not hf_labels(hf):
-        return None
+    """A HF classifier directory's class names (`class_names` of its config.json), read without its weights."""
     try:
-        return _id2label_names(hf)
+        return class_names(json.loads((Path(path) / "config.json").read_text()))
     except ConfigError as e:
         raise ConfigError(f"{path}/config.json: {e}") from None
 
 
-def _id2label_names(hf: dict) -> Optional[list[str]]:
-    """A HF config's `id2label` as a list of names by class number (None where it has none)."""
+def class_names(hf: dict) -> Optional[list[str]]:
+    """A HF classifier config's `id2label` as a list of names by class number; None for another
+    architecture, and where the names are transformers' defaults (LABEL_i) or do not tell the
+    classes apart (one empty, two alike)."""
     names = hf.get("id2label") or {}
-    if not names:
+    if not hf_labels(hf) or not names:
         return None
     try:
-        return [str(names[str(i)] if str(i) in names else names[i]) for i in range(len(names))]
+        names = [str(names[str(i)] if str(i) in names else names[i]) for i in range(len(names))]
     except KeyError:
         raise ConfigError(f"id2label must number its labels 0 to {len(names) - 1}, got {sorted(names)}") from None
+    if names == [f"LABEL_{i}" for i in range(len(names))] or not all(names) or len(set(names)) != len(names):
+        return None
+    return names
 
 
 def config_to_hf(c: ModelConfig, torch_dtype: str = "float32") -> dict:

@@ -109,7 +109,7 @@ def unpack_batch(batch: Mapping[str, np.ndarray]) -> dict:
            else np.asarray(mask, np.float32)}
     if "segments" in batch:  # packed examples kept apart (int32 [A, b, T+1])
         out["segments"] = np.asarray(batch["segments"], np.int32)
-    if "labels" in batch:  # KTO's unpaired examples (float32 [A, b, 1])
+    if "labels" in batch:  # KTO's unpaired examples, a classifier's texts (float32 [A, b, 1])
         out["labels"] = np.asarray(batch["labels"], np.float32)
     return out
 

@@ -100,8 +100,8 @@ def check_labelled_texts(config: Config, path: str, ds: Dataset) -> None:
     from mesh_transformer.train import classify
     t, labels = config.train, config.model.num_labels
     if not ds.classes:
-        raise ConfigError(f"config key 'classify': {path} holds no labelled texts (create_finetune_dataset.py makes "
-                          "them from {text, label} records)")
+        raise ConfigError(f"config key 'classify': {path} holds no labelled texts (create_finetune_dataset.py "
+                          "--label-key label makes them from {text, label} records)")
     if t.classify is None:
         raise ConfigError(f"{path} holds labelled texts ({{text, label}} records): set num_labels and the config key "
                           f"'classify' (e.g. {{}}) to train a classifier on them"
@@ -237,6 +237,9 @@ class TrainHost:
         started from) the same way."""
         tr, o = self.trainer, self.options
         if self.ckpt.latest_step() is not None:
+            latest = self.ckpt.latest_step()
+            _check_same_classes((self.ckpt.saved_config(latest) or {}).get("label_names"), self.config,
+                                f"{self.ckpt.directory} (step {latest})")
             state, extras = self.ckpt.restore(abstract_state=tr.abstract_state, target_shardings=tr.state_shardings)
             self._saved_step = int(state.step)
             saved = extras.get(OBJECTIVE_KEY)  # (absent from checkpoints written before it was recorded)
@@ -244,8 +247,6 @@ class TrainHost:
                 raise ConfigError(f"{self.ckpt.directory}: its step {self._saved_step} trained with objective "
                                   f"{saved!r}, this config with {self.objective!r}; to switch, start a new "
                                   f"model_dir with --tune-model-path {self.ckpt.directory}")
-            _check_same_classes((self.ckpt.saved_config(self._saved_step) or {}).get("label_names"), self.config,
-                                f"{self.ckpt.directory} (step {self._saved_step})")
             if tr.lora is not None:
                 self._check_lora_scale()
             if tr.lora is not None or tr.holds_reference:
@@ -259,9 +260,9 @@ class TrainHost:
             return state, extras.get("train_loader") or {}
         if o.hf:
             from mesh_transformer.io import hf
+            _check_same_classes(hf.label_names(o.hf), self.config, o.hf)  # (before reading the weights)
             hf_config, params = hf.load_hf(o.hf, mp=tr.mp, num_labels=self.config.model.num_labels)
             _check_same_architecture(hf_config, self.config, o.hf)
-            _check_same_classes(hf_config.label_names, self.config, o.hf)
             self._base_ref = lora.base_reference(hf=o.hf)
             keep_generation_config(self.ckpt.directory, [o.hf])
             return tr.state_from_params(params), {}
@@ -509,10 +510,11 @@ class TrainRun:
 
 
 def _check_same_classes(names: Optional[list], config: Config, source: str) -> None:
-    """A classifier started from (or resumed at) weights whose classes `source` names `names`: the
-    config names them alike, so no head trains under other class numbers than it learnt."""
+    """A classifier of classes (two or more) started from (or resumed at) weights whose classes
+    `source` names `names`: the config names them alike, so no head trains under other class numbers
+    than it learnt."""
     ours = config.model.label_names
-    if names is None or names == ours:
+    if names is None or names == ours or config.model.num_labels < 2:
         return
     raise ConfigError(f"config key 'label_names': {source} names its classes {json.dumps(names)}"
                       + (f", this config {json.dumps(ours)}: its score head would train under other class numbers"
