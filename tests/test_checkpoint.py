@@ -271,10 +271,11 @@ def _kill_mid_save(directory: str, n: int, started) -> None:
         deadline = time.time() + 120
         while not started() and child.poll() is None and time.time() < deadline:
             time.sleep(0.002)
-        os.kill(child.pid, signal.SIGKILL)
+        if child.poll() is None:  # (poll reaps a child that has exited: it cannot be signalled then)
+            os.kill(child.pid, signal.SIGKILL)
         child.wait()
-        assert child.returncode == -signal.SIGKILL
         assert "saved 2" not in child.stdout.read(), "the save finished before the kill: use a larger state"
+        assert child.returncode == -signal.SIGKILL, f"the saver exited by itself ({child.returncode})"
     finally:
         if child.poll() is None:
             child.kill()
@@ -305,13 +306,16 @@ def test_killed_save_leaves_previous_checkpoint_local(tmp_path):
 # gs:// against a local emulator (loopback only)
 # --------------------------------------------------------------------------------------------
 
-def _blobs(prefix: str) -> list[str]:
+def _blobs(prefix: str, client=None) -> list[str]:
+    bucket, _, key = prefix[len("gs://"):].partition("/")
+    return sorted(b.name for b in (client or _client()).list_blobs(bucket, prefix=key))
+
+
+def _client():
     from google.auth.credentials import AnonymousCredentials
     from google.cloud import storage
 
-    client = storage.Client(project="test", credentials=AnonymousCredentials())
-    bucket, _, key = prefix[len("gs://"):].partition("/")
-    return sorted(b.name for b in client.list_blobs(bucket, prefix=key))
+    return storage.Client(project="test", credentials=AnonymousCredentials())
 
 
 def test_gcs_round_trip(gcs_bucket):
@@ -333,8 +337,8 @@ def test_gcs_round_trip(gcs_bucket):
 
 
 def test_killed_save_leaves_previous_checkpoint_gcs(gcs_bucket):
-    directory = f"{gcs_bucket}/killed"
-    _kill_mid_save(directory, 250_000, lambda: bool(_blobs(f"{directory}/step_2/")))
+    directory, client = f"{gcs_bucket}/killed", _client()  # one client: each look is one listing request
+    _kill_mid_save(directory, 1_000_000, lambda: bool(_blobs(f"{directory}/step_2/", client)))
     left = _blobs(f"{directory}/step_2/")
     assert left and "killed/step_2/commit_success.txt" not in left  # partly written, never committed
     _check_previous_survives(directory)

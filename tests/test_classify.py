@@ -56,8 +56,9 @@ def bos_eos_tokenizer(path):
                                                ("gpt2", 2, "full"), ("llama_gqa2_llama3_rope", 3, "lora")])
 def test_loss_accuracy_and_gradients_equal_transformers(case, labels, how, tmp_path):
     """On dp 2 x mp 2, a batch of texts of 1 to 30 tokens (and four padding rows, which count for
-    nothing, whatever their label; in two microbatches of 1 and 3 texts, the same step): the loss (cross-entropy over the classes; a regression's squared error), the accuracy
-    and every gradient equal transformers' ForSequenceClassification given `labels` (its own
+    nothing, whatever their label; in two microbatches of 1 and 3 texts, the same step): the loss
+    (cross-entropy over the classes; a regression's squared error), the accuracy and every
+    gradient equal transformers' ForSequenceClassification given `labels` (its own
     problem type: regression for one label, else single-label), read at each text's last token.
     With LoRA, PEFT's SEQ_CLS adapter (its B drawn; the score head in `modules_to_save`) on that
     classifier: the adapters' and the head's gradients are PEFT's."""
