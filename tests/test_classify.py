@@ -385,6 +385,9 @@ def test_a_classifier_run_learns_validates_and_exports_to_transformers(tmp_path)
                   RunOptions(hf=str(tmp_path / "export"))).start_state()
     assert str(e.value) == (f"config key 'label_names': {tmp_path / 'export'} names its classes "
                             f'["blue", "green", "red"]: set label_names ["blue", "green", "red"]')
+    with pytest.raises(ConfigError, match=re.escape(f"{tmp_path / 'nowhere'}: no config.json (is this a HF model")):
+        TrainHost(config_from_dict({**config, "model_dir": str(tmp_path / "again")}),
+                  RunOptions(hf=str(tmp_path / "nowhere"))).start_state()
     assert refusal(train_set=str(data / "numbers.index.json")) == (
         f"{data / 'numbers.index.json'}: labels from 0.5 to 2, not all class numbers (0, 1, ...): a regression's "
         "targets? (num_labels 1 trains one)")

@@ -46,6 +46,8 @@ def hf_labels(hf: dict) -> int:
 
 def label_names(path) -> Optional[list[str]]:
     """A HF classifier directory's class names (`class_names` of its config.json), read without its weights."""
+    if not (Path(path) / "config.json").exists():
+        raise ConfigError(f"{path}: no config.json (is this a HF model directory?)")
     try:
         return class_names(json.loads((Path(path) / "config.json").read_text()))
     except ConfigError as e:
