@@ -146,6 +146,32 @@ def test_embeddings_pool_the_hidden_states_transformers_base_model_returns(case,
 
 
 @pytest.mark.parametrize("case", ONE_CASE_PER_FAMILY, indirect=True)
+def test_a_classifier_on_labelled_texts_has_transformers_loss(case, tmp_path):
+    """Every family as a classifier trained on labelled texts (config key "classify", on mp 2): the
+    loss and accuracy of texts of 1 to 14 tokens, read at each one's last token, are transformers'
+    ForSequenceClassification's given `labels` (its cross-entropy; tests/test_classify.py holds
+    the gradients of three families to torch's)."""
+    import torch
+    from mesh_transformer.config import Config, TrainConfig
+    name, _, torch_model, _, _ = case
+    theirs = hf_classifier(torch_model, 3, tmp_path / "hf")
+    config, params = hf.load_hf(tmp_path / "hf", mp=2, compute_dtype="float32", remat="none")
+    rng = np.random.default_rng(4)
+    tokens, mask = np.zeros((4, config.seq + 1), np.int32), np.zeros((4, config.seq), np.float32)
+    for i, n in enumerate([3, 9, 1, 14]):  # ids from 1: transformers reads the last token that is not its pad (0)
+        tokens[i, :n], mask[i, :n] = rng.integers(1, torch_model.config.vocab_size, n), 1
+    labels = np.array([0, 2, 1, 2], np.float32)
+    with torch.no_grad():
+        out = theirs(input_ids=torch.tensor(tokens[:, :16], dtype=torch.long), attention_mask=torch.tensor(mask[:, :16]),
+                     labels=torch.tensor(labels, dtype=torch.long))
+    tr = Trainer(Config(config, TrainConfig(per_replica_batch=4, cores_per_replica=2, classify={})), mesh(1, 2))
+    batch = tr.shard_batch({"tokens": tokens[None], "mask": mask[None], "labels": labels[None, :, None]})
+    ours = tr.means(*tr.eval_values(jax.device_put(params, tr.state_shardings.params), batch))
+    assert float(ours["loss"]) == pytest.approx(out.loss.item(), rel=1e-5, abs=1e-6), name
+    assert float(ours["accuracy"]) == pytest.approx((out.logits.argmax(-1).numpy() == labels).mean()), name
+
+
+@pytest.mark.parametrize("case", ONE_CASE_PER_FAMILY, indirect=True)
 def test_a_classifier_scores_as_transformers_sequence_classifier_and_exports_as_one(case, tmp_path):
     """Every family's ForSequenceClassification checkpoint loads as a classifier (`num_labels`, HF's
     `score` in place of the language-model head), and its scores at each right-padded row's last
