@@ -51,6 +51,7 @@ def parse_args(argv=None):
     p.add_argument("--kinds", default=",".join(KINDS), help="which of " + ", ".join(KINDS))
     p.add_argument("--peer-python", default=lora_train.PEER_PYTHON)
     machine.add_args(p)
+    p.set_defaults(dropout=0.0, quantize_base=None)  # (what lora_train.config_keys reads)
     p.add_argument("--worker", choices=KINDS, help=argparse.SUPPRESS)
     p.add_argument("--hf-config", help=argparse.SUPPRESS)  # the peer's model, as config.json (from the driver)
     return p.parse_args(argv)
@@ -58,7 +59,6 @@ def parse_args(argv=None):
 
 def config_keys(args, lora: bool) -> dict:
     """Our config: lora_train's model (and LoRA), a classifier of `--labels` classes."""
-    args.dropout, args.quantize_base = 0.0, None
     return {**lora_train.config_keys(args, lora), "num_labels": args.labels, "classify": {}}
 
 

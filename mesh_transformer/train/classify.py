@@ -62,10 +62,7 @@ class ClassifyConfig:
     def metrics(self) -> tuple[str, ...]:
         return ("loss", "accuracy") if self.problem_type == SINGLE_LABEL else ("loss",)
 
-    sums = metrics  # each a sum over texts, `means` divides by their count
-
-    def means(self, sums: dict, count) -> dict:
-        return {k: v / count for k, v in sums.items()}
+    sums = metrics  # each a sum over texts: `Trainer.means` divides them by the count
 
     def text_sums(self, scores, labels, counted, reduce=lambda x: x):
         """Scores [b, L] float32 at each text's last token, labels [b] (class numbers, or targets of
