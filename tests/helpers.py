@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import re
+import threading
 
 import jax
 import numpy as np
@@ -393,3 +394,18 @@ def save_peft_adapters(base_dir, cls, adapters: dict, out_dir, conv1d: bool = Fa
         out[name] = str(out_dir / f"adapter_{name}")
         model.save_pretrained(out[name])
     return out
+
+
+def decoding_held_past(monkeypatch, engine, tokens: int = 64) -> threading.Event:
+    """Make `engine`'s decode calls wait, once a running row holds `tokens` tokens, until the
+    returned event is set: a test that aborts a stream part way cannot see the text end first
+    (a busy machine once decoded all 700 tokens before the client read its first delta)."""
+    released, step, batch = threading.Event(), engine.batch.step, engine.batch
+
+    def step_when_released(limit=None):
+        if any(len(batch.rows[r].tokens) >= tokens for r in batch.active()):
+            assert released.wait(60), f"not released in 60 s: did the client see no text in {tokens} tokens?"
+        return step(limit)
+
+    monkeypatch.setattr(batch, "step", step_when_released)
+    return released

@@ -23,7 +23,7 @@ import pytest
 from mesh_transformer.generate.structured import JSON_DUMPS, Grammar
 from mesh_transformer.serve import create_app, messages, reasoning, tools
 from mesh_transformer.serve.chat import Shape, StreamedReply
-from tests.helpers import END_THINK_ID, THINK_ID, in_pieces
+from tests.helpers import END_THINK_ID, THINK_ID, decoding_held_past, in_pieces
 from tests.serving import (CHAT_TOOLS, KEY, THINKS, WEATHER_PARAMETERS, chat_servers, library, start_server,
                            template_ids)
 
@@ -525,10 +525,12 @@ def test_auth_size_and_sdk_errors_are_anthropics(servers):
     assert 'endpoint="/v1/messages",status="401"' in metrics and 'endpoint="/v1/messages",status="200"' in metrics
 
 
-def test_a_stream_that_fails_ends_with_an_error_event(servers, long_engine):
+def test_a_stream_that_fails_ends_with_an_error_event(servers, long_engine, monkeypatch):
     """The server ends the running sequences (here `abort`, as a shutdown's drain timeout does):
-    the stream's last event is Anthropic's `error`, which the SDK raises."""
-    body = {"model": "tiny", "messages": user("Hi"), "max_tokens": 700, "stream": True}
+    the stream's last event is Anthropic's `error`, which the SDK raises. The engine's decode
+    calls wait for the abort past 64 tokens, so the text cannot end first."""
+    aborted = decoding_held_past(monkeypatch, long_engine)
+    body = {"model": "tiny", "messages": user("Hi"), "max_tokens": 700, "stream": True, "ignore_eos": True}
     with httpx.stream("POST", f"{servers['plain']}/v1/messages", json=body, headers={"x-api-key": KEY},
                       timeout=60) as r:
         events = []
@@ -537,6 +539,8 @@ def test_a_stream_that_fails_ends_with_an_error_event(servers, long_engine):
                 events.append(json.loads(line[len("data: "):]))
                 if [e["type"] for e in events].count("content_block_delta") == 1:  # once, at the first text
                     long_engine.abort("shutdown")
+                    aborted.set()
+    monkeypatch.undo()
     assert events[-1] == {"type": "error", "error": {"type": "overloaded_error",
                                                      "message": "the server is shutting down"}}
     assert "message_stop" not in [e["type"] for e in events]

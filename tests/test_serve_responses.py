@@ -20,7 +20,7 @@ from mesh_transformer.generate import SamplingOptions
 from mesh_transformer.generate.structured import JSON_DUMPS, Grammar
 from mesh_transformer.serve import create_app, reasoning, responses, tools
 from mesh_transformer.serve.chat import Shape, StreamedReply
-from tests.helpers import END_THINK_ID, in_pieces
+from tests.helpers import END_THINK_ID, decoding_held_past, in_pieces
 from tests.serving import (CHAT_TOOLS, KEY, THINKS, WEATHER_PARAMETERS, chat_servers, library, start_server,
                            template_ids)
 
@@ -517,17 +517,22 @@ def test_a_kept_response_is_read_whole_and_a_wrong_method_is_an_openai_error(ser
     assert wrong.status_code == 405 and "does not take POST" in wrong.json()["error"]["message"]
 
 
-def test_a_stream_that_fails_ends_with_response_failed(servers, long_engine):
+def test_a_stream_that_fails_ends_with_response_failed(servers, long_engine, monkeypatch):
     """The server ends the running sequences (here `abort`, as a shutdown's drain timeout does):
-    the open item closes incomplete and `response.failed` carries the error."""
+    the open item closes incomplete and `response.failed` carries the error. The engine's decode
+    calls wait for the abort past 64 tokens, so the text cannot end first."""
+    aborted = decoding_held_past(monkeypatch, long_engine)
     with httpx.stream("POST", f"{servers['plain']}/v1/responses", timeout=60, headers={"Authorization": f"Bearer {KEY}"},
-                      json={"model": "tiny", "input": "Hi", "max_output_tokens": 700, "stream": True}) as r:
+                      json={"model": "tiny", "input": "Hi", "max_output_tokens": 700, "stream": True,
+                            "ignore_eos": True}) as r:
         data = []
         for line in r.iter_lines():
             if line.startswith("data: "):
                 data.append(json.loads(line[len("data: "):]))
                 if data[-1]["type"] == "response.output_text.delta" and len(data) == 5:
                     long_engine.abort("shutdown")
+                    aborted.set()
+    monkeypatch.undo()
     assert [d["type"] for d in data[-4:]] == ["response.output_text.done", "response.content_part.done",
                                               "response.output_item.done", "response.failed"]
     failed = data[-1]["response"]
