@@ -31,11 +31,13 @@ def parse_args(argv=None) -> BuildConfig:
     p.add_argument("--label-key", metavar="FIELD",
                    help="JSONL records are labelled texts for a classifier (config key 'classify'): the text "
                         "field (--json-key) and the label in this one (e.g. 'label': a class number, a class "
-                        "name, or for a regression a number); default: none, records with a text field are "
-                        "documents, other fields ignored")
+                        "name, or for a regression a number; a list of class numbers or names: a multi-label "
+                        "text, config key 'classify' {\"problem_type\": \"multi_label_classification\"}); "
+                        "default: none, records with a text field are documents, other fields ignored")
     p.add_argument("--label-names", nargs="+", metavar="NAME",
                    help="with --label-key, for labels that are class names: the names in class-number order, so "
-                        "every dataset of a run numbers them alike (default: the names this data holds, sorted)")
+                        "every dataset of a run numbers them alike (default: the names this data holds, sorted); "
+                        "with multi-label class numbers, names every class (even those no text has)")
     p.add_argument("--chat-template", metavar="FILE",
                    help="Jinja chat template for 'messages' records (default: the tokenizer's own, else the plain "
                         "'Role: content' one; the server's --chat-template should be the same)")

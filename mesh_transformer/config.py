@@ -71,6 +71,8 @@ class ModelConfig:
     loss_chunk: int = 0  # > 0: training's vocabulary head and loss run this many tokens at a time (memory for compute)
     num_labels: int = 0  # 0: a language model; > 0: a classifier (HF's ForSequenceClassification; 1: a reward model)
     label_names: Optional[list] = None  # a classifier's class names by number (HF's id2label); default LABEL_i
+    problem_type: Optional[str] = None  # what a classifier's outputs mean (HF's key): "single_label_classification",
+    # "multi_label_classification" or "regression"; default by num_labels (1: regression)
 
     PE_CHOICES: typing.ClassVar[tuple[str, ...]] = ("rotary", "fixed", "none", "alibi")
 
@@ -123,12 +125,12 @@ class ModelConfig:
 
     def architecture(self) -> dict[str, Any]:
         """What fixes the meaning of the weights: every key but compute_dtype, remat, attention_impl,
-        scan_layers, loss_chunk and a mixture's expert_parallel (how it runs, not what it computes) and
-        label_names (what a classifier's outputs are called),
+        scan_layers, loss_chunk and a mixture's expert_parallel (how it runs, not what it computes),
+        label_names and problem_type (what a classifier's outputs are called and mean),
         with defaults resolved; `seq` only with learned positions."""
         out = {k: v for k, v in dataclasses.asdict(self).items()
                if k not in ("compute_dtype", "remat", "attention_impl", "scan_layers", "loss_chunk", "expert_parallel",
-                            "seq", "label_names")}
+                            "seq", "label_names", "problem_type")}
         out.update(d_head=self.head_dim, d_ff=self.ff_dim)
         if "n_kv_heads" in out and out["n_kv_heads"] is None:  # every family's default: no grouping
             out["n_kv_heads"] = self.n_heads
@@ -168,6 +170,18 @@ class ModelConfig:
                     and all(isinstance(n, str) and n for n in names) and len(set(names)) == len(names),
                     "label_names", f"must be a list of {self.num_labels} different names, one per class "
                                    f"(num_labels), got {json.dumps(names)}")
+        if self.problem_type is not None:
+            from mesh_transformer.train import classify
+            require(self.classifier, "problem_type", "says what a classifier's outputs mean: set num_labels too")
+            classify.check_problem_type(self.problem_type, self.num_labels, "problem_type")
+
+    @property
+    def classifier_problem(self) -> Optional[str]:
+        """What a classifier's outputs mean (transformers' problem_type): `problem_type`, else a
+        regression for one output and a single-label classification for more; None for a language model."""
+        if not self.classifier:
+            return None
+        return self.problem_type or ("regression" if self.num_labels == 1 else "single_label_classification")
 
     @property
     def classifier(self) -> bool:
@@ -313,6 +327,9 @@ def config_from_dict(raw: dict[str, Any]) -> Config:
             raise ConfigError(f"missing required config key {missing[0]!r}")
     config = Config(model_cls(**sections[model_cls]), TrainConfig(**sections[TrainConfig]))
     validate(config)
+    trained = (config.train.classify or {}).get("problem_type")
+    if trained and config.model.problem_type is None:  # the model's outputs mean what it trains them to
+        config = dataclasses.replace(config, model=dataclasses.replace(config.model, problem_type=trained))
     return config
 
 
@@ -411,7 +428,7 @@ def validate(config: Config) -> None:
                                               f"set it to {'null' if key == 'neftune_noise_alpha' else 0}")
     if t.classify is not None:
         from mesh_transformer.train import classify
-        classify.ClassifyConfig.from_dict(t.classify, m.num_labels)
+        classify.ClassifyConfig.from_dict(t.classify, m)
         for key in ("fcm_max_ratio", "z_loss", "neftune_noise_alpha"):
             require(not getattr(t, key), key, f"applies to the language-model loss only; with 'classify' "
                                               f"set it to {'null' if key == 'neftune_noise_alpha' else 0}")

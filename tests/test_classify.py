@@ -51,21 +51,29 @@ def bos_eos_tokenizer(path):
 
 
 # (family case, labels, how): three classes, a regression, two classes (GPT-2: learned positions, Conv1D
-# weights), and LoRA adapters with the score head trained whole beside them
+# weights), LoRA adapters with the score head trained whole beside them, and four classes a text
+# may have any of (multi-label)
 @pytest.mark.parametrize("case, labels, how", [("gptj", 3, "full"), ("llama_gqa2_llama3_rope", 1, "full"),
-                                               ("gpt2", 2, "full"), ("llama_gqa2_llama3_rope", 3, "lora")])
+                                               ("gpt2", 2, "full"), ("llama_gqa2_llama3_rope", 3, "lora"),
+                                               ("gptj", 4, "multi")])
 def test_loss_accuracy_and_gradients_equal_transformers(case, labels, how, tmp_path):
     """On dp 2 x mp 2, a batch of texts of 1 to 30 tokens (and four padding rows, which count for
     nothing, whatever their label; in two microbatches of 1 and 3 texts, the same step): the loss
     (cross-entropy over the classes; a regression's squared error), the accuracy and every
     gradient equal transformers' ForSequenceClassification given `labels` (its own
-    problem type: regression for one label, else single-label), read at each text's last token.
+    problem type: regression for one label, else single-label; multi-label: the mean binary
+    cross-entropy of every class of every text, with the accuracy of those yes/no decisions and the
+    share of texts with all right), read at each text's last token.
     With LoRA, PEFT's SEQ_CLS adapter (its B drawn; the score head in `modules_to_save`) on that
     classifier: the adapters' and the head's gradients are PEFT's."""
     import peft
     theirs = hf_classifier(make_hf_model(tmp_path / "lm", case), labels, tmp_path / "clf")
     config, params = hf.load_hf(str(tmp_path / "clf"), mp=2)
-    config = dataclasses.replace(config, compute_dtype="float32", remat="none")
+    multi = how == "multi"
+    if multi:
+        theirs.config.problem_type = "multi_label_classification"
+    config = dataclasses.replace(config, compute_dtype="float32", remat="none",
+                                 problem_type="multi_label_classification" if multi else None)
     train = TrainConfig(per_replica_batch=4, cores_per_replica=2, classify={})
     if how == "lora":
         theirs = peft.get_peft_model(theirs, peft.LoraConfig(task_type="SEQ_CLS", r=4, lora_alpha=8,
@@ -86,11 +94,12 @@ def test_loss_accuracy_and_gradients_equal_transformers(case, labels, how, tmp_p
     for i, n in enumerate(lengths):  # ids from 1: transformers pools at the last token that is not its pad (0)
         tokens[i, :n] = rng.integers(1, theirs.config.vocab_size, n)
         mask[i, :n] = 1
-    targets = (rng.permutation(np.arange(4) % labels) if labels > 1 else rng.normal(size=4)).astype(np.float32)
+    targets = (rng.integers(0, 2, (4, labels)) if multi else rng.permutation(np.arange(4) % labels) if labels > 1
+               else rng.normal(size=4)).astype(np.float32)
 
     ids, attention = torch.tensor(tokens[:4, :seq], dtype=torch.long), torch.tensor(mask[:4])
     out = theirs(input_ids=ids, attention_mask=attention,
-                 labels=torch.tensor(targets, dtype=torch.long if labels > 1 else torch.float32))
+                 labels=torch.tensor(targets, dtype=torch.long if labels > 1 and not multi else torch.float32))
     out.loss.backward()
     loss = out.loss.item()
     expected = hf_grads_as_params(theirs, tmp_path / "grads", peft_model=how == "lora", config=config)
@@ -100,11 +109,13 @@ def test_loss_accuracy_and_gradients_equal_transformers(case, labels, how, tmp_p
     if how == "lora":
         tr.set_base(hf.load_hf(str(tmp_path / "clf"), mp=2)[1])
         assert "llama/score" not in tr.base and "score" in tr.param_specs["llama/score"]
-    assert tr.metric_names == (("loss", "accuracy") if labels > 1 else ("loss",))
+    assert tr.metric_names == (("loss", "accuracy", "exact_match") if multi else ("loss", "accuracy") if labels > 1
+                               else ("loss",))
     params = jax.device_put(params, tr.state_shardings.params)
     def batch_of(padding_label, rows=np.arange(8)[None]):  # rows [A, B]: the microbatches
-        labels = np.r_[targets, [padding_label] * 4].astype(np.float32)
-        return tr.shard_batch({"tokens": tokens[rows], "mask": mask[rows], "labels": labels[rows][..., None]})
+        labels = np.concatenate([targets, np.full((4, *targets.shape[1:]), padding_label)]).astype(np.float32)
+        labels = labels[rows] if multi else labels[rows][..., None]
+        return tr.shard_batch({"tokens": tokens[rows], "mask": mask[rows], "labels": labels})
     batch = batch_of(0)
     sums, count = tr.eval_values(params, batch)
     ours = {k: float(v) for k, v in tr.means(sums, count).items()}
@@ -113,7 +124,11 @@ def test_loss_accuracy_and_gradients_equal_transformers(case, labels, how, tmp_p
         again = tr.means(*tr.eval_values(params, batch_of(padding_label)))
         assert {k: float(v) for k, v in again.items()} == ours
     assert ours["loss"] == pytest.approx(loss, rel=2e-5, abs=2e-6)
-    if labels > 1:
+    if multi:
+        right = (out.logits.detach().numpy() > 0) == (targets > 0.5)
+        assert 0 < right.mean() < 1 and ours["accuracy"] == pytest.approx(right.mean())
+        assert ours["exact_match"] == pytest.approx(right.all(-1).mean())
+    elif labels > 1:
         right = (out.logits.argmax(-1).numpy() == targets).mean()
         assert 0 < right < 1 and ours["accuracy"] == pytest.approx(right)
 
@@ -193,11 +208,44 @@ def test_labelled_texts_are_rows_as_classify_reads_them(tmp_path):
      "labelled texts ({text, label} records) mixed with examples; a classifier trains on a dataset of labelled "
      "texts only"),
     ([{"text": "", "label": 1}], "every labelled text is empty (no tokens)"),
+    ([{"text": "a", "label": [0, "red"]}], "line 1: field 'label': a multi-label text's classes are a list of "
+                                           'different class numbers (0, 1, ...) or of different class names; got [0, "red"]'),
+    ([{"text": "a", "label": [1, 1]}], "different class names; got [1, 1]"),
+    ([{"text": "a", "label": [0.5]}], "different class names; got [0.5]"),
+    ([{"text": "a", "label": [1]}, {"text": "b", "label": 0}], "line 2: its label is one label where the labels "
+                                                               "before it are lists of classes"),
+    ([{"text": "a", "label": 0}, {"text": "b", "label": [1]}], "line 2: its label is a list of classes where the "
+                                                               "labels before it are one label each"),
+    ([{"text": "a", "label": []}, {"text": "b", "label": []}], "no multi-label text has a class (every list is empty)"),
 ])
 def test_bad_labelled_texts_are_one_clear_error(records, message, tmp_path):
     with pytest.raises(DatasetError, match=re.escape(message)):
         build(write_jsonl(tmp_path / "t.jsonl", records), tmp_path / "data")
     assert not (tmp_path / "data").exists()  # nothing written
+
+
+def test_multi_label_texts_are_0_1_vectors_of_their_classes(tmp_path):
+    """A label that is a list (of class names or numbers; empty: no class) makes a multi-label
+    dataset (version 6): a 0/1 vector a row, one per class: the names sorted, --label-names' order
+    (which may name classes no text has), or the numbers up to the highest. Version-5 readers
+    cannot mistake it for one label a row."""
+    records = [{"text": f"Item {i}", "tags": tags} for i, tags in
+               enumerate([["red", "blue"], [], ["green"], ["blue", "green", "red"]])]
+    src = write_jsonl(tmp_path / "t.jsonl", records)
+    ds = build(src, tmp_path / "data", label_key="tags")
+    assert ds.index["version"] == 6 and ds.multi_label and ds.label_width == 3
+    assert ds.index["label_names"] == ["blue", "green", "red"] and ds.index["label_range"] == [0, 2]
+    assert ds.read_labels(np.array([0, 1, 2, 3, -1])).tolist() == [[1, 0, 1], [0, 0, 0], [0, 1, 0], [1, 1, 1],
+                                                                    [0, 0, 0]]
+    ds = build(src, tmp_path / "given", label_key="tags", label_names=["red", "green", "blue", "white"])
+    assert ds.label_width == 4 and ds.read_labels(np.arange(2)).tolist() == [[1, 0, 1, 0], [0, 0, 0, 0]]
+    numbered = [{"text": "a", "tags": [3]}, {"text": "b", "tags": [0, 1]}]
+    ds = build(write_jsonl(tmp_path / "n.jsonl", numbered), tmp_path / "numbers", label_key="tags")
+    assert ds.label_width == 4 and ds.read_labels(np.arange(2)).tolist() == [[0, 0, 0, 1], [1, 1, 0, 0]]
+    loader = Loader(ds, global_batch=2, seed=0, shuffle=False)
+    assert loader.batch_at(0)["labels"].shape == (1, 2, 4)
+    with pytest.raises(DatasetError, match=re.escape("classes up to 3, but --label-names names classes 0 to 1")):
+        build(write_jsonl(tmp_path / "n.jsonl", numbered), tmp_path / "bad", label_key="tags", label_names=["a", "b"])
 
 
 def test_class_names_are_numbered_sorted_or_as_label_names_says(tmp_path):
@@ -244,13 +292,20 @@ TINY = {"layers": 1, "d_model": 8, "n_heads": 1, "n_vocab": 16, "seq": 8}
 @pytest.mark.parametrize("overrides, message", [
     (dict(classify={}), "config key 'num_labels': 'classify' trains a classifier: set num_labels to the number of "
                         "classes (1 for a regression), got 0"),
-    (dict(num_labels=3, classify={"problem_type": "multi_label_classification"}),
-     "'multi_label_classification' is not supported"),
+    (dict(num_labels=3, problem_type="single_label_classification",
+          classify={"problem_type": "multi_label_classification"}),
+     "config key 'classify.problem_type': \"multi_label_classification\", but the model's problem_type is "
+     "\"single_label_classification\"; set one, or both alike"),
+    (dict(problem_type="regression"), "config key 'problem_type': says what a classifier's outputs mean: "
+                                      "set num_labels too"),
+    (dict(num_labels=2, problem_type="multi", classify={}), "config key 'problem_type' must be one of "
+                                                            "single_label_classification, multi_label_classification"),
     (dict(num_labels=3, classify={"problem_type": "regression"}), "a regression has one output, got 3"),
     (dict(num_labels=1, classify={"problem_type": "single_label_classification"}),
      "a single-label classification needs 2 classes at least, got 1"),
     (dict(num_labels=2, classify={"problem_type": "softmax"}), "config key 'classify.problem_type' must be one of "
-                                                               "single_label_classification, regression"),
+                                                               "single_label_classification, multi_label_classification, "
+                                                               "regression"),
     (dict(num_labels=2, classify={"labels": 2}), "config key 'classify.labels' is unknown"),
     (dict(num_labels=1, classify={}, reward={}), "config key 'classify': trains a classifier on labelled texts: "
                                                  "not with 'reward'"),
@@ -271,8 +326,10 @@ def test_bad_classifier_config_is_one_clear_error(overrides, message):
 
 def test_class_names_travel_from_and_to_transformers_id2label(tmp_path):
     """A HF classifier's id2label is its config's label_names (none where they are transformers'
-    LABEL_i, or name two classes alike) and is what an export writes; a batch's labels cross to the hosts of a cluster as bytes
-    where they are class numbers, as float32 where they are a regression's targets."""
+    LABEL_i, or name two classes alike) and is what an export writes, as its problem_type is the
+    config's (where its label count allows it); a batch's labels cross to the hosts of a cluster as
+    bytes where they are class numbers (or multi-label 0/1 vectors), as float32 where they are a
+    regression's targets."""
     from mesh_transformer.train.cluster import pack_batch, unpack_batch
     lm = make_hf_model(tmp_path / "lm", "gpt2")
     hf_classifier(lm, 3, tmp_path / "named", names=["no", "maybe", "yes"])
@@ -283,9 +340,17 @@ def test_class_names_travel_from_and_to_transformers_id2label(tmp_path):
     assert hf.load_hf(str(tmp_path / "same"))[0].label_names is None
     assert hf.config_to_hf(named)["id2label"] == {0: "no", 1: "maybe", 2: "yes"}
     assert "label_names" not in named.architecture()  # names, not weights (`loop._check_same_classes` holds them)
+    assert named.problem_type is None and "problem_type" not in hf.config_to_hf(named)
+    for problem, ours in [("multi_label_classification", "multi_label_classification"), ("regression", None)]:
+        raw = json.loads((tmp_path / "named" / "config.json").read_text())
+        (tmp_path / "named" / "config.json").write_text(json.dumps({**raw, "problem_type": problem}))
+        config = hf.load_hf(str(tmp_path / "named"))[0]  # (a regression of 3 labels: not one transformers can have)
+        assert config.problem_type == ours and "problem_type" not in config.architecture()
+        assert hf.config_to_hf(config).get("problem_type") == ours
     batch = {"tokens": np.zeros((1, 2, 5), np.int64), "mask": np.ones((1, 2, 4), np.float32)}
     for labels, dtype in [(np.array([[[2.0], [0.0]]], np.float32), np.uint8),
-                          (np.array([[[0.25], [-3.0]]], np.float32), np.float32)]:
+                          (np.array([[[0.25], [-3.0]]], np.float32), np.float32),
+                          (np.array([[[1, 0, 1], [0, 0, 0]]], np.float32), np.uint8)]:
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # (no cast of a negative number to a byte)
             packed = pack_batch({**batch, "labels": labels}, 4)
@@ -391,3 +456,79 @@ def test_a_classifier_run_learns_validates_and_exports_to_transformers(tmp_path)
     assert refusal(train_set=str(data / "numbers.index.json")) == (
         f"{data / 'numbers.index.json'}: labels from 0.5 to 2, not all class numbers (0, 1, ...): a regression's "
         "targets? (num_labels 1 trains one)")
+
+
+TAGS = ["big", "blue", "green", "red"]  # the classes' numbers: the names sorted
+TAGGED = [{"text": f"Item {i} is {COLOURS[i % 3]}{' and big' if i % 4 < 2 else ''}.",
+           "tags": [COLOURS[i % 3]] + (["big"] if i % 4 < 2 else [])} for i in range(40)]
+
+
+def test_a_multi_label_run_learns_validates_and_exports_to_transformers(tmp_path):
+    """device_train.py fine-tunes a multi-label classifier (texts tagged with a colour and maybe
+    "big": 4 classes, any of them a text) from a causal LM: its loss falls and every yes/no decision
+    on the held-out texts is right; the export is a transformers classifier whose problem_type
+    is multi_label_classification, which gives the held-out texts the run's validation loss (its
+    BCEWithLogitsLoss) and whose text-classification pipeline scores each class with its own
+    sigmoid, as /classify does. Data of one label a text, multi-label data without the problem
+    type, and a class count other than the data's are one clear line each."""
+    import transformers
+    from mesh_transformer.serve.classify import probabilities
+    from mesh_transformer.train.loop import open_datasets
+    hf_dir = tmp_path / "hf"
+    make_hf_gptj(hf_dir, vocab_size=50257, n_embd=32, n_layer=2, n_head=4, rotary_dim=4, n_positions=64,
+                 initializer_range=0.2)
+    data = tmp_path / "data"
+    build(write_jsonl(tmp_path / "train.jsonl", TAGGED[:32]), data, name="train", label_key="tags")
+    build(write_jsonl(tmp_path / "val.jsonl", TAGGED[32:]), data, name="val", label_key="tags")
+    config = {**RUN, "num_labels": 4, "label_names": TAGS, "classify": {"problem_type": "multi_label_classification"},
+              "total_steps": 40, "anneal_steps": 40, "ckpt_every": 40, "val_every": 40,
+              "train_set": str(data / "train.index.json"), "val_set": {"held": str(data / "val.index.json")},
+              "model_dir": str(tmp_path / "ckpt")}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    run = subprocess.run([sys.executable, "device_train.py", "--config", str(tmp_path / "config.json"),
+                          "--cpu-devices", "8", "--no-tensorboard", "--log-dir", str(tmp_path / "logs"),
+                          "--hf", str(hf_dir)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    rows = {r["step"]: r for r in map(json.loads, (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines())}
+    assert rows[40]["train/loss"] < rows[1]["train/loss"] / 2
+    assert rows[40]["val/accuracy_held"] == 1.0 and rows[40]["val/exact_match_held"] == 1.0
+
+    export = subprocess.run([sys.executable, "to_hf_weights.py", "--input-ckpt", str(tmp_path / "ckpt"),
+                             "--output-path", str(tmp_path / "export"), "--dtype", "fp32", "--cpu"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert export.returncode == 0, export.stdout[-2000:] + export.stderr[-2000:]
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path / "export").eval()
+    assert model.config.problem_type == "multi_label_classification" and model.config.id2label == dict(enumerate(TAGS))
+    tokenizer = load_tokenizer("gpt2")
+    held = TAGGED[32:]
+    targets = torch.tensor([[float(tag in r["tags"]) for tag in TAGS] for r in held])
+    with torch.no_grad():  # a text at a time: its last token is the one read
+        logits = torch.cat([model(torch.tensor([tokenizer.encode(r["text"])])).logits for r in held])
+        loss = model(torch.tensor([tokenizer.encode(held[0]["text"])]), labels=targets[:1]).loss
+    assert ((logits > 0) == (targets > 0.5)).all()
+    assert torch.nn.functional.binary_cross_entropy_with_logits(logits, targets).item() == pytest.approx(
+        rows[40]["val/loss_held"], rel=1e-3)
+    assert loss.item() == pytest.approx(torch.nn.functional.binary_cross_entropy_with_logits(
+        logits[:1], targets[:1]).item(), rel=1e-5)  # transformers' own loss for its problem_type
+    pipe = transformers.pipeline("text-classification", model=model, tokenizer=tokenizer, top_k=None)
+    scores = {d["label"]: d["score"] for d in pipe([held[0]["text"]])[0]}
+    np.testing.assert_allclose([scores[t] for t in TAGS], probabilities(logits[:1].numpy(),
+                                                                        "multi_label_classification")[0], rtol=1e-5)
+    assert loading.load(ckpt=str(tmp_path / "ckpt"), mp=2, dp=1).config.problem_type == "multi_label_classification"
+
+    def refusal(**overrides):
+        with pytest.raises(ConfigError) as e:
+            open_datasets(config_from_dict({**config, **overrides}))
+        return str(e.value)
+    train_set = data / "train.index.json"
+    assert refusal(classify={}, problem_type=None) == (
+        f"{train_set} holds multi-label texts (a list of classes each): set the config key 'classify' to "
+        '{"problem_type": "multi_label_classification"}')
+    build(write_jsonl(tmp_path / "one.jsonl", [{"text": "a", "tags": 2}]), data, name="one", label_key="tags")
+    assert refusal(train_set=str(data / "one.index.json"), label_names=None) == (
+        f"config key 'classify.problem_type': a multi-label classification trains on texts labelled with lists of "
+        f"classes, but {data / 'one.index.json'} gives each text one label")
+    build(write_jsonl(tmp_path / "n.jsonl", [{"text": "a", "tags": [2]}]), data, name="n", label_key="tags")
+    assert refusal(train_set=str(data / "n.index.json"), label_names=None) == (
+        f"config key 'num_labels': 4 classes, but {data / 'n.index.json'} has 3 (set num_labels 3, or build it with "
+        f"--label-names naming all 4 classes: the last ones no text has count too)")

@@ -6,6 +6,7 @@ KV cache, and says so on the routes that generate; device_serve.py serves one as
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import subprocess
 import sys
@@ -126,6 +127,33 @@ def test_a_reward_model_answers_the_sigmoid_and_raw_rewards_over_dp_and_mp(rewar
     np.testing.assert_allclose([d["probs"] for d in sig], sigmoid(want), atol=TOL)
     raw = classify(base, input=TEXTS, use_activation=False).json()["data"]
     np.testing.assert_allclose([d["probs"] for d in raw], want, atol=TOL)
+
+
+@pytest.mark.parametrize("problem, labels", [("multi_label_classification", 4), ("regression", 1)])
+def test_probs_follow_the_checkpoints_problem_type_as_transformers_pipeline(problem, labels, tiny, tmp_path):
+    """A classifier whose config.json says its problem_type: a multi-label one's probs are each
+    class's own sigmoid (not the softmax over them), a regression's its raw output (not its
+    sigmoid, as a reward model's config, saying none, has it), as vLLM reads problem_type and as
+    transformers' text-classification pipeline scores."""
+    import transformers
+    model = saved_classifier(tiny, tmp_path, labels)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**raw, "problem_type": problem}))
+    model.config.problem_type = problem
+    loaded = loading.load(hf=str(tmp_path), mp=1, dp=1, dtype="float32")
+    assert loaded.config.problem_type == problem
+    engine = Engine(loaded.generator(), tiny.tokenizer).start()
+    server, base = start_server(create_app(engine, model_name="tags", api_key=KEY))
+    try:
+        answer = classify(base, input=TEXTS).json()["data"]
+    finally:
+        server.should_exit = True
+        engine.stop()
+    pipe = transformers.pipeline("text-classification", model=model, tokenizer=tiny.tokenizer, top_k=None)
+    for d, text in zip(answer, TEXTS):
+        scores = {x["label"]: x["score"] for x in pipe([text])[0]}
+        want = [scores[f"LABEL_{i}"] for i in range(labels)]
+        np.testing.assert_allclose(d["probs"], want, atol=TOL)
 
 
 PROMPT = "Q: fox?"

@@ -9,7 +9,8 @@ A dataset is a directory (local or gs://) holding
                                example of its row each token belongs to (0, 1, ... per row)
     <name>-00000.labels.npy    uint8 [n], unpaired preferences (version 4): 1 where the row's
                                example is desirable; float32 [n], labelled texts (version 5): the
-                               row's label (a class number, or a regression's target)
+                               row's label (a class number, or a regression's target); float32
+                               [n, classes], multi-label texts (version 6): 1 for each class of the row's
     ...
 
 Row ``r`` of a tokens shard is one training sequence; ``mask[r, t]`` weights the loss of
@@ -46,6 +47,10 @@ tokenizes it (with the tokenizer's special tokens), cut to ``seq`` tokens as tra
 the model reads; its scores are read at the last) and labelled: a class number (0, 1, ...), a
 class name (numbered by ``--label-names``' order, else the names sorted) or, for a regression, any
 number. The index records the labels' range, whether they are all class numbers, and the names.
+A label that is a list of class numbers or names (a multi-label text: any number of classes,
+none included) makes a multi-label dataset (version 6, ``"multi_label": true``): each row's label
+is a 0/1 vector, one per class (``"label_width"``: as many as ``--label-names`` names, else the
+classes named, else the highest class number + 1).
 
 Segments: version 2 stores each token's segment with prompt/completion data, so packed examples
 stay apart even where a prompt itself contains the EOS id. Datasets without stored segments (plain
@@ -83,7 +88,8 @@ VERSION = 2  # 2: segments stored with prompt/completion data
 PAIRS_VERSION = 3  # preference pairs; older readers, which would take the rows one by one, refuse them
 LABELS_VERSION = 4  # unpaired preferences: pairs of rows with labels, which version-3 readers would ignore
 CLASSES_VERSION = 5  # labelled texts: a row each, float32 labels, which version-4 readers would take for KTO's
-READABLE_VERSIONS = (1, 2, 3, 4, 5)
+MULTI_LABEL_VERSION = 6  # multi-label texts: a 0/1 vector a row, which version-5 readers cannot read
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6)
 EOT = "<|endoftext|>"
 SHARD_ARRAYS = ("tokens", "mask", "segments", "labels")  # a shard's files (those it has)
 INDEX_SUFFIX = ".index.json"
@@ -103,8 +109,8 @@ class Text(NamedTuple):
 
 class LabelledText(NamedTuple):
     text: str
-    label: float | str  # a class number (whole, at least 0), a class name, or a regression's target
-    where: str = ""
+    label: float | str | tuple  # a class number (whole, at least 0), a class name, a regression's target,
+    where: str = ""             # or (a multi-label text) a tuple of class numbers or of class names
 
 
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
@@ -118,6 +124,13 @@ def _labelled_text(obj: dict, key: str, label_key: str, where: str) -> LabelledT
     label = obj[label_key]
     if isinstance(label, str) and label:
         return LabelledText(obj[key], label, where)
+    if isinstance(label, list):
+        names = all(isinstance(x, str) and x for x in label)
+        numbers = all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= _FLOAT32_MAX for x in label)
+        if not (names or numbers) or len(set(label)) != len(label):
+            raise ValueError(f"field {label_key!r}: a multi-label text's classes are a list of different class "
+                             f"numbers (0, 1, ...) or of different class names; got {json.dumps(label)}")
+        return LabelledText(obj[key], tuple(label), where)
     number = isinstance(label, (int, float)) and not isinstance(label, bool)
     if not number or not abs(label) <= _FLOAT32_MAX:  # (a float32 a row: NaN and inf fail this too)
         raise ValueError(f"field {label_key!r} must be a class number (0, 1, ...), a class name or, for a "
@@ -130,35 +143,59 @@ class _ClassNumbers:
     `--label-names` where given (a name not among them is an error naming its line), else by its
     place among the names the data holds, sorted (as transformers' run_classification.py numbers
     them; `numbered` renumbers what `number` gave in order of first sight). One dataset holds
-    numbers or names, not both."""
+    numbers or names, not both, and one label a text or (multi-label texts) lists of them."""
 
     def __init__(self, given: list[str] | None):
         self.given = list(given) if given else None
         self.seen: dict[str, int] = {}  # name -> its number in order of first sight (no --label-names)
         self.kind: str | None = None  # "number" or "name", of the first label read
+        self.multi: bool | None = None  # whether the labels are lists (multi-label texts), of the first read
+        self.lists: list[tuple[float, ...]] = []  # multi-label rows' classes, as `number` gave them, by row
 
-    def number(self, record: LabelledText) -> float:
-        kind = "name" if isinstance(record.label, str) else "number"
+    def number(self, record: LabelledText) -> float | tuple[float, ...]:
+        multi = isinstance(record.label, tuple)
+        if self.multi not in (None, multi):
+            raise DatasetError(f"{record.where}: its label is {'a list of classes' if multi else 'one label'} where "
+                               f"the labels before it are {'one label each' if multi else 'lists of classes'}; one "
+                               f"dataset holds texts of one label or multi-label texts, not both")
+        self.multi = multi
+        if multi:
+            return tuple(self._one(record, label) for label in record.label)
+        return self._one(record, record.label)
+
+    def _one(self, record: LabelledText, label: float | str) -> float:
+        kind = "name" if isinstance(label, str) else "number"
         if self.kind not in (None, kind):
             raise DatasetError(f"{record.where}: its label is a class {kind} where the labels before it are "
                                f"class {self.kind}s; one dataset holds one or the other")
         self.kind = kind
         if kind == "number":
-            return record.label
+            return float(label)
         if self.given is not None:
-            if record.label not in self.given:
-                raise DatasetError(f"{record.where}: label {json.dumps(record.label)} is not among --label-names "
+            if label not in self.given:
+                raise DatasetError(f"{record.where}: label {json.dumps(label)} is not among --label-names "
                                    f"({', '.join(self.given)})")
-            return float(self.given.index(record.label))
-        return float(self.seen.setdefault(record.label, len(self.seen)))
+            return float(self.given.index(label))
+        return float(self.seen.setdefault(label, len(self.seen)))
 
-    def numbered(self, labels: np.ndarray) -> tuple[np.ndarray, list[str] | None]:
-        """(labels renumbered as the names sorted, the names by number), or (labels, --label-names)."""
-        if self.kind != "name" or self.given is not None:
-            return labels, self.given
-        names = sorted(self.seen)
-        place = np.asarray([names.index(name) for name in self.seen], np.float32)
-        return place[labels.astype(np.int64)], names
+    def numbered(self, labels: np.ndarray | None, where: str) -> tuple[np.ndarray, list[str] | None]:
+        """(labels renumbered as the names sorted, the names by number), or (labels, --label-names);
+        multi-label texts' (`lists`; `labels` None) as 0/1 vectors, one per class [n, classes]."""
+        names, renumber = self.given, self.kind == "name" and self.given is None
+        if renumber:
+            names = sorted(self.seen)
+            place = np.asarray([names.index(name) for name in self.seen], np.float32)
+        if not self.multi:
+            return (place[labels.astype(np.int64)] if renumber else labels), names
+        numbers = [place[np.asarray(row, np.int64)] if renumber else np.asarray(row) for row in self.lists]
+        high = int(max((max(r, default=-1) for r in numbers), default=-1))
+        if names is not None and high >= len(names):
+            raise DatasetError(f"{where}: classes up to {high}, but --label-names names classes 0 to {len(names) - 1}")
+        width = len(names) if names is not None else high + 1
+        hot = np.zeros((len(numbers), max(width, 1)), np.float32)
+        for row, classes in zip(hot, numbers):
+            row[np.asarray(classes, np.int64)] = 1.0
+        return hot, names
 
 
 class Example(NamedTuple):
@@ -391,7 +428,7 @@ class Piece(NamedTuple):
     mask: np.ndarray
     how: str
     label: bool | None = None
-    text_label: float | None = None
+    text_label: float | tuple | None = None
 
 
 def _pieces(records, tok, cfg: BuildConfig, stats: _Stats, chat: ChatTemplate, classes: _ClassNumbers,
@@ -549,7 +586,14 @@ def _pieces(records, tok, cfg: BuildConfig, stats: _Stats, chat: ChatTemplate, c
 
 def _label_info(labels: np.ndarray, names: list[str] | None, where: str) -> dict:
     """What a labelled-texts index says of its labels: their range, whether all are class numbers,
-    and the classes' names (where named)."""
+    and the classes' names (where named); of multi-label texts (0/1 vectors), the range of the
+    classes they hold and how many classes a vector has."""
+    if labels.ndim == 2:
+        held = np.flatnonzero(labels.any(axis=0))
+        if not len(held):
+            raise DatasetError(f"{where}: no multi-label text has a class (every list is empty)")
+        return {"label_range": [float(held[0]), float(held[-1])], "whole_labels": True, "multi_label": True,
+                "label_width": labels.shape[1], **({"label_names": names} if names else {})}
     low, high = float(labels.min()), float(labels.max())
     whole = bool(np.all((labels >= 0) & (labels == np.round(labels))))
     if names is not None and not (whole and high < len(names)):
@@ -693,7 +737,9 @@ def _pack_all(cfg: BuildConfig, tok, files: list[str], raw_tokens, raw_mask, raw
             written = write(*packer.add(piece.ids, piece.mask, piece.how))
             if piece.label is not None:
                 np.full(written, piece.label, np.uint8).tofile(raw_labels)
-            if piece.text_label is not None:
+            if isinstance(piece.text_label, tuple):
+                classes.lists += [piece.text_label] * written
+            elif piece.text_label is not None:
                 np.full(written, piece.text_label, np.float32).tofile(raw_labels)
             rows += written
             stats.add("tokens", len(piece.ids))
@@ -863,7 +909,7 @@ def build_dataset(cfg: BuildConfig) -> str:
         tokens = np.memmap(raw_tokens, dtype, "r", shape=(n_rows, width))
         masks = np.memmap(raw_mask, np.uint8, "r", shape=(n_rows, width))
         segments = np.memmap(raw_segments, np.uint16, "r", shape=(n_rows, width))
-        labels = (np.fromfile(raw_labels, np.float32) if _classes(stats) else
+        labels = (None if classes.multi else np.fromfile(raw_labels, np.float32) if _classes(stats) else
                   np.fromfile(raw_labels, np.uint8) if _labeled(stats) else None)
         order = _final_order(cfg, tok, tokens, rows_per_epoch, stats)
         if len(order) == 0:
@@ -871,7 +917,7 @@ def build_dataset(cfg: BuildConfig) -> str:
                                f"--min-unique-tokens={cfg.min_unique_tokens} unique tokens")
         label_info = {}
         if _classes(stats):
-            labels, names = classes.numbered(labels)
+            labels, names = classes.numbered(labels, cfg.input_path)
             label_info = _label_info(labels[order], names, cfg.input_path)
         storage.makedirs(cfg.output_dir)
         if old:  # from here until the new index lands, no index points at half-replaced shards
@@ -880,7 +926,7 @@ def build_dataset(cfg: BuildConfig) -> str:
                                                                                      # holds one example
         shards = _write_shards(cfg, order, tokens, masks, segments, labels, _masked(stats), has_segments)
         del tokens, masks, segments
-    version = (CLASSES_VERSION if _classes(stats) else LABELS_VERSION if _labeled(stats)
+    version = (MULTI_LABEL_VERSION if classes.multi else CLASSES_VERSION if _classes(stats) else LABELS_VERSION if _labeled(stats)
                else PAIRS_VERSION if _pairs(stats) else VERSION)
     index = {
         "format": FORMAT, "version": version, "name": cfg.name, "seq": cfg.seq,
@@ -933,6 +979,8 @@ class Dataset:
         self.pairs = bool(index.get("pairs"))
         self.labels = bool(index.get("labels"))  # each row labelled: unpaired preferences (desirable or not),
         self.classes = bool(index.get("classes"))  # or labelled texts (a classifier's data: a text a row)
+        self.multi_label = bool(index.get("multi_label"))  # labelled with lists of classes: a 0/1 vector a row
+        self.label_width = int(index.get("label_width", 1))  # numbers a row's label is (classes, multi-label)
         if self.pairs and self.n_sequences % 2:
             raise DatasetError(f"{path or 'dataset'}: holds preference pairs but an odd number of rows "
                                f"({self.n_sequences}); it is damaged: build it again")
@@ -957,10 +1005,15 @@ class Dataset:
         """An in-memory dataset (tests, synthetic data): tokens [n, seq+1], mask [n, seq] or None,
         segments [n, seq+1] or None (derived from EOS when read); `pairs`: rows are preference pairs;
         `labels` [n] or None: unpaired examples' labels (with `pairs`: rows and their KL rows), or with
-        `classes` labelled texts' (a class number or a regression's target a row)."""
+        `classes` labelled texts' (a class number or a regression's target a row), or [n, classes]
+        multi-label texts' (a 0/1 vector a row)."""
         index = {"seq": tokens.shape[1] - 1, "has_mask": mask is not None, "eos_id": eos_id, "pairs": pairs,
                  "labels": labels is not None, "classes": classes}
-        if classes:
+        if classes and labels.ndim == 2:
+            held = np.flatnonzero(labels.any(axis=0))
+            index.update(label_range=[float(held.min()), float(held.max())], whole_labels=True, multi_label=True,
+                         label_width=labels.shape[1])
+        elif classes:
             index.update(label_range=[float(labels.min()), float(labels.max())],
                          whole_labels=bool(np.all((labels >= 0) & (labels == np.round(labels)))))
         return cls(index, [tokens], [mask], segments=[segments], labels=[labels])
@@ -987,7 +1040,8 @@ class Dataset:
                     continue
                 local = _local_copy(storage.join(base, shard[kind]), shard["sha256"][kind], cache_dir, verify)
                 arr = np.load(local, mmap_mode="r")
-                want = (shard["n_sequences"],) if kind == "labels" else (shard["n_sequences"], index["seq"] + (kind != "mask"))
+                want = ((shard["n_sequences"], *([index["label_width"]] if index.get("multi_label") else []))
+                        if kind == "labels" else (shard["n_sequences"], index["seq"] + (kind != "mask")))
                 if arr.shape != want:
                     raise DatasetError(f"{local}: shape {arr.shape}, index {path} says {want}")
                 arrays[kind].append(arr)
@@ -1008,9 +1062,9 @@ class Dataset:
 
     def read_labels(self, ids: np.ndarray) -> np.ndarray:
         """float32 [k]: 1 where row ``ids`` (-1 = padding, 0) is a desirable example's (unpaired data);
-        a labelled text's label (0 for padding)."""
+        a labelled text's label (0 for padding); [k, label_width] a multi-label text's 0/1 vector."""
         ids = np.asarray(ids, np.int64)
-        out = np.zeros(len(ids), np.float32)
+        out = np.zeros((len(ids), *([self.label_width] if self.multi_label else [])), np.float32)
         shard = np.searchsorted(self._starts, ids, side="right") - 1
         for s in np.unique(shard[ids >= 0]):
             sel = np.flatnonzero((shard == s) & (ids >= 0))
@@ -1153,8 +1207,8 @@ class Loader:
         tokens, mask = self.dataset.read(ids.reshape(-1))
         a, b = ids.shape
         batch = {"tokens": tokens.reshape(a, b, -1), "mask": mask.reshape(a, b, -1)}
-        if self.dataset.labels:  # [A, B, 1], so every array of a batch shards alike
-            batch["labels"] = self.dataset.read_labels(ids.reshape(-1)).reshape(a, b, 1)
+        if self.dataset.labels:  # [A, B, 1] (multi-label texts: [A, B, classes]), so every array of a batch shards alike
+            batch["labels"] = self.dataset.read_labels(ids.reshape(-1)).reshape(a, b, -1)
         if self.segments:
             batch["segments"] = self.dataset.read_segments(ids.reshape(-1), tokens).reshape(a, b, -1)
         return batch

@@ -30,7 +30,8 @@ def config_from_hf(hf: dict, **overrides) -> ModelConfig:
     ForSequenceClassification's label count, and its class names: `class_names`), then `overrides`
     (e.g. a training config's `seq` or `compute_dtype`)."""
     config = models.family_for_hf(hf.get("model_type")).config.from_hf_config(hf)
-    return dataclasses.replace(config, **{"num_labels": hf_labels(hf), "label_names": class_names(hf), **overrides})
+    return dataclasses.replace(config, **{"num_labels": hf_labels(hf), "label_names": class_names(hf),
+                                          "problem_type": problem_type(hf), **overrides})
 
 
 _CLASSIFIER = "ForSequenceClassification"
@@ -52,6 +53,21 @@ def label_names(path) -> Optional[list[str]]:
         return class_names(json.loads((Path(path) / "config.json").read_text()))
     except ConfigError as e:
         raise ConfigError(f"{path}/config.json: {e}") from None
+
+
+def problem_type(hf: dict) -> Optional[str]:
+    """What a HF classifier's outputs mean (its config's `problem_type`) where it says and its label
+    count allows; None for another architecture, and where it does not say (transformers then
+    tells from the labels it is given)."""
+    from mesh_transformer.train import classify
+    problem, labels = hf.get("problem_type"), hf_labels(hf)
+    if not labels or problem not in classify.PROBLEM_TYPES:
+        return None
+    try:
+        classify.check_problem_type(problem, labels, "problem_type")
+    except ConfigError:
+        return None
+    return problem
 
 
 def class_names(hf: dict) -> Optional[list[str]]:
@@ -80,6 +96,8 @@ def config_to_hf(c: ModelConfig, torch_dtype: str = "float32") -> dict:
                               f"{out['model_type']!r}, so the classifier cannot be exported")
         labels = dict(enumerate(c.label_names or [f"LABEL_{i}" for i in range(c.num_labels)]))
         out.update(architectures=[name], id2label=labels, label2id={v: k for k, v in labels.items()})
+        if c.problem_type is not None:
+            out["problem_type"] = c.problem_type
     return out
 
 

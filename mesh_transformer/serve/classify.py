@@ -9,7 +9,9 @@ objective). Each text runs through the model in batched forward passes beside no
 classifier's engine decodes nothing), and its scores are the score head's logits at its last
 token, as transformers reads them (`evaluate.scoring.Scorer.classify`). As vLLM answers:
 `probs` are the softmax of the logits (a sigmoid for a classifier of one label: a reward model's
-or a binary classifier's), `label` names the most likely class (the checkpoint's `id2label`, else
+or a binary classifier's; each class's own sigmoid for a multi-label classifier; the raw output of
+a regression: what the model config's `problem_type`, transformers', says), `label` names the most
+likely class (the checkpoint's `id2label`, else
 transformers' LABEL_i), `num_classes` the label count. vLLM's `use_activation: false` (its older
 name: `activation`) answers the raw logits in `probs` instead: a reward model's rewards as TRL
 trained them.
@@ -89,10 +91,13 @@ def label_names(count: int, names: Optional[Seq[str]] = None) -> tuple[str, ...]
     return tuple(names)
 
 
-def probabilities(logits: np.ndarray) -> np.ndarray:
-    """[N, L] logits -> vLLM's classify activation: softmax over the labels, a sigmoid for one label."""
+def probabilities(logits: np.ndarray, problem_type: Optional[str] = None) -> np.ndarray:
+    """[N, L] logits -> vLLM's classify activation for a classifier's `problem_type`: softmax over the
+    labels (a sigmoid for one label); a multi-label classifier's sigmoid of each; a regression's as they are."""
     x = logits.astype(np.float64)
-    if x.shape[-1] == 1:
+    if problem_type == "regression":
+        return x
+    if x.shape[-1] == 1 or problem_type == "multi_label_classification":
         return 1 / (1 + np.exp(-x))
     e = np.exp(x - x.max(-1, keepdims=True))
     return e / e.sum(-1, keepdims=True)
@@ -102,7 +107,7 @@ async def create(s: oa.Settings, http: HttpRequest):
     config = served_classifier(s, "/classify")
     body = oa.parse(await http.body(), ClassifyRequest)
     ids = embeddings.texts(s, body.input, body.add_special_tokens, body.truncate_prompt_tokens)
-    scores = await classified(s, body, ids)
+    scores = await classified(s, body, ids, config.problem_type)
     tokens = sum(len(p) for p in ids)
     return {"id": f"classify-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
             "model": body.model or s.model_name,
@@ -159,11 +164,13 @@ def one_label(s: oa.Settings, path: str) -> None:
                                f"this one has {config.num_labels}: use /classify")
 
 
-async def classified(s: oa.Settings, body: _Scoring, ids: list[list[int]]) -> np.ndarray:
-    """[len(ids), labels]: the texts' probabilities (or logits: `use_activation` false), from the
-    classifier's shared passes under the adapter the request's `model` names."""
+async def classified(s: oa.Settings, body: _Scoring, ids: list[list[int]],
+                     problem_type: Optional[str] = None) -> np.ndarray:
+    """[len(ids), labels]: the texts' probabilities (`probabilities` for a classifier's `problem_type`;
+    logits where `use_activation` is false), from the classifier's shared passes under the adapter
+    the request's `model` names."""
     logits = await passes.answer(s, s.classifier, ids, await oa.served(s, body.model))
-    return probabilities(logits) if body.activated else logits
+    return probabilities(logits, problem_type) if body.activated else logits
 
 
 def pairs(s: oa.Settings, body: _Scoring, firsts: list[str], seconds: list[str], field: str) -> list[list[int]]:

@@ -113,7 +113,17 @@ def check_labelled_texts(config: Config, path: str, ds: Dataset) -> None:
                           + (f", this config {json.dumps(ours)}: build it with --label-names {shlex.join(ours)}"
                              if ours is not None else f": set label_names {json.dumps(names)} (and num_labels "
                                                       f"{len(names)})"))
-    if classify.objective(t, labels).problem_type == classify.SINGLE_LABEL:
+    problem, multi = classify.objective(config).problem_type, ds.multi_label
+    if multi != (problem == classify.MULTI_LABEL):
+        raise ConfigError(f"{path} holds multi-label texts (a list of classes each): set the config key 'classify' "
+                          f"to {{\"problem_type\": \"multi_label_classification\"}}" if multi else
+                          f"config key 'classify.problem_type': a multi-label classification trains on texts "
+                          f"labelled with lists of classes, but {path} gives each text one label")
+    if multi and ds.label_width != labels:
+        raise ConfigError(f"config key 'num_labels': {labels} classes, but {path} has {ds.label_width} (set num_labels "
+                          f"{ds.label_width}" + (f", or build it with --label-names naming all {labels} classes: the "
+                                                 f"last ones no text has count too)" if ds.label_width < labels else ")"))
+    if problem == classify.SINGLE_LABEL:
         if not ds.index["whole_labels"]:
             raise ConfigError(f"{path}: labels from {low:g} to {high:g}, not all class numbers (0, 1, ...): a "
                               f"regression's targets? (num_labels 1 trains one)")

@@ -8,7 +8,7 @@ preference objective, that many pairs or KTO examples: twice the rows), scanned 
 optimizer state are float32 (sharded by the Megatron table, or by the ZeRO table when `zero` is
 set); the forward/backward pass runs in compute_dtype.
 The loss is token-weighted over all microbatches (with a preference objective, pair-weighted; with
-"classify", a classifier on labelled texts, text-weighted, the batch's "labels" [A, B, 1]), so k
+"classify", a classifier on labelled texts, text-weighted, the batch's "labels" [A, B, 1], a multi-label one's [A, B, num_labels]), so k
 microbatches equal one k-times-larger batch exactly (but with KTO, whose KL estimate is each
 microbatch's own, as TRL's is).
 """
@@ -128,7 +128,7 @@ class Trainer:
         self.needs_reference = self.preference is not None and self.preference.needs_reference
         # DPO's reference without LoRA: a frozen copy of every weight, held (and passed) as the base is.
         self.holds_reference = self.needs_reference and self.lora is None
-        self.classify = classify.objective(t, m.num_labels)  # a classifier on labelled texts, or None
+        self.classify = classify.objective(self.config)  # a classifier on labelled texts, or None
         objective = self.preference or self.classify
         self.metric_names = objective.metrics if objective is not None else ("loss",)
         self.sum_names = objective.sums if objective is not None else ("loss",)  # what adds up
@@ -349,11 +349,11 @@ class Trainer:
 
     def _local_texts(self, policy, tokens, mask, labels, rng):
         """Per-device classification of labelled texts (tokens [b, T+1], mask [b, T] on each text's
-        tokens, labels [b, 1]) -> global (loss sum, metric sums, text count): each text's scores are
+        tokens, labels [b, label_width]) -> global (loss sum, metric sums, text count): each text's scores are
         the score head's at its last token (`classify.last_positions`)."""
         out = self.model.apply(policy, tokens[:, :-1], rng=rng, routers=self._balance > 0)
         scores = models.core.last_token_scores(out[0], classify.last_positions(mask))
-        total, sums, count = self.classify.text_sums(scores, labels[:, 0], classify.counted(mask), parallel.psum_dp)
+        total, sums, count = self.classify.text_sums(scores, labels, classify.counted(mask), parallel.psum_dp)
         return self._with_balance_loss(total, out, count), sums, count
 
     def _local_kto(self, policy, reference, tokens, mask, labels, rng):
@@ -463,7 +463,7 @@ class Trainer:
         segments = batch.get("segments")
         segments = None if segments is None else segments.reshape(tokens.shape)
         labels = batch.get("labels")
-        labels = None if labels is None else labels.reshape(-1, 1)
+        labels = None if labels is None else labels.reshape(-1, labels.shape[-1])
         _, sums, count = self._objective_sums(params, base, (tokens, mask, segments, None, None, labels),
                                               self._nll_scale(mask))
         return sums, count
@@ -500,5 +500,6 @@ class Trainer:
         shape = (accumulation or self.config.train.gradient_accumulation_steps, self.global_batch)
         out = {"tokens": jax.ShapeDtypeStruct((*shape, self.config.model.seq + 1), jnp.int32, sharding=self.batch_sharding)}
         if self.classify is not None or (self.preference is not None and self.preference.needs_labels):
-            out["labels"] = jax.ShapeDtypeStruct((*shape, 1), jnp.float32, sharding=self.batch_sharding)
+            width = self.classify.label_width if self.classify is not None else 1
+            out["labels"] = jax.ShapeDtypeStruct((*shape, width), jnp.float32, sharding=self.batch_sharding)
         return out
