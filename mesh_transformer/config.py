@@ -15,7 +15,7 @@ import typing
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from mesh_transformer.errors import UserError
 
@@ -173,7 +173,7 @@ class ModelConfig:
         if self.problem_type is not None:
             from mesh_transformer.train import classify
             require(self.classifier, "problem_type", "says what a classifier's outputs mean: set num_labels too")
-            classify.check_problem_type(self.problem_type, self.num_labels, "problem_type")
+            classify.check_problem_type(self.problem_type, self.num_labels, "problem_type", trains=False)
 
     @property
     def classifier_problem(self) -> Optional[str]:
@@ -213,7 +213,7 @@ class TrainConfig:
     seed: int = 0
     bucket: Optional[str] = None
     model_dir: Optional[str] = None
-    train_set: Optional[str] = None
+    train_set: Optional[Union[str, dict]] = None  # an index path, or {index path: weight}: a mixture (data.Mixture)
     val_set: dict = field(default_factory=dict)
     val_batches: int = 0
     val_every: int = 0
@@ -327,8 +327,9 @@ def config_from_dict(raw: dict[str, Any]) -> Config:
             raise ConfigError(f"missing required config key {missing[0]!r}")
     config = Config(model_cls(**sections[model_cls]), TrainConfig(**sections[TrainConfig]))
     validate(config)
-    trained = (config.train.classify or {}).get("problem_type")
-    if trained and config.model.problem_type is None:  # the model's outputs mean what it trains them to
+    if config.train.classify is not None and config.model.problem_type is None:  # the model's outputs mean what
+        from mesh_transformer.train import classify                                # it trains them to (as
+        trained = classify.objective(config).problem_type                          # transformers' loss records it)
         config = dataclasses.replace(config, model=dataclasses.replace(config.model, problem_type=trained))
     return config
 
@@ -396,6 +397,12 @@ def validate(config: Config) -> None:
         require(t.tpu_size % t.cores_per_replica == 0, "tpu_size",
                  f"{t.tpu_size} devices cannot be split into model-parallel groups of cores_per_replica={t.cores_per_replica}")
     require(all(isinstance(v, str) for v in t.val_set.values()), "val_set", "must map names to index paths")
+    if isinstance(t.train_set, dict):
+        require(bool(t.train_set) and all(
+            isinstance(p, str) and p and isinstance(w, (int, float)) and not isinstance(w, bool) and 0 < w < float("inf")
+            for p, w in t.train_set.items()), "train_set",
+            f"a mixture maps index paths to positive weights (e.g. {{\"chat.index.json\": 3, \"web.index.json\": 1}}), "
+            f"got {json.dumps(t.train_set)}")
     require(0 <= t.fcm_min_ratio <= t.fcm_max_ratio < 1, "fcm_max_ratio" if t.fcm_max_ratio < t.fcm_min_ratio
             or t.fcm_max_ratio >= 1 else "fcm_min_ratio",
             f"need 0 <= fcm_min_ratio <= fcm_max_ratio < 1, got {t.fcm_min_ratio} and {t.fcm_max_ratio}")

@@ -146,6 +146,19 @@ def test_loss_accuracy_and_gradients_equal_transformers(case, labels, how, tmp_p
     assert max(errors.values()) < 1e-4 * scale, max(errors.items(), key=lambda kv: kv[1])
 
 
+def test_multi_label_sums_count_each_decision_and_whole_texts():
+    """A multi-label batch's sums: the loss, transformers' BCEWithLogitsLoss of each class of each
+    text (the mean over classes, summed over texts); accuracy, the share of each text's yes/no
+    decisions right; exact_match, 1 for a text with all right; a padding row (not counted) adds nothing."""
+    from mesh_transformer.train.classify import MULTI_LABEL, ClassifyConfig
+    scores = np.array([[2.0, -1.0], [1.0, 1.0], [-1.0, -1.0]], np.float32)
+    labels = np.array([[1, 0], [1, 0], [1, 1]], np.float32)  # the third row: padding, whatever it says
+    total, sums, count = ClassifyConfig(MULTI_LABEL, 2).text_sums(scores, labels, np.array([1, 1, 0], np.float32))
+    bce = torch.nn.functional.binary_cross_entropy_with_logits(torch.tensor(scores[:2]), torch.tensor(labels[:2]))
+    assert float(count) == 2 and float(total) == pytest.approx(2 * bce.item(), rel=1e-6)
+    assert float(sums["accuracy"]) == 1.5 and float(sums["exact_match"]) == 1.0
+
+
 def test_labelled_texts_are_rows_as_classify_reads_them(tmp_path):
     """With --label-key, each `{"text", "label"}` record is one row: the text's tokens as /classify
     encodes it (the tokenizer's special tokens; "<|endoftext|>" in the text is the special token),
@@ -209,7 +222,8 @@ def test_labelled_texts_are_rows_as_classify_reads_them(tmp_path):
      "texts only"),
     ([{"text": "", "label": 1}], "every labelled text is empty (no tokens)"),
     ([{"text": "a", "label": [0, "red"]}], "line 1: field 'label': a multi-label text's classes are a list of "
-                                           'different class numbers (0, 1, ...) or of different class names; got [0, "red"]'),
+                                           'different class numbers (0 to 65,535) or of different class names; got [0, "red"]'),
+    ([{"text": "a", "label": [70000]}], "different class names; got [70000]"),
     ([{"text": "a", "label": [1, 1]}], "different class names; got [1, 1]"),
     ([{"text": "a", "label": [0.5]}], "different class names; got [0.5]"),
     ([{"text": "a", "label": [1]}, {"text": "b", "label": 0}], "line 2: its label is one label where the labels "
@@ -234,12 +248,13 @@ def test_multi_label_texts_are_0_1_vectors_of_their_classes(tmp_path):
     src = write_jsonl(tmp_path / "t.jsonl", records)
     ds = build(src, tmp_path / "data", label_key="tags")
     assert ds.index["version"] == 6 and ds.multi_label and ds.label_width == 3
+    assert np.load(tmp_path / "data" / "texts-00000.labels.npy").dtype == np.uint8  # a byte a class
     assert ds.index["label_names"] == ["blue", "green", "red"] and ds.index["label_range"] == [0, 2]
     assert ds.read_labels(np.array([0, 1, 2, 3, -1])).tolist() == [[1, 0, 1], [0, 0, 0], [0, 1, 0], [1, 1, 1],
                                                                     [0, 0, 0]]
     ds = build(src, tmp_path / "given", label_key="tags", label_names=["red", "green", "blue", "white"])
     assert ds.label_width == 4 and ds.read_labels(np.arange(2)).tolist() == [[1, 0, 1, 0], [0, 0, 0, 0]]
-    numbered = [{"text": "a", "tags": [3]}, {"text": "b", "tags": [0, 1]}]
+    numbered = [{"text": "a", "tags": [3.0]}, {"text": "b", "tags": [0, 1]}]  # (3.0: class 3, as pandas writes it)
     ds = build(write_jsonl(tmp_path / "n.jsonl", numbered), tmp_path / "numbers", label_key="tags")
     assert ds.label_width == 4 and ds.read_labels(np.arange(2)).tolist() == [[0, 0, 0, 1], [1, 1, 0, 0]]
     loader = Loader(ds, global_batch=2, seed=0, shuffle=False)
@@ -300,7 +315,7 @@ TINY = {"layers": 1, "d_model": 8, "n_heads": 1, "n_vocab": 16, "seq": 8}
                                       "set num_labels too"),
     (dict(num_labels=2, problem_type="multi", classify={}), "config key 'problem_type' must be one of "
                                                             "single_label_classification, multi_label_classification"),
-    (dict(num_labels=3, classify={"problem_type": "regression"}), "a regression has one output, got 3"),
+    (dict(num_labels=3, classify={"problem_type": "regression"}), "a regression trains one output here, got 3"),
     (dict(num_labels=1, classify={"problem_type": "single_label_classification"}),
      "a single-label classification needs 2 classes at least, got 1"),
     (dict(num_labels=2, classify={"problem_type": "softmax"}), "config key 'classify.problem_type' must be one of "
@@ -324,6 +339,20 @@ def test_bad_classifier_config_is_one_clear_error(overrides, message):
         Trainer(config_from_dict({**TINY, **overrides}), mesh(1, 1))
 
 
+def test_a_classify_run_records_what_its_outputs_mean():
+    """The model config's problem_type is the classify run's, however given (as transformers' loss
+    records it on the model's config): what its export says and /classify serves. A reward model
+    (no classify) records none, and serves the sigmoid of its reward."""
+    for keys, want in [(dict(num_labels=1, classify={}), "regression"),
+                       (dict(num_labels=1, classify={"problem_type": "regression"}), "regression"),
+                       (dict(num_labels=3, classify={}), "single_label_classification"),
+                       (dict(num_labels=3, problem_type="multi_label_classification", classify={}),
+                        "multi_label_classification"),
+                       (dict(num_labels=1, reward={}), None)]:
+        config = config_from_dict({**TINY, **keys})
+        assert config.model.problem_type == want and config_from_dict(config.to_json_dict()) == config
+
+
 def test_class_names_travel_from_and_to_transformers_id2label(tmp_path):
     """A HF classifier's id2label is its config's label_names (none where they are transformers'
     LABEL_i, or name two classes alike) and is what an export writes, as its problem_type is the
@@ -341,10 +370,11 @@ def test_class_names_travel_from_and_to_transformers_id2label(tmp_path):
     assert hf.config_to_hf(named)["id2label"] == {0: "no", 1: "maybe", 2: "yes"}
     assert "label_names" not in named.architecture()  # names, not weights (`loop._check_same_classes` holds them)
     assert named.problem_type is None and "problem_type" not in hf.config_to_hf(named)
-    for problem, ours in [("multi_label_classification", "multi_label_classification"), ("regression", None)]:
+    for problem, ours in [("multi_label_classification", "multi_label_classification"), ("regression", "regression"),
+                          ("single_label", None)]:
         raw = json.loads((tmp_path / "named" / "config.json").read_text())
         (tmp_path / "named" / "config.json").write_text(json.dumps({**raw, "problem_type": problem}))
-        config = hf.load_hf(str(tmp_path / "named"))[0]  # (a regression of 3 labels: not one transformers can have)
+        config = hf.load_hf(str(tmp_path / "named"))[0]  # (a regression of 3 outputs: transformers' MSE of each)
         assert config.problem_type == ours and "problem_type" not in config.architecture()
         assert hf.config_to_hf(config).get("problem_type") == ours
     batch = {"tokens": np.zeros((1, 2, 5), np.int64), "mask": np.ones((1, 2, 4), np.float32)}
@@ -516,14 +546,23 @@ def test_a_multi_label_run_learns_validates_and_exports_to_transformers(tmp_path
                                                                         "multi_label_classification")[0], rtol=1e-5)
     assert loading.load(ckpt=str(tmp_path / "ckpt"), mp=2, dp=1).config.problem_type == "multi_label_classification"
 
+    from mesh_transformer.train.loop import TrainHost
+    with pytest.raises(ConfigError) as e:  # a resume that would train the head under another loss
+        TrainHost(config_from_dict({**config, "classify": {}})).start_state()
+    assert str(e.value) == (f"config key 'problem_type': {tmp_path / 'ckpt'} (step 40) trained a "
+                            f"multi_label_classification, this config a single_label_classification; to switch, "
+                            f"start a new model_dir with --tune-model-path {tmp_path / 'ckpt'}")
+
     def refusal(**overrides):
         with pytest.raises(ConfigError) as e:
             open_datasets(config_from_dict({**config, **overrides}))
         return str(e.value)
     train_set = data / "train.index.json"
     assert refusal(classify={}, problem_type=None) == (
-        f"{train_set} holds multi-label texts (a list of classes each): set the config key 'classify' to "
-        '{"problem_type": "multi_label_classification"}')
+        f"{train_set} holds multi-label texts (a list of classes each): set the config key 'problem_type' to "
+        '"multi_label_classification"')
+    assert refusal(classify={"problem_type": "single_label_classification"}).startswith(  # (the key that set it)
+        f"{train_set} holds multi-label texts (a list of classes each): set the config key 'classify.problem_type'")
     build(write_jsonl(tmp_path / "one.jsonl", [{"text": "a", "tags": 2}]), data, name="one", label_key="tags")
     assert refusal(train_set=str(data / "one.index.json"), label_names=None) == (
         f"config key 'classify.problem_type': a multi-label classification trains on texts labelled with lists of "

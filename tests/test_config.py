@@ -39,6 +39,11 @@ def test_6b_config_has_the_original_values():
     ({"warmup_steps": -1}, "config key 'warmup_steps': must not be negative"),
     ({"tpu_size": 6, "cores_per_replica": 4}, "config key 'tpu_size': 6 devices cannot be split"),
     ({"val_set": {"pile": 3}}, "config key 'val_set': must map names to index paths"),
+    ({"train_set": {"a.index.json": 0}}, "config key 'train_set': a mixture maps index paths to positive weights "
+                                         '(e.g. {"chat.index.json": 3, "web.index.json": 1}), got {"a.index.json": 0}'),
+    ({"train_set": {}}, "config key 'train_set': a mixture maps index paths to positive weights"),
+    ({"train_set": {"a.index.json": "1"}}, 'got {"a.index.json": "1"}'),
+    ({"train_set": ["a.index.json"]}, "config key 'train_set' must be str or dict or null, got [\"a.index.json\"] (list)"),
 ])
 def test_bad_values_name_the_key(overrides, message):
     with pytest.raises(ConfigError) as e:

@@ -570,3 +570,75 @@ def test_resume_with_another_batch_size_continues_the_stream(before, after):
     assert all(ids(b).shape == (1, after) for b in resumed)
     np.testing.assert_array_equal(np.concatenate([ids(b).ravel() for b in resumed]),
                                   stream_ids[2 * before: 2 * before + 3 * after])
+
+
+# ----------------------------------------------------------------------------- mixtures
+
+def marked_rows(part: int, n: int, seq: int = 4, **kw) -> Dataset:
+    """n rows; row i's first token is `part`, its second i: a batch says which part and row it read."""
+    tokens = np.zeros((n, seq + 1), np.uint16)
+    tokens[:, 0], tokens[:, 1] = part, np.arange(n)
+    return Dataset.from_arrays(tokens, eos_id=9999, **kw)
+
+
+def parts_read(loader, steps):
+    """[(part, row)] of the rows `loader` gives in `steps` steps, in order."""
+    rows = np.concatenate([b["tokens"][..., :2].reshape(-1, 2) for b in take(loader, steps)])
+    return [tuple(r) for r in rows.tolist()]
+
+
+def test_a_mixture_gives_each_dataset_its_share_of_every_epoch():
+    """Weights 3 : 1 over 10 and 30 rows: every epoch of 40 rows holds 30 of the first (each row three
+    times) and 10 of the second, whose rows all come once before any comes again; the stream is
+    seeded and resumes exactly, on one process or two; a loader position saved with other weights
+    is refused."""
+    from mesh_transformer.data import Mixture, StreamMismatch
+    small, big = marked_rows(1, 10), marked_rows(2, 30)
+    mix = Mixture([small, big], [3, 1], ["small", "big"])
+    assert len(mix) == 40 and mix.seq == 4
+    stream = parts_read(Loader(mix, 8, seed=7), 15)  # 3 epochs
+    for epoch in range(3):
+        rows = stream[epoch * 40:(epoch + 1) * 40]
+        assert sorted(r for p, r in rows if p == 1) == sorted(list(range(10)) * 3)
+        assert sum(p == 2 for p, _ in rows) == 10
+    assert sorted(r for p, r in stream if p == 2) == list(range(30))  # a pass over the big part in 3 epochs
+    assert stream[:40] != stream[40:80]
+    assert parts_read(Loader(mix, 8, seed=7), 15) == stream and parts_read(Loader(mix, 8, seed=8), 15) != stream
+    first = Loader(mix, 8, seed=7)
+    take(first, 6)
+    state = json.loads(json.dumps(first.state()))
+    first.close()
+    assert state["mixture"] == [[10, 0.75], [30, 0.25]]
+    assert parts_read(Loader(mix, 8, seed=7, state=state), 9) == stream[48:]
+    halves = [parts_read(Loader(mix, 8, seed=7, state=state, process_index=p, process_count=2), 1) for p in (0, 1)]
+    assert halves[0] + halves[1] == stream[48:56]
+    with pytest.raises(StreamMismatch, match=r"loader state has mixture=\[\[10, 0.75\], \[30, 0.25\]\]"):
+        Loader(Mixture([small, big], [1, 1], ["small", "big"]), 8, seed=7, state=state)
+
+
+def test_a_mixture_keeps_pairs_whole_cuts_rows_to_the_shortest_and_refuses_unlike_data():
+    """Preference pairs move as pairs; a part of longer rows is read cut to the shortest part's seq;
+    stored segments serve their part's rows, and plain text's are split at each end of text only
+    with document masking, as when it trains alone; parts that are not alike
+    (pairs and not, another tokenizer's end of text, other classes) are one error naming the part."""
+    from mesh_transformer.data import Mixture
+    pairs = Mixture([marked_rows(1, 6, pairs=True), marked_rows(2, 8, pairs=True)], [1, 1], ["a", "b"])
+    rows = parts_read(Loader(pairs, 4, seed=0), 7)
+    for chosen, rejected in zip(rows[::2], rows[1::2]):
+        assert chosen[0] == rejected[0] and rejected[1] == chosen[1] + 1 and chosen[1] % 2 == 0
+    tokens = np.full((3, 9), 5, np.uint16)
+    tokens[:, 3] = 0  # an end of text at 3: two segments by the EOS rule
+    long = Dataset.from_arrays(tokens, mask=np.ones((3, 8), np.uint8), eos_id=0,
+                               segments=np.repeat(np.arange(9, dtype=np.uint16)[None] // 5, 3, 0))
+    short = Dataset.from_arrays(np.where(np.arange(5) == 1, 0, 6)[None].repeat(2, 0).astype(np.uint16), eos_id=0)
+    mix = Mixture([long, short], [1, 1], ["long", "short"])
+    assert mix.seq == 4 and mix.has_mask
+    got, mask = mix.read(np.arange(5))
+    assert got.shape == (5, 5) and got[0].tolist() == [5, 5, 5, 0, 5] and mask[3:].tolist() == [[1] * 4] * 2
+    assert mix.read_segments(np.arange(5), got).tolist() == [[0, 0, 0, 0, 0]] * 3 + [[0, 0, 1, 1, 1]] * 2
+    assert mix.read_segments(np.arange(5), got, documents_apart=False).tolist() == [[0] * 5] * 5  # as plain text
+    with pytest.raises(DatasetError, match="b: a mixture's datasets are alike, but a holds preference pairs and "
+                                           "this one does not"):
+        Mixture([marked_rows(1, 4, pairs=True), marked_rows(2, 4)], [1, 1], ["a", "b"])
+    with pytest.raises(DatasetError, match=r"short: .* but long holds end-of-text id 0 \(another tokenizer\?\)"):
+        Mixture([long, marked_rows(2, 4)], [1, 1], ["long", "short"])

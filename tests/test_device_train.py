@@ -14,9 +14,10 @@ import pytest
 
 from mesh_transformer import loading
 from mesh_transformer.config import load_config
-from mesh_transformer.data import Dataset, Loader
+from mesh_transformer.data import Dataset, Loader, Mixture
 from mesh_transformer.generate import Generator, SamplingOptions
 from mesh_transformer.io.checkpoint import CheckpointManager
+from mesh_transformer.train.loop import train_loader
 from mesh_transformer.train.step import Trainer
 from tests.helpers import make_hf_gptj, max_abs_diff, mesh, refusal
 
@@ -204,6 +205,35 @@ def test_bad_config_is_one_clear_line(tmp_path):
     (tmp_path / "c.json").write_text(json.dumps({**MODEL, "layres": 3}))
     code, out = device_train(tmp_path / "c.json")
     assert code == 2 and out.strip().endswith("unknown config key 'layres' (did you mean 'layers'?)"), out
+
+
+def test_a_mixture_of_datasets_trains_in_its_proportions_and_resumes_only_with_them(dataset, tmp_path):
+    """`train_set` as {index path: weight}: stories (plain text) and question/answer examples (masked,
+    one example a row at most) three to one; each batch of 8 holds the parts in about that share
+    (an epoch exactly), the checkpoint's loader position names the mixture, and a resume with
+    other weights is one clear line, not a traceback."""
+    subprocess.run([sys.executable, "create_finetune_dataset.py", "data/qa.jsonl", "qa", "--output-dir",
+                    str(tmp_path / "data"), "--seq", "32"], cwd=ROOT, check=True, capture_output=True)
+    stories, qa = str(dataset / "train.index.json"), str(tmp_path / "data" / "qa.index.json")
+    config = write_config(tmp_path, dataset, train_set={stories: 3, qa: 1}, total_steps=4, val_every=4)
+    code, out = device_train(config)
+    assert code == 0, out
+    rows = metrics(config)
+    assert rows[-1]["train/loss"] < rows[0]["train/loss"] and "val/loss_held_out" in rows[-1]
+    assert f"{stories} " in out and "(75%, " in out and f"{qa} " in out and "(25%, " in out  # the shares, said
+    position = CheckpointManager(str(tmp_path / "ckpt"), read_only=True).extras()["train_loader"]
+    sizes = [len(Dataset.open(path)) for path in (stories, qa)]
+    assert position["mixture"] == [[sizes[0], 0.75], [sizes[1], 0.25]] and position["position"] == 4 * 8
+    loader = train_loader(load_config(config), Mixture([Dataset.open(stories), Dataset.open(qa)], [3, 1],
+                                                       [stories, qa]), 8)
+    masked = [int((b["mask"].reshape(8, -1).min(-1) == 0).sum()) for b in (next(loader) for _ in range(4))]
+    loader.close()
+    assert 0 < sum(masked) < 16  # the answers' rows (masked but for their answers) are a minority
+    write_config(tmp_path, dataset, train_set={stories: 1, qa: 1}, total_steps=6)
+    code, out = device_train(config)
+    assert code == 2 and out.strip().splitlines()[-1].startswith(
+        "error: config key 'train_set': the checkpoint's place in its training data is not one of this train_set "
+        "(loader state has mixture="), out
 
 
 def test_bad_flags_are_one_clear_line_before_training(dataset, tmp_path, capsys):

@@ -9,8 +9,8 @@ A dataset is a directory (local or gs://) holding
                                example of its row each token belongs to (0, 1, ... per row)
     <name>-00000.labels.npy    uint8 [n], unpaired preferences (version 4): 1 where the row's
                                example is desirable; float32 [n], labelled texts (version 5): the
-                               row's label (a class number, or a regression's target); float32
-                               [n, classes], multi-label texts (version 6): 1 for each class of the row's
+                               row's label (a class number, or a regression's target);
+                               [n, classes] uint8, multi-label texts (version 6): 1 for each class of the row's
     ...
 
 Row ``r`` of a tokens shard is one training sequence; ``mask[r, t]`` weights the loss of
@@ -114,6 +114,7 @@ class LabelledText(NamedTuple):
 
 
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
+MAX_CLASS_NUMBER = 65_535  # of a multi-label text: its 0/1 vector is as long as the highest + 1
 
 
 def _labelled_text(obj: dict, key: str, label_key: str, where: str) -> LabelledText:
@@ -126,10 +127,12 @@ def _labelled_text(obj: dict, key: str, label_key: str, where: str) -> LabelledT
         return LabelledText(obj[key], label, where)
     if isinstance(label, list):
         names = all(isinstance(x, str) and x for x in label)
-        numbers = all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= _FLOAT32_MAX for x in label)
+        numbers = all(isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x <= MAX_CLASS_NUMBER
+                      and float(x).is_integer() for x in label)  # (1.0 as pandas writes 1: class 1)
+        label = [int(x) for x in label] if numbers else label
         if not (names or numbers) or len(set(label)) != len(label):
             raise ValueError(f"field {label_key!r}: a multi-label text's classes are a list of different class "
-                             f"numbers (0, 1, ...) or of different class names; got {json.dumps(label)}")
+                             f"numbers (0 to {MAX_CLASS_NUMBER:,}) or of different class names; got {json.dumps(obj[label_key])}")
         return LabelledText(obj[key], tuple(label), where)
     number = isinstance(label, (int, float)) and not isinstance(label, bool)
     if not number or not abs(label) <= _FLOAT32_MAX:  # (a float32 a row: NaN and inf fail this too)
@@ -192,7 +195,7 @@ class _ClassNumbers:
         if names is not None and high >= len(names):
             raise DatasetError(f"{where}: classes up to {high}, but --label-names names classes 0 to {len(names) - 1}")
         width = len(names) if names is not None else high + 1
-        hot = np.zeros((len(numbers), max(width, 1)), np.float32)
+        hot = np.zeros((len(numbers), max(width, 1)), np.uint8)
         for row, classes in zip(hot, numbers):
             row[np.asarray(classes, np.int64)] = 1.0
         return hot, names
@@ -1011,8 +1014,8 @@ class Dataset:
                  "labels": labels is not None, "classes": classes}
         if classes and labels.ndim == 2:
             held = np.flatnonzero(labels.any(axis=0))
-            index.update(label_range=[float(held.min()), float(held.max())], whole_labels=True, multi_label=True,
-                         label_width=labels.shape[1])
+            index.update(label_range=[float(held.min()), float(held.max())] if len(held) else [0.0, 0.0],
+                         whole_labels=True, multi_label=True, label_width=labels.shape[1])
         elif classes:
             index.update(label_range=[float(labels.min()), float(labels.max())],
                          whole_labels=bool(np.all((labels >= 0) & (labels == np.round(labels)))))
@@ -1056,8 +1059,8 @@ class Dataset:
         for s in np.unique(shard[ids >= 0]):
             sel = np.flatnonzero((shard == s) & (ids >= 0))
             rows = ids[sel] - self._starts[s]
-            tokens[sel] = self._tokens[s][rows]
-            mask[sel] = 1.0 if self._masks[s] is None else self._masks[s][rows]
+            tokens[sel] = self._tokens[s][rows][:, :self.seq + 1]  # (a mixture's longer rows: cut to its seq)
+            mask[sel] = 1.0 if self._masks[s] is None else self._masks[s][rows][:, :self.seq]
         return tokens, mask
 
     def read_labels(self, ids: np.ndarray) -> np.ndarray:
@@ -1071,18 +1074,119 @@ class Dataset:
             out[sel] = self._labels[s][ids[sel] - self._starts[s]]
         return out
 
-    def read_segments(self, ids: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+    def read_segments(self, ids: np.ndarray, tokens: np.ndarray, documents_apart: bool = True) -> np.ndarray:
         """uint16 [k, seq+1] segments of sequences ``ids`` (their ``tokens`` from `read`): the stored
-        ones, or for a dataset without them (plain text, version 1) the EOS rule (`segment_ids`)."""
-        if not self.has_segments:
+        ones, or for a dataset without them (plain text, version 1) the EOS rule (`segment_ids`);
+        in a mixture, each shard's own way, and a plain-text shard's rows one segment each unless
+        `documents_apart` (the config's `document_masking`), as they train alone."""
+        if not any(s is not None for s in self._segments) and documents_apart:
             return segment_ids(tokens, self.eos_id)
         ids = np.asarray(ids, np.int64)
         out = np.zeros((len(ids), self.seq + 1), np.uint16)  # padding rows (-1): one segment, mask 0
         shard = np.searchsorted(self._starts, ids, side="right") - 1
         for s in np.unique(shard[ids >= 0]):
             sel = np.flatnonzero((shard == s) & (ids >= 0))
-            out[sel] = self._segments[s][ids[sel] - self._starts[s]]
+            stored = self._segments[s]
+            if stored is not None:
+                out[sel] = stored[ids[sel] - self._starts[s]][:, :self.seq + 1]
+            elif documents_apart or self._masks[s] is not None:  # (a version-1 dataset's examples: EOS rule)
+                out[sel] = segment_ids(tokens[sel], self.eos_id)
         return out
+
+    def epoch_order(self, epoch: int, seed: int, shuffle: bool) -> np.ndarray:
+        """The sequence ids epoch `epoch` of a `Loader`'s stream reads, in order: a permutation drawn
+        from (seed, epoch), by pairs where rows are paired; all ids in order without `shuffle`."""
+        n, rng = len(self), np.random.default_rng([seed, epoch])
+        if not shuffle:
+            return np.arange(n)
+        if self.pairs:  # a pair's rows stay together
+            return (2 * rng.permutation(n // 2)[:, None] + np.arange(2)).reshape(-1)
+        return rng.permutation(n)
+
+    def stream_key(self) -> dict:
+        """What a loader's saved position depends on besides its seed (a mixture adds its parts)."""
+        return {"n_sequences": len(self)}
+
+
+class Mixture(Dataset):
+    """Datasets trained on together in set proportions (the config's `train_set` as {path: weight}).
+
+    Its rows are its parts' rows one after the other, and a `Loader` reads it as it reads any
+    dataset, an epoch at a time (an epoch: as many rows as the parts hold together). Each epoch
+    takes from each part its share of the epoch (`weights`, normalised; largest remainders, so the
+    shares add up) and shuffles them together. A part reads its own stream of permutations (drawn
+    from (seed, part, pass)): a part that gives fewer rows than it holds gives the next ones in the
+    next epoch, one that gives more goes through all its rows before any comes again. Rows are
+    read at the shortest part's `seq`; a pair of rows (preference data) moves as one.
+    """
+
+    def __init__(self, parts: list[Dataset], weights: list[float], paths: list[str]):
+        first = parts[0]
+        for path, part in zip(paths[1:], parts[1:]):
+            for what, ours, theirs in [
+                    ("preference pairs" if first.pairs else "unpaired rows", first.pairs, part.pairs),
+                    ("labelled rows" if first.labels else "unlabelled rows", first.labels, part.labels),
+                    ("labelled texts" if first.classes else "no labelled texts", first.classes, part.classes),
+                    ("multi-label texts" if first.multi_label else "texts of one label each", first.multi_label,
+                     part.multi_label),
+                    (f"labels of width {first.label_width}", first.label_width, part.label_width),
+                    (f"end-of-text id {first.eos_id} (another tokenizer?)", first.eos_id, part.eos_id),
+                    ("class names " + json.dumps(first.index.get("label_names")),
+                     first.index.get("label_names"), part.index.get("label_names"))]:
+                if ours != theirs:
+                    raise DatasetError(f"{path}: a mixture's datasets are alike, but {paths[0]} holds {what} "
+                                       f"and this one does not")
+        index = {**first.index, "seq": min(p.seq for p in parts), "has_mask": any(p.has_mask for p in parts),
+                 "shards": [s for p in parts for s in p.index.get("shards", [])]}
+        super().__init__(index, [t for p in parts for t in p._tokens], [m for p in parts for m in p._masks],
+                         " + ".join(paths), [g for p in parts for g in p._segments],
+                         [lab for p in parts for lab in p._labels])
+        self.parts, self.paths = parts, paths
+        self.weights = [w / sum(weights) for w in weights]
+        self._offsets = np.cumsum([0] + [len(p) for p in parts])[:-1]
+        unit = 2 if self.pairs else 1
+        self._units = [len(p) // unit for p in parts]  # a part's rows, in pairs where paired
+        self._shares = _largest_remainders(self.weights, sum(self._units))
+
+    def stream_key(self) -> dict:
+        return {"n_sequences": len(self), "mixture": [[len(p), w] for p, w in zip(self.parts, self.weights)]}
+
+    def describe(self) -> str:
+        """One line: each part's share of an epoch, and how many passes over its rows that is."""
+        unit = 2 if self.pairs else 1
+        return "mixture, an epoch of {:,} rows: ".format(len(self)) + ", ".join(
+            f"{path} {share * unit:,} rows ({weight:.0%}, {share / units:.2f} of its rows)"
+            for path, weight, share, units in zip(self.paths, self.weights, self._shares, self._units))
+
+    def epoch_order(self, epoch: int, seed: int, shuffle: bool) -> np.ndarray:
+        unit = 2 if self.pairs else 1
+        taken = [offset // unit + self._part_stream(k, seed, shuffle, epoch * share, share)
+                 for k, (offset, share) in enumerate(zip(self._offsets, self._shares))]
+        units = np.concatenate(taken)
+        if shuffle:
+            units = np.random.default_rng([seed, epoch]).permutation(units)
+        return (unit * units[:, None] + np.arange(unit)).reshape(-1)
+
+    def _part_stream(self, k: int, seed: int, shuffle: bool, start: int, count: int) -> np.ndarray:
+        """Units [start, start + count) of part k's stream: its units in a permutation drawn from
+        (seed, k, pass), pass after pass."""
+        n, out = self._units[k], []
+        while count > 0:
+            rounds, offset = divmod(start, n)
+            order = np.random.default_rng([seed, 1_000_003, k, rounds]).permutation(n) if shuffle else np.arange(n)
+            take = min(count, n - offset)
+            out.append(order[offset:offset + take])
+            start, count = start + take, count - take
+        return np.concatenate(out) if out else np.zeros(0, np.int64)
+
+
+def _largest_remainders(shares: list[float], total: int) -> list[int]:
+    """Whole counts in proportion to `shares` (which add up to 1) that add up to `total`."""
+    exact = [share * total for share in shares]
+    counts = [int(x) for x in exact]
+    for i in sorted(range(len(shares)), key=lambda i: counts[i] - exact[i])[:total - sum(counts)]:
+        counts[i] += 1
+    return counts
 
 
 def _local_copy(path: str, sha256: str, cache_dir: str | None, verify: bool) -> str:
@@ -1113,6 +1217,10 @@ def segment_ids(tokens: np.ndarray, eos_id: int) -> np.ndarray:
     return (np.cumsum(starts, axis=-1) % 65536).astype(np.uint16)
 
 
+class StreamMismatch(ValueError):
+    """A saved loader position of another stream (other data, mixture or seed) than this loader's."""
+
+
 class Loader:
     """Batches ``{"tokens": int32 [A, B_local, seq+1], "mask": float32 [A, B_local, seq]}`` (with
     unpaired preferences also ``"labels"``: float32 [A, B_local, 1]).
@@ -1135,7 +1243,7 @@ class Loader:
     def __init__(self, dataset: Dataset, global_batch: int, seed: int = 0, *, process_index: int = 0,
                  process_count: int = 1, rows: tuple[int, int] | None = None, accumulation: int = 1,
                  shuffle: bool = True, repeat: bool = True, state: dict | None = None, prefetch: int = 4,
-                 segments: bool = False):
+                 segments: bool = False, documents_apart: bool = True):
         if global_batch % process_count:
             raise ValueError(f"global_batch={global_batch} is not divisible by process_count={process_count}")
         if not 0 <= process_index < process_count:
@@ -1144,6 +1252,7 @@ class Loader:
             raise ValueError(f"{dataset.path}: dataset has no sequences")
         self.dataset, self.seed, self.shuffle, self.repeat = dataset, seed, shuffle, repeat
         self.segments = segments  # add "segments" [A, B_local, seq+1] (see `Dataset.read_segments`)
+        self.documents_apart = documents_apart  # plain text's documents as segments (`document_masking`)
         self.accumulation, self.global_batch = accumulation, global_batch
         if rows is None:
             rows = (process_index * global_batch // process_count, (process_index + 1) * global_batch // process_count)
@@ -1160,15 +1269,15 @@ class Loader:
         self._orders: dict[int, np.ndarray] = {}
 
     def _resume(self, state: dict) -> int:
-        for key, value in (("seed", self.seed), ("n_sequences", len(self.dataset)), ("shuffle", self.shuffle)):
+        for key, value in (("seed", self.seed), ("shuffle", self.shuffle), *self.dataset.stream_key().items()):
             if state.get(key) != value:
-                raise ValueError(f"loader state has {key}={state.get(key)!r}, this loader has {value!r}")
+                raise StreamMismatch(f"loader state has {key}={state.get(key)!r}, this loader has {value!r}")
         return state["epoch"] * len(self.dataset) + state["position"]
 
     def state(self) -> dict:
         epoch, position = divmod(self._position, len(self.dataset))
-        return {"epoch": int(epoch), "position": int(position), "seed": self.seed,
-                "n_sequences": len(self.dataset), "shuffle": self.shuffle}
+        return {"epoch": int(epoch), "position": int(position), "seed": self.seed, "shuffle": self.shuffle,
+                **self.dataset.stream_key()}
 
     @property
     def steps_per_epoch(self) -> float:
@@ -1176,15 +1285,8 @@ class Loader:
 
     def _order(self, epoch: int) -> np.ndarray:
         if epoch not in self._orders:
-            n = len(self.dataset)
             self._orders = {e: o for e, o in self._orders.items() if e == epoch - 1}  # keep 2 at most
-            rng = np.random.default_rng([self.seed, epoch])
-            if not self.shuffle:
-                self._orders[epoch] = np.arange(n)
-            elif self.dataset.pairs:  # a pair's rows stay together
-                self._orders[epoch] = (2 * rng.permutation(n // 2)[:, None] + np.arange(2)).reshape(-1)
-            else:
-                self._orders[epoch] = rng.permutation(n)
+            self._orders[epoch] = self.dataset.epoch_order(epoch, self.seed, self.shuffle)
         return self._orders[epoch]
 
     def _ids(self, start: int, count: int) -> np.ndarray:
@@ -1210,7 +1312,8 @@ class Loader:
         if self.dataset.labels:  # [A, B, 1] (multi-label texts: [A, B, classes]), so every array of a batch shards alike
             batch["labels"] = self.dataset.read_labels(ids.reshape(-1)).reshape(a, b, -1)
         if self.segments:
-            batch["segments"] = self.dataset.read_segments(ids.reshape(-1), tokens).reshape(a, b, -1)
+            batch["segments"] = self.dataset.read_segments(ids.reshape(-1), tokens,
+                                                           self.documents_apart).reshape(a, b, -1)
         return batch
 
     def _produce(self, position: int):

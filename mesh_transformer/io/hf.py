@@ -64,7 +64,7 @@ def problem_type(hf: dict) -> Optional[str]:
     if not labels or problem not in classify.PROBLEM_TYPES:
         return None
     try:
-        classify.check_problem_type(problem, labels, "problem_type")
+        classify.check_problem_type(problem, labels, "problem_type", trains=False)
     except ConfigError:
         return None
     return problem

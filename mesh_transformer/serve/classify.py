@@ -51,7 +51,7 @@ class _Scoring(oa._Strict):
     model: Optional[str] = None
     user: Optional[str] = None
     truncate_prompt_tokens: Optional[int] = Field(None, ge=1)  # keep the last k tokens
-    use_activation: Optional[bool] = None  # softmax (sigmoid for one label); false: the raw logits (default true)
+    use_activation: Optional[bool] = None  # `probabilities` (default true); false: the raw logits
     activation: Optional[bool] = None  # vLLM's older name for it
 
     @property

@@ -39,15 +39,16 @@ SINGLE_LABEL, MULTI_LABEL, REGRESSION = "single_label_classification", "multi_la
 PROBLEM_TYPES = (SINGLE_LABEL, MULTI_LABEL, REGRESSION)
 
 
-def check_problem_type(problem: Any, num_labels: int, key: str) -> None:
-    """ConfigError naming `key` unless `problem` is a problem type a classifier of `num_labels` outputs has."""
+def check_problem_type(problem: Any, num_labels: int, key: str, trains: bool = True) -> None:
+    """ConfigError naming `key` unless `problem` is a problem type a classifier of `num_labels` outputs
+    has (a regression of several outputs too, as transformers has one, unless it `trains` here)."""
     if problem not in PROBLEM_TYPES:
         raise ConfigError(f"config key '{key}' must be one of {', '.join(PROBLEM_TYPES)}, got {json.dumps(problem)}")
     if problem == SINGLE_LABEL and num_labels < 2:
         raise ConfigError(f"config key 'num_labels': a single-label classification needs 2 classes at least, "
                           f"got {num_labels} (one output is a regression: '{key}' \"regression\")")
-    if problem == REGRESSION and num_labels != 1:
-        raise ConfigError(f"config key 'num_labels': a regression has one output, got {num_labels}")
+    if problem == REGRESSION and num_labels != 1 and trains:
+        raise ConfigError(f"config key 'num_labels': a regression trains one output here, got {num_labels}")
 
 
 @dataclass(frozen=True)

@@ -109,7 +109,7 @@ def unpack_batch(batch: Mapping[str, np.ndarray]) -> dict:
            else np.asarray(mask, np.float32)}
     if "segments" in batch:  # packed examples kept apart (int32 [A, b, T+1])
         out["segments"] = np.asarray(batch["segments"], np.int32)
-    if "labels" in batch:  # KTO's unpaired examples, a classifier's texts (float32 [A, b, 1])
+    if "labels" in batch:  # KTO's unpaired examples, a classifier's texts (float32 [A, b, 1]; multi-label [A, b, classes])
         out["labels"] = np.asarray(batch["labels"], np.float32)
     return out
 
@@ -660,7 +660,8 @@ def _absolute(path: Optional[str]) -> Optional[str]:
 def _absolute_paths(config: Config) -> Config:
     t = config.train
     train = dataclasses.replace(t, model_dir=t.model_dir if t.bucket else _absolute(t.model_dir),
-                                train_set=_absolute(t.train_set),
+                                train_set=({_absolute(p): w for p, w in t.train_set.items()}
+                                           if isinstance(t.train_set, dict) else _absolute(t.train_set)),
                                 val_set={k: _absolute(v) for k, v in t.val_set.items()})
     return dataclasses.replace(config, train=train)
 

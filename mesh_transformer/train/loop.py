@@ -29,7 +29,7 @@ from mesh_transformer import lora, parallel
 from mesh_transformer.io.checkpoint import CheckpointManager, checkpoint_dir
 from mesh_transformer.config import Config, ConfigError
 from mesh_transformer.errors import UserError
-from mesh_transformer.data import Dataset, Loader
+from mesh_transformer.data import Dataset, DatasetError, Loader, Mixture, StreamMismatch
 from mesh_transformer.train import preference
 from mesh_transformer.train.metrics import MetricsLogger
 from mesh_transformer.train.step import Trainer, TrainState
@@ -68,9 +68,10 @@ def open_datasets(config: Config) -> tuple[Dataset, dict[str, Dataset]]:
     unpaired examples exactly when it trains with `kto`, and labelled texts exactly when it trains a
     classifier on them (`classify`), with labels the classifier can take."""
     t = config.train
-    train = Dataset.open(t.train_set)
+    weights = t.train_set if isinstance(t.train_set, dict) else {t.train_set: 1.0}
+    parts = {path: Dataset.open(path) for path in weights}  # (a mixture's parts, each checked as a dataset)
     val = {name: Dataset.open(path) for name, path in t.val_set.items()}
-    for path, ds in [(t.train_set, train), *zip(t.val_set.values(), val.values())]:
+    for path, ds in [*parts.items(), *zip(t.val_set.values(), val.values())]:
         if ds.seq < config.model.seq:
             raise ConfigError(f"config key 'seq': {config.model.seq} is longer than the sequences of "
                               f"{path} ({ds.seq} tokens)")
@@ -92,7 +93,12 @@ def open_datasets(config: Config) -> tuple[Dataset, dict[str, Dataset]]:
         if t.preference is not None and not ds.pairs:
             raise ConfigError(f"config key '{t.preference}': {path} holds no preference pairs "
                               "(create_finetune_dataset.py makes them from {prompt, chosen, rejected} records)")
-    return train, val
+    if len(parts) == 1 and not isinstance(t.train_set, dict):
+        return parts[t.train_set], val
+    try:
+        return Mixture(list(parts.values()), list(weights.values()), list(weights)), val
+    except DatasetError as e:
+        raise ConfigError(f"config key 'train_set': {e}") from None
 
 
 def check_labelled_texts(config: Config, path: str, ds: Dataset) -> None:
@@ -114,11 +120,12 @@ def check_labelled_texts(config: Config, path: str, ds: Dataset) -> None:
                              if ours is not None else f": set label_names {json.dumps(names)} (and num_labels "
                                                       f"{len(names)})"))
     problem, multi = classify.objective(config).problem_type, ds.multi_label
+    key = "classify.problem_type" if "problem_type" in t.classify else "problem_type"  # (what set it, or neither)
     if multi != (problem == classify.MULTI_LABEL):
-        raise ConfigError(f"{path} holds multi-label texts (a list of classes each): set the config key 'classify' "
-                          f"to {{\"problem_type\": \"multi_label_classification\"}}" if multi else
-                          f"config key 'classify.problem_type': a multi-label classification trains on texts "
-                          f"labelled with lists of classes, but {path} gives each text one label")
+        raise ConfigError(f"{path} holds multi-label texts (a list of classes each): set the config key '{key}' to "
+                          f"\"multi_label_classification\"" if multi else
+                          f"config key '{key}': a multi-label classification trains on texts labelled with lists "
+                          f"of classes, but {path} gives each text one label")
     if multi and ds.label_width != labels:
         raise ConfigError(f"config key 'num_labels': {labels} classes, but {path} has {ds.label_width} (set num_labels "
                           f"{ds.label_width}" + (f", or build it with --label-names naming all {labels} classes: the "
@@ -137,8 +144,14 @@ def train_loader(config: Config, dataset: Dataset, global_batch: int, state: Opt
     """The training stream: shuffled by `seed`, `gradient_accumulation_steps` microbatches a step;
     `rows`: this process's rows of each batch (default: all)."""
     t = config.train
-    return Loader(dataset, global_batch, t.seed, accumulation=t.gradient_accumulation_steps, rows=rows,
-                  state=state or None, segments=uses_segments(config, dataset))
+    try:
+        return Loader(dataset, global_batch, t.seed, accumulation=t.gradient_accumulation_steps, rows=rows,
+                      state=state or None, segments=uses_segments(config, dataset),
+                      documents_apart=t.document_masking)
+    except StreamMismatch as e:
+        raise ConfigError(f"config key 'train_set': the checkpoint's place in its training data is not one of this "
+                          f"train_set ({e}); resume with the train_set and seed it was saved with, or start a new "
+                          f"model_dir from it with --tune-model-path") from None
 
 
 def uses_segments(config: Config, dataset: Dataset) -> bool:
@@ -248,8 +261,9 @@ class TrainHost:
         tr, o = self.trainer, self.options
         if self.ckpt.latest_step() is not None:
             latest = self.ckpt.latest_step()
-            _check_same_classes((self.ckpt.saved_config(latest) or {}).get("label_names"), self.config,
-                                f"{self.ckpt.directory} (step {latest})")
+            saved_config = self.ckpt.saved_config(latest) or {}
+            _check_same_classes(saved_config.get("label_names"), self.config, f"{self.ckpt.directory} (step {latest})")
+            _check_same_problem(saved_config.get("problem_type"), self.config, self.ckpt.directory, latest)
             state, extras = self.ckpt.restore(abstract_state=tr.abstract_state, target_shardings=tr.state_shardings)
             self._saved_step = int(state.step)
             saved = extras.get(OBJECTIVE_KEY)  # (absent from checkpoints written before it was recorded)
@@ -460,6 +474,8 @@ class TrainRun:
                                self.config.to_json_dict(), tensorboard=self.options.tensorboard)
         logger.message(f"{t.name}: step {step} of {t.total_steps}, mesh dp={self.trainer.dp} x mp={self.trainer.mp}, "
                        f"{self.config.model.n_params():,} parameters, checkpoints in {self.ckpt.directory}")
+        if isinstance(self.dataset, Mixture):
+            logger.message(self.dataset.describe())
         if self.dataset.labels and not self.dataset.classes:  # KTO: how balanced the labels are, against the weights
             desirable = int(self.dataset.read_labels(np.arange(0, len(self.dataset), 2)).sum())
             advice = self.trainer.preference.weight_advice(desirable, len(self.dataset) // 2 - desirable)
@@ -529,6 +545,15 @@ def _check_same_classes(names: Optional[list], config: Config, source: str) -> N
     raise ConfigError(f"config key 'label_names': {source} names its classes {json.dumps(names)}"
                       + (f", this config {json.dumps(ours)}: its score head would train under other class numbers"
                          if ours is not None else f": set label_names {json.dumps(names)}"))
+
+
+def _check_same_problem(problem: Optional[str], config: Config, directory: str, step: int) -> None:
+    """A classifier run resumed at `step` of `directory`, whose checkpoint recorded what its outputs
+    mean (`problem`; absent before problem types were recorded): the config means the same."""
+    ours = config.model.problem_type
+    if problem is not None and ours is not None and problem != ours:
+        raise ConfigError(f"config key 'problem_type': {directory} (step {step}) trained a {problem}, this config "
+                          f"a {ours}; to switch, start a new model_dir with --tune-model-path {directory}")
 
 
 def _check_same_architecture(found, config: Config, source: str) -> None:
