@@ -2,6 +2,7 @@
 import gzip
 import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -608,12 +609,20 @@ def test_a_mixture_gives_each_dataset_its_share_of_every_epoch():
     take(first, 6)
     state = json.loads(json.dumps(first.state()))
     first.close()
-    assert state["mixture"] == [[10, 0.75], [30, 0.25]]
+    assert state["mixture"] == [[10, 30, None], [30, 10, None]]  # rows, rows an epoch, the tokens' digest
     assert parts_read(Loader(mix, 8, seed=7, state=state), 9) == stream[48:]
+    same = Mixture([small, big], [0.75, 0.25], ["small", "big"])  # the same shares, however written
+    assert parts_read(Loader(same, 8, seed=7, state=state), 9) == stream[48:]
     halves = [parts_read(Loader(mix, 8, seed=7, state=state, process_index=p, process_count=2), 1) for p in (0, 1)]
     assert halves[0] + halves[1] == stream[48:56]
-    with pytest.raises(StreamMismatch, match=r"loader state has mixture=\[\[10, 0.75\], \[30, 0.25\]\]"):
+    with pytest.raises(StreamMismatch, match=re.escape("loader state has mixture=[[10, 30, None], [30, 10, None]], "
+                                                       "this loader has [[10, 20, None], [30, 20, None]]")):
         Loader(Mixture([small, big], [1, 1], ["small", "big"]), 8, seed=7, state=state)
+    with pytest.raises(StreamMismatch, match=re.escape("loader state has mixture=[[10, 30, None], [30, 10, None]], "
+                                                       "this loader has None")):
+        Loader(Dataset.from_arrays(np.zeros((40, 5), np.uint16)), 8, seed=7, state=state)  # one dataset of as many rows
+    with pytest.raises(DatasetError, match=re.escape("rare: its weight 0.001 gives it no row of an epoch of 40 rows")):
+        Mixture([small, big], [1, 0.001], ["small", "rare"])
 
 
 def test_a_mixture_keeps_pairs_whole_cuts_rows_to_the_shortest_and_refuses_unlike_data():
@@ -637,8 +646,36 @@ def test_a_mixture_keeps_pairs_whole_cuts_rows_to_the_shortest_and_refuses_unlik
     assert got.shape == (5, 5) and got[0].tolist() == [5, 5, 5, 0, 5] and mask[3:].tolist() == [[1] * 4] * 2
     assert mix.read_segments(np.arange(5), got).tolist() == [[0, 0, 0, 0, 0]] * 3 + [[0, 0, 1, 1, 1]] * 2
     assert mix.read_segments(np.arange(5), got, documents_apart=False).tolist() == [[0] * 5] * 5  # as plain text
-    with pytest.raises(DatasetError, match="b: a mixture's datasets are alike, but a holds preference pairs and "
-                                           "this one does not"):
+    with pytest.raises(DatasetError, match=re.escape("b: the datasets of a mixture must be alike, but it and a "
+                                                     "differ in rows in pairs (preference data) (no and yes)")):
         Mixture([marked_rows(1, 4, pairs=True), marked_rows(2, 4)], [1, 1], ["a", "b"])
-    with pytest.raises(DatasetError, match=r"short: .* but long holds end-of-text id 0 \(another tokenizer\?\)"):
+    with pytest.raises(DatasetError, match=re.escape("short: the datasets of a mixture must be alike, but it and "
+                                                     "long differ in the end-of-text id (9999 and 0)")):
         Mixture([long, marked_rows(2, 4)], [1, 1], ["long", "short"])
+
+
+def test_a_mixtures_labels_are_its_parts_and_kto_balance_counts_each_parts_share():
+    """Labels read through a mixture are each part's own (unpaired examples' with their KL rows,
+    multi-label texts' vectors); KTO's balance advice counts the examples an epoch trains on, each
+    part by its share. A single dataset's epochs stay the permutations earlier versions drew
+    (checkpoints saved by them resume where they were)."""
+    from mesh_transformer.data import Mixture
+    from mesh_transformer.train.loop import desirable_examples
+    good = marked_rows(1, 4, pairs=True, labels=np.array([1, 1, 1, 1], np.uint8))  # 2 examples, both desirable
+    bad = marked_rows(2, 12, pairs=True, labels=np.zeros(12, np.uint8))  # 6, none
+    assert desirable_examples(bad) == (0, 6)
+    mix = Mixture([good, bad], [1, 1], ["good", "bad"])  # an epoch: 4 examples of each
+    assert mix.epoch_shares() == [4, 4] and desirable_examples(mix) == (4, 4)
+    batch = Loader(mix, 8, seed=1).batch_at(0)
+    assert (batch["labels"][0, :, 0] == (batch["tokens"][0, :, 0] == 1)).all()
+    hot = np.eye(3, dtype=np.uint8)[[0, 1, 2, 0]]
+    tags = Mixture([marked_rows(1, 4, labels=hot, classes=True), marked_rows(2, 4, labels=hot[::-1], classes=True)],
+                   [1, 1], ["a", "b"])
+    assert tags.read_labels(np.arange(8)).tolist() == np.r_[hot, hot[::-1]].tolist()
+    for pairs, n in ((False, 10), (True, 10)):  # what `Loader` drew before mixtures, epoch after epoch
+        ds = marked_rows(1, n, pairs=pairs)
+        for epoch in range(2):
+            rng = np.random.default_rng([3, epoch])
+            before = ((2 * rng.permutation(n // 2)[:, None] + np.arange(2)).reshape(-1) if pairs
+                      else rng.permutation(n))
+            assert ds.epoch_order(epoch, 3, shuffle=True).tolist() == before.tolist()

@@ -2,6 +2,7 @@
 import glob
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -13,11 +14,11 @@ import optax
 import pytest
 
 from mesh_transformer import loading
-from mesh_transformer.config import load_config
+from mesh_transformer.config import ConfigError, load_config
 from mesh_transformer.data import Dataset, Loader, Mixture
 from mesh_transformer.generate import Generator, SamplingOptions
 from mesh_transformer.io.checkpoint import CheckpointManager
-from mesh_transformer.train.loop import train_loader
+from mesh_transformer.train.loop import open_datasets, train_loader
 from mesh_transformer.train.step import Trainer
 from tests.helpers import make_hf_gptj, max_abs_diff, mesh, refusal
 
@@ -211,7 +212,8 @@ def test_a_mixture_of_datasets_trains_in_its_proportions_and_resumes_only_with_t
     """`train_set` as {index path: weight}: stories (plain text) and question/answer examples (masked,
     one example a row at most) three to one; each batch of 8 holds the parts in about that share
     (an epoch exactly), the checkpoint's loader position names the mixture, and a resume with
-    other weights is one clear line, not a traceback."""
+    other weights is one clear line, not a traceback; one dataset named twice (two spellings of its
+    path) is refused."""
     subprocess.run([sys.executable, "create_finetune_dataset.py", "data/qa.jsonl", "qa", "--output-dir",
                     str(tmp_path / "data"), "--seq", "32"], cwd=ROOT, check=True, capture_output=True)
     stories, qa = str(dataset / "train.index.json"), str(tmp_path / "data" / "qa.index.json")
@@ -223,12 +225,16 @@ def test_a_mixture_of_datasets_trains_in_its_proportions_and_resumes_only_with_t
     assert f"{stories} " in out and "(75%, " in out and f"{qa} " in out and "(25%, " in out  # the shares, said
     position = CheckpointManager(str(tmp_path / "ckpt"), read_only=True).extras()["train_loader"]
     sizes = [len(Dataset.open(path)) for path in (stories, qa)]
-    assert position["mixture"] == [[sizes[0], 0.75], [sizes[1], 0.25]] and position["position"] == 4 * 8
+    assert [part[:2] for part in position["mixture"]] == [[sizes[0], 2327], [sizes[1], 775]]  # rows, an epoch's
+    assert position["position"] == 4 * 8 and sum(sizes) == 2327 + 775
     loader = train_loader(load_config(config), Mixture([Dataset.open(stories), Dataset.open(qa)], [3, 1],
                                                        [stories, qa]), 8)
     masked = [int((b["mask"].reshape(8, -1).min(-1) == 0).sum()) for b in (next(loader) for _ in range(4))]
     loader.close()
     assert 0 < sum(masked) < 16  # the answers' rows (masked but for their answers) are a minority
+    twice = {stories: 1, os.path.join(os.path.dirname(stories), ".", os.path.basename(stories)): 1}
+    with pytest.raises(ConfigError, match=re.escape(f"config key 'train_set': {stories!r} and ")):
+        open_datasets(load_config(write_config(tmp_path, dataset, train_set=twice)))
     write_config(tmp_path, dataset, train_set={stories: 1, qa: 1}, total_steps=6)
     code, out = device_train(config)
     assert code == 2 and out.strip().splitlines()[-1].startswith(

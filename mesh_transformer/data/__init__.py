@@ -62,6 +62,7 @@ from __future__ import annotations
 import bz2
 import contextlib
 import dataclasses
+import functools
 import gzip
 import hashlib
 import io
@@ -1124,18 +1125,17 @@ class Mixture(Dataset):
         first = parts[0]
         for path, part in zip(paths[1:], parts[1:]):
             for what, ours, theirs in [
-                    ("preference pairs" if first.pairs else "unpaired rows", first.pairs, part.pairs),
-                    ("labelled rows" if first.labels else "unlabelled rows", first.labels, part.labels),
-                    ("labelled texts" if first.classes else "no labelled texts", first.classes, part.classes),
-                    ("multi-label texts" if first.multi_label else "texts of one label each", first.multi_label,
-                     part.multi_label),
-                    (f"labels of width {first.label_width}", first.label_width, part.label_width),
-                    (f"end-of-text id {first.eos_id} (another tokenizer?)", first.eos_id, part.eos_id),
-                    ("class names " + json.dumps(first.index.get("label_names")),
-                     first.index.get("label_names"), part.index.get("label_names"))]:
+                    ("rows in pairs (preference data)", first.pairs, part.pairs),
+                    ("labels", first.labels, part.labels),
+                    ("labelled texts", first.classes, part.classes),
+                    ("multi-label texts", first.multi_label, part.multi_label),
+                    ("the label width", first.label_width, part.label_width),
+                    ("the end-of-text id", first.eos_id, part.eos_id),
+                    ("the vocabulary size", first.index.get("vocab_size"), part.index.get("vocab_size"))]:
                 if ours != theirs:
-                    raise DatasetError(f"{path}: a mixture's datasets are alike, but {paths[0]} holds {what} "
-                                       f"and this one does not")
+                    said = (lambda v: ("yes" if v else "no") if isinstance(v, bool) else json.dumps(v))
+                    raise DatasetError(f"{path}: the datasets of a mixture must be alike, but it and {paths[0]} "
+                                       f"differ in {what} ({said(theirs)} and {said(ours)})")
         index = {**first.index, "seq": min(p.seq for p in parts), "has_mask": any(p.has_mask for p in parts),
                  "shards": [s for p in parts for s in p.index.get("shards", [])]}
         super().__init__(index, [t for p in parts for t in p._tokens], [m for p in parts for m in p._masks],
@@ -1144,40 +1144,69 @@ class Mixture(Dataset):
         self.parts, self.paths = parts, paths
         self.weights = [w / sum(weights) for w in weights]
         self._offsets = np.cumsum([0] + [len(p) for p in parts])[:-1]
-        unit = 2 if self.pairs else 1
-        self._units = [len(p) // unit for p in parts]  # a part's rows, in pairs where paired
-        self._shares = _largest_remainders(self.weights, sum(self._units))
+        self._unit = 2 if self.pairs else 1  # rows that move as one
+        self._units = [len(p) // self._unit for p in parts]
+        self._shares = _largest_remainders(self.weights, sum(self._units))  # units of each part an epoch
+        for path, weight, share in zip(paths, weights, self._shares):
+            if share == 0:
+                raise DatasetError(f"{path}: its weight {weight:g} gives it no row of an epoch of {len(self):,} rows")
 
     def stream_key(self) -> dict:
-        return {"n_sequences": len(self), "mixture": [[len(p), w] for p, w in zip(self.parts, self.weights)]}
+        """The stream depends on each part's rows and share of an epoch (not on how the weights were
+        written, nor where the files lie)."""
+        return {"n_sequences": len(self),
+                "mixture": [[len(p), share * self._unit, _fingerprint(p)] for p, share in zip(self.parts, self._shares)]}
+
+    def epoch_shares(self) -> list[int]:
+        """How many of each part's units (rows; pairs where paired) an epoch takes."""
+        return list(self._shares)
 
     def describe(self) -> str:
         """One line: each part's share of an epoch, and how many passes over its rows that is."""
-        unit = 2 if self.pairs else 1
         return "mixture, an epoch of {:,} rows: ".format(len(self)) + ", ".join(
-            f"{path} {share * unit:,} rows ({weight:.0%}, {share / units:.2f} of its rows)"
+            f"{path} {share * self._unit:,} rows ({weight:.0%}, {share / units:.2f} of its rows)"
             for path, weight, share, units in zip(self.paths, self.weights, self._shares, self._units))
 
     def epoch_order(self, epoch: int, seed: int, shuffle: bool) -> np.ndarray:
-        unit = 2 if self.pairs else 1
-        taken = [offset // unit + self._part_stream(k, seed, shuffle, epoch * share, share)
+        taken = [offset // self._unit + self._part_stream(k, seed, shuffle, epoch * share, share)
                  for k, (offset, share) in enumerate(zip(self._offsets, self._shares))]
         units = np.concatenate(taken)
         if shuffle:
             units = np.random.default_rng([seed, epoch]).permutation(units)
-        return (unit * units[:, None] + np.arange(unit)).reshape(-1)
+        return (self._unit * units[:, None] + np.arange(self._unit)).reshape(-1)
 
     def _part_stream(self, k: int, seed: int, shuffle: bool, start: int, count: int) -> np.ndarray:
-        """Units [start, start + count) of part k's stream: its units in a permutation drawn from
-        (seed, k, pass), pass after pass."""
+        """Units [start, start + count) of part k's stream: its units pass after pass, each pass a
+        permutation (`_passes`)."""
         n, out = self._units[k], []
+        size = _PASSES_PER_BLOCK(n) * n  # units of a block of passes
         while count > 0:
-            rounds, offset = divmod(start, n)
-            order = np.random.default_rng([seed, 1_000_003, k, rounds]).permutation(n) if shuffle else np.arange(n)
-            take = min(count, n - offset)
-            out.append(order[offset:offset + take])
+            block, offset = divmod(start, size)
+            units = (self._passes(k, seed, block, n) if shuffle
+                     else np.tile(np.arange(n), _PASSES_PER_BLOCK(n))[None]).reshape(-1)
+            take = min(count, size - offset)
+            out.append(units[offset:offset + take])
             start, count = start + take, count - take
         return np.concatenate(out) if out else np.zeros(0, np.int64)
+
+    @functools.lru_cache(maxsize=8)
+    def _passes(self, k: int, seed: int, block: int, n: int) -> np.ndarray:
+        """[passes, n]: part k's permutations of block `block` of its passes, drawn together from
+        (seed, k, block) (a part of few rows given many times an epoch costs one draw, not one a pass)."""
+        rng = np.random.default_rng([seed, 1_000_003, k, block])
+        if _PASSES_PER_BLOCK(n) == 1:
+            return rng.permutation(n)[None]
+        return np.argsort(rng.random((_PASSES_PER_BLOCK(n), n)), axis=1, kind="stable")
+
+
+def _PASSES_PER_BLOCK(n: int) -> int:  # passes drawn at once: about 64k units a draw
+    return max(1, (1 << 16) // max(n, 1))
+
+
+def _fingerprint(ds: Dataset) -> str | None:
+    """A short digest of a dataset's token shards (their sha256s from its index; None in memory)."""
+    shas = [shard.get("sha256", {}).get("tokens", "") for shard in ds.index.get("shards", [])]
+    return hashlib.sha256("".join(shas).encode()).hexdigest()[:16] if shas else None
 
 
 def _largest_remainders(shares: list[float], total: int) -> list[int]:
@@ -1218,7 +1247,12 @@ def segment_ids(tokens: np.ndarray, eos_id: int) -> np.ndarray:
 
 
 class StreamMismatch(ValueError):
-    """A saved loader position of another stream (other data, mixture or seed) than this loader's."""
+    """A saved loader position of another stream (other data, mixture or seed) than this loader's;
+    `key`: the state's key that differs."""
+
+    def __init__(self, key: str, message: str):
+        super().__init__(message)
+        self.key = key
 
 
 class Loader:
@@ -1269,9 +1303,10 @@ class Loader:
         self._orders: dict[int, np.ndarray] = {}
 
     def _resume(self, state: dict) -> int:
-        for key, value in (("seed", self.seed), ("shuffle", self.shuffle), *self.dataset.stream_key().items()):
+        ours = {"seed": self.seed, "shuffle": self.shuffle, "mixture": None, **self.dataset.stream_key()}
+        for key, value in ours.items():  # ("mixture": absent from a single dataset's state, as before mixtures)
             if state.get(key) != value:
-                raise StreamMismatch(f"loader state has {key}={state.get(key)!r}, this loader has {value!r}")
+                raise StreamMismatch(key, f"loader state has {key}={state.get(key)!r}, this loader has {value!r}")
         return state["epoch"] * len(self.dataset) + state["position"]
 
     def state(self) -> dict:

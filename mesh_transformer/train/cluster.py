@@ -42,7 +42,7 @@ from mesh_transformer.io import storage
 from mesh_transformer.io.checkpoint import CheckpointError, checkpoint_dir
 from mesh_transformer.config import Config, ConfigError
 from mesh_transformer.errors import UserError
-from mesh_transformer.data import DatasetError
+from mesh_transformer.data import DatasetError, Mixture
 from mesh_transformer.train.metrics import MetricsLogger
 from mesh_transformer.train.loop import (RunOptions, TrainingError, due, open_datasets, require_keys, train_loader,
                                          train_values, uses_segments, val_loader)
@@ -512,6 +512,8 @@ class ClusterRun:
                        f"{self.config.model.n_params():,} parameters, "
                        + (f"JAX coordinator {info['coordinator']}, " if info["coordinator"] else "")
                        + f"checkpoints in {checkpoint_dir(t)}")
+        if isinstance(self.dataset, Mixture):
+            logger.message(self.dataset.describe())
 
     # ---- the loop -----------------------------------------------------------------------------
 

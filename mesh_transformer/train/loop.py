@@ -69,6 +69,12 @@ def open_datasets(config: Config) -> tuple[Dataset, dict[str, Dataset]]:
     classifier on them (`classify`), with labels the classifier can take."""
     t = config.train
     weights = t.train_set if isinstance(t.train_set, dict) else {t.train_set: 1.0}
+    from mesh_transformer.io import storage
+    places = [p if storage.is_gcs(p) else os.path.realpath(p) for p in weights]  # (how Ray's driver sees them)
+    same = [p for p, place in zip(weights, places) if places.count(place) > 1]
+    if same:
+        raise ConfigError(f"config key 'train_set': {' and '.join(map(repr, same))} are the same dataset; "
+                          f"give it once, with the weight of both")
     parts = {path: Dataset.open(path) for path in weights}  # (a mixture's parts, each checked as a dataset)
     val = {name: Dataset.open(path) for name, path in t.val_set.items()}
     for path, ds in [*parts.items(), *zip(t.val_set.values(), val.values())]:
@@ -139,6 +145,15 @@ def check_labelled_texts(config: Config, path: str, ds: Dataset) -> None:
                               f"(set num_labels {int(high) + 1})")
 
 
+def desirable_examples(dataset: Dataset) -> tuple[int, int]:
+    """(desirable, undesirable) unpaired examples an epoch of `dataset` trains on (KTO's; a mixture's
+    parts each weighted by the share of an epoch it gives)."""
+    parts = dataset.parts if isinstance(dataset, Mixture) else [dataset]
+    shares = dataset.epoch_shares() if isinstance(dataset, Mixture) else [len(dataset) // 2]
+    desirable = sum(share * part.read_labels(np.arange(0, len(part), 2)).mean() for part, share in zip(parts, shares))
+    return int(round(desirable)), int(round(sum(shares) - desirable))
+
+
 def train_loader(config: Config, dataset: Dataset, global_batch: int, state: Optional[dict] = None,
                  rows: Optional[tuple[int, int]] = None) -> Loader:
     """The training stream: shuffled by `seed`, `gradient_accumulation_steps` microbatches a step;
@@ -149,8 +164,9 @@ def train_loader(config: Config, dataset: Dataset, global_batch: int, state: Opt
                       state=state or None, segments=uses_segments(config, dataset),
                       documents_apart=t.document_masking)
     except StreamMismatch as e:
-        raise ConfigError(f"config key 'train_set': the checkpoint's place in its training data is not one of this "
-                          f"train_set ({e}); resume with the train_set and seed it was saved with, or start a new "
+        key = "seed" if e.key == "seed" else "train_set"
+        raise ConfigError(f"config key '{key}': the checkpoint's place in its training data is not one of this "
+                          f"{key} ({e}); resume with the train_set and seed it was saved with, or start a new "
                           f"model_dir from it with --tune-model-path") from None
 
 
@@ -477,8 +493,8 @@ class TrainRun:
         if isinstance(self.dataset, Mixture):
             logger.message(self.dataset.describe())
         if self.dataset.labels and not self.dataset.classes:  # KTO: how balanced the labels are, against the weights
-            desirable = int(self.dataset.read_labels(np.arange(0, len(self.dataset), 2)).sum())
-            advice = self.trainer.preference.weight_advice(desirable, len(self.dataset) // 2 - desirable)
+            desirable, undesirable = desirable_examples(self.dataset)
+            advice = self.trainer.preference.weight_advice(desirable, undesirable)
             if advice:
                 logger.message(advice)
         previous = signal.signal(signal.SIGINT, self._on_interrupt)
