@@ -165,9 +165,9 @@ def train_loader(config: Config, dataset: Dataset, global_batch: int, state: Opt
                       documents_apart=t.document_masking)
     except StreamMismatch as e:
         key = "seed" if e.key == "seed" else "train_set"
-        raise ConfigError(f"config key '{key}': the checkpoint's place in its training data is not one of this "
-                          f"{key} ({e}); resume with the train_set and seed it was saved with, or start a new "
-                          f"model_dir from it with --tune-model-path") from None
+        raise ConfigError(f"config key '{key}': the checkpoint's place in its training data ({e}) is not a place "
+                          f"in this config's stream; resume with the train_set and seed it was saved with, or start "
+                          f"a new model_dir from it with --tune-model-path") from None
 
 
 def uses_segments(config: Config, dataset: Dataset) -> bool:
