@@ -232,6 +232,21 @@ def test_a_flag_no_run_can_use_is_one_error_naming_it(flags, message, capsys):
     assert f"error: {message}\n" in refusal(train_cli.main, ["--config", "/no/such/config.json", *flags], capsys)
 
 
+def test_the_driver_opens_a_mixture_by_absolute_paths(data, tmp_path, monkeypatch):
+    """train.py's driver (which reads every batch and sends the rows to the hosts) opens a mixture
+    given by relative paths as device_train.py does: the same parts, shares and stream."""
+    from mesh_transformer.data import Loader, Mixture
+    from mesh_transformer.train.loop import open_datasets
+    monkeypatch.chdir(os.path.dirname(data["train"]))
+    config = make_config(data, tmp_path / "ckpt", train_set={os.path.basename(data["train"]): 1,
+                                                             os.path.basename(data["val"]): 1})
+    run = cluster.ClusterRun(config, options(tmp_path))
+    assert isinstance(run.dataset, Mixture) and run.dataset.epoch_shares() == [28, 28]
+    assert sorted(run.config.train.train_set) == sorted([data["train"], data["val"]])  # absolute, for the workers
+    here = open_datasets(config)[0]
+    assert (Loader(run.dataset, 8, seed=0).batch_at(40)["tokens"] == Loader(here, 8, seed=0).batch_at(40)["tokens"]).all()
+
+
 def test_pack_batch_is_lossless_and_small():
     tokens = np.random.default_rng(0).integers(0, 50257, (2, 4, 40)).astype(np.int32)
     ones = np.ones((2, 4, 39), np.float32)
