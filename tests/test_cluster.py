@@ -21,7 +21,7 @@ import ray
 import train as train_cli
 from mesh_transformer.train import cluster
 from mesh_transformer.io.checkpoint import CheckpointManager
-from mesh_transformer.config import config_from_dict
+from mesh_transformer.config import ConfigError, config_from_dict
 from mesh_transformer.train.metrics import read_metrics
 from mesh_transformer.train.loop import RunOptions, TrainRun
 from mesh_transformer.train.step import Trainer
@@ -245,6 +245,10 @@ def test_the_driver_opens_a_mixture_by_absolute_paths(data, tmp_path, monkeypatc
     assert sorted(run.config.train.train_set) == sorted([data["train"], data["val"]])  # absolute, for the workers
     here = open_datasets(config)[0]
     assert (Loader(run.dataset, 8, seed=0).batch_at(40)["tokens"] == Loader(here, 8, seed=0).batch_at(40)["tokens"]).all()
+    twice = make_config(data, tmp_path / "ckpt", train_set={os.path.basename(data["train"]): 3,
+                                                            "./" + os.path.basename(data["train"]): 1})
+    with pytest.raises(ConfigError, match="name the same dataset"):  # not one part of weight 1, as a dict of
+        cluster.ClusterRun(twice, options(tmp_path))                    # absolute paths would have it
 
 
 def test_pack_batch_is_lossless_and_small():

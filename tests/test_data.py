@@ -623,6 +623,12 @@ def test_a_mixture_gives_each_dataset_its_share_of_every_epoch():
         Loader(Dataset.from_arrays(np.zeros((40, 5), np.uint16)), 8, seed=7, state=state)  # one dataset of as many rows
     with pytest.raises(DatasetError, match=re.escape("rare: its weight 0.001 gives it no row of an epoch of 40 rows")):
         Mixture([small, big], [1, 0.001], ["small", "rare"])
+    with pytest.raises(DatasetError, match=re.escape("none: holds no row: a mixture's part gives rows")):
+        Mixture([small, Dataset.from_arrays(np.zeros((0, 5), np.uint16), eos_id=9999)], [1, 1], ["small", "none"])
+    tiny = Mixture([marked_rows(1, 3), big], [1, 1], ["tiny", "big"])  # 70,000 passes of 3 rows, across blocks of passes
+    rows = tiny._part_stream(0, seed=7, shuffle=True, start=65_529, count=3 * 70_000).reshape(-1, 3)
+    assert (np.sort(rows, axis=1) == np.arange(3)).all() and len({tuple(r) for r in rows}) == 6  # each a permutation
+    assert (tiny._part_stream(0, 7, True, 65_529 + 3 * 5, 3) == rows[5]).all()  # the stream, wherever it is read
 
 
 def test_a_mixture_keeps_pairs_whole_cuts_rows_to_the_shortest_and_refuses_unlike_data():

@@ -233,7 +233,7 @@ def test_a_mixture_of_datasets_trains_in_its_proportions_and_resumes_only_with_t
     loader.close()
     assert 0 < sum(masked) < 16  # the answers' rows (masked but for their answers) are a minority
     twice = {stories: 1, os.path.join(os.path.dirname(stories), ".", os.path.basename(stories)): 1}
-    with pytest.raises(ConfigError, match=re.escape(f"config key 'train_set': {stories!r} and ")):
+    with pytest.raises(ConfigError, match=re.escape(f"config key 'train_set': {stories!r} and ")):  # name the same
         open_datasets(load_config(write_config(tmp_path, dataset, train_set=twice)))
     write_config(tmp_path, dataset, train_set={stories: 1, qa: 1}, total_steps=6)
     code, out = device_train(config)

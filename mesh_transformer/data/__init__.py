@@ -62,7 +62,6 @@ from __future__ import annotations
 import bz2
 import contextlib
 import dataclasses
-import functools
 import gzip
 import hashlib
 import io
@@ -1116,7 +1115,7 @@ class Mixture(Dataset):
     dataset, an epoch at a time (an epoch: as many rows as the parts hold together). Each epoch
     takes from each part its share of the epoch (`weights`, normalised; largest remainders, so the
     shares add up) and shuffles them together. A part reads its own stream of permutations (drawn
-    from (seed, part, pass)): a part that gives fewer rows than it holds gives the next ones in the
+    from (seed, part, block of passes)): a part that gives fewer rows than it holds gives the next ones in the
     next epoch, one that gives more goes through all its rows before any comes again. Rows are
     read at the shortest part's `seq`; a pair of rows (preference data) moves as one.
     """
@@ -1147,6 +1146,10 @@ class Mixture(Dataset):
         self._unit = 2 if self.pairs else 1  # rows that move as one
         self._units = [len(p) // self._unit for p in parts]
         self._shares = _largest_remainders(self.weights, sum(self._units))  # units of each part an epoch
+        self._kept: dict[int, tuple] = {}  # part -> ((seed, block), its last block of several passes)
+        for path, part in zip(paths, parts):
+            if len(part) < self._unit:
+                raise DatasetError(f"{path}: holds no {'pair' if self.pairs else 'row'}: a mixture's part gives rows")
         for path, weight, share in zip(paths, weights, self._shares):
             if share == 0:
                 raise DatasetError(f"{path}: its weight {weight:g} gives it no row of an epoch of {len(self):,} rows")
@@ -1179,27 +1182,35 @@ class Mixture(Dataset):
         """Units [start, start + count) of part k's stream: its units pass after pass, each pass a
         permutation (`_passes`)."""
         n, out = self._units[k], []
-        size = _PASSES_PER_BLOCK(n) * n  # units of a block of passes
+        size = _passes_per_block(n) * n  # units of a block of passes
         while count > 0:
             block, offset = divmod(start, size)
             units = (self._passes(k, seed, block, n) if shuffle
-                     else np.tile(np.arange(n), _PASSES_PER_BLOCK(n))[None]).reshape(-1)
+                     else np.tile(np.arange(n), _passes_per_block(n))[None]).reshape(-1)
             take = min(count, size - offset)
             out.append(units[offset:offset + take])
             start, count = start + take, count - take
         return np.concatenate(out) if out else np.zeros(0, np.int64)
 
-    @functools.lru_cache(maxsize=8)
     def _passes(self, k: int, seed: int, block: int, n: int) -> np.ndarray:
         """[passes, n]: part k's permutations of block `block` of its passes, drawn together from
-        (seed, k, block) (a part of few rows given many times an epoch costs one draw, not one a pass)."""
+        (seed, k, block) (a part of few rows given many times an epoch costs one draw, not one a pass).
+        A block of several passes (at most ~64k units) is kept until the part's next is drawn; a whole
+        pass of a big part is not kept."""
+        kept = self._kept.get(k)
+        if kept is not None and kept[0] == (seed, block):
+            return kept[1]
         rng = np.random.default_rng([seed, 1_000_003, k, block])
-        if _PASSES_PER_BLOCK(n) == 1:
+        if _passes_per_block(n) == 1:
             return rng.permutation(n)[None]
-        return np.argsort(rng.random((_PASSES_PER_BLOCK(n), n)), axis=1, kind="stable")
+        passes = np.argsort(rng.random((_passes_per_block(n), n)), axis=1, kind="stable")
+        passes.flags.writeable = False
+        self._kept[k] = ((seed, block), passes)
+        return passes
 
 
-def _PASSES_PER_BLOCK(n: int) -> int:  # passes drawn at once: about 64k units a draw
+def _passes_per_block(n: int) -> int:
+    """A part's passes drawn at once: about 64k units a draw."""
     return max(1, (1 << 16) // max(n, 1))
 
 

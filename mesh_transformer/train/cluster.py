@@ -44,8 +44,8 @@ from mesh_transformer.config import Config, ConfigError
 from mesh_transformer.errors import UserError
 from mesh_transformer.data import DatasetError, Mixture
 from mesh_transformer.train.metrics import MetricsLogger
-from mesh_transformer.train.loop import (RunOptions, TrainingError, due, open_datasets, require_keys, train_loader,
-                                         train_values, uses_segments, val_loader)
+from mesh_transformer.train.loop import (RunOptions, TrainingError, check_distinct_parts, due, open_datasets,
+                                         require_keys, train_loader, train_values, uses_segments, val_loader)
 
 HOST_RESOURCE = "mesh_host"  # Ray custom resource that marks a host for one worker
 TEST_HANG_ENV = "MESH_TRANSFORMER_TEST_HANG"  # test-only fault injection, see HostWorker.step
@@ -434,6 +434,8 @@ class ClusterRun:
         if options.local_hosts < 1 or options.max_restarts < 0:
             raise ClusterError(f"local_hosts must be >= 1 and max_restarts >= 0 (got {options.local_hosts}, "
                                f"{options.max_restarts})")
+        if isinstance(config.train.train_set, dict):
+            check_distinct_parts(config.train.train_set)  # (before the paths are made absolute)
         self.config = _absolute_paths(config)
         self.options = dataclasses.replace(options, run=_absolute_run_paths(options.run))
         self.dataset, self.val_sets = open_datasets(self.config)

@@ -69,12 +69,7 @@ def open_datasets(config: Config) -> tuple[Dataset, dict[str, Dataset]]:
     classifier on them (`classify`), with labels the classifier can take."""
     t = config.train
     weights = t.train_set if isinstance(t.train_set, dict) else {t.train_set: 1.0}
-    from mesh_transformer.io import storage
-    places = [p if storage.is_gcs(p) else os.path.realpath(p) for p in weights]  # (how Ray's driver sees them)
-    same = [p for p, place in zip(weights, places) if places.count(place) > 1]
-    if same:
-        raise ConfigError(f"config key 'train_set': {' and '.join(map(repr, same))} are the same dataset; "
-                          f"give it once, with the weight of both")
+    check_distinct_parts(weights)
     parts = {path: Dataset.open(path) for path in weights}  # (a mixture's parts, each checked as a dataset)
     val = {name: Dataset.open(path) for name, path in t.val_set.items()}
     for path, ds in [*parts.items(), *zip(t.val_set.values(), val.values())]:
@@ -105,6 +100,17 @@ def open_datasets(config: Config) -> tuple[Dataset, dict[str, Dataset]]:
         return Mixture(list(parts.values()), list(weights.values()), list(weights)), val
     except DatasetError as e:
         raise ConfigError(f"config key 'train_set': {e}") from None
+
+
+def check_distinct_parts(weights: dict) -> None:
+    """A mixture names each dataset once (two spellings of one path would be one part on Ray's
+    driver, which makes paths absolute, and two here)."""
+    from mesh_transformer.io import storage
+    places = [p if storage.is_gcs(p) else os.path.realpath(p) for p in weights]
+    same = [p for p, place in zip(weights, places) if places.count(place) > 1]
+    if same:
+        raise ConfigError(f"config key 'train_set': {' and '.join(map(repr, same))} name the same dataset; "
+                          f"give each once, with the weight of all its names")
 
 
 def check_labelled_texts(config: Config, path: str, ds: Dataset) -> None:
@@ -150,7 +156,8 @@ def desirable_examples(dataset: Dataset) -> tuple[int, int]:
     parts each weighted by the share of an epoch it gives)."""
     parts = dataset.parts if isinstance(dataset, Mixture) else [dataset]
     shares = dataset.epoch_shares() if isinstance(dataset, Mixture) else [len(dataset) // 2]
-    desirable = sum(share * part.read_labels(np.arange(0, len(part), 2)).mean() for part, share in zip(parts, shares))
+    desirable = sum(share * part.read_labels(np.arange(0, len(part), 2)).mean()
+                    for part, share in zip(parts, shares) if len(part))
     return int(round(desirable)), int(round(sum(shares) - desirable))
 
 
@@ -568,7 +575,8 @@ def _check_same_problem(problem: Optional[str], config: Config, directory: str, 
     mean (`problem`; absent before problem types were recorded): the config means the same."""
     ours = config.model.problem_type
     if problem is not None and ours is not None and problem != ours:
-        raise ConfigError(f"config key 'problem_type': {directory} (step {step}) trained a {problem}, this config "
+        key = "classify.problem_type" if "problem_type" in (config.train.classify or {}) else "problem_type"
+        raise ConfigError(f"config key '{key}': {directory} (step {step}) trained a {problem}, this config "
                           f"a {ours}; to switch, start a new model_dir with --tune-model-path {directory}")
 
 
