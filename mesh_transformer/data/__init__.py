@@ -591,18 +591,25 @@ def _label_info(labels: np.ndarray, names: list[str] | None, where: str) -> dict
     """What a labelled-texts index says of its labels: their range, whether all are class numbers,
     and the classes' names (where named); of multi-label texts (0/1 vectors), the range of the
     classes they hold and how many classes a vector has."""
-    if labels.ndim == 2:
-        held = np.flatnonzero(labels.any(axis=0))
-        if not len(held):
-            raise DatasetError(f"{where}: no multi-label text has a class (every list is empty)")
-        return {"label_range": [float(held[0]), float(held[-1])], "whole_labels": True, "multi_label": True,
-                "label_width": labels.shape[1], **({"label_names": names} if names else {})}
-    low, high = float(labels.min()), float(labels.max())
-    whole = bool(np.all((labels >= 0) & (labels == np.round(labels))))
-    if names is not None and not (whole and high < len(names)):
+    summary = _label_summary(labels)
+    low, high = summary["label_range"]
+    if labels.ndim == 2 and not labels.any():
+        raise DatasetError(f"{where}: no multi-label text has a class (every list is empty)")
+    if labels.ndim == 1 and names is not None and not (summary["whole_labels"] and high < len(names)):
         raise DatasetError(f"{where}: labels from {low:g} to {high:g}, but --label-names names classes 0 to "
                            f"{len(names) - 1}")
-    return {"label_range": [low, high], "whole_labels": whole, **({"label_names": names} if names else {})}
+    return {**summary, **({"label_names": names} if names else {})}
+
+
+def _label_summary(labels: np.ndarray) -> dict:
+    """A labelled-texts index's label keys: the labels' range and whether all are class numbers; of
+    multi-label texts' 0/1 vectors, the range of the classes held (0 to 0 where none is) and the width."""
+    if labels.ndim == 2:
+        held = np.flatnonzero(labels.any(axis=0))
+        return {"label_range": [float(held[0]), float(held[-1])] if len(held) else [0.0, 0.0], "whole_labels": True,
+                "multi_label": True, "label_width": labels.shape[1]}
+    return {"label_range": [float(labels.min()), float(labels.max())],
+            "whole_labels": bool(np.all((labels >= 0) & (labels == np.round(labels))))}
 
 
 def _chars(item) -> int:
@@ -1012,13 +1019,8 @@ class Dataset:
         multi-label texts' (a 0/1 vector a row)."""
         index = {"seq": tokens.shape[1] - 1, "has_mask": mask is not None, "eos_id": eos_id, "pairs": pairs,
                  "labels": labels is not None, "classes": classes}
-        if classes and labels.ndim == 2:
-            held = np.flatnonzero(labels.any(axis=0))
-            index.update(label_range=[float(held.min()), float(held.max())] if len(held) else [0.0, 0.0],
-                         whole_labels=True, multi_label=True, label_width=labels.shape[1])
-        elif classes:
-            index.update(label_range=[float(labels.min()), float(labels.max())],
-                         whole_labels=bool(np.all((labels >= 0) & (labels == np.round(labels)))))
+        if classes:
+            index.update(_label_summary(labels))
         return cls(index, [tokens], [mask], segments=[segments], labels=[labels])
 
     @classmethod

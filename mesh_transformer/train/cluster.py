@@ -434,8 +434,6 @@ class ClusterRun:
         if options.local_hosts < 1 or options.max_restarts < 0:
             raise ClusterError(f"local_hosts must be >= 1 and max_restarts >= 0 (got {options.local_hosts}, "
                                f"{options.max_restarts})")
-        if isinstance(config.train.train_set, dict):
-            check_distinct_parts(config.train.train_set)  # (before the paths are made absolute)
         self.config = _absolute_paths(config)
         self.options = dataclasses.replace(options, run=_absolute_run_paths(options.run))
         self.dataset, self.val_sets = open_datasets(self.config)
@@ -663,6 +661,8 @@ def _absolute(path: Optional[str]) -> Optional[str]:
 
 def _absolute_paths(config: Config) -> Config:
     t = config.train
+    if isinstance(t.train_set, dict):
+        check_distinct_parts(t.train_set)  # (two spellings of one dataset would become one key here)
     train = dataclasses.replace(t, model_dir=t.model_dir if t.bucket else _absolute(t.model_dir),
                                 train_set=({_absolute(p): w for p, w in t.train_set.items()}
                                            if isinstance(t.train_set, dict) else _absolute(t.train_set)),

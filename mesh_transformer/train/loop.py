@@ -131,8 +131,7 @@ def check_labelled_texts(config: Config, path: str, ds: Dataset) -> None:
                           + (f", this config {json.dumps(ours)}: build it with --label-names {shlex.join(ours)}"
                              if ours is not None else f": set label_names {json.dumps(names)} (and num_labels "
                                                       f"{len(names)})"))
-    problem, multi = classify.objective(config).problem_type, ds.multi_label
-    key = "classify.problem_type" if "problem_type" in t.classify else "problem_type"  # (what set it, or neither)
+    problem, multi, key = classify.objective(config).problem_type, ds.multi_label, _problem_key(config)
     if multi != (problem == classify.MULTI_LABEL):
         raise ConfigError(f"{path} holds multi-label texts (a list of classes each): set the config key '{key}' to "
                           f"\"multi_label_classification\"" if multi else
@@ -575,9 +574,14 @@ def _check_same_problem(problem: Optional[str], config: Config, directory: str, 
     mean (`problem`; absent before problem types were recorded): the config means the same."""
     ours = config.model.problem_type
     if problem is not None and ours is not None and problem != ours:
-        key = "classify.problem_type" if "problem_type" in (config.train.classify or {}) else "problem_type"
-        raise ConfigError(f"config key '{key}': {directory} (step {step}) trained a {problem}, this config "
-                          f"a {ours}; to switch, start a new model_dir with --tune-model-path {directory}")
+        raise ConfigError(f"config key '{_problem_key(config)}': {directory} (step {step}) trained a {problem}, "
+                          f"this config a {ours}; to switch, start a new model_dir with --tune-model-path {directory}")
+
+
+def _problem_key(config: Config) -> str:
+    """The config key that says a classifier's problem type: `classify.problem_type` where given,
+    else the model's `problem_type` (which a classify run fills when neither is given)."""
+    return "classify.problem_type" if "problem_type" in (config.train.classify or {}) else "problem_type"
 
 
 def _check_same_architecture(found, config: Config, source: str) -> None:
