@@ -150,7 +150,8 @@ def test_a_classifier_on_labelled_texts_has_transformers_loss(case, tmp_path):
     """Every family as a classifier trained on labelled texts (config key "classify", on mp 2): the
     loss and accuracy of texts of 1 to 14 tokens, read at each one's last token, are transformers'
     ForSequenceClassification's given `labels` (its cross-entropy; tests/test_classify.py holds
-    the gradients of three families to torch's)."""
+    the gradients of three families to torch's), and as a multi-label classifier its binary
+    cross-entropy and the accuracy of its yes/no decisions."""
     import torch
     from mesh_transformer.config import Config, TrainConfig
     name, _, torch_model, _, _ = case
@@ -169,6 +170,17 @@ def test_a_classifier_on_labelled_texts_has_transformers_loss(case, tmp_path):
     ours = tr.means(*tr.eval_values(jax.device_put(params, tr.state_shardings.params), batch))
     assert float(ours["loss"]) == pytest.approx(out.loss.item(), rel=1e-5, abs=1e-6), name
     assert float(ours["accuracy"]) == pytest.approx((out.logits.argmax(-1).numpy() == labels).mean()), name
+    tags = np.array([[1, 0, 1], [0, 0, 0], [0, 1, 1], [1, 1, 1]], np.float32)  # multi-label: any of the classes
+    theirs.config.problem_type = "multi_label_classification"
+    with torch.no_grad():
+        multi = theirs(input_ids=torch.tensor(tokens[:, :16], dtype=torch.long),
+                       attention_mask=torch.tensor(mask[:, :16]), labels=torch.tensor(tags))
+    config = dataclasses.replace(config, problem_type="multi_label_classification")
+    tr = Trainer(Config(config, TrainConfig(per_replica_batch=4, cores_per_replica=2, classify={})), mesh(1, 2))
+    batch = tr.shard_batch({"tokens": tokens[None], "mask": mask[None], "labels": tags[None]})
+    ours = tr.means(*tr.eval_values(jax.device_put(params, tr.state_shardings.params), batch))
+    assert float(ours["loss"]) == pytest.approx(multi.loss.item(), rel=1e-5, abs=1e-6), name
+    assert float(ours["accuracy"]) == pytest.approx(((multi.logits.numpy() > 0) == (tags > 0.5)).mean()), name
 
 
 @pytest.mark.parametrize("case", ONE_CASE_PER_FAMILY, indirect=True)
