@@ -330,7 +330,7 @@ def save_peft(adapters, model: ModelConfig, lora: LoraConfig, out: str, base: Op
         for i in range(model.layers):
             parts = [(adapters[_path(model, m)][leaf + parallel.LORA_A], adapters[_path(model, m)][leaf + parallel.LORA_B])
                      for m, leaf in entry.ours]
-            lora_a, lora_b = _experts_to_peft([(np.asarray(a, np.float32)[i], np.asarray(b, np.float32)[i])
+            lora_a, lora_b = _experts_to_peft(entry, [(np.asarray(a, np.float32)[i], np.asarray(b, np.float32)[i])
                                                for a, b in parts], lora.rank)
             tensors[key(i, "A")], tensors[key(i, "B")] = lora_a, lora_b
         if len(entry.ours) > 1:
@@ -351,28 +351,27 @@ def save_peft(adapters, model: ModelConfig, lora: LoraConfig, out: str, base: Op
     return out
 
 
-def _experts_to_peft(parts: list, r: int):
-    """One layer's adapters of the leaves one HF expert tensor holds, [(A [E, in, r], B [E, r, out_j])]
-    -> PEFT's (lora_A [E R, in], lora_B [sum out_j, R E]) with R = parts x r, block-diagonal (part
-    j: ranks j r .. (j+1) r, outputs after the earlier parts'). PEFT reads lora_A as [E, R, in] and
-    lora_B as [out, R, E]."""
+def _experts_to_peft(entry, parts: list, r: int):
+    """One layer's adapters of the leaves one HF expert tensor (`entry`) holds, [(A [E, in, r],
+    B [E, r, out_j])] -> PEFT's (lora_A [E R, in], lora_B [sum out_j, R E]) with R = parts x r,
+    block-diagonal (part j: ranks j r .. (j+1) r, at the part's outputs: `HFExperts.outputs`). PEFT
+    reads lora_A as [E, R, in] and lora_B as [out, R, E]."""
     experts = parts[0][0].shape[0]
     a = np.concatenate([a.reshape(experts, -1, r).transpose(0, 2, 1) for a, _ in parts], axis=1)  # [E, R, in]
     outs = [b.reshape(experts, r, -1) for _, b in parts]
-    b = np.zeros((experts, sum(x.shape[-1] for x in outs), len(parts) * r), np.float32)  # [E, out, R]
-    row = 0
+    width = outs[0].shape[-1]
+    b = np.zeros((experts, width * len(outs), len(parts) * r), np.float32)  # [E, out, R]
     for j, x in enumerate(outs):
-        b[:, row:row + x.shape[-1], j * r:(j + 1) * r] = x.transpose(0, 2, 1)
-        row += x.shape[-1]
+        b[:, entry.outputs(j, width), j * r:(j + 1) * r] = x.transpose(0, 2, 1)
     return (np.ascontiguousarray(a.reshape(-1, a.shape[-1])),
             np.ascontiguousarray(b.transpose(1, 2, 0).reshape(b.shape[1], -1)))
 
 
-def _experts_from_peft(lora_a, lora_b, experts: int, parts: int, blocks: int, r: int, where: str) -> list:
+def _experts_from_peft(entry, lora_a, lora_b, experts: int, blocks: int, r: int, where: str) -> list:
     """The inverse of `_experts_to_peft` for PEFT's one adapter of rank `blocks` x r over `parts`
     leaves: [(A [E, in, r], B [E, r, out_j])]. blocks 1: A shared by the parts (PEFT's own); blocks
     = parts: our block-diagonal export (ConfigError where B is not block-diagonal)."""
-    rank = blocks * r
+    rank, parts = blocks * r, len(entry.ours)
     try:
         a = lora_a.reshape(experts, rank, -1)  # [E, R, in]
         b = lora_b.reshape(lora_b.shape[0], rank, experts).transpose(2, 0, 1)  # [E, out, R]
@@ -381,7 +380,7 @@ def _experts_from_peft(lora_a, lora_b, experts: int, parts: int, blocks: int, r:
                           f"{experts} experts") from None
     out, width = [], b.shape[1] // parts
     for j in range(parts):
-        rows, cols = slice(j * width, (j + 1) * width), slice(j * r, (j + 1) * r) if blocks > 1 else slice(0, r)
+        rows, cols = entry.outputs(j, width), slice(j * r, (j + 1) * r) if blocks > 1 else slice(0, r)
         if blocks > 1 and np.any(np.delete(b[:, rows], np.arange(j * r, (j + 1) * r), axis=2)):
             raise ConfigError(f"{where}: a rank_pattern adapter whose parts are not block-diagonal cannot be read "
                               f"at rank {r}")
@@ -494,8 +493,8 @@ def load_peft(directory: str, model: ModelConfig, mp: int = 1) -> tuple[LoraConf
             out.setdefault(_path(model, m), {})[leaf + parallel.LORA_B] = b
     for entry, key in _peft_expert_keys(experts).items():
         blocks = _blocks(cfg, entry.target.rsplit(".", 1)[1], len(entry.ours), lora, path / ADAPTER_CONFIG)
-        layers = [_experts_from_peft(tensor(key(i, "A")), tensor(key(i, "B")), model.n_experts, len(entry.ours),
-                                     blocks, lora.rank, f"{weights_file}: {key(i, 'A')}") for i in range(model.layers)]
+        layers = [_experts_from_peft(entry, tensor(key(i, "A")), tensor(key(i, "B")), model.n_experts, blocks, lora.rank,
+                                     f"{weights_file}: {key(i, 'A')}") for i in range(model.layers)]
         for j, (m, leaf) in enumerate(entry.ours):
             out.setdefault(_path(model, m), {})[leaf + parallel.LORA_A] = np.stack([parts[j][0] for parts in layers])
             out.setdefault(_path(model, m), {})[leaf + parallel.LORA_B] = np.stack([parts[j][1] for parts in layers])

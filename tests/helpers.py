@@ -243,6 +243,13 @@ FAMILY_CASES = {
         vocab_size=95, max_position_embeddings=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, moe_intermediate_size=16, shared_expert_intermediate_size=40, intermediate_size=40,
         num_experts=4, num_experts_per_tok=2, norm_topk_prob=False, initializer_range=0.2)),
+    "gpt_oss_window_yarn": ("GptOssConfig", "GptOssForCausalLM", dict(  # sinks, biased experts, a clamp that bites
+        vocab_size=91, max_position_embeddings=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, intermediate_size=24, num_local_experts=4, num_experts_per_tok=2,
+        sliding_window=5, layer_types=["sliding_attention", "full_attention"], swiglu_limit=1.0,
+        initializer_range=0.2, rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
+                                                "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                                                "rope_theta": 500.0})),
     "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(
         vocab_size=97, n_positions=64, n_embd=32, n_layer=2, n_head=4, bos_token_id=0, eos_token_id=0,
         initializer_range=0.2)),
@@ -258,7 +265,7 @@ FAMILY_CASES = {
 # checks whose code paths differ by family, not by each variant's details.
 ONE_CASE_PER_FAMILY = ["gptj", "gpt_neox", "llama_gqa2_llama3_rope", "gpt2", "opt_projected", "phi3_window_partial",
                        "gemma2_softcap_window", "mixtral_window", "qwen2_moe_shared", "olmo2_gqa", "phi_gqa_yarn",
-                       "starcoder2_window"]
+                       "starcoder2_window", "gpt_oss_window_yarn"]
 
 
 def refusal(main, argv, capsys) -> str:
@@ -302,7 +309,7 @@ def make_hf_model(path, case: str, seed: int = 0, **overrides):
     model = getattr(transformers, model_name)(getattr(transformers, config_name)(**{**kwargs, **overrides})).eval()
     with torch.no_grad():  # HF initialises biases and norms to 0/1; perturb them so parity covers them
         for name, p in model.named_parameters():
-            if p.ndim == 1:
+            if p.ndim == 1 or name.endswith("_bias"):  # (GPT-OSS's experts' biases: [E, out])
                 p.add_(0.1 * torch.randn_like(p))
     model.save_pretrained(path)
     return model
@@ -323,8 +330,9 @@ def rounded_like_int8(torch_model):
     with torch.no_grad():
         for module in rounded.modules():
             if type(module).__name__.endswith("Experts"):  # a mixture's: [E, out, in] per expert and output
+                inputs = -2 if type(module).__name__ == "GptOssExperts" else -1  # GPT-OSS's: [E, in, out]
                 for weight in (module.gate_up_proj, module.down_proj):
-                    absmax = weight.abs().amax(dim=-1, keepdim=True)
+                    absmax = weight.abs().amax(dim=inputs, keepdim=True)
                     scale = torch.where(absmax > 0, absmax / 127.0, torch.ones_like(absmax))
                     weight.copy_(torch.clamp(torch.round(weight / scale), -127, 127) * scale)
                 continue

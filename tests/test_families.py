@@ -35,7 +35,7 @@ FAMILY_OF = {"gptj": "gptj", "gpt_neox": "gpt_neox", "gpt_neox_sequential": "gpt
              "llama_gqa2_llama3_rope": "llama", "llama_mqa_tied_bias_linear_rope": "llama", "gpt2": "gpt2",
              "opt_projected": "opt", "opt_post_norm": "opt", "gemma_mqa": "gemma",
              "gemma2_softcap_window": "gemma", "gemma3_local_rope": "gemma", "mixtral_window": "mixtral",
-             "qwen3_moe_tied": "mixtral", "qwen2_moe_shared": "mixtral"}
+             "qwen3_moe_tied": "mixtral", "qwen2_moe_shared": "mixtral", "gpt_oss_window_yarn": "gpt_oss"}
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILY_CASES))
@@ -241,8 +241,8 @@ def test_int8_weights_generate_as_transformers_does_on_the_same_rounded_weights(
               if n.endswith(parallel.SCALE)]
     assert scales and all(gen.params[m][n].dtype == np.int8 for m, n in scales)
     experts = [(m, n) for m, leaves in gen.params.items() for n in leaves
-               if n.startswith("experts_") and not n.endswith(parallel.SCALE)]
-    assert set(experts) <= set(scales) and bool(experts) == (config.family == "mixtral")  # a mixture's too
+               if n.startswith("experts_") and not n.endswith((parallel.SCALE, "_bias"))]
+    assert set(experts) <= set(scales) and bool(experts) == hasattr(config, "n_experts")  # a mixture's too
 
 
 def test_int8_weights_score_as_transformers_does_on_the_same_rounded_weights(tmp_path):
@@ -353,19 +353,22 @@ def test_all_reduces_per_layer(case):
     assert statistics == (1 if config.family == "olmo2" else 0)
 
 
-@pytest.mark.parametrize("name", ["mixtral_window", "qwen2_moe_shared"])
+@pytest.mark.parametrize("name", ["mixtral_window", "qwen2_moe_shared", "gpt_oss_window_yarn"])
 def test_expert_parallel_holds_whole_experts_and_computes_what_transformers_does(name, tmp_path):
     """`expert_parallel`: each mp shard holds n_experts / mp whole experts (4 over mp 4: one each)
     and multiplies only the token copies routed to them; dp2 x mp4 logits equal transformers', the
     layer keeps its two all-reduces (attention's; the experts' with Qwen2-MoE's shared expert),
     and decoding on mp 2 (float and int8 experts, a scale per expert split with them) gives
-    transformers' greedy tokens."""
+    transformers' greedy tokens. GPT-OSS's expert biases go with their experts (each shard adds
+    its own experts' down-projection biases, which without expert parallelism the first shard adds)."""
     torch_model = make_hf_model(tmp_path, name)
     config, params = hf.load_hf(tmp_path, compute_dtype="float32", remat="none")
     config = dataclasses.replace(config, expert_parallel=True)
     trainer = Trainer(config_for(config, cores_per_replica=4), mesh(2, 4))
-    moe = {n: tuple(spec) + (None,) * (4 - len(spec)) for n, spec in trainer.param_specs["mixtral/layers/moe"].items()}
+    moe = {n: tuple(spec) + (None,) * (4 - len(spec))
+           for n, spec in trainer.param_specs[f"{config.family}/layers/moe"].items()}
     assert moe["experts_gate"] == moe["experts_out"] == (None, "mp", None, None)  # [L, E, ...]: experts over mp
+    assert all(moe[n] == (None, "mp", None, None) for n in moe if n.startswith("experts_") and n.endswith("_bias"))
     assert moe["router"] == (None,) * 4  # replicated: every shard routes alike
     state = trainer.state_from_params(hf.pad_vocab(params, config, config.padded_vocab(4)))
     tokens = random_tokens((4, 11), config.n_vocab, seed=2)
@@ -375,7 +378,7 @@ def test_expert_parallel_holds_whole_experts_and_computes_what_transformers_does
     prompts = [random_tokens((1, n), config.n_vocab, seed=n)[0].tolist() for n in (3, 7, 40)]
     for quantize, reference in ((None, torch_model), ("int8", rounded_like_int8(torch_model))):
         gen = Generator(config, params, mesh(1, 2), quantize=quantize)
-        assert gen.params["mixtral/layer_0/moe"]["experts_in"].sharding.spec[0] == "mp"
+        assert gen.params[f"{config.family}/layer_0/moe"]["experts_in"].sharding.spec[0] == "mp"
         outs = gen.generate(prompts, SamplingOptions(max_new_tokens=8, temperature=0))
         assert [o.tokens for o in outs] == [hf_greedy(reference, p, 8) for p in prompts], quantize
 
@@ -446,7 +449,7 @@ def test_unsupported_model_type_names_the_supported_ones(tmp_path):
 
 @pytest.mark.parametrize("shipped", ["llama3_8b", "qwen3_8b", "phi3_mini_4k", "phi2", "starcoder2_3b", "gemma3_1b", "gemma2_2b", "pythia_6.9b",
                                      "gpt2_xl", "6B_roto_256", "mixtral_8x7b", "qwen3_30b_a3b",
-                                     "qwen1.5_moe_a2.7b"])
+                                     "qwen1.5_moe_a2.7b", "gpt_oss_20b"])
 def test_planner_param_count_equals_hf(shipped):
     """n_params of each shipped config equals HF's count of the same model, built on the meta device."""
     import torch
@@ -496,6 +499,9 @@ TRAIN_CASES = {
                     qk_norm=True, sliding_window=6, router_aux_loss_coef=0.1),  # routers pooled over dp
     "mixtral_ep": dict(family="mixtral", n_kv_heads=2, n_experts=8, experts_per_token=2, expert_parallel=True,
                        router_aux_loss_coef=0.1),  # 8 experts whole over mp 8 / 4 / 2
+    "gpt_oss": dict(family="gpt_oss", n_kv_heads=2, n_experts=4, experts_per_token=2, sliding_window=6,
+                    layer_types=["sliding_attention", "full_attention"], swiglu_limit=1.0,
+                    router_aux_loss_coef=0.1),  # sinks and expert biases from zero: their gradients, then steps
 }
 ACCUM, BATCH = 2, 8
 

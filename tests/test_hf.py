@@ -97,7 +97,7 @@ def test_import_errors_name_the_problem(tmp_path):
     (tmp_path / "t5").mkdir()
     (tmp_path / "t5" / "config.json").write_text(json.dumps({"model_type": "t5"}))
     with pytest.raises(ConfigError, match="model_type 't5' is not supported .supported: gemma, gemma2, "
-                                          "gemma3_text, gpt2, gpt_neox, gptj, granite, llama, mistral, mixtral, olmo2, olmo3, opt, phi, phi3, "
+                                          "gemma3_text, gpt2, gpt_neox, gpt_oss, gptj, granite, llama, mistral, mixtral, olmo2, olmo3, opt, phi, phi3, "
                                           "qwen2, qwen2_moe, qwen3, qwen3_moe, starcoder2"):
         hf.load_hf(tmp_path / "t5")
 

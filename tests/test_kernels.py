@@ -278,14 +278,16 @@ def test_the_kernel_runs_on_each_shard_of_a_column_parallel_weight():
 
 @pytest.mark.parametrize("dtype,rows,case,matvec", [("bfloat16", 1, "gptj", False), ("bfloat16", 16, "gptj", False),
                                                     ("float32", 32, "llama_gqa2_llama3_rope", False),
-                                                    ("bfloat16", 1, "gptj", True), ("float32", 3, "gpt2", True)])
+                                                    ("bfloat16", 1, "gptj", True), ("float32", 3, "gpt2", True),
+                                                    ("float32", 2, "gpt_oss_window_yarn", False)])
 def test_decode_runs_the_kernels_with_xla_paths_tokens(tiny, tmp_path, monkeypatch, dtype, rows, case, matvec):
     """A one-row bf16 GPT-J decode (no spare row; streamed products, fused attention over the
     bf16 cache, one call a layer), a 16-row one (bf16 pair products where the CPU has them), a
     32-row float32 LLaMA one (register-blocked products; two query heads per kv head), and
     with weights stored inputs-last (`matvec`) a one-row bf16 GPT-J and a 3-row float32 GPT-2 one
-    (its tied head too: dot products where the CPU has them) call the kernels and decode the same
-    greedy tokens, with log p within float32 rounding, as XLA's own products of the same weights."""
+    (its tied head too: dot products where the CPU has them), and a 2-row GPT-OSS one (its sinks in
+    the fused attention's softmax) call the kernels and decode the same greedy tokens, with log p
+    within float32 rounding, as XLA's own products of the same weights."""
     if case != "gptj":  # the tiny GPT-J's tokenizer beside a tiny model of this case
         tiny.tokenizer.save_pretrained(tmp_path)
         make_hf_model(tmp_path, case, vocab_size=len(tiny.tokenizer), bos_token_id=tiny.eos, eos_token_id=tiny.eos)
@@ -370,10 +372,16 @@ def attention_case(b, kv, g, t, hd, s, u, unwritten=0, seed=0):
     return q, k, v, mask, shared
 
 
-def softmax_attention(q, k, v, mask, shared=None, weights_dtype=None):
+def random_sinks(kv: int, g: int, seed: int = 1):
+    """[K, G] sink scores about as large as the cases' scores."""
+    return np.random.RandomState(seed).standard_normal((kv, g)).astype(np.float32) * 2
+
+
+def softmax_attention(q, k, v, mask, shared=None, weights_dtype=None, sinks=None):
     """The float64 oracle: one softmax over the shared slots' and the row's own scores, a masked score
     float32's lowest (so a query that sees no key weighs every key the same, as XLA's softmax), its
-    probabilities rounded to `weights_dtype` where given."""
+    probabilities rounded to `weights_dtype` where given; with `sinks` [K, G], one more score per
+    query head in the softmax, whose value is zero."""
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
     b, kv, m, hd = q.shape
     neg = float(np.finfo(np.float32).min)
@@ -384,6 +392,10 @@ def softmax_attention(q, k, v, mask, shared=None, weights_dtype=None):
         theirs = np.einsum("bkmh,khu->bkmu", q, shared_k) / np.sqrt(hd)
         scores = np.concatenate([np.where((used >= 0)[:, None, None], theirs, neg), scores], -1)
         values = np.concatenate([np.broadcast_to(shared_v, (b,) + shared_v.shape), v], 2)
+    if sinks is not None:
+        sink = np.asarray(sinks, np.float64)[:, np.arange(m) // mask.shape[1]]  # [K, M]: each row's head's
+        scores = np.concatenate([scores, np.broadcast_to(sink[None, :, :, None], (b, kv, m, 1))], -1)
+        values = np.concatenate([values, np.zeros((b, kv, 1, hd))], 2)
     weights = np.exp(scores - scores.max(-1, keepdims=True))
     weights = weights / weights.sum(-1, keepdims=True)
     if weights_dtype is not None:
@@ -402,22 +414,26 @@ ATTENTION_CASES = [(2, 2, 4, 37, 64, 50, 0), (3, 2, 1, 130, 64, 130, 300), (1, 1
                    (2, 2, 2, 3, 64, 20, 0), (1, 1, 16, 1, 32, 300, 0, 250)]
 
 
+@pytest.mark.parametrize("sinks", [False, True], ids=["", "sinks"])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
 @pytest.mark.parametrize("shape", ATTENTION_CASES)
-def test_attention_is_one_softmax_over_the_shared_and_own_keys(dtype, shape):
+def test_attention_is_one_softmax_over_the_shared_and_own_keys(dtype, shape, sinks):
     """`kernels.attention` (the fused CPU attention of a prefill or a decode step) against float64
-    softmax attention on the same (rounded) inputs, with queries that see no key at all. The decode
-    path rounds its probabilities to the cache's type before the values' product, as XLA's path."""
+    softmax attention on the same (rounded) inputs, with queries that see no key at all, and with
+    GPT-OSS's sinks (then such a query attends to nothing: 0). The decode path rounds its
+    probabilities to the cache's type before the values' product, as XLA's path."""
     q, k, v, mask, shared = attention_case(*shape)
+    sinks = random_sinks(shape[1], shape[2]) if sinks else None
     few = q.shape[2] <= kernels.ATTENTION_FEW_ROWS
     rounded = lambda x: jnp.asarray(x, dtype)  # noqa: E731
-    args = [rounded(q), rounded(k), rounded(v), mask] + ([rounded(shared[0]), rounded(shared[1]), shared[2]] if shared else [])
-    out = np.asarray(jax.jit(kernels.attention)(*args))
+    args = [rounded(q), rounded(k), rounded(v), mask] + ([rounded(shared[0]), rounded(shared[1]), shared[2]] if shared
+                                                         else [None, None, None])
+    out = np.asarray(jax.jit(kernels.attention)(*args, sinks))
     wide = lambda x: np.asarray(jnp.asarray(x, dtype).astype(jnp.float32))  # noqa: E731
     rounded_weights = few and dtype != jnp.float32
     attend = lambda v, shared_v: softmax_attention(  # noqa: E731
         wide(q), wide(k), v, mask, shared and (wide(shared[0]), shared_v, shared[2]),
-        weights_dtype=dtype if rounded_weights else None)
+        weights_dtype=dtype if rounded_weights else None, sinks=sinks)
     want = attend(wide(v), shared and wide(shared[1]))
     # A probability whose float32 and float64 values straddle a bf16 rounding boundary rounds to
     # neighbours one unit (2^-8 of it) apart: at most 2^-8 of sum(p |v|) between the two.
@@ -453,11 +469,12 @@ for dtype in (jnp.bfloat16, jnp.float32):
     wide = np.asarray(w.astype(jnp.float32), np.float64)
     y = np.asarray(kernels.grouped_rows_times_weight(x, w), np.float64)
     assert (np.abs(y - x @ wide) / (np.abs(x) @ np.abs(wide))).max() < 1e-6
-from tests.test_kernels import ATTENTION_CASES, attention_case, softmax_attention
+from tests.test_kernels import ATTENTION_CASES, attention_case, random_sinks, softmax_attention
 for shape in ATTENTION_CASES:
     q, k, v, mask, shared = attention_case(*shape)
-    out = kernels.attention(q, k, v, mask, *(shared or ()))
-    assert np.abs(np.asarray(out) - softmax_attention(q, k, v, mask, shared)).max() < 1e-5, shape
+    for sinks in (None, random_sinks(shape[1], shape[2])):
+        out = kernels.attention(q, k, v, mask, *(shared or (None, None, None)), sinks)
+        assert np.abs(np.asarray(out) - softmax_attention(q, k, v, mask, shared, sinks=sinks)).max() < 1e-5, shape
 print("ok")
 """
 

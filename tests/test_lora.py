@@ -296,6 +296,10 @@ def test_sharded_lora_gradients_equal_single_device(family):
                       head_dim=12, moe_intermediate_size=16, num_experts=6, num_experts_per_tok=3, norm_topk_prob=False,
                       max_position_embeddings=32),
      ["k_proj", "experts.down_proj"]),
+    ("GptOss", dict(vocab_size=101, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                    head_dim=8, intermediate_size=24, num_local_experts=4, num_experts_per_tok=2,
+                    max_position_embeddings=32, swiglu_limit=1.0),  # gate and up interleaved in gate_up_proj
+     ["q_proj", "o_proj", "mlp.experts.gate_up_proj", "mlp.experts.down_proj"]),
 ])
 def test_imported_peft_adapter_gives_peft_logits(cls, kw, targets, tmp_path, no_tokenizer):
     """An adapter made by peft (B random, so it does something) on a random model: --lora-adapter
@@ -331,8 +335,11 @@ def test_imported_peft_adapter_gives_peft_logits(cls, kw, targets, tmp_path, no_
     assert max_abs_diff(adapters_again, adapters) == 0
 
 
-@pytest.mark.parametrize("quantize_base", [None, "int8"])
-def test_expert_adapters_train_as_peft_autograd(quantize_base, tmp_path, no_tokenizer):
+EXPERT_MODELS = {"Mixtral": {}, "GptOss": dict(head_dim=8, swiglu_limit=1.0)}  # (GPT-OSS: gate, up interleaved)
+
+
+@pytest.mark.parametrize("cls, quantize_base", [("Mixtral", None), ("Mixtral", "int8"), ("GptOss", None)])
+def test_expert_adapters_train_as_peft_autograd(cls, quantize_base, tmp_path, no_tokenizer):
     """A mixture with adapters on attention and on every expert (PEFT's `target_parameters`), B
     random: the training loss and every adapter's gradient equal torch autograd's through PeftModel
     (with the load-balancing loss, the adapters' gradients reaching the routers of later layers).
@@ -345,8 +352,8 @@ def test_expert_adapters_train_as_peft_autograd(quantize_base, tmp_path, no_toke
     from mesh_transformer.io import hf
     kw = dict(vocab_size=101, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               intermediate_size=24, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=32,
-              router_aux_loss_coef=0.05)
-    base = make_hf(tmp_path / "base", "Mixtral", **kw)
+              router_aux_loss_coef=0.05, **EXPERT_MODELS[cls])
+    base = make_hf(tmp_path / "base", cls, **kw)
     base = rounded_like_int8(base) if quantize_base else base
     torch.manual_seed(1)
     model = peft.get_peft_model(base, peft.LoraConfig(r=RANK, lora_alpha=12, target_modules=["q_proj", "o_proj"],
@@ -375,7 +382,7 @@ def test_expert_adapters_train_as_peft_autograd(quantize_base, tmp_path, no_toke
                                     tr.shard_batch({"tokens": tokens[None]}))
     grads = jax.device_get(grads)
     assert abs(float(loss) - (out.loss - 0.05 * out.aux_loss).item()) < 1e-5
-    moe = grads["mixtral/layers/moe"]
+    moe = grads[f"{config.family}/layers/moe"]
     assert set(moe) == {f"experts_{w}_lora_{ab}" for w in ("gate", "in", "out") for ab in "ab"}
     moe["experts_gate_lora_a"] = moe["experts_in_lora_a"] = moe["experts_gate_lora_a"] + moe["experts_in_lora_a"]
     scale = max(float(np.abs(g).max()) for leaves in expected.values() for g in leaves.values())

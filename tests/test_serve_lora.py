@@ -108,6 +108,7 @@ EVERY_FAMILY = {
     "olmo2_gqa": (["q_proj", "k_proj", "o_proj"], ["gate_proj", "down_proj"]),
     "phi_gqa_yarn": (["q_proj", "v_proj", "dense"], ["k_proj", "fc1", "fc2"]),
     "starcoder2_window": (["q_proj", "c_fc"], ["v_proj", "o_proj", "c_proj"]),
+    "gpt_oss_window_yarn": (["q_proj", "v_proj"], ["k_proj", "o_proj"]),
 }
 
 

@@ -41,6 +41,19 @@ def window_gen(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def sinks_gen(tmp_path_factory):
+    """A random tiny GPT-OSS (attention sinks, a 16-token window in one layer of two), on mp=2."""
+    from mesh_transformer.generate import Generator
+    from mesh_transformer.io import hf
+    from tests.helpers import make_hf_model
+    path = tmp_path_factory.mktemp("gpt_oss")
+    make_hf_model(path, "gpt_oss_window_yarn", sliding_window=16)
+    config, params = hf.load_hf(path, compute_dtype="float32", remat="none")
+    assert config.window == 16 and config.windowed_layers() == (True, False)
+    return Generator(config, hf.pad_vocab(params, config, config.padded_vocab(2)), mesh(1, 2))
+
+
+@pytest.fixture(scope="module")
 def gptj_dp2_gen(tmp_path_factory):
     """A random tiny GPT-J with a 96-token context (room for a prefix longer than one prefill), on dp=2."""
     from mesh_transformer.generate import Generator
@@ -111,14 +124,16 @@ def staggered(gen, prompts, options, prefix, share=True, pool_pressure=None):
     return seqs, shared, window
 
 
-@pytest.mark.parametrize("model", ["gptj_dp2", "llama_gqa_mp2", "mistral_window_mp2"])
-def test_rows_reading_the_pool_decode_as_with_their_own_copies(model, gptj_dp2_gen, llama_gen, window_gen):
+@pytest.mark.parametrize("model", ["gptj_dp2", "llama_gqa_mp2", "mistral_window_mp2", "gpt_oss_sinks_mp2"])
+def test_rows_reading_the_pool_decode_as_with_their_own_copies(model, gptj_dp2_gen, llama_gen, window_gen, sinks_gen):
     """Rows behind one cached prefix read its blocks from the pool as they decode, all rows at once
     (`SharedPrefix`): the same tokens and log-probabilities as rows holding copies of it and as no
     prefix cache at all, with fewer own slots to attend to; the blocks stay pinned while read and
     are released after; a prompt that needs room meanwhile evicts only blocks no row reads. With a
-    sliding window shorter than the prefix, each query sees only the prefix slots in its window."""
-    g = {"gptj_dp2": gptj_dp2_gen, "llama_gqa_mp2": llama_gen, "mistral_window_mp2": window_gen}[model]
+    sliding window shorter than the prefix, each query sees only the prefix slots in its window;
+    with attention sinks, each head's sink joins the one softmax over the prefix's slots and the row's."""
+    g = {"gptj_dp2": gptj_dp2_gen, "llama_gqa_mp2": llama_gen, "mistral_window_mp2": window_gen,
+         "gpt_oss_sinks_mp2": sinks_gen}[model]
     vocab, context = g.config.n_vocab, g.config.seq
     shared = random_tokens((1, (context - 24) // BLOCK * BLOCK), vocab, seed=2)[0].tolist()
     tails = [random_tokens((1, n), vocab, seed=20 + n)[0].tolist() for n in (2, 5, 3, 1)]

@@ -447,15 +447,17 @@ def attention_applies(k) -> bool:
     return jnp.dtype(k.dtype) in ATTENTION and available()
 
 
-def attention(q, k, v, mask, shared_k=None, shared_v=None, shared_positions=None):
+def attention(q, k, v, mask, shared_k=None, shared_v=None, shared_positions=None, sinks=None):
     """Softmax attention in float32, fused (`attention.cc`): q [B, K, M, H] (M = G x T: each kv
     head's G query heads at T positions, heads major), k [B, K, H, S] and v [B, K, S, H] (a KV cache,
     float32 or bfloat16; q is rounded to its dtype), mask [B, T, S] (True: may attend); and keys
     every row may read besides its own, shared_k [K, H, U] and shared_v [K, U, H] at
     shared_positions [B, U] (-1: not read), one softmax over both -> float32 [B, K, M, H]. Scores
-    are q.k / sqrt(H); a masked one counts as NEG, as `layers.Attention._attend_block`'s. On one
-    device's arrays (see `update_slice`)."""
+    are q.k / sqrt(H); a masked one counts as NEG, as `layers.Attention._attend_block`'s. sinks
+    [K, G] or None: each query head's sink score, in its softmax's sum (GPT-OSS). On one device's
+    arrays (see `update_slice`)."""
     b, kv, m, hd = q.shape
+    sinks = jnp.zeros((kv, 0), jnp.float32) if sinks is None else jnp.asarray(sinks, jnp.float32)
     if shared_k is None:
         shared_k = jnp.zeros((kv, hd, 0), k.dtype)
         shared_v = jnp.zeros((kv, 0, hd), k.dtype)
@@ -463,4 +465,4 @@ def attention(q, k, v, mask, shared_k=None, shared_v=None, shared_positions=None
     target = ATTENTION[jnp.dtype(k.dtype)][0]
     call = _call(target, q, q.shape, jnp.float32)
     return call(q.astype(k.dtype), k, v.astype(k.dtype), jnp.asarray(mask, bool), shared_k.astype(k.dtype),
-                shared_v.astype(k.dtype), jnp.asarray(shared_positions, jnp.int32))
+                shared_v.astype(k.dtype), jnp.asarray(shared_positions, jnp.int32), sinks)

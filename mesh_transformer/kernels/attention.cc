@@ -26,6 +26,10 @@
 // o += exp(scores - m) . values. Softmax in float32 as the XLA path's; a masked score is the
 // library's NEG (float32's lowest), so a query that may see no key gets the mean of all values,
 // as XLA's softmax over NEG scores gives.
+//
+// Attention sinks (GPT-OSS): a score per query head that joins its softmax's sum and attends to no
+// value. The running softmax starts from it (m = sink, l = 1, o = 0), the decode path adds its
+// exp(sink - max) to the sum; a query that sees no key then gets 0, as XLA's path gives.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -250,12 +254,16 @@ void MeanOfValues(const Keys<W>* parts, int n_parts, int64_t head_dim, float* o)
 // of one row and kv head (q [rows, H], in the cache's type).
 template <typename W>
 void AttendTask(Isa isa, const W* q, float* out, int64_t r0, int64_t rows, int64_t head_dim, int64_t positions,
-                const Keys<W>* parts, int n_parts, Scratch& s) {
+                const Keys<W>* parts, int n_parts, const float* sinks, Scratch& s) {
   const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
   for (int64_t i = 0; i < rows * head_dim; ++i) s.q[i] = Scalar(q + i) * scale;
   std::fill(s.out.begin(), s.out.begin() + rows * head_dim, 0.0f);
   std::fill(s.max.begin(), s.max.end(), -std::numeric_limits<float>::infinity());
   std::fill(s.sum.begin(), s.sum.end(), 0.0f);
+  for (int64_t r = 0; sinks != nullptr && r < rows; ++r) {  // the sink's term: exp(sink - sink) under max = sink
+    s.max[r] = sinks[(r0 + r) / positions];
+    s.sum[r] = 1.0f;
+  }
   for (int p = 0; p < n_parts; ++p) {
     const Keys<W>& keys = parts[p];
     for (int64_t j0 = 0; j0 < keys.n; j0 += kKeys) {
@@ -388,7 +396,7 @@ std::pair<int64_t, int64_t> VisibleSlots(const Keys<W>& keys, int64_t r0, int64_
 // the thread's.
 template <typename W>
 void AttendFew(Isa isa, const W* q, float* out, int64_t r0, int64_t rows, int64_t head_dim, int64_t positions,
-               const Keys<W>* parts, int n_parts, std::vector<float>& scratch) {
+               const Keys<W>* parts, int n_parts, const float* sinks, std::vector<float>& scratch) {
   std::pair<int64_t, int64_t> range[2];
   int64_t width = 0;
   for (int p = 0; p < n_parts; ++p) {
@@ -431,8 +439,9 @@ void AttendFew(Isa isa, const W* q, float* out, int64_t r0, int64_t rows, int64_
   float sums[kFewRows];
   for (int64_t r = 0; r < rows; ++r) {  // the probabilities, in the cache's type as XLA's path (and HF's) has them
     float* row = scores + r * width;
-    const float top = width > 0 ? Max(isa, row, width) : kNeg;
-    sums[r] = top == kNeg ? 0.0f : ExpSum(isa, row, width, top);
+    const float sink = sinks != nullptr ? sinks[(r0 + r) / positions] : kNeg;
+    const float top = std::max(width > 0 ? Max(isa, row, width) : kNeg, sink);
+    sums[r] = top == kNeg ? 0.0f : ExpSum(isa, row, width, top) + (sinks != nullptr ? ExpScalar(sink - top) : 0.0f);
     for (int64_t j = 0; sums[r] > 0.0f && j < width; ++j) row[j] = AsStored<W>(row[j] / sums[r]);
   }
   std::fill(out, out + rows * head_dim, 0.0f);
@@ -449,11 +458,12 @@ void AttendFew(Isa isa, const W* q, float* out, int64_t r0, int64_t rows, int64_
 
 // q [B, K, M, H] (M = G x T: a kv head's G query heads, each at T positions), k [B, K, H, S],
 // v [B, K, S, H], mask [B, T, S], shared_k [K, H, U], shared_v [K, U, H], shared_used [B, U]
-// (U may be 0) -> out [B, K, M, H] float32.
+// (U may be 0), sinks [K, G] or nullptr -> out [B, K, M, H] float32.
 template <typename W>
 ffi::Future Attend(ffi::ThreadPool pool, const W* q, const W* k, const W* v, const bool* mask, const W* shared_k,
-                   const W* shared_v, const int32_t* shared_used, float* out, int64_t batch, int64_t kv_heads,
-                   int64_t m, int64_t head_dim, int64_t positions, int64_t slots, int64_t shared_slots) {
+                   const W* shared_v, const int32_t* shared_used, const float* sinks, float* out, int64_t batch,
+                   int64_t kv_heads, int64_t m, int64_t head_dim, int64_t positions, int64_t slots,
+                   int64_t shared_slots) {
   static const Isa isa = Detect();
   const int64_t blocks = (m + kQueryRows - 1) / kQueryRows, n_tasks = batch * kv_heads * blocks;
   struct Shared {
@@ -474,10 +484,11 @@ ffi::Future Attend(ffi::ThreadPool pool, const W* q, const W* k, const W* v, con
           {k + group * head_dim * slots, v + group * slots * head_dim, slots, mask + b * positions * slots, nullptr},
       };
       const int64_t at = (group * m + r0) * head_dim;
+      const float* head_sinks = sinks != nullptr ? sinks + kv * (m / positions) : nullptr;  // this kv head's G
       if (few) {
-        AttendFew(isa, q + at, out + at, r0, rows, head_dim, positions, parts, 2, few_scratch);
+        AttendFew(isa, q + at, out + at, r0, rows, head_dim, positions, parts, 2, head_sinks, few_scratch);
       } else {
-        AttendTask(isa, q + at, out + at, r0, rows, head_dim, positions, parts, 2, *scratch);
+        AttendTask(isa, q + at, out + at, r0, rows, head_dim, positions, parts, 2, head_sinks, *scratch);
       }
     }
   });
@@ -486,24 +497,27 @@ ffi::Future Attend(ffi::ThreadPool pool, const W* q, const W* k, const W* v, con
 template <ffi::DataType T>
 ffi::Future Typed(ffi::ThreadPool pool, ffi::Buffer<T, 4> q, ffi::Buffer<T, 4> k, ffi::Buffer<T, 4> v,
                   ffi::Buffer<ffi::PRED, 3> mask, ffi::Buffer<T, 3> shared_k, ffi::Buffer<T, 3> shared_v,
-                  ffi::Buffer<ffi::S32, 2> shared_used, ffi::Result<ffi::Buffer<ffi::F32, 4>> out) {
+                  ffi::Buffer<ffi::S32, 2> shared_used, ffi::Buffer<ffi::F32, 2> sinks,
+                  ffi::Result<ffi::Buffer<ffi::F32, 4>> out) {
   const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), md = mask.dimensions(),
-             sk = shared_k.dimensions(), sv = shared_v.dimensions(), su = shared_used.dimensions();
+             sk = shared_k.dimensions(), sv = shared_v.dimensions(), su = shared_used.dimensions(),
+             sd = sinks.dimensions();
   const int64_t b = qd[0], kv = qd[1], m = qd[2], h = qd[3], s = kd[3], t = md[1], u = sk[2];
   const bool ok = kd[0] == b && kd[1] == kv && kd[2] == h && vd[0] == b && vd[1] == kv && vd[2] == s && vd[3] == h &&
                   md[0] == b && md[2] == s && t >= 1 && m % t == 0 && sk[0] == kv && sk[1] == h && sv[0] == kv &&
-                  sv[1] == u && sv[2] == h && su[0] == b && su[1] == u;
+                  sv[1] == u && sv[2] == h && su[0] == b && su[1] == u && sd[0] == kv && (sd[1] == 0 || sd[1] * t == m);
   if (!ok) {
     return Failed("attention: q [B, K, M, H], k [B, K, H, S], v [B, K, S, H], mask [B, T, S] (T dividing M), "
-                  "shared k [K, H, U], shared v [K, U, H], shared positions [B, U]");
+                  "shared k [K, H, U], shared v [K, U, H], shared positions [B, U], sinks [K, M / T] or [K, 0]");
   }
   using W = std::conditional_t<T == ffi::F32, float, uint16_t>;  // bfloat16 as its bits
   auto data = [](auto& buffer) { return reinterpret_cast<const W*>(buffer.untyped_data()); };
   return Attend<W>(pool, data(q), data(k), data(v), reinterpret_cast<const bool*>(mask.untyped_data()),
-                   data(shared_k), data(shared_v), shared_used.typed_data(), out->typed_data(), b, kv, m, h, t, s, u);
+                   data(shared_k), data(shared_v), shared_used.typed_data(), sd[1] > 0 ? sinks.typed_data() : nullptr,
+                   out->typed_data(), b, kv, m, h, t, s, u);
 }
 
-// Arguments: q, k, v, mask, shared k, shared v, shared positions (see Attend); result: float32 out.
+// Arguments: q, k, v, mask, shared k, shared v, shared positions, sinks (see Attend); result: float32 out.
 template <ffi::DataType T>
 auto Binding() {
   return ffi::Ffi::Bind()
@@ -515,6 +529,7 @@ auto Binding() {
       .template Arg<ffi::Buffer<T, 3>>()
       .template Arg<ffi::Buffer<T, 3>>()
       .template Arg<ffi::Buffer<ffi::S32, 2>>()
+      .template Arg<ffi::Buffer<ffi::F32, 2>>()
       .template Ret<ffi::Buffer<ffi::F32, 4>>();
 }
 

@@ -40,6 +40,7 @@ _FAMILY_MODULES = {
     "olmo2": ("olmo2", ("olmo2", "olmo3")),
     "phi": ("phi", ("phi",)),
     "starcoder2": ("starcoder2", ("starcoder2",)),
+    "gpt_oss": ("gpt_oss", ("gpt_oss",)),
 }
 
 

@@ -40,11 +40,19 @@ class HFParam(NamedTuple):
 
 class HFExperts(NamedTuple):
     """A mixture's stacked expert weights as transformers holds them in memory (what PEFT's
-    `target_parameters` adapt, not the per-expert tensors of the files): one [E, out, in] tensor per
-    layer whose output rows are our `ours` leaves' outputs in turn (gate_up_proj: gate, then up)."""
+    `target_parameters` adapt, not the per-expert tensors of the files): one tensor per layer
+    ([E, out, in], or GPT-OSS's [E, in, out]: PEFT reads either as in -> out) whose outputs are our
+    `ours` leaves' outputs in turn (gate_up_proj: gate, then up), or interleaved one by one (GPT-OSS's:
+    gate, up, gate, up, ...)."""
 
     hf: str  # e.g. "model.layers.{i}.mlp.experts.gate_up_proj"
     ours: tuple[tuple[str, str], ...]  # our [E, in, out] leaves, e.g. (("layers/moe", "experts_gate"), ...)
+    interleaved: bool = False
+
+    def outputs(self, part: int, width: int) -> slice:
+        """Which of the HF tensor's outputs are part `part`'s (each part `width` wide)."""
+        parts = len(self.ours)
+        return slice(part, None, parts) if self.interleaved else slice(part * width, (part + 1) * width)
 
     @property
     def target(self) -> str:

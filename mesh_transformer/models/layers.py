@@ -447,6 +447,7 @@ class AttentionSpec(NamedTuple):
     local_rotary: Optional[Rotary] = None  # the rotary of the layers with a window, when it differs (Gemma 3, OLMo 3)
     scale: Optional[float] = None  # scores' scale (Gemma: query_pre_attn_scalar ** -0.5); None: head_dim ** -0.5
     softcap: Optional[float] = None  # scores soft-capped to (-softcap, softcap) before the mask (Gemma 2)
+    sinks: bool = False  # a learned score per head that joins each softmax and attends to nothing (GPT-OSS)
     init_std: float = 0.02
     out_std: float = 0.02
 
@@ -519,7 +520,7 @@ class Attention(hk.Module):
             q, k = s.rotary(q, ctx.positions, inv_freq, magnitude), s.rotary(k, ctx.positions, inv_freq, magnitude)
         if s.scale is not None and s.scale != hd ** -0.5:  # every path then scales by head_dim ** -0.5
             q = (q.astype(jnp.float32) * (s.scale * math.sqrt(hd))).astype(q.dtype)
-        if cache is None and ctx.attention == "cudnn" and not s.alibi and s.softcap is None:
+        if cache is None and ctx.attention == "cudnn" and not s.alibi and s.softcap is None and not s.sinks:
             out = _fused_attention(q, k, v, ctx, window, ctx.windowed)
         else:
             k, v = jnp.transpose(k, (0, 2, 3, 1)), jnp.swapaxes(v, 1, 2)  # [B, K, H, T], [B, K, T, H] as cached
@@ -529,7 +530,8 @@ class Attention(hk.Module):
                 k = write_slots(cache_k, k, ctx.slot_index, 3)
                 v = write_slots(cache_v, v, ctx.slot_index, 2)
                 cache = (k, v)
-            out = self._attend(q, k, v, ctx, shared or None)  # [B, T, N, H]
+            sinks = parallel.param("sinks", (n,), ("heads",), ZEROS) if s.sinks else None
+            out = self._attend(q, k, v, ctx, shared or None, sinks)  # [B, T, N, H]
         w_out = parallel.weight("out_proj", (n, hd, d), ("heads", "head_dim", "embed"), 2, normal(s.out_std), dt)
         bias = parallel.param("out_bias", (d,), ("embed",), ZEROS, dt) if s.out_bias else None
         return RowParallel(dense("btnh,nhd->btd", out, w_out), bias), cache
@@ -560,11 +562,12 @@ class Attention(hk.Module):
         x = dense("btd,dnh->btnh", h, w)
         return x if b is None else x + b
 
-    def _attend(self, q, k, v, ctx: Context, shared=None):
+    def _attend(self, q, k, v, ctx: Context, shared=None, sinks=None):
         """q [B, T, N, H], k [B, K, H, S], v [B, K, S, H] -> [B, T, N, H] (softmax in float32).
 
         shared (k [K, H, U], v [K, U, H]) or None: slots every row may read (`ctx.shared_positions`),
-        one softmax over them and the row's own S slots.
+        one softmax over them and the row's own S slots. sinks [N] float32 or None: each query head's
+        sink score (`_attend_block`).
 
         A prefill's many queries run on a CPU as one fused kernel (`_fused_on_cpu`); without the
         kernels, in blocks of one row and a few of its positions
@@ -584,13 +587,14 @@ class Attention(hk.Module):
         shared_k, shared_v = shared if shared is not None else (None, None)
         if self._fused_on_cpu(q, k, ctx):
             mask = jnp.broadcast_to(ctx.mask, (b,) + ctx.mask.shape[1:]).reshape(b, t, s)
-            out = kernels.attention(q.reshape(b, kv, g * t, hd), k, v, mask, shared_k, shared_v,
-                                    ctx.shared_positions).reshape(b, kv, g, t, hd)
+            out = kernels.attention(q.reshape(b, kv, g * t, hd), k, v, mask, shared_k, shared_v, ctx.shared_positions,
+                                    None if sinks is None else sinks.reshape(kv, g)).reshape(b, kv, g, t, hd)
         else:
             keys = s + (0 if shared is None else shared_k.shape[-1])
             block = query_block(b, t, n * keys) if ctx.slot_index is not None else None
             attend = functools.partial(self._attend_block, shared_k=shared_k, shared_v=shared_v,
-                                       shared_window=self._shared_window(ctx) if shared is not None else None)
+                                       shared_window=self._shared_window(ctx) if shared is not None else None,
+                                       sinks=None if sinks is None else sinks.reshape(kv, g))
             causal_block = causal_query_blocks(t) if ctx.slot_index is None else None
             if block is not None:
                 out = self._attend_in_blocks(attend, q, k, v, ctx, block)
@@ -657,12 +661,17 @@ class Attention(hk.Module):
         return jnp.concatenate(outs, axis=3)
 
     def _attend_block(self, q, k, v, mask, positions, key_positions, shared_positions, shared_k, shared_v,
-                      shared_window=None):
+                      shared_window=None, sinks=None):
         """q [b, K, G, T, H] of b rows (mask [b, 1, 1, T, S], positions [b, T], key_positions [b, S],
         shared_positions [b, U] or None) -> [b, K, G, T, H] float32.
 
         With a shared prefix the softmax runs over its scores and the row's own without joining them:
         one maximum, then each part's exponentials times its values, divided by the sum of both.
+
+        sinks [K, G] (GPT-OSS; Xiao et al. 2023's attention sinks, learned): one more score per query
+        head, the same for every query, in the softmax's sum but attending to no value, so a head can
+        put weight nowhere. It joins as a key whose value is zero: the softmax and its flash-style
+        backward (`softmax_times_values`) stay as they are, and the sink's gradient is its column's.
         """
         b, kv, g, t, hd = q.shape
         # A kv head's g query heads and t positions are one row dimension of both matmuls (g x t rows
@@ -675,6 +684,10 @@ class Attention(hk.Module):
             own = own + self._alibi(kv, g, key_positions, positions)
         own = jnp.where(mask, own, NEG)
         rows = lambda weights: weights.astype(v.dtype).reshape(b, kv, g * t, -1)  # noqa: E731
+        sink = None if sinks is None else jnp.broadcast_to(sinks.astype(jnp.float32)[None, :, :, None, None],
+                                                            (b, kv, g, t, 1))
+        if shared_k is None and sink is not None:
+            own, v = jnp.concatenate([own, sink], axis=-1), jnp.pad(v, ((0, 0), (0, 0), (0, 1), (0, 0)))
         if shared_k is None:
             return softmax_times_values(own.reshape(b, kv, g * t, -1), v).reshape(b, kv, g, t, hd)
         shared = scale(_all_rows_product(q, shared_k))
@@ -685,9 +698,12 @@ class Attention(hk.Module):
             visible = visible & (positions[:, :, None] - shared_positions[:, None, :] < shared_window)
         shared = jnp.where(visible[:, None, None], shared, NEG)
         top = jax.lax.stop_gradient(jnp.maximum(own.max(-1, keepdims=True), shared.max(-1, keepdims=True)))
+        if sink is not None:
+            top = jnp.maximum(top, jax.lax.stop_gradient(sink))
         own, shared = jnp.exp(own - top), jnp.exp(shared - top)
         out = _rows_product("bkms,bksh->bkmh", rows(own), v) + _all_rows_product(rows(shared), shared_v)
-        return out.reshape(b, kv, g, t, hd) / (own.sum(-1, keepdims=True) + shared.sum(-1, keepdims=True))
+        total = own.sum(-1, keepdims=True) + shared.sum(-1, keepdims=True)
+        return out.reshape(b, kv, g, t, hd) / (total if sink is None else total + jnp.exp(sink - top))
 
     def _alibi(self, kv: int, group: int, key_positions, positions):
         """[B, K, G, T, S] bias: -slope * distance from each query (positions [B, T]) back to each key
@@ -990,6 +1006,9 @@ class MoESpec(NamedTuple):
     top_k: int  # experts per token
     normalize: bool = True  # the chosen experts' weights renormalised to sum to 1 (Mixtral; Qwen3-MoE's norm_topk_prob)
     activation: str = "silu"
+    bias: bool = False  # biases on the router and on each expert's gate, up and down projections (GPT-OSS)
+    glu_limit: Optional[float] = None  # GPT-OSS's clamped SwiGLU (`clamped_swiglu`): its limit and alpha
+    glu_alpha: float = 1.702
     init_std: float = 0.02
 
 
@@ -1009,10 +1028,19 @@ def _experts_here(w) -> int:
     return (w.values if isinstance(w, parallel.Quantized) else w).shape[0]
 
 
+def clamped_swiglu(gate, up, alpha: float, limit: float):
+    """GPT-OSS's gated unit: gate capped above at `limit`, up clipped to +-limit, then
+    gate sigmoid(alpha gate) (up + 1) — SiLU's shape with a sharper sigmoid, and a unit that passes
+    the gate through where up is 0."""
+    gate = jnp.minimum(gate, limit)
+    return gate * jax.nn.sigmoid(alpha * gate) * (jnp.clip(up, -limit, limit) + 1)
+
+
 class MoE(hk.Module):
     """A sparse mixture of SwiGLU experts (Shazeer et al. 2017; Mixtral, Jiang et al. 2024): a router
     scores the E experts of each token, the top k run on it, and their outputs are summed weighted
-    by the router's softmax (renormalised over the chosen k where `normalize`).
+    by the router's softmax (renormalised over the chosen k where `normalize`). GPT-OSS's: biases on
+    the router and every projection, and its clamped SwiGLU (`clamped_swiglu`).
 
     Dropless: the token copies are sorted by expert and every expert multiplies its own contiguous
     rows (`grouped_product`: XLA's ragged_dot, grouped matmuls on GPU/TPU; on CPU the experts
@@ -1046,13 +1074,30 @@ class MoE(hk.Module):
         token = order // s.top_k
         local = jnp.roll(sizes, -first)[:here]  # rows of each of this shard's experts, in turn
         rows = x[token]  # [N k, D]
-        gated = ACTIVATIONS[s.activation](grouped_product(rows, w_gate, local)) * grouped_product(rows, w_in, local)
+        m = rows.shape[0]
+        gate, up = grouped_product(rows, w_gate, local), grouped_product(rows, w_in, local)
+        if s.bias:
+            gate = gate + self._expert_bias("experts_gate_bias", f, local, m)
+            up = up + self._expert_bias("experts_in_bias", f, local, m)
+        if s.glu_limit is None:
+            gated = ACTIVATIONS[s.activation](gate) * up
+        else:
+            gated = clamped_swiglu(gate, up, s.glu_alpha, s.glu_limit)
         y = grouped_product(gated.astype(dt), w_out, local)  # [N k, D] float32
+        if s.bias:  # added once: by the shard that holds the expert whole, else by the first shard
+            owner = (here < s.n_experts) | (parallel.mp_index() == 0)
+            y = y + jnp.where(owner, self._expert_bias("experts_out_bias", s.d_model, local, m, "embed"), 0.0)
         y = y * weights.reshape(-1)[order][:, None]
         if here < s.n_experts:  # the copies other shards' experts take: 0 here
-            y = jnp.where((jnp.arange(rows.shape[0]) < jnp.sum(local))[:, None], y, 0.0)
+            y = jnp.where((jnp.arange(m) < jnp.sum(local))[:, None], y, 0.0)
         out = jnp.zeros((x.shape[0], s.d_model), jnp.float32).at[token].add(y)
         return RowParallel(out.reshape(h.shape).astype(dt))
+
+    def _expert_bias(self, name: str, width: int, local, rows: int, axis: str = "expert_mlp"):
+        """Each of the `rows` grouped rows' expert's bias [rows, width here] (a parameter [E, width];
+        `local`: the rows of each of this shard's experts, in turn)."""
+        bias = parallel.param(name, (self.spec.n_experts, width), ("experts", axis), ZEROS)
+        return _expert_rows(bias, local, rows)
 
     def route(self, x):
         """x [N, D] -> (weights [N, k] float32, experts [N, k] int32, probabilities [N, E] float32): the
@@ -1061,7 +1106,10 @@ class MoE(hk.Module):
         s = self.spec
         router = parallel.param("router", (s.d_model, s.n_experts), ("embed", EXPERT_SCORES), normal(s.init_std),
                                 x.dtype, decay=True)
-        probs = jax.nn.softmax(product("nd,de->ne", x, router), axis=-1)
+        logits = product("nd,de->ne", x, router)
+        if s.bias:
+            logits = logits + parallel.param("router_bias", (s.n_experts,), (EXPERT_SCORES,), ZEROS)
+        probs = jax.nn.softmax(logits, axis=-1)
         weights, experts = jax.lax.top_k(probs, s.top_k)
         if s.normalize:
             weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
@@ -1119,9 +1167,10 @@ def grouped_product(rows, w, sizes):
     return _grouped_product(*parallel.vary_alike(rows, w, sizes))
 
 
-def _row_scales(scale, sizes, m: int):
-    """scale [E, F] -> [m, F]: each grouped row's expert's scales."""
-    return scale[jnp.repeat(jnp.arange(scale.shape[0]), sizes, total_repeat_length=m)]
+def _expert_rows(table, sizes, m: int):
+    """table [E, F] (an expert's scales or biases a row) -> [m, F]: each of the m grouped rows'
+    expert's row (rows past sum(sizes) take the last expert's)."""
+    return table[jnp.repeat(jnp.arange(table.shape[0]), sizes, total_repeat_length=m)]
 
 
 @jax.custom_vjp
@@ -1129,18 +1178,18 @@ def _quantized_grouped_product(rows, values, sizes, scale):
     """int8 experts (values [E, K, F], scale [E, F]): the product of the values, times each row's
     expert's scales. Differentiated (a LoRA run's int8 base), it keeps the int8 values and the
     scales for the backward, and gathers the rows' scales again there, not an [M, F] residual."""
-    return _grouped_product(rows, values, sizes) * _row_scales(scale, sizes, rows.shape[0])
+    return _grouped_product(rows, values, sizes) * _expert_rows(scale, sizes, rows.shape[0])
 
 
 def _quantized_grouped_forward(rows, values, sizes, scale):
     y, _ = _grouped_product_forward(rows, values, sizes)
-    return y * _row_scales(scale, sizes, rows.shape[0]), (rows, values, sizes, scale)
+    return y * _expert_rows(scale, sizes, rows.shape[0]), (rows, values, sizes, scale)
 
 
 def _quantized_grouped_backward(saved, g):
     rows, values, sizes, scale = saved
     d_rows, d_values, d_sizes = _grouped_product_backward((rows, values, sizes),
-                                                          g * _row_scales(scale, sizes, rows.shape[0]))
+                                                          g * _expert_rows(scale, sizes, rows.shape[0]))
     return d_rows, d_values, d_sizes, jnp.zeros_like(scale)
 
 

@@ -67,11 +67,7 @@ class MixtralConfig(LlamaShaped, ModelConfig):
         super().validate()
         self.validate_kv_heads_and_window()
         require(self.head_dim % 2 == 0, "d_head", f"rotary needs an even head size, got {self.head_dim}")
-        require(isinstance(self.n_experts, int) and self.n_experts > 0, "n_experts",
-                f"must be a positive integer, got {self.n_experts!r}")
-        require(isinstance(self.experts_per_token, int) and 0 < self.experts_per_token <= self.n_experts,
-                "experts_per_token", f"must be in 1 .. n_experts={self.n_experts}, got {self.experts_per_token!r}")
-        require(self.router_aux_loss_coef >= 0, "router_aux_loss_coef", f"must be >= 0, got {self.router_aux_loss_coef}")
+        validate_experts(self)
         require(self.shared_expert_d_ff is None or self.shared_expert_d_ff > 0, "shared_expert_d_ff",
                 f"must be a positive width, got {self.shared_expert_d_ff!r}")
         validate_rope(self)
@@ -149,6 +145,15 @@ class MixtralConfig(LlamaShaped, ModelConfig):
                                   "and q/k/v biases (qkv_bias), as Qwen2MoeForCausalLM has them")
             return {**out, "shared_expert_intermediate_size": self.shared_expert_d_ff, "qkv_bias": True}
         return {**out, "attention_bias": False}
+
+
+def validate_experts(c) -> None:
+    """A mixture's keys: how many experts, how many run per token, the load-balancing loss's weight."""
+    require(isinstance(c.n_experts, int) and c.n_experts > 0, "n_experts",
+            f"must be a positive integer, got {c.n_experts!r}")
+    require(isinstance(c.experts_per_token, int) and 0 < c.experts_per_token <= c.n_experts,
+            "experts_per_token", f"must be in 1 .. n_experts={c.n_experts}, got {c.experts_per_token!r}")
+    require(c.router_aux_loss_coef >= 0, "router_aux_loss_coef", f"must be >= 0, got {c.router_aux_loss_coef}")
 
 
 def block(c: MixtralConfig, x, ctx, cache=None):
