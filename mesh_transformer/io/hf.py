@@ -20,6 +20,7 @@ import numpy as np
 from mesh_transformer import models
 from mesh_transformer.config import ConfigError, ModelConfig
 from mesh_transformer.models import hf_layout as hl
+from mesh_transformer.io import mxfp4
 from mesh_transformer.io.tokenizer import GENERATION_CONFIG, TOKENIZER_FILES, copy_model_files, read_generation_config
 
 SPECIAL_TOKENS = ("bos_token_id", "eos_token_id", "pad_token_id")
@@ -129,17 +130,24 @@ def _tensor_reader(path: Path) -> Callable[[str], np.ndarray]:
     single = path / "model.safetensors"
     if index.exists() or single.exists():
         from safetensors import safe_open
-        files = ({k: path / v for k, v in json.loads(index.read_text())["weight_map"].items()}
-                 if index.exists() else None)
+        if index.exists():
+            files = {k: path / v for k, v in json.loads(index.read_text())["weight_map"].items()}
+        else:
+            with safe_open(single, framework="numpy") as f:
+                files = dict.fromkeys(f.keys(), single)
+
+        def stored(name):  # as stored (uint8 stays uint8)
+            with safe_open(files[name], framework="numpy") as f:
+                if name not in f.keys():  # an index naming the wrong shard: missing, as before
+                    raise KeyError(name)
+                return f.get_tensor(name)
 
         def read(name):
-            file = files.get(name) if files is not None else single
-            if file is None:
-                raise KeyError(name)
-            with safe_open(file, framework="numpy") as f:
-                if name not in f.keys():
-                    raise KeyError(name)
-                return np.asarray(f.get_tensor(name), dtype=np.float32)
+            if name in files:
+                return np.asarray(stored(name), dtype=np.float32)
+            if name + "_blocks" in files or name + "_scales" in files:
+                return _read_mxfp4(path, name, files, stored)
+            raise KeyError(name)
         return read
     binary = path / "pytorch_model.bin"
     if binary.exists():
@@ -150,6 +158,19 @@ def _tensor_reader(path: Path) -> Callable[[str], np.ndarray]:
         state = torch.load(binary, map_location="cpu", weights_only=True)  # no arbitrary unpickling
         return lambda name: state[name].to(torch.float32).numpy()
     raise ConfigError(f"{path}: no model.safetensors, model.safetensors.index.json or pytorch_model.bin found")
+
+
+def _read_mxfp4(path: Path, name: str, files: dict, stored: Callable[[str], np.ndarray]) -> np.ndarray:
+    """Tensor `name` of a checkpoint that stores it in MXFP4 (`name`_blocks and `name`_scales: the
+    released GPT-OSS checkpoints' MoE experts), dequantized to the layout transformers' unquantized
+    model holds it in (`mxfp4.as_parameter`), so the family's HF table reads it like any other."""
+    missing = [name + part for part in ("_blocks", "_scales") if name + part not in files]
+    if missing:
+        raise ConfigError(f"{path}: MXFP4 tensor {name!r} lacks {missing[0]!r} (its blocks and scales come as a pair)")
+    try:
+        return mxfp4.as_parameter(stored(name + "_blocks"), stored(name + "_scales"))
+    except ValueError as e:
+        raise ConfigError(f"{path}: MXFP4 tensor {name!r}: {e}") from None
 
 
 # Where a multimodal checkpoint keeps its text model's tensors: "model.*" and "lm_head.*" of the
