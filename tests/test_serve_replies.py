@@ -442,6 +442,77 @@ def test_reasoning_is_told_from_the_answer_whole_and_in_any_pieces(parser, start
     assert (thinking.hold(grammar) == grammar) == (start == QWEN3_OFF)  # no thinking: the grammar from the start
 
 
+ANALYSIS, FINAL = "<|channel|>analysis<|message|>", "<|start|>assistant<|channel|>final<|message|>"
+HARMONY = [  # GPT-OSS's replies (the template's generation prompt wrote the first <|start|>assistant): reasoning, answer
+    (ANALYSIS + "User asks 2+2.<|end|>" + FINAL + "Four.", "User asks 2+2.", "Four."),
+    ("<|channel|>final<|message|>Just this.", "", "Just this."),  # no thinking
+    (ANALYSIS + "Need the weather.<|end|><|start|>assistant<|channel|>commentary to=functions.weather <|constrain|>json"
+     '<|message|>{"city": "Oslo"}', "Need the weather.", ""),  # a tool's message is neither
+    (ANALYSIS + "a<|end|><|start|>assistant<|channel|>commentary<|message|>Checking.<|end|>" + FINAL + "Done.",
+     "a", "Checking.Done."),  # a preamble (commentary to no tool) is answer
+    (ANALYSIS + "x < y, and <|im not a marker", "x < y, and <|im not a marker", ""),  # cut short while thinking
+    (ANALYSIS + "Hm<|end|><|start|>assistant<|channel|>fin", "Hm", ""),  # cut inside the next header
+    ("No channels at all.", "", "No channels at all."),  # a model that does not write harmony: all answer
+]
+
+
+@pytest.mark.parametrize("text,thought,answer", HARMONY)
+def test_harmony_channels_are_told_apart_whole_and_in_any_pieces(text, thought, answer):
+    """--reasoning-parser openai_gptoss: the analysis channel is the reasoning, the final channel
+    (and commentary to no tool) the answer, in any pieces (each part only grows: a piece that may
+    be the start of a marker waits for the next); neither a budget nor a grammar can be held after
+    its thinking, and its end is the answer's header."""
+    thinking = reasoning.Thinking.of(reasoning.HARMONY, "<|start|>assistant")
+    assert thinking.split(text, final=True) == (thought, answer)
+    for size in (1, 2, 5, len(text)):
+        reader, got = reasoning.Reader(thinking), ["", ""]
+        pieces = [text[i:i + size] for i in range(0, len(text), size)]
+        for i, piece in enumerate(pieces):
+            new = reader.feed(piece, i == len(pieces) - 1)
+            got = [got[0] + new[0], got[1] + new[1]]
+        assert tuple(got) == (thought, answer), size
+    assert not thinking.can_hold and not thinking.can_cap
+    assert thinking.ended(text) == ("<|channel|>" in text and (answer != "" or "to=functions" in text))
+
+
+def test_a_harmony_server_refuses_what_it_cannot_hold_and_answers_plain_text(long_engine, tiny_long):
+    """With --reasoning-parser openai_gptoss a reply's format (its answer starts after a header of
+    several tokens) and a thinking budget are 400s naming the field; a reply with no channel (the
+    tiny model writes none) is all answer, whole and streamed; the message's fields are chat's."""
+    tiny, _ = tiny_long
+    server, base = start_server(create_app(long_engine, model_name="tiny", api_key=KEY, chat_template=THINKS,
+                                           reasoning_parser=reasoning.HARMONY))
+    try:
+        c = client(base)
+        kw = dict(model="tiny", messages=ASK, max_tokens=8, temperature=0)
+        for extra, where in (({"response_format": {"type": "json_object"}}, "response_format"),
+                             ({"extra_body": {"structured_outputs": {"choice": YES_NO}}}, "structured_outputs")):
+            with pytest.raises(openai.BadRequestError, match=f"{where}: a reply's format is not held after the "
+                                                             f"thinking of --reasoning-parser openai_gptoss"):
+                c.chat.completions.create(**kw, **extra)
+        with pytest.raises(openai.BadRequestError, match="thinking_token_budget: not with --reasoning-parser"):
+            c.chat.completions.create(**kw, extra_body={"thinking_token_budget": 3})
+        r = c.chat.completions.create(**kw)
+        expected, _ = library(tiny_long, hf_ids(tiny, ASK), None, 8)
+        assert r.choices[0].message.content == expected and field(r.choices[0].message, "reasoning") is None
+        chunks = list(c.chat.completions.create(stream=True, **kw))
+        assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == expected
+    finally:
+        server.should_exit = True
+    shape = Shape(None, reasoning.Thinking.of(reasoning.HARMONY, "<|start|>assistant"))
+    message, finish = shape.message(HARMONY[0][0], "stop")
+    assert (message["reasoning"], message["reasoning_content"], message["content"], finish) == (
+        "User asks 2+2.", "User asks 2+2.", "Four.", "stop")
+
+
+def test_harmony_reply_that_goes_on_with_a_prefilled_body_keeps_its_channel():
+    prefill = "<|start|>assistant<|channel|>analysis<|message|>Let me"  # continue_final_message, inside a body
+    thinking = reasoning.Thinking.of(reasoning.HARMONY, prefill, continued=True)
+    assert thinking.prompt == "analysis"
+    assert thinking.split(" add.<|end|>" + FINAL + "Four.", final=True) == (" add.", "Four.")
+    assert reasoning.Thinking.of(reasoning.HARMONY, prefill + " add.<|end|>").prompt == ""  # that body ended
+
+
 def test_tool_calls_are_read_from_the_answer_after_the_reasoning():
     opened = reasoning.Thinking("deepseek_r1", "opened")
     shape = Shape(tools.Plan(tuple(tools.read_tools(TOOLS)), "auto", parser="hermes"), opened)
@@ -491,7 +562,7 @@ def hf_ids(tiny, messages, **variables) -> list[int]:
                                               add_generation_prompt=True, **variables)
 
 
-@pytest.mark.parametrize("parser", reasoning.PARSERS)
+@pytest.mark.parametrize("parser", [p for p in reasoning.PARSERS if p != reasoning.HARMONY])  # (<think> parsers)
 def test_a_reasoning_parser_returns_the_thinking_as_reasoning(long_engine, tiny_long, parser):
     """The template opens the block and the tiny model never closes it: all of its reply is
     reasoning (cut short by max_tokens). Made to close it at once (a logit bias on the `</think>`

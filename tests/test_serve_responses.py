@@ -438,9 +438,28 @@ def test_a_reasoning_parser_makes_a_reasoning_item_and_counts_its_tokens(servers
 def test_reasoning_tokens_end_at_the_closer(tiny_long):
     tiny, _ = tiny_long
     tokens = tiny.tokenizer.encode("sum") + [END_THINK_ID] + tiny.tokenizer.encode("Four")
+    seq, thinking = SimpleNamespace(tokens=tokens), reasoning.Thinking.of("deepseek_r1", "<think>")
+    assert responses.reasoning_tokens(tiny.tokenizer, seq, len(tokens), thinking) == len(tiny.tokenizer.encode("sum")) + 1
+    assert responses.reasoning_tokens(tiny.tokenizer, seq, 2, thinking) == 2  # cut before the closer: all reasoning
+
+
+def test_harmony_reasoning_tokens_end_at_the_answers_header(tiny_long):
+    """GPT-OSS's markers as special tokens of their own: the reasoning is every token up to the final
+    channel's `<|message|>`."""
+    import copy
+    tokenizer = copy.deepcopy(tiny_long[0].tokenizer)
+    markers = ["<|start|>", "<|channel|>", "<|message|>", "<|end|>"]
+    tokenizer.add_special_tokens({"additional_special_tokens": markers})
+    start, channel, message, end = tokenizer.convert_tokens_to_ids(markers)
+    word = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    thought = [channel, *word("analysis"), message, *word("sum it"), end]
+    header = [start, *word("assistant"), channel, *word("final"), message]
+    tokens = thought + header + word("Four")
+    thinking = reasoning.Thinking.of(reasoning.HARMONY, "<|start|>assistant")
     seq = SimpleNamespace(tokens=tokens)
-    assert responses.reasoning_tokens(tiny.tokenizer, seq, len(tokens)) == len(tiny.tokenizer.encode("sum")) + 1
-    assert responses.reasoning_tokens(tiny.tokenizer, seq, 2) == 2  # cut before the closer: all reasoning
+    assert thinking.split(tokenizer.decode(tokens), final=True) == ("sum it", "Four")
+    assert responses.reasoning_tokens(tokenizer, seq, len(tokens), thinking) == len(thought) + len(header)
+    assert responses.reasoning_tokens(tokenizer, seq, len(thought) + 3, thinking) == len(thought) + 3  # no answer yet
 
 
 # --------------------------------------------------------------------------------------------

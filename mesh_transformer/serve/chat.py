@@ -174,6 +174,9 @@ async def chat_completions(s: oa.Settings, http: HttpRequest):
     if body.thinking_token_budget is not None and not s.reasoning_parser:
         oa.bad("thinking_token_budget", "needs the server started with --reasoning-parser, which tells the thinking "
                                         "apart")
+    if body.thinking_token_budget is not None and s.reasoning_parser == reasoning.HARMONY:
+        oa.bad("thinking_token_budget", f"not with --reasoning-parser {reasoning.HARMONY}: its answer starts after a "
+                                        f"header of several tokens, not one closer a budget could force")
     if body.thinking_token_budget is not None and reasoning.marker_ids(s.engine.tokenizer)[1] < 0:
         oa.bad("thinking_token_budget", f"the tokenizer has no {reasoning.CLOSE} token of its own to end the thinking "
                                         f"with (its text takes several)")
@@ -247,6 +250,10 @@ async def prepare(s: oa.Settings, body, messages: list[dict], how: Rendering, pl
     thinking = reasoning.Thinking.of(s.reasoning_parser, _reply_start(s, messages, how, specs, text),
                                      engine.tokenizer, how.continue_final_message) if s.reasoning_parser else None
     budget = thinking_budget if thinking is not None and thinking.can_cap else 0
+    if thinking is not None and opts.grammar is not None and not thinking.can_hold:
+        where = grammar_field or next(n for n in oa.StructuredFields.model_fields if getattr(body, n, None) is not None)
+        raise oa.ApiError(400, f"{where}: a reply's format is not held after the thinking of --reasoning-parser "
+                               f"{s.reasoning_parser} (its answer starts after a header of several tokens)", param=where)
     if thinking is not None and (opts.grammar is not None or budget):  # a grammar holds the answer, after the thinking
         opts = dataclasses.replace(opts, grammar=thinking.hold(opts.grammar or reasoning.ANY_ANSWER, budget))
         await asyncio.to_thread(check, opts.grammar, engine.tokenizer, engine.gen.vocab)

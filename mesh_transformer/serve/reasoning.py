@@ -19,12 +19,21 @@ non-thinking mode) means no thinking: all of the reply is answer. With neither:
 A reply that continues a final message (a prefill, `continue_final_message`) is answer unless that
 message opened a block it did not close.
 
+- `openai_gptoss`: GPT-OSS's harmony format, whose reply is a run of messages, each a header naming
+  its channel and a body: `<|channel|>analysis<|message|>..<|end|><|start|>assistant<|channel|>final
+  <|message|>..` (the template's generation prompt writes the first `<|start|>assistant`). The
+  analysis channel's bodies are the reasoning, the final channel's (and commentary addressed to
+  no tool, a preamble) the answer; a message addressed to a tool (`to=functions.name`) is neither.
+  The markers are special tokens the server's text keeps. Structured outputs and a thinking budget
+  are refused with this parser: the answer starts after a header of several tokens, not one closer.
+
 A grammar (structured outputs, a named or required tool choice) holds the answer, not the
 thinking: the reply may think freely until `</think>` (`Grammar.after_thinking`), as vLLM's
 structured outputs do with a reasoning parser.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from mesh_transformer.generate.structured import Grammar
@@ -33,7 +42,11 @@ from mesh_transformer.serve.tools import without_marker_start
 OPEN, CLOSE = "<think>", "</think>"
 ANY_ANSWER = Grammar.lark("%llguidance {}\nstart: <[*]>*")  # a free answer under a thinking budget: any tokens
 # (special ones too: a regex would refuse a `<tool_call>` added token, or a stop id)
-PARSERS = ("deepseek_r1", "qwen3")
+HARMONY = "openai_gptoss"
+PARSERS = ("deepseek_r1", "qwen3", HARMONY)
+MESSAGE, START = "<|message|>", "<|start|>"  # harmony's markers: a body begins, a message begins
+_CHANNEL = re.compile(r"<\|channel\|>\s*([A-Za-z_]+)")
+_BODY_END = re.compile(r"<\|(?:end|call|return)\|>")
 
 
 @dataclass(frozen=True)
@@ -41,7 +54,8 @@ class Thinking:
     """How one request's replies split into reasoning and answer."""
 
     parser: str
-    prompt: str = ""  # "opened": the prompt leaves the reply inside a block; "closed": it closed it (no thinking)
+    prompt: str = ""  # "opened": the prompt leaves the reply inside a block; "closed": it closed it (no thinking);
+    # harmony: the channel whose body the prompt leaves open (a prefill), else ""
     opener_id: int = -1  # the markers' own tokens, where the tokenizer has them (-1: text)
     closer_id: int = -1
 
@@ -52,6 +66,9 @@ class Thinking:
         block (R1's `<think>\n`), after one (Qwen 3's `enable_thinking: false`, an empty closed
         block), or neither. `continued`: it is the message the reply goes on with (a prefill), which
         is answer unless it opened a block it has not closed (an empty one says nothing)."""
+        if parser == HARMONY:  # the channel of a body the prompt leaves open (a prefill), else ""
+            header, sep, body = reply_start.rsplit(START, 1)[-1].partition(MESSAGE)
+            return cls(parser, _channel(header) if sep and not _BODY_END.search(body) else "")
         opened, closed = reply_start.rfind(OPEN), reply_start.rfind(CLOSE)
         state = "opened" if opened > closed else "closed" if closed > opened or (continued and reply_start.strip()) \
             else ""
@@ -62,6 +79,11 @@ class Thinking:
         return self.prompt != "closed"
 
     @property
+    def can_hold(self) -> bool:
+        """Whether a grammar can hold the answer after the thinking (`hold`): where one marker ends it."""
+        return self.parser != HARMONY
+
+    @property
     def starts_inside(self) -> bool:
         """Whether a reply starts inside the block without writing `<think>` (else it may write it)."""
         return self.prompt == "opened" or (self.prompt == "" and self.parser == "deepseek_r1")
@@ -70,7 +92,7 @@ class Thinking:
     def can_cap(self) -> bool:
         """Whether a thinking budget can be held to: the reply may think, and `</think>` is a token of
         its own (a budget forces it)."""
-        return self.thinks and self.closer_id >= 0
+        return self.thinks and self.closer_id >= 0 and self.can_hold
 
     def hold(self, grammar, budget: int = 0):
         """`grammar` (a `structured.Grammar`) for the answer, after any thinking (of at most
@@ -83,6 +105,8 @@ class Thinking:
     def split(self, text: str, final: bool) -> tuple[str, str]:
         """(reasoning, answer) in the reply so far (`final`: all of it); each only grows as text does,
         so a stream sends what is new of each."""
+        if self.parser == HARMONY:
+            return harmony_split(text, final, self.prompt)
         if not self.thinks:
             return "", text
         head = text.lstrip()
@@ -98,6 +122,49 @@ class Thinking:
         if end < 0:
             return (body if final else without_marker_start(body, CLOSE)), ""
         return body[:end], body[end + len(CLOSE):]
+
+
+    def ended(self, text: str) -> bool:
+        """Whether the thinking has ended in `text`, a reply's start: its closer written, or (harmony)
+        a message other than analysis begun."""
+        if self.parser == HARMONY:
+            return any(channel != "analysis" for channel, _ in _harmony_bodies(text, self.prompt))
+        return CLOSE in text
+
+
+def _harmony_bodies(text: str, inside: str = ""):
+    """(channel, body) of each message of a harmony reply whose body has begun, each body cut at its
+    end marker; a message to a tool (`to=`) is "tool"'s. The first message's `<|start|>` is the
+    prompt's; `inside`: the channel of a body the prompt left open, which the reply's text goes on."""
+    for i, message in enumerate(text.split(START)):
+        if i == 0 and inside:
+            header, sep, body = f"<|channel|>{inside}", MESSAGE, message
+        else:
+            header, sep, body = message.partition(MESSAGE)
+        if sep:
+            yield "tool" if " to=" in header else _channel(header), _BODY_END.split(body, 1)[0]
+
+
+def _channel(header: str) -> str:
+    found = _CHANNEL.search(header)
+    return found[1] if found else "final"
+
+
+def harmony_split(text: str, final: bool, inside: str = "") -> tuple[str, str]:
+    """(reasoning, answer) of a harmony reply so far: the analysis channel's bodies, and the final
+    channel's and tool-less commentary's (`_harmony_bodies`); a body's text waits while it ends in
+    what may be the start of a marker ("<", "<|..."), so each part only grows. A whole reply with no
+    channel at all (a model that does not write harmony) is all answer."""
+    if final and not inside and "<|channel|>" not in text and MESSAGE not in text:
+        return "", text
+    cut = text.rfind("<")
+    if not final and cut >= 0 and (text[cut:] == "<" or text[cut:].startswith("<|") and "|>" not in text[cut:]):
+        text = text[:cut]
+    reasoning, answer = [], []
+    for channel, body in _harmony_bodies(text, inside):
+        if channel != "tool":
+            (reasoning if channel == "analysis" else answer).append(body)
+    return "".join(reasoning), "".join(answer)
 
 
 def fields(reasoning: str) -> dict:

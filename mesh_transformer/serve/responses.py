@@ -447,7 +447,8 @@ class Response:
         thought = any(item["type"] == "reasoning" for item in items)
         return {"input_tokens": len(seq.prompt), "input_tokens_details": {"cached_tokens": seq.cached_tokens},
                 "output_tokens": output,
-                "output_tokens_details": {"reasoning_tokens": reasoning_tokens(self.s.engine.tokenizer, seq, output)
+                "output_tokens_details": {"reasoning_tokens": reasoning_tokens(self.s.engine.tokenizer, seq, output,
+                                                                                 self.shape.thinking)
                                           if thought else 0},
                 "total_tokens": len(seq.prompt) + output}
 
@@ -465,15 +466,16 @@ def finished_call(item: dict) -> None:
         item["status"] = "incomplete"
 
 
-def reasoning_tokens(tokenizer, seq: Sequence, output: int) -> int:
-    """The reply's tokens up to the end of its thinking (`</think>` included; all of them if it
-    never closed): the fewest whose text holds the closer (a binary search over prefixes)."""
-    if reasoning.CLOSE not in tokenizer.decode(seq.tokens[:output]):
+def reasoning_tokens(tokenizer, seq: Sequence, output: int, thinking: reasoning.Thinking) -> int:
+    """The reply's tokens up to the end of its thinking (`</think>` included, or harmony's answer's
+    header; all of them if it never ended): the fewest whose text ends it (a binary search over
+    prefixes)."""
+    if not thinking.ended(tokenizer.decode(seq.tokens[:output])):
         return output
     lo, hi = 1, output
     while lo < hi:
         mid = (lo + hi) // 2
-        if reasoning.CLOSE in tokenizer.decode(seq.tokens[:mid]):
+        if thinking.ended(tokenizer.decode(seq.tokens[:mid])):
             hi = mid
         else:
             lo = mid + 1
