@@ -302,13 +302,14 @@ AUTO_TEXTS = {  # what a model of each format writes when it calls (forced here:
     "hermes": 'On it.<tool_call>{"name": "now", "arguments": {}}</tool_call>',
     "llama3_json": '{"name": "now", "parameters": {}}',
     "mistral": 'On it.[TOOL_CALLS][{"name": "now", "arguments": {}}]',
+    "openai": "On it.<|start|>assistant<|channel|>commentary to=functions.now <|constrain|>json<|message|>{}",
 }
 
 
 @pytest.mark.parametrize("parser", tools.PARSERS)
 def test_auto_reads_the_calls_the_server_parser_finds_in_the_text(servers, parser):
     c = client(servers[parser])
-    kw = dict(model="tiny", messages=ASK, tools=TOOLS, max_tokens=60, temperature=0,
+    kw = dict(model="tiny", messages=ASK, tools=TOOLS, max_tokens=90, temperature=0,
               extra_body={"structured_outputs": {"choice": [AUTO_TEXTS[parser]]}})
     r = c.chat.completions.create(**kw)
     [choice] = r.choices
@@ -397,9 +398,9 @@ def test_a_bad_tool_request_is_a_400_naming_the_field(servers, extra, param, mes
 
 
 def test_an_unknown_parser_is_refused_when_the_app_is_made(long_engine):
-    with pytest.raises(ValueError, match="tool_parser: one of hermes, llama3_json, mistral, got 'qwen'"):
+    with pytest.raises(ValueError, match="tool_parser: one of hermes, llama3_json, mistral, openai, got 'qwen'"):
         create_app(long_engine, tool_parser="qwen")
-    with pytest.raises(ValueError, match="reasoning_parser: one of deepseek_r1, qwen3, got 'o1'"):
+    with pytest.raises(ValueError, match="reasoning_parser: one of deepseek_r1, qwen3, openai_gptoss, got 'o1'"):
         create_app(long_engine, reasoning_parser="o1")
 
 
@@ -447,7 +448,8 @@ HARMONY = [  # GPT-OSS's replies (the template's generation prompt wrote the fir
     (ANALYSIS + "User asks 2+2.<|end|>" + FINAL + "Four.", "User asks 2+2.", "Four."),
     ("<|channel|>final<|message|>Just this.", "", "Just this."),  # no thinking
     (ANALYSIS + "Need the weather.<|end|><|start|>assistant<|channel|>commentary to=functions.weather <|constrain|>json"
-     '<|message|>{"city": "Oslo"}', "Need the weather.", ""),  # a tool's message is neither
+     '<|message|>{"city": "Oslo"}', "Need the weather.", "<|start|>assistant<|channel|>commentary to=functions.weather "
+     '<|constrain|>json<|message|>{"city": "Oslo"}'),  # a tool's message stays as written, for the tool parser
     (ANALYSIS + "a<|end|><|start|>assistant<|channel|>commentary<|message|>Checking.<|end|>" + FINAL + "Done.",
      "a", "Checking.Done."),  # a preamble (commentary to no tool) is answer
     (ANALYSIS + "x < y, and <|im not a marker", "x < y, and <|im not a marker", ""),  # cut short while thinking
@@ -503,6 +505,31 @@ def test_a_harmony_server_refuses_what_it_cannot_hold_and_answers_plain_text(lon
     message, finish = shape.message(HARMONY[0][0], "stop")
     assert (message["reasoning"], message["reasoning_content"], message["content"], finish) == (
         "User asks 2+2.", "User asks 2+2.", "Four.", "stop")
+
+
+def test_harmony_calls_are_read_from_the_tools_messages_after_the_reasoning():
+    """--reasoning-parser openai_gptoss with --tool-call-parser openai: each message to a tool is a
+    call (its recipient the name, its body the arguments), the preamble content, the analysis the
+    reasoning; whole and streamed alike (a call arrives whole once the reply ends: `<|call|>` stops it)."""
+    plan = tools.Plan(tuple(tools.read_tools(TOOLS)), "auto", parser="openai")
+    shape = Shape(plan, reasoning.Thinking.of(reasoning.HARMONY, "<|start|>assistant"))
+    text = (ANALYSIS + "Time and weather.<|end|><|start|>assistant<|channel|>commentary<|message|>Checking.<|end|>"
+            "<|start|>assistant<|channel|>commentary to=functions.now <|constrain|>json<|message|>{}<|call|>"
+            "<|start|>assistant to=functions.weather<|channel|>commentary json<|message|>{\"city\": \"Oslo\"}")
+    message, finish = shape.message(text, "stop")
+    assert (message["reasoning"], message["content"], finish) == ("Time and weather.", "Checking.", "tool_calls")
+    calls = [c["function"] for c in message["tool_calls"]]
+    assert calls == [{"name": "now", "arguments": "{}"}, {"name": "weather", "arguments": '{"city": "Oslo"}'}]
+    reply, got = StreamedReply(shape), {"reasoning": "", "content": "", "calls": []}
+    for i in range(0, len(text), 4):
+        delta = reply.feed(text[i:i + 4], i + 4 >= len(text))
+        got["reasoning"] += delta.get("reasoning", "")
+        got["content"] += delta.get("content", "")
+        got["calls"] += [c["function"] for c in delta.get("tool_calls", [])]
+    assert got == {"reasoning": "Time and weather.", "content": "Checking.", "calls": calls}
+    bad = shape.message(ANALYSIS + "x<|end|><|start|>assistant<|channel|>commentary to=functions.now<|message|>[1]",
+                        "stop")[0]  # arguments that are not an object: no call, the text stays
+    assert not bad.get("tool_calls") and bad["content"].endswith("to=functions.now<|message|>[1]")
 
 
 def test_harmony_reply_that_goes_on_with_a_prefilled_body_keeps_its_channel():

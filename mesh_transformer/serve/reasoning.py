@@ -23,7 +23,8 @@ message opened a block it did not close.
   its channel and a body: `<|channel|>analysis<|message|>..<|end|><|start|>assistant<|channel|>final
   <|message|>..` (the template's generation prompt writes the first `<|start|>assistant`). The
   analysis channel's bodies are the reasoning, the final channel's (and commentary addressed to
-  no tool, a preamble) the answer; a message addressed to a tool (`to=functions.name`) is neither.
+  no tool, a preamble) the answer; a message addressed to a tool (`to=functions.name`) stays in
+  the answer as it was written, for `--tool-call-parser openai` to read (`tools.openai`).
   The markers are special tokens the server's text keeps. Structured outputs and a thinking budget
   are refused with this parser: the answer starts after a header of several tokens, not one closer.
 
@@ -128,21 +129,22 @@ class Thinking:
         """Whether the thinking has ended in `text`, a reply's start: its closer written, or (harmony)
         a message other than analysis begun."""
         if self.parser == HARMONY:
-            return any(channel != "analysis" for channel, _ in _harmony_bodies(text, self.prompt))
+            return any(channel != "analysis" for channel, _, _ in _harmony_bodies(text, self.prompt))
         return CLOSE in text
 
 
 def _harmony_bodies(text: str, inside: str = ""):
-    """(channel, body) of each message of a harmony reply whose body has begun, each body cut at its
-    end marker; a message to a tool (`to=`) is "tool"'s. The first message's `<|start|>` is the
-    prompt's; `inside`: the channel of a body the prompt left open, which the reply's text goes on."""
+    """(channel, header, body) of each message of a harmony reply whose body has begun, each body
+    cut at its end marker; a message to a tool (`to=`) is "tool"'s. The first message's `<|start|>`
+    is the prompt's; `inside`: the channel of a body the prompt left open, which the reply's text
+    goes on."""
     for i, message in enumerate(text.split(START)):
         if i == 0 and inside:
             header, sep, body = f"<|channel|>{inside}", MESSAGE, message
         else:
             header, sep, body = message.partition(MESSAGE)
         if sep:
-            yield "tool" if " to=" in header else _channel(header), _BODY_END.split(body, 1)[0]
+            yield "tool" if " to=" in header else _channel(header), header, _BODY_END.split(body, 1)[0]
 
 
 def _channel(header: str) -> str:
@@ -152,17 +154,20 @@ def _channel(header: str) -> str:
 
 def harmony_split(text: str, final: bool, inside: str = "") -> tuple[str, str]:
     """(reasoning, answer) of a harmony reply so far: the analysis channel's bodies, and the final
-    channel's and tool-less commentary's (`_harmony_bodies`); a body's text waits while it ends in
-    what may be the start of a marker ("<", "<|..."), so each part only grows. A whole reply with no
-    channel at all (a model that does not write harmony) is all answer."""
+    channel's and tool-less commentary's (`_harmony_bodies`), and each message to a tool as written
+    (`<|start|>`, header, `<|message|>`, arguments); a body's text waits while it ends in what may be
+    the start of a marker ("<", "<|..."), so each part only grows. A whole reply with no channel at
+    all (a model that does not write harmony) is all answer."""
     if final and not inside and "<|channel|>" not in text and MESSAGE not in text:
         return "", text
     cut = text.rfind("<")
     if not final and cut >= 0 and (text[cut:] == "<" or text[cut:].startswith("<|") and "|>" not in text[cut:]):
         text = text[:cut]
     reasoning, answer = [], []
-    for channel, body in _harmony_bodies(text, inside):
-        if channel != "tool":
+    for channel, header, body in _harmony_bodies(text, inside):
+        if channel == "tool":
+            answer.append(START + header.lstrip() + MESSAGE + body)
+        else:
             (reasoning if channel == "analysis" else answer).append(body)
     return "".join(reasoning), "".join(answer)
 

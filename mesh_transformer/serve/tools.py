@@ -23,6 +23,7 @@ in one chunk once its text is complete, and text that may begin a call is held u
 from __future__ import annotations
 
 import json
+import re
 import secrets
 import uuid
 from dataclasses import dataclass, field
@@ -201,7 +202,33 @@ def _mistral_args(rest: str, new_id) -> Optional[tuple[list[Call], str]]:
     return calls, tail
 
 
-PARSERS = {"hermes": hermes, "llama3_json": llama3_json, "mistral": mistral}  # --tool-call-parser
+HARMONY_CALL = re.compile(r"<\|start\|>[^<]*?(?:<\|channel\|>[^<]*?)?\bto=functions\.([^\s<]+)[^<]*"
+                          r"(?:<\|(?:channel|constrain)\|>[^<]*)*<\|message\|>")
+
+
+def openai(text: str, final: bool, new_id=_openai_id) -> tuple[str, list[Call]]:
+    """GPT-OSS (harmony): each call is a message to a tool, `<|start|>assistant<|channel|>commentary
+    to=functions.name <|constrain|>json<|message|>{..}`, which `--reasoning-parser openai_gptoss`
+    leaves in the answer as written (the reply's `<|call|>` stop token ends the last); the text
+    around them is content. A call whose arguments are not a JSON object stays content."""
+    content, calls, pos = [], [], 0
+    for found in HARMONY_CALL.finditer(text):
+        nxt = text.find("<|start|>", found.end())
+        end = len(text) if nxt < 0 else nxt
+        if nxt < 0 and not final:  # its arguments may still be arriving: held until the reply ends
+            return "".join(content) + text[pos:found.start()], calls
+        args = _arguments(text[found.end():end].strip())
+        content.append(text[pos:found.start()] if args is not None else text[pos:end])
+        if args is not None:
+            calls.append(Call(found[1], args, new_id()))
+        pos = end
+    rest, start = text[pos:], text[pos:].rfind("<|start|>")
+    if not final:  # a message whose header is still arriving may be a call: held until it is known
+        rest = rest[:start] if start >= 0 and "<|message|>" not in rest[start:] else without_marker_start(rest, "<|start|>")
+    return "".join(content) + rest, calls
+
+
+PARSERS = {"hermes": hermes, "llama3_json": llama3_json, "mistral": mistral, "openai": openai}  # --tool-call-parser
 
 
 # --------------------------------------------------------------------------------------------
