@@ -15,6 +15,8 @@ family adds is its own shape convention, chosen as the family's released models 
   attention scores soft-capped at 50 and logits at 30, every other layer sliding over 4,096 tokens;
 - mixtral: Mixtral's: a quarter as many key/value heads, 8 SwiGLU experts of width 3.5 x d_model,
   2 per token;
+- gpt_oss: gpt-oss-20b's: an eighth as many key/value heads, 32 experts of width d_model (biases,
+  clamped SwiGLU), 4 per token, attention sinks, a 128-token window in every other layer, YaRN;
 - phi: Phi-1.5's: rotary on half of each head, MLP width 4 x d_model;
 - starcoder2: StarCoder2's: a quarter as many key/value heads, MLP width 4 x d_model, biases,
   LayerNorms, tied head;
@@ -26,7 +28,7 @@ family adds is its own shape convention, chosen as the family's released models 
 from __future__ import annotations
 
 FAMILIES = ("gptj", "llama", "gpt_neox", "gpt2", "opt", "phi", "phi3", "starcoder2", "gemma", "gemma2",
-            "mixtral")
+            "mixtral", "gpt_oss")
 
 
 def add_arg(parser, default: str = "gptj") -> None:
@@ -68,6 +70,12 @@ def family_keys(family: str, d_model: int, heads: int, layers: int) -> dict:
                 "layer_types": ["full_attention" if i % 2 else "sliding_attention" for i in range(layers)]}
     if family == "mixtral":
         return {"n_kv_heads": max(1, heads // 4), "d_ff": 7 * d_model // 2, "n_experts": 8, "experts_per_token": 2}
+    if family == "gpt_oss":
+        return {"n_kv_heads": max(1, heads // 8), "d_ff": d_model, "n_experts": 32, "experts_per_token": 4,
+                "sliding_window": 128, "layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention"
+                                                       for i in range(layers)],
+                "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                 "truncate": False, "original_max_position_embeddings": 4096}}
     return {}
 
 

@@ -161,7 +161,8 @@ def main():
     description = machine.describe()
     peak = peak_matmul_flops()
     kv_heads = families.family_keys(args.family, args.d_model, args.heads, args.layers).get("n_kv_heads", args.heads)
-    mp = cores if args.heads % cores == 0 and kv_heads % cores == 0 else 1
+    # kv heads split over mp, or (fewer of them than cores) each held whole by cores / kv_heads shards
+    mp = cores if args.heads % cores == 0 and (kv_heads % cores == 0 or cores % kv_heads == 0) else 1
     config = make_config(args)
     if args.expert_parallel:
         sides = {f"mesh-transformer, mp={mp}": machine.Apart(f"ours, mp={mp}", bench_ours, args, mp,
