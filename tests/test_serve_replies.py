@@ -426,19 +426,25 @@ THOUGHTS = [  # (parser, the text before the reply, reply, reasoning, answer)
 ]
 
 
-@pytest.mark.parametrize("parser,start,text,thought,answer", THOUGHTS,
-                         ids=[f"{t[0]}-{i}" for i, t in enumerate(THOUGHTS)])
-def test_reasoning_is_told_from_the_answer_whole_and_in_any_pieces(parser, start, text, thought, answer):
-    thinking = reasoning.Thinking.of(parser, start)
-    assert thinking.prompt == {R1: "opened", QWEN3: "", QWEN3_OFF: "closed"}[start]
-    assert thinking.split(text, final=True) == (thought, answer)
+def assert_read_in_any_pieces(thinking, text: str, expected: tuple[str, str]):
+    """`thinking` splits `text` into `expected` (reasoning, answer) whole, and streamed in pieces of
+    1, 2, 5 and all characters (each part only grows)."""
+    assert thinking.split(text, final=True) == expected
     for size in (1, 2, 5, len(text)):
         reader, got = reasoning.Reader(thinking), ["", ""]
         pieces = [text[i:i + size] for i in range(0, len(text), size)]
         for i, piece in enumerate(pieces):
             new = reader.feed(piece, i == len(pieces) - 1)
             got = [got[0] + new[0], got[1] + new[1]]
-        assert tuple(got) == (thought, answer), size
+        assert tuple(got) == expected, size
+
+
+@pytest.mark.parametrize("parser,start,text,thought,answer", THOUGHTS,
+                         ids=[f"{t[0]}-{i}" for i, t in enumerate(THOUGHTS)])
+def test_reasoning_is_told_from_the_answer_whole_and_in_any_pieces(parser, start, text, thought, answer):
+    thinking = reasoning.Thinking.of(parser, start)
+    assert thinking.prompt == {R1: "opened", QWEN3: "", QWEN3_OFF: "closed"}[start]
+    assert_read_in_any_pieces(thinking, text, (thought, answer))
     grammar = Grammar.choice(YES_NO)
     assert (thinking.hold(grammar) == grammar) == (start == QWEN3_OFF)  # no thinking: the grammar from the start
 
@@ -465,14 +471,7 @@ def test_harmony_channels_are_told_apart_whole_and_in_any_pieces(text, thought, 
     be the start of a marker waits for the next); neither a budget nor a grammar can be held after
     its thinking, and its end is the answer's header."""
     thinking = reasoning.Thinking.of(reasoning.HARMONY, "<|start|>assistant")
-    assert thinking.split(text, final=True) == (thought, answer)
-    for size in (1, 2, 5, len(text)):
-        reader, got = reasoning.Reader(thinking), ["", ""]
-        pieces = [text[i:i + size] for i in range(0, len(text), size)]
-        for i, piece in enumerate(pieces):
-            new = reader.feed(piece, i == len(pieces) - 1)
-            got = [got[0] + new[0], got[1] + new[1]]
-        assert tuple(got) == (thought, answer), size
+    assert_read_in_any_pieces(thinking, text, (thought, answer))
     assert not thinking.can_hold and not thinking.can_cap
     assert thinking.ended(text) == ("<|channel|>" in text and (answer != "" or "to=functions" in text))
 

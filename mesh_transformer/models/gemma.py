@@ -183,6 +183,5 @@ def hf_table(c: GemmaConfig) -> list[hl.HFParam]:
         *hf_projections(layer, qk_norm=c.qk_norm),
         hl.HFParam("model.norm.weight", (("ln_f", "scale"),), hl.SAME),
     ]
-    if not c.tie_embeddings:
-        table.append(hl.HFParam("lm_head.weight", (("head", "lm_head"),), hl.LINEAR))
+    table += hl.untied_head(c.tie_embeddings)
     return table

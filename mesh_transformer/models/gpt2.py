@@ -89,6 +89,5 @@ def hf_table(c: GPT2Config) -> list[hl.HFParam]:
         hl.HFParam("transformer.ln_f.weight", (("ln_f", "scale"),), hl.SAME),
         hl.HFParam("transformer.ln_f.bias", (("ln_f", "offset"),), hl.SAME),
     ]
-    if not c.tie_embeddings:
-        table.append(hl.HFParam("lm_head.weight", (("head", "lm_head"),), hl.LINEAR))
+    table += hl.untied_head(c.tie_embeddings)
     return table

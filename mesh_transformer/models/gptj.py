@@ -97,6 +97,6 @@ def hf_table(c: GPTJConfig) -> list[hl.HFParam]:
         hl.HFParam(layer + "mlp.fc_out.bias", (("layers/mlp", "fc_out_bias"),), hl.SAME),
         hl.HFParam("transformer.ln_f.weight", (("ln_f", "scale"),), hl.SAME),
         hl.HFParam("transformer.ln_f.bias", (("ln_f", "offset"),), hl.SAME),
-        hl.HFParam("lm_head.weight", (("head", "lm_head"),), hl.LINEAR),
+        hl.LM_HEAD,
         hl.HFParam("lm_head.bias", (("head", "lm_head_bias"),), hl.SAME),
     ]

@@ -84,6 +84,12 @@ def one(fn_ours, fn_hf) -> Transform:
 SAME = one(lambda x, c: x, lambda x, c: x)
 LINEAR = one(lambda x, c: x.T, lambda x, c: x.T)  # torch [out, in] <-> [in, out]
 SCORE = HFParam("score.weight", (("score", "score"),), LINEAR)  # a classifier's head: [labels, D] <-> [D, labels]
+LM_HEAD = HFParam("lm_head.weight", (("head", "lm_head"),), LINEAR)  # an untied language-model head
+
+
+def untied_head(tied: bool) -> list[HFParam]:
+    """The language-model head's entry, where the family's config does not tie it to the embedding."""
+    return [] if tied else [LM_HEAD]
 
 
 def for_config(family_table: Callable) -> Callable:

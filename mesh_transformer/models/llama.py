@@ -339,6 +339,5 @@ def hf_table(c: LlamaConfig) -> list[hl.HFParam]:
     if c.mlp_bias:
         table += [hl.HFParam(layer + f"mlp.{hf}.bias", (("layers/mlp", ours),), hl.SAME)
                   for hf, ours in (("gate_proj", "gate_bias"), ("up_proj", "fc_in_bias"), ("down_proj", "fc_out_bias"))]
-    if not c.tie_embeddings:
-        table.append(hl.HFParam("lm_head.weight", (("head", "lm_head"),), hl.LINEAR))
+    table += hl.untied_head(c.tie_embeddings)
     return table

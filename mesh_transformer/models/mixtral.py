@@ -202,8 +202,7 @@ def hf_table(c: MixtralConfig) -> list[hl.HFParam]:
           if c.shared_expert_d_ff is not None else []),
         hl.HFParam("model.norm.weight", (("ln_f", "scale"),), hl.SAME),
     ]
-    if not c.tie_embeddings:
-        table.append(hl.HFParam("lm_head.weight", (("head", "lm_head"),), hl.LINEAR))
+    table += hl.untied_head(c.tie_embeddings)
     return table
 
 

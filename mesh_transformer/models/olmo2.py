@@ -146,6 +146,5 @@ def hf_table(c: Olmo2Config) -> list[hl.HFParam]:
     ]
     if c.attention_bias:
         table.append(hl.HFParam(layer + "self_attn.o_proj.bias", (("layers/attn", "out_bias"),), hl.SAME))
-    if not c.tie_embeddings:
-        table.append(hl.HFParam("lm_head.weight", (("head", "lm_head"),), hl.LINEAR))
+    table += hl.untied_head(c.tie_embeddings)
     return table

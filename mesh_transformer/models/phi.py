@@ -104,6 +104,6 @@ def hf_table(c: PhiConfig) -> list[hl.HFParam]:
         hl.HFParam(layer + "mlp.fc2.bias", (("layers/mlp", "fc_out_bias"),), hl.SAME),
         hl.HFParam("model.final_layernorm.weight", (("ln_f", "scale"),), hl.SAME),
         hl.HFParam("model.final_layernorm.bias", (("ln_f", "offset"),), hl.SAME),
-        hl.HFParam("lm_head.weight", (("head", "lm_head"),), hl.LINEAR),
+        hl.LM_HEAD,
         hl.HFParam("lm_head.bias", (("head", "lm_head_bias"),), hl.SAME),
     ]

@@ -93,6 +93,5 @@ def hf_table(c: Phi3Config) -> list[hl.HFParam]:
         hl.HFParam(layer + "mlp.down_proj.weight", (("layers/mlp", "fc_out"),), hl.LINEAR),
         hl.HFParam("model.norm.weight", (("ln_f", "scale"),), hl.SAME),
     ]
-    if not c.tie_embeddings:
-        table.append(hl.HFParam("lm_head.weight", (("head", "lm_head"),), hl.LINEAR))
+    table += hl.untied_head(c.tie_embeddings)
     return table

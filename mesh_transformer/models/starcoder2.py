@@ -90,6 +90,5 @@ def hf_table(c: Starcoder2Config) -> list[hl.HFParam]:
         table += [hl.HFParam(layer + "self_attn.o_proj.bias", (("layers/attn", "out_bias"),), hl.SAME),
                   hl.HFParam(layer + "mlp.c_fc.bias", (("layers/mlp", "fc_in_bias"),), hl.SAME),
                   hl.HFParam(layer + "mlp.c_proj.bias", (("layers/mlp", "fc_out_bias"),), hl.SAME)]
-    if not c.tie_embeddings:
-        table.append(hl.HFParam("lm_head.weight", (("head", "lm_head"),), hl.LINEAR))
+    table += hl.untied_head(c.tie_embeddings)
     return table
