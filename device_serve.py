@@ -43,6 +43,9 @@ def check_ranges(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
     if args.speculate and args.batch_invariant:
         parser.error("--speculate and --batch-invariant exclude each other: a request's passes, and so its "
                      "rounding, would depend on whether it ran alone and on its drafts")
+    if args.tool_call_parser == "openai" and args.reasoning_parser != reasoning.HARMONY:
+        parser.error(f"--tool-call-parser openai reads GPT-OSS's harmony messages, which the reasoning parser splits: "
+                     f"add --reasoning-parser {reasoning.HARMONY}")
     if args.gather_ms < 0:
         parser.error(f"--gather-ms must be at least 0; got {args.gather_ms:g}")
     if not args.timeout > 0 or not args.drain_timeout >= 0:

@@ -9,7 +9,9 @@ long in its 300-token vocabulary) and the plain template, which lists the tools.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
+from types import SimpleNamespace
 from typing import Optional
 
 import httpx
@@ -22,6 +24,7 @@ import pytest
 from mesh_transformer.generate import SamplingOptions
 from mesh_transformer.generate.structured import JSON_DUMPS, Grammar
 from mesh_transformer.serve import PLAIN_TEMPLATE, create_app, reasoning, tools
+from mesh_transformer.serve import chat as chat_api
 from mesh_transformer.serve.chat import Shape, StreamedReply
 from tests.helpers import COMMA, END_THINK_ID, THINK_ID, in_pieces  # tiny_long's vocabulary (tests/conftest.py)
 from tests.serving import KEY, start_server
@@ -36,11 +39,14 @@ TOOLS = [WEATHER, CLOCK]
 ASK = [{"role": "user", "content": "Weather?"}]
 
 
+TEXT_PARSERS = [p for p in tools.PARSERS if p != "openai"]  # (GPT-OSS's reads harmony: its own tests, below)
+
+
 @pytest.fixture(scope="module")
 def servers(long_engine):
     """{parser name or None: base url}, each app over the one engine."""
     started = {parser: start_server(create_app(long_engine, model_name="tiny", api_key=KEY, tool_parser=parser))
-               for parser in (None, *tools.PARSERS)}
+               for parser in (None, *TEXT_PARSERS)}
     yield {parser: base for parser, (_, base) in started.items()}
     for server, _ in started.values():
         server.should_exit = True
@@ -302,14 +308,13 @@ AUTO_TEXTS = {  # what a model of each format writes when it calls (forced here:
     "hermes": 'On it.<tool_call>{"name": "now", "arguments": {}}</tool_call>',
     "llama3_json": '{"name": "now", "parameters": {}}',
     "mistral": 'On it.[TOOL_CALLS][{"name": "now", "arguments": {}}]',
-    "openai": "On it.<|start|>assistant<|channel|>commentary to=functions.now <|constrain|>json<|message|>{}",
 }
 
 
-@pytest.mark.parametrize("parser", tools.PARSERS)
+@pytest.mark.parametrize("parser", TEXT_PARSERS)
 def test_auto_reads_the_calls_the_server_parser_finds_in_the_text(servers, parser):
     c = client(servers[parser])
-    kw = dict(model="tiny", messages=ASK, tools=TOOLS, max_tokens=90, temperature=0,
+    kw = dict(model="tiny", messages=ASK, tools=TOOLS, max_tokens=60, temperature=0,
               extra_body={"structured_outputs": {"choice": [AUTO_TEXTS[parser]]}})
     r = c.chat.completions.create(**kw)
     [choice] = r.choices
@@ -402,6 +407,9 @@ def test_an_unknown_parser_is_refused_when_the_app_is_made(long_engine):
         create_app(long_engine, tool_parser="qwen")
     with pytest.raises(ValueError, match="reasoning_parser: one of deepseek_r1, qwen3, openai_gptoss, got 'o1'"):
         create_app(long_engine, reasoning_parser="o1")
+    with pytest.raises(ValueError, match="tool_parser 'openai' reads GPT-OSS's harmony messages, which the reasoning "
+                                         "parser splits: start the server with reasoning_parser 'openai_gptoss' too"):
+        create_app(long_engine, tool_parser="openai")
 
 
 # --------------------------------------------------------------------------------------------
@@ -454,10 +462,10 @@ HARMONY = [  # GPT-OSS's replies (the template's generation prompt wrote the fir
     (ANALYSIS + "User asks 2+2.<|end|>" + FINAL + "Four.", "User asks 2+2.", "Four."),
     ("<|channel|>final<|message|>Just this.", "", "Just this."),  # no thinking
     (ANALYSIS + "Need the weather.<|end|><|start|>assistant<|channel|>commentary to=functions.weather <|constrain|>json"
-     '<|message|>{"city": "Oslo"}', "Need the weather.", "<|start|>assistant<|channel|>commentary to=functions.weather "
-     '<|constrain|>json<|message|>{"city": "Oslo"}'),  # a tool's message stays as written, for the tool parser
-    (ANALYSIS + "a<|end|><|start|>assistant<|channel|>commentary<|message|>Checking.<|end|>" + FINAL + "Done.",
-     "a", "Checking.Done."),  # a preamble (commentary to no tool) is answer
+     '<|message|>{"city": "Oslo"}', "Need the weather.", ""),  # a tool's message (no tool parser reads it): neither
+    (ANALYSIS + "a<|end|><|start|>assistant<|channel|>commentary<|message|>Checking.<|end|>" + FINAL + "Done.<|end|>"
+     + ANALYSIS.replace("<|channel|>", "<|start|>assistant<|channel|>") + "b",
+     "a\nb", "Checking.\nDone."),  # a preamble (commentary to no tool) is answer; a part's bodies a line apart
     (ANALYSIS + "x < y, and <|im not a marker", "x < y, and <|im not a marker", ""),  # cut short while thinking
     (ANALYSIS + "Hm<|end|><|start|>assistant<|channel|>fin", "Hm", ""),  # cut inside the next header
     ("No channels at all.", "", "No channels at all."),  # a model that does not write harmony: all answer
@@ -493,6 +501,10 @@ def test_a_harmony_server_refuses_what_it_cannot_hold_and_answers_plain_text(lon
                 c.chat.completions.create(**kw, **extra)
         with pytest.raises(openai.BadRequestError, match="thinking_token_budget: not with --reasoning-parser"):
             c.chat.completions.create(**kw, extra_body={"thinking_token_budget": 3})
+        for choice in ("required", {"type": "function", "function": {"name": "now"}}):
+            with pytest.raises(openai.BadRequestError, match='tool_choice: a forced call is not held after the thinking '
+                                                             'of --reasoning-parser openai_gptoss .*use "auto"'):
+                c.chat.completions.create(**kw, tools=TOOLS, tool_choice=choice)
         r = c.chat.completions.create(**kw)
         expected, _ = library(tiny_long, hf_ids(tiny, ASK), None, 8)
         assert r.choices[0].message.content == expected and field(r.choices[0].message, "reasoning") is None
@@ -511,7 +523,12 @@ def test_harmony_calls_are_read_from_the_tools_messages_after_the_reasoning():
     call (its recipient the name, its body the arguments), the preamble content, the analysis the
     reasoning; whole and streamed alike (a call arrives whole once the reply ends: `<|call|>` stops it)."""
     plan = tools.Plan(tuple(tools.read_tools(TOOLS)), "auto", parser="openai")
-    shape = Shape(plan, reasoning.Thinking.of(reasoning.HARMONY, "<|start|>assistant"))
+    server = SimpleNamespace(reasoning_parser=reasoning.HARMONY)
+    prompt = "<|start|>user<|message|>Weather?<|end|><|start|>assistant"
+    thinking = chat_api._thinking(server, ASK, None, None, prompt, plan)
+    assert thinking.tool_messages and thinking.prompt == ""
+    assert not chat_api._thinking(server, ASK, None, None, prompt, dataclasses.replace(plan, choice="none")).tool_messages
+    shape = Shape(plan, thinking)
     text = (ANALYSIS + "Time and weather.<|end|><|start|>assistant<|channel|>commentary<|message|>Checking.<|end|>"
             "<|start|>assistant<|channel|>commentary to=functions.now <|constrain|>json<|message|>{}<|call|>"
             "<|start|>assistant to=functions.weather<|channel|>commentary json<|message|>{\"city\": \"Oslo\"}")
@@ -533,7 +550,8 @@ def test_harmony_calls_are_read_from_the_tools_messages_after_the_reasoning():
 
 def test_harmony_reply_that_goes_on_with_a_prefilled_body_keeps_its_channel():
     prefill = "<|start|>assistant<|channel|>analysis<|message|>Let me"  # continue_final_message, inside a body
-    thinking = reasoning.Thinking.of(reasoning.HARMONY, prefill, continued=True)
+    rendered = "<|start|>user<|message|>2+2?<|end|>" + prefill  # (the server reads the rendered prompt)
+    thinking = chat_api._thinking(SimpleNamespace(reasoning_parser=reasoning.HARMONY), ASK, None, None, rendered, None)
     assert thinking.prompt == "analysis"
     assert thinking.split(" add.<|end|>" + FINAL + "Four.", final=True) == (" add.", "Four.")
     assert reasoning.Thinking.of(reasoning.HARMONY, prefill + " add.<|end|>").prompt == ""  # that body ended

@@ -88,6 +88,10 @@ def create_app(engine: Engine, model_name: str = "mesh-transformer", api_key: Op
         raise ValueError(f"tool_parser: one of {', '.join(tools_api.PARSERS)}, got {tool_parser!r}")
     if reasoning_parser is not None and reasoning_parser not in reasoning_api.PARSERS:
         raise ValueError(f"reasoning_parser: one of {', '.join(reasoning_api.PARSERS)}, got {reasoning_parser!r}")
+    if tool_parser == "openai" and reasoning_parser != reasoning_api.HARMONY:
+        raise ValueError(f"tool_parser 'openai' reads GPT-OSS's harmony messages, which the reasoning parser "
+                         f"splits: start the server with reasoning_parser {reasoning_api.HARMONY!r} too "
+                         f"(--reasoning-parser {reasoning_api.HARMONY})")
     if embedding_pooling not in POOLINGS:
         raise ValueError(f"embedding_pooling: one of {', '.join(POOLINGS)}, got {embedding_pooling!r}")
     config = engine.gen.config

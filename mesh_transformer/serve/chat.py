@@ -147,6 +147,36 @@ def _reply_start(s: oa.Settings, messages: list[dict], how: Rendering, tools: Op
     return next((m for m in (reasoning.OPEN, reasoning.CLOSE) if end.endswith(m)), "")
 
 
+def _thinking(s: oa.Settings, messages: list[dict], how: Rendering, specs, text: str,
+              plan: Optional[tool_calls.Plan]) -> reasoning.Thinking:
+    """How this request's replies split into reasoning and answer. Harmony's reply starts after the
+    rendered prompt's last message header (a prefill's open body included), and its messages to
+    tools stay in the answer only where `--tool-call-parser openai` reads them ("auto")."""
+    if s.reasoning_parser != reasoning.HARMONY:
+        return reasoning.Thinking.of(s.reasoning_parser, _reply_start(s, messages, how, specs, text),
+                                     s.engine.tokenizer, how.continue_final_message)
+    reads_calls = plan is not None and plan.parser == "openai" and plan.choice == "auto"
+    return dataclasses.replace(reasoning.Thinking.of(s.reasoning_parser, text), tool_messages=reads_calls)
+
+
+def _check_held_after_thinking(s: oa.Settings, body, plan: Optional[tool_calls.Plan], grammar: Optional[Grammar],
+                               grammar_field: str) -> None:
+    """A 400, before any grammar compiles, for a reply format or a forced call the server's reasoning
+    parser cannot hold after its thinking (harmony's answer starts after a header of several tokens,
+    not one closer)."""
+    if reasoning.holds_after_thinking(s.reasoning_parser):
+        return
+    why = f"not held after the thinking of --reasoning-parser {s.reasoning_parser} (its answer starts after a " \
+          f"header of several tokens)"
+    if plan is not None and plan.grammar() is not None:
+        raise oa.ApiError(400, f"tool_choice: a forced call is {why}; use \"auto\" with --tool-call-parser openai",
+                          param="tool_choice")
+    asked = next((n for n in oa.StructuredFields.model_fields if getattr(body, n, None) is not None), None)
+    where = asked or (grammar_field if grammar is not None else None)
+    if where is not None:
+        raise oa.ApiError(400, f"{where}: a reply's format is {why}", param=where)
+
+
 def _tool_grammar(engine: Engine, plan: tool_calls.Plan, where: str, grammar: Grammar) -> Grammar:
     """`grammar`, the one a named or required tool choice holds the reply to (`plan.grammar()`),
     compiled once to check it; a 400 naming the tool whose parameters do not compile."""
@@ -238,6 +268,7 @@ async def prepare(s: oa.Settings, body, messages: list[dict], how: Rendering, pl
     if len(ids) + max(max_tokens, 1) > engine.context:
         raise oa.ApiError(400, f"{messages_field}: the prompt is {len(ids)} tokens; with {max_field} {max_tokens} it "
                                f"does not fit the model's context of {engine.context} tokens", param=messages_field)
+    _check_held_after_thinking(s, body, plan, grammar, grammar_field)
     try:
         held = plan.grammar() if plan else None
         if held:
@@ -247,13 +278,8 @@ async def prepare(s: oa.Settings, body, messages: list[dict], how: Rendering, pl
         if e.param == "max_tokens":
             e.param, e.message = max_field, e.message.replace("max_tokens", max_field)
         raise
-    thinking = reasoning.Thinking.of(s.reasoning_parser, _reply_start(s, messages, how, specs, text),
-                                     engine.tokenizer, how.continue_final_message) if s.reasoning_parser else None
+    thinking = _thinking(s, messages, how, specs, text, plan) if s.reasoning_parser else None
     budget = thinking_budget if thinking is not None and thinking.can_cap else 0
-    if thinking is not None and opts.grammar is not None and not thinking.can_hold:
-        where = grammar_field or next(n for n in oa.StructuredFields.model_fields if getattr(body, n, None) is not None)
-        raise oa.ApiError(400, f"{where}: a reply's format is not held after the thinking of --reasoning-parser "
-                               f"{s.reasoning_parser} (its answer starts after a header of several tokens)", param=where)
     if thinking is not None and (opts.grammar is not None or budget):  # a grammar holds the answer, after the thinking
         opts = dataclasses.replace(opts, grammar=thinking.hold(opts.grammar or reasoning.ANY_ANSWER, budget))
         await asyncio.to_thread(check, opts.grammar, engine.tokenizer, engine.gen.vocab)

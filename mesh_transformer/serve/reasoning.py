@@ -23,8 +23,10 @@ message opened a block it did not close.
   its channel and a body: `<|channel|>analysis<|message|>..<|end|><|start|>assistant<|channel|>final
   <|message|>..` (the template's generation prompt writes the first `<|start|>assistant`). The
   analysis channel's bodies are the reasoning, the final channel's (and commentary addressed to
-  no tool, a preamble) the answer; a message addressed to a tool (`to=functions.name`) stays in
-  the answer as it was written, for `--tool-call-parser openai` to read (`tools.openai`).
+  no tool, a preamble) the answer, bodies of one part a line apart; a message addressed to a tool
+  (`to=functions.name`) stays in the answer as it was written where `--tool-call-parser openai`
+  reads calls (`tools.openai`), and is dropped elsewhere. Where the reply starts is read from the
+  rendered prompt: after a message header, or inside the body a prefill leaves open.
   The markers are special tokens the server's text keeps. Structured outputs and a thinking budget
   are refused with this parser: the answer starts after a header of several tokens, not one closer.
 
@@ -36,9 +38,10 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Optional
 
 from mesh_transformer.generate.structured import Grammar
-from mesh_transformer.serve.tools import without_marker_start
+from mesh_transformer.serve.tools import HARMONY_BODY_END, without_marker_start
 
 OPEN, CLOSE = "<think>", "</think>"
 ANY_ANSWER = Grammar.lark("%llguidance {}\nstart: <[*]>*")  # a free answer under a thinking budget: any tokens
@@ -47,7 +50,7 @@ HARMONY = "openai_gptoss"
 PARSERS = ("deepseek_r1", "qwen3", HARMONY)
 MESSAGE, START = "<|message|>", "<|start|>"  # harmony's markers: a body begins, a message begins
 _CHANNEL = re.compile(r"<\|channel\|>\s*([A-Za-z_]+)")
-_BODY_END = re.compile(r"<\|(?:end|call|return)\|>")
+_BODY_END = HARMONY_BODY_END
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,7 @@ class Thinking:
     # harmony: the channel whose body the prompt leaves open (a prefill), else ""
     opener_id: int = -1  # the markers' own tokens, where the tokenizer has them (-1: text)
     closer_id: int = -1
+    tool_messages: bool = False  # harmony: keep messages to tools in the answer, for `tools.openai`
 
     @classmethod
     def of(cls, parser: str, reply_start: str, tokenizer=None, continued: bool = False) -> "Thinking":
@@ -82,7 +86,7 @@ class Thinking:
     @property
     def can_hold(self) -> bool:
         """Whether a grammar can hold the answer after the thinking (`hold`): where one marker ends it."""
-        return self.parser != HARMONY
+        return holds_after_thinking(self.parser)
 
     @property
     def starts_inside(self) -> bool:
@@ -107,7 +111,7 @@ class Thinking:
         """(reasoning, answer) in the reply so far (`final`: all of it); each only grows as text does,
         so a stream sends what is new of each."""
         if self.parser == HARMONY:
-            return harmony_split(text, final, self.prompt)
+            return harmony_split(text, final, self.prompt, self.tool_messages)
         if not self.thinks:
             return "", text
         head = text.lstrip()
@@ -133,6 +137,11 @@ class Thinking:
         return CLOSE in text
 
 
+def holds_after_thinking(parser: Optional[str]) -> bool:
+    """Whether a grammar (a reply format, a forced call) can hold the answer after `parser`'s thinking."""
+    return parser != HARMONY
+
+
 def _harmony_bodies(text: str, inside: str = ""):
     """(channel, header, body) of each message of a harmony reply whose body has begun, each body
     cut at its end marker; a message to a tool (`to=`) is "tool"'s. The first message's `<|start|>`
@@ -152,23 +161,29 @@ def _channel(header: str) -> str:
     return found[1] if found else "final"
 
 
-def harmony_split(text: str, final: bool, inside: str = "") -> tuple[str, str]:
+def harmony_split(text: str, final: bool, inside: str = "", tool_messages: bool = False) -> tuple[str, str]:
     """(reasoning, answer) of a harmony reply so far: the analysis channel's bodies, and the final
-    channel's and tool-less commentary's (`_harmony_bodies`), and each message to a tool as written
-    (`<|start|>`, header, `<|message|>`, arguments); a body's text waits while it ends in what may be
-    the start of a marker ("<", "<|..."), so each part only grows. A whole reply with no channel at
-    all (a model that does not write harmony) is all answer."""
+    channel's and tool-less commentary's (`_harmony_bodies`), a part's bodies a line apart; with
+    `tool_messages`, each message to a tool as written (`<|start|>`, header, `<|message|>`,
+    arguments) in the answer. A body's text waits while it ends in what may be the start of a
+    marker ("<", "<|..."), so each part only grows. A whole reply with no channel at all (a model
+    that does not write harmony) is all answer."""
     if final and not inside and "<|channel|>" not in text and MESSAGE not in text:
         return "", text
     cut = text.rfind("<")
     if not final and cut >= 0 and (text[cut:] == "<" or text[cut:].startswith("<|") and "|>" not in text[cut:]):
         text = text[:cut]
-    reasoning, answer = [], []
+    reasoning, answer, last = [], [], None  # (last: the answer's last piece was a body of text)
     for channel, header, body in _harmony_bodies(text, inside):
         if channel == "tool":
-            answer.append(START + header.lstrip() + MESSAGE + body)
+            if tool_messages:
+                answer.append(START + header.lstrip() + MESSAGE + body)
+                last = "tool"
+        elif channel == "analysis":
+            reasoning.append(("\n" if reasoning else "") + body)
         else:
-            (reasoning if channel == "analysis" else answer).append(body)
+            answer.append(("\n" if last == "text" else "") + body)
+            last = "text"
     return "".join(reasoning), "".join(answer)
 
 

@@ -202,22 +202,24 @@ def _mistral_args(rest: str, new_id) -> Optional[tuple[list[Call], str]]:
     return calls, tail
 
 
-HARMONY_CALL = re.compile(r"<\|start\|>[^<]*?(?:<\|channel\|>[^<]*?)?\bto=functions\.([^\s<]+)[^<]*"
+HARMONY_CALL = re.compile(r"<\|start\|>[^<]*?(?:<\|channel\|>[^<]*?)?\bto=functions\.([^\s<]+)(?:\s[^<]*)?"
                           r"(?:<\|(?:channel|constrain)\|>[^<]*)*<\|message\|>")
+HARMONY_BODY_END = re.compile(r"<\|(?:end|call|return)\|>")  # what ends a harmony message's body
 
 
 def openai(text: str, final: bool, new_id=_openai_id) -> tuple[str, list[Call]]:
     """GPT-OSS (harmony): each call is a message to a tool, `<|start|>assistant<|channel|>commentary
     to=functions.name <|constrain|>json<|message|>{..}`, which `--reasoning-parser openai_gptoss`
-    leaves in the answer as written (the reply's `<|call|>` stop token ends the last); the text
-    around them is content. A call whose arguments are not a JSON object stays content."""
+    (which this parser needs: `create_app` says so) leaves in the answer as written (the reply's
+    `<|call|>` stop token ends the last); the text around them is content. A call whose arguments
+    are not a JSON object stays content."""
     content, calls, pos = [], [], 0
     for found in HARMONY_CALL.finditer(text):
         nxt = text.find("<|start|>", found.end())
         end = len(text) if nxt < 0 else nxt
         if nxt < 0 and not final:  # its arguments may still be arriving: held until the reply ends
             return "".join(content) + text[pos:found.start()], calls
-        args = _arguments(text[found.end():end].strip())
+        args = _arguments(HARMONY_BODY_END.split(text[found.end():end], 1)[0].strip())
         content.append(text[pos:found.start()] if args is not None else text[pos:end])
         if args is not None:
             calls.append(Call(found[1], args, new_id()))
