@@ -353,9 +353,9 @@ def save_peft(adapters, model: ModelConfig, lora: LoraConfig, out: str, base: Op
 
 def _experts_to_peft(entry, parts: list, r: int):
     """One layer's adapters of the leaves one HF expert tensor (`entry`) holds, [(A [E, in, r],
-    B [E, r, out_j])] -> PEFT's (lora_A [E R, in], lora_B [sum out_j, R E]) with R = parts x r,
-    block-diagonal (part j: ranks j r .. (j+1) r, at the part's outputs: `HFExperts.outputs`). PEFT
-    reads lora_A as [E, R, in] and lora_B as [out, R, E]."""
+    B [E, r, out])] (the parts equally wide: gate and up) -> PEFT's (lora_A [E R, in], lora_B
+    [parts x out, R E]) with R = parts x r, block-diagonal (part j: ranks j r .. (j+1) r, at the
+    part's outputs: `HFExperts.outputs`). PEFT reads lora_A as [E, R, in] and lora_B as [out, R, E]."""
     experts = parts[0][0].shape[0]
     a = np.concatenate([a.reshape(experts, -1, r).transpose(0, 2, 1) for a, _ in parts], axis=1)  # [E, R, in]
     outs = [b.reshape(experts, r, -1) for _, b in parts]

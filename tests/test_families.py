@@ -470,6 +470,23 @@ def test_a_mixtures_load_balancing_loss_is_read_and_written_as_transformers_has_
     assert hf.config_from_hf({**hf_config, "output_router_logits": False}).router_aux_loss_coef == 0.0
 
 
+@pytest.mark.parametrize("window", [None, 64])
+def test_gpt_oss_without_a_window_exports_what_transformers_runs(window):
+    """transformers' GPT-OSS builds its sliding-window mask whatever layer_types say: a config with
+    no window (or one no shorter than the context) still exports one, the model runs, and the
+    export reads back as full attention in every layer."""
+    import torch
+    from transformers import GptOssForCausalLM
+    config = config_from_dict(dict(TRAIN_BASE, family="gpt_oss", n_kv_heads=2, n_experts=4, experts_per_token=2,
+                                   sliding_window=window)).model
+    hf_config = _as_hf_config(config)
+    assert config.window is None and hf_config.sliding_window == (window or config.seq)
+    torch.manual_seed(0)
+    logits = GptOssForCausalLM(hf_config).eval()(torch.tensor(random_tokens((1, 9), 250))).logits
+    assert logits.shape == (1, 9, 250) and bool(torch.isfinite(logits).all())
+    assert hf.config_from_hf(hf_config.to_dict()).window is None
+
+
 def _as_hf_config(config):
     from transformers import AutoConfig
     hf_config = config.to_hf_config()

@@ -255,18 +255,29 @@ def load_hf(path: str | os.PathLike, mp: int = 1, **overrides) -> tuple[ModelCon
     def ours(entry, i=None):  # the entry's leaves (of layer i), experts stacked
         if not entry.per_expert:
             return entry.transform.to_ours(get(entry.hf.format(i=i)), config)
-        experts = [entry.transform.to_ours(get(entry.hf.format(i=i, e=e)), config) for e in range(config.n_experts)]
-        return [np.stack(xs) for xs in zip(*experts)]
+        return _stacked(lambda e: entry.transform.to_ours(get(entry.hf.format(i=i, e=e)), config), config.n_experts)
 
     params: dict[str, dict[str, np.ndarray]] = {}
     for entry in models.family(config.family).hf_table(config):
         if entry.per_layer:
-            values = [np.stack(xs) for xs in zip(*(ours(entry, i) for i in range(config.layers)))]
+            values = _stacked(lambda i: ours(entry, i), config.layers)
         else:
             values = ours(entry)
         for (module, leaf), value in zip(entry.ours, values):
             params.setdefault(_our_path(config, module), {})[leaf] = value
     return config, pad_vocab(params, config, config.padded_vocab(mp))
+
+
+def _stacked(part: Callable[[int], tuple], n: int) -> list[np.ndarray]:
+    """part(0 .. n-1), each a tuple of arrays, stacked per position into [n, ...] arrays, each filled
+    as its part is read: host memory holds the stack and one part (a list of the parts, then
+    np.stack, held both: twice gpt-oss-20b's 51 GB of dequantized gate_up_proj)."""
+    first = part(0)
+    out = [np.empty((n, *x.shape), x.dtype) for x in first]
+    for i in range(n):
+        for stack, x in zip(out, first if i == 0 else part(i)):
+            stack[i] = x
+    return out
 
 
 # sentence-transformers' pooling modes -> ours (`evaluate.scoring.POOLINGS`); its older configs

@@ -25,7 +25,7 @@ import numpy as np
 from mesh_transformer.config import ModelConfig, require
 from mesh_transformer.models import hf_layout as hl
 from mesh_transformer.models.layers import AttentionSpec, MoESpec
-from mesh_transformer.models.llama import (FULL, SLIDING, LlamaShaped, full_rotary, hf_attention, hf_rope,
+from mesh_transformer.models.llama import (FULL, SLIDING, LlamaShaped, _positive, full_rotary, hf_attention, hf_rope,
                                            hf_rope_keys, hf_rope_parameters, hf_sliding_window, validate_rope)
 from mesh_transformer.models.mixtral import block, validate_experts  # noqa: F401 (the family's block)
 
@@ -56,9 +56,7 @@ class GptOssConfig(LlamaShaped, ModelConfig):
         self.validate_kv_heads_and_window()
         validate_experts(self)
         for key in ("swiglu_limit", "swiglu_alpha"):
-            value = getattr(self, key)
-            require(isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0, key,
-                    f"must be a positive number, got {value!r}")
+            require(_positive(getattr(self, key)), key, f"must be a positive number, got {getattr(self, key)!r}")
         validate_rope(self)
 
     def attention(self) -> AttentionSpec:
@@ -93,7 +91,9 @@ class GptOssConfig(LlamaShaped, ModelConfig):
                 "num_experts_per_tok": self.experts_per_token, "hidden_act": "silu",
                 "rope_parameters": hf_rope_parameters(self.rope_theta, self.rope_scaling),
                 "rms_norm_eps": self.layer_norm_eps, "attention_bias": self.attention_bias,
-                "sliding_window": self.window, "layer_types": [SLIDING if on else FULL for on in kinds],
+                # (transformers builds the sliding mask whatever layer_types say: a window must be there)
+                "sliding_window": self.sliding_window or self.seq,
+                "layer_types": [SLIDING if on else FULL for on in kinds],
                 "swiglu_limit": self.swiglu_limit, "swiglu_alpha": self.swiglu_alpha,
                 "tie_word_embeddings": self.tie_embeddings, "output_router_logits": self.router_aux_loss_coef > 0,
                 "router_aux_loss_coef": self.router_aux_loss_coef}

@@ -670,8 +670,8 @@ class Attention(hk.Module):
 
         sinks [K, G] (GPT-OSS; Xiao et al. 2023's attention sinks, learned): one more score per query
         head, the same for every query, in the softmax's sum but attending to no value, so a head can
-        put weight nowhere. It joins as a key whose value is zero: the softmax and its flash-style
-        backward (`softmax_times_values`) stay as they are, and the sink's gradient is its column's.
+        put weight nowhere: one more term in each softmax's sum (`softmax_times_values`'s `sink`),
+        and in the shared prefix's.
         """
         b, kv, g, t, hd = q.shape
         # A kv head's g query heads and t positions are one row dimension of both matmuls (g x t rows
@@ -686,10 +686,9 @@ class Attention(hk.Module):
         rows = lambda weights: weights.astype(v.dtype).reshape(b, kv, g * t, -1)  # noqa: E731
         sink = None if sinks is None else jnp.broadcast_to(sinks.astype(jnp.float32)[None, :, :, None, None],
                                                             (b, kv, g, t, 1))
-        if shared_k is None and sink is not None:
-            own, v = jnp.concatenate([own, sink], axis=-1), jnp.pad(v, ((0, 0), (0, 0), (0, 1), (0, 0)))
         if shared_k is None:
-            return softmax_times_values(own.reshape(b, kv, g * t, -1), v).reshape(b, kv, g, t, hd)
+            return softmax_times_values(own.reshape(b, kv, g * t, -1), v,
+                                        None if sink is None else sink.reshape(b, kv, g * t, 1)).reshape(b, kv, g, t, hd)
         shared = scale(_all_rows_product(q, shared_k))
         if self.spec.alibi:
             shared = shared + self._alibi(kv, g, shared_positions, positions)
@@ -746,9 +745,11 @@ def causal_query_blocks(queries: int) -> Optional[int]:
 _PER_ROW_AND_KV_HEAD = ("bkmh,bkhs->bkms", "bkms,bksh->bkmh")  # `_rows_product`'s: [B, K] groups
 
 
-def softmax_times_values(scores, v):
+def softmax_times_values(scores, v, sink=None):
     """softmax(scores) over S, rounded to v's dtype, times the values: scores float32 [B, K, M, S],
-    v [B, K, S, H] -> float32 [B, K, M, H] (M: a kv head's query rows).
+    v [B, K, S, H] -> float32 [B, K, M, H] (M: a kv head's query rows). sink float32 [B, K, M, 1]
+    or None: one more score a row (GPT-OSS's attention sinks) in the softmax's sum, with no value;
+    its gradient is -p_sink rowsum(dO * O).
 
     Differentiated, its backward is flash attention's (Dao et al. 2022): the scores' gradient is
     P (dP - rowsum(dO * O)) with dP = dO V^T, so the one reduction runs over [M, H] outputs, not
@@ -756,6 +757,8 @@ def softmax_times_values(scores, v):
     fast as P^T dO over 256 keys and 1.5-2.7x faster over 1,024-2,048. One GPT-J layer's attention,
     forward and backward on two Zen 5 cores: 4 x 256 tokens 9.6 -> 8.7 ms, 1,024 tokens 93 -> 60 ms
     (docs/speed.md, session 67)."""
+    if sink is not None:
+        return _sunk_softmax_times_values(*parallel.vary_alike(scores, v, sink))
     return _softmax_times_values(*parallel.vary_alike(scores, v))
 
 
@@ -765,7 +768,11 @@ def _softmax_times_values(scores, v):
 
 
 def _softmax_times_values_forward(scores, v):
-    p = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    return _softmax_times_values_forward_of(jax.nn.softmax(scores, axis=-1).astype(v.dtype), v)
+
+
+def _softmax_times_values_forward_of(p, v):
+    """The product of probabilities p (in v's dtype) and the values, and what the backward keeps."""
     out = jnp.einsum("bkms,bksh->bkmh", p, v, preferred_element_type=jnp.float32)  # XLA's, as `_product_forward`
     return out, (p, v, out)
 
@@ -780,6 +787,36 @@ def _softmax_times_values_backward(saved, g):
 
 
 _softmax_times_values.defvjp(_softmax_times_values_forward, _softmax_times_values_backward)
+
+
+def _sunk_probabilities(scores, sink):
+    """(probabilities [.., S], the sink's [.., 1]) of the softmax over the scores and the sink, float32."""
+    top = jax.lax.stop_gradient(jnp.maximum(scores.max(-1, keepdims=True), sink))
+    exps, sunk = jnp.exp(scores - top), jnp.exp(sink - top)
+    total = exps.sum(-1, keepdims=True) + sunk
+    return exps / total, sunk / total
+
+
+@jax.custom_vjp
+def _sunk_softmax_times_values(scores, v, sink):
+    p, _ = _sunk_probabilities(scores, sink)
+    return _rows_product("bkms,bksh->bkmh", p.astype(v.dtype), v)
+
+
+def _sunk_softmax_times_values_forward(scores, v, sink):
+    p, p_sink = _sunk_probabilities(scores, sink)
+    out, (p, v, out) = _softmax_times_values_forward_of(p.astype(v.dtype), v)
+    return out, (p, v, out, p_sink)
+
+
+def _sunk_softmax_times_values_backward(saved, g):
+    p, v, out, p_sink = saved
+    d_scores, dv = _softmax_times_values_backward((p, v, out), g)
+    d_sink = -p_sink * jnp.sum(g.astype(jnp.float32) * out, axis=-1, keepdims=True)
+    return d_scores, dv, d_sink
+
+
+_sunk_softmax_times_values.defvjp(_sunk_softmax_times_values_forward, _sunk_softmax_times_values_backward)
 
 
 def _rows_product(equation: str, rows, other):
@@ -1030,8 +1067,8 @@ def _experts_here(w) -> int:
 
 def clamped_swiglu(gate, up, alpha: float, limit: float):
     """GPT-OSS's gated unit: gate capped above at `limit`, up clipped to +-limit, then
-    gate sigmoid(alpha gate) (up + 1) — SiLU's shape with a sharper sigmoid, and a unit that passes
-    the gate through where up is 0."""
+    gate sigmoid(alpha gate) (up + 1): SiLU's shape with a sharper sigmoid, and up shifted by one, so
+    an up of 0 passes the gate's unit through unscaled."""
     gate = jnp.minimum(gate, limit)
     return gate * jax.nn.sigmoid(alpha * gate) * (jnp.clip(up, -limit, limit) + 1)
 
