@@ -77,9 +77,9 @@ def recorded(fn, calls: list):
     def abstract(x):
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) if isinstance(x, jax.Array) else x
 
-    def call(*args):
-        calls.append(jax.tree.map(abstract, args))
-        return fn(*args)
+    def call(*args, **kwargs):
+        calls.append((jax.tree.map(abstract, args), kwargs))
+        return fn(*args, **kwargs)
     return call
 
 
@@ -126,7 +126,8 @@ def main(argv=None):
         for _, name, ns in xla_events(tmp):  # an operation runs on whichever worker thread is free
             per_op[name] += ns
             calls_of[name] += 1
-    text_hlo = decode_fn.lower(*calls[-1]).compile().as_text()
+    last_args, last_kwargs = calls[-1]
+    text_hlo = decode_fn.lower(*last_args, **last_kwargs).compile().as_text()
     ops = hlo_ops(text_hlo)
     kernels = custom_calls(text_hlo, ops)
     rows = []
