@@ -548,6 +548,44 @@ def test_harmony_calls_are_read_from_the_tools_messages_after_the_reasoning():
     assert not bad.get("tool_calls") and bad["content"].endswith("to=functions.now<|message|>[1]")
 
 
+# How GPT-OSS's released template renders a turn that calls tools: its analysis from `content` or
+# `thinking` (transformers hands it `reasoning_content` as `thinking`), refusing both
+HARMONY_CALLS = (
+    "{% for m in messages %}{% if m['role'] == 'assistant' and m['tool_calls'] %}"
+    "{% if m['content'] and m['thinking'] %}{{ raise_exception('Cannot pass both content and thinking') }}"
+    "{% elif m['content'] %}<|start|>assistant<|channel|>analysis<|message|>{{ m['content'] }}<|end|>"
+    "{% elif m['thinking'] %}<|start|>assistant<|channel|>analysis<|message|>{{ m['thinking'] }}<|end|>{% endif %}"
+    "{% for c in m['tool_calls'] %}<|start|>assistant to=functions.{{ c['function']['name'] }}<|channel|>commentary"
+    " json<|message|>{{ c['function']['arguments'] | tojson }}<|call|>{% endfor %}"
+    "{% else %}<|start|>{{ m['role'] }}<|message|>{{ m['content'] }}<|end|>{% endif %}{% endfor %}<|start|>assistant")
+
+
+def test_a_harmony_servers_earlier_call_with_a_preamble_renders_as_one_analysis(long_engine, tiny_long):
+    """A reply this parser split into a preamble (content), reasoning and calls comes back in the next
+    request as it was returned; GPT-OSS's template refuses a calling turn with both content and
+    thinking, so the server hands it one analysis: the reasoning, then the preamble."""
+    tiny, _ = tiny_long
+    server, base = start_server(create_app(long_engine, model_name="tiny", api_key=KEY, chat_template=HARMONY_CALLS,
+                                           reasoning_parser=reasoning.HARMONY))
+    call = {"id": "c1", "type": "function", "function": {"name": "now", "arguments": "{}"}}
+    turn = [*ASK, {"role": "assistant", "content": "Checking.", "reasoning": "Look at the clock.", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": "noon"}]
+    merged = [*ASK, {"role": "assistant", "content": "", "reasoning_content": "Look at the clock.\nChecking.",
+                     "tool_calls": [{**call, "function": {"name": "now", "arguments": {}}}]},
+              {"role": "tool", "tool_call_id": "c1", "content": "noon"}]
+    try:
+        r = client(base).chat.completions.create(model="tiny", messages=turn, max_tokens=2, temperature=0)
+        assert r.usage.prompt_tokens == len(tiny.tokenizer.apply_chat_template(
+            merged, chat_template=HARMONY_CALLS, tokenize=True, add_generation_prompt=True, return_dict=False))
+        assert "analysis<|message|>Look at the clock.\nChecking.<|end|>" in tiny.tokenizer.apply_chat_template(
+            merged, chat_template=HARMONY_CALLS, tokenize=False, add_generation_prompt=True)
+    finally:
+        server.should_exit = True
+    with pytest.raises(Exception, match="Cannot pass both content and thinking"):  # what the server avoids
+        tiny.tokenizer.apply_chat_template([*ASK, {**turn[1], "reasoning_content": "Look."}], chat_template=HARMONY_CALLS,
+                                           tokenize=False)
+
+
 def test_harmony_reply_that_goes_on_with_a_prefilled_body_keeps_its_channel():
     prefill = "<|start|>assistant<|channel|>analysis<|message|>Let me"  # continue_final_message, inside a body
     rendered = "<|start|>user<|message|>2+2?<|end|>" + prefill  # (the server reads the rendered prompt)

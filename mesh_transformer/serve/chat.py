@@ -261,6 +261,8 @@ async def prepare(s: oa.Settings, body, messages: list[dict], how: Rendering, pl
     names the field at fault (`messages_field` for the conversation, `max_field` for the length)."""
     engine = s.engine
     specs = plan.specs() if plan else None
+    if s.reasoning_parser == reasoning.HARMONY:
+        messages = reasoning.harmony_history(messages)
     text, ids = prompt(s, messages, how, specs, messages_field)
     room = engine.context - len(ids)
     if max_tokens is None or (fit and max_tokens > room > 0):

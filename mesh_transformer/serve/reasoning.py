@@ -187,6 +187,19 @@ def harmony_split(text: str, final: bool, inside: str = "", tool_messages: bool 
     return "".join(reasoning), "".join(answer)
 
 
+def harmony_history(messages: list[dict]) -> list[dict]:
+    """Earlier turns as GPT-OSS's template takes them. It renders a tool-calling turn's analysis from
+    its content or its thinking (transformers hands it `reasoning_content` as `thinking`) and
+    refuses a turn with both, which this parser's replies are when a preamble came before the
+    calls: such a turn goes to it as one analysis, the reasoning and then the preamble."""
+    out = []
+    for m in messages:
+        if m.get("tool_calls") and m.get("content") and m.get("reasoning_content"):
+            m = {**m, "content": "", "reasoning_content": m["reasoning_content"] + "\n" + m["content"]}
+        out.append(m)
+    return out
+
+
 def fields(reasoning: str) -> dict:
     """The message's (or delta's) reasoning, under both names clients read."""
     return {"reasoning": reasoning, "reasoning_content": reasoning}
