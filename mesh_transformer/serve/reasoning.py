@@ -27,8 +27,10 @@ message opened a block it did not close.
   (`to=functions.name`) stays in the answer as it was written where `--tool-call-parser openai`
   reads calls (`tools.openai`), and is dropped elsewhere. Where the reply starts is read from the
   rendered prompt: after a message header, or inside the body a prefill leaves open.
-  The markers are special tokens the server's text keeps. Structured outputs and a thinking budget
-  are refused with this parser: the answer starts after a header of several tokens, not one closer.
+  The markers are special tokens the server's text keeps. Structured outputs, a forced tool choice
+  and a thinking budget are refused with this parser (`holds_after_thinking`): the answer starts
+  after a header of several tokens, not one closer. Earlier calling turns go to the template as
+  `harmony_history` says.
 
 A grammar (structured outputs, a named or required tool choice) holds the answer, not the
 thinking: the reply may think freely until `</think>` (`Grammar.after_thinking`), as vLLM's
@@ -50,7 +52,6 @@ HARMONY = "openai_gptoss"
 PARSERS = ("deepseek_r1", "qwen3", HARMONY)
 MESSAGE, START = "<|message|>", "<|start|>"  # harmony's markers: a body begins, a message begins
 _CHANNEL = re.compile(r"<\|channel\|>\s*([A-Za-z_]+)")
-_BODY_END = HARMONY_BODY_END
 
 
 @dataclass(frozen=True)
@@ -73,7 +74,7 @@ class Thinking:
         is answer unless it opened a block it has not closed (an empty one says nothing)."""
         if parser == HARMONY:  # the channel of a body the prompt leaves open (a prefill), else ""
             header, sep, body = reply_start.rsplit(START, 1)[-1].partition(MESSAGE)
-            return cls(parser, _channel(header) if sep and not _BODY_END.search(body) else "")
+            return cls(parser, _channel(header) if sep and not HARMONY_BODY_END.search(body) else "")
         opened, closed = reply_start.rfind(OPEN), reply_start.rfind(CLOSE)
         state = "opened" if opened > closed else "closed" if closed > opened or (continued and reply_start.strip()) \
             else ""
@@ -128,7 +129,6 @@ class Thinking:
             return (body if final else without_marker_start(body, CLOSE)), ""
         return body[:end], body[end + len(CLOSE):]
 
-
     def ended(self, text: str) -> bool:
         """Whether the thinking has ended in `text`, a reply's start: its closer written, or (harmony)
         a message other than analysis begun."""
@@ -153,7 +153,7 @@ def _harmony_bodies(text: str, inside: str = ""):
         else:
             header, sep, body = message.partition(MESSAGE)
         if sep:
-            yield "tool" if " to=" in header else _channel(header), header, _BODY_END.split(body, 1)[0]
+            yield "tool" if " to=" in header else _channel(header), header, HARMONY_BODY_END.split(body, 1)[0]
 
 
 def _channel(header: str) -> str:
