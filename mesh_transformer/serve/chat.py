@@ -26,6 +26,7 @@ from pydantic import Field
 from mesh_transformer.generate import SamplingOptions, Sequence
 from mesh_transformer.generate.structured import Grammar, check
 from mesh_transformer.io.chat_template import RESERVED, FieldError, Rendering, template_messages
+from mesh_transformer.serve import formats
 from mesh_transformer.serve import openai as oa
 from mesh_transformer.serve import reasoning
 from mesh_transformer.serve import tools as tool_calls
@@ -171,8 +172,7 @@ def _check_held_after_thinking(s: oa.Settings, body, plan: Optional[tool_calls.P
     if plan is not None and plan.grammar() is not None:
         raise oa.ApiError(400, f"tool_choice: a forced call is {why}; use \"auto\" with --tool-call-parser openai",
                           param="tool_choice")
-    asked = next((n for n in oa.StructuredFields.model_fields if getattr(body, n, None) is not None), None)
-    where = asked or (grammar_field if grammar is not None else None)
+    where = formats.asked_field(body) or (grammar_field if grammar is not None else None)
     if where is not None:
         raise oa.ApiError(400, f"{where}: a reply's format is {why}", param=where)
 

@@ -27,7 +27,12 @@ GUIDED = {f"guided_{k}": k for k in ("json", "regex", "choice", "grammar")}  # v
 def asked(body) -> bool:
     """Whether the body names any structured-output field (else `grammar` is None at once); a body
     may have some of `oa.StructuredFields` (/v1/responses takes `structured_outputs` alone)."""
-    return any(getattr(body, name, None) is not None for name in oa.StructuredFields.model_fields)
+    return asked_field(body) is not None
+
+
+def asked_field(body) -> Optional[str]:
+    """The first structured-output field the body names, or None."""
+    return next((name for name in oa.StructuredFields.model_fields if getattr(body, name, None) is not None), None)
 
 
 def grammar(engine, body) -> Optional[Grammar]:

@@ -256,7 +256,7 @@ async def body_options(engine: Engine, body, max_tokens: int, stop, logprobs, gr
     from mesh_transformer.serve import formats
     asked = await asyncio.to_thread(formats.grammar, engine, body) if formats.asked(body) else None
     if grammar is not None and asked is not None:
-        other = next(name for name in StructuredFields.model_fields if getattr(body, name, None) is not None)
+        other = formats.asked_field(body)
         raise ApiError(400, f"{other}: the reply is already held to {grammar_field}'s format", param=other)
     grammar = grammar if grammar is not None else asked
     shared = {name: getattr(body, name, None) for name in SAMPLING_FIELDS}  # (a body without one: the default)
