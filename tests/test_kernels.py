@@ -408,10 +408,11 @@ def softmax_attention(q, k, v, mask, shared=None, weights_dtype=None, sinks=None
 # query rows than a task's (48) and shared slots that are not a multiple of the tile; then the
 # decode path's few query rows (at most 16 a task): one position of one query head per kv head
 # (GPT-J's decode), of 4 behind shared slots with a cache tail not yet written, 2 heads at 3
-# positions, and 16 heads over more slots than a tile with most of them unwritten.
+# positions, and 16 heads over more slots than a tile with most of them unwritten; last a GPT-J
+# batch-16 step over a cache of 4 MiB or more, whose keys and values the kernel fetches ahead.
 ATTENTION_CASES = [(2, 2, 4, 37, 64, 50, 0), (3, 2, 1, 130, 64, 130, 300), (1, 1, 3, 5, 24, 7, 3),
                    (2, 3, 2, 70, 80, 100, 65), (2, 3, 1, 1, 64, 70, 0), (3, 2, 4, 1, 24, 40, 30, 13),
-                   (2, 2, 2, 3, 64, 20, 0), (1, 1, 16, 1, 32, 300, 0, 250)]
+                   (2, 2, 2, 3, 64, 20, 0), (1, 1, 16, 1, 32, 300, 0, 250), (16, 16, 1, 1, 64, 128, 0, 40)]
 
 
 @pytest.mark.parametrize("sinks", [False, True], ids=["", "sinks"])

@@ -320,6 +320,10 @@ float AsStored(float x) {
   }
 }
 
+constexpr int64_t kPrefetchBytes = 32 << 10;  // a task's keys (and as many values) fetched ahead, at most
+// A decode call's cache of at least this many bytes is taken to be read from memory (a cache that
+// fits the cores' L2 caches stays there between steps, where fetching ahead only costs: batch 1's).
+constexpr int64_t kPrefetchFrom = 4 << 20;
 constexpr int64_t kScoreFloats = 4096;  // scores per block of the decode path (16 KiB), 256 slots at least
 
 // y[r, 0 .. n) += a[r] x[0 .. n) for r < rows (y's rows y_stride apart): each vector of x loaded
@@ -388,6 +392,15 @@ std::pair<int64_t, int64_t> VisibleSlots(const Keys<W>& keys, int64_t r0, int64_
   return {std::min(lo, hi), hi};
 }
 
+// The cache lines of x[0 .. n) fetched ahead, to the cache level kHint names.
+template <int kHint, typename W>
+void Prefetch(const W* x, int64_t n) {
+  const char* begin = reinterpret_cast<const char*>(x);
+  const char* end = reinterpret_cast<const char*>(x + n);
+  for (const char* line = begin; line < end; line += 64) _mm_prefetch(line, static_cast<_mm_hint>(kHint));
+  if (n > 0) _mm_prefetch(end - 1, static_cast<_mm_hint>(kHint));
+}
+
 // AttendTask for a few query rows (rows <= kFewRows: a decode step's query heads of one kv head):
 // the scores of all the slots any of them sees at once (q [rows, H] times the keys as they lie in
 // the cache, [H, slots]), masked, a softmax per row (its probabilities rounded to the cache's type,
@@ -396,7 +409,7 @@ std::pair<int64_t, int64_t> VisibleSlots(const Keys<W>& keys, int64_t r0, int64_
 // the thread's.
 template <typename W>
 void AttendFew(Isa isa, const W* q, float* out, int64_t r0, int64_t rows, int64_t head_dim, int64_t positions,
-               const Keys<W>* parts, int n_parts, const float* sinks, std::vector<float>& scratch) {
+               const Keys<W>* parts, int n_parts, const float* sinks, bool prefetch, std::vector<float>& scratch) {
   std::pair<int64_t, int64_t> range[2];
   int64_t width = 0;
   for (int p = 0; p < n_parts; ++p) {
@@ -409,6 +422,18 @@ void AttendFew(Isa isa, const W* q, float* out, int64_t r0, int64_t rows, int64_
   const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t h = 0; h < head_dim; ++h) q_by_dim[h * rows + r] = Scalar(q + r * head_dim + h) * scale;
+  }
+  // With `prefetch` (a cache read from memory, `kPrefetchFrom`), short keys and values (a decode
+  // step's: each key row's part a few cache lines) asked for all at once, the keys into L1, the
+  // values into L2: the reads below then wait on about one memory latency instead of one per
+  // short run (B 16, 64 of 128 slots written, out of cache: 440 -> 300 us a call on an Emerald
+  // Rapids Xeon). Longer runs are left to the hardware's prefetchers.
+  for (int p = 0; prefetch && p < n_parts; ++p) {
+    const auto [lo, hi] = range[p];
+    const int64_t bytes = (hi - lo) * head_dim * static_cast<int64_t>(sizeof(W));
+    if (lo == hi || bytes > kPrefetchBytes) continue;
+    for (int64_t h = 0; h < head_dim; ++h) Prefetch<_MM_HINT_T0>(parts[p].k + h * parts[p].n + lo, hi - lo);
+    Prefetch<_MM_HINT_T1>(parts[p].v + lo * head_dim, (hi - lo) * head_dim);
   }
   for (int64_t p = 0, at = 0; p < n_parts; at += range[p].second - range[p].first, ++p) {
     const auto [lo, hi] = range[p];
@@ -472,6 +497,7 @@ ffi::Future Attend(ffi::ThreadPool pool, const W* q, const W* k, const W* v, con
   auto shared = std::make_shared<Shared>();
   const int64_t n_threads = std::max<int64_t>(1, std::min<int64_t>(n_tasks, pool.num_threads()));
   const bool few = m <= kFewRows;
+  const bool prefetch = batch * kv_heads * slots * head_dim * 2 * static_cast<int64_t>(sizeof(W)) >= kPrefetchFrom;
   return OnThreads(pool, n_threads, [=](int64_t) {
     thread_local std::vector<float> few_scratch;
     std::unique_ptr<Scratch> scratch = few ? nullptr : std::make_unique<Scratch>(head_dim);
@@ -486,7 +512,7 @@ ffi::Future Attend(ffi::ThreadPool pool, const W* q, const W* k, const W* v, con
       const int64_t at = (group * m + r0) * head_dim;
       const float* head_sinks = sinks != nullptr ? sinks + kv * (m / positions) : nullptr;  // this kv head's G
       if (few) {
-        AttendFew(isa, q + at, out + at, r0, rows, head_dim, positions, parts, 2, head_sinks, few_scratch);
+        AttendFew(isa, q + at, out + at, r0, rows, head_dim, positions, parts, 2, head_sinks, prefetch, few_scratch);
       } else {
         AttendTask(isa, q + at, out + at, r0, rows, head_dim, positions, parts, 2, head_sinks, *scratch);
       }
