@@ -9,6 +9,7 @@ import logging
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -99,6 +100,46 @@ def test_rows_dot_weight_is_the_float32_product(rows, k, o, dtype):
     exact = wide.astype(np.float64) @ np.asarray(w.T.astype(jnp.float32), np.float64)
     y = jax.jit(kernels.rows_dot_weight)(x, w)
     assert_float32_product(y, wide, w.T, exact)
+
+
+def hot_loops(library: str, function: str) -> list[tuple[int, int]]:
+    """(multiply-adds, vector stores to the stack) of each innermost conditional loop of at least 16
+    multiply-adds in the functions of `library` whose demangled name contains `function`, read from
+    objdump's disassembly."""
+    text = subprocess.run(["objdump", "-d", "--no-show-raw-insn", "-C", library], capture_output=True, text=True,
+                          check=True).stdout
+    found = []
+    for block in text.split("\n\n"):
+        lines = block.strip().splitlines()
+        if not lines or function not in lines[0]:
+            continue
+        code = [(int(m[1], 16), m[2], m[3]) for m in (re.match(r"\s+([0-9a-f]+):\s+(\S+)\s*(.*)$", line)
+                                                       for line in lines[1:]) if m]
+        loops = [(int(m[1], 16), at) for at, op, args in code if op.startswith("j") and op != "jmp"
+                 for m in [re.match(r"([0-9a-f]+) <", args)] if m and int(m[1], 16) < at]
+        for start, end in loops:
+            if any(start <= s2 and e2 <= end and (s2, e2) != (start, end) for s2, e2 in loops):
+                continue  # not innermost
+            body = [(op, args) for at, op, args in code if start <= at <= end]
+            fmas = sum(op.startswith(("vfmadd", "vdpbf16ps")) for op, _ in body)
+            spills = sum(op.startswith("vmov") and bool(re.match(r"%zmm\d+,.*\(%rsp\)", args)) for op, args in body)
+            if fmas >= 16:
+                found.append((fmas, spills))
+    return found
+
+
+@pytest.mark.parametrize("dot", ["F32Dot", "PairsDot"])
+def test_the_dot_kernels_inner_loops_keep_their_sums_in_registers(dot):
+    """The inputs-last dot kernel's inner loops (4 weight rows times 4 rows of x: 16 multiply-adds a
+    step) keep their 16 sums in vector registers. With the whole steps and the masked last one in
+    one loop body (and the rows fetched ahead a runtime count), GCC 12 stored all 16 to the stack
+    at every step: half the speed (session 79). Read from the built library's disassembly."""
+    if shutil.which("objdump") is None or not kernels.available():
+        pytest.skip("no objdump, or no kernels built")
+    loops = hot_loops(str(kernels.build()), f"DotRows<(anonymous namespace)::{dot}>")
+    if not loops:
+        pytest.skip("this compiler inlined DotRows: no symbol to read")
+    assert all(spills == 0 for _, spills in loops), loops
 
 
 def assert_float32_product(y, x, w, exact):
