@@ -320,7 +320,7 @@ float AsStored(float x) {
   }
 }
 
-constexpr int64_t kPrefetchBytes = 32 << 10;  // a task's keys (and as many values) fetched ahead, at most
+constexpr int64_t kPrefetchBytes = 32 << 10;  // a task's keys, all parts (and as many values) fetched ahead, at most
 // A decode call's cache of at least this many bytes is taken to be read from memory (a cache that
 // fits the cores' L2 caches stays there between steps, where fetching ahead only costs: batch 1's).
 constexpr int64_t kPrefetchFrom = 4 << 20;
@@ -392,13 +392,14 @@ std::pair<int64_t, int64_t> VisibleSlots(const Keys<W>& keys, int64_t r0, int64_
   return {std::min(lo, hi), hi};
 }
 
-// The cache lines of x[0 .. n) fetched ahead, to the cache level kHint names.
-template <int kHint, typename W>
+// The cache lines of x[0 .. n) fetched ahead, to the cache level kHint names (_MM_HINT_T0 / T1:
+// an enum in GCC's headers, a macro in Clang's).
+template <auto kHint, typename W>
 void Prefetch(const W* x, int64_t n) {
-  const char* begin = reinterpret_cast<const char*>(x);
-  const char* end = reinterpret_cast<const char*>(x + n);
-  for (const char* line = begin; line < end; line += 64) _mm_prefetch(line, static_cast<_mm_hint>(kHint));
-  if (n > 0) _mm_prefetch(end - 1, static_cast<_mm_hint>(kHint));
+  const uintptr_t end = reinterpret_cast<uintptr_t>(x + n);
+  for (uintptr_t line = reinterpret_cast<uintptr_t>(x) & ~uintptr_t{63}; line < end; line += 64) {
+    _mm_prefetch(reinterpret_cast<const char*>(line), kHint);
+  }
 }
 
 // AttendTask for a few query rows (rows <= kFewRows: a decode step's query heads of one kv head):
@@ -428,12 +429,13 @@ void AttendFew(Isa isa, const W* q, float* out, int64_t r0, int64_t rows, int64_
   // values into L2: the reads below then wait on about one memory latency instead of one per
   // short run (B 16, 64 of 128 slots written, out of cache: 440 -> 300 us a call on an Emerald
   // Rapids Xeon). Longer runs are left to the hardware's prefetchers.
-  for (int p = 0; prefetch && p < n_parts; ++p) {
-    const auto [lo, hi] = range[p];
-    const int64_t bytes = (hi - lo) * head_dim * static_cast<int64_t>(sizeof(W));
-    if (lo == hi || bytes > kPrefetchBytes) continue;
-    for (int64_t h = 0; h < head_dim; ++h) Prefetch<_MM_HINT_T0>(parts[p].k + h * parts[p].n + lo, hi - lo);
-    Prefetch<_MM_HINT_T1>(parts[p].v + lo * head_dim, (hi - lo) * head_dim);
+  if (prefetch && width * head_dim * static_cast<int64_t>(sizeof(W)) <= kPrefetchBytes) {
+    for (int p = 0; p < n_parts; ++p) {
+      const auto [lo, hi] = range[p];
+      if (lo == hi) continue;
+      for (int64_t h = 0; h < head_dim; ++h) Prefetch<_MM_HINT_T0>(parts[p].k + h * parts[p].n + lo, hi - lo);
+      Prefetch<_MM_HINT_T1>(parts[p].v + lo * head_dim, (hi - lo) * head_dim);
+    }
   }
   for (int64_t p = 0, at = 0; p < n_parts; at += range[p].second - range[p].first, ++p) {
     const auto [lo, hi] = range[p];
@@ -497,7 +499,9 @@ ffi::Future Attend(ffi::ThreadPool pool, const W* q, const W* k, const W* v, con
   auto shared = std::make_shared<Shared>();
   const int64_t n_threads = std::max<int64_t>(1, std::min<int64_t>(n_tasks, pool.num_threads()));
   const bool few = m <= kFewRows;
-  const bool prefetch = batch * kv_heads * slots * head_dim * 2 * static_cast<int64_t>(sizeof(W)) >= kPrefetchFrom;
+  const bool prefetch =
+      (batch * kv_heads * slots + kv_heads * shared_slots) * head_dim * 2 * static_cast<int64_t>(sizeof(W)) >=
+      kPrefetchFrom;
   return OnThreads(pool, n_threads, [=](int64_t) {
     thread_local std::vector<float> few_scratch;
     std::unique_ptr<Scratch> scratch = few ? nullptr : std::make_unique<Scratch>(head_dim);

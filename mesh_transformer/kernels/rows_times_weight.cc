@@ -401,6 +401,23 @@ struct PairsDot {
 
 #define MESH_TRANSFORMER_DOT_TARGET __attribute__((target("avx512f,avx512bw,avx512bf16")))
 
+// One step of DotBlock: acc[b][j] += x[b][k .. k+n) . wr[j][k .. k+n) (n <= Dot::kStep: a masked
+// load zeroes what lies past it), with kPrefetch a cache line of each of `next[0:n_next]` fetched.
+template <typename Dot, int B, bool kPrefetch>
+MESH_TRANSFORMER_DOT_TARGET __attribute__((always_inline)) inline void DotStep(
+    __m512 (&acc)[B][kDotBlock], const typename Dot::T* x, int64_t k_size, const typename Dot::T* const* wr,
+    int64_t k, int64_t n, const typename Dot::T* const* next, int64_t n_next) {
+  if constexpr (kPrefetch) {
+    for (int64_t j = 0; j < n_next; ++j) _mm_prefetch(reinterpret_cast<const char*>(next[j] + k), _MM_HINT_T1);
+  }
+  __m512i wv[kDotBlock];
+  for (int64_t j = 0; j < kDotBlock; ++j) wv[j] = Dot::Load(wr[j] + k, n);
+  for (int b = 0; b < B; ++b) {
+    const __m512i xv = Dot::Load(x + b * k_size + k, n);
+    for (int64_t j = 0; j < kDotBlock; ++j) acc[b][j] = Dot::Madd(acc[b][j], xv, wv[j]);
+  }
+}
+
 // y[b][o[j]] for B rows of x (row stride k_size) and the block's kDotBlock weight rows wr[j] (o[j] at
 // o_end or past: not stored); a masked last step zeroes what lies past K. With kPrefetch, the rows
 // `next[0:n_next]` (of the next block) are fetched into L2 alongside, a cache line of each per step.
@@ -412,23 +429,13 @@ MESH_TRANSFORMER_DOT_TARGET __attribute__((always_inline)) inline void DotBlock(
   for (int b = 0; b < B; ++b) {
     for (int64_t j = 0; j < kDotBlock; ++j) acc[b][j] = _mm512_setzero_ps();
   }
-  // One step of Dot::kStep elements at k (n of them, the last step's possibly fewer).
-  const auto step = [&](int64_t k, int64_t n) __attribute__((always_inline)) {
-    if constexpr (kPrefetch) {
-      for (int64_t j = 0; j < n_next; ++j) _mm_prefetch(reinterpret_cast<const char*>(next[j] + k), _MM_HINT_T1);
-    }
-    __m512i wv[kDotBlock];
-    for (int64_t j = 0; j < kDotBlock; ++j) wv[j] = Dot::Load(wr[j] + k, n);
-    for (int b = 0; b < B; ++b) {
-      const __m512i xv = Dot::Load(x + b * k_size + k, n);
-      for (int64_t j = 0; j < kDotBlock; ++j) acc[b][j] = Dot::Madd(acc[b][j], xv, wv[j]);
-    }
-  };
   // Whole steps unmasked, then the masked last one: one loop body with both kinds of load made
   // GCC keep the accumulators in memory, storing all of them at every step (half the speed).
   int64_t k = 0;
-  for (; k + Dot::kStep <= k_size; k += Dot::kStep) step(k, Dot::kStep);
-  if (k < k_size) step(k, k_size - k);
+  for (; k + Dot::kStep <= k_size; k += Dot::kStep) {
+    DotStep<Dot, B, kPrefetch>(acc, x, k_size, wr, k, Dot::kStep, next, n_next);
+  }
+  if (k < k_size) DotStep<Dot, B, kPrefetch>(acc, x, k_size, wr, k, k_size - k, next, n_next);
   for (int b = 0; b < B; ++b) {
     for (int64_t j = 0; j < kDotBlock; ++j) {
       if (o[j] < o_end) y[b * o_size + o[j]] = _mm512_reduce_add_ps(acc[b][j]);
@@ -447,8 +454,8 @@ MESH_TRANSFORMER_DOT_TARGET void DotRows(const typename Dot::T* x, const typenam
   const int64_t run = (o_end - o_begin + kDotBlock - 1) / kDotBlock;
   // With several groups of x's rows, every pass over a block but the first would compute from
   // cache while memory idles: instead the passes share the fetching of the next block's rows into
-  // L2 (pass p the rows j with j % passes == p), so memory streams through the whole block's time
-  // and the next block's first pass reads from L2.
+  // L2, spread over them (row j by pass j * passes / kDotBlock), so memory streams through the
+  // block's time and the next block's first pass reads from L2.
   const int64_t passes = rows / kDotGroup;
   const bool prefetching = passes >= 2;
   for (int64_t i = 0; i < run; ++i) {
@@ -463,7 +470,9 @@ MESH_TRANSFORMER_DOT_TARGET void DotRows(const typename Dot::T* x, const typenam
     for (int64_t pass = 0; b + kDotGroup <= rows; b += kDotGroup, ++pass) {
       int64_t n_next = 0;
       if (prefetching && i + 1 < run) {
-        for (int64_t j = pass; j < kDotBlock; j += passes) next[n_next++] = w + std::min(o[j] + 1, o_end - 1) * k_size;
+        for (int64_t j = 0; j < kDotBlock; ++j) {
+          if (j * passes / kDotBlock == pass) next[n_next++] = w + std::min(o[j] + 1, o_end - 1) * k_size;
+        }
       }
       if (n_next > 0) {
         DotBlock<Dot, kDotGroup, true>(x + b * k_size, k_size, wr, y + b * o_size, o_size, o, o_end, next, n_next);
